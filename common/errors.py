@@ -1,0 +1,71 @@
+"""The project's exception hierarchy and the error codes carried in error replies."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ErrorCode(IntEnum):
+    """Codes sent in ``status: error`` replies; each has one meaning."""
+
+    BAD_FRAME = 1  # frames could not be parsed (garbage, truncated msgpack, non-map header)
+    BAD_VERSION = 2  # protocol version differs from the server's
+    UNKNOWN_TYPE = 3  # message type is not part of the protocol
+    BAD_FIELD = 4  # a header field is missing, of the wrong type or out of range
+    BAD_TENSOR = 5  # tensor descriptor/frame mismatch, forbidden dtype or wrong size
+    NON_FINITE = 6  # a gradient or statistic contains NaN or Inf
+    UNKNOWN_WORKER = 7  # the worker id is not a member of this server
+    STALE = 8  # the push is older than --max-staleness allows; re-pull and recompute
+    WRONG_TASK = 9  # the push does not answer the task the worker was given
+    SHUTTING_DOWN = 10  # the server is stopping and takes no more work
+    INTERNAL = 11  # the server failed while handling a valid request
+
+
+class PSError(Exception):
+    """Base class of every error this project raises on purpose."""
+
+
+class ConfigError(PSError):
+    """A configuration value is invalid; the message quotes the bad value."""
+
+
+class DatasetError(PSError):
+    """A dataset file or source file is missing, malformed or inconsistent."""
+
+
+class ModelError(PSError):
+    """A model name or factory cannot be resolved or built."""
+
+
+class ProtocolError(PSError):
+    """A message broke the wire protocol.
+
+    Attributes:
+        code: the ``ErrorCode`` to send back to the peer.
+    """
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = ErrorCode(code)
+
+
+class RemoteError(PSError):
+    """The peer answered a request with an error reply.
+
+    Attributes:
+        code: the ``ErrorCode`` the peer sent.
+    """
+
+    def __init__(self, code: int, message: str) -> None:
+        name = ErrorCode(code).name if code in ErrorCode._value2member_map_ else str(code)
+        super().__init__(f"{name}: {message}")
+        self.code = code
+        self.remote_message = message
+
+
+class NetworkTimeout(PSError):
+    """A network wait ran past its configured timeout."""
+
+
+class DeviceError(PSError):
+    """The requested compute device is not available."""
