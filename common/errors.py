@@ -42,11 +42,13 @@ class ProtocolError(PSError):
 
     Attributes:
         code: the ``ErrorCode`` to send back to the peer.
+        request_id: the id of the offending request when it could be read, else 0.
     """
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, request_id: int = 0) -> None:
         super().__init__(message)
         self.code = ErrorCode(code)
+        self.request_id = request_id
 
 
 class RemoteError(PSError):
@@ -61,6 +63,7 @@ class RemoteError(PSError):
         super().__init__(f"{name}: {message}")
         self.code = code
         self.remote_message = message
+        self.request_id = 0
 
 
 class NetworkTimeout(PSError):

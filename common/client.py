@@ -1,0 +1,79 @@
+"""A blocking request/reply connection to the server over a ZeroMQ DEALER socket."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import zmq
+
+from common.errors import NetworkTimeout, RemoteError
+from common.messages import REPLIES, Message, parse_message
+
+
+class Connection:
+    """Sends one request at a time and waits for its reply, ignoring late replies to earlier
+    requests. Not thread-safe: use one per thread.
+
+    Args:
+        address: the server endpoint, e.g. ``tcp://10.0.0.1:5555``.
+        timeout_s: default wait for a reply.
+        context: a ZeroMQ context to share (a private one is made otherwise).
+    """
+
+    def __init__(self, address: str, timeout_s: float,
+                 context: zmq.Context | None = None) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._own_context = context is None
+        self._context = context or zmq.Context()
+        self._sock = self._context.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._ids = itertools.count(1)
+
+    def request(self, message: Message, timeout_s: float | None = None) -> Message:
+        """Send ``message`` and return the server's reply.
+
+        Args:
+            message: the request.
+            timeout_s: how long to wait; the connection's default if None.
+
+        Returns:
+            The reply message.
+
+        Raises:
+            NetworkTimeout: no reply in time.
+            RemoteError: the server answered with an error.
+            ProtocolError: the reply is malformed.
+        """
+        request_id = next(self._ids)
+        self._sock.send_multipart(message.to_wire(request_id), copy=False)
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+                raise NetworkTimeout(f"no reply to {message.TYPE} from {self.address} "
+                                     f"within {limit:.0f} s")
+            frames = self._sock.recv_multipart(copy=False)
+            try:
+                reply, reply_id = parse_message(frames, REPLIES)
+            except RemoteError as exc:
+                if exc.request_id == request_id:
+                    raise
+                continue
+            if reply_id == request_id:
+                return reply
+
+    def close(self) -> None:
+        """Close the socket (and the context if it is private)."""
+        self._sock.close(linger=0)
+        if self._own_context:
+            self._context.term()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

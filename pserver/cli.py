@@ -1,0 +1,108 @@
+"""``pserver``: start a parameter server, query its status, and prepare datasets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+from pathlib import Path
+
+import click
+
+from common.client import Connection
+from common.errors import PSError
+from common.logsetup import setup_logging
+from common.messages import StatusReply, StatusRequest
+from pserver.config import MODES, OPTIMIZERS, SCHEDULES, STALENESS, ServerConfig
+from pserver.data_cli import data_group
+
+
+@click.group(context_settings={"auto_envvar_prefix": "PSERVER", "show_default": True})
+def main() -> None:
+    """Parameter server for heterogeneous distributed training on remote-sensing data."""
+
+
+@main.command()
+@click.option("--bind", default="tcp://127.0.0.1:5555",
+              help="ZeroMQ endpoint to listen on (tcp://0.0.0.0:PORT for a cluster; port 0 "
+                   "picks a free port).")
+@click.option("--dataset", required=True, type=click.Path(exists=True, dir_okay=False,
+                                                          path_type=Path),
+              help="HDF5 dataset made by 'pserver data'.")
+@click.option("--model", required=True,
+              help="Built-in model (hsi-cnn, scene-cnn) or package.module:factory.")
+@click.option("--mode", type=click.Choice(MODES), default="weighted-sync",
+              help="How pushes are combined.")
+@click.option("--workers", default=1, type=int,
+              help="Workers to wait for before training starts.")
+@click.option("--global-batch", default=64, type=int, help="Global batch B per update.")
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="sgd",
+              help="Server-side optimizer.")
+@click.option("--lr", default=0.05, type=float, help="Learning rate.")
+@click.option("--momentum", default=0.9, type=float, help="SGD momentum.")
+@click.option("--nesterov/--no-nesterov", default=False, help="Nesterov momentum for SGD.")
+@click.option("--weight-decay", default=1e-4, type=float, help="L2 weight decay.")
+@click.option("--lr-schedule", type=click.Choice(SCHEDULES), default="constant",
+              help="Learning-rate schedule over training.")
+@click.option("--warmup-fraction", default=0.0, type=float,
+              help="Linear warm-up over this fraction of training.")
+@click.option("--epochs", type=int, default=None, help="Stop after this many epochs.")
+@click.option("--max-steps", type=int, default=None, help="Stop after this many updates.")
+@click.option("--target-oa", type=float, default=None,
+              help="Stop once test overall accuracy reaches this.")
+@click.option("--staleness", type=click.Choice(STALENESS), default="inverse",
+              help="Async learning-rate scaling by staleness tau.")
+@click.option("--staleness-a", default=0.5, type=float,
+              help="Decay a of the poly, hinge and exp staleness functions.")
+@click.option("--staleness-b", default=4.0, type=float, help="Hinge point b of 'hinge'.")
+@click.option("--max-staleness", type=int, default=None,
+              help="Async: reject pushes more than K versions old (worker re-pulls).")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Directory for metrics.jsonl and summary.json.")
+@click.option("--seed", default=0, type=int, help="Seed for initialisation and shuffling.")
+@click.option("--cache-mb", default=2048, type=int,
+              help="Keep the sample array in memory when it is at most this large.")
+@click.option("--shutdown-timeout", "shutdown_timeout_s", default=10.0, type=float,
+              help="Seconds to wait for workers to collect their stop.")
+@click.option("--log-level", default="INFO", help="Logging level.")
+def start(log_level: str, **options: object) -> None:
+    """Start a parameter server and serve until training ends."""
+    setup_logging(log_level, "pserver ")
+    try:
+        config = ServerConfig(**options).validate()  # type: ignore[arg-type]
+        summary = asyncio.run(_serve(config))
+    except PSError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(json.dumps(summary, indent=2))
+
+
+async def _serve(config: ServerConfig) -> dict:
+    from pserver.server import ParameterServer  # torch import only when serving
+
+    async with ParameterServer(config) as server:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, server.request_stop)
+        click.echo(f"pserver listening on {server.address}", err=True)
+        return await server.serve()
+
+
+@main.command()
+@click.option("--server", required=True, help="Server endpoint, e.g. tcp://HOST:5555.")
+@click.option("--timeout", default=5.0, type=float, help="Seconds to wait for the reply.")
+def status(server: str, timeout: float) -> None:
+    """Print the server's status as JSON (mode, version, epoch, workers, speeds)."""
+    try:
+        with Connection(server, timeout) as conn:
+            reply = conn.request(StatusRequest())
+    except PSError as exc:
+        raise click.ClickException(str(exc)) from exc
+    assert isinstance(reply, StatusReply)
+    click.echo(json.dumps(reply.status, indent=2))
+
+
+main.add_command(data_group)
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The ``pserver data`` commands: prepare, synthesise and inspect HDF5 datasets."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from common.dataset import DatasetMeta, describe
+from common.errors import DatasetError
+
+SYNTH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "hsi": {"samples": None, "bands": 64, "size": 64, "classes": 6, "train_fraction": 0.1},
+    "scenes": {"samples": 2000, "bands": 13, "size": 64, "classes": 10, "train_fraction": 0.8},
+}
+
+
+def _run(fn: Callable[..., DatasetMeta], **kwargs: Any) -> DatasetMeta:
+    """Call a dataset function, turning DatasetError into a click error."""
+    try:
+        return fn(**kwargs)
+    except DatasetError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _summary(meta: DatasetMeta) -> str:
+    shape = "x".join(map(str, meta.shape))
+    return (
+        f"wrote {meta.path}: {meta.num_samples} samples of {shape}, {meta.num_classes} classes, "
+        f"train {meta.train_count} / test {meta.test_count}, fingerprint {meta.fingerprint[:12]}"
+    )
+
+
+@click.group("data")
+def data_group() -> None:
+    """Prepare, synthesise and inspect HDF5 datasets."""
+
+
+@data_group.group("prepare")
+def prepare_group() -> None:
+    """Build a dataset file from source data."""
+
+
+@prepare_group.command("hsi")
+@click.option(
+    "--cube", required=True, help="Hyperspectral cube (rows, cols, bands) as FILE.mat[:KEY]."
+)
+@click.option(
+    "--gt",
+    required=True,
+    help="Class map (rows, cols) as FILE.mat[:KEY]; 0 = unlabelled, 1..K = classes.",
+)
+@click.option(
+    "--out", required=True, type=click.Path(dir_okay=False), help="The HDF5 file to write."
+)
+@click.option("--patch", default=5, show_default=True, type=int, help="Odd patch side P.")
+@click.option(
+    "--train-fraction",
+    default=0.1,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
+    help="Fraction of each class's labelled pixels used for training.",
+)
+@click.option(
+    "--split",
+    default="random",
+    show_default=True,
+    type=click.Choice(["random", "disjoint"]),
+    help="random: stratified per pixel (test patches overlap training patches); "
+    "disjoint: spatial tiles, no test patch shares a pixel with a training patch.",
+)
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the split.")
+def prepare_hsi_cmd(
+    cube: str, gt: str, out: str, patch: int, train_fraction: float, split: str, seed: int
+) -> None:
+    """Cut P x P patches around every labelled pixel of a .mat cube and class map."""
+    from common.hsi import prepare_hsi
+
+    meta = _run(
+        prepare_hsi,
+        cube_spec=cube,
+        gt_spec=gt,
+        out=out,
+        patch=patch,
+        train_fraction=train_fraction,
+        split=split,
+        seed=seed,
+    )
+    click.echo(_summary(meta))
+
+
+@prepare_group.command("folder")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--out", required=True, type=click.Path(dir_okay=False), help="The HDF5 file to write."
+)
+def prepare_folder_cmd(directory: str, out: str) -> None:
+    """Build a scenes dataset from DIR/<class>/*.tif|png|jpg (EuroSAT layout)."""
+    raise click.ClickException("not implemented yet: see issue 3")
+
+
+@data_group.command("synth")
+@click.option(
+    "--kind",
+    required=True,
+    type=click.Choice(["hsi", "scenes"]),
+    help="hsi: patches of a synthetic hyperspectral scene; scenes: EuroSAT-shaped images.",
+)
+@click.option(
+    "--out", required=True, type=click.Path(dir_okay=False), help="The HDF5 file to write."
+)
+@click.option(
+    "--samples",
+    type=click.IntRange(min=1),
+    default=None,
+    show_default=True,
+    help="hsi: cap on labelled pixels used (default: all, about size*size); "
+    "scenes: number of images (default 2000).",
+)
+@click.option(
+    "--bands",
+    type=click.IntRange(min=1),
+    default=None,
+    show_default=True,
+    help="Spectral bands (default: hsi 64, scenes 13).",
+)
+@click.option(
+    "--size",
+    type=click.IntRange(min=1),
+    default=None,
+    show_default=True,
+    help="hsi: scene side in pixels; scenes: image side (default 64 for both).",
+)
+@click.option(
+    "--classes",
+    type=click.IntRange(min=2),
+    default=None,
+    show_default=True,
+    help="Number of classes (default: hsi 6, scenes 10).",
+)
+@click.option("--patch", default=5, show_default=True, type=int, help="hsi only: odd patch side P.")
+@click.option(
+    "--train-fraction",
+    type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
+    default=None,
+    show_default=True,
+    help="Training fraction per class (default: hsi 0.1, scenes 0.8).",
+)
+@click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
+def synth_cmd(
+    kind: str,
+    out: str,
+    samples: int | None,
+    bands: int | None,
+    size: int | None,
+    classes: int | None,
+    patch: int,
+    train_fraction: float | None,
+    seed: int,
+) -> None:
+    """Write a synthetic dataset that a small CNN needs a few epochs to learn."""
+    from common.synth import synth_hsi, synth_scenes
+
+    given = {
+        "samples": samples,
+        "bands": bands,
+        "size": size,
+        "classes": classes,
+        "train_fraction": train_fraction,
+    }
+    args = {k: v if v is not None else SYNTH_DEFAULTS[kind][k] for k, v in given.items()}
+    if kind == "hsi":
+        meta = _run(synth_hsi, out=out, patch=patch, seed=seed, **args)
+    else:
+        meta = _run(synth_scenes, out=out, seed=seed, **args)
+    click.echo(_summary(meta))
+
+
+@data_group.command("info")
+@click.argument("dataset", type=click.Path(dir_okay=False))
+@click.option(
+    "--json", "as_json", is_flag=True, default=False, show_default=True, help="Print JSON."
+)
+def info_cmd(dataset: str, as_json: bool) -> None:
+    """Show a dataset's samples, classes, per-split counts and shape."""
+    try:
+        info = describe(dataset)
+    except DatasetError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    counts = info["counts"]
+    click.echo(f"path:        {info['path']}")
+    click.echo(f"kind:        {info['kind']}")
+    click.echo(f"samples:     {info['samples']} (train {counts['train']}, test {counts['test']})")
+    click.echo(f"shape:       {' x '.join(map(str, info['shape']))} (C x H x W)")
+    click.echo(f"classes:     {info['classes']}")
+    width = max(len(n) for n in info["class_names"])
+    for i, name in enumerate(info["class_names"]):
+        tr, te = counts["per_class"]["train"][i], counts["per_class"]["test"][i]
+        click.echo(f"  {i:3d} {name:<{width}}  train {tr:7d}  test {te:7d}")
+    click.echo(f"fingerprint: {info['fingerprint']}")
+    if info["source"]:
+        click.echo(f"source:      {info['source']}")

@@ -1,0 +1,44 @@
+"""Evaluation of a parameter snapshot on the test split, run off the event loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from common.dataset import DatasetReader
+from common.flat import FlatLayout
+from common.metrics import Scores, confusion_matrix, scores_from_confusion
+
+
+class Evaluator:
+    """Scores snapshots with a private model copy; call ``evaluate`` from one thread at a time.
+
+    Args:
+        model: a model of the run's architecture (this object keeps it).
+        reader: the dataset, read in blocks of ``batch`` test samples.
+        num_classes: classes of the dataset.
+        batch: evaluation batch size.
+    """
+
+    def __init__(self, model: nn.Module, reader: DatasetReader, num_classes: int,
+                 batch: int = 512) -> None:
+        self.model = model.eval()
+        self.layout = FlatLayout(self.model)
+        self.reader = reader
+        self.num_classes = num_classes
+        self.batch = batch
+
+    @torch.no_grad()
+    def evaluate(self, state: np.ndarray) -> Scores:
+        """OA, AA, kappa and mean cross-entropy of ``state`` on the whole test split."""
+        self.layout.write_state(state)
+        matrix = np.zeros((self.num_classes, self.num_classes), dtype=np.int64)
+        loss_sum, count = 0.0, 0
+        for x, y in self.reader.iter_blocks(self.reader.test_indices, self.batch):
+            logits = self.model(torch.from_numpy(x))
+            target = torch.from_numpy(y)
+            loss_sum += float(nn.functional.cross_entropy(logits, target, reduction="sum"))
+            count += len(y)
+            matrix += confusion_matrix(y, logits.argmax(1).numpy(), self.num_classes)
+        return scores_from_confusion(matrix, loss_sum / max(count, 1))

@@ -1,0 +1,38 @@
+"""Split a global batch over workers in proportion to their measured speeds."""
+
+from __future__ import annotations
+
+import math
+
+
+def plan_batches(speeds: dict[int, float], total: int) -> dict[int, int]:
+    """Batch sizes proportional to speed that sum to ``total``.
+
+    Uses largest remainders, and gives every worker at least one sample when
+    ``total >= len(speeds)``; otherwise the fastest ``total`` workers get one each.
+
+    Args:
+        speeds: worker id -> samples per second (> 0).
+        total: the global batch to split (>= 0).
+
+    Returns:
+        worker id -> batch size (>= 0), summing to ``total``; ids with 0 are omitted.
+    """
+    if total <= 0 or not speeds:
+        return {}
+    order = sorted(speeds, key=lambda w: (-speeds[w], w))
+    if total < len(order):
+        return {w: 1 for w in order[:total]}
+    free = total - len(order)
+    norm = sum(speeds.values())
+    shares = {w: free * speeds[w] / norm for w in order}
+    sizes = {w: 1 + math.floor(shares[w]) for w in order}
+    left = total - sum(sizes.values())
+    for w in sorted(order, key=lambda w: (-(shares[w] - math.floor(shares[w])), w))[:left]:
+        sizes[w] += 1
+    return sizes
+
+
+def plan_equal(workers: list[int], total: int) -> dict[int, int]:
+    """Equal batch sizes (differing by at most one) that sum to ``total``."""
+    return plan_batches({w: 1.0 for w in workers}, total)

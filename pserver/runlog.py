@@ -1,0 +1,53 @@
+"""The run directory's ``metrics.jsonl`` and ``summary.json`` (GUIDE section 3)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import IO, Any
+
+
+class RunLog:
+    """Appends timestamped events to ``metrics.jsonl`` and writes ``summary.json`` atomically.
+
+    Args:
+        run_dir: the run directory, created if missing; None keeps events in memory only.
+    """
+
+    def __init__(self, run_dir: Path | None) -> None:
+        self.started = time.monotonic()
+        self.run_dir = run_dir
+        self._file: IO[str] | None = None
+        self.events: list[dict[str, Any]] = []
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._file = (run_dir / "metrics.jsonl").open("w", encoding="utf-8")
+
+    def now(self) -> float:
+        """Seconds since the run started."""
+        return time.monotonic() - self.started
+
+    def event(self, name: str, t: float | None = None, **fields: Any) -> dict[str, Any]:
+        """Record one event; ``t`` defaults to now."""
+        record = {"event": name, "t": round(self.now() if t is None else t, 6), **fields}
+        self.events.append(record)
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        return record
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        """Write ``summary.json`` via a temporary file and rename."""
+        if self.run_dir is None:
+            return
+        tmp = self.run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, self.run_dir / "summary.json")
+
+    def close(self) -> None:
+        """Close ``metrics.jsonl``."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,145 @@
+"""The parameters, optimizer and update bookkeeping behind every mode policy."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import warnings
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
+
+import numpy as np
+import torch
+
+from common.errors import ErrorCode, ProtocolError
+from pserver.config import ServerConfig
+from pserver.optimizer import FlatOptimizer, lr_factor
+from pserver.sampler import EpochSampler
+
+_T = TypeVar("_T")
+
+
+class Snapshot(NamedTuple):
+    """An immutable published state and its version."""
+
+    version: int
+    state: torch.Tensor
+
+
+def as_tensor(array: np.ndarray) -> torch.Tensor:
+    """A read-only float32 tensor sharing ``array``'s memory (it is never written)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # non-writable buffer: we only read it
+        return torch.from_numpy(array)
+
+
+def check_finite(vector: torch.Tensor, what: str) -> None:
+    """Raise NON_FINITE if ``vector`` has a NaN or Inf (one pass, no temporary)."""
+    if not torch.isfinite(vector.sum()):
+        raise ProtocolError(ErrorCode.NON_FINITE, f"{what} contains NaN or Inf")
+
+
+class Trainer:
+    """Owns the flat state ``[parameters..., float buffers...]`` and applies updates to it.
+
+    Every update runs on one dedicated thread, so updates are ordered and the event loop never
+    blocks on tensor arithmetic. Each update writes a new state tensor: ``state`` is an
+    immutable snapshot that replies may send without copying.
+
+    Args:
+        config: the server configuration.
+        initial_state: the model's initial flat state.
+        num_params: how many leading entries are parameters (the rest are float buffers).
+        train_count: size of the training split.
+    """
+
+    def __init__(self, config: ServerConfig, initial_state: torch.Tensor, num_params: int,
+                 train_count: int) -> None:
+        self.config = config
+        self.snapshot = Snapshot(0, initial_state.contiguous())
+        self.num_params = num_params
+        self.steps = 0
+        self.samples_applied = 0
+        self.optimizer = FlatOptimizer(config.optimizer, config.lr, config.momentum,
+                                       config.nesterov, config.weight_decay)
+        self.sampler = EpochSampler(train_count, config.seed, config.epochs)
+        self.train_count = train_count
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="update")
+
+    @property
+    def state_size(self) -> int:
+        """Length of the flat state."""
+        return self.snapshot.state.numel()
+
+    @property
+    def version(self) -> int:
+        """Number of updates applied so far."""
+        return self.snapshot.version
+
+    def progress(self) -> float:
+        """Fraction of training done, for the learning-rate schedule."""
+        if self.config.max_steps is not None:
+            return self.steps / self.config.max_steps
+        if self.config.epochs is not None:
+            return self.samples_applied / (self.config.epochs * self.train_count)
+        return 0.0
+
+    def current_lr_factor(self) -> float:
+        """The schedule's factor for the next update."""
+        return lr_factor(self.config.lr_schedule, self.progress(), self.config.warmup_fraction)
+
+    async def _run(self, fn: Callable[[], _T]) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
+    async def accumulate(self, total: torch.Tensor, push: torch.Tensor, weight: float) -> None:
+        """``total += weight * push`` after checking ``push`` is finite.
+
+        Raises:
+            ProtocolError: NON_FINITE; ``total`` is then unchanged.
+        """
+        def work() -> None:
+            check_finite(push, "pushed gradient")
+            total.add_(push, alpha=weight)
+
+        await self._run(work)
+
+    async def apply(self, update: torch.Tensor, samples: int, buffer_scale: float,
+                    based_on: int | None = None,
+                    lr_scale_for: Callable[[int], float] = lambda tau: 1.0) -> int:
+        """Apply one optimizer step with ``update = [gradient..., buffer change...]``.
+
+        Args:
+            update: flat gradient followed by the float buffers' change.
+            samples: how many training samples the update covers.
+            buffer_scale: factor on the buffer change.
+            based_on: the version the update was computed on (None: the current one).
+            lr_scale_for: factor on the scheduled learning rate given the staleness tau,
+                evaluated when the update runs; may raise ``ProtocolError`` to reject it.
+
+        Returns:
+            The staleness tau = (version before this step) - ``based_on``.
+
+        Raises:
+            ProtocolError: NON_FINITE or a rejection by ``lr_scale_for``; the state is then
+                unchanged.
+        """
+        p = self.num_params
+
+        def work() -> int:
+            version, old = self.snapshot
+            tau = 0 if based_on is None else version - based_on
+            lr = lr_scale_for(tau) * self.current_lr_factor()
+            check_finite(update, "pushed gradient")
+            new = torch.empty_like(old)
+            self.optimizer.step(old[:p], update[:p], new[:p], lr)
+            torch.add(old[p:], update[p:], alpha=buffer_scale, out=new[p:])
+            self.steps += 1
+            self.samples_applied += samples
+            self.snapshot = Snapshot(version + 1, new)  # one atomic swap: replies never mix
+            return tau
+
+        return await self._run(work)
+
+    def close(self) -> None:
+        """Stop the update thread."""
+        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,48 @@
+"""The worker's validated configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+from common.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    """Everything ``worker join`` needs; ``validate()`` quotes any bad value."""
+
+    server: str
+    device: str = "cpu"
+    slowdown: float = 1.0
+    name: str = dataclasses.field(default_factory=socket.gethostname)
+    threads: int = 1
+    join_timeout_s: float = 60.0
+    reply_timeout_s: float = 600.0
+    data_timeout_s: float = 120.0
+    calibration_batch: int = 32
+    log_every: int = 50
+
+    def validate(self) -> WorkerConfig:
+        """Check every field.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            ConfigError: a value is out of range; the message quotes it.
+        """
+        if not self.server.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError(f"--server {self.server!r} must look like tcp://HOST:PORT")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ConfigError(f"--device {self.device!r} must be cpu or cuda:N")
+        if self.slowdown < 1:
+            raise ConfigError(f"--slowdown must be >= 1, got {self.slowdown}")
+        if self.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+        if not self.name:
+            raise ConfigError("--name must not be empty")
+        for field in ("join_timeout_s", "reply_timeout_s", "data_timeout_s"):
+            if getattr(self, field) <= 0:
+                raise ConfigError(f"{field} must be > 0, got {getattr(self, field)}")
+        return self

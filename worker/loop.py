@@ -1,0 +1,200 @@
+"""The worker: join, calibrate, then compute gradients on the tasks the server hands out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from common.client import Connection
+from common.errors import ErrorCode, RemoteError
+from common.flat import FlatLayout
+from common.messages import (
+    JoinReply,
+    JoinRequest,
+    LeaveRequest,
+    PushRequest,
+    TaskReply,
+    TaskRequest,
+)
+from common.models import build_model
+from worker.config import WorkerConfig
+from worker.device import host_buffer, resolve_device, synchronize
+from worker.prefetch import Prefetcher
+from worker.speed import SpeedMeter
+
+log = logging.getLogger(__name__)
+
+# Rejections after which the worker pulls fresh parameters and recomputes the same task.
+RETRY_CODES = (ErrorCode.STALE, ErrorCode.NON_FINITE)
+
+
+@dataclass
+class WorkerStats:
+    """What a worker did, reported when it exits."""
+
+    steps: int = 0
+    samples: int = 0
+    compute_s: float = 0.0
+    data_wait_s: float = 0.0
+    wall_s: float = 0.0
+    rejected: int = 0
+
+
+class Worker:
+    """One training process connected to one server.
+
+    Args:
+        config: a validated ``WorkerConfig``.
+
+    Raises:
+        DeviceError: the device is not available.
+    """
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        torch.set_num_threads(config.threads)
+        self.conn = Connection(config.server, config.reply_timeout_s)
+        self.speed = SpeedMeter()
+        self.stats = WorkerStats()
+        self.worker_id = 0
+        self.model: nn.Module | None = None
+        self.layout: FlatLayout | None = None
+        self._host_state: torch.Tensor | None = None
+
+    def run(self) -> WorkerStats:
+        """Join and train until the server says stop.
+
+        Returns:
+            What this worker did.
+
+        Raises:
+            NetworkTimeout: the server did not answer in time.
+            RemoteError: the server refused the worker.
+        """
+        begin = time.perf_counter()
+        spec = self._join()
+        prefetcher = Prefetcher(self.config.server, self.worker_id, self.config.data_timeout_s)
+        try:
+            self._calibrate(spec)
+            reply = self._request_task()
+            while reply.action == "train":
+                reply = self._step(reply, prefetcher)
+        except KeyboardInterrupt:
+            self._leave("interrupted")
+            raise
+        finally:
+            self.stats.data_wait_s = prefetcher.wait_s
+            self.stats.wall_s = time.perf_counter() - begin
+            prefetcher.close()
+            self.conn.close()
+        log.info("worker %s done: %d steps, %d samples, data wait %.1f%% of wall time",
+                 self.config.name, self.stats.steps, self.stats.samples,
+                 100 * self.stats.data_wait_s / max(self.stats.wall_s, 1e-9))
+        return self.stats
+
+    def _join(self) -> JoinReply:
+        reply = self.conn.request(
+            JoinRequest(name=self.config.name, device=str(self.device),
+                        slowdown=self.config.slowdown, threads=self.config.threads),
+            timeout_s=self.config.join_timeout_s)
+        assert isinstance(reply, JoinReply)
+        self.worker_id = reply.worker_id
+        self.model = build_model(reply.model, reply.in_channels, reply.num_classes,
+                                 reply.input_size).to(self.device).train()
+        self.layout = FlatLayout(self.model)
+        if self.layout.size != reply.state_size:
+            raise RemoteError(ErrorCode.BAD_TENSOR,
+                              f"model {reply.model} has {self.layout.size} values here but "
+                              f"{reply.state_size} on the server")
+        self._host_state = host_buffer(self.layout.size, self.device)
+        log.info("joined %s as worker %d (%s, model %s)", self.config.server, self.worker_id,
+                 reply.mode, reply.model)
+        return reply
+
+    def _calibrate(self, spec: JoinReply) -> None:
+        """Time a few steps on random data so the first plan already follows speeds."""
+        batch = self.config.calibration_batch
+        x = torch.randn(batch, spec.in_channels, spec.input_size, spec.input_size,
+                        device=self.device)
+        y = torch.randint(0, spec.num_classes, (batch,), device=self.device)
+        state = self.layout.read_state()
+        for _ in range(3):
+            self._compute(x, y)
+        self.layout.write_state(state)  # calibration must not leave BatchNorm statistics
+        log.info("calibrated: %.1f samples/s", self.speed.speed)
+
+    def _compute(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Forward and backward on one batch, then the emulated slowdown; returns the loss."""
+        assert self.model is not None
+        synchronize(self.device)
+        start = time.perf_counter()
+        self.model.zero_grad(set_to_none=False)
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        loss.backward()
+        synchronize(self.device)
+        compute = time.perf_counter() - start
+        if self.config.slowdown > 1:
+            time.sleep((self.config.slowdown - 1) * compute)
+        self.speed.update(len(y), compute * self.config.slowdown)
+        self.stats.compute_s += compute * self.config.slowdown
+        return float(loss.detach())
+
+    def _request_task(self) -> TaskReply:
+        reply = self.conn.request(TaskRequest(worker_id=self.worker_id, speed=self.speed.speed))
+        assert isinstance(reply, TaskReply)
+        return reply
+
+    def _load(self, params: np.ndarray) -> torch.Tensor:
+        """Load served parameters; returns the float buffers as loaded (for their change)."""
+        assert self.layout is not None and self._host_state is not None
+        self._host_state.copy_(torch.from_numpy(params))
+        self.layout.write_state(self._host_state)
+        return self.layout.read_buffers()
+
+    def _step(self, task: TaskReply, prefetcher: Prefetcher) -> TaskReply:
+        buffers_before = self._load(task.params)
+        x_np, y_np = prefetcher.get(task.indices)
+        prefetcher.start(task.prefetch)
+        pin = self.device.type == "cuda"
+        x = torch.from_numpy(np.ascontiguousarray(x_np))
+        y = torch.from_numpy(np.ascontiguousarray(y_np))
+        if pin:
+            x, y = x.pin_memory(), y.pin_memory()
+        x = x.to(self.device, non_blocking=pin)
+        y = y.to(self.device, non_blocking=pin)
+        begin = self.stats.compute_s
+        loss = self._compute(x, y)
+        assert self.layout is not None
+        update = self.layout.read_push(buffers_before)
+        self.stats.steps += 1
+        self.stats.samples += len(task.indices)
+        if self.stats.steps % self.config.log_every == 0:
+            log.info("step %d epoch %d version %d: loss %.4f, %.1f samples/s",
+                     self.stats.steps, task.epoch, task.version, loss, self.speed.speed)
+        push = PushRequest(worker_id=self.worker_id, task_id=task.task_id, version=task.version,
+                           batch_size=len(task.indices), speed=self.speed.speed,
+                           compute_s=self.stats.compute_s - begin, loss=loss,
+                           state=update.numpy())
+        try:
+            reply = self.conn.request(push)
+        except RemoteError as exc:
+            if exc.code not in RETRY_CODES:
+                raise
+            self.stats.rejected += 1
+            log.info("push rejected (%s); pulling fresh parameters", exc)
+            reply = self._request_task()
+        assert isinstance(reply, TaskReply)
+        return reply
+
+    def _leave(self, reason: str) -> None:
+        try:
+            self.conn.request(LeaveRequest(worker_id=self.worker_id, reason=reason),
+                              timeout_s=2.0)
+        except Exception as exc:  # best effort on the way out
+            log.debug("leave not acknowledged: %s", exc)
