@@ -8,7 +8,7 @@ from common.errors import ErrorCode, ProtocolError
 from common.messages import PushRequest
 from pserver.membership import Task, WorkerInfo
 from pserver.planner import plan_batches
-from pserver.policies.base import ModePolicy
+from pserver.policies.base import ModePolicy, PolicyContext
 from pserver.staleness import staleness_function
 
 QUEUE_DEPTH = 2  # the task being computed and the one being prefetched
@@ -19,7 +19,7 @@ class AsyncPolicy(ModePolicy):
 
     name = "async"
 
-    def __init__(self, ctx) -> None:  # noqa: ANN001 - PolicyContext
+    def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
         cfg = ctx.config
         self.f = staleness_function(cfg.staleness, cfg.staleness_a, cfg.staleness_b)

@@ -13,7 +13,7 @@ import torch
 
 from common.messages import PushRequest
 from pserver.membership import Task, WorkerInfo
-from pserver.policies.base import ModePolicy
+from pserver.policies.base import ModePolicy, PolicyContext
 
 
 @dataclasses.dataclass
@@ -43,7 +43,7 @@ class SyncRounds(ModePolicy):
     data while they compute; it uses the speeds known at that moment.
     """
 
-    def __init__(self, ctx) -> None:  # noqa: ANN001 - PolicyContext
+    def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
         self.rounds: collections.deque[Round] = collections.deque()
         self.next_round_id = 1
