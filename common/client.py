@@ -21,8 +21,7 @@ class Connection:
         context: a ZeroMQ context to share (a private one is made otherwise).
     """
 
-    def __init__(self, address: str, timeout_s: float,
-                 context: zmq.Context | None = None) -> None:
+    def __init__(self, address: str, timeout_s: float, context: zmq.Context | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self._own_context = context is None
@@ -54,8 +53,9 @@ class Connection:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
-                raise NetworkTimeout(f"no reply to {message.TYPE} from {self.address} "
-                                     f"within {limit:.0f} s")
+                raise NetworkTimeout(
+                    f"no reply to {message.TYPE} from {self.address} within {limit:.0f} s"
+                )
             frames = self._sock.recv_multipart(copy=False)
             try:
                 reply, reply_id = parse_message(frames, REPLIES)

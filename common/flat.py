@@ -48,7 +48,7 @@ class FlatLayout:
         with torch.no_grad():
             for t in (*self.params, *self.buffers):
                 n = t.numel()
-                t.copy_(flat[offset:offset + n].view_as(t), non_blocking=True)
+                t.copy_(flat[offset : offset + n].view_as(t), non_blocking=True)
                 offset += n
 
     def read_push(self, buffers_before: torch.Tensor) -> torch.Tensor:

@@ -34,8 +34,9 @@ class Message:
                 tensors.append(value)
             else:
                 body[name] = value
-        return encode_frames({"type": self.TYPE, "id": request_id, "status": "ok",
-                              "body": body}, tensors)
+        return encode_frames(
+            {"type": self.TYPE, "id": request_id, "status": "ok", "body": body}, tensors
+        )
 
     @classmethod
     def from_parts(cls, body: Any, tensors: list[np.ndarray]) -> Message:
@@ -49,9 +50,10 @@ class Message:
         values: dict[str, Any] = {}
         tensor_fields = [n for n, k in _schema(cls) if k is np.ndarray]
         if len(tensors) != len(tensor_fields):
-            raise ProtocolError(ErrorCode.BAD_TENSOR,
-                                f"{cls.TYPE}: expects {len(tensor_fields)} tensors, "
-                                f"got {len(tensors)}")
+            raise ProtocolError(
+                ErrorCode.BAD_TENSOR,
+                f"{cls.TYPE}: expects {len(tensor_fields)} tensors, got {len(tensors)}",
+            )
         arrays = iter(tensors)
         for name, kind in _schema(cls):
             if kind is np.ndarray:
@@ -62,8 +64,9 @@ class Message:
             values[name] = _check(cls.TYPE, name, kind, body[name])
         extra = set(body) - set(values)
         if extra:
-            raise ProtocolError(ErrorCode.BAD_FIELD,
-                                f"{cls.TYPE}: unknown fields {sorted(extra)!r}")
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD, f"{cls.TYPE}: unknown fields {sorted(extra)!r}"
+            )
         return cls(**values)
 
 
@@ -79,6 +82,7 @@ def _schema(cls: type) -> list[tuple[str, Any]]:
 
 def _check(mtype: str, name: str, kind: Any, value: Any) -> Any:
     """Return ``value`` if it matches the annotation ``kind``, else raise BAD_FIELD."""
+
     def bad(why: str) -> ProtocolError:
         return ProtocolError(ErrorCode.BAD_FIELD, f"{mtype}: field {name!r} {why}")
 
@@ -240,8 +244,8 @@ class LeaveReply(Message):
 
 
 REQUESTS: dict[str, type[Message]] = {
-    m.TYPE: m for m in (JoinRequest, TaskRequest, PushRequest, DataRequest, StatusRequest,
-                        LeaveRequest)
+    m.TYPE: m
+    for m in (JoinRequest, TaskRequest, PushRequest, DataRequest, StatusRequest, LeaveRequest)
 }
 REPLIES: dict[str, type[Message]] = {
     m.TYPE: m for m in (JoinReply, TaskReply, DataReply, StatusReply, LeaveReply)
@@ -254,8 +258,7 @@ def request_id_of(header: dict[str, Any]) -> int:
     return rid if type(rid) is int and 0 <= rid < 1 << 63 else 0
 
 
-def parse_message(frames: Sequence[Any], table: dict[str, type[Message]]
-                  ) -> tuple[Message, int]:
+def parse_message(frames: Sequence[Any], table: dict[str, type[Message]]) -> tuple[Message, int]:
     """Decode frames into one of the messages in ``table``.
 
     Returns:
@@ -284,5 +287,12 @@ def parse_message(frames: Sequence[Any], table: dict[str, type[Message]]
 
 def error_frames(request_id: int, code: ErrorCode, message: str) -> list[Any]:
     """Frames of an error reply."""
-    return encode_frames({"type": "error", "id": request_id, "status": "error",
-                          "code": int(code), "message": message[:MAX_STRING]})
+    return encode_frames(
+        {
+            "type": "error",
+            "id": request_id,
+            "status": "error",
+            "code": int(code),
+            "message": message[:MAX_STRING],
+        }
+    )

@@ -31,15 +31,20 @@ def hsi_cnn(in_channels: int, num_classes: int, input_size: int) -> nn.Module:
 
 
 def _conv_block(cin: int, cout: int) -> list[nn.Module]:
-    return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
-            nn.ReLU(inplace=True)]
+    return [
+        nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+        nn.BatchNorm2d(cout),
+        nn.ReLU(inplace=True),
+    ]
 
 
 def scene_cnn(in_channels: int, num_classes: int, input_size: int) -> nn.Module:
     """Small CNN for scene patches (e.g. EuroSAT 64x64): three conv blocks with pooling."""
     return nn.Sequential(
-        *_conv_block(in_channels, 32), nn.MaxPool2d(2),
-        *_conv_block(32, 64), nn.MaxPool2d(2),
+        *_conv_block(in_channels, 32),
+        nn.MaxPool2d(2),
+        *_conv_block(32, 64),
+        nn.MaxPool2d(2),
         *_conv_block(64, 128),
         nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
@@ -73,8 +78,10 @@ def build_model(name: str, in_channels: int, num_classes: int, input_size: int) 
     if name in BUILTIN:
         return BUILTIN[name](in_channels, num_classes, input_size).float()
     if ":" not in name:
-        raise ModelError(f"unknown model {name!r}; built-in models: {sorted(BUILTIN)}, "
-                         "or give package.module:factory")
+        raise ModelError(
+            f"unknown model {name!r}; built-in models: {sorted(BUILTIN)}, "
+            "or give package.module:factory"
+        )
     module_name, _, attr = name.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
@@ -85,6 +92,7 @@ def build_model(name: str, in_channels: int, num_classes: int, input_size: int) 
     except Exception as exc:
         raise ModelError(f"model factory {name!r} failed: {exc}") from exc
     if not isinstance(model, nn.Module):
-        raise ModelError(f"model factory {name!r} returned {type(model).__name__}, "
-                         "not an nn.Module")
+        raise ModelError(
+            f"model factory {name!r} returned {type(model).__name__}, not an nn.Module"
+        )
     return model.float()

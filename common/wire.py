@@ -16,8 +16,19 @@ MAX_TENSORS = 8
 MAX_NDIM = 8
 # Only plain numeric dtypes may cross the wire; object, string and void dtypes never do.
 ALLOWED_DTYPES = frozenset(
-    {"float16", "float32", "float64", "int8", "int16", "int32", "int64",
-     "uint8", "uint16", "uint32", "uint64"}
+    {
+        "float16",
+        "float32",
+        "float64",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+    }
 )
 
 
@@ -71,17 +82,18 @@ def decode_frames(frames: Sequence[Any]) -> tuple[dict[str, Any], list[np.ndarra
     if len(raw) > MAX_HEADER_BYTES:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"header of {len(raw)} bytes exceeds the cap")
     try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=0,
-                                 max_ext_len=0)
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(ErrorCode.BAD_FRAME, f"header is not valid msgpack: {exc}") from None
     if not isinstance(header, dict):
-        raise ProtocolError(ErrorCode.BAD_FRAME,
-                            f"header must be a map, got {type(header).__name__}")
+        raise ProtocolError(
+            ErrorCode.BAD_FRAME, f"header must be a map, got {type(header).__name__}"
+        )
     version = header.get("v")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(ErrorCode.BAD_VERSION,
-                            f"protocol version {version!r} differs from {PROTOCOL_VERSION}")
+        raise ProtocolError(
+            ErrorCode.BAD_VERSION, f"protocol version {version!r} differs from {PROTOCOL_VERSION}"
+        )
     descriptors = header.get("tensors", [])
     if not isinstance(descriptors, list) or len(descriptors) > MAX_TENSORS:
         raise ProtocolError(ErrorCode.BAD_TENSOR, "'tensors' must be a list of descriptors")
@@ -90,8 +102,10 @@ def decode_frames(frames: Sequence[Any]) -> tuple[dict[str, Any], list[np.ndarra
             ErrorCode.BAD_TENSOR,
             f"header describes {len(descriptors)} tensors but {len(frames) - 1} frames follow",
         )
-    arrays = [_decode_tensor(d, _buffer(f), i)
-              for i, (d, f) in enumerate(zip(descriptors, frames[1:], strict=True))]
+    arrays = [
+        _decode_tensor(d, _buffer(f), i)
+        for i, (d, f) in enumerate(zip(descriptors, frames[1:], strict=True))
+    ]
     return header, arrays
 
 
@@ -101,8 +115,11 @@ def _decode_tensor(desc: Any, buf: memoryview, index: int) -> np.ndarray:
     dtype, shape = desc.get("dtype"), desc.get("shape")
     if not isinstance(dtype, str) or dtype not in ALLOWED_DTYPES:
         raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor {index}: dtype {dtype!r} not allowed")
-    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-            or not all(type(n) is int and 0 <= n < 1 << 40 for n in shape)):
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(type(n) is int and 0 <= n < 1 << 40 for n in shape)
+    ):
         raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor {index}: bad shape {shape!r}")
     itemsize = np.dtype(dtype).itemsize
     expected = int(np.prod(shape, dtype=np.int64)) * itemsize if shape else itemsize

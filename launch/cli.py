@@ -32,33 +32,63 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--dataset", required=True, type=click.Path(exists=True, dir_okay=False,
-                                                          path_type=Path),
-              help="HDF5 dataset made by 'pserver data'.")
+@click.option(
+    "--dataset",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="HDF5 dataset made by 'pserver data'.",
+)
 @click.option("--model", required=True, help="Built-in model name or package.module:factory.")
 @click.option("--mode", type=click.Choice(MODES), default="weighted-sync", help="Server mode.")
-@click.option("--workers", type=int, default=None,
-              help="Number of workers (default: one per --slowdowns entry).")
-@click.option("--slowdowns", default="1", help="Comma-separated slowdown per worker; a single "
-              "value applies to all.")
-@click.option("--devices", default="cpu", help="Comma-separated device per worker, or one for "
-              "all.")
-@click.option("--run-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Directory for metrics.jsonl, summary.json and cluster.log.")
+@click.option(
+    "--workers",
+    type=int,
+    default=None,
+    help="Number of workers (default: one per --slowdowns entry).",
+)
+@click.option(
+    "--slowdowns",
+    default="1",
+    help="Comma-separated slowdown per worker; a single value applies to all.",
+)
+@click.option("--devices", default="cpu", help="Comma-separated device per worker, or one for all.")
+@click.option(
+    "--run-dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory for metrics.jsonl, summary.json and cluster.log.",
+)
 @click.option("--epochs", type=int, default=None, help="Stop after this many epochs.")
 @click.option("--max-steps", type=int, default=None, help="Stop after this many updates.")
 @click.option("--target-oa", type=float, default=None, help="Stop at this test OA.")
 @click.option("--global-batch", type=int, default=None, help="Global batch (server default).")
 @click.option("--lr", type=float, default=None, help="Learning rate (server default).")
 @click.option("--optimizer", default=None, help="sgd or adam (server default).")
-@click.option("--staleness", type=click.Choice(STALENESS), default=None,
-              help="Async staleness function (server default).")
+@click.option(
+    "--staleness",
+    type=click.Choice(STALENESS),
+    default=None,
+    help="Async staleness function (server default).",
+)
 @click.option("--max-staleness", type=int, default=None, help="Async staleness bound.")
 @click.option("--seed", type=int, default=None, help="Seed (server default).")
-@click.option("--server-opt", "server_opts", multiple=True,
-              help="Extra 'pserver start' option, e.g. --server-opt=--lr-schedule=cosine.")
-def local(dataset: Path, model: str, mode: str, workers: int | None, slowdowns: str,
-          devices: str, run_dir: Path, server_opts: tuple[str, ...], **server: object) -> None:
+@click.option(
+    "--server-opt",
+    "server_opts",
+    multiple=True,
+    help="Extra 'pserver start' option, e.g. --server-opt=--lr-schedule=cosine.",
+)
+def local(
+    dataset: Path,
+    model: str,
+    mode: str,
+    workers: int | None,
+    slowdowns: str,
+    devices: str,
+    run_dir: Path,
+    server_opts: tuple[str, ...],
+    **server: object,
+) -> None:
     """Run a server and N local workers with the given slowdowns, then print the summary."""
     setup_logging("INFO", "pslaunch ")
     factors = parse_floats(slowdowns)
@@ -71,11 +101,19 @@ def local(dataset: Path, model: str, mode: str, workers: int | None, slowdowns: 
     for key, value in server.items():
         if value is not None:
             options += [f"--{key.replace('_', '-')}", str(value)]
-    cluster = LocalCluster(dataset=dataset, model=model, mode=mode, slowdowns=factors,
-                           run_dir=run_dir, server_options=(*options, *server_opts),
-                           devices=tuple(d.strip() for d in devices.split(",")))
-    click.echo(f"pslaunch: {mode} with {count} workers (slowdowns {list(factors)}); "
-               f"logs in {run_dir / 'cluster.log'}")
+    cluster = LocalCluster(
+        dataset=dataset,
+        model=model,
+        mode=mode,
+        slowdowns=factors,
+        run_dir=run_dir,
+        server_options=(*options, *server_opts),
+        devices=tuple(d.strip() for d in devices.split(",")),
+    )
+    click.echo(
+        f"pslaunch: {mode} with {count} workers (slowdowns {list(factors)}); "
+        f"logs in {run_dir / 'cluster.log'}"
+    )
     try:
         summary = run_local(cluster)
     except PSError as exc:

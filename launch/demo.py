@@ -39,8 +39,14 @@ def prepare_dataset(shared: Path, out_dir: Path) -> Path:
     if (jasper / "JasperRidge.mat").exists():
         path = out_dir / "jasper_ridge.h5"
         if not path.exists():
-            prepare_hsi(str(jasper / "JasperRidge.mat"), str(jasper / "JasperRidge_gt.mat"),
-                        path, patch=5, train_fraction=0.1, seed=0)
+            prepare_hsi(
+                str(jasper / "JasperRidge.mat"),
+                str(jasper / "JasperRidge_gt.mat"),
+                path,
+                patch=5,
+                train_fraction=0.1,
+                seed=0,
+            )
         print(f"dataset: Jasper Ridge (AVIRIS, 198 bands, 5x5 patches, 10 % train) -> {path}")
     else:
         path = out_dir / "synthetic_hsi.h5"
@@ -63,18 +69,42 @@ def main(argv: list[str] | None = None) -> int:
     for mode in MODES:
         print(f"\n== {mode}: 3 workers with slowdowns {', '.join(f'{s:g}' for s in SLOWDOWNS)}")
         cluster = LocalCluster(
-            dataset=dataset, model="hsi-cnn", mode=mode, slowdowns=SLOWDOWNS,
+            dataset=dataset,
+            model="hsi-cnn",
+            mode=mode,
+            slowdowns=SLOWDOWNS,
             run_dir=args.out / mode,
-            server_options=("--epochs", str(args.epochs), "--lr", "0.05",
-                            "--lr-schedule", "cosine"))
+            server_options=(
+                "--epochs",
+                str(args.epochs),
+                "--lr",
+                "0.05",
+                "--lr-schedule",
+                "cosine",
+            ),
+        )
         summary = run_local(cluster, log_stream=ProgressFilter(mode))
         final = summary["final"] or {}
         shares = "/".join(str(w["samples"]) for w in summary["workers"])
-        rows.append([mode, summary["epochs"], summary["steps"], summary["train_time_s"],
-                     final.get("oa"), final.get("aa"), final.get("kappa"), shares])
+        rows.append(
+            [
+                mode,
+                summary["epochs"],
+                summary["steps"],
+                summary["train_time_s"],
+                final.get("oa"),
+                final.get("aa"),
+                final.get("kappa"),
+                shares,
+            ]
+        )
     print("\nResults (test split; samples per worker in join order):")
-    print(format_table(["mode", "epochs", "updates", "train s", "OA", "AA", "kappa",
-                        "samples per worker"], rows))
+    print(
+        format_table(
+            ["mode", "epochs", "updates", "train s", "OA", "AA", "kappa", "samples per worker"],
+            rows,
+        )
+    )
     print(f"\nRun directories with metrics.jsonl and summary.json: {args.out}/<mode>")
     return 0
 

@@ -57,8 +57,9 @@ class LocalCluster:
         if any(s < 1 for s in self.slowdowns):
             raise ConfigError(f"slowdowns must be >= 1, got {list(self.slowdowns)}")
         if len(self.devices) not in (1, len(self.slowdowns)):
-            raise ConfigError(f"--devices lists {len(self.devices)} devices for "
-                              f"{len(self.slowdowns)} workers")
+            raise ConfigError(
+                f"--devices lists {len(self.devices)} devices for {len(self.slowdowns)} workers"
+            )
         return self
 
 
@@ -66,8 +67,13 @@ def _python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def _pump(stream: IO[str], sink: IO[str], prefix: str, found: threading.Event | None = None,
-          box: list[str] | None = None) -> None:
+def _pump(
+    stream: IO[str],
+    sink: IO[str],
+    prefix: str,
+    found: threading.Event | None = None,
+    box: list[str] | None = None,
+) -> None:
     """Copy a child's output to ``sink``; optionally catch the server's listening address."""
     for line in stream:
         if found is not None and box is not None and not found.is_set():
@@ -101,32 +107,65 @@ def run_local(cluster: LocalCluster, log_stream: IO[str] | None = None) -> dict[
     sink = log_stream or (cluster.run_dir / "cluster.log").open("w", encoding="utf-8")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     server_cmd = _python_module(
-        "pserver.cli", "start", "--bind", "tcp://127.0.0.1:0", "--dataset", str(cluster.dataset),
-        "--model", cluster.model, "--mode", cluster.mode,
-        "--workers", str(len(cluster.slowdowns)), "--run-dir", str(cluster.run_dir),
-        *cluster.server_options)
-    server = subprocess.Popen(server_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True, env=env)
+        "pserver.cli",
+        "start",
+        "--bind",
+        "tcp://127.0.0.1:0",
+        "--dataset",
+        str(cluster.dataset),
+        "--model",
+        cluster.model,
+        "--mode",
+        cluster.mode,
+        "--workers",
+        str(len(cluster.slowdowns)),
+        "--run-dir",
+        str(cluster.run_dir),
+        *cluster.server_options,
+    )
+    server = subprocess.Popen(
+        server_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    )
     listening, box = threading.Event(), []
-    pumps = [threading.Thread(target=_pump, args=(server.stderr, sink, "[server] ", listening,
-                                                  box), daemon=True)]
+    pumps = [
+        threading.Thread(
+            target=_pump, args=(server.stderr, sink, "[server] ", listening, box), daemon=True
+        )
+    ]
     pumps[0].start()
     workers: list[subprocess.Popen[str]] = []
     try:
         if not listening.wait(cluster.startup_timeout_s) or server.poll() is not None:
-            raise PSError(f"the server did not start (exit code {server.poll()}); "
-                          f"see {cluster.run_dir / 'cluster.log'}")
+            raise PSError(
+                f"the server did not start (exit code {server.poll()}); "
+                f"see {cluster.run_dir / 'cluster.log'}"
+            )
         address = box[0]
         for i, slowdown in enumerate(cluster.slowdowns):
             device = cluster.devices[i if len(cluster.devices) > 1 else 0]
             name = f"w{i}-x{slowdown:g}"
             proc = subprocess.Popen(
-                _python_module("worker.cli", "join", "--server", address, "--device", device,
-                               "--slowdown", str(slowdown), "--name", name),
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                _python_module(
+                    "worker.cli",
+                    "join",
+                    "--server",
+                    address,
+                    "--device",
+                    device,
+                    "--slowdown",
+                    str(slowdown),
+                    "--name",
+                    name,
+                ),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+            )
             workers.append(proc)
-            pump = threading.Thread(target=_pump, args=(proc.stdout, sink, f"[{name}] "),
-                                    daemon=True)
+            pump = threading.Thread(
+                target=_pump, args=(proc.stdout, sink, f"[{name}] "), daemon=True
+            )
             pump.start()
             pumps.append(pump)
         code = server.wait(timeout=cluster.run_timeout_s)

@@ -24,47 +24,89 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--bind", default="tcp://127.0.0.1:5555",
-              help="ZeroMQ endpoint to listen on (tcp://0.0.0.0:PORT for a cluster; port 0 "
-                   "picks a free port).")
-@click.option("--dataset", required=True, type=click.Path(exists=True, dir_okay=False,
-                                                          path_type=Path),
-              help="HDF5 dataset made by 'pserver data'.")
-@click.option("--model", required=True,
-              help="Built-in model (hsi-cnn, scene-cnn) or package.module:factory.")
-@click.option("--mode", type=click.Choice(MODES), default="weighted-sync",
-              help="How pushes are combined.")
-@click.option("--workers", default=1, type=int,
-              help="Workers to wait for before training starts.")
+@click.option(
+    "--bind",
+    default="tcp://127.0.0.1:5555",
+    help="ZeroMQ endpoint to listen on (tcp://0.0.0.0:PORT for a cluster; port 0 "
+    "picks a free port).",
+)
+@click.option(
+    "--dataset",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="HDF5 dataset made by 'pserver data'.",
+)
+@click.option(
+    "--model", required=True, help="Built-in model (hsi-cnn, scene-cnn) or package.module:factory."
+)
+@click.option(
+    "--mode", type=click.Choice(MODES), default="weighted-sync", help="How pushes are combined."
+)
+@click.option("--workers", default=1, type=int, help="Workers to wait for before training starts.")
 @click.option("--global-batch", default=64, type=int, help="Global batch B per update.")
-@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="sgd",
-              help="Server-side optimizer.")
+@click.option(
+    "--optimizer", type=click.Choice(OPTIMIZERS), default="sgd", help="Server-side optimizer."
+)
 @click.option("--lr", default=0.05, type=float, help="Learning rate.")
 @click.option("--momentum", default=0.9, type=float, help="SGD momentum.")
 @click.option("--nesterov/--no-nesterov", default=False, help="Nesterov momentum for SGD.")
 @click.option("--weight-decay", default=1e-4, type=float, help="L2 weight decay.")
-@click.option("--lr-schedule", type=click.Choice(SCHEDULES), default="constant",
-              help="Learning-rate schedule over training.")
-@click.option("--warmup-fraction", default=0.0, type=float,
-              help="Linear warm-up over this fraction of training.")
+@click.option(
+    "--lr-schedule",
+    type=click.Choice(SCHEDULES),
+    default="constant",
+    help="Learning-rate schedule over training.",
+)
+@click.option(
+    "--warmup-fraction",
+    default=0.0,
+    type=float,
+    help="Linear warm-up over this fraction of training.",
+)
 @click.option("--epochs", type=int, default=None, help="Stop after this many epochs.")
 @click.option("--max-steps", type=int, default=None, help="Stop after this many updates.")
-@click.option("--target-oa", type=float, default=None,
-              help="Stop once test overall accuracy reaches this.")
-@click.option("--staleness", type=click.Choice(STALENESS), default="inverse",
-              help="Async learning-rate scaling by staleness tau.")
-@click.option("--staleness-a", default=0.5, type=float,
-              help="Decay a of the poly, hinge and exp staleness functions.")
+@click.option(
+    "--target-oa", type=float, default=None, help="Stop once test overall accuracy reaches this."
+)
+@click.option(
+    "--staleness",
+    type=click.Choice(STALENESS),
+    default="inverse",
+    help="Async learning-rate scaling by staleness tau.",
+)
+@click.option(
+    "--staleness-a",
+    default=0.5,
+    type=float,
+    help="Decay a of the poly, hinge and exp staleness functions.",
+)
 @click.option("--staleness-b", default=4.0, type=float, help="Hinge point b of 'hinge'.")
-@click.option("--max-staleness", type=int, default=None,
-              help="Async: reject pushes more than K versions old (worker re-pulls).")
-@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Directory for metrics.jsonl and summary.json.")
+@click.option(
+    "--max-staleness",
+    type=int,
+    default=None,
+    help="Async: reject pushes more than K versions old (worker re-pulls).",
+)
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Directory for metrics.jsonl and summary.json.",
+)
 @click.option("--seed", default=0, type=int, help="Seed for initialisation and shuffling.")
-@click.option("--cache-mb", default=2048, type=int,
-              help="Keep the sample array in memory when it is at most this large.")
-@click.option("--shutdown-timeout", "shutdown_timeout_s", default=10.0, type=float,
-              help="Seconds to wait for workers to collect their stop.")
+@click.option(
+    "--cache-mb",
+    default=2048,
+    type=int,
+    help="Keep the sample array in memory when it is at most this large.",
+)
+@click.option(
+    "--shutdown-timeout",
+    "shutdown_timeout_s",
+    default=10.0,
+    type=float,
+    help="Seconds to wait for workers to collect their stop.",
+)
 @click.option("--log-level", default="INFO", help="Logging level.")
 def start(log_level: str, **options: object) -> None:
     """Start a parameter server and serve until training ends."""

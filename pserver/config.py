@@ -53,43 +53,65 @@ class ServerConfig:
         Raises:
             ConfigError: a value is out of range; the message quotes it.
         """
+
         def need(ok: bool, what: str) -> None:
             if not ok:
                 raise ConfigError(what)
 
         need(self.mode in MODES, f"--mode {self.mode!r} is not one of {', '.join(MODES)}")
-        need(self.staleness in STALENESS,
-             f"--staleness {self.staleness!r} is not one of {', '.join(STALENESS)}")
-        need(self.optimizer in OPTIMIZERS,
-             f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-        need(self.lr_schedule in SCHEDULES,
-             f"--lr-schedule {self.lr_schedule!r} is not one of {', '.join(SCHEDULES)}")
+        need(
+            self.staleness in STALENESS,
+            f"--staleness {self.staleness!r} is not one of {', '.join(STALENESS)}",
+        )
+        need(
+            self.optimizer in OPTIMIZERS,
+            f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}",
+        )
+        need(
+            self.lr_schedule in SCHEDULES,
+            f"--lr-schedule {self.lr_schedule!r} is not one of {', '.join(SCHEDULES)}",
+        )
         need(self.workers >= 1, f"--workers must be >= 1, got {self.workers}")
         need(self.global_batch >= 1, f"--global-batch must be >= 1, got {self.global_batch}")
         need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
         need(0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}")
         need(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
-        need(0 <= self.warmup_fraction < 1,
-             f"--warmup-fraction must be in [0, 1), got {self.warmup_fraction}")
+        need(
+            0 <= self.warmup_fraction < 1,
+            f"--warmup-fraction must be in [0, 1), got {self.warmup_fraction}",
+        )
         need(self.epochs is None or self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}")
-        need(self.max_steps is None or self.max_steps >= 1,
-             f"--max-steps must be >= 1, got {self.max_steps}")
-        need(self.target_oa is None or 0 < self.target_oa <= 1,
-             f"--target-oa must be in (0, 1], got {self.target_oa}")
-        need(self.epochs is not None or self.max_steps is not None or self.target_oa is not None,
-             "give at least one of --epochs, --max-steps or --target-oa, or training never ends")
-        need(self.lr_schedule == "constant" or self.epochs is not None
-             or self.max_steps is not None,
-             f"--lr-schedule {self.lr_schedule} needs --epochs or --max-steps")
-        need(self.max_staleness is None or self.max_staleness >= 0,
-             f"--max-staleness must be >= 0, got {self.max_staleness}")
+        need(
+            self.max_steps is None or self.max_steps >= 1,
+            f"--max-steps must be >= 1, got {self.max_steps}",
+        )
+        need(
+            self.target_oa is None or 0 < self.target_oa <= 1,
+            f"--target-oa must be in (0, 1], got {self.target_oa}",
+        )
+        need(
+            self.epochs is not None or self.max_steps is not None or self.target_oa is not None,
+            "give at least one of --epochs, --max-steps or --target-oa, or training never ends",
+        )
+        need(
+            self.lr_schedule == "constant" or self.epochs is not None or self.max_steps is not None,
+            f"--lr-schedule {self.lr_schedule} needs --epochs or --max-steps",
+        )
+        need(
+            self.max_staleness is None or self.max_staleness >= 0,
+            f"--max-staleness must be >= 0, got {self.max_staleness}",
+        )
         need(self.staleness_a > 0, f"--staleness-a must be > 0, got {self.staleness_a}")
         need(self.staleness_b >= 0, f"--staleness-b must be >= 0, got {self.staleness_b}")
         need(self.cache_mb >= 0, f"--cache-mb must be >= 0, got {self.cache_mb}")
-        need(self.shutdown_timeout_s > 0,
-             f"--shutdown-timeout must be > 0, got {self.shutdown_timeout_s}")
-        need(self.bind.startswith(("tcp://", "ipc://", "inproc://")),
-             f"--bind {self.bind!r} must look like tcp://HOST:PORT")
+        need(
+            self.shutdown_timeout_s > 0,
+            f"--shutdown-timeout must be > 0, got {self.shutdown_timeout_s}",
+        )
+        need(
+            self.bind.startswith(("tcp://", "ipc://", "inproc://")),
+            f"--bind {self.bind!r} must look like tcp://HOST:PORT",
+        )
         need(self.dataset.exists(), f"--dataset {str(self.dataset)!r} does not exist")
         return self
 

@@ -21,8 +21,9 @@ class Evaluator:
         batch: evaluation batch size.
     """
 
-    def __init__(self, model: nn.Module, reader: DatasetReader, num_classes: int,
-                 batch: int = 512) -> None:
+    def __init__(
+        self, model: nn.Module, reader: DatasetReader, num_classes: int, batch: int = 512
+    ) -> None:
         self.model = model.eval()
         self.layout = FlatLayout(self.model)
         self.reader = reader

@@ -63,6 +63,13 @@ class WorkerInfo:
 
     def summary(self) -> dict[str, object]:
         """The per-worker entry of ``summary.json`` and ``pserver status``."""
-        return {"name": self.name, "device": self.device, "slowdown": self.slowdown,
-                "speed": round(self.speed, 3), "samples": self.samples, "pushes": self.pushes,
-                "rejected": self.rejected, "active": self.active}
+        return {
+            "name": self.name,
+            "device": self.device,
+            "slowdown": self.slowdown,
+            "speed": round(self.speed, 3),
+            "samples": self.samples,
+            "pushes": self.pushes,
+            "rejected": self.rejected,
+            "active": self.active,
+        }

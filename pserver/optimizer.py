@@ -25,9 +25,16 @@ class FlatOptimizer:
         betas, eps: Adam's constants.
     """
 
-    def __init__(self, kind: str, lr: float, momentum: float = 0.0, nesterov: bool = False,
-                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8) -> None:
+    def __init__(
+        self,
+        kind: str,
+        lr: float,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ) -> None:
         if kind not in ("sgd", "adam"):
             raise ConfigError(f"unknown optimizer {kind!r}")
         if nesterov and momentum <= 0:
@@ -37,8 +44,9 @@ class FlatOptimizer:
         self.steps = 0
         self.state: dict[str, torch.Tensor] = {}
 
-    def step(self, params: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
-             lr_scale: float = 1.0) -> None:
+    def step(
+        self, params: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, lr_scale: float = 1.0
+    ) -> None:
         """Write ``params`` updated by ``grad`` into ``out``; ``params`` is not modified.
 
         Args:
@@ -56,8 +64,7 @@ class FlatOptimizer:
         else:
             self._adam(params, grad, out, lr)
 
-    def _sgd(self, params: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
-             lr: float) -> None:
+    def _sgd(self, params: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, lr: float) -> None:
         direction = grad
         if self.momentum:
             buf = self.state.get("momentum")
@@ -68,8 +75,7 @@ class FlatOptimizer:
             direction = grad.add(buf, alpha=self.momentum) if self.nesterov else buf
         torch.add(params, direction, alpha=-lr, out=out)
 
-    def _adam(self, params: torch.Tensor, grad: torch.Tensor, out: torch.Tensor,
-              lr: float) -> None:
+    def _adam(self, params: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, lr: float) -> None:
         beta1, beta2 = self.betas
         if "exp_avg" not in self.state:
             self.state["exp_avg"] = torch.zeros_like(params)
@@ -77,8 +83,8 @@ class FlatOptimizer:
         exp_avg, exp_avg_sq = self.state["exp_avg"], self.state["exp_avg_sq"]
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias1 = 1 - beta1 ** self.steps
-        bias2 = 1 - beta2 ** self.steps
+        bias1 = 1 - beta1**self.steps
+        bias2 = 1 - beta2**self.steps
         denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(self.eps)
         torch.addcdiv(params, exp_avg, denom, value=-lr / bias1, out=out)
 

@@ -53,13 +53,18 @@ class EpochSampler:
         self._perm = rng.permutation(self.num_samples)
         self._cursor = 0
         self.ledgers[self.epoch] = EpochLedger(
-            self.epoch, self.num_samples, uses=np.zeros(self.num_samples, dtype=np.int32))
+            self.epoch, self.num_samples, uses=np.zeros(self.num_samples, dtype=np.int32)
+        )
 
     @property
     def exhausted(self) -> bool:
         """No more samples will be handed out."""
-        return (not self._returned and self.max_epochs is not None
-                and self.epoch >= self.max_epochs and self._cursor >= self.num_samples)
+        return (
+            not self._returned
+            and self.max_epochs is not None
+            and self.epoch >= self.max_epochs
+            and self._cursor >= self.num_samples
+        )
 
     def remaining_in_epoch(self) -> int:
         """Samples the next ``take`` can hand out from one epoch (starting a new one if needed)."""
@@ -83,7 +88,7 @@ class EpochSampler:
             if len(rest):
                 self._returned.appendleft((epoch, rest))
         else:
-            epoch, out = self.epoch, self._perm[self._cursor:self._cursor + n]
+            epoch, out = self.epoch, self._perm[self._cursor : self._cursor + n]
             self._cursor += n
         self.ledgers[epoch].handed_out += n
         return epoch, out

@@ -69,8 +69,9 @@ class ParameterServer:
         channels, height, _ = meta.shape
         model = build_model(config.model, channels, meta.num_classes, height)
         layout = FlatLayout(model)
-        self.trainer = Trainer(config, layout.read_state(), layout.num_params,
-                               len(self.reader.train_indices))
+        self.trainer = Trainer(
+            config, layout.read_state(), layout.num_params, len(self.reader.train_indices)
+        )
         self.evaluator = Evaluator(model, self.reader, meta.num_classes, config.eval_batch)
         self.policy = POLICIES[config.mode](self)
         self.workers: dict[int, WorkerInfo] = {}
@@ -90,14 +91,18 @@ class ParameterServer:
         self._train_mask = np.zeros(meta.num_samples, dtype=bool)
         self._train_mask[self.reader.train_indices] = True
         self._data_pool = concurrent.futures.ThreadPoolExecutor(
-            config.data_threads, thread_name_prefix="data")
+            config.data_threads, thread_name_prefix="data"
+        )
         self._eval_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="eval")
         self._zmq = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._handlers: dict[type[Message], Handler] = {
-            JoinRequest: self._on_join, TaskRequest: self._on_task_request,
-            PushRequest: self._on_push, DataRequest: self._on_data,
-            StatusRequest: self._on_status, LeaveRequest: self._on_leave,
+            JoinRequest: self._on_join,
+            TaskRequest: self._on_task_request,
+            PushRequest: self._on_push,
+            DataRequest: self._on_data,
+            StatusRequest: self._on_status,
+            LeaveRequest: self._on_leave,
         }
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -113,13 +118,23 @@ class ParameterServer:
         sock.bind(bind)
         self._sock = sock
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.log.event("start", address=self.address, mode=self.config.mode,
-                       model=self.config.model, dataset=str(self.config.dataset),
-                       state_size=self.trainer.state_size, train=len(self.reader.train_indices),
-                       test=len(self.reader.test_indices))
-        log.info("serving %s on %s (%d parameters and buffers, %d training samples)",
-                 self.config.mode, self.address, self.trainer.state_size,
-                 len(self.reader.train_indices))
+        self.log.event(
+            "start",
+            address=self.address,
+            mode=self.config.mode,
+            model=self.config.model,
+            dataset=str(self.config.dataset),
+            state_size=self.trainer.state_size,
+            train=len(self.reader.train_indices),
+            test=len(self.reader.test_indices),
+        )
+        log.info(
+            "serving %s on %s (%d parameters and buffers, %d training samples)",
+            self.config.mode,
+            self.address,
+            self.trainer.state_size,
+            len(self.reader.train_indices),
+        )
 
     async def serve(self) -> dict[str, Any]:
         """Serve until training has ended and the workers were told to stop.
@@ -163,8 +178,9 @@ class ParameterServer:
 
     # --- plumbing ----------------------------------------------------------------------------
 
-    def _spawn(self, work: Awaitable[Any], bucket: set[asyncio.Future[Any]] | None = None
-               ) -> asyncio.Future[Any]:
+    def _spawn(
+        self, work: Awaitable[Any], bucket: set[asyncio.Future[Any]] | None = None
+    ) -> asyncio.Future[Any]:
         """Run ``work`` in the background, owned by ``bucket`` (cancelled on close)."""
         owner = self._tasks if bucket is None else bucket
         task = asyncio.ensure_future(work)
@@ -197,8 +213,12 @@ class ParameterServer:
                 self._reply_error(identity, exc.request_id, exc.code, str(exc))
                 continue
             except RemoteError as exc:
-                self._reply_error(identity, 0, ErrorCode.BAD_FIELD,
-                                  f"servers take requests, not error replies ({exc})")
+                self._reply_error(
+                    identity,
+                    0,
+                    ErrorCode.BAD_FIELD,
+                    f"servers take requests, not error replies ({exc})",
+                )
                 continue
             self._spawn(self._handle(identity, request_id, message))
 
@@ -209,14 +229,16 @@ class ParameterServer:
             self._reply_error(identity, request_id, exc.code, str(exc))
         except Exception as exc:
             log.exception("failed to handle %s", message.TYPE)
-            self._reply_error(identity, request_id, ErrorCode.INTERNAL,
-                              f"{type(exc).__name__}: {exc}")
+            self._reply_error(
+                identity, request_id, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+            )
 
     def _member(self, worker_id: int) -> WorkerInfo:
         worker = self.workers.get(worker_id)
         if worker is None or not worker.active:
-            raise ProtocolError(ErrorCode.UNKNOWN_WORKER,
-                                f"worker id {worker_id} is not a member; join first")
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_WORKER, f"worker id {worker_id} is not a member; join first"
+            )
         return worker
 
     # --- services to the policies (PolicyContext) -------------------------------------------
@@ -234,8 +256,9 @@ class ParameterServer:
         """Members that have calibrated and take tasks, in join order."""
         return [w for w in self.workers.values() if w.active and w.ready]
 
-    def new_task(self, worker: WorkerInfo, epoch: int, positions: np.ndarray,
-                 round_id: int = -1) -> Task:
+    def new_task(
+        self, worker: WorkerInfo, epoch: int, positions: np.ndarray, round_id: int = -1
+    ) -> Task:
         """Create a task over training-split ``positions`` and queue it on ``worker``."""
         indices = self.reader.train_indices[positions].tolist()
         task = Task(self._next_task_id, epoch, positions, indices, round_id)
@@ -259,17 +282,37 @@ class ParameterServer:
                 continue
             hint = self.policy.prefetch_hint(worker)
             worker.waiter = None
-            self._reply(waiter.identity, waiter.request_id, TaskReply(
-                action="train", task_id=task.task_id, version=version, epoch=task.epoch,
-                indices=task.indices, prefetch=hint.indices if hint else [], params=params))
+            self._reply(
+                waiter.identity,
+                waiter.request_id,
+                TaskReply(
+                    action="train",
+                    task_id=task.task_id,
+                    version=version,
+                    epoch=task.epoch,
+                    indices=task.indices,
+                    prefetch=hint.indices if hint else [],
+                    params=params,
+                ),
+            )
 
     def _send_stop(self, worker: WorkerInfo) -> None:
         waiter, worker.waiter = worker.waiter, None
         worker.active = False
         if waiter is not None:
-            self._reply(waiter.identity, waiter.request_id, TaskReply(
-                action="stop", task_id=0, version=self.trainer.version, epoch=0, indices=[],
-                prefetch=[], params=np.zeros(0, dtype=np.float32)))
+            self._reply(
+                waiter.identity,
+                waiter.request_id,
+                TaskReply(
+                    action="stop",
+                    task_id=0,
+                    version=self.trainer.version,
+                    epoch=0,
+                    indices=[],
+                    prefetch=[],
+                    params=np.zeros(0, dtype=np.float32),
+                ),
+            )
         self.log.event("leave", worker=worker.name, reason="stop")
         if not self.members():
             self._workers_gone.set()
@@ -283,8 +326,13 @@ class ParameterServer:
             ledger = sampler.record_applied(task.epoch, task.positions)
             if ledger.complete:
                 exactly_once = bool((ledger.uses == 1).all())
-                self.log.event("epoch", epoch=ledger.epoch, samples=ledger.applied,
-                               exactly_once=exactly_once, version=self.trainer.version)
+                self.log.event(
+                    "epoch",
+                    epoch=ledger.epoch,
+                    samples=ledger.applied,
+                    exactly_once=exactly_once,
+                    version=self.trainer.version,
+                )
                 if not exactly_once:
                     log.error("epoch %d did not use every sample exactly once", ledger.epoch)
                 sampler.forget(ledger.epoch)
@@ -300,22 +348,39 @@ class ParameterServer:
     def _evaluate_now(self, epoch: int) -> None:
         version, state = self.trainer.snapshot
         t = self.log.now()
-        self._spawn(self._evaluate(version, epoch, state, t, self.trainer.samples_applied),
-                    self._evaluations)
+        self._spawn(
+            self._evaluate(version, epoch, state, t, self.trainer.samples_applied),
+            self._evaluations,
+        )
 
-    async def _evaluate(self, version: int, epoch: int, state: torch.Tensor, t: float,
-                        samples: int) -> None:
+    async def _evaluate(
+        self, version: int, epoch: int, state: torch.Tensor, t: float, samples: int
+    ) -> None:
         loop = asyncio.get_running_loop()
         begin = loop.time()
-        scores = await loop.run_in_executor(self._eval_pool, self.evaluator.evaluate,
-                                            state.numpy())
+        scores = await loop.run_in_executor(self._eval_pool, self.evaluator.evaluate, state.numpy())
         record = self.log.event(
-            "eval", t=t, version=version, epoch=epoch, samples=samples,
-            oa=scores.oa, aa=scores.aa, kappa=scores.kappa, loss=scores.loss,
-            eval_s=round(loop.time() - begin, 4))
+            "eval",
+            t=t,
+            version=version,
+            epoch=epoch,
+            samples=samples,
+            oa=scores.oa,
+            aa=scores.aa,
+            kappa=scores.kappa,
+            loss=scores.loss,
+            eval_s=round(loop.time() - begin, 4),
+        )
         self.evals.append(record)
-        log.info("epoch %d version %d: OA %.4f AA %.4f kappa %.4f loss %.4f", epoch, version,
-                 scores.oa, scores.aa, scores.kappa, scores.loss)
+        log.info(
+            "epoch %d version %d: OA %.4f AA %.4f kappa %.4f loss %.4f",
+            epoch,
+            version,
+            scores.oa,
+            scores.aa,
+            scores.kappa,
+            scores.loss,
+        )
         target = self.config.target_oa
         if target is not None and scores.oa >= target and self.time_to_target is None:
             self.time_to_target = t - (self.train_start or 0.0)
@@ -342,8 +407,11 @@ class ParameterServer:
         try:
             await asyncio.wait_for(self._workers_gone.wait(), self.config.shutdown_timeout_s)
         except TimeoutError:
-            log.warning("%d workers did not collect their stop within %.0f s",
-                        len(self.members()), self.config.shutdown_timeout_s)
+            log.warning(
+                "%d workers did not collect their stop within %.0f s",
+                len(self.members()),
+                self.config.shutdown_timeout_s,
+            )
         self.summary = build_summary(self)
         self.log.write_summary(self.summary)
         self._done.set()
@@ -354,24 +422,37 @@ class ParameterServer:
         if self._finished:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "training has ended")
         if msg.slowdown < 1 or msg.threads < 1 or not msg.name:
-            raise ProtocolError(ErrorCode.BAD_FIELD,
-                                f"join needs slowdown >= 1, threads >= 1 and a name; got "
-                                f"slowdown={msg.slowdown}, threads={msg.threads}, "
-                                f"name={msg.name!r}")
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"join needs slowdown >= 1, threads >= 1 and a name; got "
+                f"slowdown={msg.slowdown}, threads={msg.threads}, "
+                f"name={msg.name!r}",
+            )
         names = {w.name for w in self.workers.values()}
         name = msg.name if msg.name not in names else f"{msg.name}-{self._next_worker_id}"
-        worker = WorkerInfo(self._next_worker_id, name, msg.device, msg.slowdown, msg.threads,
-                            0.0, self.log.now())
+        worker = WorkerInfo(
+            self._next_worker_id, name, msg.device, msg.slowdown, msg.threads, 0.0, self.log.now()
+        )
         self._next_worker_id += 1
         self.workers[worker.worker_id] = worker
         self.log.event("join", worker=name, device=msg.device, slowdown=msg.slowdown)
         log.info("worker %s joined (%s, slowdown %.1f)", name, msg.device, msg.slowdown)
         channels, height, _ = self.meta.shape
-        self._reply(identity, request_id, JoinReply(
-            worker_id=worker.worker_id, mode=self.config.mode, model=self.config.model,
-            in_channels=channels, num_classes=self.meta.num_classes, input_size=height,
-            state_size=self.trainer.state_size, dataset_fingerprint=self.meta.fingerprint,
-            seed=self.config.seed))
+        self._reply(
+            identity,
+            request_id,
+            JoinReply(
+                worker_id=worker.worker_id,
+                mode=self.config.mode,
+                model=self.config.model,
+                in_channels=channels,
+                num_classes=self.meta.num_classes,
+                input_size=height,
+                state_size=self.trainer.state_size,
+                dataset_fingerprint=self.meta.fingerprint,
+                seed=self.config.seed,
+            ),
+        )
 
     async def _on_task_request(self, identity: bytes, request_id: int, msg: TaskRequest) -> None:
         worker = self._member(msg.worker_id)
@@ -400,15 +481,20 @@ class ParameterServer:
         task = worker.tasks[0] if worker.tasks else None
         if task is None or msg.task_id != task.task_id or self.policy.runnable(worker) is not task:
             # Also refuses a replay of a push that is being or has been applied.
-            raise ProtocolError(ErrorCode.WRONG_TASK,
-                                f"task {msg.task_id} is not the task this worker is running")
+            raise ProtocolError(
+                ErrorCode.WRONG_TASK, f"task {msg.task_id} is not the task this worker is running"
+            )
         if msg.batch_size != task.size:
-            raise ProtocolError(ErrorCode.BAD_FIELD,
-                                f"batch_size {msg.batch_size} differs from the task's {task.size}")
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"batch_size {msg.batch_size} differs from the task's {task.size}",
+            )
         if msg.state.dtype != np.float32 or msg.state.shape != (self.trainer.state_size,):
-            raise ProtocolError(ErrorCode.BAD_TENSOR,
-                                f"state must be float32 of shape ({self.trainer.state_size},), "
-                                f"got {msg.state.dtype} {tuple(msg.state.shape)}")
+            raise ProtocolError(
+                ErrorCode.BAD_TENSOR,
+                f"state must be float32 of shape ({self.trainer.state_size},), "
+                f"got {msg.state.dtype} {tuple(msg.state.shape)}",
+            )
         if not 0 <= msg.version <= self.trainer.version:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"version {msg.version} was never served")
         if msg.speed > 0:
@@ -426,10 +512,14 @@ class ParameterServer:
     async def _on_data(self, identity: bytes, request_id: int, msg: DataRequest) -> None:
         self._member(msg.worker_id)
         indices = np.asarray(msg.indices, dtype=np.int64)
-        if len(indices) and (indices.min() < 0 or indices.max() >= len(self._train_mask)
-                             or not self._train_mask[indices].all()):
-            raise ProtocolError(ErrorCode.BAD_FIELD,
-                                "data_request may only name indices of the training split")
+        if len(indices) and (
+            indices.min() < 0
+            or indices.max() >= len(self._train_mask)
+            or not self._train_mask[indices].all()
+        ):
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD, "data_request may only name indices of the training split"
+            )
         loop = asyncio.get_running_loop()
         x, y = await loop.run_in_executor(self._data_pool, self.reader.read, indices)
         self._reply(identity, request_id, DataReply(x=x, y=y))

@@ -56,7 +56,8 @@ def status_of(ps: ParameterServer) -> dict[str, Any]:
         "training": ps.train_start is not None and not ps.finished,
         "finished": ps.finished,
         "waiting_for": max(ps.config.workers - len(ps.active_workers()), 0)
-        if ps.train_start is None else 0,
+        if ps.train_start is None
+        else 0,
         "last_eval": _scores(last),
         "workers": [{"id": w.worker_id, **w.summary()} for w in ps.workers.values()],
     }

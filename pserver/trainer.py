@@ -53,15 +53,17 @@ class Trainer:
         train_count: size of the training split.
     """
 
-    def __init__(self, config: ServerConfig, initial_state: torch.Tensor, num_params: int,
-                 train_count: int) -> None:
+    def __init__(
+        self, config: ServerConfig, initial_state: torch.Tensor, num_params: int, train_count: int
+    ) -> None:
         self.config = config
         self.snapshot = Snapshot(0, initial_state.contiguous())
         self.num_params = num_params
         self.steps = 0
         self.samples_applied = 0
-        self.optimizer = FlatOptimizer(config.optimizer, config.lr, config.momentum,
-                                       config.nesterov, config.weight_decay)
+        self.optimizer = FlatOptimizer(
+            config.optimizer, config.lr, config.momentum, config.nesterov, config.weight_decay
+        )
         self.sampler = EpochSampler(train_count, config.seed, config.epochs)
         self.train_count = train_count
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="update")
@@ -97,15 +99,21 @@ class Trainer:
         Raises:
             ProtocolError: NON_FINITE; ``total`` is then unchanged.
         """
+
         def work() -> None:
             check_finite(push, "pushed gradient")
             total.add_(push, alpha=weight)
 
         await self._run(work)
 
-    async def apply(self, update: torch.Tensor, samples: int, buffer_scale: float,
-                    based_on: int | None = None,
-                    lr_scale_for: Callable[[int], float] = lambda tau: 1.0) -> int:
+    async def apply(
+        self,
+        update: torch.Tensor,
+        samples: int,
+        buffer_scale: float,
+        based_on: int | None = None,
+        lr_scale_for: Callable[[int], float] = lambda tau: 1.0,
+    ) -> int:
         """Apply one optimizer step with ``update = [gradient..., buffer change...]``.
 
         Args:

@@ -20,16 +20,35 @@ def main() -> None:
 @main.command()
 @click.option("--server", required=True, help="Server endpoint, e.g. tcp://HOST:5555.")
 @click.option("--device", default="cpu", help="cpu, cuda or cuda:N.")
-@click.option("--slowdown", default=1.0, type=float,
-              help="Emulate a device F times slower: after t s of compute, wait (F-1)*t s.")
+@click.option(
+    "--slowdown",
+    default=1.0,
+    type=float,
+    help="Emulate a device F times slower: after t s of compute, wait (F-1)*t s.",
+)
 @click.option("--name", default=socket.gethostname, help="Worker name in logs and metrics.")
 @click.option("--threads", default=1, type=int, help="Torch CPU threads.")
-@click.option("--join-timeout", "join_timeout_s", default=60.0, type=float,
-              help="Seconds to wait for the server to accept the join.")
-@click.option("--reply-timeout", "reply_timeout_s", default=600.0, type=float,
-              help="Seconds to wait for a task (sync rounds wait for the slowest worker).")
-@click.option("--data-timeout", "data_timeout_s", default=120.0, type=float,
-              help="Seconds to wait for a data reply.")
+@click.option(
+    "--join-timeout",
+    "join_timeout_s",
+    default=60.0,
+    type=float,
+    help="Seconds to wait for the server to accept the join.",
+)
+@click.option(
+    "--reply-timeout",
+    "reply_timeout_s",
+    default=600.0,
+    type=float,
+    help="Seconds to wait for a task (sync rounds wait for the slowest worker).",
+)
+@click.option(
+    "--data-timeout",
+    "data_timeout_s",
+    default=120.0,
+    type=float,
+    help="Seconds to wait for a data reply.",
+)
 @click.option("--log-every", default=50, type=int, help="Log progress every N steps.")
 @click.option("--log-level", default="INFO", help="Logging level.")
 def join(log_level: str, **options: object) -> None:
@@ -45,9 +64,11 @@ def join(log_level: str, **options: object) -> None:
         raise click.ClickException(str(exc)) from exc
     except KeyboardInterrupt:
         sys.exit(130)
-    click.echo(f"worker {name}: {stats.steps} steps, {stats.samples} samples, "
-               f"compute {stats.compute_s:.1f} s, data wait {stats.data_wait_s:.2f} s, "
-               f"wall {stats.wall_s:.1f} s")
+    click.echo(
+        f"worker {name}: {stats.steps} steps, {stats.samples} samples, "
+        f"compute {stats.compute_s:.1f} s, data wait {stats.data_wait_s:.2f} s, "
+        f"wall {stats.wall_s:.1f} s"
+    )
 
 
 if __name__ == "__main__":

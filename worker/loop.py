@@ -93,35 +93,55 @@ class Worker:
             self.stats.wall_s = time.perf_counter() - begin
             prefetcher.close()
             self.conn.close()
-        log.info("worker %s done: %d steps, %d samples, data wait %.1f%% of wall time",
-                 self.config.name, self.stats.steps, self.stats.samples,
-                 100 * self.stats.data_wait_s / max(self.stats.wall_s, 1e-9))
+        log.info(
+            "worker %s done: %d steps, %d samples, data wait %.1f%% of wall time",
+            self.config.name,
+            self.stats.steps,
+            self.stats.samples,
+            100 * self.stats.data_wait_s / max(self.stats.wall_s, 1e-9),
+        )
         return self.stats
 
     def _join(self) -> JoinReply:
         reply = self.conn.request(
-            JoinRequest(name=self.config.name, device=str(self.device),
-                        slowdown=self.config.slowdown, threads=self.config.threads),
-            timeout_s=self.config.join_timeout_s)
+            JoinRequest(
+                name=self.config.name,
+                device=str(self.device),
+                slowdown=self.config.slowdown,
+                threads=self.config.threads,
+            ),
+            timeout_s=self.config.join_timeout_s,
+        )
         assert isinstance(reply, JoinReply)
         self.worker_id = reply.worker_id
-        self.model = build_model(reply.model, reply.in_channels, reply.num_classes,
-                                 reply.input_size).to(self.device).train()
+        self.model = (
+            build_model(reply.model, reply.in_channels, reply.num_classes, reply.input_size)
+            .to(self.device)
+            .train()
+        )
         self.layout = FlatLayout(self.model)
         if self.layout.size != reply.state_size:
-            raise RemoteError(ErrorCode.BAD_TENSOR,
-                              f"model {reply.model} has {self.layout.size} values here but "
-                              f"{reply.state_size} on the server")
+            raise RemoteError(
+                ErrorCode.BAD_TENSOR,
+                f"model {reply.model} has {self.layout.size} values here but "
+                f"{reply.state_size} on the server",
+            )
         self._host_state = host_buffer(self.layout.size, self.device)
-        log.info("joined %s as worker %d (%s, model %s)", self.config.server, self.worker_id,
-                 reply.mode, reply.model)
+        log.info(
+            "joined %s as worker %d (%s, model %s)",
+            self.config.server,
+            self.worker_id,
+            reply.mode,
+            reply.model,
+        )
         return reply
 
     def _calibrate(self, spec: JoinReply) -> None:
         """Time a few steps on random data so the first plan already follows speeds."""
         batch = self.config.calibration_batch
-        x = torch.randn(batch, spec.in_channels, spec.input_size, spec.input_size,
-                        device=self.device)
+        x = torch.randn(
+            batch, spec.in_channels, spec.input_size, spec.input_size, device=self.device
+        )
         y = torch.randint(0, spec.num_classes, (batch,), device=self.device)
         state = self.layout.read_state()
         for _ in range(3):
@@ -175,12 +195,24 @@ class Worker:
         self.stats.steps += 1
         self.stats.samples += len(task.indices)
         if self.stats.steps % self.config.log_every == 0:
-            log.info("step %d epoch %d version %d: loss %.4f, %.1f samples/s",
-                     self.stats.steps, task.epoch, task.version, loss, self.speed.speed)
-        push = PushRequest(worker_id=self.worker_id, task_id=task.task_id, version=task.version,
-                           batch_size=len(task.indices), speed=self.speed.speed,
-                           compute_s=self.stats.compute_s - begin, loss=loss,
-                           state=update.numpy())
+            log.info(
+                "step %d epoch %d version %d: loss %.4f, %.1f samples/s",
+                self.stats.steps,
+                task.epoch,
+                task.version,
+                loss,
+                self.speed.speed,
+            )
+        push = PushRequest(
+            worker_id=self.worker_id,
+            task_id=task.task_id,
+            version=task.version,
+            batch_size=len(task.indices),
+            speed=self.speed.speed,
+            compute_s=self.stats.compute_s - begin,
+            loss=loss,
+            state=update.numpy(),
+        )
         try:
             reply = self.conn.request(push)
         except RemoteError as exc:
@@ -194,7 +226,6 @@ class Worker:
 
     def _leave(self, reason: str) -> None:
         try:
-            self.conn.request(LeaveRequest(worker_id=self.worker_id, reason=reason),
-                              timeout_s=2.0)
+            self.conn.request(LeaveRequest(worker_id=self.worker_id, reason=reason), timeout_s=2.0)
         except Exception as exc:  # best effort on the way out
             log.debug("leave not acknowledged: %s", exc)

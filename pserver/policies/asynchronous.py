@@ -51,22 +51,26 @@ class AsyncPolicy(ModePolicy):
     def runnable(self, worker: WorkerInfo) -> Task | None:
         return worker.tasks[0] if worker.tasks and not worker.tasks[0].pushed else None
 
-    async def on_push(self, worker: WorkerInfo, task: Task, push: PushRequest,
-                      update: torch.Tensor) -> None:
+    async def on_push(
+        self, worker: WorkerInfo, task: Task, push: PushRequest, update: torch.Tensor
+    ) -> None:
         cfg = self.ctx.config
         share = task.size / cfg.global_batch
         limit = cfg.max_staleness
 
         def lr_scale(tau: int) -> float:
             if limit is not None and tau > limit:
-                raise ProtocolError(ErrorCode.STALE,
-                                    f"push is {tau} versions old, more than --max-staleness "
-                                    f"{limit}; pull the current parameters and recompute")
+                raise ProtocolError(
+                    ErrorCode.STALE,
+                    f"push is {tau} versions old, more than --max-staleness "
+                    f"{limit}; pull the current parameters and recompute",
+                )
             return share * self.f(tau)
 
         try:
-            tau = await self.ctx.trainer.apply(update, task.size, buffer_scale=share,
-                                               based_on=push.version, lr_scale_for=lr_scale)
+            tau = await self.ctx.trainer.apply(
+                update, task.size, buffer_scale=share, based_on=push.version, lr_scale_for=lr_scale
+            )
         except ProtocolError as exc:
             if exc.code == ErrorCode.STALE:
                 self.rejected += 1
@@ -76,9 +80,15 @@ class AsyncPolicy(ModePolicy):
         self.staleness_sum += tau
         self.staleness_max = max(self.staleness_max, tau)
         worker.tasks.popleft()
-        self.ctx.log.event("push", worker=worker.name, batch=task.size, epoch=task.epoch,
-                           speed=round(worker.speed, 3), staleness=tau,
-                           version=self.ctx.trainer.version)
+        self.ctx.log.event(
+            "push",
+            worker=worker.name,
+            batch=task.size,
+            epoch=task.epoch,
+            speed=round(worker.speed, 3),
+            staleness=tau,
+            version=self.ctx.trainer.version,
+        )
         self.ctx.account([(worker, task)])
         self._fill(worker)
         self.ctx.release()

@@ -29,8 +29,9 @@ class PolicyContext(Protocol):
     def active_workers(self) -> list[WorkerInfo]:
         """Members that are still training, in join order."""
 
-    def new_task(self, worker: WorkerInfo, epoch: int, positions: np.ndarray,
-                 round_id: int = -1) -> Task:
+    def new_task(
+        self, worker: WorkerInfo, epoch: int, positions: np.ndarray, round_id: int = -1
+    ) -> Task:
         """Create a task over ``positions`` and queue it on ``worker``."""
 
     def release(self) -> None:
@@ -64,8 +65,9 @@ class ModePolicy(abc.ABC):
         """A worker joined after training started."""
 
     @abc.abstractmethod
-    async def on_push(self, worker: WorkerInfo, task: Task, push: PushRequest,
-                      update: torch.Tensor) -> None:
+    async def on_push(
+        self, worker: WorkerInfo, task: Task, push: PushRequest, update: torch.Tensor
+    ) -> None:
         """Combine a validated push for ``task`` (``worker.tasks[0]``).
 
         Raises:

@@ -82,9 +82,9 @@ class SyncRounds(ModePolicy):
         for worker in workers:
             n = sizes.get(worker.worker_id, 0)
             if n:
-                tasks[worker.worker_id] = ctx.new_task(worker, epoch,
-                                                       positions[offset:offset + n],
-                                                       self.next_round_id)
+                tasks[worker.worker_id] = ctx.new_task(
+                    worker, epoch, positions[offset : offset + n], self.next_round_id
+                )
                 offset += n
         self.rounds.append(Round(self.next_round_id, epoch, tasks, self.weights(sizes)))
         self.next_round_id += 1
@@ -103,8 +103,9 @@ class SyncRounds(ModePolicy):
             return task
         return None
 
-    async def on_push(self, worker: WorkerInfo, task: Task, push: PushRequest,
-                      update: torch.Tensor) -> None:
+    async def on_push(
+        self, worker: WorkerInfo, task: Task, push: PushRequest, update: torch.Tensor
+    ) -> None:
         current = self.rounds[0]
         wid = worker.worker_id
         weight = current.weights[wid]
@@ -131,8 +132,11 @@ class SyncRounds(ModePolicy):
         if current.closing or not current.received.issuperset(current.tasks):
             return
         current.closing = True
-        done = [(w, current.tasks[w.worker_id]) for w in self.ctx.active_workers()
-                if w.worker_id in current.received and w.worker_id in current.tasks]
+        done = [
+            (w, current.tasks[w.worker_id])
+            for w in self.ctx.active_workers()
+            if w.worker_id in current.received and w.worker_id in current.tasks
+        ]
         samples = sum(t.size for _, t in done)
         if current.total is not None and current.weight_in > 0:
             # Weights sum to 1 over the planned tasks; renormalise over what arrived.
@@ -140,11 +144,15 @@ class SyncRounds(ModePolicy):
             await self.ctx.trainer.apply(current.total, samples, buffer_scale=1.0)
         self.round_times.append(time.monotonic() - current.started)
         self.ctx.log.event(
-            "round", round=current.round_id, epoch=current.epoch,
+            "round",
+            round=current.round_id,
+            epoch=current.epoch,
             version=self.ctx.trainer.version,
             round_s=round(self.round_times[-1], 6),
-            workers=[{"worker": w.name, "batch": t.size, "speed": round(w.speed, 3)}
-                     for w, t in done])
+            workers=[
+                {"worker": w.name, "batch": t.size, "speed": round(w.speed, 3)} for w, t in done
+            ],
+        )
         self.rounds.popleft()
         self.ctx.account(done)
         self._plan()
@@ -152,5 +160,8 @@ class SyncRounds(ModePolicy):
 
     def summary(self) -> dict[str, object]:
         times = np.array(self.round_times) if self.round_times else np.zeros(1)
-        return {"rounds": len(self.round_times), "round_s_median": float(np.median(times)),
-                "round_s_mean": float(times.mean())}
+        return {
+            "rounds": len(self.round_times),
+            "round_s_median": float(np.median(times)),
+            "round_s_mean": float(times.mean()),
+        }
