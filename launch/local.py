@@ -32,6 +32,8 @@ class LocalCluster:
         run_dir: the server's run directory (metrics.jsonl, summary.json, logs).
         server_options: further ``pserver start`` options, e.g. ``["--epochs", "5"]``.
         devices: one device per worker (``cpu``, ``cuda:N``), or one for all.
+        slowdown_schedules: per worker, ``STEP:F,...`` changes of its slowdown ("" for none).
+        worker_options: further ``worker join`` options for every worker.
         startup_timeout_s: how long the server may take to start listening.
         run_timeout_s: how long the whole run may take before it is stopped.
     """
@@ -43,6 +45,8 @@ class LocalCluster:
     run_dir: Path
     server_options: tuple[str, ...] = ()
     devices: tuple[str, ...] = ("cpu",)
+    slowdown_schedules: tuple[str, ...] = ()
+    worker_options: tuple[str, ...] = ()
     startup_timeout_s: float = 120.0
     run_timeout_s: float = 3600.0
 
@@ -56,6 +60,11 @@ class LocalCluster:
             raise ConfigError("give at least one worker")
         if any(s < 1 for s in self.slowdowns):
             raise ConfigError(f"slowdowns must be >= 1, got {list(self.slowdowns)}")
+        if self.slowdown_schedules and len(self.slowdown_schedules) != len(self.slowdowns):
+            raise ConfigError(
+                f"{len(self.slowdown_schedules)} slowdown schedules for "
+                f"{len(self.slowdowns)} workers"
+            )
         if len(self.devices) not in (1, len(self.slowdowns)):
             raise ConfigError(
                 f"--devices lists {len(self.devices)} devices for {len(self.slowdowns)} workers"
@@ -144,19 +153,11 @@ def run_local(cluster: LocalCluster, log_stream: IO[str] | None = None) -> dict[
         for i, slowdown in enumerate(cluster.slowdowns):
             device = cluster.devices[i if len(cluster.devices) > 1 else 0]
             name = f"w{i}-x{slowdown:g}"
+            schedule = cluster.slowdown_schedules[i] if cluster.slowdown_schedules else ""
+            args = ["--server", address, "--device", device, "--slowdown", str(slowdown)]
+            args += ["--name", name, "--slowdown-schedule", schedule]
             proc = subprocess.Popen(
-                _python_module(
-                    "worker.cli",
-                    "join",
-                    "--server",
-                    address,
-                    "--device",
-                    device,
-                    "--slowdown",
-                    str(slowdown),
-                    "--name",
-                    name,
-                ),
+                _python_module("worker.cli", "join", *args, *cluster.worker_options),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,

@@ -26,6 +26,12 @@ def main() -> None:
     type=float,
     help="Emulate a device F times slower: after t s of compute, wait (F-1)*t s.",
 )
+@click.option(
+    "--slowdown-schedule",
+    default="",
+    help="Change the slowdown during training: STEP:F[,STEP:F...], e.g. 200:3 makes the worker "
+    "3x slower from its 200th step on.",
+)
 @click.option("--name", default=socket.gethostname, help="Worker name in logs and metrics.")
 @click.option("--threads", default=1, type=int, help="Torch CPU threads.")
 @click.option(

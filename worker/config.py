@@ -6,6 +6,7 @@ import dataclasses
 import socket
 
 from common.errors import ConfigError
+from common.slowdown import SlowdownSchedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,6 +16,7 @@ class WorkerConfig:
     server: str
     device: str = "cpu"
     slowdown: float = 1.0
+    slowdown_schedule: str = ""
     name: str = dataclasses.field(default_factory=socket.gethostname)
     threads: int = 1
     join_timeout_s: float = 60.0
@@ -38,6 +40,7 @@ class WorkerConfig:
             raise ConfigError(f"--device {self.device!r} must be cpu or cuda:N")
         if self.slowdown < 1:
             raise ConfigError(f"--slowdown must be >= 1, got {self.slowdown}")
+        SlowdownSchedule(self.slowdown, self.slowdown_schedule)  # raises on a malformed one
         if self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         if not self.name:

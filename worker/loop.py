@@ -22,6 +22,7 @@ from common.messages import (
     TaskRequest,
 )
 from common.models import build_model
+from common.slowdown import SlowdownSchedule
 from worker.config import WorkerConfig
 from worker.device import host_buffer, resolve_device, synchronize
 from worker.prefetch import Prefetcher
@@ -61,6 +62,7 @@ class Worker:
         torch.set_num_threads(config.threads)
         self.conn = Connection(config.server, config.reply_timeout_s)
         self.speed = SpeedMeter()
+        self.slowdown = SlowdownSchedule(config.slowdown, config.slowdown_schedule)
         self.stats = WorkerStats()
         self.worker_id = 0
         self.model: nn.Module | None = None
@@ -158,11 +160,9 @@ class Worker:
         loss = nn.functional.cross_entropy(self.model(x), y)
         loss.backward()
         synchronize(self.device)
-        compute = time.perf_counter() - start
-        if self.config.slowdown > 1:
-            time.sleep((self.config.slowdown - 1) * compute)
-        self.speed.update(len(y), compute * self.config.slowdown)
-        self.stats.compute_s += compute * self.config.slowdown
+        emulated = self.slowdown.emulate(self.stats.steps, time.perf_counter() - start)
+        self.speed.update(len(y), emulated)
+        self.stats.compute_s += emulated
         return float(loss.detach())
 
     def _request_task(self) -> TaskReply:

@@ -1,0 +1,58 @@
+"""Emulated heterogeneity: a device F times slower waits (F-1)·t after t seconds of compute.
+
+Shared by parameter-server workers and DDP ranks so both follow the same rule. Only compute
+time counts: time spent communicating or waiting on other processes is never scaled, since in
+DDP the backward pass contains the all-reduce and scaling it would feed back without bound.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+
+from common.errors import ConfigError
+
+
+class SlowdownSchedule:
+    """The slowdown factor as a function of the local step.
+
+    Args:
+        initial: factor from step 0 (>= 1).
+        changes: ``"STEP:F,STEP:F"``: from local step STEP on, the factor is F.
+
+    Raises:
+        ConfigError: a malformed entry or a factor below 1.
+    """
+
+    def __init__(self, initial: float = 1.0, changes: str = "") -> None:
+        points: list[tuple[int, float]] = [(0, float(initial))]
+        for entry in filter(None, (e.strip() for e in changes.split(","))):
+            step, sep, factor = entry.partition(":")
+            try:
+                points.append((int(step), float(factor)))
+            except ValueError:
+                raise ConfigError(
+                    f"slowdown change {entry!r} is not STEP:FACTOR (e.g. 200:3)"
+                ) from None
+            if not sep:
+                raise ConfigError(f"slowdown change {entry!r} is not STEP:FACTOR (e.g. 200:3)")
+        points.sort()
+        if any(f < 1 for _, f in points):
+            raise ConfigError(f"slowdown factors must be >= 1, got {[f for _, f in points]}")
+        self._steps = [s for s, _ in points]
+        self._factors = [f for _, f in points]
+
+    def factor(self, step: int) -> float:
+        """The factor in force at local step ``step``."""
+        return self._factors[bisect.bisect_right(self._steps, step) - 1]
+
+    def emulate(self, step: int, compute_s: float) -> float:
+        """Sleep (F-1)·compute_s for this step's factor F.
+
+        Returns:
+            The emulated compute time F·compute_s.
+        """
+        factor = self.factor(step)
+        if factor > 1:
+            time.sleep((factor - 1) * compute_s)
+        return factor * compute_s
