@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from common.errors import ModelError
@@ -52,9 +53,121 @@ def scene_cnn(in_channels: int, num_classes: int, input_size: int) -> nn.Module:
     )
 
 
+class BasicBlock(nn.Module):
+    """ResNet basic block: two 3x3 convolutions with a (projected) identity shortcut."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x))."""
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + self.shortcut(x))
+
+
+def _zero_last_bn(model: nn.Module) -> None:
+    """Start every residual branch at zero (Goyal et al. 2017): helps large-batch training."""
+    for block in model.modules():
+        if isinstance(block, BasicBlock):
+            nn.init.zeros_(block.bn2.weight)
+
+
+def resnet18(in_channels: int, num_classes: int, input_size: int) -> nn.Module:
+    """ResNet-18 (He et al. 2016: four stages of two basic blocks, 64-128-256-512 channels)
+    for any number of input bands. The stem depends on the input size (see docs/models.md):
+    >= 128 px: the ImageNet stem (7x7 stride-2 conv, 3x3 stride-2 max-pool); 33-127 px (e.g.
+    EuroSAT 64x64): a 3x3 stride-2 conv without max-pool; <= 32 px (CIFAR-sized images, HSI
+    patches): a 3x3 stride-1 conv without max-pool. A stage halves the resolution only while
+    its input is at least 4 px across, so 5x5 patches keep 3x3 maps with BatchNorm statistics.
+    About 11.2 M parameters for 10 classes (11.17-11.29 M from 3 to 200 bands)."""
+    if input_size >= 128:
+        stem: list[nn.Module] = [
+            nn.Conv2d(in_channels, 64, 7, stride=2, padding=3, bias=False),
+            nn.BatchNorm2d(64),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, stride=2, padding=1),
+        ]
+        side = (input_size + 1) // 2
+        side = (side + 1) // 2
+    else:
+        stride = 2 if input_size > 32 else 1
+        stem = [
+            nn.Conv2d(in_channels, 64, 3, stride=stride, padding=1, bias=False),
+            nn.BatchNorm2d(64),
+            nn.ReLU(inplace=True),
+        ]
+        side = (input_size - 1) // stride + 1
+    layers: list[nn.Module] = []
+    cin = 64
+    for i, cout in enumerate((64, 128, 256, 512)):
+        stride = 2 if i > 0 and side >= 4 else 1
+        side = (side - 1) // stride + 1
+        layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+        cin = cout
+    model = nn.Sequential(
+        *stem, *layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, num_classes)
+    )
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+    _zero_last_bn(model)
+    return model
+
+
+class HSI3DCNN(nn.Module):
+    """3-D CNN over (spectrum, rows, cols) of (C, P, P) hyperspectral patches."""
+
+    def __init__(self, in_channels: int, num_classes: int, depth: int = 8) -> None:
+        super().__init__()
+        widths = (1, 8, 16, 32)
+        kernels = (7, 5, 3)
+        spectral: list[nn.Module] = []
+        for cin, cout, k in zip(widths[:-1], widths[1:], kernels, strict=True):
+            spectral += [
+                nn.Conv3d(cin, cout, (k, 3, 3), stride=(2, 1, 1), padding=(k // 2, 1, 1)),
+                nn.BatchNorm3d(cout),
+                nn.ReLU(inplace=True),
+            ]
+        self.spectral = nn.Sequential(*spectral, nn.AdaptiveAvgPool3d((depth, None, None)))
+        self.spatial = nn.Sequential(
+            nn.Conv2d(widths[-1] * depth, 64, 3, padding=1, bias=False),
+            nn.BatchNorm2d(64),
+            nn.ReLU(inplace=True),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(64, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map (N, C, P, P) patches to (N, num_classes) logits."""
+        f = self.spectral(x.unsqueeze(1))  # (N, 32, depth, P, P)
+        return self.spatial(f.flatten(1, 2))
+
+
+def hsi_3dcnn(in_channels: int, num_classes: int, input_size: int) -> nn.Module:
+    """Small 3-D CNN for hyperspectral patches: three Conv3d layers (kernels 7/5/3 bands x 3x3
+    pixels, spectral stride 2), spectral pooling to 8 depths, the depths folded into channels
+    for one 3x3 Conv2d, then global pooling (about 170 k parameters); any band count and odd or
+    even patch size."""
+    return HSI3DCNN(in_channels, num_classes)
+
+
 BUILTIN: dict[str, Callable[[int, int, int], nn.Module]] = {
     "hsi-cnn": hsi_cnn,
     "scene-cnn": scene_cnn,
+    "resnet18": resnet18,
+    "hsi-3dcnn": hsi_3dcnn,
 }
 
 

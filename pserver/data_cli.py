@@ -96,9 +96,39 @@ def prepare_hsi_cmd(
 @click.option(
     "--out", required=True, type=click.Path(dir_okay=False), help="The HDF5 file to write."
 )
-def prepare_folder_cmd(directory: str, out: str) -> None:
-    """Build a scenes dataset from DIR/<class>/*.tif|png|jpg (EuroSAT layout)."""
-    raise click.ClickException("not implemented yet: see issue 3")
+@click.option(
+    "--train-fraction",
+    default=0.8,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
+    help="Fraction of each class's images used for training.",
+)
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the split.")
+@click.option(
+    "--size",
+    type=click.IntRange(min=1),
+    default=None,
+    show_default=True,
+    help="Resize every image to SIZE x SIZE (default: keep; all images must share one size).",
+)
+def prepare_folder_cmd(
+    directory: str, out: str, train_fraction: float, seed: int, size: int | None
+) -> None:
+    """Build a scenes dataset from DIR/<class>/*.tif|tiff|png|jpg|jpeg (EuroSAT layout).
+
+    Class names are the sorted folder names; TIFFs may have any number of bands.
+    """
+    from common.folder import prepare_folder
+
+    meta = _run(
+        prepare_folder,
+        directory=directory,
+        out=out,
+        train_fraction=train_fraction,
+        seed=seed,
+        size=size,
+    )
+    click.echo(_summary(meta))
 
 
 @data_group.command("synth")

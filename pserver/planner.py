@@ -23,13 +23,18 @@ def plan_batches(speeds: dict[int, float], total: int) -> dict[int, int]:
     order = sorted(speeds, key=lambda w: (-speeds[w], w))
     if total < len(order):
         return {w: 1 for w in order[:total]}
-    free = total - len(order)
     norm = sum(speeds.values())
-    shares = {w: free * speeds[w] / norm for w in order}
-    sizes = {w: 1 + math.floor(shares[w]) for w in order}
+    shares = {w: total * speeds[w] / norm for w in order}
+    sizes = {w: math.floor(shares[w]) for w in order}
     left = total - sum(sizes.values())
-    for w in sorted(order, key=lambda w: (-(shares[w] - math.floor(shares[w])), w))[:left]:
+    by_remainder = sorted(order, key=lambda w: (-(shares[w] - sizes[w]), w))
+    for w in by_remainder[:left]:
         sizes[w] += 1
+    for w in order:  # every worker takes part: lend one sample from the largest batch
+        if sizes[w] == 0:
+            largest = max(order, key=lambda v: (sizes[v], -v))
+            sizes[largest] -= 1
+            sizes[w] = 1
     return sizes
 
 

@@ -59,5 +59,7 @@ def status_of(ps: ParameterServer) -> dict[str, Any]:
         if ps.train_start is None
         else 0,
         "last_eval": _scores(last),
-        "workers": [{"id": w.worker_id, **w.summary()} for w in ps.workers.values()],
+        "workers": [
+            {"id": w.worker_id, "ready": w.ready, **w.summary()} for w in ps.workers.values()
+        ],
     }

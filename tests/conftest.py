@@ -39,3 +39,13 @@ def jasper_h5(jasper_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
         seed=0,
     )
     return out
+
+
+@pytest.fixture(scope="session")
+def small_hsi(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small synthetic hyperspectral dataset (16 bands, 24x24 scene, 30 % train)."""
+    from common.synth import synth_hsi
+
+    out = tmp_path_factory.mktemp("synth") / "small_hsi.h5"
+    synth_hsi(out, bands=16, size=24, classes=4, train_fraction=0.3, seed=1)
+    return out

@@ -1,0 +1,162 @@
+"""One DDP training step whose emulated slowdown scales compute time only.
+
+Why not let DDP's backward all-reduce the gradients: that backward also waits for the slowest
+rank, so a rank that measured it and slept (F-1) times as long would be emulating its wait, not
+its compute. Its next step ends later, the others wait longer, and with two slowed ranks each
+one's wait grows the other's: the step time feeds back without bound. So a step here is
+
+1. forward and backward under ``ddp_model.no_sync()`` (no communication), timed with a
+   device synchronisation on both ends: the compute time t;
+2. ``SlowdownSchedule.emulate``: sleep (F-1)·t, so this rank looks F times slower;
+3. one flat ``all_reduce`` (SUM) of ``[gradients, buffer changes, tail]``, then division by the
+   number of ranks that had samples: the plain mean of the ranks' mean gradients, exactly
+   what equal-sync computes; the tail carries each rank's compute and emulated time and its
+   loss, so rank 0 learns every rank's speed without another collective.
+
+Only steps 1-2 are ever scaled, so a rank's emulated time is F·t whatever the others do, and the
+step time is max_r(F_r·t_r) plus the all-reduce. Float buffers (BatchNorm running statistics)
+are averaged the same way, as the parameter server averages their changes; integer buffers stay
+local, as they do on parameter-server workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from common.slowdown import SlowdownSchedule
+from worker.device import synchronize
+
+AllReduce = Callable[[torch.Tensor], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one step did on every rank (identical on all ranks after the all-reduce).
+
+    Attributes:
+        loss: mean training loss over the ranks that had samples, weighted by their samples.
+        compute_s: per rank, the measured compute time t_r.
+        emulated_s: per rank, the emulated compute time F_r·t_r.
+        active: how many ranks had samples.
+    """
+
+    loss: float
+    compute_s: tuple[float, ...]
+    emulated_s: tuple[float, ...]
+    active: int
+
+
+class ComputeOnlyStep:
+    """Forward/backward without communication, emulated slowdown, then one flat all-reduce.
+
+    Args:
+        model: the module whose parameters and buffers are trained (not the DDP wrapper).
+        forward: the module to call for the forward pass (the DDP wrapper when distributed).
+        rank, world_size: this process's rank and the number of ranks.
+        device: where the model lives.
+        schedule: this rank's slowdown schedule.
+        all_reduce: sums a tensor over all ranks in place (not called when world_size is 1).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        forward: nn.Module,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        schedule: SlowdownSchedule,
+        all_reduce: AllReduce,
+    ) -> None:
+        self.model, self.forward = model, forward
+        self.rank, self.world_size = rank, world_size
+        self.device = device
+        self.schedule = schedule
+        self.all_reduce = all_reduce
+        self.params = list(model.parameters())
+        self.buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self.num_params = sum(p.numel() for p in self.params)
+        self.num_buffers = sum(b.numel() for b in self.buffers)
+
+    def _no_sync(self) -> contextlib.AbstractContextManager[object]:
+        no_sync = getattr(self.forward, "no_sync", None)
+        return no_sync() if no_sync is not None else contextlib.nullcontext()
+
+    def _compute(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        """Forward and backward with no communication; returns (loss, compute seconds)."""
+        synchronize(self.device)
+        start = time.perf_counter()
+        with self._no_sync():
+            self.model.zero_grad(set_to_none=False)
+            loss = nn.functional.cross_entropy(self.forward(x), y)
+            loss.backward()
+        synchronize(self.device)
+        return float(loss.detach()), time.perf_counter() - start
+
+    def run(self, step: int, x: torch.Tensor, y: torch.Tensor) -> StepResult:
+        """Compute this rank's gradients on ``(x, y)`` and average them over the ranks.
+
+        Afterwards every parameter's ``.grad`` holds the mean over ranks with samples and the
+        float buffers hold their mean; the caller applies the optimizer.
+
+        Args:
+            step: the step number (0-based) that selects the slowdown factor.
+            x, y: this rank's local batch on ``self.device``; may be empty.
+
+        Returns:
+            The step's loss and per-rank timings.
+        """
+        p, b, w = self.num_params, self.num_buffers, self.world_size
+        before = self._flat(self.buffers)
+        samples = len(y)
+        loss, compute = self._compute(x, y) if samples else (0.0, 0.0)
+        emulated = self.schedule.emulate(step, compute) if samples else 0.0
+        # Layout: [gradients (p), buffer changes (b), active, loss sum, samples, t_r (w), F_r·t_r (w)]
+        flat = torch.zeros(p + b + 3 + 2 * w, device=self.device)
+        head = p + b
+        if samples:
+            flat[:p] = self._flat([_grad(q) for q in self.params])
+            flat[p:head] = self._flat(self.buffers) - before
+            flat[head : head + 3] = torch.tensor([1.0, loss * samples, float(samples)])
+        flat[head + 3 + self.rank] = compute
+        flat[head + 3 + w + self.rank] = emulated
+        if w > 1:
+            self.all_reduce(flat)
+        active, loss_sum, total, *times = flat[head:].tolist()
+        scale = 1.0 / max(active, 1.0)
+        flat[:head].mul_(scale)
+        with torch.no_grad():
+            offset = 0
+            for q in self.params:
+                grad = flat[offset : offset + q.numel()].view_as(q)
+                if q.grad is None:
+                    q.grad = grad.clone()
+                else:
+                    q.grad.copy_(grad)
+                offset += q.numel()
+            new_buffers = before + flat[p:head]
+            offset = 0
+            for buf in self.buffers:
+                buf.copy_(new_buffers[offset : offset + buf.numel()].view_as(buf))
+                offset += buf.numel()
+        return StepResult(
+            loss=loss_sum / max(total, 1.0),
+            compute_s=tuple(times[:w]),
+            emulated_s=tuple(times[w:]),
+            active=round(active),
+        )
+
+    def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        if not tensors:
+            return torch.zeros(0, device=self.device)
+        return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+
+def _grad(param: torch.Tensor) -> torch.Tensor:
+    return param.grad if param.grad is not None else torch.zeros_like(param)

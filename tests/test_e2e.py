@@ -1,0 +1,127 @@
+"""End to end on real data: a server and heterogeneous worker processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.local import LocalCluster, run_local
+
+SUMMARY_KEYS = {
+    "mode",
+    "model",
+    "dataset",
+    "wall_time_s",
+    "train_time_s",
+    "steps",
+    "epochs",
+    "samples_seen",
+    "final",
+    "best_oa",
+    "target_oa",
+    "time_to_target_s",
+    "workers",
+    "staleness",
+}
+EVAL_KEYS = {"event", "t", "version", "epoch", "samples", "oa", "aa", "kappa", "loss"}
+EPOCHS = 10
+
+
+def _events(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["weighted-sync", "async"])
+def test_jasper_ridge_three_heterogeneous_workers(
+    jasper_h5: Path, tmp_path: Path, mode: str
+) -> None:
+    run_dir = tmp_path / mode
+    cluster = LocalCluster(
+        dataset=jasper_h5,
+        model="hsi-cnn",
+        mode=mode,
+        slowdowns=(1.0, 2.0, 4.0),
+        run_dir=run_dir,
+        server_options=(
+            "--epochs",
+            str(EPOCHS),
+            "--lr",
+            "0.05",
+            "--lr-schedule",
+            "cosine",
+            "--staleness",
+            "inverse",
+        ),
+    )
+    summary = run_local(cluster)
+
+    assert SUMMARY_KEYS <= set(summary)
+    assert summary["worker_exit_codes"] == [0, 0, 0]
+    assert summary["final"]["oa"] >= 0.85, summary["final"]
+    assert set(summary["final"]) == {"oa", "aa", "kappa", "loss"}
+    assert summary["epochs"] == EPOCHS
+    train_count = 964  # 10 % of Jasper Ridge's 9,639 labelled pixels
+    assert summary["samples_seen"] == EPOCHS * train_count
+    by_slowdown = {w["slowdown"]: w for w in summary["workers"]}
+    assert set(by_slowdown) == {1.0, 2.0, 4.0}
+    assert all(
+        {"name", "slowdown", "speed", "samples", "pushes"} <= set(w) for w in summary["workers"]
+    )
+    if mode == "weighted-sync":
+        assert summary["staleness"] is None
+        assert by_slowdown[1.0]["samples"] >= 2.5 * by_slowdown[4.0]["samples"]
+    else:
+        assert summary["staleness"]["max"] >= 1 and summary["staleness"]["mean"] > 0
+
+    events = _events(run_dir)
+    assert all({"event", "t"} <= set(e) for e in events)
+    evals = [e for e in events if e["event"] == "eval"]
+    assert [e["epoch"] for e in evals] == list(range(1, EPOCHS + 1))
+    assert all(EVAL_KEYS <= set(e) for e in evals)
+    epochs = [e for e in events if e["event"] == "epoch"]
+    assert len(epochs) == EPOCHS
+    assert all(e["exactly_once"] and e["samples"] == train_count for e in epochs)
+    assert {e["worker"] for e in events if e["event"] == "join"} == {
+        w["name"] for w in summary["workers"]
+    }
+    assert len([e for e in events if e["event"] == "leave"]) == 3
+    per_update = [e for e in events if e["event"] in ("round", "push")]
+    assert per_update and len(per_update) == summary["steps"]
+    if mode == "async":
+        assert all({"worker", "batch", "speed", "staleness"} <= set(e) for e in per_update)
+    else:
+        assert all({"worker", "batch", "speed"} <= set(w) for e in per_update for w in e["workers"])
+
+
+@pytest.mark.e2e
+def test_demo_runs_every_mode_and_prints_a_results_table(tmp_path: Path) -> None:
+    shared = Path(__file__).resolve().parents[2] / "shared"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.demo",
+            "--shared",
+            str(shared),
+            "--out",
+            str(tmp_path),
+            "--epochs",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    assert "Results" in out
+    table = out[out.index("Results") :].splitlines()
+    for mode in ("weighted-sync", "equal-sync", "async"):
+        row = next(line for line in table if line.startswith(mode))
+        assert float(row.split()[4]) > 0.5  # OA column
+    assert "epoch 2 version" in out  # progress lines were shown
