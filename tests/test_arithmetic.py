@@ -3,6 +3,7 @@ and the flat optimizer against torch.optim."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -131,7 +132,7 @@ def test_planner_sums_to_the_global_batch_and_follows_speeds() -> None:
         sizes = plan_batches(speeds, total)
         assert sum(sizes.values()) == total and min(sizes.values()) >= 1
         order = sorted(speeds, key=speeds.get)
-        assert all(sizes[a] <= sizes[b] + 1 for a, b in zip(order, order[1:], strict=False))
+        assert all(sizes[a] <= sizes[b] + 1 for a, b in itertools.pairwise(order))
 
 
 def test_every_sample_is_used_exactly_once_per_epoch_while_speeds_change() -> None:
