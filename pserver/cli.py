@@ -107,6 +107,13 @@ def main() -> None:
     type=float,
     help="Seconds to wait for workers to collect their stop.",
 )
+@click.option(
+    "--torch-threads",
+    default=1,
+    type=int,
+    help="Torch threads for updates and evaluation (one is fastest for memory-bound updates "
+    "on a node shared with workers).",
+)
 @click.option("--log-level", default="INFO", help="Logging level.")
 def start(log_level: str, **options: object) -> None:
     """Start a parameter server and serve until training ends."""

@@ -43,6 +43,7 @@ class ServerConfig:
     eval_batch: int = 512
     shutdown_timeout_s: float = 10.0
     data_threads: int = 2
+    torch_threads: int = 1
 
     def validate(self) -> ServerConfig:
         """Check every field.
@@ -103,6 +104,7 @@ class ServerConfig:
         )
         need(self.staleness_a > 0, f"--staleness-a must be > 0, got {self.staleness_a}")
         need(self.staleness_b >= 0, f"--staleness-b must be >= 0, got {self.staleness_b}")
+        need(self.torch_threads >= 1, f"--torch-threads must be >= 1, got {self.torch_threads}")
         need(self.cache_mb >= 0, f"--cache-mb must be >= 0, got {self.cache_mb}")
         need(
             self.shutdown_timeout_s > 0,

@@ -65,6 +65,7 @@ class ParameterServer:
         self.reader = DatasetReader(config.dataset, cache_bytes=config.cache_mb << 20)
         meta = self.reader.meta
         self.meta = meta
+        torch.set_num_threads(config.torch_threads)
         torch.manual_seed(config.seed)
         channels, height, _ = meta.shape
         model = build_model(config.model, channels, meta.num_classes, height)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import sys
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple, TypeVar
@@ -39,6 +40,36 @@ def check_finite(vector: torch.Tensor, what: str) -> None:
         raise ProtocolError(ErrorCode.NON_FINITE, f"{what} contains NaN or Inf")
 
 
+class BufferPool:
+    """Recycles state buffers once nothing refers to them any more.
+
+    A snapshot stays referenced while it is the current state, while a reply that carries it
+    is still being sent (ZeroMQ holds zero-copy frames until they are on the wire) and while
+    it is being evaluated. Fresh 47 MB allocations cost more than the update itself (page
+    faults on first touch), so buffers whose only owner is the pool are reused.
+
+    Args:
+        numel: float32 values per buffer.
+        keep: how many buffers the pool owns at most; beyond that, allocations are not kept.
+    """
+
+    _FREE_REFCOUNT = 3  # the pool's list, the loop variable and getrefcount's argument
+
+    def __init__(self, numel: int, keep: int = 4) -> None:
+        self.numel, self.keep = numel, keep
+        self._buffers: list[np.ndarray] = []
+
+    def acquire(self) -> torch.Tensor:
+        """A float32 tensor of ``numel`` values that no one else refers to."""
+        for buf in self._buffers:
+            if sys.getrefcount(buf) == self._FREE_REFCOUNT:
+                return torch.from_numpy(buf)
+        buf = np.empty(self.numel, dtype=np.float32)
+        if len(self._buffers) < self.keep:
+            self._buffers.append(buf)
+        return torch.from_numpy(buf)
+
+
 class Trainer:
     """Owns the flat state ``[parameters..., float buffers...]`` and applies updates to it.
 
@@ -66,6 +97,7 @@ class Trainer:
         )
         self.sampler = EpochSampler(train_count, config.seed, config.epochs)
         self.train_count = train_count
+        self._pool = BufferPool(initial_state.numel())
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="update")
 
     @property
@@ -138,7 +170,7 @@ class Trainer:
             tau = 0 if based_on is None else version - based_on
             lr = lr_scale_for(tau) * self.current_lr_factor()
             check_finite(update, "pushed gradient")
-            new = torch.empty_like(old)
+            new = self._pool.acquire()
             self.optimizer.step(old[:p], update[:p], new[:p], lr)
             torch.add(old[p:], update[p:], alpha=buffer_scale, out=new[p:])
             self.steps += 1

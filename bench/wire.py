@@ -1,0 +1,191 @@
+"""Fused push+pull round trip of the parameter server against a raw ZeroMQ round trip.
+
+Both carry 11,689,512 float32 values (a ResNet-18) each way over TCP on 127.0.0.1 and are
+measured alternately in one run. The PS round trip includes decoding and validating the push,
+the finiteness check, the optimizer step (copy-on-step) and the reply with the new snapshot.
+The last line is ``ratio=X.XX`` (median PS time / median raw time).
+
+Usage: python bench/wire.py [--rounds 20] [--momentum 0.9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.wire_model import RESNET18_PARAMS  # noqa: E402
+from common.client import Connection  # noqa: E402
+from common.messages import JoinRequest, PushRequest, TaskReply, TaskRequest  # noqa: E402
+from common.synth import synth_hsi  # noqa: E402
+
+
+def echo_server(endpoint_queue: mp.Queue) -> None:
+    """A raw ROUTER that sends every message straight back (zero-copy)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    endpoint_queue.put(f"tcp://127.0.0.1:{port}")
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if len(frames) == 2 and frames[1].bytes == b"quit":
+            break
+        sock.send_multipart(frames, copy=False)
+    sock.close()
+    ctx.term()
+
+
+def start_pserver(dataset: Path, momentum: float) -> tuple[subprocess.Popen, str]:
+    """A real ``pserver start`` process in async mode with the ResNet-18-sized model."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pserver.cli",
+            "start",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--dataset",
+            str(dataset),
+            "--model",
+            "bench.wire_model:factory",
+            "--mode",
+            "async",
+            "--max-steps",
+            "1000000",
+            "--momentum",
+            str(momentum),
+            "--weight-decay",
+            "0",
+            "--log-level",
+            "WARNING",
+            "--shutdown-timeout",
+            "1",
+        ],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    for line in proc.stderr:
+        if "listening on" in line:
+            return proc, line.split("listening on", 1)[1].strip()
+    raise RuntimeError("pserver did not start")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dataset = Path(tmp) / "tiny.h5"
+        synth_hsi(dataset, bands=8, size=16, classes=3, train_fraction=0.5, seed=0)
+        queue: mp.Queue = mp.Queue()
+        echo = mp.Process(target=echo_server, args=(queue,), daemon=True)
+        echo.start()
+        raw_endpoint = queue.get(timeout=30)
+        server, ps_endpoint = start_pserver(dataset, args.momentum)
+        try:
+            run(raw_endpoint, ps_endpoint, args)
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+            ctx = zmq.Context()
+            quit_sock = ctx.socket(zmq.DEALER)
+            quit_sock.connect(raw_endpoint)
+            quit_sock.send(b"quit")
+            echo.join(timeout=10)
+            quit_sock.close(linger=0)
+            ctx.term()
+
+
+def run(raw_endpoint: str, ps_endpoint: str, args: argparse.Namespace) -> None:
+    """Alternate PS and raw round trips and print the medians and their ratio."""
+    ps = Connection(ps_endpoint, timeout_s=120)
+    join = ps.request(JoinRequest(name="bench", device="cpu", slowdown=1.0, threads=1))
+    task = ps.request(TaskRequest(worker_id=join.worker_id, speed=1000.0))
+    assert isinstance(task, TaskReply)
+    size = task.params.size
+    assert size >= RESNET18_PARAMS, size
+    grad = np.random.default_rng(0).normal(0, 1e-3, size).astype(np.float32)
+
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(raw_endpoint)
+    payload = grad.copy()
+
+    def ps_round() -> float:
+        nonlocal task
+        begin = time.perf_counter()
+        reply = ps.request(
+            PushRequest(
+                worker_id=join.worker_id,
+                task_id=task.task_id,
+                version=task.version,
+                batch_size=len(task.indices),
+                speed=1000.0,
+                compute_s=0.0,
+                loss=1.0,
+                state=grad,
+            )
+        )
+        elapsed = time.perf_counter() - begin
+        assert isinstance(reply, TaskReply) and reply.params.size == size
+        task = reply
+        return elapsed
+
+    def raw_round() -> float:
+        begin = time.perf_counter()
+        raw.send_multipart([b"header", payload], copy=False)
+        frames = raw.recv_multipart(copy=False)
+        elapsed = time.perf_counter() - begin
+        assert len(frames[1]) == payload.nbytes
+        return elapsed
+
+    ps_times, raw_times = [], []
+    for i in range(args.warmup + args.rounds):
+        p, r = ps_round(), raw_round()
+        if i >= args.warmup:
+            ps_times.append(p)
+            raw_times.append(r)
+    raw.close(linger=0)
+    ctx.term()
+    ps.close()
+    mb = size * 4 / 1e6
+    ps_med, raw_med = statistics.median(ps_times), statistics.median(raw_times)
+    print(
+        f"payload: {size:,} float32 = {mb:.1f} MB each way; {args.rounds} rounds; "
+        f"server SGD momentum {args.momentum}"
+    )
+    print(
+        f"raw DEALER/ROUTER round trip: median {raw_med * 1e3:.1f} ms "
+        f"(min {min(raw_times) * 1e3:.1f}, max {max(raw_times) * 1e3:.1f})"
+    )
+    print(
+        f"PS fused push+pull round trip: median {ps_med * 1e3:.1f} ms "
+        f"(min {min(ps_times) * 1e3:.1f}, max {max(ps_times) * 1e3:.1f})"
+    )
+    print(f"ratio={ps_med / raw_med:.2f}")
+
+
+if __name__ == "__main__":
+    main()
