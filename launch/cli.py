@@ -1,15 +1,21 @@
-"""``pslaunch``: run a local heterogeneous cluster (server plus workers) in one command."""
+"""``pslaunch``: local heterogeneous clusters, the DDP baseline, and comparisons of the modes."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
-from common.errors import PSError
+from common.errors import ConfigError, PSError
 from common.logsetup import setup_logging
+from launch.cli_options import build_train, build_workers, cluster_options, train_options
+from launch.compare import MODES_HELP, CompareConfig, run_compare
+from launch.ddp import BACKENDS, DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
+from launch.slowdowns import SCHEDULES_HELP, parse_schedules
 from launch.table import summary_tables
 from pserver.config import MODES, STALENESS
 
@@ -51,6 +57,7 @@ def main() -> None:
     default="1",
     help="Comma-separated slowdown per worker; a single value applies to all.",
 )
+@click.option("--slowdown-schedules", default="", help=SCHEDULES_HELP)
 @click.option("--devices", default="cpu", help="Comma-separated device per worker, or one for all.")
 @click.option(
     "--run-dir",
@@ -84,6 +91,7 @@ def local(
     mode: str,
     workers: int | None,
     slowdowns: str,
+    slowdown_schedules: str,
     devices: str,
     run_dir: Path,
     server_opts: tuple[str, ...],
@@ -97,6 +105,10 @@ def local(
         factors = factors * count
     if len(factors) != count:
         raise click.BadParameter(f"--slowdowns has {len(factors)} entries for {count} workers")
+    try:
+        schedules = parse_schedules(slowdown_schedules, factors)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from exc
     options: list[str] = []
     for key, value in server.items():
         if value is not None:
@@ -109,6 +121,7 @@ def local(
         run_dir=run_dir,
         server_options=(*options, *server_opts),
         devices=tuple(d.strip() for d in devices.split(",")),
+        slowdown_schedules=schedules,
     )
     click.echo(
         f"pslaunch: {mode} with {count} workers (slowdowns {list(factors)}); "
@@ -122,6 +135,130 @@ def local(
         click.echo("pslaunch: interrupted; the cluster was stopped", err=True)
         sys.exit(130)
     click.echo(summary_tables(summary))
+
+
+@main.command()
+@cluster_options
+@click.option(
+    "--run-dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory for metrics.jsonl, summary.json and cluster.log.",
+)
+@train_options
+@click.option("--target-oa", type=float, default=None, help="Stop at this test OA.")
+@click.option(
+    "--backend",
+    type=click.Choice(BACKENDS),
+    default="auto",
+    help="torch.distributed backend; auto: nccl when every rank is on CUDA, else gloo.",
+)
+@click.option("--threads", type=int, default=1, help="Torch CPU threads per rank.")
+@click.option("--eval-batch", type=int, default=512, help="Evaluation batch on rank 0.")
+def ddp(
+    workers: int | None,
+    slowdowns: str,
+    slowdown_schedules: str,
+    devices: str,
+    target_oa: float | None,
+    **options: Any,
+) -> None:
+    """Run the torch.distributed DDP baseline (one process per rank) and print the summary.
+
+    Same data, split, model initialisation, global batch, optimizer, schedule and slowdowns as
+    the parameter server; each rank computes B/N samples per step; the slowdown scales compute
+    time only; rank 0 evaluates after every epoch.
+    """
+    setup_logging("INFO", "pslaunch ")
+    train = build_train(options, target_oa)
+    factors, schedules, device_list = build_workers(workers, slowdowns, slowdown_schedules, devices)
+    config = DDPConfig(
+        train=train,
+        slowdowns=factors,
+        slowdown_schedules=schedules,
+        devices=device_list,
+        **options,
+    )
+    click.echo(
+        f"pslaunch: ddp with {len(factors)} ranks (slowdowns {list(factors)}); "
+        f"logs in {config.run_dir / 'cluster.log'}"
+    )
+    click.echo(summary_tables(_run(run_ddp, config)))
+
+
+@main.command()
+@cluster_options
+@click.option("--modes", default="weighted-sync,equal-sync,async,ddp", help=MODES_HELP)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Output directory: compare.json, report.md, report.png and runs/<mode>-<repeat>/.",
+)
+@train_options
+@click.option("--repeats", type=int, default=1, help="Runs per mode (same seeds).")
+@click.option(
+    "--target-oa",
+    type=float,
+    default=None,
+    help="Report the training time to reach this test OA (runs are not stopped at it).",
+)
+@click.option(
+    "--staleness",
+    type=click.Choice(STALENESS),
+    default=None,
+    help="Async staleness function (server default).",
+)
+@click.option("--max-staleness", type=int, default=None, help="Async staleness bound.")
+@click.option("--threads", type=int, default=1, help="Torch CPU threads per worker and rank.")
+@click.option(
+    "--server-opt",
+    "server_opts",
+    multiple=True,
+    help="Extra 'pserver start' option for the PS modes, e.g. --server-opt=--staleness-a=1.",
+)
+@click.option("--progress/--no-progress", default=True, help="Show the live progress line.")
+def compare(
+    workers: int | None,
+    slowdowns: str,
+    slowdown_schedules: str,
+    devices: str,
+    modes: str,
+    server_opts: tuple[str, ...],
+    progress: bool,
+    **options: Any,
+) -> None:
+    """Run every mode REPEATS times on the same data, seeds and slowdowns; write a report."""
+    setup_logging("WARNING", "pslaunch ")
+    if options["epochs"] is None and options["max_steps"] is None:
+        options["epochs"] = 5
+    train = build_train(options)
+    factors, schedules, device_list = build_workers(workers, slowdowns, slowdown_schedules, devices)
+    config = CompareConfig(
+        train=train,
+        modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
+        slowdowns=factors,
+        slowdown_schedules=schedules,
+        devices=device_list,
+        server_options=server_opts,
+        **options,
+    )
+    data = _run(lambda c: run_compare(c, show_progress=progress), config)
+    click.echo((config.out / "report.md").read_text(encoding="utf-8"))
+    failed = [f"{r['mode']} #{r['repeat']}" for r in data["runs"] if "error" in r]
+    if failed:
+        raise click.ClickException(f"runs failed: {', '.join(failed)}; see their cluster.log")
+
+
+def _run(runner: Callable[[Any], dict[str, Any]], config: Any) -> dict[str, Any]:
+    """Run ``runner(config)``, turning project errors and Ctrl-C into CLI exits."""
+    try:
+        return runner(config)
+    except PSError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except KeyboardInterrupt:
+        click.echo("pslaunch: interrupted; the processes were stopped", err=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

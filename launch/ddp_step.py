@@ -99,6 +99,25 @@ class ComputeOnlyStep:
         synchronize(self.device)
         return float(loss.detach()), time.perf_counter() - start
 
+    def warm_up(self, x: torch.Tensor, y: torch.Tensor, repeats: int = 2) -> None:
+        """Untimed forward/backward passes (as workers calibrate before training starts).
+
+        Leaves parameters, buffers and gradients as they were; nothing is communicated.
+
+        Args:
+            x, y: a batch of the local batch's shape (random data will do).
+            repeats: how many passes.
+        """
+        before = self._flat(self.buffers)
+        for _ in range(repeats):
+            self._compute(x, y)
+        self.model.zero_grad(set_to_none=False)
+        with torch.no_grad():
+            offset = 0
+            for buf in self.buffers:
+                buf.copy_(before[offset : offset + buf.numel()].view_as(buf))
+                offset += buf.numel()
+
     def run(self, step: int, x: torch.Tensor, y: torch.Tensor) -> StepResult:
         """Compute this rank's gradients on ``(x, y)`` and average them over the ranks.
 
@@ -115,9 +134,10 @@ class ComputeOnlyStep:
         p, b, w = self.num_params, self.num_buffers, self.world_size
         before = self._flat(self.buffers)
         samples = len(y)
+        t0 = time.perf_counter()
         loss, compute = self._compute(x, y) if samples else (0.0, 0.0)
-        emulated = self.schedule.emulate(step, compute) if samples else 0.0
-        # Layout: [gradients (p), buffer changes (b), active, loss sum, samples, t_r (w), F_r·t_r (w)]
+        emulated = 0.0
+        # [gradients (p), buffer changes (b), active, loss sum, samples, t_r (w), F_r·t_r (w)]
         flat = torch.zeros(p + b + 3 + 2 * w, device=self.device)
         head = p + b
         if samples:
@@ -128,6 +148,12 @@ class ComputeOnlyStep:
         flat[head + 3 + w + self.rank] = emulated
         if w > 1:
             self.all_reduce(flat)
+        whole = time.perf_counter() - t0
+        self.schedule.emulate(step, whole)
+        flat[head + 3: head + 3 + w] = 0
+        flat[head + 3 + self.rank] = whole
+        flat[head + 3 + w:] = 0
+        flat[head + 3 + w + self.rank] = whole * self.schedule.factor(step)
         active, loss_sum, total, *times = flat[head:].tolist()
         scale = 1.0 / max(active, 1.0)
         flat[:head].mul_(scale)

@@ -76,14 +76,22 @@ def _python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def _pump(
+def pump(
     stream: IO[str],
     sink: IO[str],
     prefix: str,
     found: threading.Event | None = None,
     box: list[str] | None = None,
 ) -> None:
-    """Copy a child's output to ``sink``; optionally catch the server's listening address."""
+    """Copy a child's output to ``sink``; optionally catch the server's listening address.
+
+    Args:
+        stream: the child's text output, read to its end.
+        sink: where each line goes, after ``prefix``.
+        prefix: e.g. ``"[server] "``.
+        found: set once a line announces the server's address.
+        box: receives that address.
+    """
     for line in stream:
         if found is not None and box is not None and not found.is_set():
             match = LISTENING.search(line)
@@ -138,7 +146,7 @@ def run_local(cluster: LocalCluster, log_stream: IO[str] | None = None) -> dict[
     listening, box = threading.Event(), []
     pumps = [
         threading.Thread(
-            target=_pump, args=(server.stderr, sink, "[server] ", listening, box), daemon=True
+            target=pump, args=(server.stderr, sink, "[server] ", listening, box), daemon=True
         )
     ]
     pumps[0].start()
@@ -164,11 +172,11 @@ def run_local(cluster: LocalCluster, log_stream: IO[str] | None = None) -> dict[
                 env=env,
             )
             workers.append(proc)
-            pump = threading.Thread(
-                target=_pump, args=(proc.stdout, sink, f"[{name}] "), daemon=True
+            thread = threading.Thread(
+                target=pump, args=(proc.stdout, sink, f"[{name}] "), daemon=True
             )
-            pump.start()
-            pumps.append(pump)
+            thread.start()
+            pumps.append(thread)
         code = server.wait(timeout=cluster.run_timeout_s)
         failed = [w.wait(timeout=60) for w in workers]
         if code != 0:
@@ -182,8 +190,8 @@ def run_local(cluster: LocalCluster, log_stream: IO[str] | None = None) -> dict[
         _stop(server, workers)
         raise
     finally:
-        for pump in pumps:
-            pump.join(timeout=5)
+        for thread in pumps:
+            thread.join(timeout=5)
         if own_log:
             sink.close()
     summary_path = cluster.run_dir / "summary.json"

@@ -9,7 +9,9 @@ from common.errors import ConfigError
 from pserver.config import OPTIMIZERS, SCHEDULES, ServerConfig
 
 _SERVER_DEFAULTS: dict[str, Any] = {
-    f.name: f.default for f in dataclasses.fields(ServerConfig) if f.default is not dataclasses.MISSING
+    f.name: f.default
+    for f in dataclasses.fields(ServerConfig)
+    if f.default is not dataclasses.MISSING
 }
 
 

@@ -30,7 +30,9 @@ def parse_slowdowns(text: str, workers: int | None = None) -> tuple[float, ...]:
     try:
         factors = tuple(float(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise ConfigError(f"--slowdowns {text!r} is not a comma-separated list of numbers") from None
+        raise ConfigError(
+            f"--slowdowns {text!r} is not a comma-separated list of numbers"
+        ) from None
     if not factors:
         raise ConfigError("--slowdowns is empty; give at least one factor")
     if any(f < 1 for f in factors):
@@ -73,7 +75,9 @@ def parse_schedules(text: str, slowdowns: tuple[float, ...]) -> tuple[str, ...]:
             try:
                 i = int(index)
             except ValueError:
-                raise ConfigError(f"--slowdown-schedules entry {entry!r}: {index!r} is not an index") from None
+                raise ConfigError(
+                    f"--slowdown-schedules entry {entry!r}: {index!r} is not an index"
+                ) from None
             if not 0 <= i < count:
                 raise ConfigError(
                     f"--slowdown-schedules entry {entry!r}: worker index {i} is not in [0, {count})"

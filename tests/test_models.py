@@ -107,7 +107,8 @@ def test_user_factory_and_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     (tmp_path / "my_models_mod.py").write_text(
         "from torch import nn\n"
         "def linear(in_channels, num_classes, input_size):\n"
-        "    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * input_size**2, num_classes))\n"
+        "    width = in_channels * input_size**2\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(width, num_classes))\n"
         "def broken(in_channels, num_classes, input_size):\n"
         "    raise RuntimeError('no such layer')\n"
         "def not_a_module(in_channels, num_classes, input_size):\n"

@@ -1,0 +1,158 @@
+"""Click options shared by ``pslaunch ddp`` and ``pslaunch compare``, and what they build."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from common.errors import ConfigError
+from launch.settings import TrainSettings, server_default
+from launch.slowdowns import SCHEDULES_HELP, parse_schedules, parse_slowdowns
+from pserver.config import OPTIMIZERS, SCHEDULES
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+TRAIN_KEYS = (
+    "epochs",
+    "max_steps",
+    "global_batch",
+    "optimizer",
+    "lr",
+    "momentum",
+    "nesterov",
+    "weight_decay",
+    "lr_schedule",
+    "warmup_fraction",
+    "seed",
+)
+
+
+def _apply(func: F, options: list[Callable[[F], F]]) -> F:
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def cluster_options(func: F) -> F:
+    """--dataset, --model, --workers, --slowdowns, --slowdown-schedules, --devices."""
+    return _apply(
+        func,
+        [
+            click.option(
+                "--dataset",
+                required=True,
+                type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                help="HDF5 dataset made by 'pserver data'.",
+            ),
+            click.option(
+                "--model", required=True, help="Built-in model name or package.module:factory."
+            ),
+            click.option(
+                "--workers",
+                type=int,
+                default=None,
+                help="Number of workers (default: one per --slowdowns entry).",
+            ),
+            click.option(
+                "--slowdowns",
+                default="1",
+                help="Comma-separated slowdown per worker; a single value applies to all.",
+            ),
+            click.option("--slowdown-schedules", default="", help=SCHEDULES_HELP),
+            click.option(
+                "--devices",
+                default="cpu",
+                help="Comma-separated device per worker, or one for all.",
+            ),
+        ],
+    )
+
+
+def train_options(func: F) -> F:
+    """The training settings shared with ``pserver start`` (same defaults)."""
+    return _apply(
+        func,
+        [
+            click.option("--epochs", type=int, default=None, help="Stop after this many epochs."),
+            click.option(
+                "--max-steps", type=int, default=None, help="Stop after this many updates."
+            ),
+            click.option(
+                "--global-batch",
+                type=int,
+                default=server_default("global_batch"),
+                help="Global batch B per update.",
+            ),
+            click.option(
+                "--optimizer",
+                type=click.Choice(OPTIMIZERS),
+                default=server_default("optimizer"),
+                help="Optimizer.",
+            ),
+            click.option("--lr", type=float, default=server_default("lr"), help="Learning rate."),
+            click.option(
+                "--momentum", type=float, default=server_default("momentum"), help="SGD momentum."
+            ),
+            click.option(
+                "--nesterov/--no-nesterov",
+                default=server_default("nesterov"),
+                help="Nesterov momentum for SGD.",
+            ),
+            click.option(
+                "--weight-decay",
+                type=float,
+                default=server_default("weight_decay"),
+                help="L2 weight decay.",
+            ),
+            click.option(
+                "--lr-schedule",
+                type=click.Choice(SCHEDULES),
+                default=server_default("lr_schedule"),
+                help="Learning-rate schedule over training.",
+            ),
+            click.option(
+                "--warmup-fraction",
+                type=float,
+                default=server_default("warmup_fraction"),
+                help="Linear warm-up over this fraction of training.",
+            ),
+            click.option(
+                "--seed",
+                type=int,
+                default=server_default("seed"),
+                help="Seed for initialisation and shuffling.",
+            ),
+        ],
+    )
+
+
+def build_train(options: dict[str, Any], target_oa: float | None = None) -> TrainSettings:
+    """Pop the ``train_options`` from ``options`` into validated ``TrainSettings``.
+
+    Raises:
+        click.BadParameter: a value is out of range.
+    """
+    values = {key: options.pop(key) for key in TRAIN_KEYS}
+    try:
+        return TrainSettings(**values, target_oa=target_oa).validate()
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+def build_workers(
+    workers: int | None, slowdowns: str, schedules: str, devices: str
+) -> tuple[tuple[float, ...], tuple[str, ...], tuple[str, ...]]:
+    """Per-worker slowdowns, slowdown schedules and devices from the cluster options.
+
+    Raises:
+        click.BadParameter: an option is malformed or the counts disagree.
+    """
+    try:
+        factors = parse_slowdowns(slowdowns, workers)
+        changes = parse_schedules(schedules, factors)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    return factors, changes, tuple(d.strip() for d in devices.split(",") if d.strip())

@@ -1,0 +1,298 @@
+"""``pslaunch compare``: every mode on the same data, model, seeds and slowdowns, side by side.
+
+Runs are interleaved (repeat 1 of every mode, then repeat 2, ...) so that a change in the
+machine's load affects every mode alike. Each run gets the same seed and the same number of
+samples, so only the mode differs. The target accuracy is read off the eval events afterwards
+(runs are not stopped at it), so one run gives both the time to target and the final scores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import threading
+from pathlib import Path
+from typing import IO, Any
+
+from tqdm import tqdm
+
+from common.errors import ConfigError, PSError
+from launch.ddp import DDPConfig, run_ddp
+from launch.local import LocalCluster, run_local
+from launch.settings import TrainSettings
+from pserver.config import MODES, STALENESS
+
+log = logging.getLogger(__name__)
+
+SINGLE = "single"
+COMPARE_MODES = (*MODES, "ddp", SINGLE)
+MODES_HELP = (
+    f"Comma-separated modes among {', '.join(COMPARE_MODES)}; '{SINGLE}' is the --workers 1 "
+    "reference (one DDP process, slowdown 1, the whole global batch)."
+)
+EVAL_LINE = re.compile(r"epoch (\d+) version (\d+): OA ([0-9.]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareConfig:
+    """What ``pslaunch compare`` runs.
+
+    Attributes:
+        dataset, model: as for ``pserver start``.
+        modes: modes to run, from ``COMPARE_MODES``.
+        slowdowns: one slowdown factor per worker (and per DDP rank).
+        out: the output directory (compare.json, report.md, report.png, runs/).
+        train: the training settings every run shares (epochs or max_steps required).
+        slowdown_schedules: per worker, ``STEP:F,...`` changes of its slowdown.
+        devices: one device per worker, or one for all.
+        repeats: runs per mode.
+        target_oa: the test OA whose time to reach is reported (runs are not stopped there).
+        staleness, max_staleness: async options (None: the server's default).
+        server_options: further ``pserver start`` options for the parameter-server modes.
+        threads: torch CPU threads per worker and per DDP rank.
+    """
+
+    dataset: Path
+    model: str
+    modes: tuple[str, ...]
+    slowdowns: tuple[float, ...]
+    out: Path
+    train: TrainSettings
+    slowdown_schedules: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ("cpu",)
+    repeats: int = 1
+    target_oa: float | None = None
+    staleness: str | None = None
+    max_staleness: int | None = None
+    server_options: tuple[str, ...] = ()
+    threads: int = 1
+
+    def validate(self) -> CompareConfig:
+        """Check every field.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            ConfigError: a value is out of range; the message quotes it.
+        """
+        self.train.validate()
+        unknown = [m for m in self.modes if m not in COMPARE_MODES]
+        if not self.modes or unknown:
+            raise ConfigError(
+                f"--modes {','.join(self.modes)!r}: give modes among {', '.join(COMPARE_MODES)}"
+            )
+        if len(set(self.modes)) != len(self.modes):
+            raise ConfigError(f"--modes {','.join(self.modes)!r} names a mode twice")
+        if self.train.epochs is None and self.train.max_steps is None:
+            raise ConfigError(
+                "compare needs --epochs (or --max-steps): every run sees as many samples"
+            )
+        if self.train.target_oa is not None:
+            raise ConfigError(
+                "give the target as CompareConfig.target_oa; runs are not stopped at it"
+            )
+        if self.repeats < 1:
+            raise ConfigError(f"--repeats must be >= 1, got {self.repeats}")
+        if self.target_oa is not None and not 0 < self.target_oa <= 1:
+            raise ConfigError(f"--target-oa must be in (0, 1], got {self.target_oa}")
+        if self.staleness is not None and self.staleness not in STALENESS:
+            raise ConfigError(
+                f"--staleness {self.staleness!r} is not one of {', '.join(STALENESS)}"
+            )
+        if self.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+        self.cluster("weighted-sync", self.out).validate()
+        self.ddp("ddp", self.out).validate()
+        return self
+
+    def cluster(self, mode: str, run_dir: Path) -> LocalCluster:
+        """The parameter-server run of ``mode``."""
+        options = list(self.train.server_args())
+        if self.staleness is not None:
+            options += ["--staleness", self.staleness]
+        if self.max_staleness is not None:
+            options += ["--max-staleness", str(self.max_staleness)]
+        return LocalCluster(
+            dataset=self.dataset,
+            model=self.model,
+            mode=mode,
+            slowdowns=self.slowdowns,
+            run_dir=run_dir,
+            server_options=(*options, *self.server_options),
+            devices=self.devices,
+            slowdown_schedules=self.slowdown_schedules,
+            worker_options=("--threads", str(self.threads)),
+        )
+
+    def ddp(self, mode: str, run_dir: Path) -> DDPConfig:
+        """The DDP run (``ddp``) or the single-process reference (``single``)."""
+        if mode == SINGLE:
+            return DDPConfig(
+                dataset=self.dataset,
+                model=self.model,
+                slowdowns=(1.0,),
+                run_dir=run_dir,
+                train=self.train,
+                devices=self.devices[:1],
+                threads=self.threads,
+            )
+        return DDPConfig(
+            dataset=self.dataset,
+            model=self.model,
+            slowdowns=self.slowdowns,
+            run_dir=run_dir,
+            train=self.train,
+            slowdown_schedules=self.slowdown_schedules,
+            devices=self.devices,
+            threads=self.threads,
+        )
+
+    def settings(self) -> dict[str, Any]:
+        """The settings as JSON-ready data."""
+        data = dataclasses.asdict(self)
+        data["dataset"], data["out"] = str(self.dataset), str(self.out)
+        return data
+
+
+class ProgressSink:
+    """A log sink for one run: copies lines to its log file and shows epoch and OA live.
+
+    Args:
+        log_file: the run's log (cluster.log).
+        bar: the progress bar whose status line shows the latest evaluation.
+        label: the run's name on that line.
+    """
+
+    def __init__(self, log_file: IO[str], bar: tqdm, label: str) -> None:
+        self.file, self.bar, self.label = log_file, bar, label
+        self._lock = threading.Lock()  # several pump threads write here
+        bar.set_postfix_str(f"{label}: starting", refresh=True)
+
+    def write(self, text: str) -> int:
+        """Copy ``text`` to the log and show any evaluation line on the bar."""
+        with self._lock:
+            self.file.write(text)
+            if text.startswith(("[server]", "[r0-")):
+                match = EVAL_LINE.search(text)
+                if match:
+                    epoch, _, oa = match.groups()
+                    self.bar.set_postfix_str(f"{self.label}: epoch {epoch} OA {float(oa):.4f}")
+        return len(text)
+
+    def flush(self) -> None:
+        """Flush the log file."""
+        with self._lock:
+            self.file.flush()
+
+
+def eval_curve(run_dir: Path) -> list[dict[str, float]]:
+    """The run's evaluations as training time (s), samples seen and scores.
+
+    Training time is ``train_t`` where the run records it (DDP: evaluation blocks training and
+    is excluded), else the event time minus the ``train_start`` time (the server evaluates
+    beside training).
+
+    Args:
+        run_dir: a run directory with ``metrics.jsonl``.
+
+    Returns:
+        One point per eval event, in order of samples seen.
+    """
+    start, points = 0.0, []
+    with (run_dir / "metrics.jsonl").open(encoding="utf-8") as f:
+        for line in f:
+            event = json.loads(line)
+            if event["event"] == "train_start":
+                start = event["t"]
+            elif event["event"] == "eval":
+                time_s = event.get("train_t", event["t"] - start)
+                points.append(
+                    {
+                        "time_s": round(max(time_s, 0.0), 4),
+                        "samples": event["samples"],
+                        **{k: event[k] for k in ("oa", "aa", "kappa")},
+                    }
+                )
+    return sorted(points, key=lambda p: (p["samples"], p["time_s"]))
+
+
+def time_to_target(curve: list[dict[str, float]], target: float | None) -> float | None:
+    """Training time of the first evaluation with OA >= ``target`` (None if never reached)."""
+    if target is None:
+        return None
+    return next((p["time_s"] for p in curve if p["oa"] >= target), None)
+
+
+def _run_record(
+    mode: str, repeat: int, run_dir: Path, summary: dict[str, Any], target: float | None
+) -> dict[str, Any]:
+    curve = eval_curve(run_dir)
+    epochs = summary.get("epochs") or 0
+    return {
+        "mode": mode,
+        "repeat": repeat,
+        "run_dir": str(run_dir),
+        "epoch_time_s": summary["train_time_s"] / epochs if epochs else None,
+        "time_to_target_s": time_to_target(curve, target),
+        "curve": curve,
+        "summary": summary,
+    }
+
+
+def run_compare(config: CompareConfig, show_progress: bool = True) -> dict[str, Any]:
+    """Run every mode ``repeats`` times and write compare.json, report.md and report.png.
+
+    A run that fails is recorded with its error and the comparison goes on.
+
+    Args:
+        config: what to compare.
+        show_progress: show a progress bar with the current run, epoch and OA on stderr.
+
+    Returns:
+        The content of ``compare.json``: ``{"settings", "runs", "report"}``.
+
+    Raises:
+        ConfigError: the configuration is invalid.
+    """
+    from launch.report import write_report  # matplotlib only when reporting
+
+    config.validate()
+    config.out.mkdir(parents=True, exist_ok=True)
+    data: dict[str, Any] = {"settings": config.settings(), "runs": []}
+    total = config.repeats * len(config.modes)
+    with tqdm(total=total, desc="compare", unit="run", disable=not show_progress) as bar:
+        for repeat in range(1, config.repeats + 1):
+            for mode in config.modes:
+                data["runs"].append(_run_one(config, mode, repeat, bar))
+                bar.update(1)
+                _write_json(config.out / "compare.json", data)
+    data["report"] = write_report(data, config.out)
+    _write_json(config.out / "compare.json", data)
+    return data
+
+
+def _run_one(config: CompareConfig, mode: str, repeat: int, bar: tqdm) -> dict[str, Any]:
+    run_dir = config.out / "runs" / f"{mode}-{repeat}"
+    label = f"{mode} #{repeat}/{config.repeats}"
+    log.info("compare: %s in %s", label, run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with (run_dir / "cluster.log").open("w", encoding="utf-8") as log_file:
+        sink = ProgressSink(log_file, bar, label)
+        try:
+            if mode in MODES:
+                summary = run_local(config.cluster(mode, run_dir), log_stream=sink)
+            else:
+                summary = run_ddp(config.ddp(mode, run_dir), log_stream=sink)
+        except PSError as exc:
+            log.error("compare: %s failed: %s", label, exc)
+            return {"mode": mode, "repeat": repeat, "run_dir": str(run_dir), "error": str(exc)}
+    return _run_record(mode, repeat, run_dir, summary, config.target_oa)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)

@@ -1,0 +1,280 @@
+"""``pslaunch ddp``: the torch.distributed DDP baseline on the same data, model and slowdowns.
+
+The launcher starts one process per rank (``python -m launch.ddp_rank``) on 127.0.0.1. It owns
+the rendezvous: a ``TCPStore`` bound to port 0 in this process (the kernel picks a free port,
+so there is no probe-then-bind race), whose port the ranks are given. Rank 0 evaluates after
+every epoch and writes ``metrics.jsonl`` and ``summary.json`` in the run directory, in the
+format the parameter server writes (GUIDE section 3). See ``launch.ddp_step`` for how the
+emulated slowdown scales compute time only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import IO, Any
+
+from common.errors import ConfigError, PSError
+from common.slowdown import SlowdownSchedule
+from launch.local import pump
+from launch.settings import TrainSettings, server_default
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclasses.dataclass(frozen=True)
+class DDPConfig:
+    """What ``pslaunch ddp`` runs.
+
+    Attributes:
+        dataset, model: as for ``pserver start``.
+        slowdowns: one slowdown factor per rank (the number of ranks).
+        run_dir: where rank 0 writes metrics.jsonl and summary.json (and cluster.log goes).
+        train: the hyperparameters shared with the parameter-server modes.
+        slowdown_schedules: per rank, ``STEP:F,...`` changes of its slowdown ("" for none).
+        devices: one device per rank (``cpu``, ``cuda:N``), or one for all.
+        backend: ``gloo``, ``nccl``, or ``auto`` (nccl when every rank is on CUDA, else gloo).
+        threads: torch CPU threads per rank (parameter-server workers use 1 by default).
+        eval_batch: evaluation batch size on rank 0.
+        cache_mb: a rank keeps the sample array in memory when it is at most this large.
+        startup_timeout_s: how long ranks may take to meet at the rendezvous.
+        collective_timeout_s: how long a rank waits in one collective (rank 0 evaluates while
+            the others wait, so this bounds an evaluation too).
+        run_timeout_s: how long the whole run may take before it is stopped.
+    """
+
+    dataset: Path
+    model: str
+    slowdowns: tuple[float, ...]
+    run_dir: Path
+    train: TrainSettings = dataclasses.field(default_factory=TrainSettings)
+    slowdown_schedules: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ("cpu",)
+    backend: str = "auto"
+    threads: int = 1
+    eval_batch: int = server_default("eval_batch")
+    cache_mb: int = 1024
+    startup_timeout_s: float = 120.0
+    collective_timeout_s: float = 600.0
+    run_timeout_s: float = 3600.0
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return len(self.slowdowns)
+
+    def device_of(self, rank: int) -> str:
+        """The device spec of ``rank``."""
+        return self.devices[rank if len(self.devices) > 1 else 0]
+
+    def resolved_backend(self) -> str:
+        """``gloo`` or ``nccl``: what ``auto`` means for these devices."""
+        if self.backend != "auto":
+            return self.backend
+        cuda = all(self.device_of(r).startswith("cuda") for r in range(self.world_size))
+        return "nccl" if cuda else "gloo"
+
+    def schedule_of(self, rank: int) -> SlowdownSchedule:
+        """The slowdown schedule of ``rank``."""
+        changes = self.slowdown_schedules[rank] if self.slowdown_schedules else ""
+        return SlowdownSchedule(self.slowdowns[rank], changes)
+
+    def rank_name(self, rank: int) -> str:
+        """The rank's name in metrics (like a worker's ``w0-x1``)."""
+        return f"r{rank}-x{self.slowdowns[rank]:g}"
+
+    def validate(self) -> DDPConfig:
+        """Check every field.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            ConfigError: a value is out of range; the message quotes it.
+        """
+        self.train.validate()
+        if not self.slowdowns:
+            raise ConfigError("give at least one rank (--workers or --slowdowns)")
+        if self.slowdown_schedules and len(self.slowdown_schedules) != self.world_size:
+            raise ConfigError(
+                f"{len(self.slowdown_schedules)} slowdown schedules for {self.world_size} ranks"
+            )
+        for rank in range(self.world_size):
+            self.schedule_of(rank)  # factors >= 1, well-formed changes
+        if len(self.devices) not in (1, self.world_size):
+            raise ConfigError(
+                f"--devices lists {len(self.devices)} devices for {self.world_size} ranks"
+            )
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"--backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.resolved_backend() == "nccl" and not all(
+            self.device_of(r).startswith("cuda") for r in range(self.world_size)
+        ):
+            raise ConfigError("--backend nccl needs every rank on a CUDA device")
+        for name in ("threads", "eval_batch"):
+            if getattr(self, name) < 1:
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
+        for name in ("startup_timeout_s", "collective_timeout_s", "run_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.dataset.is_file():
+            raise ConfigError(f"--dataset {str(self.dataset)!r} does not exist")
+        return self
+
+    def to_json(self) -> str:
+        """The configuration as JSON (what the rank processes read)."""
+        data = dataclasses.asdict(self)
+        data["dataset"], data["run_dir"] = str(self.dataset), str(self.run_dir)
+        return json.dumps(data, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> DDPConfig:
+        """Parse ``to_json``'s output.
+
+        Raises:
+            ConfigError: the text is not such a configuration.
+        """
+        try:
+            data = json.loads(text)
+            data["dataset"], data["run_dir"] = Path(data["dataset"]), Path(data["run_dir"])
+            data["train"] = TrainSettings(**data["train"])
+            for key in ("slowdowns", "slowdown_schedules", "devices"):
+                data[key] = tuple(data[key])
+            return cls(**data)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"not a DDP configuration: {exc}") from exc
+
+
+def _loopback_interface() -> str | None:
+    """The loopback interface's name (``lo``, ``lo0``) for gloo, if there is one."""
+    with contextlib.suppress(OSError):
+        for _, name in socket.if_nameindex():
+            if name.startswith("lo"):
+                return name
+    return None
+
+
+def _rank_env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if "GLOO_SOCKET_IFNAME" not in env:
+        loopback = _loopback_interface()
+        if loopback:
+            env["GLOO_SOCKET_IFNAME"] = loopback  # all ranks are on 127.0.0.1
+    return env
+
+
+def _watch(proc: subprocess.Popen[str], rank: int, exits: queue.Queue[tuple[int, int]]) -> None:
+    """Report ``proc``'s exit code on ``exits`` (one thread per rank, so nothing polls)."""
+    exits.put((rank, proc.wait()))
+
+
+def run_ddp(config: DDPConfig, log_stream: IO[str] | None = None) -> dict[str, Any]:
+    """Run every rank to completion and return rank 0's summary.
+
+    If a rank fails, or on Ctrl-C or the run timeout, every rank still running is terminated
+    (then killed) and waited for.
+
+    Args:
+        config: what to run.
+        log_stream: where the ranks' logs go (default: ``run_dir/cluster.log``).
+
+    Returns:
+        The parsed ``summary.json``.
+
+    Raises:
+        ConfigError: the configuration is invalid.
+        PSError: a rank failed, the run timed out, or no summary was written.
+    """
+    from torch.distributed import TCPStore  # torch only when a run starts
+
+    config.validate()
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = config.run_dir / "ddp_config.json"
+    config_path.write_text(config.to_json(), encoding="utf-8")
+    (config.run_dir / "summary.json").unlink(missing_ok=True)
+    own_log = log_stream is None
+    sink = log_stream or (config.run_dir / "cluster.log").open("w", encoding="utf-8")
+    store = None
+    rendezvous: list[str] = []
+    if config.world_size > 1:
+        timeout = datetime.timedelta(seconds=config.startup_timeout_s)
+        store = TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
+        rendezvous = ["--store", f"127.0.0.1:{store.port}"]
+    env = _rank_env()
+    procs: list[subprocess.Popen[str]] = []
+    threads: list[threading.Thread] = []
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()
+    try:
+        for rank in range(config.world_size):
+            cmd = [sys.executable, "-m", "launch.ddp_rank", "--config", str(config_path)]
+            proc = subprocess.Popen(
+                [*cmd, "--rank", str(rank), *rendezvous],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+            )
+            procs.append(proc)
+            for target, args in (
+                (pump, (proc.stdout, sink, f"[{config.rank_name(rank)}] ")),
+                (_watch, (proc, rank, exits)),
+            ):
+                thread = threading.Thread(target=target, args=args, daemon=True)
+                thread.start()
+                threads.append(thread)
+        _wait_all(procs, exits, config.run_timeout_s)
+    except BaseException:
+        _stop(procs)
+        raise
+    finally:
+        for thread in threads:
+            thread.join(timeout=5)
+        if own_log:
+            sink.close()
+        del store  # closes the rendezvous
+    summary_path = config.run_dir / "summary.json"
+    if not summary_path.exists():
+        raise PSError(f"rank 0 wrote no {summary_path}")
+    return json.loads(summary_path.read_text(encoding="utf-8"))
+
+
+def _wait_all(
+    procs: list[subprocess.Popen[str]], exits: queue.Queue[tuple[int, int]], timeout_s: float
+) -> None:
+    """Wait until every rank exits; raise at the first failure or when time runs out."""
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+    for _ in procs:
+        left = (deadline - datetime.datetime.now()).total_seconds()
+        try:
+            rank, code = exits.get(timeout=max(left, 0.001))
+        except queue.Empty:
+            raise PSError(f"the DDP run did not finish within {timeout_s:.0f} s") from None
+        if code != 0:
+            raise PSError(f"DDP rank {rank} exited with code {code}; see the log")
+
+
+def _stop(procs: list[subprocess.Popen[str]]) -> None:
+    """Terminate the ranks still running, then kill whatever outlives a short grace period."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

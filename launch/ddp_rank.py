@@ -1,0 +1,245 @@
+"""One rank of the DDP baseline: ``python -m launch.ddp_rank --config FILE --rank R``."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from common.dataset import DatasetReader
+from common.flat import FlatLayout
+from common.logsetup import setup_logging
+from common.models import build_model
+from launch.ddp import DDPConfig
+from launch.ddp_record import RunRecorder
+from launch.ddp_step import ComputeOnlyStep
+from pserver.evaluator import Evaluator
+from pserver.optimizer import lr_factor
+from pserver.planner import plan_equal
+from worker.device import resolve_device
+
+log = logging.getLogger(__name__)
+
+
+class Collective:
+    """The few collectives a rank needs; a world of one needs none (the reference run)."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device) -> None:
+        self.rank, self.world_size, self.device = rank, world_size, device
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over all ranks, in place."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+
+    def decide(self, flag: bool) -> bool:
+        """Rank 0's ``flag``, on every rank."""
+        if self.world_size == 1:
+            return flag
+        box = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.broadcast(box, src=0)
+        return bool(box.item())
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here."""
+        if self.world_size > 1:
+            self.all_reduce(torch.zeros(1, device=self.device))
+
+
+def _optimizer(model: nn.Module, config: DDPConfig) -> torch.optim.Optimizer:
+    """SGD or Adam with L2 weight decay, as the server's ``FlatOptimizer`` defines them."""
+    t = config.train
+    if t.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    return torch.optim.SGD(
+        model.parameters(),
+        lr=t.lr,
+        momentum=t.momentum,
+        nesterov=t.nesterov,
+        weight_decay=t.weight_decay,
+    )
+
+
+def _wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    """``DistributedDataParallel`` that never syncs buffers in forward (steps average them)."""
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = nn.parallel.DistributedDataParallel
+    if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters:
+        return ddp(model, device_ids=ids, forward_sync_buffers=False)
+    return ddp(model, device_ids=ids, broadcast_buffers=False)
+
+
+class RankTrainer:
+    """Trains one rank's replica over seeded epoch permutations split into equal local batches.
+
+    Args:
+        config: the run's configuration.
+        rank: this process's rank.
+        collective: the communication between ranks.
+    """
+
+    def __init__(self, config: DDPConfig, rank: int, collective: Collective) -> None:
+        self.config, self.rank, self.collective = config, rank, collective
+        self.world_size = config.world_size
+        self.device = collective.device
+        torch.set_num_threads(config.threads)
+        self.reader = DatasetReader(config.dataset, cache_bytes=config.cache_mb << 20)
+        meta = self.reader.meta
+        channels, height, _ = meta.shape
+        torch.manual_seed(config.train.seed)  # the parameter server's initialisation
+        self.model = build_model(config.model, channels, meta.num_classes, height)
+        self.model.to(self.device).train()
+        forward: nn.Module = self.model
+        if self.world_size > 1:
+            forward = _wrap_ddp(self.model, self.device)
+        self.step_fn = ComputeOnlyStep(
+            self.model,
+            forward,
+            rank,
+            self.world_size,
+            self.device,
+            config.schedule_of(rank),
+            collective.all_reduce,
+        )
+        self.optimizer = _optimizer(self.model, config)
+        self.recorder: RunRecorder | None = None
+        if rank == 0:
+            evaluator = Evaluator(
+                build_model(config.model, channels, meta.num_classes, height),
+                self.reader,
+                meta.num_classes,
+                config.eval_batch,
+            )
+            self.recorder = RunRecorder(config, evaluator, FlatLayout(self.model))
+        self.steps = 0
+        self.samples = 0
+
+    def run(self) -> None:
+        """Train until the epochs, the step limit or the target accuracy say stop."""
+        cfg = self.config.train
+        train_idx = self.reader.train_indices
+        count = len(train_idx)
+        self._warm_up()
+        self.collective.barrier()
+        if self.recorder is not None:
+            self.recorder.train_started()
+        reason, epoch = "", 0
+        while not reason:
+            epoch += 1
+            perm = np.random.default_rng(cfg.seed + epoch).permutation(count)
+            for start in range(0, count, cfg.global_batch):
+                self._step(epoch, train_idx[perm[start : start + cfg.global_batch]])
+                if cfg.max_steps is not None and self.steps >= cfg.max_steps:
+                    reason = "max_steps"
+                    break
+            else:
+                reached = False
+                if self.recorder is not None:
+                    reached = self.recorder.epoch_done(epoch, self.steps, self.samples)
+                if self.collective.decide(reached):
+                    reason = "target_oa"
+                elif cfg.epochs is not None and epoch >= cfg.epochs:
+                    reason = "epochs"
+        if self.recorder is not None:
+            self.recorder.finish(reason, epoch, self.steps, self.samples)
+
+    def _warm_up(self) -> None:
+        """Load the data cache and run untimed passes, so start-up stays off the clock."""
+        self.reader.read(self.reader.train_indices[:1])
+        meta = self.reader.meta
+        local = max(self.config.train.global_batch // self.world_size, 1)
+        gen = torch.Generator().manual_seed(self.rank)
+        x = torch.randn(local, *meta.shape, generator=gen).to(self.device)
+        y = torch.randint(0, meta.num_classes, (local,), generator=gen).to(self.device)
+        self.step_fn.warm_up(x, y)
+
+    def _step(self, epoch: int, indices: np.ndarray) -> None:
+        begin = time.perf_counter()
+        sizes = plan_equal(list(range(self.world_size)), len(indices))
+        offset = sum(sizes.get(r, 0) for r in range(self.rank))
+        mine = indices[offset : offset + sizes.get(self.rank, 0)]
+        x_np, y_np = self.reader.read(mine)
+        x = torch.from_numpy(np.ascontiguousarray(x_np)).to(self.device)
+        y = torch.from_numpy(np.ascontiguousarray(y_np)).to(self.device)
+        result = self.step_fn.run(self.steps, x, y)
+        t = self.config.train
+        progress = t.progress(self.steps, self.samples, len(self.reader.train_indices))
+        factor = lr_factor(t.lr_schedule, progress, t.warmup_fraction)
+        for group in self.optimizer.param_groups:
+            group["lr"] = t.lr * factor
+        self.optimizer.step()
+        self.steps += 1
+        self.samples += len(indices)
+        if self.recorder is not None:
+            batches = [sizes.get(r, 0) for r in range(self.world_size)]
+            self.recorder.round(epoch, self.steps, batches, result, time.perf_counter() - begin)
+
+    def close(self) -> None:
+        """Release the dataset and the run log."""
+        if self.recorder is not None:
+            self.recorder.close()
+        self.reader.close()
+
+
+def run_rank(config: DDPConfig, rank: int, store_address: str | None) -> None:
+    """Join the process group (when there are several ranks), train, and leave.
+
+    Args:
+        config: the run's configuration.
+        rank: this process's rank.
+        store_address: ``HOST:PORT`` of the launcher's TCPStore (None for a single rank).
+    """
+    device = resolve_device(config.device_of(rank))
+    if config.world_size > 1:
+        if store_address is None:
+            raise SystemExit("--store is required when there are several ranks")
+        host, _, port = store_address.rpartition(":")
+        store = dist.TCPStore(
+            host,
+            int(port),
+            None,
+            False,
+            timeout=datetime.timedelta(seconds=config.startup_timeout_s),
+        )
+        dist.init_process_group(
+            config.resolved_backend(),
+            store=store,
+            rank=rank,
+            world_size=config.world_size,
+            timeout=datetime.timedelta(seconds=config.collective_timeout_s),
+        )
+    trainer = None
+    try:
+        trainer = RankTrainer(config, rank, Collective(rank, config.world_size, device))
+        trainer.run()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The rank process's entry point."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--config", type=Path, required=True, help="ddp_config.json")
+    parser.add_argument("--rank", type=int, required=True, help="this process's rank")
+    parser.add_argument("--store", default=None, help="HOST:PORT of the rendezvous store")
+    args = parser.parse_args(argv)
+    config = DDPConfig.from_json(args.config.read_text(encoding="utf-8"))
+    setup_logging("INFO", f"ddp[{args.rank}] ")
+    run_rank(config, args.rank, args.store)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

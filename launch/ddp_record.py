@@ -1,0 +1,245 @@
+"""Rank 0's record of a DDP run: metrics.jsonl events, evaluations and summary.json."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from common.flat import FlatLayout
+from launch.ddp import DDPConfig
+from launch.ddp_step import StepResult
+from pserver.evaluator import Evaluator
+from pserver.runlog import RunLog
+from worker.speed import SpeedMeter
+
+log = logging.getLogger(__name__)
+
+
+class RunRecorder:
+    """Writes what the parameter server writes, in the same format (GUIDE section 3).
+
+    Evaluation blocks training here (the other ranks wait for rank 0), so its time is kept
+    out of the training clock: ``train_time_s`` and ``time_to_target_s`` exclude it, and every
+    eval event carries ``train_t``, the training time at that point. ``t`` of an eval event is,
+    as on the server, the moment its parameters were taken.
+
+    Args:
+        config: the run's configuration.
+        evaluator: scores a flat state on the test split.
+        layout: the training model's flat layout (to read its state).
+    """
+
+    def __init__(self, config: DDPConfig, evaluator: Evaluator, layout: FlatLayout) -> None:
+        self.config = config
+        self.evaluator = evaluator
+        self.layout = layout
+        self.log = RunLog(config.run_dir)
+        self.world_size = config.world_size
+        self.speeds = [SpeedMeter() for _ in range(self.world_size)]
+        self.samples = [0] * self.world_size
+        self.pushes = [0] * self.world_size
+        self.round_times: list[float] = []
+        self.evals: list[dict[str, Any]] = []
+        self.eval_total_s = 0.0
+        self.train_start = 0.0
+        self.time_to_target: float | None = None
+        meta = evaluator.reader.meta
+        self.log.event(
+            "start",
+            mode="ddp",
+            model=config.model,
+            dataset=str(config.dataset),
+            backend=config.resolved_backend(),
+            world_size=self.world_size,
+            state_size=layout.size,
+            train=meta.train_count,
+            test=meta.test_count,
+        )
+        for rank in range(self.world_size):
+            self.log.event(
+                "join",
+                worker=config.rank_name(rank),
+                device=config.device_of(rank),
+                slowdown=config.slowdowns[rank],
+                rank=rank,
+            )
+
+    def train_started(self) -> None:
+        """Every rank is ready: the training clock starts."""
+        self.train_start = self.log.now()
+        self.log.event("train_start", workers=self.world_size)
+
+    def train_clock(self, t: float) -> float:
+        """Training time at log time ``t``: since the start, minus blocking evaluations."""
+        return max(t - self.train_start - self.eval_total_s, 0.0)
+
+    def round(
+        self, epoch: int, version: int, batches: list[int], result: StepResult, round_s: float
+    ) -> None:
+        """Record one step: every rank's local batch, speed and compute time.
+
+        Args:
+            epoch: the epoch of the step's samples.
+            version: updates applied so far (this step included).
+            batches: per rank, its local batch.
+            result: the step's per-rank timings.
+            round_s: the step's wall time on rank 0.
+        """
+        self.round_times.append(round_s)
+        workers = []
+        for rank, batch in enumerate(batches):
+            if batch:
+                self.speeds[rank].update(batch, result.emulated_s[rank])
+                self.samples[rank] += batch
+                self.pushes[rank] += 1
+            workers.append(
+                {
+                    "worker": self.config.rank_name(rank),
+                    "batch": batch,
+                    "speed": round(self.speeds[rank].speed, 3),
+                    "compute_s": round(result.compute_s[rank], 6),
+                    "emulated_s": round(result.emulated_s[rank], 6),
+                }
+            )
+        self.log.event(
+            "round",
+            round=version,
+            epoch=epoch,
+            version=version,
+            round_s=round(round_s, 6),
+            loss=round(result.loss, 6),
+            workers=workers,
+        )
+
+    def _evaluate(self, epoch: int, version: int, samples: int) -> dict[str, Any]:
+        t = self.log.now()
+        train_t = self.train_clock(t)
+        begin = time.perf_counter()
+        scores = self.evaluator.evaluate(self.layout.read_state().numpy())
+        eval_s = time.perf_counter() - begin
+        self.eval_total_s += self.log.now() - t
+        record = self.log.event(
+            "eval",
+            t=t,
+            version=version,
+            epoch=epoch,
+            samples=samples,
+            oa=scores.oa,
+            aa=scores.aa,
+            kappa=scores.kappa,
+            loss=scores.loss,
+            eval_s=round(eval_s, 4),
+            train_t=round(train_t, 6),
+        )
+        self.evals.append(record)
+        log.info(
+            "epoch %d version %d: OA %.4f AA %.4f kappa %.4f loss %.4f",
+            epoch,
+            version,
+            scores.oa,
+            scores.aa,
+            scores.kappa,
+            scores.loss,
+        )
+        return record
+
+    def epoch_done(self, epoch: int, version: int, samples: int) -> bool:
+        """Record the end of an epoch and evaluate.
+
+        Args:
+            epoch: the epoch that ended.
+            version: updates applied so far.
+            samples: training samples applied so far.
+
+        Returns:
+            True when the target accuracy is now reached (training should stop).
+        """
+        self.log.event(
+            "epoch",
+            epoch=epoch,
+            samples=samples - (epoch - 1) * self.evaluator.reader.meta.train_count,
+            exactly_once=True,
+            version=version,
+        )
+        record = self._evaluate(epoch, version, samples)
+        target = self.config.train.target_oa
+        if target is not None and record["oa"] >= target and self.time_to_target is None:
+            self.time_to_target = record["train_t"]
+            return True
+        return False
+
+    def finish(self, reason: str, epoch: int, version: int, samples: int) -> None:
+        """Evaluate the final parameters if needed, then write ``summary.json``.
+
+        Args:
+            reason: why training ended (``epochs``, ``max_steps``, ``target_oa``).
+            epoch: the last epoch reached.
+            version: updates applied.
+            samples: training samples applied.
+        """
+        train_end = self.log.now()
+        train_time = self.train_clock(train_end)
+        log.info("training finished (%s) at version %d", reason, version)
+        if not self.evals or self.evals[-1]["version"] != version:
+            self._evaluate(epoch, version, samples)
+        for rank in range(self.world_size):
+            self.log.event("leave", worker=self.config.rank_name(rank), reason="stop")
+        self.log.write_summary(self._summary(reason, version, samples, train_time))
+
+    def _summary(
+        self, reason: str, version: int, samples: int, train_time: float
+    ) -> dict[str, Any]:
+        """The keys of ``pserver.summary.build_summary``, for mode ``ddp``."""
+        final = max(self.evals, key=lambda r: r["version"]) if self.evals else None
+        completed = [r["epoch"] for r in self.log.events if r["event"] == "epoch"]
+        times = np.array(self.round_times) if self.round_times else np.zeros(1)
+        return {
+            "mode": "ddp",
+            "model": self.config.model,
+            "dataset": str(self.config.dataset),
+            "wall_time_s": round(self.log.now(), 4),
+            "train_time_s": round(train_time, 4),
+            "steps": version,
+            "epochs": max(completed) if completed else 0,
+            "samples_seen": samples,
+            "final": None
+            if final is None
+            else {k: final[k] for k in ("oa", "aa", "kappa", "loss")},
+            "best_oa": max((r["oa"] for r in self.evals), default=None),
+            "target_oa": self.config.train.target_oa,
+            "time_to_target_s": None
+            if self.time_to_target is None
+            else round(self.time_to_target, 4),
+            "workers": [
+                {
+                    "name": self.config.rank_name(rank),
+                    "device": self.config.device_of(rank),
+                    "slowdown": self.config.slowdowns[rank],
+                    "speed": round(self.speeds[rank].speed, 3),
+                    "samples": self.samples[rank],
+                    "pushes": self.pushes[rank],
+                    "rejected": 0,
+                    "active": False,
+                }
+                for rank in range(self.world_size)
+            ],
+            "staleness": None,
+            "finish_reason": reason,
+            "global_batch": self.config.train.global_batch,
+            "details": {
+                "rounds": len(self.round_times),
+                "round_s_median": float(np.median(times)),
+                "round_s_mean": float(times.mean()),
+                "world_size": self.world_size,
+                "backend": self.config.resolved_backend(),
+                "eval_s_total": round(self.eval_total_s, 4),
+                "slowdown": "compute-only (launch.ddp_step)",
+            },
+        }
+
+    def close(self) -> None:
+        """Close ``metrics.jsonl``."""
+        self.log.close()

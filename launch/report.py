@@ -1,0 +1,204 @@
+"""The comparison report: report.md (tables over repeats) and report.png (OA curves)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, never a display
+
+import matplotlib.pyplot as plt  # after choosing the backend
+
+RESULT_COLUMNS = (
+    "mode",
+    "runs",
+    "epoch time s",
+    "time to target s",
+    "final OA",
+    "final AA",
+    "final kappa",
+)
+SPEEDUP_COLUMNS = (
+    "mode",
+    "epoch time vs ddp",
+    "epoch time vs equal-sync",
+    "time to target vs ddp",
+    "time to target vs equal-sync",
+)
+
+
+def spread(values: Sequence[float | None]) -> tuple[float, float, float] | None:
+    """(min, median, max) of the values that are not None; None when there are none."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    return min(present), statistics.median(present), max(present)
+
+
+def _cell(stats: tuple[float, float, float] | None, digits: int, reached: str = "") -> str:
+    if stats is None:
+        return "-" if not reached else f"- {reached}"
+    lo, mid, hi = stats
+    text = f"{lo:.{digits}f} / {mid:.{digits}f} / {hi:.{digits}f}"
+    return f"{text} {reached}" if reached else text
+
+
+def aggregate(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per mode, the (min, median, max) over repeats of every reported quantity.
+
+    Args:
+        data: compare.json content (``settings`` and ``runs``).
+
+    Returns:
+        mode -> ``{"runs", "failed", "reached", "epoch_time_s", "time_to_target_s", "oa",
+        "aa", "kappa"}``, each quantity a (min, median, max) tuple or None.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for mode in data["settings"]["modes"]:
+        runs = [r for r in data["runs"] if r["mode"] == mode]
+        ok = [r for r in runs if "error" not in r]
+        finals = [r["summary"].get("final") or {} for r in ok]
+        out[mode] = {
+            "runs": len(ok),
+            "failed": len(runs) - len(ok),
+            "reached": sum(r["time_to_target_s"] is not None for r in ok),
+            "epoch_time_s": spread([r["epoch_time_s"] for r in ok]),
+            "time_to_target_s": spread([r["time_to_target_s"] for r in ok]),
+            **{k: spread([f.get(k) for f in finals]) for k in ("oa", "aa", "kappa")},
+        }
+    return out
+
+
+def speedup(stats: dict[str, dict[str, Any]], mode: str, base: str, key: str) -> float | None:
+    """Median of ``base`` over median of ``mode`` for ``key`` (> 1: ``mode`` is faster)."""
+    if base not in stats or stats[mode][key] is None or stats[base][key] is None:
+        return None
+    mine, theirs = stats[mode][key][1], stats[base][key][1]
+    return theirs / mine if mine > 0 else None
+
+
+def _table(headers: Sequence[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(data: dict[str, Any]) -> str:
+    """The report as Markdown: settings, the results table and the speed-up table."""
+    settings = data["settings"]
+    stats = aggregate(data)
+    target = settings.get("target_oa")
+    train = settings["train"]
+    slowdowns = ", ".join(f"{s:g}" for s in settings["slowdowns"])
+    results = []
+    for mode, s in stats.items():
+        runs = f"{s['runs']}" + (f" ({s['failed']} failed)" if s["failed"] else "")
+        reached = f"({s['reached']}/{s['runs']} reached)" if target is not None else ""
+        results.append(
+            [
+                mode,
+                runs,
+                _cell(s["epoch_time_s"], 3),
+                _cell(s["time_to_target_s"], 2, reached) if target is not None else "-",
+                _cell(s["oa"], 4),
+                _cell(s["aa"], 4),
+                _cell(s["kappa"], 4),
+            ]
+        )
+    speedups = []
+    for mode in stats:
+        row = [mode]
+        for key in ("epoch_time_s", "time_to_target_s"):
+            for base in ("ddp", "equal-sync"):
+                value = speedup(stats, mode, base, key)
+                row.append("-" if value is None else f"{value:.2f}x")
+        speedups.append(row)
+    lines = [
+        "# Comparison of training modes",
+        "",
+        f"- dataset: `{settings['dataset']}`, model: `{settings['model']}`",
+        f"- slowdowns: {slowdowns}"
+        + (
+            f"; schedules: {settings['slowdown_schedules']}"
+            if settings["slowdown_schedules"]
+            else ""
+        ),
+        f"- global batch {train['global_batch']}, {train['optimizer']} lr {train['lr']} "
+        f"({train['lr_schedule']}), epochs {train['epochs']}, max steps {train['max_steps']}, "
+        f"seed {train['seed']}, repeats {settings['repeats']}",
+        f"- target OA: {target if target is not None else 'none'}",
+        "",
+        "Each cell is min / median / max over repeats. Epoch time = train_time_s / epochs "
+        "(start-up and blocking evaluation excluded); time to target = training time of the "
+        "first evaluation (after each epoch) with OA at or above the target.",
+        "",
+        "## Results",
+        "",
+        _table(RESULT_COLUMNS, results),
+        "",
+        "## Speed-up (median of the baseline / median of the mode; > 1 is faster)",
+        "",
+        _table(SPEEDUP_COLUMNS, speedups),
+        "",
+        "![OA against training time and samples seen](report.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _representative(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run whose epoch time is the median of its mode (the lower one for an even count)."""
+    ordered = sorted(runs, key=lambda r: r["epoch_time_s"] or 0.0)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    """OA against training time (left) and samples seen (right), one line per mode.
+
+    Each mode shows its median-speed repeat.
+
+    Args:
+        data: compare.json content.
+        path: the PNG to write.
+    """
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
+    target = data["settings"].get("target_oa")
+    for mode in data["settings"]["modes"]:
+        runs = [r for r in data["runs"] if r["mode"] == mode and "error" not in r and r["curve"]]
+        if not runs:
+            continue
+        curve = _representative(runs)["curve"]
+        oa = [p["oa"] for p in curve]
+        left.plot([p["time_s"] for p in curve], oa, marker="o", markersize=3, label=mode)
+        right.plot([p["samples"] for p in curve], oa, marker="o", markersize=3, label=mode)
+    for axis, xlabel in ((left, "training time (s)"), (right, "samples seen")):
+        if target is not None:
+            axis.axhline(target, color="grey", linestyle="--", linewidth=0.8, label="target OA")
+        axis.set_xlabel(xlabel)
+        axis.set_ylabel("test OA")
+        axis.grid(alpha=0.3)
+        axis.legend(loc="lower right")
+    left.set_title("OA against wall-clock training time")
+    right.set_title("OA against samples seen")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(data: dict[str, Any], out: Path) -> dict[str, str]:
+    """Write ``report.md`` and ``report.png`` into ``out``.
+
+    Args:
+        data: compare.json content.
+        out: the output directory.
+
+    Returns:
+        The paths written, as ``{"markdown", "png"}``.
+    """
+    markdown, png = out / "report.md", out / "report.png"
+    markdown.write_text(render_markdown(data), encoding="utf-8")
+    plot(data, png)
+    return {"markdown": str(markdown), "png": str(png)}

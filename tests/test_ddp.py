@@ -1,0 +1,187 @@
+"""The DDP baseline: the compute-only step, training on Jasper Ridge, and no slowdown feedback."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from common.errors import ConfigError
+from common.slowdown import SlowdownSchedule
+from common.synth import synth_scenes
+from launch.cli import main
+from launch.ddp import DDPConfig, run_ddp
+from launch.ddp_step import ComputeOnlyStep
+from launch.settings import TrainSettings
+
+GUIDE_SUMMARY_KEYS = {
+    "mode",
+    "model",
+    "dataset",
+    "wall_time_s",
+    "train_time_s",
+    "steps",
+    "epochs",
+    "samples_seen",
+    "final",
+    "best_oa",
+    "target_oa",
+    "time_to_target_s",
+    "workers",
+    "staleness",
+}
+EVAL_KEYS = {"event", "t", "version", "epoch", "samples", "oa", "aa", "kappa", "loss"}
+
+
+def _events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _linear_step(rank: int, world: int, reduce) -> tuple[nn.Module, ComputeOnlyStep]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    step = ComputeOnlyStep(
+        model, model, rank, world, torch.device("cpu"), SlowdownSchedule(1.0), reduce
+    )
+    return model, step
+
+
+def test_step_averages_like_one_global_batch() -> None:
+    """Two ranks with equal halves: the mean of their gradients is the union's gradient."""
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 4, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+    sent: list[torch.Tensor] = []
+    _, rank1 = _linear_step(1, 2, lambda t: sent.append(t.clone()))
+    rank1.run(0, x[4:], y[4:])
+    model0, rank0 = _linear_step(0, 2, lambda t: t.add_(sent[0]))
+    result = rank0.run(0, x[:4], y[:4])
+    reference = nn.Linear(4, 3)
+    reference.load_state_dict(model0.state_dict())
+    nn.functional.cross_entropy(reference(x), y).backward()
+    torch.testing.assert_close(model0.weight.grad, reference.weight.grad)
+    torch.testing.assert_close(model0.bias.grad, reference.bias.grad)
+    assert result.active == 2
+    assert result.compute_s[0] > 0 and result.compute_s[1] > 0
+    assert result.emulated_s == result.compute_s  # slowdown 1 everywhere
+
+
+def test_warm_up_leaves_the_model_unchanged() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(2))
+    model(torch.randn(2, 3, 5, 5))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    step = ComputeOnlyStep(
+        model, model, 0, 1, torch.device("cpu"), SlowdownSchedule(3.0), lambda t: None
+    )
+    step.warm_up(torch.randn(6, 3, 5, 5), torch.randint(0, 2, (6,)))
+    for key, value in model.state_dict().items():
+        if value.is_floating_point():
+            torch.testing.assert_close(value, state[key])
+    assert all(float(p.grad.abs().sum()) == 0 for p in model.parameters())
+
+
+def test_config_rejects_bad_values(tmp_path: Path) -> None:
+    data = tmp_path / "missing.h5"
+    with pytest.raises(ConfigError, match="--epochs"):
+        DDPConfig(data, "hsi-cnn", (1.0,), tmp_path, TrainSettings()).validate()
+    with pytest.raises(ConfigError, match="nccl"):
+        DDPConfig(
+            data, "hsi-cnn", (1.0,), tmp_path, TrainSettings(epochs=1), backend="nccl"
+        ).validate()
+    with pytest.raises(ConfigError, match="STEP:FACTOR"):
+        DDPConfig(
+            data, "hsi-cnn", (1.0,), tmp_path, TrainSettings(epochs=1), slowdown_schedules=("x",)
+        ).validate()
+
+
+@pytest.mark.e2e
+@pytest.mark.realdata
+def test_ddp_trains_on_jasper_ridge(jasper_h5: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "ddp"
+    result = CliRunner().invoke(
+        main,
+        [
+            "ddp",
+            "--dataset",
+            str(jasper_h5),
+            "--model",
+            "hsi-cnn",
+            "--slowdowns",
+            "1,2",
+            "--epochs",
+            "3",
+            "--run-dir",
+            str(run_dir),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert GUIDE_SUMMARY_KEYS <= set(summary)
+    assert summary["mode"] == "ddp" and summary["staleness"] is None
+    assert summary["epochs"] == 3 and summary["samples_seen"] == 3 * 964
+    assert summary["final"]["oa"] >= 0.85 and summary["final"]["kappa"] >= 0.78
+    assert 0 < summary["train_time_s"] < summary["wall_time_s"]
+    assert [w["samples"] for w in summary["workers"]] == [3 * 482, 3 * 482]
+    events = _events(run_dir)
+    evals = [e for e in events if e["event"] == "eval"]
+    assert [e["epoch"] for e in evals] == [1, 2, 3]
+    assert all(EVAL_KEYS <= set(e) for e in evals)
+    assert [e["samples"] for e in evals] == [964, 1928, 2892]
+    for name in ("join", "leave"):
+        assert {e["worker"] for e in events if e["event"] == name} == {"r0-x1", "r1-x2"}
+    rounds = [e for e in events if e["event"] == "round"]
+    assert len(rounds) == summary["steps"] == 3 * 16  # 964 = 15 x 64 + 4 per epoch
+    assert all(sum(w["batch"] for w in r["workers"]) in (64, 4) for r in rounds)
+    assert all({"worker", "batch", "speed"} <= set(w) for r in rounds for w in r["workers"])
+
+
+@pytest.fixture(scope="module")
+def scenes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("scenes") / "scenes32.h5"
+    synth_scenes(out, samples=240, bands=8, size=32, classes=4, seed=2)
+    return out
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("slowdowns", [(1.0, 4.0), (2.0, 4.0)])
+def test_compute_only_slowdown_does_not_feed_back(
+    scenes: Path, tmp_path: Path, slowdowns: tuple[float, float]
+) -> None:
+    """Each rank's wait for the other is never scaled: a step lasts about 4x the compute.
+
+    If a rank timed its whole step (compute plus the all-reduce wait for the 4x rank) and
+    slept in proportion, its measured compute would include the wait and the step time
+    would grow from step to step; with slowdowns 2,4 that happens within a few steps.
+    """
+    run_dir = tmp_path / "ddp"
+    config = DDPConfig(
+        dataset=scenes,
+        model="scene-cnn",
+        slowdowns=slowdowns,
+        run_dir=run_dir,
+        train=TrainSettings(max_steps=24, global_batch=32),
+    )
+    summary = run_ddp(config)
+    assert summary["steps"] == 24
+    rounds = [e for e in _events(run_dir) if e["event"] == "round"][2:]  # past warm-up
+    for record in rounds:
+        for factor, w in zip(slowdowns, record["workers"], strict=True):
+            assert w["emulated_s"] == pytest.approx(factor * w["compute_s"], rel=1e-3, abs=1e-5)
+    compute = [statistics.median(w["compute_s"] for r in rounds for w in r["workers"])]
+    # A rank's measured compute excludes its wait for the other rank (which lasts 2-4x longer).
+    for rank in range(2):
+        mine = statistics.median(r["workers"][rank]["compute_s"] for r in rounds)
+        assert mine < 1.6 * compute[0], (rank, mine, compute)
+    ratios = [
+        r["round_s"] / (4 * statistics.median(w["compute_s"] for w in r["workers"]))
+        for r in rounds
+    ]
+    assert 0.7 < statistics.median(ratios) < 1.6, ratios
+    third = len(ratios) // 3
+    early, late = statistics.median(ratios[:third]), statistics.median(ratios[-third:])
+    assert late < 1.5 * early, ratios
