@@ -7,7 +7,7 @@ import time
 
 import zmq
 
-from common.errors import NetworkTimeout, RemoteError
+from common.errors import NetworkTimeout, RemoteError, ServerLost
 from common.messages import REPLIES, Message, parse_message
 
 
@@ -19,9 +19,17 @@ class Connection:
         address: the server endpoint, e.g. ``tcp://10.0.0.1:5555``.
         timeout_s: default wait for a reply.
         context: a ZeroMQ context to share (a private one is made otherwise).
+        abort: an ``inproc://`` PUB endpoint in ``context``; any message published there ends
+            the current wait with ``ServerLost`` (a worker's heartbeat thread uses it).
     """
 
-    def __init__(self, address: str, timeout_s: float, context: zmq.Context | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float,
+        context: zmq.Context | None = None,
+        abort: str | None = None,
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self._own_context = context is None
@@ -30,6 +38,15 @@ class Connection:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
         self._ids = itertools.count(1)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._abort: zmq.Socket | None = None
+        if abort is not None:
+            self._abort = self._context.socket(zmq.SUB)
+            self._abort.setsockopt(zmq.LINGER, 0)
+            self._abort.setsockopt(zmq.SUBSCRIBE, b"")
+            self._abort.connect(abort)
+            self._poller.register(self._abort, zmq.POLLIN)
 
     def request(self, message: Message, timeout_s: float | None = None) -> Message:
         """Send ``message`` and return the server's reply.
@@ -43,6 +60,7 @@ class Connection:
 
         Raises:
             NetworkTimeout: no reply in time.
+            ServerLost: the abort endpoint said the server is gone.
             RemoteError: the server answered with an error.
             ProtocolError: the reply is malformed.
         """
@@ -52,7 +70,10 @@ class Connection:
         deadline = time.monotonic() + limit
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+            ready = dict(self._poller.poll(int(left * 1000) + 1)) if left > 0 else {}
+            if self._abort is not None and self._abort in ready:
+                raise ServerLost(self._abort.recv().decode(errors="replace"))
+            if self._sock not in ready:
                 raise NetworkTimeout(
                     f"no reply to {message.TYPE} from {self.address} within {limit:.0f} s"
                 )
@@ -69,6 +90,8 @@ class Connection:
     def close(self) -> None:
         """Close the socket (and the context if it is private)."""
         self._sock.close(linger=0)
+        if self._abort is not None:
+            self._abort.close(linger=0)
         if self._own_context:
             self._context.term()
 

@@ -70,5 +70,9 @@ class NetworkTimeout(PSError):
     """A network wait ran past its configured timeout."""
 
 
+class ServerLost(PSError):
+    """The server stopped answering heartbeats or restarted; the worker should rejoin."""
+
+
 class DeviceError(PSError):
     """The requested compute device is not available."""

@@ -170,6 +170,14 @@ class DataRequest(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class HeartbeatRequest(Message):
+    """A worker says it is alive (sent from its own thread while it computes or waits)."""
+
+    TYPE: ClassVar[str] = "heartbeat_request"
+    worker_id: int
+
+
+@dataclasses.dataclass(frozen=True)
 class StatusRequest(Message):
     """Anyone asks for the server's status."""
 
@@ -202,6 +210,9 @@ class JoinReply(Message):
     state_size: int
     dataset_fingerprint: str
     seed: int
+    server_id: str
+    heartbeat_s: float
+    dead_after_s: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +248,14 @@ class StatusReply(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class HeartbeatReply(Message):
+    """Acknowledges a heartbeat; a changed ``server_id`` means the server restarted."""
+
+    TYPE: ClassVar[str] = "heartbeat_reply"
+    server_id: str
+
+
+@dataclasses.dataclass(frozen=True)
 class LeaveReply(Message):
     """Acknowledges a leave."""
 
@@ -245,10 +264,18 @@ class LeaveReply(Message):
 
 REQUESTS: dict[str, type[Message]] = {
     m.TYPE: m
-    for m in (JoinRequest, TaskRequest, PushRequest, DataRequest, StatusRequest, LeaveRequest)
+    for m in (
+        JoinRequest,
+        TaskRequest,
+        PushRequest,
+        DataRequest,
+        HeartbeatRequest,
+        StatusRequest,
+        LeaveRequest,
+    )
 }
 REPLIES: dict[str, type[Message]] = {
-    m.TYPE: m for m in (JoinReply, TaskReply, DataReply, StatusReply, LeaveReply)
+    m.TYPE: m for m in (JoinReply, TaskReply, DataReply, HeartbeatReply, StatusReply, LeaveReply)
 }
 
 

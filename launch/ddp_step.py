@@ -134,9 +134,8 @@ class ComputeOnlyStep:
         p, b, w = self.num_params, self.num_buffers, self.world_size
         before = self._flat(self.buffers)
         samples = len(y)
-        t0 = time.perf_counter()
         loss, compute = self._compute(x, y) if samples else (0.0, 0.0)
-        emulated = 0.0
+        emulated = self.schedule.emulate(step, compute) if samples else 0.0
         # [gradients (p), buffer changes (b), active, loss sum, samples, t_r (w), F_r·t_r (w)]
         flat = torch.zeros(p + b + 3 + 2 * w, device=self.device)
         head = p + b
@@ -148,12 +147,6 @@ class ComputeOnlyStep:
         flat[head + 3 + w + self.rank] = emulated
         if w > 1:
             self.all_reduce(flat)
-        whole = time.perf_counter() - t0
-        self.schedule.emulate(step, whole)
-        flat[head + 3: head + 3 + w] = 0
-        flat[head + 3 + self.rank] = whole
-        flat[head + 3 + w:] = 0
-        flat[head + 3 + w + self.rank] = whole * self.schedule.factor(step)
         active, loss_sum, total, *times = flat[head:].tolist()
         scale = 1.0 / max(active, 1.0)
         flat[:head].mul_(scale)

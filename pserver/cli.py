@@ -108,6 +108,20 @@ def main() -> None:
     help="Seconds to wait for workers to collect their stop.",
 )
 @click.option(
+    "--heartbeat",
+    "heartbeat_s",
+    default=1.0,
+    type=float,
+    help="Seconds between the heartbeats workers are asked to send.",
+)
+@click.option(
+    "--dead-after",
+    "dead_after_s",
+    default=5.0,
+    type=float,
+    help="A worker silent this long is dropped; its unfinished samples go to others.",
+)
+@click.option(
     "--torch-threads",
     default=1,
     type=int,

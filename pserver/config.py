@@ -44,6 +44,8 @@ class ServerConfig:
     shutdown_timeout_s: float = 10.0
     data_threads: int = 2
     torch_threads: int = 1
+    heartbeat_s: float = 1.0
+    dead_after_s: float = 5.0
 
     def validate(self) -> ServerConfig:
         """Check every field.
@@ -104,6 +106,11 @@ class ServerConfig:
         )
         need(self.staleness_a > 0, f"--staleness-a must be > 0, got {self.staleness_a}")
         need(self.staleness_b >= 0, f"--staleness-b must be >= 0, got {self.staleness_b}")
+        need(self.heartbeat_s > 0, f"--heartbeat must be > 0, got {self.heartbeat_s}")
+        need(
+            self.dead_after_s > self.heartbeat_s,
+            f"--dead-after ({self.dead_after_s}) must exceed --heartbeat ({self.heartbeat_s})",
+        )
         need(self.torch_threads >= 1, f"--torch-threads must be >= 1, got {self.torch_threads}")
         need(self.cache_mb >= 0, f"--cache-mb must be >= 0, got {self.cache_mb}")
         need(

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -58,6 +60,7 @@ class WorkerInfo:
     samples: int = 0
     pushes: int = 0
     rejected: int = 0
+    non_finite: int = 0
     active: bool = True
     ready: bool = False
 
@@ -71,5 +74,75 @@ class WorkerInfo:
             "samples": self.samples,
             "pushes": self.pushes,
             "rejected": self.rejected,
+            "non_finite": self.non_finite,
             "active": self.active,
         }
+
+
+class Roster:
+    """The members of a run, with a liveness deadline per worker.
+
+    Every message from a worker pushes its deadline ``dead_after_s`` into the future; a worker
+    whose deadline passes is handed to ``on_dead`` (from the event loop, via a timer: no
+    polling).
+
+    Args:
+        dead_after_s: silence after which a worker counts as dead.
+        on_dead: called with the worker when its deadline passes.
+    """
+
+    def __init__(self, dead_after_s: float, on_dead: Callable[[WorkerInfo], None]) -> None:
+        self.dead_after_s = dead_after_s
+        self.on_dead = on_dead
+        self.workers: dict[int, WorkerInfo] = {}
+        self._timers: dict[int, asyncio.TimerHandle] = {}
+        self._next_id = 1
+
+    def add(self, name: str, device: str, slowdown: float, threads: int, t: float) -> WorkerInfo:
+        """A new member; a name already in use gets the worker id appended."""
+        names = {w.name for w in self.workers.values()}
+        unique = name if name not in names else f"{name}-{self._next_id}"
+        worker = WorkerInfo(self._next_id, unique, device, slowdown, threads, 0.0, t)
+        self._next_id += 1
+        self.workers[worker.worker_id] = worker
+        self.touch(worker)
+        return worker
+
+    def touch(self, worker: WorkerInfo) -> None:
+        """The worker was heard from: restart its liveness deadline."""
+        timer = self._timers.pop(worker.worker_id, None)
+        if timer is not None:
+            timer.cancel()
+        if worker.active:
+            loop = asyncio.get_running_loop()
+            self._timers[worker.worker_id] = loop.call_later(
+                self.dead_after_s, self._expire, worker.worker_id
+            )
+
+    def _expire(self, worker_id: int) -> None:
+        self._timers.pop(worker_id, None)
+        worker = self.workers[worker_id]
+        if worker.active:
+            self.on_dead(worker)
+
+    def remove(self, worker: WorkerInfo) -> None:
+        """Mark the worker gone (left, dead or stopped) and drop its deadline."""
+        worker.active = False
+        worker.waiter = None
+        timer = self._timers.pop(worker.worker_id, None)
+        if timer is not None:
+            timer.cancel()
+
+    def members(self) -> list[WorkerInfo]:
+        """Workers that joined and are not gone, in join order."""
+        return [w for w in self.workers.values() if w.active]
+
+    def ready(self) -> list[WorkerInfo]:
+        """Members that have calibrated and take tasks, in join order."""
+        return [w for w in self.workers.values() if w.active and w.ready]
+
+    def close(self) -> None:
+        """Cancel every deadline."""
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -20,6 +21,8 @@ from common.messages import (
     REQUESTS,
     DataReply,
     DataRequest,
+    HeartbeatReply,
+    HeartbeatRequest,
     JoinReply,
     JoinRequest,
     LeaveReply,
@@ -35,8 +38,9 @@ from common.messages import (
 )
 from common.models import build_model
 from pserver.config import ServerConfig
+from pserver.errorlog import RateLimitedLog
 from pserver.evaluator import Evaluator
-from pserver.membership import Task, Waiter, WorkerInfo
+from pserver.membership import Roster, Task, Waiter, WorkerInfo
 from pserver.policies import POLICIES
 from pserver.runlog import RunLog
 from pserver.summary import build_summary, status_of
@@ -75,7 +79,9 @@ class ParameterServer:
         )
         self.evaluator = Evaluator(model, self.reader, meta.num_classes, config.eval_batch)
         self.policy = POLICIES[config.mode](self)
-        self.workers: dict[int, WorkerInfo] = {}
+        self.roster = Roster(config.dead_after_s, self._on_dead)
+        self.server_id = secrets.token_hex(8)
+        self._error_log = RateLimitedLog(log)
         self.evals: list[dict[str, Any]] = []
         self.train_start: float | None = None
         self.train_end: float | None = None
@@ -87,7 +93,6 @@ class ParameterServer:
         self._workers_gone = asyncio.Event()
         self._tasks: set[asyncio.Future[Any]] = set()
         self._evaluations: set[asyncio.Future[Any]] = set()
-        self._next_worker_id = 1
         self._next_task_id = 1
         self._train_mask = np.zeros(meta.num_samples, dtype=bool)
         self._train_mask[self.reader.train_indices] = True
@@ -103,6 +108,7 @@ class ParameterServer:
             PushRequest: self._on_push,
             DataRequest: self._on_data,
             StatusRequest: self._on_status,
+            HeartbeatRequest: self._on_heartbeat,
             LeaveRequest: self._on_leave,
         }
 
@@ -161,6 +167,7 @@ class ParameterServer:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        self.roster.close()
         if self._sock is not None:
             self._sock.close(linger=0)
         self._zmq.term()
@@ -198,7 +205,9 @@ class ParameterServer:
         self._send(identity, message.to_wire(request_id))
 
     def _reply_error(self, identity: bytes, request_id: int, code: ErrorCode, text: str) -> None:
-        log.warning("rejected request %d: %s: %s", request_id, code.name, text)
+        self._error_log.warning(
+            code.name, "rejected request %d: %s: %s", request_id, code.name, text
+        )
         self._send(identity, error_frames(request_id, code, text))
 
     async def _receive_loop(self) -> None:
@@ -235,12 +244,26 @@ class ParameterServer:
             )
 
     def _member(self, worker_id: int) -> WorkerInfo:
-        worker = self.workers.get(worker_id)
+        """The active member with this id (its liveness deadline restarts)."""
+        worker = self.roster.workers.get(worker_id)
         if worker is None or not worker.active:
             raise ProtocolError(
                 ErrorCode.UNKNOWN_WORKER, f"worker id {worker_id} is not a member; join first"
             )
+        self.roster.touch(worker)
         return worker
+
+    def _drop(self, worker: WorkerInfo, reason: str) -> None:
+        """Remove a worker that left or died; its unfinished samples go back to the pool."""
+        self.roster.remove(worker)
+        self.log.event("leave", worker=worker.name, reason=reason[:200])
+        log.info("worker %s is gone: %s", worker.name, reason)
+        self._spawn(self.policy.on_leave(worker))
+        if not self.members():
+            self._workers_gone.set()
+
+    def _on_dead(self, worker: WorkerInfo) -> None:
+        self._drop(worker, f"dead: silent for {self.config.dead_after_s:g} s")
 
     # --- services to the policies (PolicyContext) -------------------------------------------
 
@@ -251,11 +274,11 @@ class ParameterServer:
 
     def members(self) -> list[WorkerInfo]:
         """Workers that joined and have neither left nor been stopped, in join order."""
-        return [w for w in self.workers.values() if w.active]
+        return self.roster.members()
 
     def active_workers(self) -> list[WorkerInfo]:
         """Members that have calibrated and take tasks, in join order."""
-        return [w for w in self.workers.values() if w.active and w.ready]
+        return self.roster.ready()
 
     def new_task(
         self, worker: WorkerInfo, epoch: int, positions: np.ndarray, round_id: int = -1
@@ -298,8 +321,8 @@ class ParameterServer:
             )
 
     def _send_stop(self, worker: WorkerInfo) -> None:
-        waiter, worker.waiter = worker.waiter, None
-        worker.active = False
+        waiter = worker.waiter
+        self.roster.remove(worker)
         if waiter is not None:
             self._reply(
                 waiter.identity,
@@ -429,13 +452,8 @@ class ParameterServer:
                 f"slowdown={msg.slowdown}, threads={msg.threads}, "
                 f"name={msg.name!r}",
             )
-        names = {w.name for w in self.workers.values()}
-        name = msg.name if msg.name not in names else f"{msg.name}-{self._next_worker_id}"
-        worker = WorkerInfo(
-            self._next_worker_id, name, msg.device, msg.slowdown, msg.threads, 0.0, self.log.now()
-        )
-        self._next_worker_id += 1
-        self.workers[worker.worker_id] = worker
+        worker = self.roster.add(msg.name, msg.device, msg.slowdown, msg.threads, self.log.now())
+        name = worker.name
         self.log.event("join", worker=name, device=msg.device, slowdown=msg.slowdown)
         log.info("worker %s joined (%s, slowdown %.1f)", name, msg.device, msg.slowdown)
         channels, height, _ = self.meta.shape
@@ -452,6 +470,9 @@ class ParameterServer:
                 state_size=self.trainer.state_size,
                 dataset_fingerprint=self.meta.fingerprint,
                 seed=self.config.seed,
+                server_id=self.server_id,
+                heartbeat_s=self.config.heartbeat_s,
+                dead_after_s=self.config.dead_after_s,
             ),
         )
 
@@ -504,8 +525,10 @@ class ParameterServer:
         task.pushed = True
         try:
             await self.policy.on_push(worker, task, msg, as_tensor(msg.state))
-        except BaseException:
+        except BaseException as exc:
             task.pushed = False
+            if isinstance(exc, ProtocolError) and exc.code == ErrorCode.NON_FINITE:
+                worker.non_finite += 1
             if worker.waiter is not None and worker.waiter.request_id == request_id:
                 worker.waiter = None
             raise
@@ -530,14 +553,12 @@ class ParameterServer:
 
     async def _on_leave(self, identity: bytes, request_id: int, msg: LeaveRequest) -> None:
         worker = self._member(msg.worker_id)
-        worker.active = False
-        worker.waiter = None
-        self.log.event("leave", worker=worker.name, reason=msg.reason[:200])
-        log.info("worker %s left: %s", worker.name, msg.reason)
         self._reply(identity, request_id, LeaveReply())
-        await self.policy.on_leave(worker)
-        if not self.members():
-            self._workers_gone.set()
+        self._drop(worker, f"left: {msg.reason}")
+
+    async def _on_heartbeat(self, identity: bytes, request_id: int, msg: HeartbeatRequest) -> None:
+        self._member(msg.worker_id)
+        self._reply(identity, request_id, HeartbeatReply(server_id=self.server_id))
 
 
 def _log_failure(task: asyncio.Future[Any]) -> None:

@@ -35,7 +35,7 @@ def build_summary(ps: ParameterServer) -> dict[str, Any]:
         "best_oa": max((r["oa"] for r in ps.evals), default=None),
         "target_oa": cfg.target_oa,
         "time_to_target_s": None if ps.time_to_target is None else round(ps.time_to_target, 4),
-        "workers": [w.summary() for w in ps.workers.values()],
+        "workers": [w.summary() for w in ps.roster.workers.values()],
         "staleness": staleness,
         "finish_reason": ps.finish_reason,
         "global_batch": cfg.global_batch,
@@ -60,6 +60,6 @@ def status_of(ps: ParameterServer) -> dict[str, Any]:
         else 0,
         "last_eval": _scores(last),
         "workers": [
-            {"id": w.worker_id, "ready": w.ready, **w.summary()} for w in ps.workers.values()
+            {"id": w.worker_id, "ready": w.ready, **w.summary()} for w in ps.roster.workers.values()
         ],
     }

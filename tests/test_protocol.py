@@ -12,6 +12,8 @@ from common.messages import (
     REQUESTS,
     DataReply,
     DataRequest,
+    HeartbeatReply,
+    HeartbeatRequest,
     JoinReply,
     JoinRequest,
     LeaveReply,
@@ -43,6 +45,7 @@ EXAMPLES = [
     ),
     DataRequest(worker_id=3, indices=[5, 1, 99]),
     StatusRequest(),
+    HeartbeatRequest(worker_id=3),
     LeaveRequest(worker_id=3, reason="done"),
     JoinReply(
         worker_id=3,
@@ -54,12 +57,16 @@ EXAMPLES = [
         state_size=10,
         dataset_fingerprint="ab12",
         seed=0,
+        server_id="5f3a",
+        heartbeat_s=1.0,
+        dead_after_s=5.0,
     ),
     TaskReply(
         action="train", task_id=9, version=4, epoch=1, indices=[1, 2], prefetch=[3], params=STATE
     ),
     DataReply(x=np.ones((2, 3, 5, 5), dtype=np.float32), y=np.array([0, 1], dtype=np.int64)),
     StatusReply(status={"mode": "async", "version": 4}),
+    HeartbeatReply(server_id="5f3a"),
     LeaveReply(),
 ]
 

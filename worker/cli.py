@@ -32,7 +32,12 @@ def main() -> None:
     help="Change the slowdown during training: STEP:F[,STEP:F...], e.g. 200:3 makes the worker "
     "3x slower from its 200th step on.",
 )
-@click.option("--name", default=socket.gethostname, help="Worker name in logs and metrics.")
+@click.option(
+    "--name",
+    default=socket.gethostname,
+    show_default="this host's name",
+    help="Worker name in logs and metrics.",
+)
 @click.option("--threads", default=1, type=int, help="Torch CPU threads.")
 @click.option(
     "--join-timeout",
@@ -54,6 +59,28 @@ def main() -> None:
     default=120.0,
     type=float,
     help="Seconds to wait for a data reply.",
+)
+@click.option(
+    "--data",
+    default=None,
+    metavar="PATH",
+    show_default="pull samples from the server",
+    help="Read samples from this local or shared copy of the dataset instead of pulling them "
+    "from the server; its fingerprint must match the server's.",
+)
+@click.option(
+    "--augment/--no-augment",
+    default=False,
+    help="Augment training batches with random flips and 90-degree rotations, reproducibly "
+    "per task.",
+)
+@click.option(
+    "--augment-noise",
+    default=0.0,
+    type=float,
+    metavar="STD",
+    help="With --augment: add a Gaussian offset per sample and band with this standard "
+    "deviation (the data have unit variance per band); 0 disables it.",
 )
 @click.option("--log-every", default=50, type=int, help="Log progress every N steps.")
 @click.option("--log-level", default="INFO", help="Logging level.")

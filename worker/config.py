@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import socket
 
 from common.errors import ConfigError
@@ -22,8 +24,12 @@ class WorkerConfig:
     join_timeout_s: float = 60.0
     reply_timeout_s: float = 600.0
     data_timeout_s: float = 120.0
+    rejoin_timeout_s: float = 120.0
     calibration_batch: int = 32
     log_every: int = 50
+    data: str | None = None
+    augment: bool = False
+    augment_noise: float = 0.0
 
     def validate(self) -> WorkerConfig:
         """Check every field.
@@ -45,7 +51,15 @@ class WorkerConfig:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         if not self.name:
             raise ConfigError("--name must not be empty")
-        for field in ("join_timeout_s", "reply_timeout_s", "data_timeout_s"):
+        for field in ("join_timeout_s", "reply_timeout_s", "data_timeout_s", "rejoin_timeout_s"):
             if getattr(self, field) <= 0:
                 raise ConfigError(f"{field} must be > 0, got {getattr(self, field)}")
+        if self.data is not None and not os.path.isfile(self.data):
+            raise ConfigError(f"--data {self.data!r} is not a file")
+        if not (math.isfinite(self.augment_noise) and self.augment_noise >= 0):
+            raise ConfigError(f"--augment-noise must be >= 0, got {self.augment_noise}")
+        if self.augment_noise > 0 and not self.augment:
+            raise ConfigError(
+                f"--augment-noise {self.augment_noise} has no effect without --augment"
+            )
         return self

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import zmq
 from torch import nn
 
 from common.client import Connection
-from common.errors import ErrorCode, RemoteError
+from common.errors import ErrorCode, NetworkTimeout, RemoteError, ServerLost
 from common.flat import FlatLayout
 from common.messages import (
     JoinReply,
@@ -25,6 +26,7 @@ from common.models import build_model
 from common.slowdown import SlowdownSchedule
 from worker.config import WorkerConfig
 from worker.device import host_buffer, resolve_device, synchronize
+from worker.heartbeat import Heartbeat
 from worker.prefetch import Prefetcher
 from worker.speed import SpeedMeter
 
@@ -32,6 +34,8 @@ log = logging.getLogger(__name__)
 
 # Rejections after which the worker pulls fresh parameters and recomputes the same task.
 RETRY_CODES = (ErrorCode.STALE, ErrorCode.NON_FINITE)
+# Rejections after which the worker joins again (the server forgot it: dropped or restarted).
+REJOIN_CODES = (ErrorCode.UNKNOWN_WORKER,)
 
 
 @dataclass
@@ -60,41 +64,50 @@ class Worker:
         self.config = config
         self.device = resolve_device(config.device)
         torch.set_num_threads(config.threads)
-        self.conn = Connection(config.server, config.reply_timeout_s)
+        self.context = zmq.Context()
+        self.conn: Connection | None = None
         self.speed = SpeedMeter()
         self.slowdown = SlowdownSchedule(config.slowdown, config.slowdown_schedule)
         self.stats = WorkerStats()
         self.worker_id = 0
+        self.sessions = 0
+        self._joined = False
         self.model: nn.Module | None = None
         self.layout: FlatLayout | None = None
         self._host_state: torch.Tensor | None = None
 
     def run(self) -> WorkerStats:
-        """Join and train until the server says stop.
+        """Join and train until the server says stop, rejoining if the server is lost.
 
         Returns:
             What this worker did.
 
         Raises:
-            NetworkTimeout: the server did not answer in time.
+            NetworkTimeout, ServerLost: the server stayed away longer than the rejoin timeout.
             RemoteError: the server refused the worker.
         """
         begin = time.perf_counter()
-        spec = self._join()
-        prefetcher = Prefetcher(self.config.server, self.worker_id, self.config.data_timeout_s)
+        lost_since: float | None = None
         try:
-            self._calibrate(spec)
-            reply = self._request_task()
-            while reply.action == "train":
-                reply = self._step(reply, prefetcher)
+            while True:
+                try:
+                    self._session()
+                    break
+                except (ServerLost, NetworkTimeout, RemoteError) as exc:
+                    rejoinable = not isinstance(exc, RemoteError) or exc.code in REJOIN_CODES
+                    now = time.monotonic()
+                    if self._joined or lost_since is None:
+                        lost_since = now  # the server was there until now
+                    self._joined = False
+                    if not rejoinable or now - lost_since > self.config.rejoin_timeout_s:
+                        raise
+                    log.warning("lost the server (%s); rejoining", exc)
         except KeyboardInterrupt:
             self._leave("interrupted")
             raise
         finally:
-            self.stats.data_wait_s = prefetcher.wait_s
             self.stats.wall_s = time.perf_counter() - begin
-            prefetcher.close()
-            self.conn.close()
+            self.context.term()
         log.info(
             "worker %s done: %d steps, %d samples, data wait %.1f%% of wall time",
             self.config.name,
@@ -103,6 +116,46 @@ class Worker:
             100 * self.stats.data_wait_s / max(self.stats.wall_s, 1e-9),
         )
         return self.stats
+
+    def _session(self) -> None:
+        """One membership: join, (calibrate), train until stop."""
+        self.conn = Connection(self.config.server, self.config.reply_timeout_s, self.context)
+        heartbeat: Heartbeat | None = None
+        prefetcher: Prefetcher | None = None
+        try:
+            spec = self._join()
+            self._joined = True
+            abort = f"inproc://abort-{id(self)}-{self.sessions}"
+            self.sessions += 1
+            heartbeat = Heartbeat(
+                self.context,
+                self.config.server,
+                spec.worker_id,
+                spec.server_id,
+                spec.heartbeat_s,
+                spec.dead_after_s,
+                abort,
+            )
+            self.conn.close()  # again, now listening to the heartbeat's abort channel
+            self.conn = Connection(
+                self.config.server, self.config.reply_timeout_s, self.context, abort=abort
+            )
+            heartbeat.start()
+            prefetcher = Prefetcher(
+                self.config.server, self.worker_id, self.config.data_timeout_s, self.context, abort
+            )
+            if self.speed.speed == 0.0:
+                self._calibrate(spec)
+            reply = self._request_task()
+            while reply.action == "train":
+                reply = self._step(reply, prefetcher)
+        finally:
+            if heartbeat is not None:
+                heartbeat.stop()
+            if prefetcher is not None:
+                self.stats.data_wait_s += prefetcher.wait_s
+                prefetcher.close()
+            self.conn.close()
 
     def _join(self) -> JoinReply:
         reply = self.conn.request(
@@ -225,7 +278,10 @@ class Worker:
         return reply
 
     def _leave(self, reason: str) -> None:
+        if not self._joined:
+            return
         try:
-            self.conn.request(LeaveRequest(worker_id=self.worker_id, reason=reason), timeout_s=2.0)
+            with Connection(self.config.server, 2.0, self.context) as conn:
+                conn.request(LeaveRequest(worker_id=self.worker_id, reason=reason))
         except Exception as exc:  # best effort on the way out
             log.debug("leave not acknowledged: %s", exc)

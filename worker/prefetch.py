@@ -7,6 +7,7 @@ import threading
 import time
 
 import numpy as np
+import zmq
 
 from common.client import Connection
 from common.messages import DataReply, DataRequest
@@ -23,10 +24,20 @@ class Prefetcher:
         address: the server endpoint.
         worker_id: this worker's id.
         timeout_s: the wait for one data reply.
+        context: the worker's ZeroMQ context.
+        abort: inproc endpoint whose messages end a wait with ``ServerLost``.
     """
 
-    def __init__(self, address: str, worker_id: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        address: str,
+        worker_id: int,
+        timeout_s: float,
+        context: zmq.Context | None = None,
+        abort: str | None = None,
+    ) -> None:
         self.address, self.worker_id, self.timeout_s = address, worker_id, timeout_s
+        self.context, self.abort = context, abort
         self.wait_s = 0.0
         self._local = threading.local()
         self._connections: list[Connection] = []
@@ -36,7 +47,9 @@ class Prefetcher:
     def _fetch(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = self._local.conn = Connection(self.address, self.timeout_s)
+            conn = self._local.conn = Connection(
+                self.address, self.timeout_s, context=self.context, abort=self.abort
+            )
             self._connections.append(conn)
         reply = conn.request(DataRequest(worker_id=self.worker_id, indices=indices))
         assert isinstance(reply, DataReply)

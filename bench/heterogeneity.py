@@ -1,0 +1,127 @@
+"""Epoch time under heterogeneity: weighted-sync against equal-sync and DDP, side by side.
+
+Synthetic EuroSAT-shaped scenes (13 bands, 64x64), scene-cnn, two workers with slowdowns 1 and 3,
+the same seeds and samples in every run; the modes are interleaved within each repeat. Ideal
+ratios: equal batches make every round wait for 3·t(B/2) = 1.5·t(B); speed-proportional batches
+(3B/4, B/4) finish together after 0.75·t(B), so weighted-sync is 2.0x faster per epoch than
+equal-sync and than DDP (targets: >= 1.9x and >= 1.8x).
+
+Each repeat gives a paired ratio (runs of the same repeat ran back to back); the table shows
+min / median / max over repeats and the last lines are ``ratio_...=X.XX`` (medians).
+
+Usage: python bench/heterogeneity.py [--repeats 3] [--epochs 2] [--samples 600]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from common.logsetup import setup_logging  # noqa: E402
+from common.synth import synth_scenes  # noqa: E402
+from launch.compare import CompareConfig, run_compare  # noqa: E402
+from launch.settings import TrainSettings  # noqa: E402
+from launch.table import format_table  # noqa: E402
+
+MODES = ("weighted-sync", "equal-sync", "ddp")
+
+
+def paired(runs: list[dict], base: str, mode: str) -> list[float]:
+    """Per repeat, epoch time of ``base`` / epoch time of ``mode``."""
+    by = {(r["mode"], r["repeat"]): r for r in runs if "error" not in r}
+    return [
+        by[(base, rep)]["epoch_time_s"] / by[(mode, rep)]["epoch_time_s"]
+        for (m, rep) in by
+        if m == mode and (base, rep) in by
+    ]
+
+
+def spread_text(values: list[float], digits: int = 3) -> str:
+    """``min / median / max`` of ``values``."""
+    if not values:
+        return "-"
+    lo, mid, hi = min(values), statistics.median(values), max(values)
+    return f"{lo:.{digits}f} / {mid:.{digits}f} / {hi:.{digits}f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the comparison and print the table and ratios."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3, help="runs per mode (default 3)")
+    parser.add_argument("--epochs", type=int, default=2, help="epochs per run (default 2)")
+    parser.add_argument("--samples", type=int, default=600, help="synthetic images (default 600)")
+    parser.add_argument("--global-batch", type=int, default=64, help="global batch (default 64)")
+    parser.add_argument("--slowdowns", default="1,3", help="worker slowdowns (default 1,3)")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "runs/bench/heterogeneity", help="output directory"
+    )
+    args = parser.parse_args(argv)
+    setup_logging("WARNING")
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = args.out / f"scenes64_{args.samples}.h5"
+    if not data.exists():
+        synth_scenes(data, samples=args.samples, bands=13, size=64, classes=10, seed=0)
+    slowdowns = tuple(float(s) for s in args.slowdowns.split(","))
+    config = CompareConfig(
+        dataset=data,
+        model="scene-cnn",
+        modes=MODES,
+        slowdowns=slowdowns,
+        out=args.out,
+        train=TrainSettings(epochs=args.epochs, global_batch=args.global_batch),
+        repeats=args.repeats,
+    )
+    result = run_compare(config, show_progress=sys.stderr.isatty())
+    runs = result["runs"]
+    rows = []
+    for mode in MODES:
+        mine = [r for r in runs if r["mode"] == mode and "error" not in r]
+        rounds = [r["summary"]["details"]["round_s_median"] for r in mine]
+        shares = [
+            "/".join(str(w["samples"]) for w in r["summary"]["workers"]) for r in mine[:1]
+        ]
+        rows.append(
+            [
+                mode,
+                len(mine),
+                spread_text([r["epoch_time_s"] for r in mine]),
+                spread_text(rounds, 4),
+                spread_text(paired(runs, mode, "weighted-sync"), 2),
+                shares[0] if shares else "-",
+            ]
+        )
+    print(
+        f"scene-cnn on {data.name} (13x64x64), slowdowns {args.slowdowns}, "
+        f"B={args.global_batch}, {args.epochs} epochs, {args.repeats} repeats "
+        "(min / median / max over repeats)"
+    )
+    print(
+        format_table(
+            [
+                "mode",
+                "runs",
+                "epoch time s",
+                "median round s",
+                "its time / weighted-sync's",
+                "samples per worker",
+            ],
+            rows,
+        )
+    )
+    failed = [f"{r['mode']} #{r['repeat']}" for r in runs if "error" in r]
+    if failed:
+        print(f"failed runs: {', '.join(failed)}")
+    for base, name in (("equal-sync", "equal_sync"), ("ddp", "ddp")):
+        ratios = paired(runs, base, "weighted-sync")
+        value = statistics.median(ratios) if ratios else float("nan")
+        print(f"ratio_weighted_sync_vs_{name}={value:.2f}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Real server and worker processes for reliability tests, driven by their log lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+LINE_TIMEOUT_S = 180.0
+
+
+class Proc:
+    """A child process whose merged output is read line by line on a thread."""
+
+    def __init__(self, args: list[str], name: str) -> None:
+        self.name = name
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_for(self, text: str, timeout: float = LINE_TIMEOUT_S) -> str:
+        """Block until a line containing ``text`` appears; return it."""
+        while True:
+            line = self.lines.get(timeout=timeout)
+            if line is None:
+                raise AssertionError(f"{self.name} ended before printing {text!r}:\n"
+                                     + "".join(self.seen[-30:]))
+            self.seen.append(line)
+            if text in line:
+                return line
+
+    def wait(self, timeout: float = LINE_TIMEOUT_S) -> int:
+        """Wait for exit, draining output."""
+        code = self.popen.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        while not self.lines.empty():
+            line = self.lines.get()
+            if line is not None:
+                self.seen.append(line)
+        return code
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+
+
+def start_server(dataset: Path, run_dir: Path, *options: str) -> tuple[Proc, str]:
+    """``pserver start`` on a random port; returns the process and its address."""
+    server = Proc(["pserver.cli", "start", "--bind", "tcp://127.0.0.1:0", "--dataset",
+                   str(dataset), "--model", "hsi-cnn", "--run-dir", str(run_dir), *options],
+                  "server")
+    line = server.wait_for("listening on")
+    return server, line.split("listening on", 1)[1].strip()
+
+
+def start_worker(address: str, name: str, slowdown: float = 1.0, *options: str) -> Proc:
+    """``worker join`` against ``address``."""
+    return Proc(["worker.cli", "join", "--server", address, "--name", name, "--slowdown",
+                 str(slowdown), "--log-every", "1000000", *options], name)
+
+
+def events(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's metrics.jsonl records."""
+    text = (run_dir / "metrics.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def summary(run_dir: Path) -> dict[str, Any]:
+    """The run's summary.json."""
+    return json.loads((run_dir / "summary.json").read_text())

@@ -1,0 +1,158 @@
+"""``pslaunch compare``: runs, compare.json, report.md and report.png; report arithmetic."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from common.synth import synth_hsi
+from launch.cli import main
+from launch.compare import time_to_target
+from launch.report import RESULT_COLUMNS, SPEEDUP_COLUMNS, aggregate, render_markdown, speedup
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _table(markdown: str, heading: str) -> list[list[str]]:
+    """The rows (header first, rule dropped) of the Markdown table under ``heading``."""
+    lines = markdown.split(heading, 1)[1].splitlines()[1:]  # below the heading line
+    block = []
+    for line in lines[1:] if not lines[0] else lines:
+        if not line.startswith("|"):
+            break
+        block.append(line)
+    assert len(block) >= 3 and set(block[1]) <= {"|", "-"}, block
+    return [[c.strip() for c in line.strip("|").split("|")] for line in block[:1] + block[2:]]
+
+
+@pytest.mark.e2e
+def test_compare_two_modes_writes_the_report(tmp_path: Path) -> None:
+    data = tmp_path / "hsi.h5"
+    synth_hsi(data, samples=400, bands=16, size=32, classes=4, train_fraction=0.3, seed=4)
+    out = tmp_path / "cmp"
+    result = CliRunner().invoke(
+        main,
+        [
+            "compare",
+            "--dataset",
+            str(data),
+            "--model",
+            "hsi-cnn",
+            "--modes",
+            "equal-sync,ddp",
+            "--slowdowns",
+            "1,2",
+            "--epochs",
+            "3",
+            "--global-batch",
+            "32",
+            "--target-oa",
+            "0.3",
+            "--repeats",
+            "1",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "compare.json").read_text())
+    assert report["settings"]["modes"] == ["equal-sync", "ddp"]
+    assert report["settings"]["slowdowns"] == [1.0, 2.0]
+    runs = {r["mode"]: r for r in report["runs"]}
+    assert set(runs) == {"equal-sync", "ddp"} and len(report["runs"]) == 2
+    ps_summary = json.loads((Path(runs["equal-sync"]["run_dir"]) / "summary.json").read_text())
+    ddp_summary = json.loads((Path(runs["ddp"]["run_dir"]) / "summary.json").read_text())
+    assert set(ddp_summary) == set(ps_summary)  # the same summary.json contract
+    for mode, run in runs.items():
+        summary = run["summary"]
+        assert summary["mode"] == mode and summary["epochs"] == 3
+        assert run["epoch_time_s"] == pytest.approx(summary["train_time_s"] / 3)
+        assert [p["samples"] for p in run["curve"]] == [120, 240, 360]
+        assert run["time_to_target_s"] is not None  # a target of 0.3 is met after one epoch
+        assert run["time_to_target_s"] <= summary["train_time_s"]
+    # Same seed, split, initialisation and equal batches: DDP and equal-sync learn alike.
+    assert ddp_summary["samples_seen"] == ps_summary["samples_seen"] == 360
+    assert abs(ddp_summary["final"]["oa"] - ps_summary["final"]["oa"]) < 0.03
+
+    markdown = (out / "report.md").read_text()
+    assert markdown.strip() in result.output  # the CLI prints the report
+    results = _table(markdown, "## Results")
+    assert results[0] == list(RESULT_COLUMNS)
+    assert [row[0] for row in results[1:]] == ["equal-sync", "ddp"]
+    for row in results[1:]:
+        assert len(row) == len(RESULT_COLUMNS) and row[1] == "1"
+        for cell in row[2:]:
+            assert len(cell.split(" / ")) == 3, cell  # min / median / max
+    speedups = _table(markdown, "## Speed-up")
+    assert speedups[0] == list(SPEEDUP_COLUMNS)
+    assert speedups[2][:2] == ["ddp", "1.00x"]  # ddp against itself
+    png = (out / "report.png").read_bytes()
+    assert png.startswith(PNG_SIGNATURE) and len(png) > 1000
+
+
+def _fake_run(mode: str, repeat: int, epoch_s: float, oa: float, target_s: float | None) -> dict:
+    summary = {"final": {"oa": oa, "aa": oa - 0.1, "kappa": oa - 0.2}}
+    return {
+        "mode": mode,
+        "repeat": repeat,
+        "epoch_time_s": epoch_s,
+        "time_to_target_s": target_s,
+        "curve": [],
+        "summary": summary,
+    }
+
+
+def test_aggregate_and_speedups_by_hand() -> None:
+    data = {
+        "settings": {
+            "modes": ["weighted-sync", "ddp"],
+            "target_oa": 0.8,
+            "slowdowns": [1.0, 3.0],
+            "slowdown_schedules": [],
+            "dataset": "d.h5",
+            "model": "m",
+            "repeats": 3,
+            "train": {
+                "global_batch": 64,
+                "optimizer": "sgd",
+                "lr": 0.05,
+                "lr_schedule": "constant",
+                "epochs": 2,
+                "max_steps": None,
+                "seed": 0,
+            },
+        },
+        "runs": [
+            _fake_run("weighted-sync", 1, 1.0, 0.90, 2.0),
+            _fake_run("weighted-sync", 2, 3.0, 0.80, None),
+            _fake_run("weighted-sync", 3, 2.0, 0.85, 4.0),
+            _fake_run("ddp", 1, 4.0, 0.88, 6.0),
+            {"mode": "ddp", "repeat": 2, "error": "rank 1 exited with code 1"},
+        ],
+    }
+    stats = aggregate(data)
+    assert stats["weighted-sync"]["epoch_time_s"] == (1.0, 2.0, 3.0)
+    assert stats["weighted-sync"]["time_to_target_s"] == (2.0, 3.0, 4.0)
+    assert stats["weighted-sync"]["reached"] == 2 and stats["weighted-sync"]["runs"] == 3
+    assert stats["weighted-sync"]["oa"] == pytest.approx((0.80, 0.85, 0.90))
+    assert stats["ddp"]["runs"] == 1 and stats["ddp"]["failed"] == 1
+    assert speedup(stats, "weighted-sync", "ddp", "epoch_time_s") == pytest.approx(2.0)
+    assert speedup(stats, "weighted-sync", "ddp", "time_to_target_s") == pytest.approx(2.0)
+    assert speedup(stats, "weighted-sync", "equal-sync", "epoch_time_s") is None
+    markdown = render_markdown(data)
+    assert "(2/3 reached)" in markdown and "1 (1 failed)" in markdown
+
+
+def test_time_to_target_takes_the_first_crossing() -> None:
+    curve = [
+        {"time_s": 1.0, "samples": 10, "oa": 0.5},
+        {"time_s": 2.0, "samples": 20, "oa": 0.81},
+        {"time_s": 3.0, "samples": 30, "oa": 0.7},
+    ]
+    assert time_to_target(curve, 0.8) == 2.0
+    assert time_to_target(curve, 0.9) is None
+    assert time_to_target(curve, None) is None

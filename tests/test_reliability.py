@@ -1,0 +1,76 @@
+"""Failures with real processes: a worker killed mid-round, late joins, graceful leaves."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import events, start_server, start_worker, summary
+
+TRAIN = ("--lr", "0.05", "--lr-schedule", "cosine")
+
+
+@pytest.mark.e2e
+def test_kill_9_of_a_worker_mid_round_in_weighted_sync(jasper_h5: Path, tmp_path: Path) -> None:
+    server, address = start_server(jasper_h5, tmp_path, "--mode", "weighted-sync",
+                                   "--workers", "3", "--epochs", "8", "--dead-after", "3",
+                                   *TRAIN)
+    workers = [start_worker(address, f"w{s}", s) for s in (1, 2, 4)]
+    try:
+        server.wait_for("epoch 2 version")
+        victim = workers[1]
+        victim.popen.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        server.wait_for("is gone: dead")
+        detected_after = time.monotonic() - killed_at
+        assert server.wait() == 0
+        assert [w.wait() for w in (workers[0], workers[2])] == [0, 0]
+    finally:
+        for proc in (server, *workers):
+            proc.kill()
+    print(f"dead worker detected after {detected_after:.2f} s (--dead-after 3)")
+    assert 2.5 <= detected_after <= 10
+    records = events(tmp_path)
+    gone = [e for e in records if e["event"] == "leave" and e["reason"].startswith("dead")]
+    assert [e["worker"] for e in gone] == ["w2"]
+    epochs = [e for e in records if e["event"] == "epoch"]
+    assert len(epochs) == 8 and all(e["exactly_once"] and e["samples"] == 964 for e in epochs)
+    result = summary(tmp_path)
+    assert result["samples_seen"] == 8 * 964
+    assert result["final"]["oa"] >= 0.85
+
+
+@pytest.mark.e2e
+def test_late_joiner_is_used_and_a_leaver_is_not_waited_for(small_hsi: Path,
+                                                            tmp_path: Path) -> None:
+    server, address = start_server(small_hsi, tmp_path, "--mode", "weighted-sync",
+                                   "--workers", "2", "--epochs", "100", "--global-batch", "16",
+                                   *TRAIN)
+    first = [start_worker(address, "a", 1), start_worker(address, "b", 2)]
+    late = None
+    try:
+        server.wait_for("epoch 2 version")
+        late = start_worker(address, "late", 1)
+        server.wait_for("worker late joined")
+        server.wait_for(": OA ")  # an epoch ends with the late worker in the rounds
+        server.wait_for(": OA ")
+        first[1].popen.send_signal(signal.SIGINT)  # Ctrl-C: a graceful leave
+        assert first[1].wait() != 0
+        server.wait_for("is gone: left: interrupted")
+        assert server.wait() == 0
+        assert first[0].wait() == 0 and late.wait() == 0
+    finally:
+        for proc in (server, *first, *([late] if late else [])):
+            proc.kill()
+    result = summary(tmp_path)
+    by_name = {w["name"]: w for w in result["workers"]}
+    assert by_name["late"]["samples"] > 0 and by_name["late"]["pushes"] > 0
+    records = events(tmp_path)
+    epochs = [e for e in records if e["event"] == "epoch"]
+    assert len(epochs) == 100 and all(e["exactly_once"] for e in epochs)
+    rounds = [e for e in records if e["event"] == "round"]
+    after_leave = rounds[-3:]
+    assert all({w["worker"] for w in r["workers"]} == {"a", "late"} for r in after_leave)

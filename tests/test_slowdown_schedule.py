@@ -1,0 +1,106 @@
+"""Changing heterogeneity: parsing --slowdown-schedules, and weighted-sync following new speeds."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from common.errors import ConfigError
+from common.synth import synth_scenes
+from launch.cli import main
+from launch.slowdowns import parse_schedules, parse_slowdowns
+
+CHANGE_STEP = 12
+SLOW = 5.0
+
+
+def test_parse_slowdowns() -> None:
+    assert parse_slowdowns("1,2,4") == (1.0, 2.0, 4.0)
+    assert parse_slowdowns("2", workers=3) == (2.0, 2.0, 2.0)
+    for bad in ("1,x", "0.5", "", "1,2"):
+        with pytest.raises(ConfigError):
+            parse_slowdowns(bad, workers=3)
+
+
+def test_parse_schedules_forms() -> None:
+    three = (1.0, 1.0, 2.0)
+    assert parse_schedules("", three) == ()
+    assert parse_schedules("100:3", three) == ("100:3",) * 3
+    assert parse_schedules(";100:4;50:1,200:2", three) == ("", "100:4", "50:1,200:2")
+    assert parse_schedules("1=100:4;2=50:1", three) == ("", "100:4", "50:1")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("1:2;3:4", "2 entries for 3 workers"),
+        ("5=10:2", "not in"),
+        ("1=10:2;1=20:3", "twice"),
+        ("1=10:2;20:3;", "mixes"),
+        (";abc;", "STEP:FACTOR"),
+        (";10:0.5;", ">= 1"),
+    ],
+)
+def test_parse_schedules_rejects(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_schedules(text, (1.0, 1.0, 1.0))
+
+
+def _share(record: dict, worker: str) -> float:
+    batches = {w["worker"]: w["batch"] for w in record["workers"]}
+    return batches[worker] / sum(batches.values())
+
+
+@pytest.mark.e2e
+def test_weighted_sync_plan_follows_a_changed_speed(tmp_path: Path) -> None:
+    """Two equal workers; from its step 12 the second is 5x slower, and its batch share drops
+    from about 1/2 to about 1/6 (both compute in proportion to their new speeds)."""
+    data = tmp_path / "scenes.h5"
+    synth_scenes(data, samples=160, bands=8, size=32, classes=4, seed=3)
+    run_dir = tmp_path / "run"
+    result = CliRunner().invoke(
+        main,
+        [
+            "local",
+            "--dataset",
+            str(data),
+            "--model",
+            "scene-cnn",
+            "--mode",
+            "weighted-sync",
+            "--slowdowns",
+            "1,1",
+            "--slowdown-schedules",
+            f";{CHANGE_STEP}:{SLOW:g}",
+            "--max-steps",
+            "36",
+            "--global-batch",
+            "48",
+            "--run-dir",
+            str(run_dir),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rounds = [e for e in events if e["event"] == "round"]
+    assert len(rounds) == 36
+    assert all({"worker", "batch", "speed"} <= set(w) for r in rounds for w in r["workers"])
+    assert all(len(r["workers"]) == 2 for r in rounds)
+    before = rounds[2:CHANGE_STEP]  # the worker's steps 0..11 are rounds 1..12
+    after = rounds[CHANGE_STEP + 8 :]  # time for the speed average and the planned rounds
+    share_before = statistics.median(_share(r, "w1-x1") for r in before)
+    share_after = statistics.median(_share(r, "w1-x1") for r in after)
+    assert 0.3 < share_before < 0.7, share_before
+    assert share_after < 0.3 and share_after < share_before - 0.15, (share_before, share_after)
+
+    def speed(records: list[dict], name: str) -> float:
+        return statistics.median(
+            w["speed"] for r in records for w in r["workers"] if w["worker"] == name
+        )
+
+    slowed = speed(before, "w1-x1") / speed(after, "w1-x1")
+    assert slowed > 2.5, slowed  # the server saw the worker become about 5x slower

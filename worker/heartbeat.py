@@ -1,0 +1,80 @@
+"""A worker's heartbeat thread: proves liveness and notices a dead or restarted server."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import zmq
+
+from common.client import Connection
+from common.errors import PSError
+from common.messages import HeartbeatReply, HeartbeatRequest
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    """Sends a heartbeat every ``interval_s`` on its own socket and thread.
+
+    When a heartbeat goes unanswered for ``dead_after_s``, is refused, or is answered by a
+    different server (a restart), it publishes the reason on ``abort`` (an ``inproc://`` PUB
+    endpoint), which ends every wait of the worker's connections with ``ServerLost``.
+
+    Args:
+        context: the worker's ZeroMQ context (inproc endpoints live in it).
+        server: the server endpoint.
+        worker_id, server_id: the membership to keep alive.
+        interval_s, dead_after_s: as told by the server at join.
+        abort: the inproc endpoint to publish on.
+    """
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        server: str,
+        worker_id: int,
+        server_id: str,
+        interval_s: float,
+        dead_after_s: float,
+        abort: str,
+    ) -> None:
+        self.context, self.server = context, server
+        self.worker_id, self.server_id = worker_id, server_id
+        self.interval_s, self.dead_after_s = interval_s, dead_after_s
+        self._publisher = context.socket(zmq.PUB)
+        self._publisher.setsockopt(zmq.LINGER, 0)
+        self._publisher.bind(abort)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> None:
+        """Start beating."""
+        self._thread.start()
+
+    def _run(self) -> None:
+        conn = Connection(self.server, self.dead_after_s, context=self.context)
+        reason = ""
+        try:
+            while not self._stop.wait(self.interval_s):
+                try:
+                    reply = conn.request(HeartbeatRequest(worker_id=self.worker_id))
+                except PSError as exc:
+                    reason = f"heartbeat failed: {exc}"
+                    break
+                assert isinstance(reply, HeartbeatReply)
+                if reply.server_id != self.server_id:
+                    reason = "the server restarted"
+                    break
+        finally:
+            conn.close()
+        if reason and not self._stop.is_set():
+            log.warning("%s", reason)
+            self._publisher.send(reason.encode())
+
+    def stop(self) -> None:
+        """Stop beating and close the publisher (bounded by one heartbeat timeout)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.dead_after_s + 1)
+        self._publisher.close(linger=0)
