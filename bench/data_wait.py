@@ -25,11 +25,12 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.synth import synth_scenes  # noqa: E402
-from launch.local import LocalCluster, run_local  # noqa: E402
+from common.synth import synth_scenes
+from launch.local import LocalCluster, run_local
 
 WORKER_LINE = re.compile(
     r"worker (?P<name>\S+): (?P<steps>\d+) steps, (?P<samples>\d+) samples, "
@@ -79,9 +80,25 @@ def worker_results(log_text: str) -> list[WorkerResult]:
 
 
 def run_variant(
-    name: str, dataset: Path, run_dir: Path, args: argparse.Namespace, worker_options: tuple
-) -> tuple[list[WorkerResult], dict, bool]:
-    """Run one weighted-sync cluster; returns its worker results, summary and log marker."""
+    name: str,
+    dataset: Path,
+    run_dir: Path,
+    args: argparse.Namespace,
+    worker_options: tuple[str, ...],
+) -> tuple[list[WorkerResult], dict[str, Any], bool]:
+    """Run one weighted-sync cluster.
+
+    Args:
+        name: the variant's name, for messages.
+        dataset: the server's dataset file.
+        run_dir: the run directory (its cluster.log is parsed).
+        args: the parsed command line.
+        worker_options: extra ``worker join`` options, e.g. ``("--data", COPY)``.
+
+    Returns:
+        ``(results, summary, local)``: the workers' final lines, the run's summary, and
+        whether a worker logged that it read a local copy.
+    """
     slowdowns = tuple(float(s) for s in args.slowdowns.split(","))
     summary = run_local(
         LocalCluster(
@@ -135,9 +152,7 @@ def main() -> None:
         maxima: dict[str, float] = {}
         train_time: dict[str, float] = {}
         for variant, options in variants.items():
-            results, summary, marked = run_variant(
-                variant, dataset, root / variant, args, options
-            )
+            results, summary, marked = run_variant(variant, dataset, root / variant, args, options)
             if variant == "local" and not marked:
                 print(
                     "local: not measured; worker/loop.py does not use --data yet "

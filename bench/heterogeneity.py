@@ -82,9 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in MODES:
         mine = [r for r in runs if r["mode"] == mode and "error" not in r]
         rounds = [r["summary"]["details"]["round_s_median"] for r in mine]
-        shares = [
-            "/".join(str(w["samples"]) for w in r["summary"]["workers"]) for r in mine[:1]
-        ]
+        shares = ["/".join(str(w["samples"]) for w in r["summary"]["workers"]) for r in mine[:1]]
         rows.append(
             [
                 mode,

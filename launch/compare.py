@@ -226,9 +226,22 @@ def time_to_target(curve: list[dict[str, float]], target: float | None) -> float
     return next((p["time_s"] for p in curve if p["oa"] >= target), None)
 
 
-def _run_record(
+def run_record(
     mode: str, repeat: int, run_dir: Path, summary: dict[str, Any], target: float | None
 ) -> dict[str, Any]:
+    """One run's entry of compare.json: its summary, epoch time, time to target and curve.
+
+    Args:
+        mode: the run's mode (or variant name).
+        repeat: the repeat number (from 1).
+        run_dir: the run directory (its metrics.jsonl is read).
+        summary: the run's summary.
+        target: the target OA (None: no time to target).
+
+    Returns:
+        ``{"mode", "repeat", "run_dir", "epoch_time_s", "time_to_target_s", "curve",
+        "summary"}``.
+    """
     curve = eval_curve(run_dir)
     epochs = summary.get("epochs") or 0
     return {
@@ -289,7 +302,7 @@ def _run_one(config: CompareConfig, mode: str, repeat: int, bar: tqdm) -> dict[s
         except PSError as exc:
             log.error("compare: %s failed: %s", label, exc)
             return {"mode": mode, "repeat": repeat, "run_dir": str(run_dir), "error": str(exc)}
-    return _run_record(mode, repeat, run_dir, summary, config.target_oa)
+    return run_record(mode, repeat, run_dir, summary, config.target_oa)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

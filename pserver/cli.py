@@ -108,6 +108,18 @@ def main() -> None:
     help="Seconds to wait for workers to collect their stop.",
 )
 @click.option(
+    "--checkpoint-every",
+    type=int,
+    default=None,
+    help="Write a checkpoint to RUN_DIR/checkpoints every this many updates (one is always "
+    "written at shutdown, also on SIGTERM, when --run-dir is given).",
+)
+@click.option(
+    "--resume/--no-resume",
+    default=False,
+    help="Continue from the newest checkpoint in --run-dir (give the same other arguments).",
+)
+@click.option(
     "--heartbeat",
     "heartbeat_s",
     default=1.0,

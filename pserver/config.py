@@ -45,6 +45,8 @@ class ServerConfig:
     data_threads: int = 2
     torch_threads: int = 1
     heartbeat_s: float = 1.0
+    checkpoint_every: int | None = None
+    resume: bool = False
     dead_after_s: float = 5.0
 
     def validate(self) -> ServerConfig:
@@ -106,6 +108,14 @@ class ServerConfig:
         )
         need(self.staleness_a > 0, f"--staleness-a must be > 0, got {self.staleness_a}")
         need(self.staleness_b >= 0, f"--staleness-b must be >= 0, got {self.staleness_b}")
+        need(
+            self.checkpoint_every is None or self.checkpoint_every >= 1,
+            f"--checkpoint-every must be >= 1, got {self.checkpoint_every}",
+        )
+        need(
+            self.run_dir is not None or not (self.resume or self.checkpoint_every),
+            "--resume and --checkpoint-every need --run-dir",
+        )
         need(self.heartbeat_s > 0, f"--heartbeat must be > 0, got {self.heartbeat_s}")
         need(
             self.dead_after_s > self.heartbeat_s,

@@ -95,6 +95,7 @@ class Roster:
         self.dead_after_s = dead_after_s
         self.on_dead = on_dead
         self.workers: dict[int, WorkerInfo] = {}
+        self.history: dict[str, dict[str, object]] = {}  # counters from before a restart
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._next_id = 1
 
@@ -103,6 +104,10 @@ class Roster:
         names = {w.name for w in self.workers.values()}
         unique = name if name not in names else f"{name}-{self._next_id}"
         worker = WorkerInfo(self._next_id, unique, device, slowdown, threads, 0.0, t)
+        past = self.history.pop(unique, None)
+        if past is not None:  # the same worker before the server restarted
+            for counter in ("samples", "pushes", "rejected", "non_finite"):
+                setattr(worker, counter, int(past[counter]))  # type: ignore[call-overload]
         self._next_id += 1
         self.workers[worker.worker_id] = worker
         self.touch(worker)
@@ -132,6 +137,14 @@ class Roster:
         timer = self._timers.pop(worker.worker_id, None)
         if timer is not None:
             timer.cancel()
+
+    def all_workers(self) -> list[WorkerInfo]:
+        """Every worker that joined this server, gone or not."""
+        return list(self.workers.values())
+
+    def summaries(self) -> list[dict[str, object]]:
+        """Per-worker summaries, including workers known only from before a restart."""
+        return [*self.history.values(), *(w.summary() for w in self.workers.values())]
 
     def members(self) -> list[WorkerInfo]:
         """Workers that joined and are not gone, in join order."""

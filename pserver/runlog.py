@@ -14,16 +14,19 @@ class RunLog:
 
     Args:
         run_dir: the run directory, created if missing; None keeps events in memory only.
+        resume_at: continue an earlier run's clock from this many seconds and append to its
+            ``metrics.jsonl`` (None: a new run, a new file).
     """
 
-    def __init__(self, run_dir: Path | None) -> None:
-        self.started = time.monotonic()
+    def __init__(self, run_dir: Path | None, resume_at: float | None = None) -> None:
+        self.started = time.monotonic() - (resume_at or 0.0)
         self.run_dir = run_dir
         self._file: IO[str] | None = None
         self.events: list[dict[str, Any]] = []
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
-            self._file = (run_dir / "metrics.jsonl").open("w", encoding="utf-8")
+            mode = "w" if resume_at is None else "a"
+            self._file = (run_dir / "metrics.jsonl").open(mode, encoding="utf-8")
 
     def now(self) -> float:
         """Seconds since the run started."""

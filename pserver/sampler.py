@@ -49,12 +49,28 @@ class EpochSampler:
 
     def _next_epoch(self) -> None:
         self.epoch += 1
-        rng = np.random.default_rng(self.seed + self.epoch)
-        self._perm = rng.permutation(self.num_samples)
+        self._perm = self.permutation(self.epoch)
         self._cursor = 0
         self.ledgers[self.epoch] = EpochLedger(
             self.epoch, self.num_samples, uses=np.zeros(self.num_samples, dtype=np.int32)
         )
+
+    @property
+    def cursor(self) -> int:
+        """How many positions of the current epoch's permutation were handed out."""
+        return self._cursor
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The (deterministic) order in which epoch ``epoch`` hands out positions."""
+        return np.random.default_rng(self.seed + epoch).permutation(self.num_samples)
+
+    def seek(self, epoch: int, cursor: int) -> None:
+        """Continue from ``cursor`` in epoch ``epoch`` (restoring a checkpoint); ledgers and
+        returned positions are the caller's to restore."""
+        self.epoch, self._cursor = epoch, cursor
+        self._perm = self.permutation(epoch)
+        self.ledgers.clear()
+        self._returned.clear()
 
     @property
     def exhausted(self) -> bool:

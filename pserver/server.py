@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from common.dataset import DatasetReader
-from common.errors import ErrorCode, ProtocolError, RemoteError
+from common.errors import ConfigError, ErrorCode, ProtocolError, RemoteError
 from common.flat import FlatLayout
 from common.messages import (
     REQUESTS,
@@ -37,6 +37,7 @@ from common.messages import (
     parse_message,
 )
 from common.models import build_model
+from pserver import checkpoint
 from pserver.config import ServerConfig
 from pserver.errorlog import RateLimitedLog
 from pserver.evaluator import Evaluator
@@ -65,7 +66,14 @@ class ParameterServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.log = RunLog(config.run_dir)
+        resumed = None
+        if config.resume:
+            assert config.run_dir is not None
+            path = checkpoint.latest(config.run_dir / "checkpoints")
+            if path is None:
+                raise ConfigError(f"--resume: no checkpoint in {config.run_dir / 'checkpoints'}")
+            resumed = checkpoint.read(path)
+        self.log = RunLog(config.run_dir, resume_at=resumed.meta["t"] if resumed else None)
         self.reader = DatasetReader(config.dataset, cache_bytes=config.cache_mb << 20)
         meta = self.reader.meta
         self.meta = meta
@@ -83,6 +91,7 @@ class ParameterServer:
         self.server_id = secrets.token_hex(8)
         self._error_log = RateLimitedLog(log)
         self.evals: list[dict[str, Any]] = []
+        self.epochs_done = 0
         self.train_start: float | None = None
         self.train_end: float | None = None
         self.time_to_target: float | None = None
@@ -94,6 +103,9 @@ class ParameterServer:
         self._tasks: set[asyncio.Future[Any]] = set()
         self._evaluations: set[asyncio.Future[Any]] = set()
         self._next_task_id = 1
+        self._started = False
+        self._checkpoints = 0
+        self._checkpoint_lock = asyncio.Lock()
         self._train_mask = np.zeros(meta.num_samples, dtype=bool)
         self._train_mask[self.reader.train_indices] = True
         self._data_pool = concurrent.futures.ThreadPoolExecutor(
@@ -111,6 +123,8 @@ class ParameterServer:
             HeartbeatRequest: self._on_heartbeat,
             LeaveRequest: self._on_leave,
         }
+        if resumed is not None:
+            checkpoint.load(self, resumed)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -272,6 +286,11 @@ class ParameterServer:
         """Training has ended."""
         return self._finished
 
+    @property
+    def started(self) -> bool:
+        """Enough workers were ready and the policy planned its first tasks."""
+        return self._started
+
     def members(self) -> list[WorkerInfo]:
         """Workers that joined and have neither left nor been stopped, in join order."""
         return self.roster.members()
@@ -360,8 +379,13 @@ class ParameterServer:
                 if not exactly_once:
                     log.error("epoch %d did not use every sample exactly once", ledger.epoch)
                 sampler.forget(ledger.epoch)
+                self.epochs_done = max(self.epochs_done, ledger.epoch)
                 self._evaluate_now(ledger.epoch)
         cfg = self.config
+        every = cfg.checkpoint_every
+        if every and self.trainer.steps // every > self._checkpoints:
+            self._checkpoints = self.trainer.steps // every
+            self._spawn(self.save_checkpoint())
         if cfg.max_steps is not None and self.trainer.steps >= cfg.max_steps:
             self.finish("max_steps")
         elif sampler.exhausted and not sampler.ledgers:
@@ -421,7 +445,14 @@ class ParameterServer:
         self.release()
         self._spawn(self._shutdown())
 
+    async def save_checkpoint(self) -> None:
+        """Write a checkpoint now (one at a time)."""
+        async with self._checkpoint_lock:
+            await checkpoint.save(self)
+
     async def _shutdown(self) -> None:
+        if self.config.run_dir is not None:
+            await self.save_checkpoint()
         await asyncio.gather(*self._evaluations, return_exceptions=True)
         if not self.evals or self.evals[-1]["version"] != self.trainer.version:
             self._evaluate_now(self.trainer.sampler.epoch)
@@ -485,11 +516,15 @@ class ParameterServer:
         if not worker.ready:
             worker.ready = True
             self.log.event("ready", worker=worker.name, speed=round(msg.speed, 3))
-            if self.train_start is not None:
+            if self._started:
                 self.policy.on_join(worker)
             elif len(self.active_workers()) >= self.config.workers:
-                self.train_start = self.log.now()
-                self.log.event("train_start", workers=len(self.active_workers()))
+                self._started = True
+                if self.train_start is None:  # not when resuming
+                    self.train_start = self.log.now()
+                self.log.event(
+                    "train_start", workers=len(self.active_workers()), version=self.trainer.version
+                )
                 self.policy.start()
                 return
         self.release()

@@ -21,7 +21,6 @@ def build_summary(ps: ParameterServer) -> dict[str, Any]:
     train_start = ps.train_start or 0.0
     train_end = ps.train_end if ps.train_end is not None else ps.log.now()
     staleness = ps.policy.staleness() if hasattr(ps.policy, "staleness") else None
-    completed = [r["epoch"] for r in ps.log.events if r["event"] == "epoch"]
     return {
         "mode": cfg.mode,
         "model": cfg.model,
@@ -29,13 +28,13 @@ def build_summary(ps: ParameterServer) -> dict[str, Any]:
         "wall_time_s": round(ps.log.now(), 4),
         "train_time_s": round(max(train_end - train_start, 0.0), 4),
         "steps": trainer.steps,
-        "epochs": max(completed) if completed else 0,
+        "epochs": ps.epochs_done,
         "samples_seen": trainer.samples_applied,
         "final": _scores(final),
         "best_oa": max((r["oa"] for r in ps.evals), default=None),
         "target_oa": cfg.target_oa,
         "time_to_target_s": None if ps.time_to_target is None else round(ps.time_to_target, 4),
-        "workers": [w.summary() for w in ps.roster.workers.values()],
+        "workers": ps.roster.summaries(),
         "staleness": staleness,
         "finish_reason": ps.finish_reason,
         "global_batch": cfg.global_batch,
@@ -53,10 +52,10 @@ def status_of(ps: ParameterServer) -> dict[str, Any]:
         "epoch": ps.trainer.sampler.epoch,
         "steps": ps.trainer.steps,
         "samples_seen": ps.trainer.samples_applied,
-        "training": ps.train_start is not None and not ps.finished,
+        "training": ps.started and not ps.finished,
         "finished": ps.finished,
         "waiting_for": max(ps.config.workers - len(ps.active_workers()), 0)
-        if ps.train_start is None
+        if not ps.started
         else 0,
         "last_eval": _scores(last),
         "workers": [

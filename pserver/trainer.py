@@ -12,7 +12,7 @@ from typing import NamedTuple, TypeVar
 import numpy as np
 import torch
 
-from common.errors import ErrorCode, ProtocolError
+from common.errors import ConfigError, ErrorCode, ProtocolError
 from pserver.config import ServerConfig
 from pserver.optimizer import FlatOptimizer, lr_factor
 from pserver.sampler import EpochSampler
@@ -179,6 +179,51 @@ class Trainer:
             return tau
 
         return await self._run(work)
+
+    async def capture(self) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        """A consistent copy of the state, optimizer and counters, taken between updates.
+
+        Returns:
+            Arrays (``state``, ``opt/<name>``) and counters (``version``, ``steps``, ...).
+        """
+
+        def work() -> tuple[dict[str, np.ndarray], dict[str, int]]:
+            version, state = self.snapshot
+            arrays = {"state": state.numpy()}  # immutable snapshot: no copy needed
+            for name, tensor in self.optimizer.state.items():
+                if name != "scratch":
+                    arrays[f"opt/{name}"] = tensor.numpy().copy()
+            counters = {
+                "version": version,
+                "steps": self.steps,
+                "samples_applied": self.samples_applied,
+                "optimizer_steps": self.optimizer.steps,
+            }
+            return arrays, counters
+
+        return await self._run(work)
+
+    def restore(self, arrays: dict[str, np.ndarray], counters: dict[str, int]) -> None:
+        """Load what ``capture`` returned (before serving).
+
+        Raises:
+            ConfigError: the saved state has another size than this model's.
+        """
+        state = torch.from_numpy(arrays["state"].astype(np.float32))
+        if state.numel() != self.state_size:
+            raise ConfigError(
+                f"the checkpoint holds {state.numel()} values, this model "
+                f"{self.state_size}: same --model and dataset?"
+            )
+        self.snapshot = Snapshot(int(counters["version"]), state)
+        self.steps = int(counters["steps"])
+        self.samples_applied = int(counters["samples_applied"])
+        self.optimizer.steps = int(counters["optimizer_steps"])
+        self.optimizer.state = {
+            key.removeprefix("opt/"): torch.from_numpy(value.astype(np.float32))
+            for key, value in arrays.items()
+            if key.startswith("opt/")
+        }
 
     def close(self) -> None:
         """Stop the update thread."""

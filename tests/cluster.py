@@ -21,8 +21,13 @@ class Proc:
     def __init__(self, args: list[str], name: str) -> None:
         self.name = name
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            [sys.executable, "-m", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.seen: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -39,11 +44,17 @@ class Proc:
         while True:
             line = self.lines.get(timeout=timeout)
             if line is None:
-                raise AssertionError(f"{self.name} ended before printing {text!r}:\n"
-                                     + "".join(self.seen[-30:]))
+                raise AssertionError(
+                    f"{self.name} ended before printing {text!r}:\n" + "".join(self.seen[-80:])
+                )
             self.seen.append(line)
             if text in line:
                 return line
+
+    def expect(self, text: str, timeout: float = LINE_TIMEOUT_S) -> str:
+        """Like ``wait_for``, but a line already read counts too."""
+        seen = next((line for line in self.seen if text in line), None)
+        return seen if seen is not None else self.wait_for(text, timeout)
 
     def wait(self, timeout: float = LINE_TIMEOUT_S) -> int:
         """Wait for exit, draining output."""
@@ -61,19 +72,48 @@ class Proc:
             self.popen.wait()
 
 
-def start_server(dataset: Path, run_dir: Path, *options: str) -> tuple[Proc, str]:
-    """``pserver start`` on a random port; returns the process and its address."""
-    server = Proc(["pserver.cli", "start", "--bind", "tcp://127.0.0.1:0", "--dataset",
-                   str(dataset), "--model", "hsi-cnn", "--run-dir", str(run_dir), *options],
-                  "server")
+def start_server(
+    dataset: Path, run_dir: Path, *options: str, bind: str = "tcp://127.0.0.1:0"
+) -> tuple[Proc, str]:
+    """``pserver start`` (on a random port by default); returns the process and its address."""
+    server = Proc(
+        [
+            "pserver.cli",
+            "start",
+            "--bind",
+            bind,
+            "--dataset",
+            str(dataset),
+            "--model",
+            "hsi-cnn",
+            "--run-dir",
+            str(run_dir),
+            *options,
+        ],
+        "server",
+    )
     line = server.wait_for("listening on")
     return server, line.split("listening on", 1)[1].strip()
 
 
 def start_worker(address: str, name: str, slowdown: float = 1.0, *options: str) -> Proc:
     """``worker join`` against ``address``."""
-    return Proc(["worker.cli", "join", "--server", address, "--name", name, "--slowdown",
-                 str(slowdown), "--log-every", "1000000", *options], name)
+    return Proc(
+        [
+            "worker.cli",
+            "join",
+            "--server",
+            address,
+            "--name",
+            name,
+            "--slowdown",
+            str(slowdown),
+            "--log-every",
+            "1000000",
+            *options,
+        ],
+        name,
+    )
 
 
 def events(run_dir: Path) -> list[dict[str, Any]]:

@@ -178,8 +178,7 @@ def test_compute_only_slowdown_does_not_feed_back(
         mine = statistics.median(r["workers"][rank]["compute_s"] for r in rounds)
         assert mine < 1.6 * compute[0], (rank, mine, compute)
     ratios = [
-        r["round_s"] / (4 * statistics.median(w["compute_s"] for w in r["workers"]))
-        for r in rounds
+        r["round_s"] / (4 * statistics.median(w["compute_s"] for w in r["workers"])) for r in rounds
     ]
     assert 0.7 < statistics.median(ratios) < 1.6, ratios
     third = len(ratios) // 3

@@ -15,9 +15,19 @@ TRAIN = ("--lr", "0.05", "--lr-schedule", "cosine")
 
 @pytest.mark.e2e
 def test_kill_9_of_a_worker_mid_round_in_weighted_sync(jasper_h5: Path, tmp_path: Path) -> None:
-    server, address = start_server(jasper_h5, tmp_path, "--mode", "weighted-sync",
-                                   "--workers", "3", "--epochs", "8", "--dead-after", "3",
-                                   *TRAIN)
+    server, address = start_server(
+        jasper_h5,
+        tmp_path,
+        "--mode",
+        "weighted-sync",
+        "--workers",
+        "3",
+        "--epochs",
+        "8",
+        "--dead-after",
+        "3",
+        *TRAIN,
+    )
     workers = [start_worker(address, f"w{s}", s) for s in (1, 2, 4)]
     try:
         server.wait_for("epoch 2 version")
@@ -44,11 +54,22 @@ def test_kill_9_of_a_worker_mid_round_in_weighted_sync(jasper_h5: Path, tmp_path
 
 
 @pytest.mark.e2e
-def test_late_joiner_is_used_and_a_leaver_is_not_waited_for(small_hsi: Path,
-                                                            tmp_path: Path) -> None:
-    server, address = start_server(small_hsi, tmp_path, "--mode", "weighted-sync",
-                                   "--workers", "2", "--epochs", "100", "--global-batch", "16",
-                                   *TRAIN)
+def test_late_joiner_is_used_and_a_leaver_is_not_waited_for(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    server, address = start_server(
+        small_hsi,
+        tmp_path,
+        "--mode",
+        "weighted-sync",
+        "--workers",
+        "2",
+        "--epochs",
+        "100",
+        "--global-batch",
+        "16",
+        *TRAIN,
+    )
     first = [start_worker(address, "a", 1), start_worker(address, "b", 2)]
     late = None
     try:
@@ -74,3 +95,54 @@ def test_late_joiner_is_used_and_a_leaver_is_not_waited_for(small_hsi: Path,
     rounds = [e for e in records if e["event"] == "round"]
     after_leave = rounds[-3:]
     assert all({w["worker"] for w in r["workers"]} == {"a", "late"} for r in after_leave)
+
+
+@pytest.mark.e2e
+def test_kill_9_of_the_server_then_resume_with_the_same_workers(
+    jasper_h5: Path, tmp_path: Path
+) -> None:
+    args = (
+        "--mode",
+        "async",
+        "--workers",
+        "2",
+        "--epochs",
+        "8",
+        "--checkpoint-every",
+        "40",
+        "--dead-after",
+        "2",
+        "--heartbeat",
+        "0.5",
+        *TRAIN,
+    )
+    server, address = start_server(jasper_h5, tmp_path, *args)
+    workers = [start_worker(address, f"w{s}", s) for s in (1, 2)]
+    restarted = None
+    try:
+        line = server.wait_for("checkpoint of version")
+        saved = int(line.split("checkpoint of version", 1)[1].split()[0])
+        server.wait_for("epoch 2 version")  # train on past the checkpoint, then crash
+        server.popen.send_signal(signal.SIGKILL)
+        server.wait()
+        restarted, again = start_server(jasper_h5, tmp_path, *args, "--resume", bind=address)
+        assert again == address
+        line = restarted.expect("resumed at version")
+        resumed = int(line.split("resumed at version", 1)[1].split()[0])
+        assert resumed >= saved
+        for name in ("w1", "w2"):
+            restarted.expect(f"worker {name} joined")
+        assert restarted.wait() == 0
+        assert [w.wait() for w in workers] == [0, 0]
+    finally:
+        for proc in (server, *workers, *([restarted] if restarted else [])):
+            proc.kill()
+    records = events(tmp_path)
+    resume = next(e for e in records if e["event"] == "resume")
+    assert resume["version"] == resumed
+    epochs = [e for e in records if e["event"] == "epoch"]
+    assert [e["epoch"] for e in epochs][-1] == 8
+    assert all(e["exactly_once"] and e["samples"] == 964 for e in epochs)
+    result = summary(tmp_path)
+    assert result["epochs"] == 8 and result["final"]["oa"] >= 0.8
+    assert {w["name"] for w in result["workers"]} == {"w1", "w2"}

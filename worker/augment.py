@@ -25,7 +25,7 @@ def dihedral(x: torch.Tensor, code: int) -> torch.Tensor:
     """Apply dihedral transform ``code`` to the last two axes of ``x``.
 
     Args:
-        x: a tensor (..., H, W); H must equal W for odd quarter turns (codes 1, 3, 5, 7).
+        x: a tensor (..., H, W); codes 1, 3, 5 and 7 swap H and W.
         code: 0..7, ``4 * flip + k`` (flip the width axis, then rotate by k quarter turns).
 
     Returns:

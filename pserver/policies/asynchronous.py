@@ -107,5 +107,19 @@ class AsyncPolicy(ModePolicy):
             return {"mean": 0.0, "max": 0}
         return {"mean": self.staleness_sum / self.applied, "max": self.staleness_max}
 
+    def state(self) -> dict[str, object]:
+        return {
+            "applied": self.applied,
+            "rejected": self.rejected,
+            "staleness_sum": self.staleness_sum,
+            "staleness_max": self.staleness_max,
+        }
+
+    def restore(self, state: dict[str, object]) -> None:
+        self.applied = int(state["applied"])  # type: ignore[call-overload]
+        self.rejected = int(state["rejected"])  # type: ignore[call-overload]
+        self.staleness_sum = int(state["staleness_sum"])  # type: ignore[call-overload]
+        self.staleness_max = int(state["staleness_max"])  # type: ignore[call-overload]
+
     def summary(self) -> dict[str, object]:
         return {"rejected_stale": self.rejected}

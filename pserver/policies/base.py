@@ -78,6 +78,13 @@ class ModePolicy(abc.ABC):
     async def on_leave(self, worker: WorkerInfo) -> None:
         """``worker`` left; it will push no more."""
 
+    def state(self) -> dict[str, object]:
+        """JSON-able counters to keep in a checkpoint."""
+        return {}
+
+    def restore(self, state: dict[str, object]) -> None:  # noqa: B027 - optional hook
+        """Load what ``state`` returned."""
+
     def summary(self) -> dict[str, object]:
         """Mode-specific entries for ``summary.json``."""
         return {}

@@ -1,0 +1,169 @@
+"""Async staleness functions side by side, and what --max-staleness costs and buys.
+
+Jasper Ridge (5x5 patches, 10 % train), hsi-cnn, async mode, four workers with slowdowns
+1,1,2,4 (so pushes arrive several versions late), the same seed and samples in every run; the
+variants run interleaved within each repeat. Variants: the five staleness functions
+(``inverse``, ``poly``, ``hinge``, ``exp``, ``constant``) without a bound, then ``inverse``
+with ``--max-staleness`` K for each K in --bounds (rejected pushes are recomputed on fresh
+parameters).
+
+The last lines are ``ratio_<quantity>_<variant>_vs_inverse=X.XX``, medians over repeats of
+paired ratios: ``ttt`` and ``epoch`` are inverse's time / the variant's (> 1: faster), ``oa``
+is the variant's final OA / inverse's.
+
+Usage: python bench/staleness.py [--repeats 1] [--bounds 4,1] [--epochs 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from common.errors import PSError  # noqa: E402
+from common.hsi import prepare_hsi  # noqa: E402
+from common.logsetup import setup_logging  # noqa: E402
+from launch.compare import run_record  # noqa: E402
+from launch.local import LocalCluster, run_local  # noqa: E402
+from launch.settings import TrainSettings  # noqa: E402
+from launch.table import format_table  # noqa: E402
+
+JASPER = ROOT.parent / "shared/datasets/jasper_ridge"
+FUNCTIONS = ("inverse", "poly", "hinge", "exp", "constant")
+
+
+def spread_text(values: list[float | None], digits: int = 3) -> str:
+    """``min / median / max`` of the values that are not None."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return "-"
+    lo, mid, hi = min(present), statistics.median(present), max(present)
+    return f"{lo:.{digits}f} / {mid:.{digits}f} / {hi:.{digits}f}"
+
+
+def variants(bounds: list[int]) -> list[tuple[str, str, int | None]]:
+    """(name, staleness function, bound) for every variant."""
+    out: list[tuple[str, str, int | None]] = [(f, f, None) for f in FUNCTIONS]
+    out += [(f"inverse_max{k}", "inverse", k) for k in bounds]
+    return out
+
+
+def paired(runs: list[dict], name: str, value) -> list[float]:
+    """Per repeat, ``value(run of name, run of inverse)`` where both exist and it is defined."""
+    by = {(r["mode"], r["repeat"]): r for r in runs}
+    out = []
+    for (variant, rep), run in by.items():
+        base = by.get(("inverse", rep))
+        if variant == name and base is not None:
+            result = value(run, base)
+            if result is not None:
+                out.append(result)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every variant, print the table and the ratio lines."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=1, help="runs per variant (default 1)")
+    parser.add_argument("--epochs", type=int, default=6, help="epochs per run (default 6)")
+    parser.add_argument("--target-oa", type=float, default=0.9, help="target OA (default 0.9)")
+    parser.add_argument("--bounds", default="4,1", help="--max-staleness values (default 4,1)")
+    parser.add_argument("--slowdowns", default="1,1,2,4", help="worker slowdowns (default 1,1,2,4)")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "runs/bench/staleness", help="output directory"
+    )
+    args = parser.parse_args(argv)
+    setup_logging("WARNING")
+    if not (JASPER / "JasperRidge.mat").exists():
+        print(f"Jasper Ridge not found in {JASPER}")
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = args.out / "jasper_p5.h5"
+    if not data.exists():
+        prepare_hsi(
+            str(JASPER / "JasperRidge.mat"), str(JASPER / "JasperRidge_gt.mat"), data, patch=5
+        )
+    train = TrainSettings(epochs=args.epochs).validate()
+    slowdowns = tuple(float(s) for s in args.slowdowns.split(","))
+    table = variants([int(k) for k in args.bounds.split(",") if k.strip()])
+    runs, failed = [], []
+    for repeat in range(1, args.repeats + 1):
+        for name, function, bound in table:
+            run_dir = args.out / "runs" / f"{name}-{repeat}"
+            options = [*train.server_args(), "--staleness", function]
+            if bound is not None:
+                options += ["--max-staleness", str(bound)]
+            cluster = LocalCluster(
+                dataset=data,
+                model="hsi-cnn",
+                mode="async",
+                slowdowns=slowdowns,
+                run_dir=run_dir,
+                server_options=tuple(options),
+            )
+            print(f"repeat {repeat}: {name}", file=sys.stderr, flush=True)
+            try:
+                summary = run_local(cluster)
+            except PSError as exc:
+                failed.append(f"{name} #{repeat}: {exc}")
+                continue
+            runs.append(run_record(name, repeat, run_dir, summary, args.target_oa))
+    rows = []
+    for name, _, _ in table:
+        mine = [r for r in runs if r["mode"] == name]
+        finals = [r["summary"]["final"] for r in mine]
+        stale = [r["summary"]["staleness"] or {} for r in mine]
+        rows.append(
+            [
+                name,
+                len(mine),
+                spread_text([r["epoch_time_s"] for r in mine]),
+                spread_text([r["time_to_target_s"] for r in mine], 2),
+                spread_text([f["oa"] for f in finals], 4),
+                spread_text([f["kappa"] for f in finals], 4),
+                spread_text([s.get("mean") for s in stale], 2),
+                spread_text([s.get("max") for s in stale], 0),
+                spread_text([r["summary"]["details"].get("rejected_stale") for r in mine], 0),
+            ]
+        )
+    print(
+        f"async on Jasper Ridge 5x5, hsi-cnn, slowdowns {args.slowdowns}, {args.epochs} epochs, "
+        f"target OA {args.target_oa}, {args.repeats} repeats (min / median / max)"
+    )
+    headers = [
+        "variant",
+        "runs",
+        "epoch time s",
+        "time to target s",
+        "final OA",
+        "kappa",
+        "staleness mean",
+        "max",
+        "rejected",
+    ]
+    print(format_table(headers, rows))
+    for line in failed:
+        print(f"failed: {line}")
+    for name, _, _ in table[1:]:
+        quantities = {
+            "ttt": lambda r, b: (
+                b["time_to_target_s"] / r["time_to_target_s"]
+                if r["time_to_target_s"] and b["time_to_target_s"]
+                else None
+            ),
+            "epoch": lambda r, b: b["epoch_time_s"] / r["epoch_time_s"],
+            "oa": lambda r, b: r["summary"]["final"]["oa"] / b["summary"]["final"]["oa"],
+        }
+        for label, value in quantities.items():
+            ratios = paired(runs, name, value)
+            text = f"{statistics.median(ratios):.2f}" if ratios else "nan"
+            print(f"ratio_{label}_{name}_vs_inverse={text}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Time to a target OA on Jasper Ridge: every mode and a single-process reference, two regimes.
+
+Regimes: ``small`` is hsi-cnn on 5x5 patches with B=64 (a step computes a few ms, so
+communication and coordination dominate); ``heavy`` is hsi-cnn on 11x11 patches with B=128,
+where one process computes a step of the global batch in >= 50 ms (printed as
+``step_compute_ms``). Workers have slowdowns 1,1,2,4; ``single`` is one process with slowdown 1
+and the whole global batch (``--workers 1``). Modes run interleaved within each repeat, with the
+same seed and samples. Time to target is the training time of the first per-epoch evaluation
+at or above the target (start-up excluded; DDP's blocking evaluation excluded).
+
+The last lines are ``ratio_<regime>_<quantity>_<mode>_vs_ddp=X.XX``: the median over repeats of
+the paired ratio (DDP's time / the mode's time in the same repeat; > 1: the mode is faster).
+
+Usage: python bench/time_to_target.py [--repeats 1] [--regimes small,heavy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from common.hsi import prepare_hsi  # noqa: E402
+from common.logsetup import setup_logging  # noqa: E402
+from launch.compare import CompareConfig, run_compare  # noqa: E402
+from launch.settings import TrainSettings  # noqa: E402
+from launch.table import format_table  # noqa: E402
+
+MODES = ("weighted-sync", "equal-sync", "async", "ddp", "single")
+JASPER = ROOT.parent / "shared/datasets/jasper_ridge"
+REGIMES = {
+    # name: (patch, global batch, epochs, target OA)
+    "small": (5, 64, 6, 0.90),
+    "heavy": (11, 128, 6, 0.90),
+}
+
+
+def spread_text(values: list[float], digits: int = 3) -> str:
+    """``min / median / max`` of the values that are not None."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    lo, mid, hi = min(values), statistics.median(values), max(values)
+    return f"{lo:.{digits}f} / {mid:.{digits}f} / {hi:.{digits}f}"
+
+
+def paired(runs: list[dict], mode: str, key: str) -> list[float]:
+    """Per repeat where both reached it, DDP's ``key`` / ``mode``'s ``key``."""
+    by = {(r["mode"], r["repeat"]): r for r in runs if "error" not in r}
+    out = []
+    for (m, rep), run in by.items():
+        base = by.get(("ddp", rep))
+        if m == mode and base and run[key] and base[key]:
+            out.append(base[key] / run[key])
+    return out
+
+
+def step_compute_ms(run: dict) -> float:
+    """Median compute time of one step of the first rank, from the run's round records."""
+    times = []
+    with (Path(run["run_dir"]) / "metrics.jsonl").open(encoding="utf-8") as f:
+        for line in f:
+            event = json.loads(line)
+            if event["event"] == "round" and "compute_s" in event["workers"][0]:
+                times.append(event["workers"][0]["compute_s"])
+    return 1000 * statistics.median(times) if times else float("nan")
+
+
+def dataset(out: Path, patch: int) -> Path:
+    """Jasper Ridge in ``patch`` x ``patch`` patches, 10 % of each class for training."""
+    path = out / f"jasper_p{patch}.h5"
+    if not path.exists():
+        prepare_hsi(
+            str(JASPER / "JasperRidge.mat"),
+            str(JASPER / "JasperRidge_gt.mat"),
+            path,
+            patch=patch,
+            train_fraction=0.1,
+            split="random",
+            seed=0,
+        )
+    return path
+
+
+def run_regime(name: str, args: argparse.Namespace) -> list[str]:
+    """Compare every mode in one regime; print its table; return its ratio lines."""
+    patch, batch, epochs, target = REGIMES[name]
+    out = args.out / name
+    out.mkdir(parents=True, exist_ok=True)
+    config = CompareConfig(
+        dataset=dataset(args.out, patch),
+        model="hsi-cnn",
+        modes=MODES,
+        slowdowns=tuple(float(s) for s in args.slowdowns.split(",")),
+        out=out,
+        train=TrainSettings(epochs=epochs, global_batch=batch),
+        repeats=args.repeats,
+        target_oa=target,
+    )
+    runs = run_compare(config, show_progress=sys.stderr.isatty())["runs"]
+    rows = []
+    for mode in MODES:
+        mine = [r for r in runs if r["mode"] == mode and "error" not in r]
+        finals = [r["summary"]["final"] for r in mine]
+        reached = sum(r["time_to_target_s"] is not None for r in mine)
+        rows.append(
+            [
+                mode,
+                f"{len(mine)} ({reached} reached)",
+                spread_text([r["epoch_time_s"] for r in mine]),
+                spread_text([r["time_to_target_s"] for r in mine], 2),
+                spread_text([f["oa"] for f in finals], 4),
+                spread_text([f["aa"] for f in finals], 4),
+                spread_text([f["kappa"] for f in finals], 4),
+            ]
+        )
+    print(
+        f"\n== {name}: hsi-cnn, Jasper Ridge {patch}x{patch} patches, B={batch}, {epochs} epochs, "
+        f"target OA {target}, slowdowns {args.slowdowns}, {args.repeats} repeats "
+        "(min / median / max)"
+    )
+    headers = ["mode", "runs", "epoch time s", "time to target s", "final OA", "AA", "kappa"]
+    print(format_table(headers, rows))
+    lines = []
+    singles = [r for r in runs if r["mode"] == "single" and "error" not in r]
+    if singles:
+        lines.append(
+            f"step_compute_ms_{name}_single={statistics.median(map(step_compute_ms, singles)):.1f}"
+        )
+    for mode in MODES:
+        if mode == "ddp":
+            continue
+        for key, label in (("time_to_target_s", "ttt"), ("epoch_time_s", "epoch")):
+            ratios = paired(runs, mode, key)
+            value = f"{statistics.median(ratios):.2f}" if ratios else "nan"
+            lines.append(f"ratio_{name}_{label}_{mode.replace('-', '_')}_vs_ddp={value}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the regimes and print their tables, then every ratio line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=1, help="runs per mode (default 1)")
+    parser.add_argument("--regimes", default="small,heavy", help="regimes (default small,heavy)")
+    parser.add_argument("--slowdowns", default="1,1,2,4", help="worker slowdowns (default 1,1,2,4)")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "runs/bench/time_to_target", help="output directory"
+    )
+    args = parser.parse_args(argv)
+    setup_logging("WARNING")
+    if not (JASPER / "JasperRidge.mat").exists():
+        print(f"Jasper Ridge not found in {JASPER}")
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for name in args.regimes.split(","):
+        lines += run_regime(name.strip(), args)
+    print()
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
