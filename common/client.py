@@ -9,6 +9,7 @@ import zmq
 
 from common.errors import NetworkTimeout, RemoteError, ServerLost
 from common.messages import REPLIES, Message, parse_message
+from common.security import ClientKeys
 
 
 class Connection:
@@ -21,6 +22,7 @@ class Connection:
         context: a ZeroMQ context to share (a private one is made otherwise).
         abort: an ``inproc://`` PUB endpoint in ``context``; any message published there ends
             the current wait with ``ServerLost`` (a worker's heartbeat thread uses it).
+        curve: CURVE keys, for a server started with ``--curve-secret``.
     """
 
     def __init__(
@@ -29,6 +31,7 @@ class Connection:
         timeout_s: float,
         context: zmq.Context | None = None,
         abort: str | None = None,
+        curve: ClientKeys | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
@@ -36,6 +39,8 @@ class Connection:
         self._context = context or zmq.Context()
         self._sock = self._context.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.apply(self._sock)
         self._sock.connect(address)
         self._ids = itertools.count(1)
         self._poller = zmq.Poller()

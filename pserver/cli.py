@@ -14,6 +14,7 @@ from common.client import Connection
 from common.errors import PSError
 from common.logsetup import setup_logging
 from common.messages import StatusReply, StatusRequest
+from common.security import generate, load_client_keys
 from pserver.config import MODES, OPTIMIZERS, SCHEDULES, STALENESS, ServerConfig
 from pserver.data_cli import data_group
 
@@ -120,6 +121,19 @@ def main() -> None:
     help="Continue from the newest checkpoint in --run-dir (give the same other arguments).",
 )
 @click.option(
+    "--curve-secret",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="The server's CURVE secret key file (server.key_secret from 'pserver keygen'): "
+    "encrypt and authenticate all traffic.",
+)
+@click.option(
+    "--authorized-keys",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="Directory of worker public keys (*.key) allowed to connect (with --curve-secret).",
+)
+@click.option(
     "--heartbeat",
     "heartbeat_s",
     default=1.0,
@@ -166,15 +180,49 @@ async def _serve(config: ServerConfig) -> dict:
 @main.command()
 @click.option("--server", required=True, help="Server endpoint, e.g. tcp://HOST:5555.")
 @click.option("--timeout", default=5.0, type=float, help="Seconds to wait for the reply.")
-def status(server: str, timeout: float) -> None:
+@click.option(
+    "--curve-server-key",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="The server's public key file, for a server started with --curve-secret.",
+)
+@click.option(
+    "--curve-secret",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="This client's secret key file (its public key must be authorized).",
+)
+def status(
+    server: str, timeout: float, curve_server_key: Path | None, curve_secret: Path | None
+) -> None:
     """Print the server's status as JSON (mode, version, epoch, workers, speeds)."""
     try:
-        with Connection(server, timeout) as conn:
+        keys = None
+        if curve_server_key or curve_secret:
+            if not (curve_server_key and curve_secret):
+                raise click.UsageError("--curve-server-key and --curve-secret go together")
+            keys = load_client_keys(curve_server_key, curve_secret)
+        with Connection(server, timeout, curve=keys) as conn:
             reply = conn.request(StatusRequest())
     except PSError as exc:
         raise click.ClickException(str(exc)) from exc
     assert isinstance(reply, StatusReply)
     click.echo(json.dumps(reply.status, indent=2))
+
+
+@main.command()
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+def keygen(directory: Path) -> None:
+    """Write CURVE key pairs for a server and its workers into DIRECTORY.
+
+    Gives server.key / server.key_secret, worker.key / worker.key_secret, and
+    DIRECTORY/authorized_keys/ holding worker.key, ready for
+    'pserver start --curve-secret DIRECTORY/server.key_secret --authorized-keys
+    DIRECTORY/authorized_keys' and 'worker join --curve-server-key DIRECTORY/server.key
+    --curve-secret DIRECTORY/worker.key_secret'.
+    """
+    for role, path in generate(directory).items():
+        click.echo(f"{role}: {path}")
 
 
 main.add_command(data_group)

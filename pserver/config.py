@@ -46,6 +46,8 @@ class ServerConfig:
     torch_threads: int = 1
     heartbeat_s: float = 1.0
     checkpoint_every: int | None = None
+    curve_secret: Path | None = None
+    authorized_keys: Path | None = None
     resume: bool = False
     dead_after_s: float = 5.0
 
@@ -115,6 +117,14 @@ class ServerConfig:
         need(
             self.run_dir is not None or not (self.resume or self.checkpoint_every),
             "--resume and --checkpoint-every need --run-dir",
+        )
+        need(
+            (self.curve_secret is None) == (self.authorized_keys is None),
+            "--curve-secret and --authorized-keys go together",
+        )
+        need(
+            self.authorized_keys is None or self.authorized_keys.is_dir(),
+            f"--authorized-keys {str(self.authorized_keys)!r} is not a directory",
         )
         need(self.heartbeat_s > 0, f"--heartbeat must be > 0, got {self.heartbeat_s}")
         need(

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 
 from common.dataset import DatasetReader
 from common.errors import ConfigError, ErrorCode, ProtocolError, RemoteError
@@ -37,6 +38,7 @@ from common.messages import (
     parse_message,
 )
 from common.models import build_model
+from common.security import is_loopback, load_server_secret
 from pserver import checkpoint
 from pserver.config import ServerConfig
 from pserver.errorlog import RateLimitedLog
@@ -114,6 +116,7 @@ class ParameterServer:
         self._eval_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="eval")
         self._zmq = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
+        self._auth: AsyncioAuthenticator | None = None
         self._handlers: dict[type[Message], Handler] = {
             JoinRequest: self._on_join,
             TaskRequest: self._on_task_request,
@@ -132,6 +135,7 @@ class ParameterServer:
         """Bind the socket; ``self.address`` is then the endpoint workers connect to."""
         sock = self._zmq.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        self._secure(sock)
         sock.setsockopt(zmq.MAXMSGSIZE, self.trainer.state_size * 8 + (16 << 20))
         bind = self.config.bind
         if bind.startswith("tcp://") and bind.endswith(":0"):
@@ -156,6 +160,26 @@ class ParameterServer:
             self.trainer.state_size,
             len(self.reader.train_indices),
         )
+
+    def _secure(self, sock: zmq.asyncio.Socket) -> None:
+        """Turn on CURVE with an authenticator, or warn when serving the network in clear."""
+        cfg = self.config
+        if cfg.curve_secret is None or cfg.authorized_keys is None:
+            if not is_loopback(cfg.bind):
+                log.warning(
+                    "binding %s without CURVE: anyone who reaches this port can join, read "
+                    "the data and push gradients; use 'pserver keygen' and --curve-secret",
+                    cfg.bind,
+                )
+            return
+        public, secret = load_server_secret(cfg.curve_secret)
+        self._auth = AsyncioAuthenticator(self._zmq)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=str(cfg.authorized_keys))
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+        log.info("CURVE on: only keys in %s may connect", cfg.authorized_keys)
 
     async def serve(self) -> dict[str, Any]:
         """Serve until training has ended and the workers were told to stop.
@@ -184,6 +208,8 @@ class ParameterServer:
         self.roster.close()
         if self._sock is not None:
             self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self._zmq.term()
         self.trainer.close()
         self._data_pool.shutdown(wait=True, cancel_futures=True)
