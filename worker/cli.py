@@ -61,6 +61,25 @@ def main() -> None:
     help="Seconds to wait for a data reply.",
 )
 @click.option(
+    "--rejoin-timeout",
+    "rejoin_timeout_s",
+    default=120.0,
+    type=float,
+    help="Keep trying to rejoin a lost or restarted server for this many seconds.",
+)
+@click.option(
+    "--curve-server-key",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="The server's public key file (server.key), for a server using CURVE.",
+)
+@click.option(
+    "--curve-secret",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="This worker's secret key file (worker.key_secret); its public key must be authorized.",
+)
+@click.option(
     "--data",
     default=None,
     metavar="PATH",

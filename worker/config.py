@@ -30,6 +30,8 @@ class WorkerConfig:
     data: str | None = None
     augment: bool = False
     augment_noise: float = 0.0
+    curve_server_key: str | None = None
+    curve_secret: str | None = None
 
     def validate(self) -> WorkerConfig:
         """Check every field.
@@ -56,6 +58,8 @@ class WorkerConfig:
                 raise ConfigError(f"{field} must be > 0, got {getattr(self, field)}")
         if self.data is not None and not os.path.isfile(self.data):
             raise ConfigError(f"--data {self.data!r} is not a file")
+        if (self.curve_server_key is None) != (self.curve_secret is None):
+            raise ConfigError("--curve-server-key and --curve-secret go together")
         if not (math.isfinite(self.augment_noise) and self.augment_noise >= 0):
             raise ConfigError(f"--augment-noise must be >= 0, got {self.augment_noise}")
         if self.augment_noise > 0 and not self.augment:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import zmq
 
@@ -23,7 +24,7 @@ class Heartbeat:
 
     Args:
         context: the worker's ZeroMQ context (inproc endpoints live in it).
-        server: the server endpoint.
+        connect: makes a connection to the server with the given reply timeout.
         worker_id, server_id: the membership to keep alive.
         interval_s, dead_after_s: as told by the server at join.
         abort: the inproc endpoint to publish on.
@@ -32,14 +33,14 @@ class Heartbeat:
     def __init__(
         self,
         context: zmq.Context,
-        server: str,
+        connect: Callable[[float], Connection],
         worker_id: int,
         server_id: str,
         interval_s: float,
         dead_after_s: float,
         abort: str,
     ) -> None:
-        self.context, self.server = context, server
+        self.connect = connect
         self.worker_id, self.server_id = worker_id, server_id
         self.interval_s, self.dead_after_s = interval_s, dead_after_s
         self._publisher = context.socket(zmq.PUB)
@@ -53,7 +54,7 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self) -> None:
-        conn = Connection(self.server, self.dead_after_s, context=self.context)
+        conn = self.connect(self.dead_after_s)
         reason = ""
         try:
             while not self._stop.wait(self.interval_s):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -12,7 +13,7 @@ import zmq
 from torch import nn
 
 from common.client import Connection
-from common.errors import ErrorCode, NetworkTimeout, RemoteError, ServerLost
+from common.errors import DatasetError, ErrorCode, NetworkTimeout, RemoteError, ServerLost
 from common.flat import FlatLayout
 from common.messages import (
     JoinReply,
@@ -23,10 +24,13 @@ from common.messages import (
     TaskRequest,
 )
 from common.models import build_model
+from common.security import load_client_keys
 from common.slowdown import SlowdownSchedule
+from worker.augment import Augmenter
 from worker.config import WorkerConfig
 from worker.device import host_buffer, resolve_device, synchronize
 from worker.heartbeat import Heartbeat
+from worker.local_data import LocalData, open_local_copy
 from worker.prefetch import Prefetcher
 from worker.speed import SpeedMeter
 
@@ -65,6 +69,11 @@ class Worker:
         self.device = resolve_device(config.device)
         torch.set_num_threads(config.threads)
         self.context = zmq.Context()
+        self.curve = (
+            load_client_keys(Path(config.curve_server_key), Path(config.curve_secret))
+            if config.curve_server_key and config.curve_secret
+            else None
+        )
         self.conn: Connection | None = None
         self.speed = SpeedMeter()
         self.slowdown = SlowdownSchedule(config.slowdown, config.slowdown_schedule)
@@ -75,6 +84,7 @@ class Worker:
         self.model: nn.Module | None = None
         self.layout: FlatLayout | None = None
         self._host_state: torch.Tensor | None = None
+        self.augmenter: Augmenter | None = None
 
     def run(self) -> WorkerStats:
         """Join and train until the server says stop, rejoining if the server is lost.
@@ -117,11 +127,17 @@ class Worker:
         )
         return self.stats
 
+    def _connect(self, timeout_s: float, abort: str | None = None) -> Connection:
+        """A new connection to the server in this worker's context, with its CURVE keys."""
+        return Connection(
+            self.config.server, timeout_s, self.context, abort=abort, curve=self.curve
+        )
+
     def _session(self) -> None:
         """One membership: join, (calibrate), train until stop."""
-        self.conn = Connection(self.config.server, self.config.reply_timeout_s, self.context)
+        self.conn = self._connect(self.config.reply_timeout_s)
         heartbeat: Heartbeat | None = None
-        prefetcher: Prefetcher | None = None
+        prefetcher: Prefetcher | LocalData | None = None
         try:
             spec = self._join()
             self._joined = True
@@ -129,7 +145,7 @@ class Worker:
             self.sessions += 1
             heartbeat = Heartbeat(
                 self.context,
-                self.config.server,
+                self._connect,
                 spec.worker_id,
                 spec.server_id,
                 spec.heartbeat_s,
@@ -137,13 +153,11 @@ class Worker:
                 abort,
             )
             self.conn.close()  # again, now listening to the heartbeat's abort channel
-            self.conn = Connection(
-                self.config.server, self.config.reply_timeout_s, self.context, abort=abort
-            )
+            self.conn = self._connect(self.config.reply_timeout_s, abort)
             heartbeat.start()
-            prefetcher = Prefetcher(
-                self.config.server, self.worker_id, self.config.data_timeout_s, self.context, abort
-            )
+            prefetcher = self._open_data(spec, abort)
+            if self.config.augment:
+                self.augmenter = Augmenter(spec.seed, noise=self.config.augment_noise)
             if self.speed.speed == 0.0:
                 self._calibrate(spec)
             reply = self._request_task()
@@ -156,6 +170,18 @@ class Worker:
                 self.stats.data_wait_s += prefetcher.wait_s
                 prefetcher.close()
             self.conn.close()
+
+    def _open_data(self, spec: JoinReply, abort: str) -> Prefetcher | LocalData:
+        """The sample source: the --data copy if given (same fingerprint as the server's)."""
+        if self.config.data is None:
+            return Prefetcher(
+                lambda: self._connect(self.config.data_timeout_s, abort), self.worker_id
+            )
+        try:
+            return open_local_copy(self.config.data, spec.dataset_fingerprint)
+        except DatasetError:
+            self._leave("dataset mismatch")
+            raise
 
     def _join(self) -> JoinReply:
         reply = self.conn.request(
@@ -230,7 +256,7 @@ class Worker:
         self.layout.write_state(self._host_state)
         return self.layout.read_buffers()
 
-    def _step(self, task: TaskReply, prefetcher: Prefetcher) -> TaskReply:
+    def _step(self, task: TaskReply, prefetcher: Prefetcher | LocalData) -> TaskReply:
         buffers_before = self._load(task.params)
         x_np, y_np = prefetcher.get(task.indices)
         prefetcher.start(task.prefetch)
@@ -241,6 +267,8 @@ class Worker:
             x, y = x.pin_memory(), y.pin_memory()
         x = x.to(self.device, non_blocking=pin)
         y = y.to(self.device, non_blocking=pin)
+        if self.augmenter is not None:
+            x = self.augmenter(x, step_key=task.task_id)
         begin = self.stats.compute_s
         loss = self._compute(x, y)
         assert self.layout is not None
@@ -281,7 +309,7 @@ class Worker:
         if not self._joined:
             return
         try:
-            with Connection(self.config.server, 2.0, self.context) as conn:
+            with self._connect(2.0) as conn:
                 conn.request(LeaveRequest(worker_id=self.worker_id, reason=reason))
         except Exception as exc:  # best effort on the way out
             log.debug("leave not acknowledged: %s", exc)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
-import zmq
 
 from common.client import Connection
 from common.messages import DataReply, DataRequest
@@ -21,23 +21,12 @@ class Prefetcher:
     blocks is added to ``wait_s``.
 
     Args:
-        address: the server endpoint.
+        connect: makes a new connection to the server (called on the prefetch thread).
         worker_id: this worker's id.
-        timeout_s: the wait for one data reply.
-        context: the worker's ZeroMQ context.
-        abort: inproc endpoint whose messages end a wait with ``ServerLost``.
     """
 
-    def __init__(
-        self,
-        address: str,
-        worker_id: int,
-        timeout_s: float,
-        context: zmq.Context | None = None,
-        abort: str | None = None,
-    ) -> None:
-        self.address, self.worker_id, self.timeout_s = address, worker_id, timeout_s
-        self.context, self.abort = context, abort
+    def __init__(self, connect: Callable[[], Connection], worker_id: int) -> None:
+        self.connect, self.worker_id = connect, worker_id
         self.wait_s = 0.0
         self._local = threading.local()
         self._connections: list[Connection] = []
@@ -47,9 +36,7 @@ class Prefetcher:
     def _fetch(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = self._local.conn = Connection(
-                self.address, self.timeout_s, context=self.context, abort=self.abort
-            )
+            conn = self._local.conn = self.connect()
             self._connections.append(conn)
         reply = conn.request(DataRequest(worker_id=self.worker_id, indices=indices))
         assert isinstance(reply, DataReply)
