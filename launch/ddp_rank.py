@@ -151,6 +151,7 @@ class RankTrainer:
                     reason = "epochs"
         if self.recorder is not None:
             self.recorder.finish(reason, epoch, self.steps, self.samples)
+        self.collective.barrier()  # leave together: a rank exiting early breaks gloo's teardown
 
     def _warm_up(self) -> None:
         """Load the data cache and run untimed passes, so start-up stays off the clock."""

@@ -146,3 +146,38 @@ def test_kill_9_of_the_server_then_resume_with_the_same_workers(
     result = summary(tmp_path)
     assert result["epochs"] == 8 and result["final"]["oa"] >= 0.8
     assert {w["name"] for w in result["workers"]} == {"w1", "w2"}
+
+
+@pytest.mark.e2e
+def test_sigterm_stops_the_round_checkpoints_and_workers_exit_0(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    server, address = start_server(
+        small_hsi,
+        tmp_path,
+        "--mode",
+        "equal-sync",
+        "--workers",
+        "2",
+        "--epochs",
+        "1000",
+        "--shutdown-timeout",
+        "10",
+    )
+    workers = [start_worker(address, "a", 1), start_worker(address, "b", 3)]
+    try:
+        server.wait_for("epoch 2 version")
+        server.popen.send_signal(signal.SIGTERM)
+        stopped_at = time.monotonic()
+        assert server.wait(timeout=30) == 0
+        took = time.monotonic() - stopped_at
+        assert [w.wait(timeout=30) for w in workers] == [0, 0]
+    finally:
+        for proc in (server, *workers):
+            proc.kill()
+    assert took < 10
+    result = summary(tmp_path)
+    assert result["finish_reason"] == "stopped"
+    saved = [e for e in events(tmp_path) if e["event"] == "checkpoint"]
+    assert saved and saved[-1]["version"] == result["steps"]
+    assert (tmp_path / "checkpoints").is_dir()

@@ -1,0 +1,174 @@
+"""10,000 random and mutated messages against a live, training server: every one gets an error
+reply (or a harmless answer), the server keeps serving, and the parameters stay bit-identical."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import msgpack
+import numpy as np
+import torch
+
+from common.messages import (
+    DataRequest,
+    HeartbeatRequest,
+    JoinReply,
+    JoinRequest,
+    LeaveRequest,
+    PushRequest,
+    StatusReply,
+    StatusRequest,
+    TaskReply,
+    TaskRequest,
+)
+from common.wire import PROTOCOL_VERSION
+from tests.live import clients, live_server
+
+MESSAGES = 10_000
+BATCH = 200
+STRANGER = 10_000  # worker id that is never a member: no fuzzed push can be valid
+
+
+def _templates(state_size: int) -> list[list[bytes]]:
+    grad = np.zeros(state_size, dtype=np.float32)
+    messages = [
+        TaskRequest(worker_id=STRANGER, speed=10.0),
+        PushRequest(
+            worker_id=STRANGER,
+            task_id=1,
+            version=0,
+            batch_size=4,
+            speed=1.0,
+            compute_s=0.1,
+            loss=0.5,
+            state=grad,
+        ),
+        DataRequest(worker_id=STRANGER, indices=[0, 1, 2]),
+        HeartbeatRequest(worker_id=STRANGER),
+        LeaveRequest(worker_id=STRANGER, reason="x"),
+        StatusRequest(),
+        JoinRequest(name="fuzz", device="cpu", slowdown=0.5, threads=1),  # invalid slowdown
+    ]
+    return [[bytes(f) for f in m.to_wire(7)] for m in messages]
+
+
+def _random_value(rng: random.Random, depth: int = 0) -> object:
+    kind = rng.randrange(9 if depth < 2 else 6)
+    if kind == 0:
+        return rng.randint(-(2**63), 2**63 - 1)
+    if kind == 1:
+        return rng.choice([0.0, -1.5, float("nan"), float("inf"), 1e308])
+    if kind == 2:
+        return "".join(chr(rng.randrange(32, 0x2FF)) for _ in range(rng.randrange(12)))
+    if kind == 3:
+        return rng.choice([True, False, None])
+    if kind == 4:
+        return rng.randbytes(rng.randrange(8))
+    if kind == 5:
+        return rng.choice(
+            [
+                "status_request",
+                "push_request",
+                "join_request",
+                "task_request",
+                "data_request",
+                "float32",
+                "object",
+                "<f4",
+            ]
+        )
+    if kind == 6:
+        return [_random_value(rng, depth + 1) for _ in range(rng.randrange(5))]
+    return {
+        str(_random_value(rng, depth + 1))[:8]: _random_value(rng, depth + 1)
+        for _ in range(rng.randrange(5))
+    }
+
+
+def _mutate(rng: random.Random, frames: list[bytes]) -> list[bytes]:
+    frames = list(frames)
+    i = rng.randrange(len(frames))
+    data = bytearray(frames[i])
+    choice = rng.randrange(6)
+    if choice == 0 and data:  # flip bits
+        for _ in range(rng.randrange(1, 6)):
+            data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    elif choice == 1:  # truncate
+        del data[rng.randrange(len(data) + 1) :]
+    elif choice == 2:  # insert garbage
+        at = rng.randrange(len(data) + 1)
+        data[at:at] = rng.randbytes(rng.randrange(1, 9))
+    elif choice == 3:  # drop or add a frame
+        if len(frames) > 1 and rng.random() < 0.5:
+            frames.pop()
+        else:
+            frames.append(rng.randbytes(rng.randrange(64)))
+        return frames
+    elif choice == 4:  # rewrite a header field
+        header = msgpack.unpackb(frames[0], strict_map_key=False)
+        header[rng.choice(["v", "type", "id", "body", "tensors", "status"])] = _random_value(rng)
+        frames[0] = msgpack.packb(header)
+        return frames
+    else:  # a random tensor descriptor
+        header = msgpack.unpackb(frames[0], strict_map_key=False)
+        header["tensors"] = [{"dtype": _random_value(rng), "shape": _random_value(rng)}]
+        frames[0] = msgpack.packb(header)
+        return frames
+    frames[i] = bytes(data)
+    return frames
+
+
+def _fuzz_message(rng: random.Random, templates: list[list[bytes]]) -> list[bytes]:
+    roll = rng.random()
+    if roll < 0.2:
+        return [rng.randbytes(rng.randrange(1, 200))]
+    if roll < 0.35:
+        header = {
+            "v": rng.choice([PROTOCOL_VERSION, PROTOCOL_VERSION, 0, "1"]),
+            "type": _random_value(rng),
+            "id": _random_value(rng),
+            "body": _random_value(rng),
+            "tensors": _random_value(rng),
+        }
+        return [msgpack.packb(header, use_bin_type=True)]
+    if roll < 0.45:
+        return [msgpack.packb(_random_value(rng), use_bin_type=True)]
+    return _mutate(rng, rng.choice(templates))
+
+
+async def test_ten_thousand_hostile_messages_change_nothing(small_hsi) -> None:
+    rng = random.Random(20261121)
+    async with (
+        live_server(small_hsi, mode="async", epochs=1000) as ps,
+        clients(ps.address, 2) as (honest, fuzzer),
+    ):
+        join = await honest.request(
+            JoinRequest(name="honest", device="cpu", slowdown=1.0, threads=1)
+        )
+        assert isinstance(join, JoinReply)
+        task = await honest.request(TaskRequest(worker_id=join.worker_id, speed=50.0))
+        assert isinstance(task, TaskReply)  # training is under way, a task is outstanding
+        before = ps.trainer.snapshot.state.clone()
+        version = ps.trainer.version
+        templates = _templates(ps.trainer.state_size)
+
+        replies = {"error": 0, "ok": 0}
+        sent = 0
+        while sent < MESSAGES:
+            batch = [_fuzz_message(rng, templates) for _ in range(min(BATCH, MESSAGES - sent))]
+            for frames in batch:
+                await fuzzer.sock.send_multipart(frames)
+            for _ in batch:
+                frames = await asyncio.wait_for(fuzzer.sock.recv_multipart(), 30)
+                header = msgpack.unpackb(frames[0])
+                replies[header["status"]] += 1
+            sent += len(batch)
+
+        assert sum(replies.values()) == MESSAGES
+        assert replies["error"] > 0.9 * MESSAGES
+        assert ps.trainer.version == version
+        assert torch.equal(ps.trainer.snapshot.state, before)  # bit-identical
+        status = await honest.request(StatusRequest())
+        assert isinstance(status, StatusReply) and status.status["version"] == version
+        assert status.status["workers"][0]["name"] == "honest"

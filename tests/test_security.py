@@ -1,0 +1,124 @@
+"""CURVE: only authorized keys get answers; an authorized worker trains end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from common.messages import REPLIES, StatusReply, StatusRequest, parse_message
+from common.security import generate, is_loopback
+from tests.cluster import start_server, start_worker, summary
+from tests.live import live_server
+
+NO_REPLY_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("keys")
+    made = generate(root / "cluster")
+    stranger = generate(root / "stranger")  # a valid key pair that was never authorized
+    made["stranger_secret"] = stranger["worker_secret"]
+    return made
+
+
+async def _status_reply(
+    address: str, keys: dict[str, Path] | None, secret: str = "worker_secret"
+) -> StatusReply | None:
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        server_public, _ = zmq.auth.load_certificate(keys["server"])
+        public, private = zmq.auth.load_certificate(keys[secret])
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = (
+            server_public,
+            public,
+            private,
+        )
+    sock.connect(address)
+    try:
+        await sock.send_multipart(StatusRequest().to_wire(1))
+        try:
+            frames = await asyncio.wait_for(sock.recv_multipart(), NO_REPLY_S * 2)
+        except TimeoutError:
+            return None
+        reply, _ = parse_message(frames, REPLIES)
+        assert isinstance(reply, StatusReply)
+        return reply
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+async def test_plain_and_unknown_clients_get_no_reply(small_hsi: Path, keys) -> None:
+    async with live_server(
+        small_hsi, curve_secret=keys["server_secret"], authorized_keys=keys["authorized_keys"]
+    ) as ps:
+        authorized = await _status_reply(ps.address, keys)
+        assert authorized is not None and authorized.status["mode"] == "weighted-sync"
+        assert await _status_reply(ps.address, None) is None
+        assert await _status_reply(ps.address, keys, "stranger_secret") is None
+        assert await _status_reply(ps.address, keys) is not None  # still serving
+
+
+def test_keygen_cli_writes_key_pairs_and_authorizes_the_worker(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "pserver.cli", "keygen", str(tmp_path / "k")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    for name in (
+        "server.key",
+        "server.key_secret",
+        "worker.key",
+        "worker.key_secret",
+        "authorized_keys/worker.key",
+    ):
+        assert (tmp_path / "k" / name).is_file(), out
+    assert (tmp_path / "k" / "server.key_secret").stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.e2e
+def test_an_authorized_worker_trains_over_curve(small_hsi: Path, tmp_path: Path, keys) -> None:
+    server, address = start_server(
+        small_hsi,
+        tmp_path / "run",
+        "--epochs",
+        "3",
+        "--curve-secret",
+        str(keys["server_secret"]),
+        "--authorized-keys",
+        str(keys["authorized_keys"]),
+    )
+    worker = start_worker(
+        address,
+        "trusted",
+        1.0,
+        "--curve-server-key",
+        str(keys["server"]),
+        "--curve-secret",
+        str(keys["worker_secret"]),
+    )
+    try:
+        assert server.wait() == 0 and worker.wait() == 0
+    finally:
+        server.kill()
+        worker.kill()
+    result = summary(tmp_path / "run")
+    assert result["epochs"] == 3 and result["workers"][0]["samples"] > 0
+
+
+def test_clear_text_warning_only_off_loopback() -> None:
+    assert is_loopback("tcp://127.0.0.1:5555") and is_loopback("tcp://[::1]:5555")
+    assert is_loopback("tcp://localhost:1") and is_loopback("ipc:///tmp/x")
+    assert not is_loopback("tcp://0.0.0.0:5555") and not is_loopback("tcp://*:5555")
+    assert not is_loopback("tcp://10.1.2.3:5555")
