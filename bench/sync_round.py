@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.synth import synth_scenes  # noqa: E402
-from launch.local import LocalCluster, run_local  # noqa: E402
+from common.synth import synth_scenes
+from launch.local import LocalCluster, run_local
 
 SLOWDOWNS = (1.0, 3.0)
 WARMUP_ROUNDS = 5
@@ -47,20 +47,34 @@ def main() -> None:
         for repeat in range(args.repeats):
             for mode in medians:
                 run_dir = Path(tmp) / f"{mode}-{repeat}"
-                run_local(LocalCluster(
-                    dataset=dataset, model="scene-cnn", mode=mode, slowdowns=SLOWDOWNS,
-                    run_dir=run_dir,
-                    server_options=("--max-steps", str(args.rounds + WARMUP_ROUNDS),
-                                    "--global-batch", str(args.global_batch))))
+                run_local(
+                    LocalCluster(
+                        dataset=dataset,
+                        model="scene-cnn",
+                        mode=mode,
+                        slowdowns=SLOWDOWNS,
+                        run_dir=run_dir,
+                        server_options=(
+                            "--max-steps",
+                            str(args.rounds + WARMUP_ROUNDS),
+                            "--global-batch",
+                            str(args.global_batch),
+                        ),
+                    )
+                )
                 times, plans = round_times(run_dir)
                 medians[mode].append(statistics.median(times))
-                print(f"{mode:13s} repeat {repeat}: median round {medians[mode][-1] * 1e3:.1f} ms,"
-                      f" last batch plan (fast, slow) {plans[-1]}")
+                print(
+                    f"{mode:13s} repeat {repeat}: median round {medians[mode][-1] * 1e3:.1f} ms,"
+                    f" last batch plan (fast, slow) {plans[-1]}"
+                )
     weighted = statistics.median(medians["weighted-sync"])
     equal = statistics.median(medians["equal-sync"])
     print(f"slowdowns {SLOWDOWNS}, global batch {args.global_batch}, scene-cnn on 64x64x13")
-    print(f"weighted-sync median round: {weighted * 1e3:.1f} ms; "
-          f"equal-sync: {equal * 1e3:.1f} ms (ideal ratio 2.00)")
+    print(
+        f"weighted-sync median round: {weighted * 1e3:.1f} ms; "
+        f"equal-sync: {equal * 1e3:.1f} ms (ideal ratio 2.00)"
+    )
     print(f"ratio={equal / weighted:.2f}")
 
 

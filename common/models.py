@@ -90,7 +90,16 @@ def resnet18(in_channels: int, num_classes: int, input_size: int) -> nn.Module:
     EuroSAT 64x64): a 3x3 stride-2 conv without max-pool; <= 32 px (CIFAR-sized images, HSI
     patches): a 3x3 stride-1 conv without max-pool. A stage halves the resolution only while
     its input is at least 4 px across, so 5x5 patches keep 3x3 maps with BatchNorm statistics.
-    About 11.2 M parameters for 10 classes (11.17-11.29 M from 3 to 200 bands)."""
+    About 11.2 M parameters for 10 classes (11.17-11.29 M from 3 to 200 bands).
+
+    Args:
+        in_channels: input bands C.
+        num_classes: number of classes K.
+        input_size: side S of the square input; selects the stem.
+
+    Returns:
+        The model, mapping (N, C, S, S) to logits (N, K).
+    """
     if input_size >= 128:
         stem: list[nn.Module] = [
             nn.Conv2d(in_channels, 64, 7, stride=2, padding=3, bias=False),
@@ -159,7 +168,16 @@ def hsi_3dcnn(in_channels: int, num_classes: int, input_size: int) -> nn.Module:
     """Small 3-D CNN for hyperspectral patches: three Conv3d layers (kernels 7/5/3 bands x 3x3
     pixels, spectral stride 2), spectral pooling to 8 depths, the depths folded into channels
     for one 3x3 Conv2d, then global pooling (about 170 k parameters); any band count and odd or
-    even patch size."""
+    even patch size.
+
+    Args:
+        in_channels: spectral bands C.
+        num_classes: number of classes K.
+        input_size: patch side P (any; the model pools globally).
+
+    Returns:
+        The model, mapping (N, C, P, P) to logits (N, K).
+    """
     return HSI3DCNN(in_channels, num_classes)
 
 

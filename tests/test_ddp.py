@@ -172,11 +172,10 @@ def test_compute_only_slowdown_does_not_feed_back(
     for record in rounds:
         for factor, w in zip(slowdowns, record["workers"], strict=True):
             assert w["emulated_s"] == pytest.approx(factor * w["compute_s"], rel=1e-3, abs=1e-5)
-    compute = [statistics.median(w["compute_s"] for r in rounds for w in r["workers"])]
-    # A rank's measured compute excludes its wait for the other rank (which lasts 2-4x longer).
-    for rank in range(2):
-        mine = statistics.median(r["workers"][rank]["compute_s"] for r in rounds)
-        assert mine < 1.6 * compute[0], (rank, mine, compute)
+    # A rank's measured compute excludes its wait for the other (which would add 2-3x its
+    # compute here): the two ranks compute equal batches, so their medians stay comparable.
+    mine = [statistics.median(r["workers"][rank]["compute_s"] for r in rounds) for rank in (0, 1)]
+    assert max(mine) < 2.5 * min(mine), mine
     ratios = [
         r["round_s"] / (4 * statistics.median(w["compute_s"] for w in r["workers"])) for r in rounds
     ]
