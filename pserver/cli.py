@@ -38,7 +38,9 @@ def main() -> None:
     help="HDF5 dataset made by 'pserver data'.",
 )
 @click.option(
-    "--model", required=True, help="Built-in model (hsi-cnn, scene-cnn) or package.module:factory."
+    "--model",
+    required=True,
+    help="Built-in model (hsi-cnn, hsi-3dcnn, scene-cnn, resnet18) or package.module:factory.",
 )
 @click.option(
     "--mode", type=click.Choice(MODES), default="weighted-sync", help="How pushes are combined."

@@ -143,6 +143,11 @@ class ParameterServer:
         sock.bind(bind)
         self._sock = sock
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # Load the sample cache (if the data fits) while workers start, not on the first pull.
+        warm = self.reader.train_indices[:1]
+        self._spawn(
+            asyncio.get_running_loop().run_in_executor(self._data_pool, self.reader.read, warm)
+        )
         self.log.event(
             "start",
             address=self.address,
