@@ -21,10 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.wire_model import RESNET18_PARAMS  # noqa: E402
-from pserver import checkpoint  # noqa: E402
-from pserver.config import ServerConfig  # noqa: E402
-from pserver.trainer import Trainer  # noqa: E402
+from bench.wire_model import RESNET18_PARAMS
+from pserver import checkpoint
+from pserver.config import ServerConfig
+from pserver.trainer import Trainer
 
 
 async def one_round(directory: Path) -> tuple[float, float, int]:
@@ -61,11 +61,15 @@ def main() -> None:
             w, r, size = asyncio.run(one_round(Path(tmp) / str(i)))
             writes.append(w)
             restores.append(r)
-    print(f"state {RESNET18_PARAMS:,} float32 + momentum; file {size / 1e6:.1f} MB; "
-          f"{args.repeats} repeats")
+    print(
+        f"state {RESNET18_PARAMS:,} float32 + momentum; file {size / 1e6:.1f} MB; "
+        f"{args.repeats} repeats"
+    )
     for name, times in (("write", writes), ("restore", restores)):
-        print(f"{name}: min {min(times):.3f} s, median {statistics.median(times):.3f} s, "
-              f"max {max(times):.3f} s")
+        print(
+            f"{name}: min {min(times):.3f} s, median {statistics.median(times):.3f} s, "
+            f"max {max(times):.3f} s"
+        )
 
 
 if __name__ == "__main__":

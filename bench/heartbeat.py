@@ -15,11 +15,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.synth import synth_hsi  # noqa: E402
-from launch.local import LocalCluster, run_local  # noqa: E402
+from common.synth import synth_hsi
+from launch.local import LocalCluster, run_local
 
-SETTINGS = {"off (1000 s)": ("1000", "2000"), "default (1 s)": ("1", "5"),
-            "aggressive (0.05 s)": ("0.05", "5")}
+SETTINGS = {
+    "off (1000 s)": ("1000", "2000"),
+    "default (1 s)": ("1", "5"),
+    "aggressive (0.05 s)": ("0.05", "5"),
+}
 WARMUP = 10
 
 
@@ -42,18 +45,32 @@ def main() -> None:
         for repeat in range(args.repeats):
             for name, (beat, dead) in SETTINGS.items():
                 run_dir = Path(tmp) / f"{repeat}-{beat}"
-                run_local(LocalCluster(
-                    dataset=dataset, model="hsi-cnn", mode="weighted-sync",
-                    slowdowns=(1.0, 2.0), run_dir=run_dir,
-                    server_options=("--max-steps", str(args.rounds + WARMUP), "--heartbeat",
-                                    beat, "--dead-after", dead)))
+                run_local(
+                    LocalCluster(
+                        dataset=dataset,
+                        model="hsi-cnn",
+                        mode="weighted-sync",
+                        slowdowns=(1.0, 2.0),
+                        run_dir=run_dir,
+                        server_options=(
+                            "--max-steps",
+                            str(args.rounds + WARMUP),
+                            "--heartbeat",
+                            beat,
+                            "--dead-after",
+                            dead,
+                        ),
+                    )
+                )
                 results[name].append(median_round(run_dir))
     base = statistics.median(results["off (1000 s)"])
     for name, times in results.items():
         med = statistics.median(times)
-        print(f"heartbeat {name:20s} median round {med * 1e3:6.2f} ms "
-              f"(min {min(times) * 1e3:.2f}, max {max(times) * 1e3:.2f}); "
-              f"ratio to off {med / base:.3f}")
+        print(
+            f"heartbeat {name:20s} median round {med * 1e3:6.2f} ms "
+            f"(min {min(times) * 1e3:.2f}, max {max(times) * 1e3:.2f}); "
+            f"ratio to off {med / base:.3f}"
+        )
     print(f"ratio_default={statistics.median(results['default (1 s)']) / base:.3f}")
 
 

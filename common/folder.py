@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common.dataset import DatasetMeta, DatasetReader, DatasetWriter, stratified_split
+from common.dataset import DatasetMeta, DatasetReader
+from common.dataset_writer import DatasetWriter, stratified_split
 from common.errors import DatasetError
 
 log = logging.getLogger(__name__)

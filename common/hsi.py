@@ -14,7 +14,8 @@ import scipy.io
 from numpy.lib.stride_tricks import sliding_window_view
 from scipy.ndimage import binary_dilation
 
-from common.dataset import DatasetMeta, DatasetReader, DatasetWriter, stratified_split
+from common.dataset import DatasetMeta, DatasetReader
+from common.dataset_writer import DatasetWriter, stratified_split
 from common.errors import DatasetError
 
 log = logging.getLogger(__name__)

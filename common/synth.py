@@ -9,7 +9,8 @@ import os
 import numpy as np
 from scipy.ndimage import gaussian_filter
 
-from common.dataset import DatasetMeta, DatasetReader, DatasetWriter, stratified_split
+from common.dataset import DatasetMeta, DatasetReader
+from common.dataset_writer import DatasetWriter, stratified_split
 from common.errors import DatasetError
 from common.hsi import write_patch_dataset
 

@@ -11,12 +11,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from common.dataset import (
-    DatasetReader,
-    DatasetWriter,
-    describe,
-    stratified_split,
-)
+from common.dataset import DatasetReader, describe
+from common.dataset_writer import DatasetWriter, stratified_split
 from common.errors import DatasetError
 from pserver.data_cli import data_group
 

@@ -1,0 +1,308 @@
+"""Writing the HDF5 dataset format in one streaming pass, and stratified splits."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import h5py
+import numpy as np
+
+from common.dataset import (
+    FORMAT_VERSION,
+    KINDS,
+    _as_index_array,
+    _le_bytes,
+    combine_fingerprint,
+)
+from common.errors import DatasetError
+
+log = logging.getLogger(__name__)
+
+
+def _check_split(idx: np.ndarray, n: int, name: str) -> np.ndarray:
+    """Sort a split's indices and check range and uniqueness."""
+    idx = np.sort(_as_index_array(idx, name))
+    if idx.size and (idx[0] < 0 or idx[-1] >= n):
+        bad = idx[0] if idx[0] < 0 else idx[-1]
+        raise DatasetError(f"{name} contains index {int(bad)} outside [0, {n})")
+    if idx.size > 1 and np.any(idx[1:] == idx[:-1]):
+        dup = idx[1:][idx[1:] == idx[:-1]][0]
+        raise DatasetError(f"{name} contains index {int(dup)} more than once")
+    return idx
+
+
+def stratified_split(
+    y: np.ndarray, train_fraction: float, seed: int, num_classes: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Split sample indices per class at random, deterministically from ``seed``.
+
+    Each class with n samples gets ``round(train_fraction * n)`` training samples, at least 1
+    and, when n >= 2, at most n - 1 (so every class present is in both splits if it can be).
+
+    Args:
+        y: labels (N,) in [0, num_classes).
+        train_fraction: fraction of each class used for training, in (0, 1).
+        seed: seed of the random permutation.
+        num_classes: number of classes (default ``y.max() + 1``).
+
+    Returns:
+        ``(train_idx, test_idx)``: sorted, disjoint int64 arrays that together cover 0..N-1.
+
+    Raises:
+        DatasetError: ``train_fraction`` is not in (0, 1).
+    """
+    if not 0.0 < train_fraction < 1.0:
+        raise DatasetError(f"train_fraction must be in (0, 1), got {train_fraction!r}")
+    y = np.asarray(y, dtype=np.int64)
+    k = int(num_classes if num_classes is not None else (y.max() + 1 if y.size else 0))
+    rng = np.random.default_rng(seed)
+    train: list[np.ndarray] = []
+    test: list[np.ndarray] = []
+    for c in range(k):
+        members = np.flatnonzero(y == c)
+        n = members.size
+        if n == 0:
+            continue
+        n_train = max(1, round(train_fraction * n))
+        if n >= 2:
+            n_train = min(n_train, n - 1)
+        perm = rng.permutation(members)
+        train.append(perm[:n_train])
+        test.append(perm[n_train:])
+    empty = np.zeros(0, dtype=np.int64)
+    tr = np.sort(np.concatenate(train)) if train else empty
+    te = np.sort(np.concatenate(test)) if test else empty
+    return tr.astype(np.int64), te.astype(np.int64)
+
+
+def _attr_value(value: Any) -> Any:
+    """Convert a Python value into something h5py stores as an attribute."""
+    if isinstance(value, (list, tuple)) and all(
+        isinstance(v, (int, float, np.number)) and not isinstance(v, bool) for v in value
+    ):
+        return np.asarray(value)
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value)
+    if value is None:
+        return "null"
+    return value
+
+
+class DatasetWriter:
+    """Stream samples into a new dataset file, written atomically.
+
+    Data goes to a temporary file next to ``path``; ``close`` writes the splits and the
+    fingerprint and renames it into place. Leaving the ``with`` block with an exception, or
+    without calling ``close``, removes the temporary file.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        shape: Sequence[int],
+        num_samples: int,
+        kind: str,
+        class_names: Sequence[str],
+        source: str = "",
+    ) -> None:
+        """Create the temporary file and its datasets.
+
+        Args:
+            path: where the finished file goes (any existing file is replaced at ``close``).
+            shape: the shape (C, H, W) of one sample.
+            num_samples: how many samples ``write`` will receive in total.
+            kind: ``"hsi"`` or ``"scenes"``.
+            class_names: one name per class; labels are 0..len(class_names)-1.
+            source: free text saying where the data came from.
+
+        Raises:
+            DatasetError: an argument is invalid or the file cannot be created.
+        """
+        self.path = Path(path)
+        self.shape = tuple(int(s) for s in shape)
+        if len(self.shape) != 3 or min(self.shape) < 1:
+            raise DatasetError(f"sample shape must be (C, H, W) with positive sizes, got {shape}")
+        if num_samples < 1:
+            raise DatasetError(f"num_samples must be >= 1, got {num_samples}")
+        if kind not in KINDS:
+            raise DatasetError(f"kind must be one of {KINDS}, got {kind!r}")
+        if len(class_names) < 1:
+            raise DatasetError("class_names is empty: a dataset needs at least one class")
+        self.num_samples = int(num_samples)
+        self.kind = kind
+        self.class_names = [str(c) for c in class_names]
+        self.source = source
+        self._written = 0
+        self._x_hash = hashlib.sha256()
+        self._y_hash = hashlib.sha256()
+        self._file: h5py.File | None = None
+        parent = self.path.parent if str(self.path.parent) else Path(".")
+        if not parent.is_dir():
+            raise DatasetError(f"output folder {str(parent)!r} does not exist")
+        # A fresh unique name rather than mkstemp, so the file gets the usual umask permissions.
+        self._tmp = parent / f".{self.path.name}.{uuid.uuid4().hex}.tmp"
+        try:
+            self._file = h5py.File(self._tmp, "x")
+            self._x = self._file.create_dataset(
+                "x", shape=(self.num_samples, *self.shape), dtype="<f4", chunks=(1, *self.shape)
+            )
+            self._y = self._file.create_dataset("y", shape=(self.num_samples,), dtype="<i8")
+        except Exception as exc:
+            self.abort()
+            raise DatasetError(
+                f"cannot create dataset file next to {str(self.path)!r}: {exc}"
+            ) from exc
+
+    @property
+    def written(self) -> int:
+        """How many samples have been written so far."""
+        return self._written
+
+    def write(self, x_block: np.ndarray, y_block: np.ndarray) -> None:
+        """Append a block of samples after those already written.
+
+        Args:
+            x_block: float array (n, C, H, W); converted to float32.
+            y_block: integer labels (n,) in [0, num_classes).
+
+        Raises:
+            DatasetError: the writer is closed, shapes or labels are wrong, values are not
+                finite, or the block would exceed ``num_samples``.
+        """
+        if self._file is None:
+            raise DatasetError(f"writer for {str(self.path)!r} is already closed")
+        x = np.ascontiguousarray(x_block, dtype=np.float32)
+        y = np.asarray(y_block)
+        n = x.shape[0] if x.ndim else 0
+        if x.shape[1:] != self.shape or x.ndim != 4:
+            raise DatasetError(f"x block shape {x.shape} does not match (n, *{self.shape})")
+        if y.shape != (n,) or not np.issubdtype(y.dtype, np.integer):
+            raise DatasetError(
+                f"y block must be integers of shape ({n},), got {y.dtype} shape {y.shape}"
+            )
+        y = np.ascontiguousarray(y, dtype=np.int64)
+        if n and (y.min() < 0 or y.max() >= len(self.class_names)):
+            bad = int(y.min() if y.min() < 0 else y.max())
+            raise DatasetError(f"label {bad} outside [0, {len(self.class_names)})")
+        if self._written + n > self.num_samples:
+            raise DatasetError(
+                f"writing {n} more samples after {self._written} exceeds "
+                f"num_samples={self.num_samples}"
+            )
+        if not np.all(np.isfinite(x)):
+            raise DatasetError(f"x block starting at sample {self._written} has NaN or Inf")
+        start = self._written
+        self._x[start : start + n] = x
+        self._y[start : start + n] = y
+        self._x_hash.update(_le_bytes(x))
+        self._y_hash.update(_le_bytes(y))
+        self._written += n
+
+    def close(
+        self,
+        train_idx: Any,
+        test_idx: Any,
+        extra_attrs: dict[str, Any] | None = None,
+        norm_mean: np.ndarray | None = None,
+        norm_std: np.ndarray | None = None,
+        extra_datasets: dict[str, np.ndarray] | None = None,
+    ) -> str:
+        """Write the splits, attributes and fingerprint, then move the file into place.
+
+        Args:
+            train_idx: training sample indices (any order; stored sorted).
+            test_idx: test sample indices, disjoint from ``train_idx``.
+            extra_attrs: more root attributes (dicts and lists are stored as JSON text).
+            norm_mean: per-band mean (C,) subtracted from the data, stored as ``/norm_mean``.
+            norm_std: per-band std (C,) the data was divided by, stored as ``/norm_std``.
+            extra_datasets: more root datasets, e.g. ``{"coords": (N, 2) array}``; names must
+                not clash with the layout's own.
+
+        Returns:
+            The dataset fingerprint (hex sha256).
+
+        Raises:
+            DatasetError: fewer samples were written than promised, or the splits are invalid.
+        """
+        if self._file is None:
+            raise DatasetError(f"writer for {str(self.path)!r} is already closed")
+        try:
+            if self._written != self.num_samples:
+                raise DatasetError(
+                    f"only {self._written} of num_samples={self.num_samples} samples were written"
+                )
+            train = _check_split(train_idx, self.num_samples, "train_idx")
+            test = _check_split(test_idx, self.num_samples, "test_idx")
+            common = np.intersect1d(train, test)
+            if common.size:
+                raise DatasetError(
+                    f"train_idx and test_idx share {common.size} indices, e.g. {int(common[0])}"
+                )
+            f = self._file
+            f.create_dataset("train_idx", data=train, dtype="<i8")
+            f.create_dataset("test_idx", data=test, dtype="<i8")
+            for name, arr in (("norm_mean", norm_mean), ("norm_std", norm_std)):
+                if arr is None:
+                    continue
+                arr = np.asarray(arr, dtype=np.float32)
+                if arr.shape != (self.shape[0],):
+                    raise DatasetError(
+                        f"{name} must have shape ({self.shape[0]},), got {arr.shape}"
+                    )
+                f.create_dataset(name, data=arr)
+            for name, arr in (extra_datasets or {}).items():
+                if name in f or name in ("norm_mean", "norm_std"):
+                    raise DatasetError(f"extra dataset name {name!r} clashes with the layout")
+                f.create_dataset(name, data=np.asarray(arr))
+            fingerprint = combine_fingerprint(
+                self._x_hash.digest(), self._y_hash.digest(), train, test
+            )
+            for key, value in (extra_attrs or {}).items():
+                f.attrs[key] = _attr_value(value)
+            f.attrs["format_version"] = FORMAT_VERSION
+            f.attrs["kind"] = self.kind
+            f.attrs["class_names"] = json.dumps(self.class_names)
+            f.attrs["num_classes"] = len(self.class_names)
+            f.attrs["fingerprint"] = fingerprint
+            f.attrs["source"] = self.source
+            f.close()
+            self._file = None
+            os.replace(self._tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        log.info("wrote %s: %d samples, fingerprint %s", self.path, self.num_samples, fingerprint)
+        return fingerprint
+
+    def abort(self) -> None:
+        """Close and delete the temporary file without producing ``path``."""
+        if self._file is not None:
+            with contextlib.suppress(Exception):
+                self._file.close()
+            self._file = None
+        with contextlib.suppress(FileNotFoundError):
+            self._tmp.unlink()
+
+    def __enter__(self) -> DatasetWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._file is None:
+            return
+        self.abort()
+        if exc_type is None:
+            raise DatasetError(f"writer for {str(self.path)!r} left without close(); file removed")
