@@ -181,3 +181,24 @@ def test_sigterm_stops_the_round_checkpoints_and_workers_exit_0(
     saved = [e for e in events(tmp_path) if e["event"] == "checkpoint"]
     assert saved and saved[-1]["version"] == result["steps"]
     assert (tmp_path / "checkpoints").is_dir()
+
+
+@pytest.mark.e2e
+def test_a_worker_with_a_mismatched_local_copy_is_refused(small_hsi: Path, tmp_path: Path) -> None:
+    from common.synth import synth_hsi
+
+    other = tmp_path / "other.h5"
+    synth_hsi(other, bands=16, size=24, classes=4, train_fraction=0.3, seed=2)  # other data
+    server, address = start_server(small_hsi, tmp_path / "run", "--epochs", "1",
+                                   "--shutdown-timeout", "1")
+    worker = start_worker(address, "wrong-copy", 1.0, "--data", str(other))
+    try:
+        assert worker.wait() != 0
+        line = worker.expect("fingerprint")
+        assert str(other) in line and "the server's dataset has" in line
+        server.expect("is gone: left: dataset mismatch")
+    finally:
+        server.popen.send_signal(signal.SIGTERM)
+        server.wait()
+        worker.kill()
+        server.kill()
