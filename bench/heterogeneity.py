@@ -9,7 +9,7 @@ equal-sync and than DDP (targets: >= 1.9x and >= 1.8x).
 Each repeat gives a paired ratio (runs of the same repeat ran back to back); the table shows
 min / median / max over repeats and the last lines are ``ratio_...=X.XX`` (medians).
 
-Usage: python bench/heterogeneity.py [--repeats 3] [--epochs 2] [--samples 600]
+Usage: python bench/heterogeneity.py [--repeats 3] [--epochs 3] [--samples 600]
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the comparison and print the table and ratios."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode (default 3)")
-    parser.add_argument("--epochs", type=int, default=2, help="epochs per run (default 2)")
+    parser.add_argument("--epochs", type=int, default=3, help="epochs per run (default 3)")
     parser.add_argument("--samples", type=int, default=600, help="synthetic images (default 600)")
     parser.add_argument("--global-batch", type=int, default=64, help="global batch (default 64)")
     parser.add_argument("--slowdowns", default="1,3", help="worker slowdowns (default 1,3)")

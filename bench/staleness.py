@@ -117,10 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         mine = [r for r in runs if r["mode"] == name]
         finals = [r["summary"]["final"] for r in mine]
         stale = [r["summary"]["staleness"] or {} for r in mine]
+        reached = sum(r["time_to_target_s"] is not None for r in mine)
         rows.append(
             [
                 name,
-                len(mine),
+                f"{len(mine)} ({reached} reached)",
                 spread_text([r["epoch_time_s"] for r in mine]),
                 spread_text([r["time_to_target_s"] for r in mine], 2),
                 spread_text([f["oa"] for f in finals], 4),

@@ -75,6 +75,8 @@ def start_pserver(dataset: Path, momentum: float) -> tuple[subprocess.Popen, str
             "WARNING",
             "--shutdown-timeout",
             "1",
+            "--global-batch",  # one sample per push: no epoch ends, so no evaluation runs
+            "1",
         ],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
@@ -97,7 +99,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         dataset = Path(tmp) / "tiny.h5"
-        synth_hsi(dataset, bands=8, size=16, classes=3, train_fraction=0.5, seed=0)
+        synth_hsi(dataset, bands=8, size=24, classes=3, train_fraction=0.5, seed=0)
         queue: mp.Queue = mp.Queue()
         echo = mp.Process(target=echo_server, args=(queue,), daemon=True)
         echo.start()
@@ -125,6 +127,7 @@ def run(raw_endpoint: str, ps_endpoint: str, args: argparse.Namespace) -> None:
     assert isinstance(task, TaskReply)
     size = task.params.size
     assert size >= RESNET18_PARAMS, size
+    assert args.warmup + args.rounds < 200, "stay within one epoch: evaluation would interfere"
     grad = np.random.default_rng(0).normal(0, 1e-3, size).astype(np.float32)
 
     ctx = zmq.Context()

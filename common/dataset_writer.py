@@ -1,4 +1,4 @@
-"""Writing the HDF5 dataset format in one streaming pass, and stratified splits."""
+"""Writing the HDF5 dataset format in one streaming pass."""
 
 from __future__ import annotations
 
@@ -38,50 +38,6 @@ def _check_split(idx: np.ndarray, n: int, name: str) -> np.ndarray:
         dup = idx[1:][idx[1:] == idx[:-1]][0]
         raise DatasetError(f"{name} contains index {int(dup)} more than once")
     return idx
-
-
-def stratified_split(
-    y: np.ndarray, train_fraction: float, seed: int, num_classes: int | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Split sample indices per class at random, deterministically from ``seed``.
-
-    Each class with n samples gets ``round(train_fraction * n)`` training samples, at least 1
-    and, when n >= 2, at most n - 1 (so every class present is in both splits if it can be).
-
-    Args:
-        y: labels (N,) in [0, num_classes).
-        train_fraction: fraction of each class used for training, in (0, 1).
-        seed: seed of the random permutation.
-        num_classes: number of classes (default ``y.max() + 1``).
-
-    Returns:
-        ``(train_idx, test_idx)``: sorted, disjoint int64 arrays that together cover 0..N-1.
-
-    Raises:
-        DatasetError: ``train_fraction`` is not in (0, 1).
-    """
-    if not 0.0 < train_fraction < 1.0:
-        raise DatasetError(f"train_fraction must be in (0, 1), got {train_fraction!r}")
-    y = np.asarray(y, dtype=np.int64)
-    k = int(num_classes if num_classes is not None else (y.max() + 1 if y.size else 0))
-    rng = np.random.default_rng(seed)
-    train: list[np.ndarray] = []
-    test: list[np.ndarray] = []
-    for c in range(k):
-        members = np.flatnonzero(y == c)
-        n = members.size
-        if n == 0:
-            continue
-        n_train = max(1, round(train_fraction * n))
-        if n >= 2:
-            n_train = min(n_train, n - 1)
-        perm = rng.permutation(members)
-        train.append(perm[:n_train])
-        test.append(perm[n_train:])
-    empty = np.zeros(0, dtype=np.int64)
-    tr = np.sort(np.concatenate(train)) if train else empty
-    te = np.sort(np.concatenate(test)) if test else empty
-    return tr.astype(np.int64), te.astype(np.int64)
 
 
 def _attr_value(value: Any) -> Any:

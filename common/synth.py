@@ -10,9 +10,10 @@ import numpy as np
 from scipy.ndimage import gaussian_filter
 
 from common.dataset import DatasetMeta, DatasetReader
-from common.dataset_writer import DatasetWriter, stratified_split
+from common.dataset_writer import DatasetWriter
 from common.errors import DatasetError
 from common.hsi import write_patch_dataset
+from common.splits import stratified_split
 
 log = logging.getLogger(__name__)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import inspect
 import logging
 import sys
@@ -185,10 +186,11 @@ class RankTrainer:
             self.recorder.round(epoch, self.steps, batches, result, time.perf_counter() - begin)
 
     def close(self) -> None:
-        """Release the dataset and the run log."""
+        """Release the dataset, the run log and the DDP wrapper."""
         if self.recorder is not None:
             self.recorder.close()
         self.reader.close()
+        del self.step_fn  # holds the DistributedDataParallel wrapper
 
 
 def run_rank(config: DDPConfig, rank: int, store_address: str | None) -> None:
@@ -225,8 +227,10 @@ def run_rank(config: DDPConfig, rank: int, store_address: str | None) -> None:
     finally:
         if trainer is not None:
             trainer.close()
+            trainer = None  # the DDP wrapper goes before its process group
         if dist.is_initialized():
             dist.destroy_process_group()
+            log.debug("left the process group")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = DDPConfig.from_json(args.config.read_text(encoding="utf-8"))
     setup_logging("INFO", f"ddp[{args.rank}] ")
+    faulthandler.enable()  # a crash in torch's C++ code still shows where Python was
     run_rank(config, args.rank, args.store)
     return 0
 

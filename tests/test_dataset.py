@@ -12,8 +12,9 @@ import pytest
 from click.testing import CliRunner
 
 from common.dataset import DatasetReader, describe
-from common.dataset_writer import DatasetWriter, stratified_split
+from common.dataset_writer import DatasetWriter
 from common.errors import DatasetError
+from common.splits import stratified_split
 from pserver.data_cli import data_group
 
 SHAPE = (3, 4, 4)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from common.dataset import DatasetReader, describe
-from common.hsi import load_mat_array
+from common.matfile import load_mat_array
 
 pytestmark = pytest.mark.realdata
 

@@ -189,8 +189,9 @@ def test_a_worker_with_a_mismatched_local_copy_is_refused(small_hsi: Path, tmp_p
 
     other = tmp_path / "other.h5"
     synth_hsi(other, bands=16, size=24, classes=4, train_fraction=0.3, seed=2)  # other data
-    server, address = start_server(small_hsi, tmp_path / "run", "--epochs", "1",
-                                   "--shutdown-timeout", "1")
+    server, address = start_server(
+        small_hsi, tmp_path / "run", "--epochs", "1", "--shutdown-timeout", "1"
+    )
     worker = start_worker(address, "wrong-copy", 1.0, "--data", str(other))
     try:
         assert worker.wait() != 0
