@@ -14,7 +14,7 @@ from common.dataset import DatasetMeta, DatasetReader
 from common.dataset_writer import DatasetWriter
 from common.errors import DatasetError
 from common.matfile import load_class_names, load_mat_array, split_spec
-from common.splits import _take_stratified, disjoint_split, stratified_split
+from common.splits import disjoint_split, stratified_split, take_stratified
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def write_patch_dataset(
         raise DatasetError("the class map has no labelled pixels")
     y = labels[coords[:, 0], coords[:, 1]]
     if max_samples is not None and max_samples < y.size:
-        keep = _take_stratified(y, max_samples, np.random.default_rng([seed, 1]))
+        keep = take_stratified(y, max_samples, np.random.default_rng([seed, 1]))
         coords, y = coords[keep], y[keep]
     if split == "random":
         train, test = stratified_split(y, train_fraction, seed, k)

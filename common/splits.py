@@ -52,7 +52,7 @@ def stratified_split(
     return tr.astype(np.int64), te.astype(np.int64)
 
 
-def _take_stratified(y: np.ndarray, cap: int, rng: np.random.Generator) -> np.ndarray:
+def take_stratified(y: np.ndarray, cap: int, rng: np.random.Generator) -> np.ndarray:
     """Pick at most ``cap`` indices keeping class proportions (largest remainder); sorted."""
     counts = np.bincount(y)
     share = counts * (cap / y.size)
