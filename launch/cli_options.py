@@ -76,7 +76,12 @@ def train_options(func: F) -> F:
     return _apply(
         func,
         [
-            click.option("--epochs", type=int, default=None, help="Stop after this many epochs."),
+            click.option(
+                "--epochs",
+                type=int,
+                default=None,
+                help="Stop after this many epochs (compare: 5 unless --max-steps is given).",
+            ),
             click.option(
                 "--max-steps", type=int, default=None, help="Stop after this many updates."
             ),
