@@ -36,7 +36,7 @@ class SlowdownSchedule:
                 ) from None
             if not sep:
                 raise ConfigError(f"slowdown change {entry!r} is not STEP:FACTOR (e.g. 200:3)")
-        points.sort()
+        points.sort(key=lambda point: point[0])  # stable: a later entry for a step wins
         if any(f < 1 for _, f in points):
             raise ConfigError(f"slowdown factors must be >= 1, got {[f for _, f in points]}")
         self._steps = [s for s, _ in points]

@@ -11,7 +11,7 @@ import numpy as np
 from common.flat import FlatLayout
 from launch.ddp import DDPConfig
 from launch.ddp_step import StepResult
-from pserver.evaluator import Evaluator
+from pserver.evaluator import Evaluator, record_evaluation
 from pserver.runlog import RunLog
 from worker.speed import SpeedMeter
 
@@ -121,29 +121,17 @@ class RunRecorder:
         scores = self.evaluator.evaluate(self.layout.read_state().numpy())
         eval_s = time.perf_counter() - begin
         self.eval_total_s += self.log.now() - t
-        record = self.log.event(
-            "eval",
+        record = record_evaluation(
+            self.log,
+            scores,
             t=t,
             version=version,
             epoch=epoch,
             samples=samples,
-            oa=scores.oa,
-            aa=scores.aa,
-            kappa=scores.kappa,
-            loss=scores.loss,
-            eval_s=round(eval_s, 4),
+            eval_s=eval_s,
             train_t=round(train_t, 6),
         )
         self.evals.append(record)
-        log.info(
-            "epoch %d version %d: OA %.4f AA %.4f kappa %.4f loss %.4f",
-            epoch,
-            version,
-            scores.oa,
-            scores.aa,
-            scores.kappa,
-            scores.loss,
-        )
         return record
 
     def epoch_done(self, epoch: int, version: int, samples: int) -> bool:

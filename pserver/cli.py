@@ -111,6 +111,12 @@ def main() -> None:
     help="Seconds to wait for workers to collect their stop.",
 )
 @click.option(
+    "--eval-every",
+    default=1,
+    type=int,
+    help="Evaluate on the test split every this many epochs (and always at the end).",
+)
+@click.option(
     "--checkpoint-every",
     type=int,
     default=None,

@@ -41,6 +41,7 @@ class ServerConfig:
     seed: int = 0
     cache_mb: int = 2048
     eval_batch: int = 512
+    eval_every: int = 1
     shutdown_timeout_s: float = 10.0
     data_threads: int = 2
     torch_threads: int = 1
@@ -132,6 +133,7 @@ class ServerConfig:
             f"--dead-after ({self.dead_after_s}) must exceed --heartbeat ({self.heartbeat_s})",
         )
         need(self.torch_threads >= 1, f"--torch-threads must be >= 1, got {self.torch_threads}")
+        need(self.eval_every >= 1, f"--eval-every must be >= 1, got {self.eval_every}")
         need(self.cache_mb >= 0, f"--cache-mb must be >= 0, got {self.cache_mb}")
         need(
             self.shutdown_timeout_s > 0,

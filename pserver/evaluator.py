@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
@@ -9,6 +12,9 @@ from torch import nn
 from common.dataset import DatasetReader
 from common.flat import FlatLayout
 from common.metrics import Scores, confusion_matrix, scores_from_confusion
+from pserver.runlog import RunLog
+
+log = logging.getLogger("pserver.server")
 
 
 class Evaluator:
@@ -43,3 +49,52 @@ class Evaluator:
             count += len(y)
             matrix += confusion_matrix(y, logits.argmax(1).numpy(), self.num_classes)
         return scores_from_confusion(matrix, loss_sum / max(count, 1))
+
+
+def record_evaluation(
+    run_log: RunLog,
+    scores: Scores,
+    *,
+    t: float,
+    version: int,
+    epoch: int,
+    samples: int,
+    eval_s: float,
+    **extra: Any,
+) -> dict[str, Any]:
+    """Log the ``eval`` event of GUIDE section 3 and the matching progress line.
+
+    Args:
+        run_log: the run's log.
+        scores: the evaluation's result.
+        t: when the evaluated version was made (seconds since the run started).
+        version, epoch, samples: what was evaluated.
+        eval_s: how long the evaluation took.
+        extra: more fields for the event.
+
+    Returns:
+        The event as recorded.
+    """
+    record = run_log.event(
+        "eval",
+        t=t,
+        version=version,
+        epoch=epoch,
+        samples=samples,
+        oa=scores.oa,
+        aa=scores.aa,
+        kappa=scores.kappa,
+        loss=scores.loss,
+        eval_s=round(eval_s, 4),
+        **extra,
+    )
+    log.info(
+        "epoch %d version %d: OA %.4f AA %.4f kappa %.4f loss %.4f",
+        epoch,
+        version,
+        scores.oa,
+        scores.aa,
+        scores.kappa,
+        scores.loss,
+    )
+    return record

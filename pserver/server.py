@@ -22,7 +22,7 @@ from common.messages import (
 from common.models import build_model
 from pserver import checkpoint
 from pserver.config import ServerConfig
-from pserver.evaluator import Evaluator
+from pserver.evaluator import Evaluator, record_evaluation
 from pserver.handlers import RequestHandlers
 from pserver.membership import Roster, Task, WorkerInfo
 from pserver.policies import POLICIES
@@ -282,6 +282,7 @@ class ParameterServer(RequestHandlers):
 
     def account(self, done: list[tuple[WorkerInfo, Task]]) -> None:
         """Book applied tasks; start evaluations at epoch ends; stop when a limit is hit."""
+        cfg = self.config
         sampler = self.trainer.sampler
         for worker, task in done:
             worker.samples += task.size
@@ -300,8 +301,8 @@ class ParameterServer(RequestHandlers):
                     log.error("epoch %d did not use every sample exactly once", ledger.epoch)
                 sampler.forget(ledger.epoch)
                 self.epochs_done = max(self.epochs_done, ledger.epoch)
-                self._evaluate_now(ledger.epoch)
-        cfg = self.config
+                if ledger.epoch % cfg.eval_every == 0:
+                    self._evaluate_now(ledger.epoch)
         every = cfg.checkpoint_every
         if every and self.trainer.steps // every > self._checkpoints:
             self._checkpoints = self.trainer.steps // every
@@ -326,28 +327,16 @@ class ParameterServer(RequestHandlers):
         loop = asyncio.get_running_loop()
         begin = loop.time()
         scores = await loop.run_in_executor(self._eval_pool, self.evaluator.evaluate, state.numpy())
-        record = self.log.event(
-            "eval",
+        record = record_evaluation(
+            self.log,
+            scores,
             t=t,
             version=version,
             epoch=epoch,
             samples=samples,
-            oa=scores.oa,
-            aa=scores.aa,
-            kappa=scores.kappa,
-            loss=scores.loss,
-            eval_s=round(loop.time() - begin, 4),
+            eval_s=loop.time() - begin,
         )
         self.evals.append(record)
-        log.info(
-            "epoch %d version %d: OA %.4f AA %.4f kappa %.4f loss %.4f",
-            epoch,
-            version,
-            scores.oa,
-            scores.aa,
-            scores.kappa,
-            scores.loss,
-        )
         target = self.config.target_oa
         if target is not None and scores.oa >= target and self.time_to_target is None:
             self.time_to_target = t - (self.train_start or 0.0)

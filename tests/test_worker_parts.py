@@ -53,6 +53,8 @@ def test_slowdown_schedule_factors_and_emulated_time() -> None:
     begin = time.perf_counter()
     assert schedule.emulate(0, 0.02) == pytest.approx(0.04)
     assert time.perf_counter() - begin >= 0.02  # it waited (F-1)*t
+    assert SlowdownSchedule(4.0, "0:1").factor(0) == 1  # an explicit step-0 entry wins
+    assert SlowdownSchedule(1.0, "5:3,5:2").factor(5) == 2  # so does the later of two
     for bad in ("x", "10", "10:0.5"):
         with pytest.raises(ConfigError):
             SlowdownSchedule(1.0, bad)
