@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -49,6 +51,18 @@ class Evaluator:
             count += len(y)
             matrix += confusion_matrix(y, logits.argmax(1).numpy(), self.num_classes)
         return scores_from_confusion(matrix, loss_sum / max(count, 1))
+
+
+def lower_thread_priority(niceness: int = 10) -> None:
+    """Make the calling thread yield the CPU to training (Linux: per-thread nice value).
+
+    Evaluation shares the node with workers; at a lower priority it takes longer but no
+    longer slows the updates it runs beside.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except (AttributeError, OSError) as exc:  # not Linux, or not permitted
+        log.debug("evaluation keeps normal priority: %s", exc)
 
 
 def record_evaluation(

@@ -22,7 +22,7 @@ from common.messages import (
 from common.models import build_model
 from pserver import checkpoint
 from pserver.config import ServerConfig
-from pserver.evaluator import Evaluator, record_evaluation
+from pserver.evaluator import Evaluator, lower_thread_priority, record_evaluation
 from pserver.handlers import RequestHandlers
 from pserver.membership import Roster, Task, WorkerInfo
 from pserver.policies import POLICIES
@@ -92,7 +92,9 @@ class ParameterServer(RequestHandlers):
         self._data_pool = concurrent.futures.ThreadPoolExecutor(
             config.data_threads, thread_name_prefix="data"
         )
-        self._eval_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="eval")
+        self._eval_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="eval", initializer=lower_thread_priority
+        )
         self.endpoint = Endpoint(
             config.bind,
             self.trainer.state_size * 8 + (16 << 20),
