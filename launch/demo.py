@@ -85,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         summary = run_local(cluster, log_stream=ProgressFilter(mode))
         final = summary["final"] or {}
-        shares = "/".join(str(w["samples"]) for w in summary["workers"])
+        shares = " ".join(
+            f"x{w['slowdown']:g}:{w['samples']}"
+            for w in sorted(summary["workers"], key=lambda w: w["slowdown"])
+        )
         rows.append(
             [
                 mode,
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                 shares,
             ]
         )
-    print("\nResults (test split; samples per worker in join order):")
+    print("\nResults (test split; samples trained per worker, by slowdown):")
     print(
         format_table(
             ["mode", "epochs", "updates", "train s", "OA", "AA", "kappa", "samples per worker"],
