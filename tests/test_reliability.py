@@ -197,7 +197,7 @@ def test_a_worker_with_a_mismatched_local_copy_is_refused(small_hsi: Path, tmp_p
         assert worker.wait() != 0
         line = worker.expect("fingerprint")
         assert str(other) in line and "the server's dataset has" in line
-        server.expect("is gone: left: dataset mismatch")
+        server.expect("is gone: left: failed: DatasetError: local copy")
     finally:
         server.popen.send_signal(signal.SIGTERM)
         server.wait()

@@ -13,7 +13,7 @@ import zmq
 from torch import nn
 
 from common.client import Connection
-from common.errors import DatasetError, ErrorCode, NetworkTimeout, RemoteError, ServerLost
+from common.errors import ErrorCode, NetworkTimeout, RemoteError, ServerLost
 from common.flat import FlatLayout
 from common.messages import (
     JoinReply,
@@ -115,6 +115,9 @@ class Worker:
         except KeyboardInterrupt:
             self._leave("interrupted")
             raise
+        except Exception as exc:  # a crash in training: free our samples at once
+            self._leave(f"failed: {type(exc).__name__}: {exc}")
+            raise
         finally:
             self.stats.wall_s = time.perf_counter() - begin
             self.context.term()
@@ -177,11 +180,7 @@ class Worker:
             return Prefetcher(
                 lambda: self._connect(self.config.data_timeout_s, abort), self.worker_id
             )
-        try:
-            return open_local_copy(self.config.data, spec.dataset_fingerprint)
-        except DatasetError:
-            self._leave("dataset mismatch")
-            raise
+        return open_local_copy(self.config.data, spec.dataset_fingerprint)
 
     def _join(self) -> JoinReply:
         reply = self.conn.request(
