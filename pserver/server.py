@@ -77,6 +77,7 @@ class ParameterServer(RequestHandlers):
         self.train_end: float | None = None
         self.time_to_target: float | None = None
         self.finish_reason = ""
+        self.summary: dict[str, Any] = {}
         self.address = ""
         self._finished = False
         self._done = asyncio.Event()

@@ -123,4 +123,5 @@ def test_preparing_a_folder_streams(tmp_path: Path) -> None:
     size_mb = out.stat().st_size / 2**20
     out.unlink()
     assert size_mb > 200
-    assert stats["peak_mb"] < size_mb / 2, (stats, size_mb)
+    # Growth above the interpreter's baseline is what streaming bounds (two ~32 MB blocks).
+    assert stats["peak_mb"] - stats["base_mb"] < size_mb / 3, (stats, size_mb)

@@ -17,6 +17,7 @@ from common.messages import (
     DataRequest,
     JoinReply,
     JoinRequest,
+    LeaveRequest,
     PushRequest,
     StatusReply,
     StatusRequest,
@@ -192,6 +193,32 @@ async def test_sync_round_waits_for_every_worker_then_replies_to_all(small_hsi, 
         first = asyncio.create_task(fast.request(_push(join_f.worker_id, tasks[0], zeros)))
         done, _ = await asyncio.wait({first}, timeout=0.5)
         assert not done, "the round closed before the slow worker pushed"
-        assert ps.policy.rounds[0].received == {join_f.worker_id} and ps.trainer.version == 0
+        assert set(ps.policy.rounds[0].received) == {join_f.worker_id}
+        assert ps.trainer.version == 0
         second = await slow.request(_push(join_s.worker_id, tasks[1], zeros))
         assert (await first).version == second.version == 1
+
+
+async def test_a_push_that_arrived_counts_even_if_its_worker_then_leaves(small_hsi) -> None:
+    async with (
+        live_server(small_hsi, mode="weighted-sync", workers=2, global_batch=30) as ps,
+        clients(ps.address, 3) as (a, b, a_again),
+    ):
+        join_a = await a.request(JoinRequest(name="a", device="cpu", slowdown=1, threads=1))
+        join_b = await b.request(JoinRequest(name="b", device="cpu", slowdown=1, threads=1))
+        task_a, task_b = await asyncio.gather(
+            a.request(TaskRequest(worker_id=join_a.worker_id, speed=200.0)),
+            b.request(TaskRequest(worker_id=join_b.worker_id, speed=100.0)),
+        )
+        zeros = np.zeros(ps.trainer.state_size, dtype=np.float32)
+        waiting = asyncio.create_task(a.request(_push(join_a.worker_id, task_a, zeros)))
+        done, _ = await asyncio.wait({waiting}, timeout=0.5)
+        assert not done and set(ps.policy.rounds[0].received) == {join_a.worker_id}
+        await a_again.request(LeaveRequest(worker_id=join_a.worker_id, reason="bye"))
+        reply = await b.request(_push(join_b.worker_id, task_b, zeros))
+        assert isinstance(reply, TaskReply) and ps.trainer.version == 1
+        ledger = ps.trainer.sampler.ledgers[1]
+        assert ledger.applied == 30  # a's 20 samples count: its gradient is in the update
+        workers = {w.name: w for w in ps.roster.all_workers()}
+        assert workers["a"].samples == len(task_a.indices) == 20
+        waiting.cancel()

@@ -79,7 +79,8 @@ class AsyncPolicy(ModePolicy):
         self.applied += 1
         self.staleness_sum += tau
         self.staleness_max = max(self.staleness_max, tau)
-        worker.tasks.popleft()
+        if worker.tasks and worker.tasks[0] is task:
+            worker.tasks.popleft()
         self.ctx.log.event(
             "push",
             worker=worker.name,
@@ -90,12 +91,15 @@ class AsyncPolicy(ModePolicy):
             version=self.ctx.trainer.version,
         )
         self.ctx.account([(worker, task)])
-        self._fill(worker)
+        if worker.active:
+            self._fill(worker)
         self.ctx.release()
 
     async def on_leave(self, worker: WorkerInfo) -> None:
+        """Give the worker's queued samples back; a push being applied still counts."""
         for task in worker.tasks:
-            self.ctx.trainer.sampler.give_back(task.epoch, task.positions)
+            if not task.pushed:
+                self.ctx.trainer.sampler.give_back(task.epoch, task.positions)
         worker.tasks.clear()
         for other in self.ctx.active_workers():
             self._fill(other)

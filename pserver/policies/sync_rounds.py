@@ -24,7 +24,7 @@ class Round:
     epoch: int
     tasks: dict[int, Task]
     weights: dict[int, float]
-    received: set[int] = dataclasses.field(default_factory=set)
+    received: dict[int, tuple[WorkerInfo, Task]] = dataclasses.field(default_factory=dict)
     total: torch.Tensor | None = None
     weight_in: float = 0.0
     started: float = 0.0
@@ -112,16 +112,18 @@ class SyncRounds(ModePolicy):
         if current.total is None:
             current.total = torch.zeros(update.numel())
         await self.ctx.trainer.accumulate(current.total, update, weight)
-        current.received.add(wid)
+        current.received[wid] = (worker, task)  # counts even if the worker leaves meanwhile
         current.weight_in += weight
-        worker.tasks.popleft()
+        if worker.tasks and worker.tasks[0] is task:
+            worker.tasks.popleft()
         await self._maybe_close(current)
 
     async def on_leave(self, worker: WorkerInfo) -> None:
-        """Drop the worker's unfinished tasks; their samples go back to the sampler."""
+        """Drop the worker's unfinished tasks; their samples go back to the sampler. A task
+        whose push already arrived (or is being added) still counts."""
         for rnd in self.rounds:
             task = rnd.tasks.get(worker.worker_id)
-            if task is not None and worker.worker_id not in rnd.received:
+            if task is not None and not task.pushed and worker.worker_id not in rnd.received:
                 del rnd.tasks[worker.worker_id]
                 self.ctx.trainer.sampler.give_back(task.epoch, task.positions)
         worker.tasks.clear()
@@ -129,14 +131,10 @@ class SyncRounds(ModePolicy):
             await self._maybe_close(self.rounds[0])
 
     async def _maybe_close(self, current: Round) -> None:
-        if current.closing or not current.received.issuperset(current.tasks):
+        if current.closing or not set(current.received).issuperset(current.tasks):
             return
         current.closing = True
-        done = [
-            (w, current.tasks[w.worker_id])
-            for w in self.ctx.active_workers()
-            if w.worker_id in current.received and w.worker_id in current.tasks
-        ]
+        done = list(current.received.values())
         samples = sum(t.size for _, t in done)
         if current.total is not None and current.weight_in > 0:
             # Weights sum to 1 over the planned tasks; renormalise over what arrived.
