@@ -133,6 +133,8 @@ class SyncRounds(ModePolicy):
     async def _maybe_close(self, current: Round) -> None:
         if current.closing or not set(current.received).issuperset(current.tasks):
             return
+        if self.ctx.finished:
+            return  # training ended while this round was open: it is abandoned, not applied
         current.closing = True
         done = list(current.received.values())
         samples = sum(t.size for _, t in done)
