@@ -18,24 +18,7 @@ from launch.cli import main
 from launch.ddp import DDPConfig, run_ddp
 from launch.ddp_step import ComputeOnlyStep
 from launch.settings import TrainSettings
-
-GUIDE_SUMMARY_KEYS = {
-    "mode",
-    "model",
-    "dataset",
-    "wall_time_s",
-    "train_time_s",
-    "steps",
-    "epochs",
-    "samples_seen",
-    "final",
-    "best_oa",
-    "target_oa",
-    "time_to_target_s",
-    "workers",
-    "staleness",
-}
-EVAL_KEYS = {"event", "t", "version", "epoch", "samples", "oa", "aa", "kappa", "loss"}
+from tests.contracts import EVAL_KEYS, SUMMARY_KEYS
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -121,7 +104,7 @@ def test_ddp_trains_on_jasper_ridge(jasper_h5: Path, tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert GUIDE_SUMMARY_KEYS <= set(summary)
+    assert SUMMARY_KEYS <= set(summary)
     assert summary["mode"] == "ddp" and summary["staleness"] is None
     assert summary["epochs"] == 3 and summary["samples_seen"] == 3 * 964
     assert summary["final"]["oa"] >= 0.85 and summary["final"]["kappa"] >= 0.78

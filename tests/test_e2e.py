@@ -10,24 +10,8 @@ from pathlib import Path
 import pytest
 
 from launch.local import LocalCluster, run_local
+from tests.contracts import EVAL_KEYS, SUMMARY_KEYS
 
-SUMMARY_KEYS = {
-    "mode",
-    "model",
-    "dataset",
-    "wall_time_s",
-    "train_time_s",
-    "steps",
-    "epochs",
-    "samples_seen",
-    "final",
-    "best_oa",
-    "target_oa",
-    "time_to_target_s",
-    "workers",
-    "staleness",
-}
-EVAL_KEYS = {"event", "t", "version", "epoch", "samples", "oa", "aa", "kappa", "loss"}
 EPOCHS = 10
 
 
