@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
-import time
 from types import TracebackType
 
 import numpy as np
 
 from common.dataset import DatasetReader
 from common.errors import DatasetError
+from worker.prefetch import AheadReader
 
 log = logging.getLogger(__name__)
 
@@ -20,64 +19,26 @@ log = logging.getLogger(__name__)
 DEFAULT_CACHE_BYTES = 256 << 20
 
 
-class LocalData:
-    """Reads ``(x, y)`` for index lists from a dataset file on its own thread.
-
-    The same interface as ``worker.prefetch.Prefetcher``: ``start(indices)`` begins reading in
-    the background; ``get(indices)`` returns the data, using the started read when it matches
-    and reading now otherwise. The time ``get`` blocks is added to ``wait_s``.
+class LocalData(AheadReader):
+    """Reads samples from a dataset file instead of the server (``worker join --data``).
 
     Args:
         reader: an open reader; ``close()`` closes it.
     """
 
     def __init__(self, reader: DatasetReader) -> None:
+        super().__init__("local-data")
         self.reader = reader
-        self.wait_s = 0.0
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="local-data")
-        self._pending: tuple[tuple[int, ...], concurrent.futures.Future] | None = None
 
     @property
     def fingerprint(self) -> str:
         """The fingerprint stored in the file."""
         return self.reader.meta.fingerprint
 
-    def start(self, indices: list[int]) -> None:
-        """Begin reading ``indices`` in the background (no-op for an empty list).
+    def _fetch(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        return self.reader.read(indices)
 
-        Args:
-            indices: dataset indices of the next task.
-        """
-        if len(indices):
-            self._pending = (tuple(indices), self._pool.submit(self.reader.read, list(indices)))
-
-    def get(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """The samples for ``indices``, in order.
-
-        Args:
-            indices: dataset indices of the current task.
-
-        Returns:
-            ``(x, y)``: float32 (n, C, H, W) and int64 (n,).
-
-        Raises:
-            DatasetError: an index is out of range or the file cannot be read.
-        """
-        begin = time.perf_counter()
-        key = tuple(indices)
-        if self._pending is not None and self._pending[0] == key:
-            future = self._pending[1]
-        else:
-            future = self._pool.submit(self.reader.read, list(indices))
-        self._pending = None
-        try:
-            return future.result()
-        finally:
-            self.wait_s += time.perf_counter() - begin
-
-    def close(self) -> None:
-        """Stop the thread and close the file."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def _close_source(self) -> None:
         self.reader.close()
 
     def __enter__(self) -> LocalData:

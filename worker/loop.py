@@ -30,8 +30,8 @@ from worker.augment import Augmenter
 from worker.config import WorkerConfig
 from worker.device import host_buffer, resolve_device, synchronize
 from worker.heartbeat import Heartbeat
-from worker.local_data import LocalData, open_local_copy
-from worker.prefetch import Prefetcher
+from worker.local_data import open_local_copy
+from worker.prefetch import AheadReader, Prefetcher
 from worker.speed import SpeedMeter
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class Worker:
         """One membership: join, (calibrate), train until stop."""
         self.conn = self._connect(self.config.reply_timeout_s)
         heartbeat: Heartbeat | None = None
-        prefetcher: Prefetcher | LocalData | None = None
+        prefetcher: AheadReader | None = None
         try:
             spec = self._join()
             self._joined = True
@@ -174,7 +174,7 @@ class Worker:
                 prefetcher.close()
             self.conn.close()
 
-    def _open_data(self, spec: JoinReply, abort: str) -> Prefetcher | LocalData:
+    def _open_data(self, spec: JoinReply, abort: str) -> AheadReader:
         """The sample source: the --data copy if given (same fingerprint as the server's)."""
         if self.config.data is None:
             return Prefetcher(
@@ -255,7 +255,7 @@ class Worker:
         self.layout.write_state(self._host_state)
         return self.layout.read_buffers()
 
-    def _step(self, task: TaskReply, prefetcher: Prefetcher | LocalData) -> TaskReply:
+    def _step(self, task: TaskReply, prefetcher: AheadReader) -> TaskReply:
         buffers_before = self._load(task.params)
         x_np, y_np = prefetcher.get(task.indices)
         prefetcher.start(task.prefetch)

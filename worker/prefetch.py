@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import concurrent.futures
 import threading
 import time
@@ -13,45 +14,40 @@ from common.client import Connection
 from common.messages import DataReply, DataRequest
 
 
-class Prefetcher:
-    """Fetches ``(x, y)`` for index lists over its own connection and thread.
+class AheadReader(abc.ABC):
+    """Reads ``(x, y)`` for index lists on its own thread, one task ahead.
 
-    ``start(indices)`` begins fetching in the background; ``get(indices)`` returns the data,
-    using the prefetched result when it matches and fetching now otherwise. The time ``get``
-    blocks is added to ``wait_s``.
+    ``start(indices)`` begins reading in the background; ``get(indices)`` returns the data,
+    using the started read when it matches and reading now otherwise. The time ``get`` blocks
+    is added to ``wait_s``. Subclasses say where samples come from.
 
     Args:
-        connect: makes a new connection to the server (called on the prefetch thread).
-        worker_id: this worker's id.
+        thread_name: name prefix of the reading thread.
     """
 
-    def __init__(self, connect: Callable[[], Connection], worker_id: int) -> None:
-        self.connect, self.worker_id = connect, worker_id
+    def __init__(self, thread_name: str) -> None:
         self.wait_s = 0.0
-        self._local = threading.local()
-        self._connections: list[Connection] = []
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=thread_name)
         self._pending: tuple[tuple[int, ...], concurrent.futures.Future] | None = None
 
+    @abc.abstractmethod
     def _fetch(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = self.connect()
-            self._connections.append(conn)
-        reply = conn.request(DataRequest(worker_id=self.worker_id, indices=indices))
-        assert isinstance(reply, DataReply)
-        return reply.x, reply.y
+        """Read the samples (runs on the reading thread)."""
+
+    @abc.abstractmethod
+    def _close_source(self) -> None:
+        """Release the source once the thread has stopped."""
 
     def start(self, indices: list[int]) -> None:
-        """Begin fetching ``indices`` in the background (no-op for an empty list)."""
-        if indices:
+        """Begin reading ``indices`` in the background (no-op for an empty list)."""
+        if len(indices):
             self._pending = (tuple(indices), self._pool.submit(self._fetch, list(indices)))
 
     def get(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """The samples for ``indices``, in order.
+        """The samples for ``indices``, in order: float32 (n, C, H, W) and int64 (n,).
 
         Raises:
-            NetworkTimeout, RemoteError: the server did not deliver them.
+            NetworkTimeout, RemoteError, DatasetError: the source did not deliver them.
         """
         begin = time.perf_counter()
         key = tuple(indices)
@@ -66,7 +62,34 @@ class Prefetcher:
             self.wait_s += time.perf_counter() - begin
 
     def close(self) -> None:
-        """Stop the thread and close its connection."""
+        """Stop the thread, then release the source."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._close_source()
+
+
+class Prefetcher(AheadReader):
+    """Pulls samples from the server over its own connection.
+
+    Args:
+        connect: makes a new connection to the server (called on the reading thread).
+        worker_id: this worker's id.
+    """
+
+    def __init__(self, connect: Callable[[], Connection], worker_id: int) -> None:
+        super().__init__("prefetch")
+        self.connect, self.worker_id = connect, worker_id
+        self._local = threading.local()
+        self._connections: list[Connection] = []
+
+    def _fetch(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = self.connect()
+            self._connections.append(conn)
+        reply = conn.request(DataRequest(worker_id=self.worker_id, indices=indices))
+        assert isinstance(reply, DataReply)
+        return reply.x, reply.y
+
+    def _close_source(self) -> None:
         for conn in self._connections:
             conn.close()
