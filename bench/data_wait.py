@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.synth import synth_scenes
+from common.data.convert.synth import synth_scenes
 from launch.local import LocalCluster, run_local
 
 WORKER_LINE = re.compile(

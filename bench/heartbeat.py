@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.synth import synth_hsi
+from common.data.convert.synth import synth_hsi
 from launch.local import LocalCluster, run_local
 
 SETTINGS = {

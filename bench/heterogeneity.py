@@ -22,8 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common.data.convert.synth import synth_scenes  # noqa: E402
 from common.logsetup import setup_logging  # noqa: E402
-from common.synth import synth_scenes  # noqa: E402
 from launch.compare import CompareConfig, run_compare  # noqa: E402
 from launch.settings import TrainSettings  # noqa: E402
 from launch.table import format_table  # noqa: E402

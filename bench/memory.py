@@ -39,14 +39,14 @@ def peak_mb():
 
 STEPS = {
     "convert": """
-from common.synth import synth_scenes
+from common.data.convert.synth import synth_scenes
 args = json.loads(sys.argv[3])
 base = peak_mb()
 synth_scenes(sys.argv[2], classes=10, seed=0, **args)
 """,
     "serve": """
 import numpy as np
-from common.dataset import DatasetReader
+from common.data.dataset import DatasetReader
 base = peak_mb()
 rng = np.random.default_rng(0)
 seen = 0
@@ -56,7 +56,7 @@ with DatasetReader(sys.argv[2], cache_bytes=0) as reader:
         seen += len(y)
 """,
     "evaluate": """
-from common.dataset import DatasetReader
+from common.data.dataset import DatasetReader
 base = peak_mb()
 with DatasetReader(sys.argv[2], cache_bytes=0) as reader:
     for x, y in reader.iter_blocks(reader.test_indices, 512):

@@ -24,8 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common.data.convert.hsi import prepare_hsi  # noqa: E402
 from common.errors import PSError  # noqa: E402
-from common.hsi import prepare_hsi  # noqa: E402
 from common.logsetup import setup_logging  # noqa: E402
 from launch.compare import run_record  # noqa: E402
 from launch.local import LocalCluster, run_local  # noqa: E402

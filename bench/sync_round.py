@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.synth import synth_scenes
+from common.data.convert.synth import synth_scenes
 from launch.local import LocalCluster, run_local
 
 SLOWDOWNS = (1.0, 3.0)

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.hsi import prepare_hsi  # noqa: E402
+from common.data.convert.hsi import prepare_hsi  # noqa: E402
 from common.logsetup import setup_logging  # noqa: E402
 from launch.compare import CompareConfig, run_compare  # noqa: E402
 from launch.settings import TrainSettings  # noqa: E402

@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.wire_model import RESNET18_PARAMS  # noqa: E402
-from common.client import Connection  # noqa: E402
-from common.messages import JoinRequest, PushRequest, TaskReply, TaskRequest  # noqa: E402
-from common.synth import synth_hsi  # noqa: E402
+from common.data.convert.synth import synth_hsi  # noqa: E402
+from common.protocol.client import Connection  # noqa: E402
+from common.protocol.messages import JoinRequest, PushRequest, TaskReply, TaskRequest  # noqa: E402
 
 
 def echo_server(endpoint_queue: mp.Queue) -> None:

@@ -13,7 +13,7 @@ from common.errors import ConfigError, PSError
 from common.logsetup import setup_logging
 from launch.cli_options import build_train, build_workers, cluster_options, train_options
 from launch.compare import MODES_HELP, CompareConfig, run_compare
-from launch.ddp import BACKENDS, DDPConfig, run_ddp
+from launch.ddp.launcher import BACKENDS, DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
 from launch.slowdowns import SCHEDULES_HELP, parse_schedules
 from launch.table import summary_tables

@@ -19,7 +19,7 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from common.errors import ConfigError, PSError
-from launch.ddp import DDPConfig, run_ddp
+from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
 from launch.settings import TrainSettings
 from pserver.config import MODES, STALENESS

@@ -31,8 +31,8 @@ class ProgressFilter:
 
 def prepare_dataset(shared: Path, out_dir: Path) -> Path:
     """Jasper Ridge from ``shared`` when present, else a synthetic hyperspectral scene."""
-    from common.hsi import prepare_hsi
-    from common.synth import synth_hsi
+    from common.data.convert.hsi import prepare_hsi
+    from common.data.convert.synth import synth_hsi
 
     out_dir.mkdir(parents=True, exist_ok=True)
     jasper = shared / "datasets" / "jasper_ridge"

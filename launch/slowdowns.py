@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common.errors import ConfigError
-from common.slowdown import SlowdownSchedule
+from common.training.slowdown import SlowdownSchedule
 
 SCHEDULES_HELP = (
     "Change workers' slowdowns during training. One entry per worker, separated by ';', in "

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import click
 
-from common.client import Connection
 from common.errors import PSError
 from common.logsetup import setup_logging
-from common.messages import StatusReply, StatusRequest
-from common.security import generate, load_client_keys
+from common.protocol.client import Connection
+from common.protocol.messages import StatusReply, StatusRequest
+from common.protocol.security import generate, load_client_keys
 from pserver.config import MODES, OPTIMIZERS, SCHEDULES, STALENESS, ServerConfig
 from pserver.data_cli import data_group
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from common.dataset import DatasetMeta, describe
+from common.data.dataset import DatasetMeta, describe
 from common.errors import DatasetError
 
 SYNTH_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -76,7 +76,7 @@ def prepare_hsi_cmd(
     cube: str, gt: str, out: str, patch: int, train_fraction: float, split: str, seed: int
 ) -> None:
     """Cut P x P patches around every labelled pixel of a .mat cube and class map."""
-    from common.hsi import prepare_hsi
+    from common.data.convert.hsi import prepare_hsi
 
     meta = _run(
         prepare_hsi,
@@ -118,7 +118,7 @@ def prepare_folder_cmd(
 
     Class names are the sorted folder names; TIFFs may have any number of bands.
     """
-    from common.folder import prepare_folder
+    from common.data.convert.folder import prepare_folder
 
     meta = _run(
         prepare_folder,
@@ -191,7 +191,7 @@ def synth_cmd(
     seed: int,
 ) -> None:
     """Write a synthetic dataset that a small CNN needs a few epochs to learn."""
-    from common.synth import synth_hsi, synth_scenes
+    from common.data.convert.synth import synth_hsi, synth_scenes
 
     given = {
         "samples": samples,

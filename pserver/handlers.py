@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from common.errors import ErrorCode, ProtocolError
-from common.messages import (
+from common.protocol.messages import (
     DataReply,
     DataRequest,
     HeartbeatReply,

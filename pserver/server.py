@@ -12,21 +12,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.dataset import DatasetReader
+from common.data.dataset import DatasetReader
 from common.errors import ConfigError, ErrorCode, ProtocolError
-from common.flat import FlatLayout
-from common.messages import (
+from common.protocol.messages import (
     Message,
     TaskReply,
 )
-from common.models import build_model
+from common.training.evaluator import Evaluator, lower_thread_priority, record_evaluation
+from common.training.flat import FlatLayout
+from common.training.models import build_model
+from common.training.runlog import RunLog
 from pserver import checkpoint
 from pserver.config import ServerConfig
-from pserver.evaluator import Evaluator, lower_thread_priority, record_evaluation
 from pserver.handlers import RequestHandlers
 from pserver.membership import Roster, Task, WorkerInfo
 from pserver.policies import POLICIES
-from pserver.runlog import RunLog
 from pserver.summary import build_summary
 from pserver.trainer import Trainer
 from pserver.transport import Endpoint, TaskOwner

@@ -14,8 +14,8 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from common.errors import ErrorCode, ProtocolError, RemoteError
-from common.messages import REQUESTS, Message, error_frames, parse_message
-from common.security import is_loopback, load_server_secret
+from common.protocol.messages import REQUESTS, Message, error_frames, parse_message
+from common.protocol.security import is_loopback, load_server_secret
 from pserver.errorlog import RateLimitedLog
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ def jasper_dir() -> Path:
 @pytest.fixture(scope="session")
 def jasper_h5(jasper_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Jasper Ridge prepared once per session: 5x5 patches, 10 % train, random split, seed 0."""
-    from common.hsi import prepare_hsi
+    from common.data.convert.hsi import prepare_hsi
 
     out = tmp_path_factory.mktemp("jasper") / "jasper_p5.h5"
     prepare_hsi(
@@ -44,7 +44,7 @@ def jasper_h5(jasper_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 @pytest.fixture(scope="session")
 def small_hsi(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small synthetic hyperspectral dataset (16 bands, 24x24 scene, 30 % train)."""
-    from common.synth import synth_hsi
+    from common.data.convert.synth import synth_hsi
 
     out = tmp_path_factory.mktemp("synth") / "small_hsi.h5"
     synth_hsi(out, bands=16, size=24, classes=4, train_fraction=0.3, seed=1)

@@ -13,7 +13,7 @@ import zmq
 import zmq.asyncio
 
 from common.errors import RemoteError
-from common.messages import REPLIES, Message, parse_message
+from common.protocol.messages import REPLIES, Message, parse_message
 from pserver.config import ServerConfig
 from pserver.server import ParameterServer
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from common.flat import FlatLayout
-from common.models import build_model
+from common.training.flat import FlatLayout
+from common.training.models import build_model
+from common.training.planner import plan_batches, plan_equal
 from pserver.config import ServerConfig
 from pserver.optimizer import FlatOptimizer, lr_factor
-from pserver.planner import plan_batches, plan_equal
 from pserver.policies.equal_sync import EqualSync
 from pserver.policies.weighted_sync import WeightedSync
 from pserver.sampler import EpochSampler

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from common.synth import synth_hsi
+from common.data.convert.synth import synth_hsi
 from launch.cli import main
 from launch.compare import time_to_target
 from launch.report import RESULT_COLUMNS, SPEEDUP_COLUMNS, aggregate, render_markdown, speedup

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from common.dataset import DatasetReader, describe
-from common.dataset_writer import DatasetWriter
+from common.data.dataset import DatasetReader, describe
+from common.data.splits import stratified_split
+from common.data.writer import DatasetWriter
 from common.errors import DatasetError
-from common.splits import stratified_split
 from pserver.data_cli import data_group
 
 SHAPE = (3, 4, 4)

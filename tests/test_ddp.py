@@ -11,12 +11,12 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
+from common.data.convert.synth import synth_scenes
 from common.errors import ConfigError
-from common.slowdown import SlowdownSchedule
-from common.synth import synth_scenes
+from common.training.slowdown import SlowdownSchedule
 from launch.cli import main
-from launch.ddp import DDPConfig, run_ddp
-from launch.ddp_step import ComputeOnlyStep
+from launch.ddp.launcher import DDPConfig, run_ddp
+from launch.ddp.step import ComputeOnlyStep
 from launch.settings import TrainSettings
 from tests.contracts import EVAL_KEYS, SUMMARY_KEYS
 

@@ -11,9 +11,9 @@ import tifffile
 from click.testing import CliRunner
 from PIL import Image
 
-from common.dataset import DatasetReader
+from common.data.convert.folder import prepare_folder, read_image, scan_folder
+from common.data.dataset import DatasetReader
 from common.errors import DatasetError
-from common.folder import prepare_folder, read_image, scan_folder
 from pserver.data_cli import data_group
 
 CLASSES = ("river", "forest", "annual_crop")  # sorted: annual_crop, forest, river

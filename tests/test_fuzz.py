@@ -10,7 +10,7 @@ import msgpack
 import numpy as np
 import torch
 
-from common.messages import (
+from common.protocol.messages import (
     DataRequest,
     HeartbeatRequest,
     JoinReply,
@@ -22,7 +22,7 @@ from common.messages import (
     TaskReply,
     TaskRequest,
 )
-from common.wire import PROTOCOL_VERSION
+from common.protocol.wire import PROTOCOL_VERSION
 from tests.live import clients, live_server
 
 MESSAGES = 10_000

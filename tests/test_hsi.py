@@ -10,10 +10,10 @@ import pytest
 import scipy.io
 from click.testing import CliRunner
 
-from common.dataset import DatasetReader
+from common.data.convert.hsi import prepare_hsi
+from common.data.convert.matfile import load_class_names, load_mat_array, split_spec
+from common.data.dataset import DatasetReader
 from common.errors import DatasetError
-from common.hsi import prepare_hsi
-from common.matfile import load_class_names, load_mat_array, split_spec
 from pserver.data_cli import data_group
 
 ROWS, COLS, BANDS = 14, 12, 4

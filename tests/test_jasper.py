@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.dataset import DatasetReader, describe
-from common.matfile import load_mat_array
+from common.data.convert.matfile import load_mat_array
+from common.data.dataset import DatasetReader, describe
 
 pytestmark = pytest.mark.realdata
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from common.dataset import DatasetReader
+from common.data.convert.synth import synth_hsi
+from common.data.dataset import DatasetReader
 from common.errors import ConfigError, DatasetError
-from common.synth import synth_hsi
 from worker.cli import main as worker_main
 from worker.config import WorkerConfig
 from worker.local_data import LocalData, open_local_copy

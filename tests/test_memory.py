@@ -34,7 +34,7 @@ CONVERT = (
     PEAK
     + """
 import json, sys
-from common.synth import synth_scenes
+from common.data.convert.synth import synth_scenes
 base = peak_mb()
 synth_scenes(sys.argv[1], seed=0, **json.loads(sys.argv[2]))
 print(json.dumps({"base_mb": base, "peak_mb": peak_mb()}))
@@ -46,7 +46,7 @@ SERVE = (
     + """
 import json, sys
 import numpy as np
-from common.dataset import DatasetReader
+from common.data.dataset import DatasetReader
 base = peak_mb()
 rng = np.random.default_rng(0)
 seen = 0
@@ -64,7 +64,7 @@ FOLDER = (
     PEAK
     + """
 import json, sys
-from common.folder import prepare_folder
+from common.data.convert.folder import prepare_folder
 base = peak_mb()
 prepare_folder(sys.argv[1], sys.argv[2])
 print(json.dumps({"base_mb": base, "peak_mb": peak_mb()}))

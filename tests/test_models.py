@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from common.errors import ModelError
-from common.models import BUILTIN, build_model
+from common.training.models import BUILTIN, build_model
 
 
 def count(model: nn.Module) -> int:

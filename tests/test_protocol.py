@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from common.errors import ErrorCode, ProtocolError, RemoteError
-from common.messages import (
+from common.protocol.messages import (
     REPLIES,
     REQUESTS,
     DataReply,
@@ -26,7 +26,7 @@ from common.messages import (
     error_frames,
     parse_message,
 )
-from common.wire import PROTOCOL_VERSION, decode_frames, encode_frames
+from common.protocol.wire import PROTOCOL_VERSION, decode_frames, encode_frames
 
 STATE = np.arange(10, dtype=np.float32)
 

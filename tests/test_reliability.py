@@ -185,7 +185,7 @@ def test_sigterm_stops_the_round_checkpoints_and_workers_exit_0(
 
 @pytest.mark.e2e
 def test_a_worker_with_a_mismatched_local_copy_is_refused(small_hsi: Path, tmp_path: Path) -> None:
-    from common.synth import synth_hsi
+    from common.data.convert.synth import synth_hsi
 
     other = tmp_path / "other.h5"
     synth_hsi(other, bands=16, size=24, classes=4, train_fraction=0.3, seed=2)  # other data

@@ -11,8 +11,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from common.messages import REPLIES, StatusReply, StatusRequest, parse_message
-from common.security import generate, is_loopback
+from common.protocol.messages import REPLIES, StatusReply, StatusRequest, parse_message
+from common.protocol.security import generate, is_loopback
 from tests.cluster import start_server, start_worker, summary
 from tests.live import live_server
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.errors import ErrorCode
-from common.messages import (
+from common.protocol.messages import (
     DataReply,
     DataRequest,
     JoinReply,
@@ -24,7 +24,7 @@ from common.messages import (
     TaskReply,
     TaskRequest,
 )
-from common.wire import PROTOCOL_VERSION
+from common.protocol.wire import PROTOCOL_VERSION
 from tests.live import AsyncClient, clients, live_server
 
 

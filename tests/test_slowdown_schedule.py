@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from common.data.convert.synth import synth_scenes
 from common.errors import ConfigError
-from common.synth import synth_scenes
 from launch.cli import main
 from launch.slowdowns import parse_schedules, parse_slowdowns
 

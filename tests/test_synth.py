@@ -10,9 +10,9 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from common.dataset import DatasetReader, describe
+from common.data.convert.synth import synth_hsi, synth_hsi_cube, synth_scenes
+from common.data.dataset import DatasetReader, describe
 from common.errors import DatasetError
-from common.synth import synth_hsi, synth_hsi_cube, synth_scenes
 from pserver.data_cli import data_group
 
 

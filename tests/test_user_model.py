@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from common.synth import synth_hsi
+from common.data.convert.synth import synth_hsi
 from launch.local import LocalCluster, run_local
 
 pytestmark = pytest.mark.e2e

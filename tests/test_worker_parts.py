@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from common.errors import ConfigError, DeviceError
-from common.slowdown import SlowdownSchedule
+from common.training.slowdown import SlowdownSchedule
+from common.training.speed import SpeedMeter
 from worker.device import resolve_device
-from worker.speed import SpeedMeter
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present on this machine")

@@ -8,7 +8,7 @@ import os
 import socket
 
 from common.errors import ConfigError
-from common.slowdown import SlowdownSchedule
+from common.training.slowdown import SlowdownSchedule
 
 
 @dataclasses.dataclass(frozen=True)

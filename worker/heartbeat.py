@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import zmq
 
-from common.client import Connection
 from common.errors import PSError
-from common.messages import HeartbeatReply, HeartbeatRequest
+from common.protocol.client import Connection
+from common.protocol.messages import HeartbeatReply, HeartbeatRequest
 
 log = logging.getLogger(__name__)
 

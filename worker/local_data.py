@@ -8,7 +8,7 @@ from types import TracebackType
 
 import numpy as np
 
-from common.dataset import DatasetReader
+from common.data.dataset import DatasetReader
 from common.errors import DatasetError
 from worker.prefetch import AheadReader
 

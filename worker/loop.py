@@ -12,10 +12,9 @@ import torch
 import zmq
 from torch import nn
 
-from common.client import Connection
 from common.errors import ErrorCode, NetworkTimeout, RemoteError, ServerLost
-from common.flat import FlatLayout
-from common.messages import (
+from common.protocol.client import Connection
+from common.protocol.messages import (
     JoinReply,
     JoinRequest,
     LeaveRequest,
@@ -23,16 +22,17 @@ from common.messages import (
     TaskReply,
     TaskRequest,
 )
-from common.models import build_model
-from common.security import load_client_keys
-from common.slowdown import SlowdownSchedule
+from common.protocol.security import load_client_keys
+from common.training.flat import FlatLayout
+from common.training.models import build_model
+from common.training.slowdown import SlowdownSchedule
+from common.training.speed import SpeedMeter
 from worker.augment import Augmenter
 from worker.config import WorkerConfig
 from worker.device import host_buffer, resolve_device, synchronize
 from worker.heartbeat import Heartbeat
 from worker.local_data import open_local_copy
 from worker.prefetch import AheadReader, Prefetcher
-from worker.speed import SpeedMeter
 
 log = logging.getLogger(__name__)
 

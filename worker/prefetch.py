@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from common.client import Connection
-from common.messages import DataReply, DataRequest
+from common.protocol.client import Connection
+from common.protocol.messages import DataReply, DataRequest
 
 
 class AheadReader(abc.ABC):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from common.errors import ErrorCode, ProtocolError
-from common.messages import PushRequest
+from common.protocol.messages import PushRequest
+from common.training.planner import plan_batches
 from pserver.membership import Task, WorkerInfo
-from pserver.planner import plan_batches
 from pserver.policies.base import ModePolicy, PolicyContext
 from pserver.staleness import staleness_function
 

@@ -8,10 +8,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from common.messages import PushRequest
+from common.protocol.messages import PushRequest
+from common.training.runlog import RunLog
 from pserver.config import ServerConfig
 from pserver.membership import Task, WorkerInfo
-from pserver.runlog import RunLog
 from pserver.trainer import Trainer
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from common.training.planner import plan_equal
 from pserver.membership import WorkerInfo
-from pserver.planner import plan_equal
 from pserver.policies.sync_rounds import SyncRounds
 
 

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch
 
-from common.messages import PushRequest
+from common.protocol.messages import PushRequest
 from pserver.membership import Task, WorkerInfo
 from pserver.policies.base import ModePolicy, PolicyContext
 

@@ -16,7 +16,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from common.dataset import (
+from common.data.dataset import (
     FORMAT_VERSION,
     KINDS,
     _as_index_array,

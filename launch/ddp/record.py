@@ -8,12 +8,12 @@ from typing import Any
 
 import numpy as np
 
-from common.flat import FlatLayout
-from launch.ddp import DDPConfig
-from launch.ddp_step import StepResult
-from pserver.evaluator import Evaluator, record_evaluation
-from pserver.runlog import RunLog
-from worker.speed import SpeedMeter
+from common.training.evaluator import Evaluator, record_evaluation
+from common.training.flat import FlatLayout
+from common.training.runlog import RunLog
+from common.training.speed import SpeedMeter
+from launch.ddp.launcher import DDPConfig
+from launch.ddp.step import StepResult
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ class RunRecorder:
                 "world_size": self.world_size,
                 "backend": self.config.resolved_backend(),
                 "eval_s_total": round(self.eval_total_s, 4),
-                "slowdown": "compute-only (launch.ddp_step)",
+                "slowdown": "compute-only (launch.ddp.step)",
             },
         }
 

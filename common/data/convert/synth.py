@@ -9,11 +9,11 @@ import os
 import numpy as np
 from scipy.ndimage import gaussian_filter
 
-from common.dataset import DatasetMeta, DatasetReader
-from common.dataset_writer import DatasetWriter
+from common.data.convert.hsi import write_patch_dataset
+from common.data.dataset import DatasetMeta, DatasetReader
+from common.data.splits import stratified_split
+from common.data.writer import DatasetWriter
 from common.errors import DatasetError
-from common.hsi import write_patch_dataset
-from common.splits import stratified_split
 
 log = logging.getLogger(__name__)
 

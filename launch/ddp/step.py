@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from common.slowdown import SlowdownSchedule
+from common.training.slowdown import SlowdownSchedule
 from worker.device import synchronize
 
 AllReduce = Callable[[torch.Tensor], None]

@@ -8,8 +8,8 @@ import time
 import zmq
 
 from common.errors import NetworkTimeout, RemoteError, ServerLost
-from common.messages import REPLIES, Message, parse_message
-from common.security import ClientKeys
+from common.protocol.messages import REPLIES, Message, parse_message
+from common.protocol.security import ClientKeys
 
 
 class Connection:

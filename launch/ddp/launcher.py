@@ -1,10 +1,10 @@
 """``pslaunch ddp``: the torch.distributed DDP baseline on the same data, model and slowdowns.
 
-The launcher starts one process per rank (``python -m launch.ddp_rank``) on 127.0.0.1. It owns
+The launcher starts one process per rank (``python -m launch.ddp.rank``) on 127.0.0.1. It owns
 the rendezvous: a ``TCPStore`` bound to port 0 in this process (the kernel picks a free port,
 so there is no probe-then-bind race), whose port the ranks are given. Rank 0 evaluates after
 every epoch and writes ``metrics.jsonl`` and ``summary.json`` in the run directory, in the
-format the parameter server writes (GUIDE section 3). See ``launch.ddp_step`` for how the
+format the parameter server writes (GUIDE section 3). See ``launch.ddp.step`` for how the
 emulated slowdown scales compute time only.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from common.errors import ConfigError, PSError
-from common.slowdown import SlowdownSchedule
+from common.training.slowdown import SlowdownSchedule
 from launch.local import pump
 from launch.settings import TrainSettings, server_default
 
@@ -220,7 +220,7 @@ def run_ddp(config: DDPConfig, log_stream: IO[str] | None = None) -> dict[str, A
     exits: queue.Queue[tuple[int, int]] = queue.Queue()
     try:
         for rank in range(config.world_size):
-            cmd = [sys.executable, "-m", "launch.ddp_rank", "--config", str(config_path)]
+            cmd = [sys.executable, "-m", "launch.ddp.rank", "--config", str(config_path)]
             proc = subprocess.Popen(
                 [*cmd, "--rank", str(rank), *rendezvous],
                 stdout=subprocess.PIPE,

@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from common.dataset import DatasetMeta, DatasetReader
-from common.dataset_writer import DatasetWriter
+from common.data.convert.matfile import load_class_names, load_mat_array, split_spec
+from common.data.dataset import DatasetMeta, DatasetReader
+from common.data.splits import disjoint_split, stratified_split, take_stratified
+from common.data.writer import DatasetWriter
 from common.errors import DatasetError
-from common.matfile import load_class_names, load_mat_array, split_spec
-from common.splits import disjoint_split, stratified_split, take_stratified
 
 log = logging.getLogger(__name__)
 

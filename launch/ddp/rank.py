@@ -1,4 +1,4 @@
-"""One rank of the DDP baseline: ``python -m launch.ddp_rank --config FILE --rank R``."""
+"""One rank of the DDP baseline: ``python -m launch.ddp.rank --config FILE --rank R``."""
 
 from __future__ import annotations
 
@@ -17,16 +17,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.dataset import DatasetReader
-from common.flat import FlatLayout
+from common.data.dataset import DatasetReader
 from common.logsetup import setup_logging
-from common.models import build_model
-from launch.ddp import DDPConfig
-from launch.ddp_record import RunRecorder
-from launch.ddp_step import ComputeOnlyStep
-from pserver.evaluator import Evaluator
+from common.training.evaluator import Evaluator
+from common.training.flat import FlatLayout
+from common.training.models import build_model
+from common.training.planner import plan_equal
+from launch.ddp.launcher import DDPConfig
+from launch.ddp.record import RunRecorder
+from launch.ddp.step import ComputeOnlyStep
 from pserver.optimizer import lr_factor
-from pserver.planner import plan_equal
 from worker.device import resolve_device
 
 log = logging.getLogger(__name__)

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.dataset import DatasetReader
-from common.flat import FlatLayout
-from common.metrics import Scores, confusion_matrix, scores_from_confusion
-from pserver.runlog import RunLog
+from common.data.dataset import DatasetReader
+from common.training.flat import FlatLayout
+from common.training.metrics import Scores, confusion_matrix, scores_from_confusion
+from common.training.runlog import RunLog
 
 log = logging.getLogger("pserver.server")
 

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from common.errors import ErrorCode, ProtocolError, RemoteError
-from common.wire import decode_frames, encode_frames
+from common.protocol.wire import decode_frames, encode_frames
 
 MAX_INDICES = 1 << 17
 MAX_STRING = 4096

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-from common.dataset import DatasetMeta, DatasetReader
-from common.dataset_writer import DatasetWriter
+from common.data.dataset import DatasetMeta, DatasetReader
+from common.data.splits import stratified_split
+from common.data.writer import DatasetWriter
 from common.errors import DatasetError
-from common.splits import stratified_split
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The dataset format, its reader and writer, splits, and converters from source formats."""

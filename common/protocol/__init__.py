@@ -1,0 +1,1 @@
+"""The wire protocol: frames, messages, the client connection and CURVE keys (docs/protocol.md)."""
