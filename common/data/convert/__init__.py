@@ -1,1 +1,1 @@
-"""Converters from source formats (.mat cubes, image folders, synthetic data) to the dataset format."""
+"""Converters from source formats (.mat cubes, image folders, synthetic scenes) to datasets."""
