@@ -12,6 +12,7 @@ from common.training.evaluator import Evaluator, record_evaluation
 from common.training.flat import FlatLayout
 from common.training.runlog import RunLog
 from common.training.speed import SpeedMeter
+from common.training.summary import run_summary
 from launch.ddp.launcher import DDPConfig
 from launch.ddp.step import StepResult
 
@@ -180,28 +181,22 @@ class RunRecorder:
     def _summary(
         self, reason: str, version: int, samples: int, train_time: float
     ) -> dict[str, Any]:
-        """The keys of ``pserver.summary.build_summary``, for mode ``ddp``."""
-        final = max(self.evals, key=lambda r: r["version"]) if self.evals else None
+        """The shared summary schema, for mode ``ddp``."""
         completed = [r["epoch"] for r in self.log.events if r["event"] == "epoch"]
         times = np.array(self.round_times) if self.round_times else np.zeros(1)
-        return {
-            "mode": "ddp",
-            "model": self.config.model,
-            "dataset": str(self.config.dataset),
-            "wall_time_s": round(self.log.now(), 4),
-            "train_time_s": round(train_time, 4),
-            "steps": version,
-            "epochs": max(completed) if completed else 0,
-            "samples_seen": samples,
-            "final": None
-            if final is None
-            else {k: final[k] for k in ("oa", "aa", "kappa", "loss")},
-            "best_oa": max((r["oa"] for r in self.evals), default=None),
-            "target_oa": self.config.train.target_oa,
-            "time_to_target_s": None
-            if self.time_to_target is None
-            else round(self.time_to_target, 4),
-            "workers": [
+        return run_summary(
+            mode="ddp",
+            model=self.config.model,
+            dataset=str(self.config.dataset),
+            wall_time_s=self.log.now(),
+            train_time_s=train_time,
+            steps=version,
+            epochs=max(completed) if completed else 0,
+            samples_seen=samples,
+            evals=self.evals,
+            target_oa=self.config.train.target_oa,
+            time_to_target_s=self.time_to_target,
+            workers=[
                 {
                     "name": self.config.rank_name(rank),
                     "device": self.config.device_of(rank),
@@ -214,10 +209,10 @@ class RunRecorder:
                 }
                 for rank in range(self.world_size)
             ],
-            "staleness": None,
-            "finish_reason": reason,
-            "global_batch": self.config.train.global_batch,
-            "details": {
+            staleness=None,
+            finish_reason=reason,
+            global_batch=self.config.train.global_batch,
+            details={
                 "rounds": len(self.round_times),
                 "round_s_median": float(np.median(times)),
                 "round_s_mean": float(times.mean()),
@@ -226,7 +221,7 @@ class RunRecorder:
                 "eval_s_total": round(self.eval_total_s, 4),
                 "slowdown": "compute-only (launch.ddp.step)",
             },
-        }
+        )
 
     def close(self) -> None:
         """Close ``metrics.jsonl``."""

@@ -1,0 +1,83 @@
+"""The one schema of ``summary.json`` (GUIDE section 3), for the server and the DDP baseline."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+SCORE_KEYS = ("oa", "aa", "kappa", "loss")
+
+
+def scores_of(record: dict[str, Any] | None) -> dict[str, float] | None:
+    """The OA/AA/kappa/loss of an ``eval`` record, or None."""
+    if record is None:
+        return None
+    return {k: record[k] for k in SCORE_KEYS}
+
+
+def run_summary(
+    *,
+    mode: str,
+    model: str,
+    dataset: str,
+    wall_time_s: float,
+    train_time_s: float,
+    steps: int,
+    epochs: int,
+    samples_seen: int,
+    evals: Sequence[dict[str, Any]],
+    target_oa: float | None,
+    time_to_target_s: float | None,
+    workers: list[dict[str, Any]],
+    staleness: dict[str, float] | None,
+    finish_reason: str,
+    global_batch: int,
+    idle_share: float | None = None,
+    per_class: dict[str, Any] | None = None,
+    details: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Assemble a run's summary.
+
+    Args:
+        mode: ``weighted-sync``, ``equal-sync``, ``async`` or ``ddp``.
+        model, dataset: what was trained on what.
+        wall_time_s: seconds from start to the summary.
+        train_time_s: wall time minus start-up and evaluation.
+        steps, epochs, samples_seen: how far training went.
+        evals: every ``eval`` record; the final scores are those of the highest version.
+        target_oa, time_to_target_s: the target and the training time it was first reached
+            (None when not reached).
+        workers: one entry per worker (``name``, ``slowdown``, ``speed``, ``samples``,
+            ``pushes`` at least).
+        staleness: ``{"mean", "max"}`` in async mode, None in sync modes.
+        finish_reason: why training ended.
+        global_batch: B.
+        idle_share: sync modes: the share of worker round time spent waiting at the barrier.
+        per_class: ``{"names", "accuracy", "support"}`` of the final evaluation.
+        details: mode-specific extras.
+
+    Returns:
+        The summary map, JSON-able.
+    """
+    final = max(evals, key=lambda r: r["version"]) if evals else None
+    return {
+        "mode": mode,
+        "model": model,
+        "dataset": dataset,
+        "wall_time_s": round(wall_time_s, 4),
+        "train_time_s": round(max(train_time_s, 0.0), 4),
+        "steps": steps,
+        "epochs": epochs,
+        "samples_seen": samples_seen,
+        "final": scores_of(final),
+        "best_oa": max((r["oa"] for r in evals), default=None),
+        "target_oa": target_oa,
+        "time_to_target_s": None if time_to_target_s is None else round(time_to_target_s, 4),
+        "workers": workers,
+        "staleness": staleness,
+        "idle_share": None if idle_share is None else round(idle_share, 4),
+        "per_class": per_class,
+        "finish_reason": finish_reason,
+        "global_batch": global_batch,
+        "details": details or {},
+    }
