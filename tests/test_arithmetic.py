@@ -15,8 +15,9 @@ from torch import nn
 from common.training.flat import FlatLayout
 from common.training.models import build_model
 from common.training.planner import plan_batches, plan_equal
+from common.training.schedule import lr_factor
 from pserver.config import ServerConfig
-from pserver.optimizer import FlatOptimizer, lr_factor
+from pserver.optimizer import FlatOptimizer
 from pserver.policies.equal_sync import EqualSync
 from pserver.policies.weighted_sync import WeightedSync
 from pserver.sampler import EpochSampler
