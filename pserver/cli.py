@@ -21,13 +21,12 @@ import click
 from common.config import default
 from common.errors import PSError
 from common.logsetup import setup_logging
-from common.protocol.chunks import WIRE_DTYPES
 from common.protocol.client import Connection
 from common.protocol.messages import StatusReply, StatusRequest
 from common.protocol.security import generate, load_client_keys
-from pserver.config import MODES, OPTIMIZERS, SCHEDULES, STALENESS, ServerConfig
+from common.protocol.wire import WIRE_DTYPES
+from pserver.config import MODES, OPTIMIZERS, SCHEDULES, STALENESS, ServerConfig, ShardConfig
 from pserver.data_cli import data_group
-from pserver.shard_server import ShardConfig
 
 CONTEXT = {"auto_envvar_prefix": "PSERVER", "show_default": True}
 

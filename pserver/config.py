@@ -1,14 +1,16 @@
-"""The server's validated configuration; its defaults live here only."""
+"""The server's and the shard's validated configurations; their defaults live here only."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import socket
 from pathlib import Path
 
 from common.config import default, need
+from common.errors import ConfigError
 from common.protocol.base import MAX_INDICES
-from common.protocol.chunks import WIRE_DTYPES
+from common.protocol.wire import WIRE_DTYPES
 
 MODES = ("weighted-sync", "equal-sync", "async")
 STALENESS = ("inverse", "poly", "hinge", "exp", "constant")
@@ -221,4 +223,59 @@ def _flag(name: str) -> str:
     return name.removesuffix("_s").replace("_", "-")
 
 
-__all__ = ["ServerConfig", "check_training", "default", "need"]
+@dataclasses.dataclass(frozen=True)
+class ShardConfig:
+    """Everything ``pserver shard`` needs; checked on construction."""
+
+    coordinator: str
+    bind: str = "tcp://0.0.0.0:0"
+    advertise: str | None = None
+    name: str = dataclasses.field(default_factory=socket.gethostname)
+    connect_timeout_s: float = 60.0
+    curve_secret: Path | None = None
+    authorized_keys: Path | None = None
+    torch_threads: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("coordinator", "bind"):
+            value = getattr(self, name)
+            need(
+                value.startswith(ENDPOINT_SCHEMES),
+                f"--{name} {value!r} must look like tcp://HOST:PORT",
+            )
+        need(
+            self.advertise is None or self.advertise.startswith(ENDPOINT_SCHEMES),
+            f"--advertise {self.advertise!r} must look like tcp://HOST:PORT",
+        )
+        need(
+            self.connect_timeout_s > 0,
+            f"--connect-timeout must be > 0, got {self.connect_timeout_s}",
+        )
+        need(
+            (self.curve_secret is None) == (self.authorized_keys is None),
+            "--curve-secret and --authorized-keys go together",
+        )
+        need(self.torch_threads >= 1, f"--torch-threads must be >= 1, got {self.torch_threads}")
+
+
+def advertised(bound: str, advertise: str | None) -> str:
+    """The address workers and the coordinator use to reach a shard bound at ``bound``.
+
+    Raises:
+        ConfigError: bound to all interfaces without ``--advertise``.
+    """
+    if advertise is not None:
+        if advertise.endswith((":0", ":*")):
+            port = bound.rsplit(":", 1)[1]
+            return advertise.rsplit(":", 1)[0] + ":" + port
+        return advertise
+    host = bound[len("tcp://") :].rsplit(":", 1)[0] if bound.startswith("tcp://") else ""
+    if host in ("0.0.0.0", "*", "[::]", "::"):
+        raise ConfigError(
+            f"bound to all interfaces ({bound}): give --advertise tcp://THIS_HOST:PORT (port 0 "
+            "takes the bound port) so workers know where to reach this shard"
+        )
+    return bound
+
+
+__all__ = ["ServerConfig", "ShardConfig", "check_training", "default", "need"]

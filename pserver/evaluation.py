@@ -74,6 +74,7 @@ class EvalScheduler:
         self.versions: collections.OrderedDict[int, VersionInfo] = collections.OrderedDict()
         self.skipped = 0
         self._wanted = False
+        self._last: dict[str, Any] | None = None
         self._runner: asyncio.Task[None] | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="eval", initializer=lower_thread_priority
@@ -103,12 +104,15 @@ class EvalScheduler:
             except Exception:
                 log.exception("evaluation failed")
 
-    async def final(self) -> dict[str, Any] | None:
-        """Wait for a running evaluation, then score the newest version on the whole test
-        split."""
+    async def final(self, version: int) -> dict[str, Any] | None:
+        """Wait for a running evaluation, then score the final ``version`` on the whole test
+        split (unless that evaluation just happened)."""
         self._wanted = False
         if self._runner is not None:
             await asyncio.gather(self._runner, return_exceptions=True)
+        last = self._last
+        if last is not None and last["version"] == version and self.subset is None:
+            return last
         return await self._evaluate(None, final=True)
 
     async def _evaluate(self, indices: np.ndarray | None, final: bool) -> dict[str, Any] | None:
@@ -132,6 +136,7 @@ class EvalScheduler:
             test_samples=len(self.evaluator.reader.test_indices if indices is None else indices),
             final=final,
         )
+        self._last = record
         self.on_record(record)
         return record
 

@@ -203,6 +203,13 @@ class Roster:
         self.workers.pop(worker.worker_id, None)
         self._remember(worker.name, worker.summary())
 
+    def credit(self, worker: WorkerInfo, samples: int) -> None:
+        """Count an applied push of ``worker`` (also after it left: the push still counts)."""
+        worker.samples += samples
+        worker.pushes += 1
+        if not worker.active:
+            self._remember(worker.name, worker.summary())
+
     def _remember(self, name: str, entry: dict[str, object]) -> None:
         if name not in self.history and len(self.history) >= MAX_HISTORY:
             pooled = self.history.setdefault(OTHERS, {"name": OTHERS, "active": False})

@@ -387,8 +387,7 @@ class ParameterServer:
         for worker, task, _ in update.entries:
             self.clip.pop(task.task_id, None)
             worker.pushing = None
-            worker.samples += task.size
-            worker.pushes += 1
+            self.roster.credit(worker, task.size)
             workers.append(
                 {"worker": worker.name, "batch": task.size, "speed": round(worker.speed, 3)}
             )
@@ -420,7 +419,9 @@ class ParameterServer:
                 exactly_once=exactly_once,
                 version=version,
             )
-            if not exactly_once:
+            if exactly_once:
+                log.info("epoch %d done at version %d", ledger.epoch, version)
+            else:
                 log.error("epoch %d did not use every sample exactly once", ledger.epoch)
             sampler.forget(ledger.epoch)
             self.run.epochs_done = max(self.run.epochs_done, ledger.epoch)
@@ -535,7 +536,7 @@ class ParameterServer:
         if not self._stores_lost:
             if self.config.run_dir is not None and not await self.save_checkpoint():
                 self.run.error = self.run.error or "the final checkpoint could not be written"
-            await self.evaluations.final()
+            await self.evaluations.final(self.updater.version)
         self.release()
         if not self.roster.members():
             self._workers_gone.set()

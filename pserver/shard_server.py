@@ -8,18 +8,13 @@ It exits when the coordinator says so, or when the coordinator stays silent too 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import socket
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from common.config import need
 from common.errors import (
-    ConfigError,
     ErrorCode,
     NetworkTimeout,
     ProtocolError,
@@ -49,7 +44,7 @@ from common.protocol.shard_messages import (
     StateReply,
 )
 from common.protocol.tokens import TokenBook
-from pserver.config import ENDPOINT_SCHEMES
+from pserver.config import ShardConfig, advertised
 from pserver.optimizer import FlatOptimizer
 from pserver.store.service import StoreService
 from pserver.store.slices import SliceStore
@@ -58,61 +53,6 @@ from pserver.transport import Endpoint, Request, TaskOwner
 log = logging.getLogger(__name__)
 
 HELLO_RETRY_S = 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardConfig:
-    """Everything ``pserver shard`` needs; checked on construction."""
-
-    coordinator: str
-    bind: str = "tcp://0.0.0.0:0"
-    advertise: str | None = None
-    name: str = dataclasses.field(default_factory=socket.gethostname)
-    connect_timeout_s: float = 60.0
-    curve_secret: Path | None = None
-    authorized_keys: Path | None = None
-    torch_threads: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("coordinator", "bind"):
-            value = getattr(self, name)
-            need(
-                value.startswith(ENDPOINT_SCHEMES),
-                f"--{name} {value!r} must look like tcp://HOST:PORT",
-            )
-        need(
-            self.advertise is None or self.advertise.startswith(ENDPOINT_SCHEMES),
-            f"--advertise {self.advertise!r} must look like tcp://HOST:PORT",
-        )
-        need(
-            self.connect_timeout_s > 0,
-            f"--connect-timeout must be > 0, got {self.connect_timeout_s}",
-        )
-        need(
-            (self.curve_secret is None) == (self.authorized_keys is None),
-            "--curve-secret and --authorized-keys go together",
-        )
-        need(self.torch_threads >= 1, f"--torch-threads must be >= 1, got {self.torch_threads}")
-
-
-def advertised(bound: str, advertise: str | None) -> str:
-    """The address workers and the coordinator use to reach a shard bound at ``bound``.
-
-    Raises:
-        ConfigError: bound to all interfaces without ``--advertise``.
-    """
-    if advertise is not None:
-        if advertise.endswith((":0", ":*")):
-            port = bound.rsplit(":", 1)[1]
-            return advertise.rsplit(":", 1)[0] + ":" + port
-        return advertise
-    host = bound[len("tcp://") :].rsplit(":", 1)[0] if bound.startswith("tcp://") else ""
-    if host in ("0.0.0.0", "*", "[::]", "::"):
-        raise ConfigError(
-            f"bound to all interfaces ({bound}): give --advertise tcp://THIS_HOST:PORT (port 0 "
-            "takes the bound port) so workers know where to reach this shard"
-        )
-    return bound
 
 
 class ShardServer:

@@ -21,7 +21,6 @@ import torch
 from common.errors import ErrorCode, ProtocolError
 from common.protocol.wire import BFloat16Array, bfloat16_words
 
-WIRE_DTYPES = ("fp32", "bf16", "fp16")
 ALIGN = 1024
 _FP16_TARGET = 2.0**14  # scale chunks so that their largest magnitude lands near here
 _FP16_MAX_EXPONENT = 40

@@ -15,6 +15,7 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 8
 MAX_NDIM = 8
 BFLOAT16 = "bfloat16"
+WIRE_DTYPES = ("fp32", "bf16", "fp16")  # formats of gradients and parameters on the wire
 # Only plain numeric dtypes may cross the wire; object, string and void dtypes never do.
 # bfloat16 has no numpy dtype: it travels as 16-bit words, tagged by ``BFloat16Array``.
 ALLOWED_DTYPES = frozenset(
