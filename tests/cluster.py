@@ -64,6 +64,8 @@ class Proc:
             line = self.lines.get()
             if line is not None:
                 self.seen.append(line)
+        if self.popen.stdout is not None and not self._reader.is_alive():
+            self.popen.stdout.close()
         return code
 
     def kill(self) -> None:
