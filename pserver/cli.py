@@ -162,6 +162,19 @@ def main() -> None:
     help="Torch threads for updates and evaluation (one is fastest for memory-bound updates "
     "on a node shared with workers).",
 )
+@click.option(
+    "--http",
+    "http_port",
+    type=int,
+    default=None,
+    help="Serve a read-only live status page, /status.json and /metrics on this port "
+    "(0 picks a free one; off by default).",
+)
+@click.option(
+    "--http-bind",
+    default="127.0.0.1",
+    help="Address the status page binds (0.0.0.0 exposes it to the network).",
+)
 @click.option("--log-level", default="INFO", help="Logging level.")
 def start(log_level: str, **options: object) -> None:
     """Start a parameter server and serve until training ends."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from pathlib import Path
 
 from common.errors import ConfigError
@@ -51,6 +52,8 @@ class ServerConfig:
     authorized_keys: Path | None = None
     resume: bool = False
     dead_after_s: float = 5.0
+    http_port: int | None = None
+    http_bind: str = "127.0.0.1"
 
     def validate(self) -> ServerConfig:
         """Check every field.
@@ -144,9 +147,22 @@ class ServerConfig:
             f"--bind {self.bind!r} must look like tcp://HOST:PORT",
         )
         need(self.dataset.exists(), f"--dataset {str(self.dataset)!r} does not exist")
+        need(
+            self.http_port is None or 0 <= self.http_port <= 65535,
+            f"--http must be a port in 0..65535, got {self.http_port}",
+        )
+        need(_is_ip(self.http_bind), f"--http-bind {self.http_bind!r} is not an IP address")
         return self
 
     @property
     def is_sync(self) -> bool:
         """True for the two synchronous modes."""
         return self.mode != "async"
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True

@@ -79,6 +79,7 @@ class ParameterServer(RequestHandlers):
         self.finish_reason = ""
         self.summary: dict[str, Any] = {}
         self.address = ""
+        self.http: Any = None  # the status page (pserver.statuspage), with --http
         self._finished = False
         self._done = asyncio.Event()
         self._workers_gone = asyncio.Event()
@@ -110,6 +111,10 @@ class ParameterServer(RequestHandlers):
 
     async def start(self) -> None:
         """Bind the socket; ``self.address`` is then the endpoint workers connect to."""
+        if self.config.http_port is not None:
+            from pserver.statuspage import start_for_server
+
+            self.http = await start_for_server(self)
         self.address = self.endpoint.bind()
         # Load the sample cache (if the data fits) while workers start, not on the first pull.
         warm = self.reader.train_indices[:1]
@@ -154,6 +159,8 @@ class ParameterServer(RequestHandlers):
 
     async def close(self) -> None:
         """Cancel outstanding tasks, close the socket and release the dataset."""
+        if self.http is not None:
+            await self.http.close()
         await self._evaluations.cancel_all()
         await self.tasks.cancel_all()
         self.roster.close()
