@@ -59,7 +59,7 @@ def settings_title(settings: dict[str, Any]) -> str:
     )
 
 
-def _points(run: dict[str, Any], key: str, initial: float | None) -> np.ndarray:
+def curve_points(run: dict[str, Any], key: str, initial: float | None) -> np.ndarray:
     """(x, OA) of one run's curve against ``key``, starting at x = 0 when known."""
     pts = [(p[key], p["oa"]) for p in run["curve"]]
     if pts and pts[0][0] > 0 and initial is not None:
@@ -116,7 +116,7 @@ def plot_curves(data: dict[str, Any], stem: Path) -> list[str]:
         colour = f"C{index}"
         label = f"{mode} ({len(runs)} run{'s' if len(runs) > 1 else ''})"
         for axis, key in ((left, "time_s"), (right, "samples")):
-            x, med, low, high = median_band([_points(r, key, initial) for r in runs])
+            x, med, low, high = median_band([curve_points(r, key, initial) for r in runs])
             axis.plot(x, med, color=colour, marker="o", markersize=3, label=label)
             if len(runs) > 1:
                 axis.fill_between(x, low, high, color=colour, alpha=0.18, linewidth=0)
@@ -288,15 +288,19 @@ def plot_confusion(data: dict[str, Any], stem: Path) -> list[str] | None:
             "matrix (summary.json per_class.confusion)"
         )
         return None
-    size = len(panels[0][1])
+    side = max(3.4, 0.42 * max(len(p[1]) for p in panels) + 1.8)
+    cols = 2 if len(panels) == 4 else min(len(panels), 3)
+    rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(
-        1,
-        len(panels),
-        figsize=(0.45 * size * len(panels) + 2.5 * len(panels), 0.45 * size + 2),
+        rows,
+        cols,
+        figsize=(side * cols, side * rows + 0.6),
         squeeze=False,
         constrained_layout=True,
     )
-    for axis, (mode, matrix, names) in zip(axes[0], panels, strict=True):
+    for axis in axes.flat[len(panels) :]:
+        axis.set_visible(False)
+    for axis, (mode, matrix, names) in zip(axes.flat, panels, strict=False):
         rows = matrix.sum(axis=1, keepdims=True)
         share = np.divide(matrix, rows, out=np.zeros_like(matrix), where=rows > 0)
         axis.imshow(share, cmap="Blues", vmin=0, vmax=1)

@@ -24,7 +24,6 @@ log = logging.getLogger(__name__)
 StatusProvider = Callable[[], Mapping[str, Any]]
 
 MAX_CONNECTIONS = 32
-MAX_IN_FLIGHT = 8
 KEEPALIVE_S = 5.0
 SHUTDOWN_S = 2.0
 _BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
@@ -63,9 +62,9 @@ class StatusPage:
     """Serves the live page, the status map and Prometheus metrics on the caller's event loop.
 
     Read-only (GET and HEAD only) and bounded: at most ``MAX_CONNECTIONS`` open connections
-    (more get 503 at once), ``MAX_IN_FLIGHT`` requests being answered (more get 503), small
-    header limits, no request body, idle keep-alive closed after ``KEEPALIVE_S``; every
-    answer is built from bounded data (the status map and a ``LiveView``).
+    (more get 503 at once), small header limits, no request body, idle keep-alive closed
+    after ``KEEPALIVE_S``. Every handler answers at once (nothing awaited) from bounded data,
+    the status map and a ``LiveView``, so no request can hold the event loop for long.
 
     Args:
         status: returns what ``pserver status`` answers (called per request, on the loop).
@@ -89,7 +88,6 @@ class StatusPage:
         self.host, self.port = host, port
         self.url = ""
         self._html, self._policy = _page()
-        self._in_flight = 0
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
 
@@ -108,7 +106,7 @@ class StatusPage:
         Raises:
             OSError: the address cannot be bound.
         """
-        app = web.Application(middlewares=[self._bounded], client_max_size=1024)
+        app = web.Application(middlewares=[_headers], client_max_size=1024)
         app.router.add_get("/", self._index)
         app.router.add_get("/status.json", self._status)
         app.router.add_get("/history.json", self._history)
@@ -162,21 +160,6 @@ class StatusPage:
 
     # --- requests ----------------------------------------------------------------------------
 
-    @web.middleware
-    async def _bounded(
-        self, request: web.Request, handler: Callable[[web.Request], Any]
-    ) -> web.StreamResponse:
-        if self._in_flight >= MAX_IN_FLIGHT:
-            return web.Response(status=503, text="busy\n")
-        self._in_flight += 1
-        try:
-            response = await handler(request)
-        finally:
-            self._in_flight -= 1
-        response.headers["Cache-Control"] = "no-store"
-        response.headers["X-Content-Type-Options"] = "nosniff"
-        return response
-
     async def _index(self, request: web.Request) -> web.Response:
         return web.Response(
             body=self._html,
@@ -198,6 +181,16 @@ class StatusPage:
         return web.Response(
             body=text.encode("utf-8"), headers={"Content-Type": prometheus.CONTENT_TYPE}
         )
+
+
+@web.middleware
+async def _headers(
+    request: web.Request, handler: Callable[[web.Request], Any]
+) -> web.StreamResponse:
+    response = await handler(request)
+    response.headers["Cache-Control"] = "no-store"
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    return response
 
 
 def _json(data: Mapping[str, Any]) -> web.Response:
