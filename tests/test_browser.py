@@ -94,7 +94,8 @@ def _drawn(driver: Any) -> bool:
 
 
 @pytest.mark.e2e
-def test_live_page_in_chromium(browser: Any, small_hsi: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["weighted-sync", "async"])
+def test_live_page_in_chromium(browser: Any, small_hsi: Path, tmp_path: Path, mode: str) -> None:
     from selenium.webdriver.support.ui import WebDriverWait
 
     run_dir = tmp_path / "run"
@@ -102,7 +103,7 @@ def test_live_page_in_chromium(browser: Any, small_hsi: Path, tmp_path: Path) ->
     try:
         server, address = start_server(
             small_hsi, run_dir, "--workers", "2", "--epochs", "100000", "--global-batch", "16",
-            "--http", "0",
+            "--http", "0", "--mode", mode,
         )  # fmt: skip
         procs.append(server)
         url = server.expect("status page on").split("status page on", 1)[1].strip()
@@ -112,7 +113,7 @@ def test_live_page_in_chromium(browser: Any, small_hsi: Path, tmp_path: Path) ->
 
         browser.get(url)
         WebDriverWait(browser, DRAW_TIMEOUT_S, poll_frequency=0.25).until(_drawn)
-        shot = run_dir / "status_page.png"
+        shot = run_dir / f"status_page_{mode}.png"
         assert browser.save_screenshot(str(shot))
         assert shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 10_000
 
@@ -124,11 +125,16 @@ def test_live_page_in_chromium(browser: Any, small_hsi: Path, tmp_path: Path) ->
         assert all(r[3] == "training" and float(r[4]) > 0 for r in rows)  # state, speed
         assert all(r[5].endswith("%") for r in rows)  # batch share
         slow_share = next(float(r[5].split()[0]) for r in rows if r[0] == "slow")
-        assert slow_share < 50  # weighted-sync gives the slow worker the smaller share
+        assert slow_share < 50  # the slow worker gets (sync) or does (async) the smaller share
+        staleness = [r[7] for r in rows]
+        if mode == "async":
+            assert all(s.count(" / ") == 2 for s in staleness), staleness  # last / mean / max
+        else:
+            assert staleness == ["-", "-"] and all(r[8].startswith("≈") for r in rows)
         segments = browser.execute_script(
             "return document.querySelectorAll('#timeline rect.compute').length"
         )
-        assert segments > 0
+        assert segments > 0  # round segments (sync) or push ticks (async)
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors  # e.g. a CSP refusal of the inline script or style
 
