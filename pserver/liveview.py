@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import json
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -13,6 +15,17 @@ MAX_ROUNDS = 60
 MAX_PUSHES = 300
 MAX_WORKERS = 1024
 EVAL_KEYS = ("t", "version", "epoch", "samples", "oa", "aa", "kappa", "loss")
+
+
+def _clean(value: Any) -> Any:
+    """A JSON-safe scalar: NaN and infinities become None (strict JSON for the browser)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _flat(record: Mapping[str, Any], keys: Iterable[str]) -> dict[str, Any]:
+    return {k: _clean(record.get(k)) for k in keys}
 
 
 class WorkerTotals:
@@ -79,17 +92,22 @@ class LiveView:
         self.rounds_seen = 0
         self.pushes_seen = 0
         self.last_t = 0.0
+        self._evals_json: str | None = None  # encoded once per new evaluation
         for event in events:
             self(event)
 
     def __call__(self, record: Mapping[str, Any]) -> None:
         """Take one event into the view."""
         kind = record.get("event")
-        self.last_t = float(record.get("t", self.last_t))
+        t = _clean(record.get("t"))
+        if isinstance(t, int | float):
+            self.last_t = float(t)
         if kind == "start":
-            self.start = {k: v for k, v in record.items() if isinstance(v, str | int | float)}
+            self.start = {
+                k: _clean(v) for k, v in record.items() if isinstance(v, str | int | float)
+            }
         elif kind == "train_start" and self.train_start is None:
-            self.train_start = float(record.get("t", 0.0))
+            self.train_start = self.last_t
         elif kind == "eval":
             self._eval(record)
         elif kind == "round":
@@ -106,20 +124,21 @@ class LiveView:
         return totals
 
     def _eval(self, record: Mapping[str, Any]) -> None:
-        self.evals.append({k: record.get(k) for k in EVAL_KEYS})
+        self._evals_json = None
+        self.evals.append(_flat(record, EVAL_KEYS))
         if len(self.evals) > MAX_EVALS:
             last = self.evals[-1]
             self.evals = [*self.evals[:-1:2], last]
 
     def _round(self, record: Mapping[str, Any]) -> None:
         parts = breakdown(record)
-        round_s = float(record.get("round_s") or 0.0)
+        if not parts:
+            return  # no usable round time or workers
+        round_s = float(record["round_s"])
         self.rounds_seen += 1
         self.rounds.append(
             {
-                "t": record.get("t"),
-                "round": record.get("round"),
-                "version": record.get("version"),
+                **_flat(record, ("t", "round", "version")),
                 "round_s": round_s,
                 "idle_share": idle_share(parts, round_s),
                 "workers": [
@@ -148,16 +167,16 @@ class LiveView:
 
     def _push(self, record: Mapping[str, Any]) -> None:
         name = str(record.get("worker", "?"))
-        batch = int(record.get("batch") or 0)
+        batch = record.get("batch")
+        batch = batch if isinstance(batch, int) and batch > 0 else 0
         staleness = record.get("staleness")
         self.pushes_seen += 1
         self.pushes.append(
             {
-                "t": record.get("t"),
+                **_flat(record, ("t", "version")),
                 "worker": name,
                 "batch": batch,
-                "staleness": staleness,
-                "version": record.get("version"),
+                "staleness": staleness if isinstance(staleness, int) else None,
             }
         )
         totals = self._worker(name)
@@ -172,21 +191,38 @@ class LiveView:
             for other in self.workers.values():
                 other.batch_share = round(other.samples / everyone, 4)
 
-    def snapshot(self) -> dict[str, Any]:
+    def to_json(self, now: float) -> str:
+        """``snapshot()`` plus ``"now"`` as strict JSON, the evaluations encoded only once.
+
+        Args:
+            now: seconds since the run started.
+
+        Returns:
+            The JSON text answered on ``/history.json``.
+        """
+        if self._evals_json is None:
+            self._evals_json = json.dumps(self.evals)
+        rest = self.snapshot(with_evals=False)
+        rest["now"] = round(_clean(float(now)) or 0.0, 4)
+        return '{"evals": ' + self._evals_json + ", " + json.dumps(rest, allow_nan=False)[1:]
+
+    def snapshot(self, with_evals: bool = True) -> dict[str, Any]:
         """Everything the page draws besides the status map, JSON-ready.
 
         Returns:
             ``{"start", "train_start", "t", "evals", "rounds", "pushes", "workers",
             "rounds_seen", "pushes_seen"}``.
         """
-        return {
+        snap = {
             "start": self.start,
             "train_start": self.train_start,
             "t": self.last_t,
-            "evals": list(self.evals),
             "rounds": list(self.rounds),
             "pushes": list(self.pushes),
             "workers": {name: w.to_json() for name, w in self.workers.items()},
             "rounds_seen": self.rounds_seen,
             "pushes_seen": self.pushes_seen,
         }
+        if with_evals:
+            snap["evals"] = list(self.evals)
+        return snap

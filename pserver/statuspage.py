@@ -7,7 +7,6 @@ import base64
 import hashlib
 import json
 import logging
-import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from importlib import resources
@@ -172,12 +171,12 @@ class StatusPage:
         return _json(self.status())  # as 'pserver status' prints it
 
     async def _history(self, request: web.Request) -> web.Response:
-        snapshot = self.view.snapshot()
-        snapshot["now"] = round(self.clock(), 4)
-        return _json(_finite(snapshot))
+        return web.Response(
+            body=self.view.to_json(self.clock()).encode("utf-8"), content_type="application/json"
+        )
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        text = prometheus.render(self.status(), self.view.snapshot())
+        text = prometheus.render(self.status(), self.view.snapshot(with_evals=False))
         return web.Response(
             body=text.encode("utf-8"), headers={"Content-Type": prometheus.CONTENT_TYPE}
         )
@@ -197,17 +196,6 @@ def _json(data: Mapping[str, Any]) -> web.Response:
     return web.Response(
         body=json.dumps(data, default=str).encode("utf-8"), content_type="application/json"
     )
-
-
-def _finite(data: Any) -> Any:
-    """``data`` with NaN and infinities replaced by None (strict JSON for the page)."""
-    if isinstance(data, float):
-        return data if math.isfinite(data) else None
-    if isinstance(data, Mapping):
-        return {k: _finite(v) for k, v in data.items()}
-    if isinstance(data, list | tuple):
-        return [_finite(v) for v in data]
-    return data
 
 
 async def start_for_server(server: Any) -> StatusPage:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -43,18 +45,45 @@ def test_live_view_is_bounded_and_keeps_the_whole_curve() -> None:
         view(
             {"event": "push", "t": float(i), "worker": f"w{i % 3}", "batch": 2, "staleness": i % 4}
         )
-        view({"event": "round", "t": float(i), "round_s": 0.1, "workers": []})
+        view(
+            {
+                "event": "round",
+                "t": float(i),
+                "round_s": 0.1,
+                "workers": [{"worker": "a", "batch": 4}],
+            }
+        )
     snap = view.snapshot()
     assert len(snap["evals"]) <= liveview.MAX_EVALS
     assert snap["evals"][0]["version"] == 0 and snap["evals"][-1]["version"] == count - 1
     assert len(snap["pushes"]) == liveview.MAX_PUSHES and snap["pushes_seen"] == count
     assert len(snap["rounds"]) == liveview.MAX_ROUNDS and snap["rounds_seen"] == count
     w0 = snap["workers"]["w0"]
-    assert w0["batch_share"] == pytest.approx(1 / 3, abs=1e-3)
+    assert w0["batch_share"] == pytest.approx(1 / 3 * 2 / 6, abs=1e-3)  # 'a' has 4 of 6
+    assert snap["workers"]["a"]["idle_share"] == 0.0  # no speed: no compute estimate, idle 0
     assert w0["staleness_max"] == 3 and w0["staleness_mean"] == pytest.approx(1.5, abs=0.01)
     for i in range(2 * liveview.MAX_WORKERS):
         view({"event": "push", "t": 1.0, "worker": f"x{i}", "batch": 1, "staleness": 0})
     assert len(view.workers) == liveview.MAX_WORKERS
+
+
+def test_live_view_json_is_strict_and_complete() -> None:
+    view = LiveView()
+    view({"event": "eval", "t": 1.0, "version": 3, "oa": 0.5, "loss": float("nan")})
+    view({"event": "round", "t": float("inf"), "round_s": float("nan"), "workers": []})
+    view({"event": "push", "t": 2.0, "worker": "w", "batch": -4, "staleness": "x"})
+    text = view.to_json(now=float("nan"))
+    data = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
+    assert data["evals"] == [
+        {"t": 1.0, "version": 3, "epoch": None, "samples": None, "oa": 0.5, "aa": None,
+         "kappa": None, "loss": None}
+    ]  # fmt: skip
+    assert data["rounds"] == [] and data["rounds_seen"] == 0  # an unusable round is ignored
+    assert data["pushes"] == [
+        {"t": 2.0, "version": None, "worker": "w", "batch": 0, "staleness": None}
+    ]
+    assert data["now"] == 0.0 and data["t"] == 2.0
+    assert {k for k in data if k != "now"} == set(view.snapshot())
 
 
 def test_live_view_idle_totals_over_rounds() -> None:

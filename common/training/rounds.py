@@ -51,8 +51,9 @@ def breakdown(event: Mapping[str, Any]) -> list[WorkerRound]:
 
     Uses the best fields present per worker: compute from ``emulated_s`` (compute with the
     emulated slowdown, as DDP records it), else ``actual_s``, else ``compute_s``, else
-    estimated as batch / speed; transfer from ``transfer_s``; idle from ``idle_s``, else
-    derived as ``round_s`` minus compute and transfer (never below 0).
+    estimated as batch / speed (the whole round when the speed is unknown too); transfer
+    from ``transfer_s``; idle from ``idle_s``, else derived as ``round_s`` minus compute and
+    transfer (never below 0).
 
     Args:
         event: a ``round`` record of ``metrics.jsonl`` (``round_s`` and ``workers``).
@@ -86,8 +87,8 @@ def breakdown(event: Mapping[str, Any]) -> list[WorkerRound]:
             None,
         )
         estimated = compute is None
-        if compute is None:
-            compute = min(batch / speed, round_s) if speed > 0 else 0.0
+        if compute is None:  # no timing: batch / speed; no speed either: busy all round
+            compute = min(batch / speed, round_s) if speed > 0 else (round_s if batch else 0.0)
         transfer = _number(entry, "transfer_s")
         idle = _number(entry, "idle_s")
         derived = idle is None

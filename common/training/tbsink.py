@@ -38,7 +38,9 @@ class TensorBoardSink:
 
     Call it with each event (``RunLog`` does); it only queues the event, so the caller (the
     server's event loop) never waits for a file write. A thread of its own converts and writes
-    them; ``close()`` drains the queue and flushes. Scalars: ``eval/{oa,aa,kappa,loss}`` per
+    them, all scalars of one event as one record (TensorBoard's writer checksums each record
+    in pure Python, so one record per scalar would cost ten times as much); ``close()``
+    drains the queue and flushes. Scalars: ``eval/{oa,aa,kappa,loss}`` per
     evaluation (step: samples seen), ``round/seconds`` and ``round/idle_share`` per sync round,
     ``push/staleness`` per async push (step: version), and per worker
     ``worker/NAME/{speed,batch_share,idle_share,staleness}``. Wall times are the run's start
@@ -51,7 +53,8 @@ class TensorBoardSink:
     """
 
     def __init__(self, run_dir: Path, fresh: bool = True, max_queue: int = 10000) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # heavy import, only when used
+        from tensorboard.compat.proto.summary_pb2 import Summary  # heavy imports: only here
+        from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = run_dir / SUBDIR
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -59,6 +62,8 @@ class TensorBoardSink:
             for old in self.log_dir.glob("events.out.tfevents.*"):
                 old.unlink()
         self._writer = SummaryWriter(str(self.log_dir), max_queue=100, flush_secs=10)
+        self._summary = Summary
+        self._pending: list[Any] = []
         self._queue: queue.Queue[Mapping[str, Any] | None] = queue.Queue(max_queue)
         self._wall0 = time.time()
         self._samples: dict[str, int] = {}
@@ -108,50 +113,60 @@ class TensorBoardSink:
                 try:
                     self._write(record)
                 except Exception:  # one odd record must not end the sink
+                    self._pending = []
                     log.exception("TensorBoard: cannot write %s", record.get("event"))
         finally:
             self._writer.close()
 
-    def _scalar(self, tag: str, value: Any, step: int, t: float) -> None:
+    def _scalar(self, tag: str, value: Any) -> None:
+        """Add one scalar to the record being built (skipped when not a finite number)."""
         number = _finite(value)
         if number is not None:
-            self._writer.add_scalar(tag, number, step, walltime=self._wall0 + t)
+            self._pending.append(self._summary.Value(tag=tag, simple_value=number))
+
+    def _emit(self, step: int, t: float) -> None:
+        """Write the scalars gathered for one event as one record."""
+        if self._pending:
+            summary = self._summary(value=self._pending)
+            self._writer.file_writer.add_summary(summary, step, walltime=self._wall0 + t)
+            self._pending = []
 
     def _write(self, record: Mapping[str, Any]) -> None:
         kind, t = record["event"], float(record.get("t", 0.0))
         if kind == "eval":
             step = int(record.get("samples", record.get("version", 0)))
             for key in SCORES:
-                self._scalar(f"eval/{key}", record.get(key), step, t)
+                self._scalar(f"eval/{key}", record.get(key))
+            self._emit(step, t)
             self._writer.flush()  # evaluations are rare and the ones people watch
         elif kind == "round":
-            self._round(record, t)
+            self._round(record)
+            self._emit(int(record.get("version", record.get("round", 0))), t)
         elif kind == "push":
-            self._push(record, t)
+            self._push(record)
+            self._emit(int(record.get("version", 0)), t)
 
-    def _round(self, record: Mapping[str, Any], t: float) -> None:
-        step = int(record.get("version", record.get("round", 0)))
+    def _round(self, record: Mapping[str, Any]) -> None:
         round_s = _finite(record.get("round_s"))
-        self._scalar("round/seconds", round_s, step, t)
+        self._scalar("round/seconds", round_s)
         parts = breakdown(record)
         if round_s:
-            self._scalar("round/idle_share", idle_share(parts, round_s), step, t)
+            self._scalar("round/idle_share", idle_share(parts, round_s))
         for part in parts:
             name = _tag(part.worker)
-            self._scalar(f"worker/{name}/speed", part.speed, step, t)
-            self._scalar(f"worker/{name}/batch_share", part.share, step, t)
+            self._scalar(f"worker/{name}/speed", part.speed)
+            self._scalar(f"worker/{name}/batch_share", part.share)
             if round_s:
-                self._scalar(f"worker/{name}/idle_share", part.idle_s / round_s, step, t)
+                self._scalar(f"worker/{name}/idle_share", part.idle_s / round_s)
 
-    def _push(self, record: Mapping[str, Any], t: float) -> None:
-        step = int(record.get("version", 0))
+    def _push(self, record: Mapping[str, Any]) -> None:
         worker = str(record.get("worker", "?"))
         name = _tag(worker)
         batch = int(_finite(record.get("batch")) or 0)
         self._samples[worker] = self._samples.get(worker, 0) + batch
         total = sum(self._samples.values())
-        self._scalar("push/staleness", record.get("staleness"), step, t)
-        self._scalar(f"worker/{name}/staleness", record.get("staleness"), step, t)
-        self._scalar(f"worker/{name}/speed", record.get("speed"), step, t)
+        self._scalar("push/staleness", record.get("staleness"))
+        self._scalar(f"worker/{name}/staleness", record.get("staleness"))
+        self._scalar(f"worker/{name}/speed", record.get("speed"))
         if total:
-            self._scalar(f"worker/{name}/batch_share", self._samples[worker] / total, step, t)
+            self._scalar(f"worker/{name}/batch_share", self._samples[worker] / total)
