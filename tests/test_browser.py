@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,3 +165,74 @@ def test_live_page_in_chromium(browser: Any, small_hsi: Path, tmp_path: Path, mo
     finally:
         for proc in procs:
             proc.kill()
+
+
+@contextlib.contextmanager
+def _page_in_thread(status: dict[str, Any], events: list[dict[str, Any]]) -> Iterator[str]:
+    """A StatusPage with a fixed status map, served from its own event loop on a thread."""
+    from pserver.statuspage import StatusPage
+
+    loop = asyncio.new_event_loop()
+    page = StatusPage(lambda: status, events, lambda: 5.0)
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        url = asyncio.run_coroutine_threadsafe(page.start(), loop).result(30)
+        yield url
+    finally:
+        asyncio.run_coroutine_threadsafe(page.close(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+
+
+def test_page_shows_shards_and_hostile_names_as_text(browser: Any) -> None:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    hostile = "<img src=x onerror=\"document.title='pwned'\">"
+    worker = {
+        "id": 1,
+        "ready": True,
+        "name": hostile,
+        "device": "cpu",
+        "slowdown": 1.0,
+        "speed": 50.0,
+        "samples": 10,
+        "pushes": 1,
+        "rejected": 0,
+        "active": True,
+        "model": {"alpha_s": 0.002, "beta_s_per_sample": 0.0005, "transfer_s": 0.01},
+    }
+    status = {"mode": "weighted-sync", "model": "hsi-cnn", "version": 2, "epoch": 1,
+              "steps": 2, "samples_seen": 20, "training": True, "finished": False,
+              "waiting_for": 0, "last_eval": None, "workers": [worker],
+              "shards": [{"index": 0, "address": "(this server)", "state": [0, 500],
+                          "alive": True}]}  # fmt: skip
+    events = [
+        {"event": "train_start", "t": 1.0},
+        {"event": "eval", "t": 2.0, "version": 1, "samples": 10, "oa": 0.4, "loss": 1.2},
+        {"event": "eval", "t": 3.0, "version": 2, "samples": 20, "oa": 0.6, "loss": 0.9},
+        {"event": "round", "t": 3.0, "round_s": 0.5, "version": 2,
+         "workers": [{"worker": hostile, "batch": 10, "speed": 50.0, "transfer_s": 0.1}]},
+    ]  # fmt: skip
+    with _page_in_thread(status, events) as url:
+        browser.get(url)
+        WebDriverWait(browser, DRAW_TIMEOUT_S, poll_frequency=0.25).until(
+            lambda d: d.execute_script("return document.body.dataset.updates") is not None
+        )
+        cells = browser.execute_script(
+            "return [...document.querySelectorAll('#workers tbody td')].map(c => c.textContent)"
+        )
+        shards = browser.execute_script(
+            "return [...document.querySelectorAll('#shards tbody td')].map(c => c.textContent)"
+        )
+        hidden = browser.execute_script("return document.getElementById('shards-section').hidden")
+        kinds = browser.execute_script(
+            "return [...document.querySelectorAll('#timeline rect')].map(r => r.classList[0])"
+        )
+        images = browser.execute_script("return document.images.length")
+        title = browser.title
+    assert cells[0] == hostile and images == 0 and title != "pwned"  # text, never markup
+    assert cells[6] == "2.0 ms + 0.50 ms·b + 10.0 ms"  # the fitted step model
+    assert shards == ["0", "(this server)", "0 – 500", "alive true"] and hidden is False
+    assert kinds == ["compute", "transfer", "idle"]  # 0.2 s + 0.1 s + 0.2 s

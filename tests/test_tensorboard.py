@@ -24,23 +24,29 @@ def _eval(log: RunLog, samples: int, oa: float) -> None:
     )
 
 
+def _round(log: RunLog, t: float, version: int, round_s: float) -> None:
+    log.event(
+        "round",
+        t=t,
+        round=version,
+        version=version,
+        round_s=round_s,
+        workers=[
+            {"worker": "fast/gpu", "batch": 30, "speed": 120.0 + version},
+            {"worker": "slow", "batch": 10, "speed": 20.0},
+        ],
+    )
+
+
 def test_run_log_writes_scalars_for_every_event_kind(tmp_path: Path) -> None:
     log = RunLog(tmp_path)
     for samples, oa in ((100, 0.5), (200, 0.75), (300, 0.875)):
         _eval(log, samples, oa)
-    for version in (1, 2):
-        log.event(
-            "round",
-            round=version,
-            version=version,
-            round_s=0.5,
-            workers=[
-                {"worker": "fast/gpu", "batch": 30, "speed": 120.0},
-                {"worker": "slow", "batch": 10, "speed": 20.0},
-            ],
-        )
-    log.event("push", worker="slow", batch=8, speed=3.0, staleness=2, version=3)
-    log.event("push", worker="fast/gpu", batch=24, speed=9.0, staleness=0, version=4)
+    _round(log, 10.0, 1, 0.5)  # these two share one record (within INTERVAL_S)
+    _round(log, 10.1, 2, 1.0)
+    _round(log, 11.0, 3, 0.5)  # a new record
+    log.event("push", t=20.0, worker="slow", batch=8, speed=3.0, staleness=2, version=4)
+    log.event("push", t=20.2, worker="fast/gpu", batch=24, speed=9.0, staleness=0, version=5)
     log.event("join", worker="ignored")
     log.close()
     series = scalars(tmp_path)
@@ -48,15 +54,24 @@ def test_run_log_writes_scalars_for_every_event_kind(tmp_path: Path) -> None:
     assert [s.step for s in oa] == [100, 200, 300]
     assert [s.value for s in oa] == [0.5, 0.75, 0.875]
     assert [s.value for s in series["eval/loss"]] == pytest.approx([0.5, 0.25, 0.125])
-    assert [s.value for s in series["round/seconds"]] == [0.5, 0.5]
-    # fast: 30/120 = 0.25 s compute of 0.5; slow: 0.5 of 0.5 -> mean idle share 0.25
-    assert series["round/idle_share"][0].value == pytest.approx(0.25)
+    assert [(s.step, s.value) for s in series["round/count"]] == [(2, 2), (3, 1)]
+    assert [s.value for s in series["round/seconds"]] == pytest.approx([0.75, 0.5])
+    # round 1: fast computes 30/121 s of 0.5, slow 0.5 of 0.5 (busy): idle share (1-60/121)/2
+    # round 2: fast 30/122 of 1.0, slow 0.5 of 1.0
+    first = ((1 - 60 / 121) / 2 + (1 - 30 / 122 + 0.5) / 2) / 2
+    assert series["round/idle_share"][0].value == pytest.approx(first)
     assert series["worker/fast_gpu/batch_share"][0].value == 0.75  # '/' made tag-safe
-    assert series["worker/fast_gpu/idle_share"][0].value == pytest.approx(0.5)
-    assert [s.value for s in series["push/staleness"]] == [2, 0]
+    assert series["worker/fast_gpu/speed"][0].value == 122.0  # the last in the record
+    assert series["worker/slow/idle_share"][0].value == pytest.approx(0.25)  # mean of 0, 0.5
+    (push,) = series["push/count"]
+    assert (push.step, push.value) == (5, 2)
+    assert series["push/staleness"][0].value == 1.0 and series["push/staleness_max"][0].value == 2
     assert series["worker/slow/staleness"][0].value == 2
     assert series["worker/fast_gpu/batch_share"][-1].value == pytest.approx(24 / 32)
+    assert series["worker/slow/batch_share"][-1].value == pytest.approx(8 / 32)
     assert series["worker/slow/speed"][-1].value == 3.0
+    # wall times follow the run clock: the push record at t = 20.2, the first rounds' at 10.1
+    assert push.wall_time - series["round/count"][0].wall_time == pytest.approx(10.1, abs=1e-3)
 
 
 def test_new_run_replaces_event_files_and_resume_appends(tmp_path: Path) -> None:
