@@ -93,11 +93,13 @@ def test_figures_are_written_as_png_and_svg(
         "initial": {"oa": 0.25},
         "runs": [
             _run("weighted-sync", 1, [(1.0, 100, 0.6)], run_dir=str(sync_dir)),
+            _run("weighted-sync", 2, [(1.2, 100, 0.7)], run_dir=str(sync_dir)),
             _run("async", 1, [(1.0, 100, 0.5)], run_dir=str(async_dir), summary={}),
         ],
     }
     written = figures.plot_curves(data, tmp_path / "report")
     assert [Path(p).name for p in written] == ["report.png", "report.svg"]
+    assert "weighted-sync (2 runs)" in Path(written[1]).read_text()
     assert Path(written[0]).read_bytes().startswith(PNG_SIGNATURE)
     assert "<svg" in Path(written[1]).read_text()
     timeline = figures.plot_timeline(data, tmp_path / "timeline")
@@ -108,7 +110,7 @@ def test_figures_are_written_as_png_and_svg(
         assert figures.plot_confusion(data, tmp_path / "confusion") is None
     assert "confusion-matrix figure skipped" in caplog.text
     assert not (tmp_path / "confusion.png").exists()
-    data["runs"][1]["summary"] = {"per_class": confusion}
+    data["runs"][-1]["summary"] = {"per_class": confusion}  # the async run
     written = figures.plot_confusion(data, tmp_path / "confusion")
     assert written is not None and Path(written[0]).read_bytes().startswith(PNG_SIGNATURE)
     assert "soil" in Path(written[1]).read_text()
