@@ -195,8 +195,12 @@ class Handlers:
                 raise ProtocolError(
                     ErrorCode.WRONG_TASK, "the task was withdrawn (the worker left)"
                 )
-            if ps.finished:
-                raise ProtocolError(ErrorCode.SHUTTING_DOWN, "training has ended")
+            if ps.finished:  # training ended while the gradient arrived: just stop
+                worker.pushing = None
+                await ps.stores.drop([task.task_id], ErrorCode.SHUTTING_DOWN, "training ended")
+                worker.waiter = Waiter(request.identity, request.request_id)
+                ps.stop_worker(worker)
+                return
             clip = ps.guard.check(report)
         except ProtocolError as exc:
             worker.pushing = None

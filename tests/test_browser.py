@@ -112,7 +112,8 @@ def test_live_page_in_chromium(browser: Any, small_hsi: Path, tmp_path: Path, mo
         url = server.expect("status page on").split("status page on", 1)[1].strip()
         assert url.startswith("http://127.0.0.1:")
         procs += [start_worker(address, "fast", 1.0), start_worker(address, "slow", 3.0)]
-        server.wait_for("epoch 2 version")  # two evaluations exist: a curve, not a dot
+        server.wait_for("epoch 2 done")
+        server.wait_for(": OA ")  # two evaluations exist: a curve, not a dot
 
         browser.get(url)
         WebDriverWait(browser, DRAW_TIMEOUT_S, poll_frequency=0.25).until(_drawn)
@@ -153,9 +154,9 @@ def test_live_page_in_chromium(browser: Any, small_hsi: Path, tmp_path: Path, mo
         assert set(before["workers"][0]) == set(cli["workers"][0])
 
         server.popen.send_signal(signal.SIGTERM)
-        assert server.wait(120) == 0
+        assert server.wait(120) == 128 + signal.SIGTERM  # interrupted: says so, non-zero
         for proc in procs[1:]:
-            assert proc.wait(120) == 0
+            assert proc.wait(120) == 0, "".join(proc.seen[-30:])
     except BaseException:
         for proc in procs:
             proc.kill()

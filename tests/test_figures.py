@@ -11,7 +11,7 @@ import pytest
 
 from launch import figures
 from launch.initial import initial_scores
-from tests.live import live_server
+from tests.live import live_server, published
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -121,8 +121,8 @@ def test_figures_are_written_as_png_and_svg(
 
 async def test_initial_scores_are_the_servers_version_zero(small_hsi: Path) -> None:
     async with live_server(small_hsi, seed=3) as server:
-        version, state = server.trainer.snapshot
-        served = server.evaluator.evaluate(state.numpy())
+        version = server.updater.version
+        served = server.evaluations.evaluator.evaluate(published(server).numpy())
     assert version == 0
     mine = initial_scores(small_hsi, "hsi-cnn", seed=3)
     assert mine == {"oa": served.oa, "aa": served.aa, "kappa": served.kappa, "loss": served.loss}

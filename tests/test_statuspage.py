@@ -70,7 +70,7 @@ async def test_metrics_parse_as_prometheus_text(small_hsi: Path) -> None:
             "mode": "weighted-sync",
             "model": "hsi-cnn",
         }
-        assert families["pserver_version"].samples[0].value == server.trainer.version
+        assert families["pserver_version"].samples[0].value == server.updater.version
         assert families["pserver_waiting_for_workers"].samples[0].value == 2
         assert families["pserver_training"].samples[0].value == 0
         (speed,) = families["pserver_worker_slowdown"].samples
