@@ -185,6 +185,16 @@ def address(run_dir: Path, log: Path, pid: int, timeout: float) -> None:
         raise click.ClickException(str(exc)) from exc
 
 
+@main.command()
+@click.option("--gpu/--no-gpu", default=False, show_default=True, help="The task has GPUs.")
+def device(gpu: bool) -> None:
+    """Print the device this srun task's worker would use, with its SLURM_PROCID."""
+    try:
+        click.echo(f"{os.environ.get('SLURM_PROCID', '-')} {pick_device(gpu, os.environ)}")
+    except PSError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.option("--name-prefix", default="w", show_default=True, help="Worker name prefix.")
 @click.option("--slowdowns", default="1", show_default=True, help="Slowdown per task rank.")

@@ -65,6 +65,7 @@ if [[ $RESUME == 1 ]] \\
 fi
 SERVER_LOG=$RUN_DIR/server-$SLURM_JOB_ID.$ATTEMPT.log
 echo "job $SLURM_JOB_ID (attempt $ATTEMPT): server on $FIRST_NODE, log $SERVER_LOG"
+echo "job: {nodes}"
 "$PY" -m pserver.cli start --bind "tcp://$SERVER_HOST:$SERVER_PORT" --dataset "$DATASET" \\
     --run-dir "$RUN_DIR" "${{SERVER_ARGS[@]}}" "${{RESUME_ARGS[@]}}" >"$SERVER_LOG" 2>&1 &
 SERVER_PID=$!
@@ -137,8 +138,15 @@ def _quote_lines(args: Iterable[str]) -> str:
     return "".join("    " + " ".join(shlex.quote(a) for a in line) + "\n" for line in lines)
 
 
-def _resources(group: Group) -> list[str]:
-    """The resource options shared by a group's ``#SBATCH`` lines and its srun step."""
+def resources(group: Group) -> list[str]:
+    """The resource options shared by a group's ``#SBATCH`` lines and its srun step.
+
+    Args:
+        group: the worker group.
+
+    Returns:
+        Options such as ``--ntasks=2``, ``--cpus-per-task=1``, ``--gpus-per-task=1``.
+    """
     options = [f"--ntasks={group.workers}", f"--cpus-per-task={group.cpus}"]
     if group.nodes is not None:
         options.append(f"--nodes={group.nodes}")
@@ -178,7 +186,7 @@ def _sbatch_lines(job: SlurmJob) -> list[str]:
         group = job.groups[0]
         lines.append(f"# {group.workers} workers, one task each; the server shares the first node.")
         lines += [f"#SBATCH {o}" for o in _placement(job.partition, group.constraint)]
-        lines += [f"#SBATCH {o}" for o in _resources(group)]
+        lines += [f"#SBATCH {o}" for o in resources(group)]
         return lines
     if job.server is not None:
         place = job.server
@@ -193,7 +201,7 @@ def _sbatch_lines(job: SlurmJob) -> list[str]:
         where = " (the server shares its first node)" if component == 0 else ""
         lines.append(f"# Component {component}: workers {group.name!r}{where}.")
         lines += [f"#SBATCH {o}" for o in _placement(group.partition, group.constraint)]
-        lines += [f"#SBATCH {o}" for o in _resources(group)]
+        lines += [f"#SBATCH {o}" for o in resources(group)]
     return lines
 
 
@@ -202,17 +210,27 @@ def _step(job: SlurmJob, index: int, group: Group) -> str:
     options = []
     if job.het:
         options.append(f"--het-group={index + (job.server is not None)}")
-    options += _resources(group)
+    options += resources(group)
     options += ["--kill-on-bad-exit=0", "--label"]
     slowdowns = ",".join(f"{f:g}" for f in group.slowdowns)
     prefix = "w" if not job.het else f"{group.name}-w"
     gpu = "--gpu" if group.gpus else "--no-gpu"
     return (
-        f"    # {group.workers} workers {group.name!r}, slowdowns {slowdowns}\n"
+        f"    # group {group.name!r}: {group.workers} worker(s), slowdowns {slowdowns}\n"
         f"    srun {' '.join(options)} \\\n"
         f'        "$PY" -m launch.slurm.node worker --name-prefix {prefix} '
         f"--slowdowns {slowdowns} {gpu} -- \\\n"
         f'        --server "$ADDRESS" --threads {group.cpus} "${{WORKER_ARGS[@]}}" &'
+    )
+
+
+def _nodes_line(job: SlurmJob) -> str:
+    """An echo of where the job runs: its nodes, or each component's nodes."""
+    if not job.het:
+        return "nodes $SLURM_JOB_NODELIST"
+    count = len(job.groups) + (job.server is not None)
+    return "components on " + ",".join(
+        f"${{SLURM_JOB_NODELIST_HET_GROUP_{i}}}" for i in range(count)
     )
 
 
@@ -272,6 +290,7 @@ def render(job: SlurmJob, command: str, script: str, worker_extra: tuple[str, ..
         resume=int(job.resume),
         requeue=int(job.requeue),
         layout=layout,
+        nodes=_nodes_line(job),
         step_log=STEP_LOG,
         steps=steps,
     )

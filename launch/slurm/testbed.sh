@@ -17,8 +17,10 @@ set -euo pipefail
 
 NODES=${SLURM_TESTBED_NODES:-3}
 CPUS=${SLURM_TESTBED_CPUS:-16}
+GPUS=${SLURM_TESTBED_GPUS:-2}
 TIMEOUT=${SLURM_TESTBED_TIMEOUT:-120}
 CONF=/etc/slurm/slurm.conf
+GRES=/etc/slurm/gres.conf
 MARK="# rs-pserver Slurm testbed, written by launch/slurm/testbed.sh"
 STATE=/var/lib/slurm/testbed
 LOGS=/var/log/slurm
@@ -81,7 +83,9 @@ SchedulerType=sched/backfill
 SchedulerParameters=bf_interval=2
 ReturnToService=2
 KillWait=30
-MinJobAge=600
+# Finished jobs stay visible for 16 s: long enough for pollers, and 'sbatch --wait' (which
+# backs off to MinJobAge/2) then asks every 8 s instead of every 32 s.
+MinJobAge=16
 MessageTimeout=20
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/%n
@@ -90,12 +94,26 @@ SlurmdPidFile=$RUN/slurmd-%n.pid
 SlurmctldLogFile=$LOGS/slurmctld.log
 SlurmdLogFile=$LOGS/slurmd-%n.log
 EOF
-    local i
+    echo "# The last node has $GPUS stand-in GPUs (gres.conf): no GPU computes here, but Slurm"
+    echo "# hands them out and sets CUDA_VISIBLE_DEVICES as it would for real ones."
+    echo "GresTypes=gpu"
+    local i gres
     for ((i = 1; i <= NODES; i++)); do
+        gres=""
+        ((i == NODES && GPUS > 0)) && gres=" Gres=gpu:$GPUS"
         echo "NodeName=sl$i NodeHostname=$host NodeAddr=127.0.0.1 Port=$((FIRST_PORT + i - 1))" \
-            "CPUs=$CPUS RealMemory=4000 State=UNKNOWN"
+            "CPUs=$CPUS RealMemory=4000$gres State=UNKNOWN"
     done
     echo "PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4"
+}
+
+# gres.conf: the stand-in GPU "devices" are character devices like /dev/null (Slurm only looks
+# at their numbers; nothing constrains device access here).
+write_gres() {
+    echo "$MARK"
+    if ((GPUS > 0)); then
+        echo "NodeName=sl$NODES Name=gpu File=$STATE/gpu[0-$((GPUS - 1))]"
+    fi
 }
 
 ours() { [[ -f $CONF ]] && head -n 1 "$CONF" | grep -qxF "$MARK"; }
@@ -184,14 +202,21 @@ up() {
     if [[ -f $CONF ]] && ! ours; then
         die "$CONF exists and was not written by this script; not touching a real cluster's config"
     fi
-    local wanted
+    local wanted gres i
     wanted=$(write_conf)
-    if [[ ! -f $CONF ]] || [[ $(cat "$CONF") != "$wanted" ]]; then
-        say "writing $CONF"
+    gres=$(write_gres)
+    if [[ ! -f $CONF ]] || [[ $(cat "$CONF") != "$wanted" ]] \
+        || [[ ! -f $GRES ]] || [[ $(cat "$GRES") != "$gres" ]]; then
+        say "writing $CONF and $GRES"
         stop_daemons
         install -d -m 0755 /etc/slurm
         printf '%s\n' "$wanted" >"$CONF"
+        printf '%s\n' "$gres" >"$GRES"
     fi
+    install -d -m 0755 "$STATE"
+    for ((i = 0; i < GPUS; i++)); do
+        [[ -c $STATE/gpu$i ]] || { rm -f "$STATE/gpu$i"; mknod -m 0666 "$STATE/gpu$i" c 1 3; }
+    done
     start_munge
     start_daemons
     wait_idle
@@ -206,7 +231,7 @@ down() {
         kill -TERM "$(cat /run/munge/munged.pid)" 2>/dev/null || true
     fi
     rm -rf "$STATE"
-    [[ -f $CONF ]] && rm -f "$CONF"
+    rm -f "$CONF" "$GRES"
     say "down"
 }
 
