@@ -71,11 +71,18 @@ def events(run_dir: Path) -> list[dict[str, Any]]:
     return records
 
 
-def wait_for_event(run_dir: Path, name: str, timeout: float = JOB_TIMEOUT_S) -> dict[str, Any]:
-    """Block until ``metrics.jsonl`` holds an event called ``name`` (re-read every 0.2 s)."""
+def wait_for_event(
+    run_dir: Path, name: str, after: str | None = None, timeout: float = JOB_TIMEOUT_S
+) -> dict[str, Any]:
+    """Block until ``metrics.jsonl`` holds an event ``name`` (after the last event ``after``,
+    when given); the file is re-read every 0.2 s."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = [e for e in events(run_dir) if e.get("event") == name]
+        records = events(run_dir)
+        if after is not None:
+            marks = [i for i, e in enumerate(records) if e.get("event") == after]
+            records = records[marks[-1] + 1 :] if marks else []
+        found = [e for e in records if e.get("event") == name]
         if found:
             return found[0]
         time.sleep(0.2)

@@ -66,6 +66,8 @@ $MARK
 ClusterName=rstestbed
 SlurmctldHost=$host(127.0.0.1)
 AuthType=auth/munge
+# A requeued job waits until its old credential has expired (default 120 s); 20 s here.
+AuthInfo=cred_expire=20
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
