@@ -12,18 +12,18 @@ import torch
 
 from common.protocol.messages import (
     DataRequest,
+    GradientChunk,
     HeartbeatRequest,
-    JoinReply,
     JoinRequest,
     LeaveRequest,
+    PullRequest,
     PushRequest,
     StatusReply,
     StatusRequest,
-    TaskReply,
     TaskRequest,
 )
 from common.protocol.wire import PROTOCOL_VERSION
-from tests.live import clients, live_server
+from tests.live import clients, live_server, published
 
 MESSAGES = 10_000
 BATCH = 200
@@ -31,22 +31,34 @@ STRANGER = 10_000  # worker id that is never a member: no fuzzed push can be val
 
 
 def _templates(state_size: int) -> list[list[bytes]]:
-    grad = np.zeros(state_size, dtype=np.float32)
+    grad = np.zeros(min(state_size, 4096), dtype=np.float32)
+    token = "0" * 32
     messages = [
-        TaskRequest(worker_id=STRANGER, speed=10.0),
+        TaskRequest(worker_id=STRANGER, token=token, speed=10.0),
         PushRequest(
             worker_id=STRANGER,
+            token=token,
             task_id=1,
             version=0,
             batch_size=4,
             speed=1.0,
             compute_s=0.1,
+            transfer_s=0.0,
             loss=0.5,
-            state=grad,
         ),
-        DataRequest(worker_id=STRANGER, indices=[0, 1, 2]),
-        HeartbeatRequest(worker_id=STRANGER),
-        LeaveRequest(worker_id=STRANGER, reason="x"),
+        GradientChunk(
+            worker_id=STRANGER,
+            token=token,
+            task_id=1,
+            version=0,
+            offset=0,
+            scale=1.0,
+            gradient=grad,
+        ),
+        PullRequest(worker_id=STRANGER, token=token, min_version=0, offset=0, length=4096),
+        DataRequest(worker_id=STRANGER, token=token, indices=[0, 1, 2]),
+        HeartbeatRequest(worker_id=STRANGER, token=token),
+        LeaveRequest(worker_id=STRANGER, token=token, reason="x"),
         StatusRequest(),
         JoinRequest(name="fuzz", device="cpu", slowdown=0.5, threads=1),  # invalid slowdown
     ]
@@ -70,6 +82,8 @@ def _random_value(rng: random.Random, depth: int = 0) -> object:
             [
                 "status_request",
                 "push_request",
+                "gradient_chunk",
+                "pull_request",
                 "join_request",
                 "task_request",
                 "data_request",
@@ -143,15 +157,10 @@ async def test_ten_thousand_hostile_messages_change_nothing(small_hsi) -> None:
         live_server(small_hsi, mode="async", epochs=1000) as ps,
         clients(ps.address, 2) as (honest, fuzzer),
     ):
-        join = await honest.request(
-            JoinRequest(name="honest", device="cpu", slowdown=1.0, threads=1)
-        )
-        assert isinstance(join, JoinReply)
-        task = await honest.request(TaskRequest(worker_id=join.worker_id, speed=50.0))
-        assert isinstance(task, TaskReply)  # training is under way, a task is outstanding
-        before = ps.trainer.snapshot.state.clone()
-        version = ps.trainer.version
-        templates = _templates(ps.trainer.state_size)
+        await honest.join("honest", speed=50.0)  # training is under way, a task is outstanding
+        before = published(ps)
+        version = ps.updater.version
+        templates = _templates(ps.state_size)
 
         replies = {"error": 0, "ok": 0}
         sent = 0
@@ -167,8 +176,8 @@ async def test_ten_thousand_hostile_messages_change_nothing(small_hsi) -> None:
 
         assert sum(replies.values()) == MESSAGES
         assert replies["error"] > 0.9 * MESSAGES
-        assert ps.trainer.version == version
-        assert torch.equal(ps.trainer.snapshot.state, before)  # bit-identical
+        assert ps.updater.version == version
+        assert torch.equal(published(ps), before)  # bit-identical
         status = await honest.request(StatusRequest())
         assert isinstance(status, StatusReply) and status.status["version"] == version
         assert status.status["workers"][0]["name"] == "honest"
