@@ -80,10 +80,10 @@ def test_pslaunch_slurm_wait_trains_jasper_ridge(jasper_h5: Path, tmp_path: Path
         assert f"listens on {start[0]['address']}" in logs(run_dir)
 
 
-def test_job_sbatch_submitted_by_hand(jasper_h5: Path, tmp_path: Path) -> None:
+def test_job_sbatch_submitted_by_hand_with_two_shards(jasper_h5: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "by-hand"
     args = _job_args(jasper_h5, run_dir, 10, "--mode", "async", "--slowdowns", "1,2")
-    done = pslaunch(*args, "--nodes", "2")
+    done = pslaunch(*args, "--nodes", "2", "--shards", "2")
     assert done.returncode == 0, done.stderr
     script = run_dir / "job.sbatch"
     text = script.read_text()
@@ -107,6 +107,11 @@ def test_job_sbatch_submitted_by_hand(jasper_h5: Path, tmp_path: Path) -> None:
         assert waited.returncode == 0, waited.stdout + waited.stderr
         result = _check_trained(run_dir, 10, {1.0, 2.0})
         assert result["mode"] == "async" and result["staleness"]["max"] >= 1
+        assert result["details"]["shards"] == 2
+        # One shard on each of the job's two nodes (shard names end in their node's name).
+        shards = [e for e in events(run_dir) if e["event"] == "shard"]
+        nodes = {e["host"].rsplit("-", 1)[1] for e in shards}
+        assert len(shards) == 2 and len(nodes) == 2, shards
 
 
 def test_heterogeneous_job_with_two_worker_components(jasper_h5: Path, tmp_path: Path) -> None:
@@ -145,7 +150,7 @@ def test_requeue_on_term_then_scancel_then_resume_in_a_new_job(
         job = job_id_of(done.stdout)
         jobs.append(job)
 
-        wait_for_event(run_dir, "eval")  # training is under way
+        wait_for_event(run_dir, "epoch")  # training is under way
         subprocess.run(["scancel", "--batch", "--signal=TERM", job], check=True, timeout=30)
         wait_for_state(job, "Restarts=1")
         assert "requeueing" in logs(run_dir)
@@ -153,7 +158,7 @@ def test_requeue_on_term_then_scancel_then_resume_in_a_new_job(
         first = summary(run_dir)  # written by attempt 0 when it stopped
         assert 1 <= first["epochs"] < epochs
 
-        wait_for_event(run_dir, "eval", after="resume")
+        wait_for_event(run_dir, "epoch", after="resume")
         subprocess.run(["scancel", job], check=True, timeout=30)
         end = wait_job(job, JOB_TIMEOUT_S)
         assert end.state == "CANCELLED"

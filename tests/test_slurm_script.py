@@ -15,8 +15,14 @@ from common.errors import ConfigError, NetworkTimeout, PSError
 from launch.cli import main
 from launch.settings import TrainSettings
 from launch.slurm.config import SlurmJob, time_limit_s
-from launch.slurm.groups import Group, parse_het
-from launch.slurm.node import last_start_address, pick_device, wait_for_address, worker_command
+from launch.slurm.groups import Group, parse_het, spread_shards
+from launch.slurm.node import (
+    last_start_address,
+    pick_device,
+    shard_command,
+    wait_for_address,
+    worker_command,
+)
 from launch.slurm.script import render, resources
 from launch.slurm.submit import check_run_dir, worker_extras
 
@@ -190,15 +196,10 @@ def test_het_script_without_server_component(tmp_path: Path) -> None:
     assert "server shares its first node" in text
 
 
-def test_worker_extras_follow_what_worker_join_takes(tmp_path: Path) -> None:
+def test_worker_extras(tmp_path: Path) -> None:
     job = _job(tmp_path, model="mypkg.nets:make", startup_timeout_s=90)
-    assert worker_extras(job, set()) == ()
-    assert worker_extras(job, {"--allow-model", "--connect-timeout"}) == (
-        "--allow-model",
-        "mypkg.nets:make",
-        "--connect-timeout",
-        "90",
-    )
+    assert worker_extras(job) == ("--connect-timeout", "90", "--allow-model", "mypkg.nets:make")
+    assert worker_extras(_job(tmp_path)) == ("--connect-timeout", "300")
 
 
 def test_check_run_dir(tmp_path: Path) -> None:
@@ -349,3 +350,57 @@ def test_wait_for_address_of_a_server_that_dies_or_hangs(tmp_path: Path) -> None
     finally:
         proc.kill()
         proc.wait()
+
+
+# --- parameter shards ------------------------------------------------------------------------
+
+
+def test_shards_spread_over_components() -> None:
+    _, groups = parse_het("a:workers=2;b:workers=2;c:workers=1")
+    assert [g.shards for g in spread_shards(groups, 4)] == [2, 1, 1]
+    assert [g.shards for g in spread_shards(groups, 0)] == [0, 0, 0]
+    _, named = parse_het("a:workers=2,shards=2;b:workers=2")
+    assert [g.shards for g in spread_shards(named, 0)] == [2, 0]
+    assert [g.shards for g in spread_shards(named, 2)] == [2, 0]
+    with pytest.raises(ConfigError, match="components hold 2"):
+        spread_shards(named, 3)
+    with pytest.raises(ConfigError, match="shards must be between 0 and its 2 CPUs"):
+        parse_het("a:workers=2,shards=3")
+
+
+def test_one_shard_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="at least 2"):
+        _job(tmp_path, groups=(Group("workers", (1.0, 1.0), shards=1),))
+
+
+def test_script_with_shards(tmp_path: Path) -> None:
+    plain = _job(tmp_path, groups=(Group("workers", (1.0, 2.0), nodes=2, shards=2),))
+    text = render(plain, "c", "s")
+    assert _bash_syntax_ok(text, tmp_path)
+    assert "--shards 2\n" in text
+    assert "srun --overlap --ntasks=2 --cpus-per-task=1 --distribution=cyclic" in text
+    assert "launch.slurm.node shard --name-prefix shard --" in text
+    _, groups = parse_het("a:workers=2;b:workers=2,shards=2")
+    het = render(_job(tmp_path, groups=groups, het=True), "c", "s")
+    assert _bash_syntax_ok(het, tmp_path)
+    assert "srun --het-group=1 --overlap --ntasks=2" in het
+    assert "--name-prefix b-shard" in het and het.count("launch.slurm.node shard") == 1
+    none = render(_job(tmp_path), "c", "s")
+    assert "--shards 2" not in none and "launch.slurm.node shard" not in none
+    assert "SHARD_PIDS=()" in none  # the end of the script waits on an empty list
+
+
+def test_shard_command() -> None:
+    env = {"SLURM_PROCID": "1", "SLURMD_NODENAME": "gpu07"}
+    argv = shard_command("shard", env, ("--coordinator", "tcp://10.1.1.1:5000"), "10.1.1.7")
+    assert argv[:4] == [sys.executable, "-m", "pserver.cli", "shard"]
+    assert argv[4:] == [
+        "--bind",
+        "tcp://10.1.1.7:0",
+        "--name",
+        "shard1-gpu07",
+        "--coordinator",
+        "tcp://10.1.1.1:5000",
+    ]
+    with pytest.raises(ConfigError, match="srun step"):
+        shard_command("shard", {"SLURM_PROCID": "0"}, ())

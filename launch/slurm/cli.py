@@ -14,7 +14,7 @@ from common.logsetup import setup_logging
 from launch.cli_options import build_train, train_options
 from launch.slowdowns import parse_slowdowns
 from launch.slurm.config import SlurmJob
-from launch.slurm.groups import HET_HELP, Group, parse_het
+from launch.slurm.groups import HET_HELP, Group, parse_het, spread_shards
 from launch.slurm.submit import check_run_dir, read_summary, submit, wait_job, write_script
 from launch.table import summary_tables
 from pserver.config import MODES, STALENESS
@@ -27,6 +27,7 @@ def _groups(
     nodes: int | None,
     cpus: int,
     gpus: int,
+    shards: int,
 ) -> tuple[Any, tuple[Group, ...]]:
     """The server component and worker groups from the command line."""
     if het:
@@ -36,13 +37,14 @@ def _groups(
         total = sum(g.workers for g in groups)
         if workers is not None and workers != total:
             raise ConfigError(f"--workers {workers} but the --het components hold {total}")
-        return server, groups
+        return server, spread_shards(groups, shards)
     group = Group(
         name="workers",
         slowdowns=parse_slowdowns(slowdowns, workers),
         cpus=cpus,
         nodes=nodes,
         gpus_per_worker=gpus,
+        shards=shards,
     )
     return None, (group.validate(),)
 
@@ -82,6 +84,14 @@ def _extra(options: dict[str, Any]) -> tuple[str, ...]:
     type=int,
     default=0,
     help="GPUs per worker (--gpus-per-task); a worker uses the first GPU it sees.",
+)
+@click.option(
+    "--shards",
+    type=int,
+    default=0,
+    help="Parameter shard servers ('pserver shard'), placed on the workers' nodes one per node "
+    "first; 0 keeps the parameters in the server. With --het: spread over the components "
+    "unless they say shards=.",
 )
 @click.option("--het", default=None, help=HET_HELP)
 @click.option("--time", "time_limit", default="01:00:00", help="The job's time limit.")
@@ -168,6 +178,7 @@ def slurm(
     partition: str | None,
     cpus_per_worker: int,
     gpus_per_worker: int,
+    shards: int,
     het: str | None,
     time_limit: str,
     run_dir: Path,
@@ -188,7 +199,9 @@ def slurm(
     setup_logging("INFO", "pslaunch ")
     try:
         train = build_train(options, target_oa)
-        server, groups = _groups(het, workers, slowdowns, nodes, cpus_per_worker, gpus_per_worker)
+        server, groups = _groups(
+            het, workers, slowdowns, nodes, cpus_per_worker, gpus_per_worker, shards
+        )
         job = SlurmJob(
             dataset=dataset.resolve(),
             model=model,

@@ -96,6 +96,11 @@ class SlurmJob:
         """All worker tasks of the job."""
         return sum(group.workers for group in self.groups)
 
+    @property
+    def shards(self) -> int:
+        """Parameter shard servers (0: the server keeps the parameters)."""
+        return sum(group.shards for group in self.groups)
+
     def validate(self) -> SlurmJob:
         """Check the job.
 
@@ -109,6 +114,10 @@ class SlurmJob:
             raise ConfigError("the job has no workers")
         for group in self.groups:
             group.validate()
+        if self.shards == 1:
+            raise ConfigError(
+                "one shard keeps the parameters in the server: give no shards or at least 2"
+            )
         if not self.het and (len(self.groups) != 1 or self.server is not None):
             raise ConfigError("a plain job has one worker group and no server component")
         limit = time_limit_s(self.time)

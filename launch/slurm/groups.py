@@ -11,7 +11,8 @@ HET_HELP = (
     "Make a heterogeneous job: components separated by ';', each NAME:key=value,... . "
     "Keys: partition, nodes, workers, cpus (per worker), gpus (per node; one worker per GPU "
     "unless workers= is given, then the workers share the node's GPUs), gpus-per-worker, "
-    "slowdown (emulated, for every worker of the component), constraint. A first component "
+    "slowdown (emulated, for every worker of the component), constraint, shards (parameter "
+    "shard servers on the component's nodes). A first component "
     "named 'server' holds only the server (keys partition, cpus, constraint); without it the "
     "server runs on the first node of the first component. Example: "
     "'server:partition=cpu;gpu:partition=gpu,nodes=2,gpus=4;cpu:partition=cpu,nodes=4,cpus=8'."
@@ -20,7 +21,7 @@ HET_HELP = (
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")
 _VALUE = re.compile(r"^[A-Za-z0-9_.:\[\]&|!*-]+$")
 _WORKER_KEYS = ("partition", "nodes", "workers", "cpus", "gpus", "gpus-per-worker")
-_WORKER_KEYS += ("slowdown", "constraint")
+_WORKER_KEYS += ("slowdown", "constraint", "shards")
 _SERVER_KEYS = ("partition", "cpus", "constraint")
 
 
@@ -38,6 +39,8 @@ class Group:
         gpus_per_node: GPUs per node shared by the node's workers (``--gpus-per-node``); a
             worker then uses GPU ``SLURM_LOCALID`` modulo the GPUs it sees.
         tasks_per_node: workers per node (``--ntasks-per-node``; None: Slurm chooses).
+        shards: parameter shard servers (``pserver shard``) on the group's nodes, spread
+            one per node before any node gets a second.
     """
 
     name: str
@@ -49,6 +52,7 @@ class Group:
     gpus_per_worker: int = 0
     gpus_per_node: int = 0
     tasks_per_node: int | None = None
+    shards: int = 0
 
     @property
     def workers(self) -> int:
@@ -79,6 +83,11 @@ class Group:
         if self.nodes is not None and not 1 <= self.nodes <= self.workers:
             raise ConfigError(
                 f"{where}: nodes must be between 1 and its {self.workers} workers, got {self.nodes}"
+            )
+        if not 0 <= self.shards <= self.workers * self.cpus:
+            raise ConfigError(
+                f"{where}: shards must be between 0 and its {self.workers * self.cpus} CPUs, "
+                f"got {self.shards}"
             )
         if self.gpus_per_worker < 0 or self.gpus_per_node < 0:
             raise ConfigError(f"{where}: GPU counts must be >= 0")
@@ -165,7 +174,30 @@ def _worker_group(name: str, pairs: dict[str, str]) -> Group:
         gpus_per_worker=per_worker,
         gpus_per_node=gpus,
         tasks_per_node=per_node,
+        shards=_int(pairs.get("shards", "0"), "shards", where),
     ).validate()
+
+
+def spread_shards(groups: tuple[Group, ...], shards: int) -> tuple[Group, ...]:
+    """Give ``shards`` shard servers to the groups, round-robin, unless they name their own.
+
+    Args:
+        groups: the worker groups.
+        shards: ``--shards K`` (0: as the groups say).
+
+    Returns:
+        The groups with their ``shards`` set.
+
+    Raises:
+        ConfigError: the groups name shards that do not add up to ``shards``.
+    """
+    named = sum(g.shards for g in groups)
+    if shards in (0, named):
+        return groups
+    if named:
+        raise ConfigError(f"--shards {shards} but the --het components hold {named}")
+    counts = [shards // len(groups) + (i < shards % len(groups)) for i in range(len(groups))]
+    return tuple(dataclasses.replace(g, shards=k) for g, k in zip(groups, counts, strict=True))
 
 
 def parse_het(spec: str) -> tuple[ServerPlace | None, tuple[Group, ...]]:

@@ -1,9 +1,10 @@
-"""Helpers a Slurm job script runs on its nodes: the server's address, and one worker task."""
+"""Helpers a Slurm job script runs on its nodes: the server's address, a worker, a shard."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -167,6 +168,64 @@ def worker_command(
     ]
 
 
+def node_address(node: str, timeout_s: float = 30.0) -> str:
+    """The address Slurm reaches ``node`` at (its ``NodeAddr``), or ``node`` itself.
+
+    Args:
+        node: a Slurm node name.
+        timeout_s: how long ``scontrol`` may take.
+
+    Returns:
+        A host name or IP address.
+    """
+    try:
+        done = subprocess.run(
+            ["scontrol", "show", "node", "--oneliner", node],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return node
+    for token in done.stdout.split():
+        if token.startswith("NodeAddr=") and len(token) > len("NodeAddr="):
+            return token.split("=", 1)[1]
+    return node
+
+
+def shard_command(
+    name_prefix: str, env: Mapping[str, str], rest: tuple[str, ...], host: str | None = None
+) -> list[str]:
+    """The ``pserver shard`` command line of this srun task.
+
+    Args:
+        name_prefix: shard names are ``<prefix><SLURM_PROCID>-<node>``.
+        env: the task's environment (``SLURM_PROCID``, ``SLURMD_NODENAME``).
+        rest: further ``pserver shard`` options (``--coordinator`` among them).
+        host: the address to listen on (default: this node's ``NodeAddr``).
+
+    Returns:
+        The argument vector to execute.
+
+    Raises:
+        ConfigError: not inside an srun task.
+    """
+    if "SLURM_PROCID" not in env or "SLURMD_NODENAME" not in env:
+        raise ConfigError("SLURM_PROCID/SLURMD_NODENAME are not set: run this in an srun step")
+    node = env["SLURMD_NODENAME"]
+    return [
+        sys.executable,
+        "-m",
+        "pserver.cli",
+        "shard",
+        "--bind",
+        f"tcp://{host or node_address(node)}:0",
+        "--name",
+        f"{name_prefix}{env['SLURM_PROCID']}-{node}",
+        *rest,
+    ]
+
+
 @click.group()
 def main() -> None:
     """Run inside a Slurm job written by 'pslaunch slurm'."""
@@ -204,6 +263,19 @@ def worker(name_prefix: str, slowdowns: str, gpu: bool, rest: tuple[str, ...]) -
     """Replace this process with 'worker join' for this srun task (REST: its options)."""
     try:
         argv = worker_command(name_prefix, slowdowns, gpu, os.environ, rest)
+    except PSError as exc:
+        raise click.ClickException(str(exc)) from exc
+    sys.stdout.flush()
+    os.execv(argv[0], argv)
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--name-prefix", default="shard", show_default=True, help="Shard name prefix.")
+@click.argument("rest", nargs=-1, type=click.UNPROCESSED)
+def shard(name_prefix: str, rest: tuple[str, ...]) -> None:
+    """Replace this process with 'pserver shard' on this node (REST: its options)."""
+    try:
+        argv = shard_command(name_prefix, os.environ, rest)
     except PSError as exc:
         raise click.ClickException(str(exc)) from exc
     sys.stdout.flush()

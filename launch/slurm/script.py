@@ -89,7 +89,7 @@ if ! ADDRESS=$("$PY" -m launch.slurm.node address --run-dir "$RUN_DIR" --log "$S
     exit 1
 fi
 echo "job: the server listens on $ADDRESS"
-
+{shards}
 # --- the workers ---------------------------------------------------------------------------
 # Each task runs 'worker join' with its own slowdown, name and device: launch.slurm.node
 # reads SLURM_PROCID, SLURM_LOCALID and CUDA_VISIBLE_DEVICES (a task that sees one GPU uses
@@ -105,6 +105,7 @@ WORKERS_LOG=$RUN_DIR/{step_log}
 WORKERS_PID=$!
 
 # --- the end ------------------------------------------------------------------------------
+STEP_PIDS=("$WORKERS_PID" "${{SHARD_PIDS[@]}}")
 # 'wait' returns early when a TERM arrives: wait again until the server has really exited.
 wait_for() {{
     while kill -0 "$1" 2>/dev/null; do wait "$1"; done
@@ -113,9 +114,12 @@ wait_for() {{
 wait_for "$SERVER_PID"
 SERVER_RC=$?
 echo "job: the server exited with code $SERVER_RC"
-# The workers were told to stop; Slurm ends any step still running when this script exits.
-timeout "$STOP_TIMEOUT" tail --pid="$WORKERS_PID" -f /dev/null \\
-    || echo "job: workers still running $STOP_TIMEOUT s after the server; ending the job"
+# The workers (and shards) were told to stop; Slurm ends any step still running when this
+# script exits.
+for pid in "${{STEP_PIDS[@]}}"; do
+    timeout "$STOP_TIMEOUT" tail --pid="$pid" -f /dev/null \\
+        || echo "job: steps still running $STOP_TIMEOUT s after the server; ending the job"
+done
 if [[ $STOPPED == 1 && $REQUEUE == 1 ]]; then
     STATE=$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>/dev/null | head -n 1)
     if [[ $STATE == RUNNING ]]; then
@@ -234,8 +238,51 @@ def _nodes_line(job: SlurmJob) -> str:
     )
 
 
+def _shards(job: SlurmJob) -> str:
+    """The shard servers' srun steps (none without shards)."""
+    lines = [
+        "",
+        "# --- parameter shards, on the workers' nodes ----------------------------------------",
+        "SHARD_PIDS=()",
+    ]
+    if job.shards < 2:
+        lines.insert(2, "# None: the server keeps the parameters (pslaunch slurm --shards K).")
+        return "\n".join(lines) + "\n"
+    lines.insert(
+        2,
+        f"# {job.shards} 'pserver shard' servers hold 1/{job.shards} of the state each, spread "
+        "one per node\n# (--distribution=cyclic) next to the workers; the server waits for all "
+        "of them.",
+    )
+    lines.append("SHARDS_LOG=$RUN_DIR/shards-$SLURM_JOB_ID.$ATTEMPT.log")
+    for index, group in enumerate(job.groups):
+        if not group.shards:
+            continue
+        options = []
+        if job.het:
+            options.append(f"--het-group={index + (job.server is not None)}")
+        options += [
+            "--overlap",
+            f"--ntasks={group.shards}",
+            "--cpus-per-task=1",
+            "--distribution=cyclic",
+            "--kill-on-bad-exit=0",
+            "--label",
+        ]
+        prefix = "shard" if not job.het else f"{group.name}-shard"
+        lines += [
+            f"srun {' '.join(options)} \\",
+            f'    "$PY" -m launch.slurm.node shard --name-prefix {prefix} -- '
+            '--coordinator "$ADDRESS" \\',
+            '    --connect-timeout "$STARTUP_TIMEOUT" >>"$SHARDS_LOG" 2>&1 &',
+            "SHARD_PIDS+=($!)",
+        ]
+    return "\n".join(lines) + "\n"
+
+
 def server_args(job: SlurmJob) -> tuple[str, ...]:
     """The ``pserver start`` options of the job, without bind, dataset, run dir and resume."""
+    shards = ("--shards", str(job.shards)) if job.shards > 1 else ()
     return (
         "--model",
         job.model,
@@ -243,6 +290,7 @@ def server_args(job: SlurmJob) -> tuple[str, ...]:
         job.mode,
         "--workers",
         str(job.workers),
+        *shards,
         *job.train.server_args(),
         *job.server_options,
     )
@@ -291,6 +339,7 @@ def render(job: SlurmJob, command: str, script: str, worker_extra: tuple[str, ..
         requeue=int(job.requeue),
         layout=layout,
         nodes=_nodes_line(job),
+        shards=_shards(job),
         step_log=STEP_LOG,
         steps=steps,
     )

@@ -22,27 +22,21 @@ RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints")
 SCRIPT_NAME = "job.sbatch"
 
 
-def worker_extras(job: SlurmJob, supported: set[str] | None = None) -> tuple[str, ...]:
-    """``worker join`` options a launcher adds: ``--allow-model`` and ``--connect-timeout``.
+def worker_extras(job: SlurmJob) -> tuple[str, ...]:
+    """``worker join`` options a launcher adds for every worker.
 
-    Each is passed when the installed ``worker join`` has it.
+    ``--connect-timeout`` covers the server's start-up (and the shards' registration);
+    ``--allow-model`` lets workers build the user's own model (built-in models need none).
 
     Args:
         job: the job (its model and start-up timeout).
-        supported: the option names ``worker join`` takes (default: read from its CLI).
 
     Returns:
         The options.
     """
-    if supported is None:
-        from worker.cli import join
-
-        supported = {opt for param in join.params for opt in param.opts}
-    extras: list[str] = []
-    if "--allow-model" in supported:
+    extras = ["--connect-timeout", f"{job.startup_timeout_s:g}"]
+    if ":" in job.model:
         extras += ["--allow-model", job.model]
-    if "--connect-timeout" in supported:
-        extras += ["--connect-timeout", f"{job.startup_timeout_s:g}"]
     return tuple(extras)
 
 
