@@ -34,7 +34,7 @@ from common.protocol.messages import (
     TaskRequest,
 )
 from common.protocol.shard_messages import ShardHello
-from pserver.membership import Waiter
+from pserver.membership import Task, Waiter, WorkerInfo
 from pserver.shards import register_shard
 from pserver.store.stores import LocalStores
 from pserver.summary import status_of
@@ -177,27 +177,15 @@ class Handlers:
             worker.waiter = Waiter(request.identity, request.request_id)
             ps.stop_worker(worker)
             return
-        task = worker.tasks[0] if worker.tasks else None
-        if (
-            task is None
-            or msg.task_id != task.task_id
-            or worker.pushing is not None
-            or ps.policy.runnable(worker) is not task
-        ):
-            raise ProtocolError(
-                ErrorCode.WRONG_TASK, f"task {msg.task_id} is not the task this worker is running"
-            )
-        if msg.batch_size != task.size:
-            raise ProtocolError(
-                ErrorCode.BAD_FIELD,
-                f"batch_size {msg.batch_size} differs from the task's {task.size}",
-            )
-        if not 0 <= msg.version <= ps.updater.version:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"version {msg.version} was never served")
-        _check_speed(msg.speed)
-        for name in ("compute_s", "transfer_s"):
-            if not 0 <= getattr(msg, name) < 1e6:
-                raise ProtocolError(ErrorCode.BAD_FIELD, f"{name} {getattr(msg, name)} is absurd")
+        if msg.task_id == worker.pushing:
+            raise ProtocolError(ErrorCode.WRONG_TASK, f"task {msg.task_id} is being pushed already")
+        try:
+            task = self._pushed_task(worker, msg)
+        except ProtocolError as exc:
+            if any(t.task_id == msg.task_id for t in worker.tasks):
+                # Its chunks may be in: drop them, so that a corrected push can resend them.
+                await ps.stores.drop([msg.task_id], exc.code, str(exc))
+            raise
         worker.pushing = task.task_id
         try:
             report = await ps.stores.staged(
@@ -236,6 +224,32 @@ class Handlers:
         else:
             ps.plan()
             ps.release()
+
+    def _pushed_task(self, worker: WorkerInfo, msg: PushRequest) -> Task:
+        """The task a push answers, after checking every field of the push."""
+        ps = self.server
+        task = worker.tasks[0] if worker.tasks else None
+        if (
+            task is None
+            or msg.task_id != task.task_id
+            or worker.pushing is not None
+            or ps.policy.runnable(worker) is not task
+        ):
+            raise ProtocolError(
+                ErrorCode.WRONG_TASK, f"task {msg.task_id} is not the task this worker is running"
+            )
+        if msg.batch_size != task.size:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"batch_size {msg.batch_size} differs from the task's {task.size}",
+            )
+        if not 0 <= msg.version <= ps.updater.version:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"version {msg.version} was never served")
+        _check_speed(msg.speed)
+        for name in ("compute_s", "transfer_s"):
+            if not 0 <= getattr(msg, name) < 1e6:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"{name} {getattr(msg, name)} is absurd")
+        return task
 
     # --- data -------------------------------------------------------------------------------
 

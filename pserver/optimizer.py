@@ -80,34 +80,46 @@ class FlatOptimizer:
         return self._scratch
 
     def prepare(
-        self, params: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, lr_scale: float = 1.0
+        self,
+        params: torch.Tensor,
+        grad: torch.Tensor,
+        out: torch.Tensor,
+        lr_scale: float = 1.0,
+        window: tuple[int, int] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Write ``params`` updated by ``grad`` into ``out``; nothing else changes.
 
+        A step may be computed window by window (element-wise arithmetic: the result is the
+        same bit for bit); the candidate state is complete once every window was prepared.
+
         Args:
             params: current flat parameters (not modified).
-            grad: flat gradient of the same length (not modified).
-            out: destination, distinct from ``params`` and ``grad``.
+            grad: the gradient of the window (not modified).
+            out: destination of the whole vector, distinct from ``params`` and ``grad``.
             lr_scale: factor on the learning rate for this step (schedule x staleness).
+            window: ``(lo, hi)``, the part of the vector to compute (default: all of it).
 
         Returns:
             The candidate optimizer state, to pass to ``commit`` (or drop).
         """
         lr = self.lr * lr_scale
-        old, new = self._buffers(params)
+        full_old, full_new = self._buffers(params)
+        lo, hi = window if window is not None else (0, params.numel())
+        p, o = params[lo:hi], out[lo:hi]
+        old = {k: v[lo:hi] for k, v in full_old.items()}
+        new = {k: v[lo:hi] for k, v in full_new.items()}
+        scratch = self.scratch(params)[lo:hi]
         if self.weight_decay:
-            grad = torch.add(grad, params, alpha=self.weight_decay, out=self.scratch(params))
+            grad = torch.add(grad, p, alpha=self.weight_decay, out=scratch)
         if self.kind == "sgd":
             direction = grad
             if self.momentum:
                 torch.add(grad, old["momentum"], alpha=self.momentum, out=new["momentum"])
                 direction = new["momentum"]
                 if self.nesterov:
-                    direction = torch.add(
-                        grad, direction, alpha=self.momentum, out=self.scratch(params)
-                    )
-            torch.add(params, direction, alpha=-lr, out=out)
-            return new
+                    direction = torch.add(grad, direction, alpha=self.momentum, out=scratch)
+            torch.add(p, direction, alpha=-lr, out=o)
+            return full_new
         beta1, beta2 = self.betas
         torch.lerp(old["exp_avg"], grad, 1 - beta1, out=new["exp_avg"])
         torch.mul(old["exp_avg_sq"], beta2, out=new["exp_avg_sq"])
@@ -115,10 +127,10 @@ class FlatOptimizer:
         step = self.steps + 1
         bias1 = 1 - beta1**step
         bias2 = 1 - beta2**step
-        denom = torch.sqrt(new["exp_avg_sq"], out=self.scratch(params))
+        denom = torch.sqrt(new["exp_avg_sq"], out=scratch)
         denom.div_(math.sqrt(bias2)).add_(self.eps)
-        torch.addcdiv(params, new["exp_avg"], denom, value=-lr / bias1, out=out)
-        return new
+        torch.addcdiv(p, new["exp_avg"], denom, value=-lr / bias1, out=o)
+        return full_new
 
     def commit(self, candidate: dict[str, torch.Tensor]) -> None:
         """Make a prepared step's state the optimizer's state."""

@@ -10,6 +10,7 @@ arrival order, so the result does not depend on network timing.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -141,13 +142,13 @@ class SliceStore:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"chunk at offset {offset} sent twice")
         local = offset - self.lo
         cut = min(max(self.split - local, 0), length)
-        grad_sq = _sq_norm(data[:cut]) / scale**2
-        buffer_sq = _sq_norm(data[cut:]) / scale**2
+        grad_sq, grad_finite = _square_sum(data[:cut])
+        buffer_sq, buffer_finite = _square_sum(data[cut:])
         staged.parts[offset] = (data, scale)
         staged.received += length
-        staged.grad_sq += grad_sq
-        staged.buffer_sq += buffer_sq
-        staged.finite = staged.finite and _finite(grad_sq) and _finite(buffer_sq)
+        staged.grad_sq += grad_sq / scale**2
+        staged.buffer_sq += buffer_sq / scale**2
+        staged.finite = staged.finite and grad_finite and buffer_finite
         return staged
 
     def drop(self, task_ids: list[int]) -> None:
@@ -187,30 +188,45 @@ class SliceStore:
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"task {task_id} is not fully staged")
             gradients.append(staged)
         self.abort()
-        total = self._total
-        for start, stop in self.spans:
-            window = total[start - self.lo : stop - self.lo]
-            for i, (staged, weight) in enumerate(zip(gradients, weights, strict=True)):
-                data, scale = staged.parts[start]
-                alpha = weight / scale
-                if i == 0:
-                    window.copy_(data)
-                    if alpha != 1.0:
-                        window.mul_(alpha)
-                else:
-                    window.add_(data, alpha=alpha)
-            if not gradients:
-                window.zero_()
         new, lease = self.pool.acquire()
-        p = self.split
-        slots = self.optimizer.prepare(self.state[:p], total[:p], new[:p], lr_scale)
-        torch.add(self.state[p:], total[p:], alpha=buffer_scale, out=new[p:])
+        p, slots = self.split, self.optimizer.state
+        for start, stop in self.spans:
+            a, b = start - self.lo, stop - self.lo
+            grad = self._sum(gradients, weights, start, self._total[a:b])
+            if a < p:  # the parameter part of this chunk
+                cut = min(b, p)
+                slots = self.optimizer.prepare(
+                    self.state[:p], grad[: cut - a], new[:p], lr_scale, window=(a, cut)
+                )
+            if b > p:  # the buffer part
+                cut = max(a, p)
+                torch.add(self.state[cut:b], grad[cut - a :], alpha=buffer_scale, out=new[cut:b])
         reason = self._invalid(new, slots)
         if reason:
             lease.release()
             return False, reason
         self.candidate = Candidate(version, new, lease, slots, list(task_ids))
         return True, ""
+
+    @staticmethod
+    def _sum(
+        gradients: list[StagedGradient], weights: list[float], start: int, window: torch.Tensor
+    ) -> torch.Tensor:
+        """The weighted sum of the gradients' chunks at ``start``, in the given order (written
+        into ``window``, except for a single float32 chunk with weight 1: used as it is)."""
+        if not gradients:
+            return window.zero_()
+        first, scale = gradients[0].parts[start]
+        alpha = weights[0] / scale
+        if len(gradients) == 1 and alpha == 1.0 and first.dtype == torch.float32:
+            return first
+        window.copy_(first)
+        if alpha != 1.0:
+            window.mul_(alpha)
+        for staged, weight in zip(gradients[1:], weights[1:], strict=True):
+            data, scale = staged.parts[start]
+            window.add_(data, alpha=weight / scale)
+        return window
 
     def _invalid(self, new: torch.Tensor, slots: dict[str, torch.Tensor]) -> str:
         if not bool(torch.isfinite(new.sum())):
@@ -278,12 +294,16 @@ class SliceStore:
         self.optimizer.steps = steps
 
 
-def _sq_norm(values: torch.Tensor) -> float:
-    """Squared L2 norm accumulated in float64 (never overflows for finite float32 input)."""
+def _square_sum(values: torch.Tensor) -> tuple[float, bool]:
+    """The sum of squares and whether every value is finite, in one fast pass.
+
+    The float32 sum overflows for absurd but finite values (beyond ~1e19): it is then
+    infinite, which the guard refuses; only then are the values checked one by one.
+    """
     if values.numel() == 0:
-        return 0.0
-    return float(torch.linalg.vector_norm(values, dtype=torch.float64)) ** 2
-
-
-def _finite(value: float) -> bool:
-    return value == value and value != float("inf")
+        return 0.0, True
+    flat = values if values.dtype == torch.float32 else values.float()
+    square_sum = float(torch.dot(flat, flat))
+    if math.isfinite(square_sum):
+        return square_sum, True
+    return math.inf, bool(torch.isfinite(flat).all())
