@@ -404,3 +404,14 @@ def test_shard_command() -> None:
     ]
     with pytest.raises(ConfigError, match="srun step"):
         shard_command("shard", {"SLURM_PROCID": "0"}, ())
+
+
+def test_a_run_stopped_by_a_signal_goes_on_when_resumed() -> None:
+    from pserver.runstate import RunState
+
+    meta = {"train_start": 1.0, "time_to_target": None, "epochs_done": 2, "evals": []}
+    stopped, ended = RunState(), RunState()
+    stopped.load_meta({**meta, "finish_reason": "stopped"})  # scancel, a time limit
+    ended.load_meta({**meta, "finish_reason": "epochs"})
+    assert not stopped.finished and stopped.epochs_done == 2
+    assert ended.finished

@@ -70,11 +70,20 @@ echo "job: {nodes}"
     --run-dir "$RUN_DIR" "${{SERVER_ARGS[@]}}" "${{RESUME_ARGS[@]}}" >"$SERVER_LOG" 2>&1 &
 SERVER_PID=$!
 
-# TERM goes on to the server: it writes a checkpoint and summary.json and stops the workers.
+# A TERM to this script alone (Slurm's time-limit warning, or 'scancel --batch') goes on to
+# the server, which writes a checkpoint and summary.json and stops the workers. After a plain
+# 'scancel' (job no longer RUNNING) Slurm signals the server itself; a second TERM would cut
+# its shutdown short, so none is sent.
 STOPPED=0
 on_term() {{
-    STOPPED=1
-    echo "job: TERM received; stopping the server"
+    local state
+    state=$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>/dev/null | head -n 1)
+    if [[ $state == CANCELLED || $state == COMPLETING ]]; then
+        echo "job: cancelled; Slurm stops the server and the workers"
+        return
+    fi
+    [[ $state == RUNNING ]] && STOPPED=1
+    echo "job: TERM received (job ${{state:-state unknown}}); stopping the server"
     kill -TERM "$SERVER_PID" 2>/dev/null
 }}
 trap on_term TERM
