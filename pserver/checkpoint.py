@@ -117,7 +117,8 @@ def write(directory: Path, checkpoint: Checkpoint) -> Path:
     document = json.dumps({"format": FORMAT, **checkpoint.meta}).encode()
     try:
         with tmp.open("wb") as handle:
-            np.savez(handle, meta=np.frombuffer(document, dtype=np.uint8), **checkpoint.arrays)
+            arrays = {"meta": np.frombuffer(document, dtype=np.uint8), **checkpoint.arrays}
+            np.savez(handle, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as bool
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

@@ -401,7 +401,16 @@ class ParameterServer:
                 workers=workers,
             )
         else:
-            self.log.event("push", **workers[0], epoch=epoch, staleness=tau, version=version)
+            pushed = workers[0]
+            self.log.event(
+                "push",
+                worker=pushed["worker"],
+                batch=pushed["batch"],
+                speed=pushed["speed"],
+                epoch=epoch,
+                staleness=tau,
+                version=version,
+            )
         self.evaluations.made(
             version,
             VersionInfo(epoch, self.updater.samples_applied, now, self.run.train_time(now)),

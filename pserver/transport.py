@@ -8,7 +8,7 @@ import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -181,7 +181,10 @@ class Endpoint:
             entry = [nbytes, None]
             self._in_flight.setdefault(identity, _InFlight()).entries.append(entry)
         track = lease is not None or entry is not None
-        future = self._sock.send_multipart([identity, *frames], copy=False, track=track)
+        future = cast(
+            "asyncio.Future[Any]",
+            self._sock.send_multipart([identity, *frames], copy=False, track=track),
+        )
         if track:
             future.add_done_callback(lambda f: _tracked(f, lease, entry))
         self.owner.spawn(future)

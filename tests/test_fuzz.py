@@ -155,7 +155,7 @@ def _fuzz_message(rng: random.Random, templates: list[list[bytes]]) -> list[byte
 async def test_ten_thousand_hostile_messages_change_nothing(small_hsi) -> None:
     rng = random.Random(20261121)
     async with (
-        live_server(small_hsi, mode="async", epochs=1000) as ps,
+        live_server(small_hsi, mode="async", epochs=1000, dead_after_s=600) as ps,
         clients(ps.address, 2) as (honest, fuzzer),
     ):
         await honest.join("honest", speed=50.0)  # training is under way, a task is outstanding
@@ -223,7 +223,9 @@ def _spoofed(
 async def test_spoofed_sequences_change_nothing_and_training_completes(small_hsi) -> None:
     rng = random.Random(7)
     async with (
-        live_server(small_hsi, mode="weighted-sync", workers=2, global_batch=24, epochs=4) as ps,
+        live_server(
+            small_hsi, mode="weighted-sync", workers=2, global_batch=24, epochs=4, dead_after_s=600
+        ) as ps,
         clients(ps.address, 3) as (a, b, fuzzer),
     ):
         (member_a, task_a), (member_b, task_b) = await asyncio.gather(a.join("a"), b.join("b"))

@@ -32,7 +32,7 @@ from common.training.slowdown import SlowdownSchedule
 from common.training.speed import SpeedMeter
 from worker.augment import Augmenter
 from worker.config import WorkerConfig
-from worker.device import host_buffer, resolve_device, synchronize
+from worker.device import ComputeTimer, host_buffer, resolve_device
 from worker.heartbeat import TRAINING_ENDED, Heartbeat
 from worker.local_data import open_local_copy
 from worker.params import StoreClient
@@ -78,6 +78,7 @@ class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        self.timer = ComputeTimer(self.device)
         torch.set_num_threads(config.threads)
         self.context = zmq.Context()
         self.curve = (
@@ -304,13 +305,11 @@ class Worker:
     def _compute(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Forward and backward on one batch, then the emulated slowdown; returns the loss."""
         assert self.model is not None and self.flat is not None
-        synchronize(self.device)
-        start = time.perf_counter()
+        self.timer.start()
         self.flat.zero_grad()
         loss = nn.functional.cross_entropy(self.model(x), y)
         loss.backward()
-        synchronize(self.device)
-        emulated = self.slowdown.emulate(self.stats.steps, time.perf_counter() - start)
+        emulated = self.slowdown.emulate(self.stats.steps, self.timer.stop())
         self.speed.update(len(y), emulated)
         self.stats.compute_s += emulated
         return float(loss.detach())

@@ -54,8 +54,13 @@ class CapturedState:
 class ParameterStores(Protocol):
     """What the coordinator needs of wherever the parameters live."""
 
-    addresses: list[str]
-    bounds: list[int]
+    @property
+    def addresses(self) -> list[str]:
+        """Where workers reach each store, in range order ("" is the coordinator)."""
+
+    @property
+    def bounds(self) -> list[int]:
+        """The K + 1 range boundaries."""
 
     async def staged(self, task_id: int, worker_id: int, timeout_s: float) -> StageReport:
         """Wait until every chunk of a push arrived; its finiteness and squared norms."""
@@ -160,7 +165,7 @@ class RemoteStores:
         self.health: dict[int, dict[str, Any]] = {}
 
     @property
-    def addresses(self) -> list[str]:  # type: ignore[override]
+    def addresses(self) -> list[str]:
         """Where workers reach each shard, in range order."""
         return [link.address for link in self.links]
 
