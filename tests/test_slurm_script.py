@@ -409,7 +409,8 @@ def test_shard_command() -> None:
 def test_a_run_stopped_by_a_signal_goes_on_when_resumed() -> None:
     from pserver.runstate import RunState
 
-    meta = {"train_start": 1.0, "time_to_target": None, "epochs_done": 2, "evals": []}
+    meta: dict[str, object] = {"train_start": 1.0, "time_to_target": None, "epochs_done": 2}
+    meta["evals"] = []
     stopped, ended = RunState(), RunState()
     stopped.load_meta({**meta, "finish_reason": "stopped"})  # scancel, a time limit
     ended.load_meta({**meta, "finish_reason": "epochs"})

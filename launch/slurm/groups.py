@@ -20,8 +20,8 @@ HET_HELP = (
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,31}$")
 _VALUE = re.compile(r"^[A-Za-z0-9_.:\[\]&|!*-]+$")
-_WORKER_KEYS = ("partition", "nodes", "workers", "cpus", "gpus", "gpus-per-worker")
-_WORKER_KEYS += ("slowdown", "constraint", "shards")
+_WORKER_KEYS: tuple[str, ...] = ("partition", "nodes", "workers", "cpus", "gpus")
+_WORKER_KEYS += ("gpus-per-worker", "slowdown", "constraint", "shards")
 _SERVER_KEYS = ("partition", "cpus", "constraint")
 
 
