@@ -225,16 +225,30 @@ def _step(job: SlurmJob, index: int, group: Group) -> str:
         options.append(f"--het-group={index + (job.server is not None)}")
     options += resources(group)
     options += ["--kill-on-bad-exit=0", "--label"]
-    slowdowns = ",".join(f"{f:g}" for f in group.slowdowns)
+    factors = [f"{f:g}" for f in group.slowdowns]
+    slowdowns = factors[0] if len(set(factors)) == 1 else ",".join(factors)
     prefix = "w" if not job.het else f"{group.name}-w"
     gpu = "--gpu" if group.gpus else "--no-gpu"
     return (
-        f"    # group {group.name!r}: {group.workers} worker(s), slowdowns {slowdowns}\n"
-        f"    srun {' '.join(options)} \\\n"
+        f"    # group {group.name!r}: {group.workers} worker(s), slowdown {slowdowns}\n"
+        + _wrap(["srun", *options], "    ")
+        + " \\\n"
         f'        "$PY" -m launch.slurm.node worker --name-prefix {prefix} '
         f"--slowdowns {slowdowns} {gpu} -- \\\n"
         f'        --server "$ADDRESS" --threads {group.cpus} "${{WORKER_ARGS[@]}}" &'
     )
+
+
+def _wrap(words: list[str], indent: str, width: int = 96) -> str:
+    """Words joined into shell lines of at most ``width`` characters, continued with '\\'."""
+    lines = [indent + words[0]]
+    for word in words[1:]:
+        if len(lines[-1]) + 1 + len(word) > width:
+            lines[-1] += " \\"
+            lines.append(indent + "    " + word)
+        else:
+            lines[-1] += " " + word
+    return "\n".join(lines)
 
 
 def _nodes_line(job: SlurmJob) -> str:
@@ -280,7 +294,7 @@ def _shards(job: SlurmJob) -> str:
         ]
         prefix = "shard" if not job.het else f"{group.name}-shard"
         lines += [
-            f"srun {' '.join(options)} \\",
+            _wrap(["srun", *options], "") + " \\",
             f'    "$PY" -m launch.slurm.node shard --name-prefix {prefix} -- '
             '--coordinator "$ADDRESS" \\',
             '    --connect-timeout "$STARTUP_TIMEOUT" >>"$SHARDS_LOG" 2>&1 &',
