@@ -229,6 +229,8 @@ def test_cli_writes_the_script_without_submitting(tmp_path: Path) -> None:
     bad = CliRunner().invoke(main, [*args, "--epochs", "2", "--het", "a:colour=red"])
     assert bad.exit_code != 0 and "unknown key 'colour'" in bad.output
     assert "Traceback" not in bad.output
+    env = CliRunner().invoke(main, [*args, "--epochs", "2"], env={"PSLAUNCH_SLURM_TIME": "0:30:00"})
+    assert env.exit_code == 0 and "#SBATCH --time=0:30:00" in (run_dir / "job.sbatch").read_text()
     mixed = CliRunner().invoke(
         main,
         [*args, "--epochs", "2", "--het", "a:workers=2", "--slowdowns", "1,2"],

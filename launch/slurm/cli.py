@@ -94,7 +94,13 @@ def _extra(options: dict[str, Any]) -> tuple[str, ...]:
     "unless they say shards=.",
 )
 @click.option("--het", default=None, help=HET_HELP)
-@click.option("--time", "time_limit", default="01:00:00", help="The job's time limit.")
+@click.option(
+    "--time",
+    "time_limit",
+    envvar="PSLAUNCH_SLURM_TIME",
+    default="01:00:00",
+    help="The job's time limit.",
+)
 @click.option(
     "--signal-before",
     type=int,
@@ -257,3 +263,9 @@ def slurm(
         raise click.ClickException(f"job {job_id} wrote no summary: {exc}") from exc
     if not end.ok:
         raise click.ClickException(f"job {job_id} did not complete; see {job.run_dir}")
+
+
+# Every option may come from PSLAUNCH_SLURM_<OPTION>; --help shows which.
+for _param in slurm.params:
+    if isinstance(_param, click.Option):
+        _param.show_envvar = True
