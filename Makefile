@@ -11,7 +11,7 @@ SHARED ?= ../shared
 JASPER := $(SHARED)/datasets/jasper_ridge
 DEMO_DIR ?= runs/demo
 
-.PHONY: setup test lint demo bench clean slurm-testbed slurm-testbed-down
+.PHONY: setup test lint demo bench clean ci-deps slurm-testbed slurm-testbed-down
 
 setup: $(STAMP)
 
@@ -26,6 +26,18 @@ endif
 	$(PY) -m pip install --quiet -e '.[dev]'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
+
+# System packages the CI needs: Debian's Chromium and ChromeDriver for the browser test
+# (REQUIRE_BROWSER=1 in .ci/run); installed only where missing, with a bounded wait for
+# the dpkg lock.
+ci-deps:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then \
+		echo "chromium and chromedriver present"; \
+	else \
+		apt-get -o DPkg::Lock::Timeout=300 update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q \
+			chromium chromium-driver; \
+	fi
 
 test: setup
 	$(PY) -m ruff check .

@@ -1,8 +1,8 @@
 """Checkpoint write and restore time for a ResNet-18's worth of state (11,689,512 values).
 
-Measures the server's own path: capture (copy of the optimizer state between updates),
-atomic write of the .npz (temporary file, fsync, rename), then read and restore into a fresh
-trainer. SGD with momentum, so the file holds the parameters and the momentum buffer.
+Measures the server's own path: capture (a copy of the state and optimizer slots), atomic
+write of the .npz (temporary file, fsync, rename), then read and restore into a fresh store.
+SGD with momentum, so the file holds the parameters and the momentum buffer.
 
 Usage: python bench/checkpoint.py [--repeats 5]
 """
@@ -21,35 +21,41 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pserver.trainer import Trainer
-
 from bench.wire_model import RESNET18_PARAMS
 from pserver import checkpoint
-from pserver.config import ServerConfig
+from pserver.optimizer import FlatOptimizer
+from pserver.store.slices import SliceStore
+from pserver.store.stores import LocalStores  # noqa: F401  (the path the server uses)
+
+
+def _store(state: torch.Tensor) -> SliceStore:
+    optimizer = FlatOptimizer("sgd", lr=0.05, momentum=0.9)
+    return SliceStore(0, RESNET18_PARAMS, RESNET18_PARAMS, state, optimizer, [], 1 << 20)
 
 
 async def one_round(directory: Path) -> tuple[float, float, int]:
     """Write then restore one checkpoint; returns (write s, restore s, file bytes)."""
-    config = ServerConfig(dataset=Path("unused.h5"), model="bench", epochs=1)
-    trainer = Trainer(config, torch.randn(RESNET18_PARAMS), RESNET18_PARAMS, 1000)
-    await trainer.apply(torch.randn(RESNET18_PARAMS), samples=64, buffer_scale=1.0)
+    store = _store(torch.randn(RESNET18_PARAMS))
+    for offset in range(0, RESNET18_PARAMS, 1 << 20):
+        store.stage(1, 1, 0, offset, 1.0, torch.randn(min(1 << 20, RESNET18_PARAMS - offset)))
+    assert store.prepare(1, [1], [1.0], 1.0, 1.0)[0]
+    store.commit(1)  # one step: the momentum buffer is not zero
 
     begin = time.perf_counter()
-    arrays, counters = await trainer.capture()
-    path = checkpoint.write(directory, checkpoint.Checkpoint(arrays, dict(counters)))
+    names, rows = store.slot_state()
+    arrays = {"state": store.state.numpy().copy(), "slots": rows.numpy()}
+    meta = {"version": store.version, "slots": names, "optimizer_steps": 1}
+    path = checkpoint.write(directory, checkpoint.Checkpoint(arrays, meta))
     written = time.perf_counter() - begin
 
     begin = time.perf_counter()
     loaded = checkpoint.read(path)
-    fresh = Trainer(config, torch.zeros(RESNET18_PARAMS), RESNET18_PARAMS, 1000)
-    fresh.restore(loaded.arrays, loaded.meta)
+    fresh = _store(torch.from_numpy(loaded.arrays["state"]))
+    fresh.load_slots(loaded.meta["slots"], torch.from_numpy(loaded.arrays["slots"]), 1)
     restored = time.perf_counter() - begin
-    assert torch.equal(fresh.snapshot.state, trainer.snapshot.state)
-    assert torch.equal(fresh.optimizer.state["momentum"], trainer.optimizer.state["momentum"])
-    size = path.stat().st_size
-    trainer.close()
-    fresh.close()
-    return written, restored, size
+    assert torch.equal(fresh.state, store.state)
+    assert torch.equal(fresh.optimizer.state["momentum"], store.optimizer.state["momentum"])
+    return written, restored, path.stat().st_size
 
 
 def main() -> None:

@@ -275,6 +275,7 @@ def run_compare(config: CompareConfig, show_progress: bool = True) -> dict[str, 
     config.validate()
     config.out.mkdir(parents=True, exist_ok=True)
     data: dict[str, Any] = {"settings": config.settings(), "runs": []}
+    data["initial"] = _initial_scores(config)  # the curves' t = 0 point
     total = config.repeats * len(config.modes)
     with tqdm(total=total, desc="compare", unit="run", disable=not show_progress) as bar:
         for repeat in range(1, config.repeats + 1):
@@ -303,6 +304,17 @@ def _run_one(config: CompareConfig, mode: str, repeat: int, bar: tqdm) -> dict[s
             log.error("compare: %s failed: %s", label, exc)
             return {"mode": mode, "repeat": repeat, "run_dir": str(run_dir), "error": str(exc)}
     return run_record(mode, repeat, run_dir, summary, config.target_oa)
+
+
+def _initial_scores(config: CompareConfig) -> dict[str, float] | None:
+    """Scores of the initial model all runs share; None (logged) if it cannot be built."""
+    from launch.initial import initial_scores
+
+    try:
+        return initial_scores(config.dataset, config.model, config.train.seed)
+    except PSError as exc:
+        log.warning("compare: no t = 0 point: %s", exc)
+        return None
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""The comparison report: report.md (tables over repeats) and report.png (OA curves)."""
+"""The comparison report: report.md (tables over repeats) and its figures (launch/figures.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, never a display
-
-import matplotlib.pyplot as plt  # after choosing the backend
+from launch import figures
 
 RESULT_COLUMNS = (
     "mode",
@@ -150,55 +146,37 @@ def render_markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _representative(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run whose epoch time is the median of its mode (the lower one for an even count)."""
-    ordered = sorted(runs, key=lambda r: r["epoch_time_s"] or 0.0)
-    return ordered[(len(ordered) - 1) // 2]
-
-
-def plot(data: dict[str, Any], path: Path) -> None:
-    """OA against training time (left) and samples seen (right), one line per mode.
-
-    Each mode shows its median-speed repeat.
+def plot(data: dict[str, Any], path: Path) -> list[str]:
+    """OA against training time and samples seen: median line and min–max band over repeats.
 
     Args:
         data: compare.json content.
-        path: the PNG to write.
+        path: the PNG to write (an SVG is written beside it).
+
+    Returns:
+        The paths written.
     """
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
-    target = data["settings"].get("target_oa")
-    for mode in data["settings"]["modes"]:
-        runs = [r for r in data["runs"] if r["mode"] == mode and "error" not in r and r["curve"]]
-        if not runs:
-            continue
-        curve = _representative(runs)["curve"]
-        oa = [p["oa"] for p in curve]
-        left.plot([p["time_s"] for p in curve], oa, marker="o", markersize=3, label=mode)
-        right.plot([p["samples"] for p in curve], oa, marker="o", markersize=3, label=mode)
-    for axis, xlabel in ((left, "training time (s)"), (right, "samples seen")):
-        if target is not None:
-            axis.axhline(target, color="grey", linestyle="--", linewidth=0.8, label="target OA")
-        axis.set_xlabel(xlabel)
-        axis.set_ylabel("test OA")
-        axis.grid(alpha=0.3)
-        axis.legend(loc="lower right")
-    left.set_title("OA against wall-clock training time")
-    right.set_title("OA against samples seen")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return figures.plot_curves(data, path.with_suffix(""))
 
 
 def write_report(data: dict[str, Any], out: Path) -> dict[str, str]:
-    """Write ``report.md`` and ``report.png`` into ``out``.
+    """Write ``report.md``, ``report.png``/``.svg`` and the timeline and confusion figures.
 
     Args:
         data: compare.json content.
         out: the output directory.
 
     Returns:
-        The paths written, as ``{"markdown", "png"}``.
+        The paths written, as ``{"markdown", "png", "svg"}`` plus ``timeline_png``,
+        ``timeline_svg``, ``confusion_png``, ``confusion_svg`` for the figures there was
+        data for (sync round events; a final confusion matrix in the summaries).
     """
-    markdown, png = out / "report.md", out / "report.png"
+    markdown = out / "report.md"
     markdown.write_text(render_markdown(data), encoding="utf-8")
-    plot(data, png)
-    return {"markdown": str(markdown), "png": str(png)}
+    paths = {"markdown": str(markdown)}
+    paths["png"], paths["svg"] = plot(data, out / "report.png")
+    for name, draw in (("timeline", figures.plot_timeline), ("confusion", figures.plot_confusion)):
+        written = draw(data, out / name)
+        if written:
+            paths[f"{name}_png"], paths[f"{name}_svg"] = written
+    return paths

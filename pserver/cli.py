@@ -176,6 +176,17 @@ def main() -> None:
 )
 @_opt("shard_timeout_s", type=float, help="Seconds a shard may take to answer the coordinator.")
 @_opt("max_workers", type=int, help="Members the run accepts at most.")
+@_opt(
+    "http_port",
+    flag="--http",
+    type=int,
+    help="Serve a read-only live status page, /status.json and /metrics on this port "
+    "(0 picks a free one; off by default).",
+)
+@_opt(
+    "http_bind",
+    help="Address the status page binds (0.0.0.0 exposes it to the network).",
+)
 @click.option("--log-level", default="INFO", show_envvar=True, help="Logging level.")
 def start(log_level: str, **options: Any) -> None:
     """Start a parameter server (the coordinator) and serve until training ends."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import socket
 from pathlib import Path
@@ -119,6 +120,8 @@ class ServerConfig:
     stage_timeout_s: float = 120.0
     shard_timeout_s: float = 30.0
     max_workers: int = 256
+    http_port: int | None = None
+    http_bind: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -206,6 +209,11 @@ class ServerConfig:
         )
         need(self.outlier_factor > 1, f"--outlier-factor must be > 1, got {self.outlier_factor}")
         need(self.max_workers >= 1, f"--max-workers must be >= 1, got {self.max_workers}")
+        need(
+            self.http_port is None or 0 <= self.http_port <= 65535,
+            f"--http must be a port in 0..65535, got {self.http_port}",
+        )
+        need(_is_ip(self.http_bind), f"--http-bind {self.http_bind!r} is not an IP address")
         return self
 
     @property
@@ -276,6 +284,14 @@ def advertised(bound: str, advertise: str | None) -> str:
             "takes the bound port) so workers know where to reach this shard"
         )
     return bound
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 __all__ = ["ServerConfig", "ShardConfig", "check_training", "default", "need"]

@@ -94,6 +94,7 @@ class ParameterServer:
         self.roster = Roster(config.dead_after_s, self._on_dead, self.tokens, config.max_workers)
         self.owner = TaskOwner()
         self.chunk_elems = chunk_elems_for(config.chunk_bytes, config.wire_dtype)
+        self.http: Any = None  # the status page (pserver.statuspage), with --http
         self.endpoint = Endpoint(
             config.bind,
             {**WORKER_REQUESTS, **STORE_REQUESTS, ShardHello.TYPE: ShardHello},
@@ -164,8 +165,12 @@ class ParameterServer:
         """Bind the socket; ``self.address`` is then the endpoint workers connect to.
 
         Raises:
-            ConfigError: the address cannot be bound.
+            ConfigError: the address (or the status page's port) cannot be bound.
         """
+        if self.config.http_port is not None:
+            from pserver.statuspage import start_for_server
+
+            self.http = await start_for_server(self)
         self.address = self.endpoint.bind()
         warm = self.reader.train_indices[:1]
         self.owner.spawn(asyncio.get_running_loop().run_in_executor(None, self.reader.read, warm))
@@ -221,6 +226,8 @@ class ParameterServer:
 
     async def close(self) -> None:
         """Cancel outstanding tasks, close the sockets and release the dataset."""
+        if self.http is not None:
+            await self.http.close()
         if self._flusher is not None:
             self._flusher.cancel()
         await self.evaluations.close()

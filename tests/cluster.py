@@ -64,6 +64,8 @@ class Proc:
             line = self.lines.get()
             if line is not None:
                 self.seen.append(line)
+        if self.popen.stdout is not None and not self._reader.is_alive():
+            self.popen.stdout.close()
         return code
 
     def kill(self) -> None:
@@ -128,3 +130,21 @@ def events(run_dir: Path) -> list[dict[str, Any]]:
 def summary(run_dir: Path) -> dict[str, Any]:
     """The run's summary.json."""
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def start_shard(coordinator: str, name: str, *options: str) -> Proc:
+    """``pserver shard`` for ``coordinator``, on a random loopback port."""
+    return Proc(
+        [
+            "pserver.cli",
+            "shard",
+            "--coordinator",
+            coordinator,
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--name",
+            name,
+            *options,
+        ],
+        name,
+    )

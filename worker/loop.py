@@ -127,6 +127,7 @@ class Worker:
                     now = time.monotonic()
                     if isinstance(exc, ServerLost) and str(exc) == TRAINING_ENDED:
                         log.info("the server ended training")
+                        self._leave(TRAINING_ENDED)
                         break
                     if not self._ever_joined:
                         self._not_yet_joined(exc, time.perf_counter() - begin)

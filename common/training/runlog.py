@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -17,6 +18,7 @@ log = logging.getLogger(__name__)
 IMMEDIATE = frozenset(
     {"start", "train_start", "eval", "epoch", "join", "leave", "checkpoint", "resume", "finish"}
 )
+Sink = Callable[[dict[str, Any]], None]
 
 
 class RunLog:
@@ -24,23 +26,42 @@ class RunLog:
 
     A failing write (full disk, removed directory) never raises into training: it is logged,
     kept in ``error`` and further events stay in memory only; the server reports it at the end.
+    Every event is also handed to each sink (``add_sink``); a run directory gets a
+    TensorBoard sink (``common.training.tbsink``) unless ``tensorboard`` is False.
 
     Args:
         run_dir: the run directory, created if missing; None keeps events in memory only.
         resume_at: continue an earlier run's clock from this many seconds and append to its
             ``metrics.jsonl`` (None: a new run, a new file).
+        tensorboard: write TensorBoard event files under ``run_dir/tensorboard``.
     """
 
-    def __init__(self, run_dir: Path | None, resume_at: float | None = None) -> None:
+    def __init__(
+        self, run_dir: Path | None, resume_at: float | None = None, tensorboard: bool = True
+    ) -> None:
         self.started = time.monotonic() - (resume_at or 0.0)
         self.run_dir = run_dir
         self._file: IO[str] | None = None
         self.events: list[dict[str, Any]] = []
         self.error = ""
+        self._sinks: list[Sink] = []
+        self._closers: list[Callable[[], None]] = []
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
             mode = "w" if resume_at is None else "a"
             self._file = (run_dir / "metrics.jsonl").open(mode, encoding="utf-8")
+            if tensorboard:
+                from common.training.tbsink import TensorBoardSink
+
+                board = TensorBoardSink(run_dir, fresh=resume_at is None)
+                board.set_clock(self.now())
+                self.add_sink(board, board.close)
+
+    def add_sink(self, sink: Sink, close: Callable[[], None] | None = None) -> None:
+        """Hand every later event to ``sink`` (it must not block); ``close`` runs on close."""
+        self._sinks.append(sink)
+        if close is not None:
+            self._closers.append(close)
 
     def now(self) -> float:
         """Seconds since the run started."""
@@ -57,6 +78,8 @@ class RunLog:
                     self._file.flush()
             except (OSError, ValueError) as exc:
                 self._failed(exc)
+        for sink in self._sinks:
+            sink(record)
         return record
 
     def flush(self) -> None:
@@ -96,7 +119,10 @@ class RunLog:
             raise
 
     def close(self) -> None:
-        """Flush and close ``metrics.jsonl``."""
+        """Close the sinks (TensorBoard flushes), then flush and close ``metrics.jsonl``."""
+        closers, self._closers, self._sinks = self._closers, [], []
+        for close in closers:
+            close()
         self.flush()
         if self._file is not None:
             try:

@@ -1,0 +1,129 @@
+"""Report figures by hand: median and band, the t = 0 point, timeline and confusion files."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from launch import figures
+from launch.initial import initial_scores
+from tests.live import live_server
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _settings(modes: list[str]) -> dict:
+    return {
+        "modes": modes,
+        "dataset": "/data/jasper.h5",
+        "model": "hsi-cnn",
+        "slowdowns": [1.0, 4.0],
+        "repeats": 2,
+        "target_oa": 0.8,
+        "train": {
+            "global_batch": 64,
+            "optimizer": "sgd",
+            "lr": 0.05,
+            "lr_schedule": "cosine",
+            "epochs": 3,
+            "max_steps": None,
+            "seed": 0,
+        },
+    }
+
+
+def _run(mode: str, repeat: int, curve: list[tuple[float, int, float]], **extra: object) -> dict:
+    return {
+        "mode": mode,
+        "repeat": repeat,
+        "run_dir": extra.pop("run_dir", "/nonexistent"),
+        "epoch_time_s": curve[-1][0] / len(curve),
+        "curve": [{"time_s": t, "samples": s, "oa": oa} for t, s, oa in curve],
+        "summary": extra.pop("summary", {}),
+    }
+
+
+def test_median_band_by_hand() -> None:
+    a = np.array([[0.0, 0.2], [1.0, 0.6], [2.0, 0.8]])
+    b = np.array([[0.0, 0.2], [2.0, 0.4]])  # ends at x = 2 too, coarser
+    c = np.array([[0.0, 0.2], [1.0, 1.0]])  # ends early: absent beyond x = 1
+    x, med, low, high = figures.median_band([a, b, c])
+    assert x.tolist() == [0.0, 1.0, 2.0]
+    assert med.tolist() == pytest.approx([0.2, 0.6, 0.6])  # at 1: median of 0.6, 0.3, 1.0
+    assert low.tolist() == pytest.approx([0.2, 0.3, 0.4])
+    assert high.tolist() == pytest.approx([0.2, 1.0, 0.8])
+
+
+def test_curve_points_start_at_zero_with_the_initial_model() -> None:
+    run = _run("async", 1, [(1.5, 100, 0.6), (3.0, 200, 0.7)])
+    assert figures.curve_points(run, "time_s", 0.25).tolist() == [[0, 0.25], [1.5, 0.6], [3, 0.7]]
+    assert figures.curve_points(run, "samples", None).tolist() == [[100, 0.6], [200, 0.7]]
+
+
+def test_settings_title_names_the_settings() -> None:
+    title = figures.settings_title(_settings(["async"]))
+    for part in ("jasper.h5", "hsi-cnn", "slowdowns 1,4", "B=64", "lr 0.05 (cosine)", "3 epochs"):
+        assert part in title
+
+
+def _round(t: float, round_s: float, batches: tuple[int, int]) -> dict:
+    workers = [
+        {"worker": name, "batch": b, "speed": 100.0}
+        for name, b in zip(("w0", "w1"), batches, strict=True)
+    ]
+    return {"event": "round", "t": t, "round": int(t), "round_s": round_s, "workers": workers}
+
+
+def test_figures_are_written_as_png_and_svg(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
+    for run_dir in (sync_dir, async_dir):
+        run_dir.mkdir()
+    rounds = [_round(1.0 + i, 0.5, (40, 10)) for i in range(30)]
+    (sync_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    (async_dir / "metrics.jsonl").write_text(json.dumps({"event": "push", "t": 1.0}) + "\n")
+    confusion = {"names": ["water", "soil"], "accuracy": [0.9, 0.5], "confusion": [[9, 1], [3, 3]]}
+    data = {
+        "settings": _settings(["weighted-sync", "async"]),
+        "initial": {"oa": 0.25},
+        "runs": [
+            _run("weighted-sync", 1, [(1.0, 100, 0.6)], run_dir=str(sync_dir)),
+            _run("weighted-sync", 2, [(1.2, 100, 0.7)], run_dir=str(sync_dir)),
+            _run("async", 1, [(1.0, 100, 0.5)], run_dir=str(async_dir), summary={}),
+        ],
+    }
+    written = figures.plot_curves(data, tmp_path / "report")
+    assert [Path(p).name for p in written] == ["report.png", "report.svg"]
+    assert "weighted-sync (2 runs)" in Path(written[1]).read_text()
+    assert Path(written[0]).read_bytes().startswith(PNG_SIGNATURE)
+    assert "<svg" in Path(written[1]).read_text()
+    timeline = figures.plot_timeline(data, tmp_path / "timeline")
+    assert timeline is not None and all(Path(p).stat().st_size > 1000 for p in timeline)
+    svg = Path(timeline[1]).read_text()
+    assert "weighted-sync" in svg and "async," not in svg  # only the sync mode has a panel
+    with caplog.at_level(logging.INFO, logger="launch.figures"):
+        assert figures.plot_confusion(data, tmp_path / "confusion") is None
+    assert "confusion-matrix figure skipped" in caplog.text
+    assert not (tmp_path / "confusion.png").exists()
+    data["runs"][-1]["summary"] = {"per_class": confusion}  # the async run
+    written = figures.plot_confusion(data, tmp_path / "confusion")
+    assert written is not None and Path(written[0]).read_bytes().startswith(PNG_SIGNATURE)
+    assert "soil" in Path(written[1]).read_text()
+    matrix, names = figures.confusion_of({"per_class": confusion})
+    assert matrix.tolist() == [[9, 1], [3, 3]] and names == ["water", "soil"]
+    assert figures.confusion_of({"per_class": {"confusion": [[1, 2]]}}) is None  # not square
+
+
+async def test_initial_scores_are_the_servers_version_zero(small_hsi: Path) -> None:
+    async with live_server(small_hsi, seed=3) as server:
+        version, state = server.trainer.snapshot
+        served = server.evaluator.evaluate(state.numpy())
+    assert version == 0
+    mine = initial_scores(small_hsi, "hsi-cnn", seed=3)
+    assert mine == {"oa": served.oa, "aa": served.aa, "kappa": served.kappa, "loss": served.loss}
+    assert initial_scores(small_hsi, "hsi-cnn", seed=4) != mine  # the seed matters
