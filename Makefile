@@ -11,7 +11,7 @@ SHARED ?= ../shared
 JASPER := $(SHARED)/datasets/jasper_ridge
 DEMO_DIR ?= runs/demo
 
-.PHONY: setup test lint demo bench clean ci-deps
+.PHONY: setup test lint demo bench clean ci-deps slurm-testbed slurm-testbed-down
 
 setup: $(STAMP)
 
@@ -54,6 +54,14 @@ demo: setup
 bench: setup
 	$(PY) bench/wire.py
 	$(PY) bench/sync_round.py
+
+# A real Slurm on this machine for the tests marked 'slurm' (needs root: installs Debian's
+# slurm-wlm and munge when missing, starts a controller and 3 nodes on 127.0.0.1).
+slurm-testbed:
+	bash launch/slurm/testbed.sh up
+
+slurm-testbed-down:
+	bash launch/slurm/testbed.sh down
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache *.egg-info

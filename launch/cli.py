@@ -16,6 +16,7 @@ from launch.compare import MODES_HELP, CompareConfig, run_compare
 from launch.ddp.launcher import BACKENDS, DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
 from launch.slowdowns import SCHEDULES_HELP, parse_schedules
+from launch.slurm.cli import slurm
 from launch.table import summary_tables
 from pserver.config import MODES, STALENESS
 
@@ -260,6 +261,8 @@ def _run(runner: Callable[[Any], dict[str, Any]], config: Any) -> dict[str, Any]
         click.echo("pslaunch: interrupted; the processes were stopped", err=True)
         sys.exit(130)
 
+
+main.add_command(slurm)
 
 if __name__ == "__main__":
     sys.exit(main())

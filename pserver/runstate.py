@@ -63,4 +63,7 @@ class RunState:
         self.time_to_target = meta["time_to_target"]
         self.epochs_done = meta["epochs_done"]
         self.evals = list(meta["evals"])
-        self.finish_reason = meta.get("finish_reason", "")
+        # A run stopped by a signal (scancel, a Slurm time limit) goes on when resumed; only
+        # a run that ended by itself (epochs, steps, target, failure) stays ended.
+        reason = meta.get("finish_reason", "")
+        self.finish_reason = "" if reason == "stopped" else reason

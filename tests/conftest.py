@@ -1,4 +1,4 @@
-"""Shared pytest fixtures: the real Jasper Ridge data (skipped or failed when absent)."""
+"""Shared pytest fixtures: real Jasper Ridge data and the Slurm testbed (skipped when absent)."""
 
 from __future__ import annotations
 
@@ -49,3 +49,43 @@ def small_hsi(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("synth") / "small_hsi.h5"
     synth_hsi(out, bands=16, size=24, classes=4, train_fraction=0.3, seed=1)
     return out
+
+
+TESTBED = Path(__file__).resolve().parents[1] / "launch/slurm/testbed.sh"
+TESTBED_MARK = "# rs-pserver Slurm testbed"
+
+
+def _slurm_problem() -> str | None:
+    """Why the project's Slurm testbed is not usable (None: it is up); starts it as root."""
+    import shutil
+    import subprocess
+
+    conf = Path("/etc/slurm/slurm.conf")
+    if conf.is_file() and not conf.read_text(encoding="utf-8").startswith(TESTBED_MARK):
+        return f"{conf} belongs to another Slurm, not the project's testbed"
+    if os.geteuid() != 0:
+        if shutil.which("sinfo") is None:
+            return "Slurm is not installed, and installing the testbed needs root"
+        up = subprocess.run([str(TESTBED), "status"], capture_output=True, text=True, timeout=60)
+        return None if up.returncode == 0 else "the Slurm testbed is down (start it as root)"
+    try:
+        done = subprocess.run(
+            ["bash", str(TESTBED), "up"], capture_output=True, text=True, timeout=900
+        )
+    except subprocess.TimeoutExpired:
+        return "launch/slurm/testbed.sh up took more than 900 s"
+    if done.returncode != 0:
+        return f"launch/slurm/testbed.sh up failed: {done.stderr.strip()[-2000:]}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def slurm_testbed() -> None:
+    """The project's Slurm testbed, started when needed; skips where it cannot run, fails
+    when REQUIRE_SLURM=1."""
+    reason = _slurm_problem()
+    if reason is None:
+        return
+    if os.environ.get("REQUIRE_SLURM") == "1":
+        pytest.fail(f"{reason} (REQUIRE_SLURM=1 requires Slurm)")
+    pytest.skip(reason)

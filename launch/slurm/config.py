@@ -1,0 +1,154 @@
+"""What ``pslaunch slurm`` writes into a job script: one validated config."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from pathlib import Path
+
+from common.errors import ConfigError
+from launch.settings import TrainSettings
+from launch.slurm.groups import Group, ServerPlace
+
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+@,=:-]+$")
+
+
+def time_limit_s(text: str) -> int:
+    """Seconds in a Slurm time limit (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH[:MM[:SS]]``).
+
+    Args:
+        text: the ``--time`` value.
+
+    Returns:
+        The limit in seconds.
+
+    Raises:
+        ConfigError: the text is not one of Slurm's time formats.
+    """
+    match = _TIME.match(text.strip())
+    if not match:
+        raise ConfigError(f"--time {text!r} is not a Slurm time (e.g. 30, 1:00:00, 2-00:00:00)")
+    days, a, b, c = match.groups()
+    parts = [int(x) for x in (a, b, c) if x is not None]
+    if days is not None:  # D-HH, D-HH:MM, D-HH:MM:SS
+        hours, minutes, seconds = [*parts, 0, 0][:3]
+        return ((int(days) * 24 + hours) * 60 + minutes) * 60 + seconds
+    if len(parts) == 1:  # minutes
+        return parts[0] * 60
+    if len(parts) == 2:  # minutes:seconds
+        return parts[0] * 60 + parts[1]
+    return (parts[0] * 60 + parts[1]) * 60 + parts[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmJob:
+    """A parameter-server training run as one Slurm job.
+
+    Attributes:
+        dataset, model, mode: as for ``pserver start`` (the dataset path as seen on the nodes).
+        run_dir: the run directory, on a file system every node of the job sees.
+        groups: the workers: one group for a plain job, one per component for a hetjob.
+        het: write a heterogeneous job (one component per group, plus ``server`` if given).
+        server: the hetjob's own server component (None: the server runs on the job's first
+            node, next to the first group's workers).
+        train: the training settings passed to the server.
+        server_options: further ``pserver start`` options.
+        worker_options: further ``worker join`` options.
+        partition: the partition of a plain job (None: the cluster's default).
+        time: the job's time limit in Slurm's format.
+        signal_before_s: Slurm sends TERM to the job script this long before the time limit,
+            so the server writes its checkpoint and summary in time.
+        requeue: after that warning, requeue the job; the next run resumes.
+        resume: continue the run in ``run_dir`` from its newest checkpoint.
+        python: the Python interpreter with rs-pserver installed, as seen on the nodes.
+        job_name: Slurm's job name.
+        startup_timeout_s: how long the job waits for the server to listen.
+        stop_timeout_s: how long the job waits for the workers after the server has ended.
+        sbatch_options: further ``#SBATCH`` options (for the first component of a hetjob).
+    """
+
+    dataset: Path
+    model: str
+    mode: str
+    run_dir: Path
+    groups: tuple[Group, ...]
+    train: TrainSettings
+    het: bool = False
+    server: ServerPlace | None = None
+    server_options: tuple[str, ...] = ()
+    worker_options: tuple[str, ...] = ()
+    partition: str | None = None
+    time: str = "01:00:00"
+    signal_before_s: int = 180
+    requeue: bool = True
+    resume: bool = False
+    python: str = sys.executable
+    job_name: str = "rs-pserver"
+    startup_timeout_s: float = 300.0
+    stop_timeout_s: float = 60.0
+    sbatch_options: tuple[str, ...] = ()
+
+    @property
+    def workers(self) -> int:
+        """All worker tasks of the job."""
+        return sum(group.workers for group in self.groups)
+
+    @property
+    def shards(self) -> int:
+        """Parameter shard servers (0: the server keeps the parameters)."""
+        return sum(group.shards for group in self.groups)
+
+    def validate(self) -> SlurmJob:
+        """Check the job.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            ConfigError: a value is out of range; the message quotes it.
+        """
+        if not self.groups:
+            raise ConfigError("the job has no workers")
+        for group in self.groups:
+            group.validate()
+        if self.shards == 1:
+            raise ConfigError(
+                "one shard keeps the parameters in the server: give no shards or at least 2"
+            )
+        if not self.het and (len(self.groups) != 1 or self.server is not None):
+            raise ConfigError("a plain job has one worker group and no server component")
+        limit = time_limit_s(self.time)
+        if limit <= 0:
+            raise ConfigError(f"--time must be positive, got {self.time!r}")
+        if not 0 <= self.signal_before_s <= 65535:
+            raise ConfigError(
+                f"--signal-before must be in [0, 65535] s, got {self.signal_before_s}"
+            )
+        if self.signal_before_s >= limit:
+            raise ConfigError(
+                f"--signal-before {self.signal_before_s} s leaves no time to train within "
+                f"--time {self.time}"
+            )
+        if not _SAFE_NAME.match(self.job_name):
+            raise ConfigError(f"--job-name {self.job_name!r}: use letters, digits, '.', '_', '-'")
+        for name, value in (
+            ("--startup-timeout", self.startup_timeout_s),
+            ("--stop-timeout", self.stop_timeout_s),
+        ):
+            if value <= 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
+        for option in self.sbatch_options:
+            if not option.startswith("--") or "\n" in option:
+                raise ConfigError(f"--sbatch-opt {option!r} must be one '--name[=value]' option")
+        for path in (self.dataset, self.run_dir):
+            if not path.is_absolute():
+                raise ConfigError(f"{path} must be an absolute path in a job script")
+        if not _SAFE_PATH.match(str(self.run_dir)):
+            raise ConfigError(
+                f"--run-dir {str(self.run_dir)!r}: #SBATCH lines need a path without spaces, "
+                "quotes or shell characters"
+            )
+        return self

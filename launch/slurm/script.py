@@ -1,0 +1,369 @@
+"""Render a ``SlurmJob`` as a readable, commented ``job.sbatch`` that also works by hand."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Iterable
+
+from launch.slurm.config import SlurmJob
+from launch.slurm.groups import Group
+
+STEP_LOG = "workers-$SLURM_JOB_ID.$ATTEMPT.log"
+
+_HEADER = """\
+#!/bin/bash
+# rs-pserver training job, written by `pslaunch slurm`. Edit it freely; submit it with
+#   sbatch {script}
+# Written for:
+#   {command}
+#
+# The parameter server runs in this script, on the job's first node; the workers run as
+# srun steps: {layout}. The job ends when training ends.
+# A TERM (scancel, or Slurm's warning {before} s before the time limit: --signal) makes the
+# server write a checkpoint and summary.json before it exits{requeue}.
+"""
+
+_BODY = """
+set -uo pipefail
+
+# --- settings ----------------------------------------------------------------------------
+# A Python with rs-pserver installed, at the same path on every node.
+PY={python}
+# The run directory (metrics.jsonl, summary.json, checkpoints/, logs), seen by every node.
+RUN_DIR={run_dir}
+DATASET={dataset}
+# 'pserver start' options (see: $PY -m pserver.cli start --help).
+SERVER_ARGS=(
+{server_args})
+# 'worker join' options for every worker (see: $PY -m worker.cli join --help).
+WORKER_ARGS=(
+{worker_args})
+# Seconds the server may take to start listening, and the workers to leave once it has ended.
+STARTUP_TIMEOUT={startup_timeout:g}
+STOP_TIMEOUT={stop_timeout:g}
+# 1: continue from the newest checkpoint in RUN_DIR (a requeued job always does).
+RESUME={resume}
+# 1: a TERM while the job is still RUNNING (the time-limit warning, or
+# 'scancel --batch --signal=TERM') requeues the job once the server has written its checkpoint.
+REQUEUE={requeue}
+
+export PYTHONUNBUFFERED=1
+ATTEMPT=${{SLURM_RESTART_COUNT:-0}}
+mkdir -p "$RUN_DIR"
+
+# --- the server, on this node (the job's first) --------------------------------------------
+# MASTER_ADDR and MASTER_PORT, when set, are the address and port it listens on; by default
+# this node's Slurm address (NodeAddr) and a free port.
+FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+NODE_ADDR=$(scontrol show node "$FIRST_NODE" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+SERVER_HOST=${{MASTER_ADDR:-${{NODE_ADDR:-$FIRST_NODE}}}}
+SERVER_PORT=${{MASTER_PORT:-0}}
+RESUME_ARGS=()
+if [[ $RESUME == 1 ]] \\
+    || {{ ((ATTEMPT > 0)) && compgen -G "$RUN_DIR/checkpoints/ckpt-*.npz" >/dev/null; }}; then
+    RESUME_ARGS=(--resume)
+fi
+SERVER_LOG=$RUN_DIR/server-$SLURM_JOB_ID.$ATTEMPT.log
+echo "job $SLURM_JOB_ID (attempt $ATTEMPT): server on $FIRST_NODE, log $SERVER_LOG"
+echo "job: {nodes}"
+"$PY" -m pserver.cli start --bind "tcp://$SERVER_HOST:$SERVER_PORT" --dataset "$DATASET" \\
+    --run-dir "$RUN_DIR" "${{SERVER_ARGS[@]}}" "${{RESUME_ARGS[@]}}" >"$SERVER_LOG" 2>&1 &
+SERVER_PID=$!
+
+# A TERM to this script alone (Slurm's time-limit warning, or 'scancel --batch') goes on to
+# the server, which writes a checkpoint and summary.json and stops the workers. After a plain
+# 'scancel' (job no longer RUNNING) Slurm signals the server itself; a second TERM would cut
+# its shutdown short, so none is sent.
+STOPPED=0
+on_term() {{
+    local state
+    state=$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>/dev/null | head -n 1)
+    if [[ $state == CANCELLED || $state == COMPLETING ]]; then
+        echo "job: cancelled; Slurm stops the server and the workers"
+        return
+    fi
+    [[ $state == RUNNING ]] && STOPPED=1
+    echo "job: TERM received (job ${{state:-state unknown}}); stopping the server"
+    kill -TERM "$SERVER_PID" 2>/dev/null
+}}
+trap on_term TERM
+
+# The address workers connect to: the last "start" event in metrics.jsonl, once it listens.
+if ! ADDRESS=$("$PY" -m launch.slurm.node address --run-dir "$RUN_DIR" --log "$SERVER_LOG" \\
+    --pid "$SERVER_PID" --timeout "$STARTUP_TIMEOUT"); then
+    echo "job: the server did not start; the end of $SERVER_LOG:" >&2
+    tail -n 30 "$SERVER_LOG" >&2
+    kill -TERM "$SERVER_PID" 2>/dev/null
+    wait "$SERVER_PID"
+    exit 1
+fi
+echo "job: the server listens on $ADDRESS"
+{shards}
+# --- the workers ---------------------------------------------------------------------------
+# Each task runs 'worker join' with its own slowdown, name and device: launch.slurm.node
+# reads SLURM_PROCID, SLURM_LOCALID and CUDA_VISIBLE_DEVICES (a task that sees one GPU uses
+# cuda:0; tasks sharing a node's GPUs use cuda:SLURM_LOCALID).
+WORKERS_LOG=$RUN_DIR/{step_log}
+(
+{steps}
+    wait
+    # Every worker has ended. Training normally ended first; if the server still runs (all
+    # workers failed), stop it after STOP_TIMEOUT seconds.
+    timeout "$STOP_TIMEOUT" tail --pid="$SERVER_PID" -f /dev/null || kill -TERM "$SERVER_PID"
+) >>"$WORKERS_LOG" 2>&1 &
+WORKERS_PID=$!
+
+# --- the end ------------------------------------------------------------------------------
+STEP_PIDS=("$WORKERS_PID" "${{SHARD_PIDS[@]}}")
+# 'wait' returns early when a TERM arrives: wait again until the server has really exited.
+wait_for() {{
+    while kill -0 "$1" 2>/dev/null; do wait "$1"; done
+    wait "$1"
+}}
+wait_for "$SERVER_PID"
+SERVER_RC=$?
+echo "job: the server exited with code $SERVER_RC"
+# The workers (and shards) were told to stop; Slurm ends any step still running when this
+# script exits.
+for pid in "${{STEP_PIDS[@]}}"; do
+    timeout "$STOP_TIMEOUT" tail --pid="$pid" -f /dev/null \\
+        || echo "job: steps still running $STOP_TIMEOUT s after the server; ending the job"
+done
+if [[ $STOPPED == 1 && $REQUEUE == 1 ]]; then
+    STATE=$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>/dev/null | head -n 1)
+    if [[ $STATE == RUNNING ]]; then
+        echo "job: stopped while running; requeueing (the next run resumes from the checkpoint)"
+        scontrol requeue "$SLURM_JOB_ID"
+    fi
+fi
+exit "$SERVER_RC"
+"""
+
+
+def _quote_lines(args: Iterable[str]) -> str:
+    """Options as bash array items, one option (with its value) per line."""
+    lines: list[list[str]] = []
+    for arg in args:
+        if arg.startswith("--") or not lines:
+            lines.append([arg])
+        else:
+            lines[-1].append(arg)
+    return "".join("    " + " ".join(shlex.quote(a) for a in line) + "\n" for line in lines)
+
+
+def resources(group: Group) -> list[str]:
+    """The resource options shared by a group's ``#SBATCH`` lines and its srun step.
+
+    Args:
+        group: the worker group.
+
+    Returns:
+        Options such as ``--ntasks=2``, ``--cpus-per-task=1``, ``--gpus-per-task=1``.
+    """
+    options = [f"--ntasks={group.workers}", f"--cpus-per-task={group.cpus}"]
+    if group.nodes is not None:
+        options.append(f"--nodes={group.nodes}")
+    if group.tasks_per_node is not None:
+        options.append(f"--ntasks-per-node={group.tasks_per_node}")
+    if group.gpus_per_worker:
+        options.append(f"--gpus-per-task={group.gpus_per_worker}")
+    if group.gpus_per_node:
+        options.append(f"--gpus-per-node={group.gpus_per_node}")
+    return options
+
+
+def _placement(partition: str | None, constraint: str | None) -> list[str]:
+    options = []
+    if partition:
+        options.append(f"--partition={partition}")
+    if constraint:
+        options.append(f"--constraint={constraint}")
+    return options
+
+
+def _sbatch_lines(job: SlurmJob) -> list[str]:
+    """The ``#SBATCH`` block: job-wide options, then one block per component."""
+    run_dir = job.run_dir  # checked: no characters that need quoting
+    common = [
+        f"--job-name={job.job_name}",
+        f"--output={run_dir}/slurm-%j.out",
+        "--open-mode=append",
+        f"--time={job.time}",
+        f"--signal=B:TERM@{job.signal_before_s}",
+        "--requeue" if job.requeue else "--no-requeue",
+        *job.sbatch_options,
+    ]
+    lines = ["# Job-wide: name, log, time limit, the TERM before it, requeue."]
+    lines += [f"#SBATCH {o}" for o in common]
+    if not job.het:
+        group = job.groups[0]
+        lines.append(f"# {group.workers} workers, one task each; the server shares the first node.")
+        lines += [f"#SBATCH {o}" for o in _placement(job.partition, group.constraint)]
+        lines += [f"#SBATCH {o}" for o in resources(group)]
+        return lines
+    if job.server is not None:
+        place = job.server
+        lines.append("# Component 0: the server alone.")
+        lines += [f"#SBATCH {o}" for o in _placement(place.partition, place.constraint)]
+        lines += ["#SBATCH --nodes=1", "#SBATCH --ntasks=1"]
+        lines.append(f"#SBATCH --cpus-per-task={place.cpus}")
+    for index, group in enumerate(job.groups):
+        component = index + (job.server is not None)
+        if component > 0:
+            lines.append("#SBATCH hetjob")
+        where = " (the server shares its first node)" if component == 0 else ""
+        lines.append(f"# Component {component}: workers {group.name!r}{where}.")
+        lines += [f"#SBATCH {o}" for o in _placement(group.partition, group.constraint)]
+        lines += [f"#SBATCH {o}" for o in resources(group)]
+    return lines
+
+
+def _step(job: SlurmJob, index: int, group: Group) -> str:
+    """One srun step running a group's workers in the background."""
+    options = []
+    if job.het:
+        options.append(f"--het-group={index + (job.server is not None)}")
+    options += resources(group)
+    options += ["--kill-on-bad-exit=0", "--label"]
+    factors = [f"{f:g}" for f in group.slowdowns]
+    slowdowns = factors[0] if len(set(factors)) == 1 else ",".join(factors)
+    prefix = "w" if not job.het else f"{group.name}-w"
+    gpu = "--gpu" if group.gpus else "--no-gpu"
+    return (
+        f"    # group {group.name!r}: {group.workers} worker(s), slowdown {slowdowns}\n"
+        + _wrap(["srun", *options], "    ")
+        + " \\\n"
+        f'        "$PY" -m launch.slurm.node worker --name-prefix {prefix} '
+        f"--slowdowns {slowdowns} {gpu} -- \\\n"
+        f'        --server "$ADDRESS" --threads {group.cpus} "${{WORKER_ARGS[@]}}" &'
+    )
+
+
+def _wrap(words: list[str], indent: str, width: int = 96) -> str:
+    """Words joined into shell lines of at most ``width`` characters, continued with '\\'."""
+    lines = [indent + words[0]]
+    for word in words[1:]:
+        if len(lines[-1]) + 1 + len(word) > width:
+            lines[-1] += " \\"
+            lines.append(indent + "    " + word)
+        else:
+            lines[-1] += " " + word
+    return "\n".join(lines)
+
+
+def _nodes_line(job: SlurmJob) -> str:
+    """An echo of where the job runs: its nodes, or each component's nodes."""
+    if not job.het:
+        return "nodes $SLURM_JOB_NODELIST"
+    count = len(job.groups) + (job.server is not None)
+    return "components on " + ",".join(
+        f"${{SLURM_JOB_NODELIST_HET_GROUP_{i}}}" for i in range(count)
+    )
+
+
+def _shards(job: SlurmJob) -> str:
+    """The shard servers' srun steps (none without shards)."""
+    lines = [
+        "",
+        "# --- parameter shards, on the workers' nodes ----------------------------------------",
+        "SHARD_PIDS=()",
+    ]
+    if job.shards < 2:
+        lines.insert(2, "# None: the server keeps the parameters (pslaunch slurm --shards K).")
+        return "\n".join(lines) + "\n"
+    lines.insert(
+        2,
+        f"# {job.shards} 'pserver shard' servers hold 1/{job.shards} of the state each, spread "
+        "one per node\n# (--distribution=cyclic) next to the workers; the server waits for all "
+        "of them.",
+    )
+    lines.append("SHARDS_LOG=$RUN_DIR/shards-$SLURM_JOB_ID.$ATTEMPT.log")
+    for index, group in enumerate(job.groups):
+        if not group.shards:
+            continue
+        options = []
+        if job.het:
+            options.append(f"--het-group={index + (job.server is not None)}")
+        options += [
+            "--overlap",
+            f"--ntasks={group.shards}",
+            "--cpus-per-task=1",
+            "--distribution=cyclic",
+            "--kill-on-bad-exit=0",
+            "--label",
+        ]
+        prefix = "shard" if not job.het else f"{group.name}-shard"
+        lines += [
+            _wrap(["srun", *options], "") + " \\",
+            f'    "$PY" -m launch.slurm.node shard --name-prefix {prefix} -- '
+            '--coordinator "$ADDRESS" \\',
+            '    --connect-timeout "$STARTUP_TIMEOUT" >>"$SHARDS_LOG" 2>&1 &',
+            "SHARD_PIDS+=($!)",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def server_args(job: SlurmJob) -> tuple[str, ...]:
+    """The ``pserver start`` options of the job, without bind, dataset, run dir and resume."""
+    shards = ("--shards", str(job.shards)) if job.shards > 1 else ()
+    return (
+        "--model",
+        job.model,
+        "--mode",
+        job.mode,
+        "--workers",
+        str(job.workers),
+        *shards,
+        *job.train.server_args(),
+        *job.server_options,
+    )
+
+
+def worker_args(job: SlurmJob, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The ``worker join`` options every worker gets (not server, name, slowdown, device)."""
+    return (*extra, *job.worker_options)
+
+
+def render(job: SlurmJob, command: str, script: str, worker_extra: tuple[str, ...] = ()) -> str:
+    """The job script's text.
+
+    Args:
+        job: the validated job.
+        command: the command line that made it (quoted in the header).
+        script: where the script is written (quoted in the header).
+        worker_extra: ``worker join`` options the launcher adds for every worker.
+
+    Returns:
+        The complete script.
+    """
+    if job.het:
+        layout = f"one srun step per component, {job.workers} tasks in all"
+    else:
+        layout = f"one srun step, one task per worker, {job.workers} tasks"
+    head = _HEADER.format(
+        script=script,
+        command=command,
+        layout=layout,
+        before=job.signal_before_s,
+        requeue=";\n# after the time-limit warning the job is requeued and resumes"
+        if job.requeue
+        else "",
+    )
+    steps = "\n".join(_step(job, i, g) for i, g in enumerate(job.groups))
+    body = _BODY.format(
+        python=shlex.quote(job.python),
+        run_dir=shlex.quote(str(job.run_dir)),
+        dataset=shlex.quote(str(job.dataset)),
+        server_args=_quote_lines(server_args(job)),
+        worker_args=_quote_lines(worker_args(job, worker_extra)),
+        startup_timeout=job.startup_timeout_s,
+        stop_timeout=job.stop_timeout_s,
+        resume=int(job.resume),
+        requeue=int(job.requeue),
+        layout=layout,
+        nodes=_nodes_line(job),
+        shards=_shards(job),
+        step_log=STEP_LOG,
+        steps=steps,
+    )
+    return head + "\n".join(_sbatch_lines(job)) + "\n" + body

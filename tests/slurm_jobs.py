@@ -1,0 +1,113 @@
+"""Helpers for tests that run real Slurm jobs: launch, wait for events, cancel, show logs."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB_TIMEOUT_S = 300.0
+
+
+def pslaunch(*args: str, timeout: float = JOB_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    """Run ``pslaunch ARGS`` and return its result (output captured)."""
+    return subprocess.run(
+        [sys.executable, "-m", "launch.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def job_id_of(output: str) -> str:
+    """The job id from pslaunch's 'submitted job N' line."""
+    for line in output.splitlines():
+        if "submitted job " in line:
+            return line.split("submitted job ", 1)[1].split()[0]
+    raise AssertionError(f"no 'submitted job' line in:\n{output}")
+
+
+def logs(run_dir: Path, tail: int = 60) -> str:
+    """The job's own output and the last lines of its server and worker logs."""
+    parts = []
+    for pattern in ("slurm-*.out", "server-*.log", "workers-*.log"):
+        for path in sorted(run_dir.glob(pattern)):
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()[-tail:]
+            parts.append(f"----- {path.name}\n" + "\n".join(lines))
+    return "\n".join(parts) or f"(no logs in {run_dir})"
+
+
+@contextlib.contextmanager
+def jobs_shown_and_cancelled(run_dir: Path, jobs: list[str]) -> Iterator[None]:
+    """On failure print the run's logs; always cancel the listed jobs that still run."""
+    try:
+        yield
+    except BaseException:
+        print(logs(run_dir))
+        raise
+    finally:
+        for job in jobs:
+            subprocess.run(["scancel", job], capture_output=True, timeout=30)
+
+
+def events(run_dir: Path) -> list[dict[str, Any]]:
+    """The complete lines of ``metrics.jsonl``."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            records.append(json.loads(line))
+    return records
+
+
+def wait_for_event(
+    run_dir: Path, name: str, after: str | None = None, timeout: float = JOB_TIMEOUT_S
+) -> dict[str, Any]:
+    """Block until ``metrics.jsonl`` holds an event ``name`` (after the last event ``after``,
+    when given); the file is re-read every 0.2 s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        records = events(run_dir)
+        if after is not None:
+            marks = [i for i, e in enumerate(records) if e.get("event") == after]
+            records = records[marks[-1] + 1 :] if marks else []
+        found = [e for e in records if e.get("event") == name]
+        if found:
+            return found[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no {name!r} event in {run_dir} within {timeout} s\n{logs(run_dir)}")
+
+
+def scontrol_job(job: str) -> str:
+    """``scontrol show job --oneliner`` of a job ('' when Slurm no longer knows it)."""
+    done = subprocess.run(
+        ["scontrol", "show", "job", "--oneliner", job], capture_output=True, text=True, timeout=30
+    )
+    return done.stdout if done.returncode == 0 else ""
+
+
+def wait_for_state(job: str, text: str, timeout: float = JOB_TIMEOUT_S) -> str:
+    """Block until the job's scontrol record contains ``text`` (asked every 0.5 s)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        record = scontrol_job(job)
+        if text in record:
+            return record
+        time.sleep(0.5)
+    raise AssertionError(f"job {job} never showed {text!r}; last: {scontrol_job(job)}")
+
+
+def summary(run_dir: Path) -> dict[str, Any]:
+    """The run's ``summary.json``."""
+    return json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))

@@ -1,0 +1,420 @@
+"""pslaunch slurm without a cluster: --het parsing, time limits, the job script, in-job helpers."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from common.errors import ConfigError, NetworkTimeout, PSError
+from launch.cli import main
+from launch.settings import TrainSettings
+from launch.slurm.config import SlurmJob, time_limit_s
+from launch.slurm.groups import Group, parse_het, spread_shards
+from launch.slurm.node import (
+    last_start_address,
+    pick_device,
+    shard_command,
+    wait_for_address,
+    worker_command,
+)
+from launch.slurm.script import render, resources
+from launch.slurm.submit import check_run_dir, worker_extras
+
+
+def _job(tmp_path: Path, **changes: object) -> SlurmJob:
+    values: dict[str, object] = {
+        "dataset": tmp_path / "data.h5",
+        "model": "hsi-cnn",
+        "mode": "weighted-sync",
+        "run_dir": tmp_path / "run",
+        "groups": (Group("workers", (1.0, 2.0)),),
+        "train": TrainSettings(epochs=3),
+    }
+    values.update(changes)
+    return SlurmJob(**values).validate()  # type: ignore[arg-type]
+
+
+def _bash_syntax_ok(text: str, tmp_path: Path) -> bool:
+    script = tmp_path / "check.sbatch"
+    script.write_text(text)
+    return subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+
+
+# --- --het ---------------------------------------------------------------------------------
+
+
+def test_het_spec_of_the_issue() -> None:
+    server, groups = parse_het(
+        "server:partition=cpu;gpu-workers:partition=gpu,nodes=2,gpus=4;"
+        "cpu-workers:partition=cpu,nodes=4"
+    )
+    assert server is not None and server.partition == "cpu"
+    gpu, cpu = groups
+    # gpus=4 on 2 nodes: 4 workers per node, one GPU each.
+    assert (gpu.workers, gpu.nodes, gpu.tasks_per_node, gpu.gpus_per_worker) == (8, 2, 4, 1)
+    assert gpu.partition == "gpu" and gpu.gpus
+    assert (cpu.workers, cpu.nodes, cpu.gpus, cpu.partition) == (4, 4, False, "cpu")
+
+
+def test_het_workers_share_the_node_gpus_when_counted() -> None:
+    _, (group,) = parse_het("g:gpus=2,workers=6,nodes=2,cpus=4,slowdown=1.5")
+    assert group.workers == 6 and group.gpus_per_node == 2 and group.gpus_per_worker == 0
+    assert group.cpus == 4 and group.slowdowns == (1.5,) * 6
+    assert "--gpus-per-node=2" in resources(group) and "--ntasks=6" in resources(group)
+
+
+def test_het_without_server_component() -> None:
+    server, groups = parse_het("a:workers=2;b:slowdown=3")
+    assert server is None and [g.workers for g in groups] == [2, 1]
+    assert groups[1].slowdowns == (3.0,)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("a:colour=red", "unknown key 'colour'"),
+        ("a:nodes=two", "nodes='two' is not a whole number"),
+        ("a:nodes=1,nodes=2", "nodes is given twice"),
+        ("a:nodes", "'nodes' is not key=value"),
+        ("a:partition=x y", "characters Slurm does not take"),
+        ("a:workers=1;server:cpus=2", "'server' component must come first"),
+        ("server:cpus=2", "has no worker component"),
+        ("server:gpus=1;a:workers=1", "unknown key 'gpus'"),
+        ("a:workers=1;a:workers=2", "names component 'a' twice"),
+        ("1a:workers=1", "must start with a letter"),
+        ("a:workers=0", "has no workers"),
+        ("a:workers=2,nodes=3", "nodes must be between 1 and its 2 workers"),
+        ("a:gpus=2,gpus-per-worker=1,workers=2", "not both"),
+        ("a:slowdown=0.5", "slowdowns must be >= 1"),
+        ("a:slowdown=fast", "'fast' is not a number"),
+    ],
+)
+def test_het_spec_errors_name_the_problem(spec: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_het(spec)
+
+
+# --- the job -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("30", 1800),
+        ("5:30", 330),
+        ("01:00:00", 3600),
+        ("2-00", 172800),
+        ("1-02:03", 93780),
+        ("1-00:00:05", 86405),
+    ],
+)
+def test_slurm_time_formats(text: str, seconds: int) -> None:
+    assert time_limit_s(text) == seconds
+
+
+def test_job_validation(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="is not a Slurm time"):
+        _job(tmp_path, time="1h")
+    with pytest.raises(ConfigError, match="leaves no time to train"):
+        _job(tmp_path, time="2", signal_before_s=120)
+    with pytest.raises(ConfigError, match="absolute path"):
+        _job(tmp_path, dataset=Path("data.h5"))
+    with pytest.raises(ConfigError, match="without spaces"):
+        _job(tmp_path, run_dir=tmp_path / "my run")
+    with pytest.raises(ConfigError, match="one '--name"):
+        _job(tmp_path, sbatch_options=("account=x",))
+    with pytest.raises(ConfigError, match="one worker group"):
+        _job(tmp_path, groups=(Group("a", (1.0,)), Group("b", (1.0,))))
+
+
+def test_plain_script(tmp_path: Path) -> None:
+    job = _job(
+        tmp_path,
+        groups=(Group("workers", (1.0, 2.0, 4.0), cpus=2, nodes=3, gpus_per_worker=1),),
+        partition="gpu",
+        sbatch_options=("--account=rs1",),
+        server_options=("--checkpoint-every", "50"),
+        worker_options=("--data=/scratch/copy.h5",),
+    )
+    text = render(job, "pslaunch slurm ...", "/x/job.sbatch", ("--allow-model", "hsi-cnn"))
+    assert _bash_syntax_ok(text, tmp_path)
+    sbatch = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert sbatch == [
+        "#SBATCH --job-name=rs-pserver",
+        f"#SBATCH --output={tmp_path}/run/slurm-%j.out",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --time=01:00:00",
+        "#SBATCH --signal=B:TERM@180",
+        "#SBATCH --requeue",
+        "#SBATCH --account=rs1",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --ntasks=3",
+        "#SBATCH --cpus-per-task=2",
+        "#SBATCH --nodes=3",
+        "#SBATCH --gpus-per-task=1",
+    ]
+    assert "--workers 3" in text and "--checkpoint-every 50" in text
+    assert "--allow-model hsi-cnn" in text and "--data=/scratch/copy.h5" in text
+    assert "--slowdowns 1,2,4 --gpu" in text and "--threads 2" in text
+    assert "--het-group" not in text
+    # The executable part comes after every #SBATCH line (sbatch stops reading at a command).
+    first_command = next(
+        i for i, line in enumerate(text.splitlines()) if line and not line.startswith("#")
+    )
+    last_sbatch = max(i for i, line in enumerate(text.splitlines()) if line.startswith("#SBATCH"))
+    assert last_sbatch < first_command
+
+
+def test_het_script(tmp_path: Path) -> None:
+    server, groups = parse_het("server:cpus=2,partition=cpu;gpu:gpus=2,nodes=1;cpu:workers=3")
+    job = _job(tmp_path, groups=groups, server=server, het=True, requeue=False)
+    text = render(job, "pslaunch slurm ...", "/x/job.sbatch")
+    assert _bash_syntax_ok(text, tmp_path)
+    blocks = text.split("#SBATCH hetjob")
+    assert len(blocks) == 3
+    assert "#SBATCH --partition=cpu" in blocks[0] and "#SBATCH --ntasks=1" in blocks[0]
+    assert "#SBATCH --cpus-per-task=2" in blocks[0] and "#SBATCH --no-requeue" in blocks[0]
+    assert "#SBATCH --ntasks-per-node=2" in blocks[1] and "--gpus-per-task=1" in blocks[1]
+    assert "#SBATCH --ntasks=3" in blocks[2]
+    assert "srun --het-group=1 " in text and "srun --het-group=2 " in text
+    assert "--name-prefix gpu-w" in text and "--name-prefix cpu-w" in text
+    assert "--workers 5" in text  # the server waits for every component's workers
+    assert "REQUEUE=0" in text
+
+
+def test_het_script_without_server_component(tmp_path: Path) -> None:
+    _, groups = parse_het("a:workers=2;b:slowdown=2")
+    text = render(_job(tmp_path, groups=groups, het=True), "c", "s")
+    assert text.count("#SBATCH hetjob") == 1
+    assert "srun --het-group=0 " in text and "srun --het-group=1 " in text
+    assert "server shares its first node" in text
+
+
+def test_worker_extras(tmp_path: Path) -> None:
+    job = _job(tmp_path, model="mypkg.nets:make", startup_timeout_s=90)
+    assert worker_extras(job) == ("--connect-timeout", "90", "--allow-model", "mypkg.nets:make")
+    assert worker_extras(_job(tmp_path)) == ("--connect-timeout", "300")
+
+
+def test_check_run_dir(tmp_path: Path) -> None:
+    check_run_dir(tmp_path, resume=False)  # empty: fine
+    (tmp_path / "job.sbatch").write_text("")  # launcher files do not make a run
+    check_run_dir(tmp_path, resume=False)
+    with pytest.raises(ConfigError, match="holds no checkpoint"):
+        check_run_dir(tmp_path, resume=True)
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="already holds a run"):
+        check_run_dir(tmp_path, resume=False)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "ckpt-0000000007.npz").write_bytes(b"")
+    check_run_dir(tmp_path, resume=True)
+
+
+def test_cli_writes_the_script_without_submitting(tmp_path: Path) -> None:
+    data = tmp_path / "data.h5"
+    data.write_bytes(b"")
+    run_dir = tmp_path / "run"
+    args = ["slurm", "--dataset", str(data), "--model", "hsi-cnn", "--run-dir", str(run_dir)]
+    result = CliRunner().invoke(main, [*args, "--slowdowns", "1,3", "--epochs", "2"])
+    assert result.exit_code == 0, result.output
+    assert "submit it with: sbatch" in result.output
+    text = (run_dir / "job.sbatch").read_text()
+    assert "#SBATCH --ntasks=2" in text and "--slowdowns 1,3" in text
+    bad = CliRunner().invoke(main, [*args, "--epochs", "2", "--het", "a:colour=red"])
+    assert bad.exit_code != 0 and "unknown key 'colour'" in bad.output
+    assert "Traceback" not in bad.output
+    env = CliRunner().invoke(main, [*args, "--epochs", "2"], env={"PSLAUNCH_SLURM_TIME": "0:30:00"})
+    assert env.exit_code == 0 and "#SBATCH --time=0:30:00" in (run_dir / "job.sbatch").read_text()
+    mixed = CliRunner().invoke(
+        main,
+        [*args, "--epochs", "2", "--het", "a:workers=2", "--slowdowns", "1,2"],
+    )
+    assert mixed.exit_code != 0 and "per component" in mixed.output
+
+
+# --- helpers run inside the job ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("gpu", "env", "device"),
+    [
+        (False, {"CUDA_VISIBLE_DEVICES": "0"}, "cpu"),
+        (True, {"CUDA_VISIBLE_DEVICES": "3", "SLURM_LOCALID": "1"}, "cuda:0"),
+        (True, {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "SLURM_LOCALID": "2"}, "cuda:2"),
+        (True, {"CUDA_VISIBLE_DEVICES": "0,1", "SLURM_LOCALID": "3"}, "cuda:1"),
+        (
+            True,
+            {"CUDA_VISIBLE_DEVICES": "4,5", "SLURM_LOCALID": "1", "SLURM_GPUS_PER_TASK": "2"},
+            "cuda:0",
+        ),
+        (True, {"SLURM_LOCALID": "2"}, "cuda:2"),
+    ],
+)
+def test_pick_device(gpu: bool, env: dict[str, str], device: str) -> None:
+    assert pick_device(gpu, env) == device
+
+
+def test_pick_device_refuses_no_visible_gpu() -> None:
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES"):
+        pick_device(True, {"CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_worker_command_per_task() -> None:
+    env = {"SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
+    argv = worker_command("fast-w", "1,2.5", False, env, ("--server", "tcp://h:1"))
+    assert argv[:4] == [sys.executable, "-m", "worker.cli", "join"]
+    assert argv[4:] == [
+        "--name",
+        "fast-w1-x2.5",
+        "--slowdown",
+        "2.5",
+        "--device",
+        "cpu",
+        "--server",
+        "tcp://h:1",
+    ]
+    assert "w3-x2" in worker_command("w", "2", False, {"SLURM_PROCID": "3"}, ())
+    with pytest.raises(ConfigError, match="task 2 has no slowdown"):
+        worker_command("w", "1,2", False, {"SLURM_PROCID": "2"}, ())
+    with pytest.raises(ConfigError, match="inside an srun step"):
+        worker_command("w", "1", False, {}, ())
+
+
+def _write_events(path: Path, *records: dict) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_last_start_event_wins(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    _write_events(
+        metrics,
+        {"event": "start", "t": 0, "address": "tcp://10.0.0.1:1"},
+        {"event": "eval", "t": 1},
+        {"event": "start", "t": 2, "address": "tcp://10.0.0.2:2"},
+    )
+    with metrics.open("a") as f:
+        f.write('{"event": "start", "addr')  # a line still being written
+    assert last_start_address(metrics) == "tcp://10.0.0.2:2"
+    _write_events(metrics, {"event": "eval", "t": 1})
+    with pytest.raises(PSError, match="no 'start' event"):
+        last_start_address(metrics)
+
+
+FAKE_SERVER = """
+import json, sys, time
+run_dir, log, delay, listen = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4] == "1"
+time.sleep(delay)
+if listen:
+    with open(run_dir + "/metrics.jsonl", "a") as f:
+        f.write(json.dumps({"event": "start", "t": 0, "address": "tcp://127.0.0.1:4242"}) + "\\n")
+    with open(log, "a") as f:
+        f.write("pserver listening on tcp://127.0.0.1:4242\\n")
+    time.sleep(30)
+"""
+
+
+def _fake_server(tmp_path: Path, delay: float, listen: bool) -> subprocess.Popen[bytes]:
+    log = tmp_path / "server.log"
+    return subprocess.Popen(
+        [sys.executable, "-c", FAKE_SERVER, str(tmp_path), str(log), str(delay), str(int(listen))]
+    )
+
+
+def test_wait_for_address_of_a_server_that_starts(tmp_path: Path) -> None:
+    # An older run's start event must not be taken: the log line marks this server's.
+    _write_events(tmp_path / "metrics.jsonl", {"event": "start", "t": 0, "address": "tcp://old:1"})
+    proc = _fake_server(tmp_path, 0.5, True)
+    try:
+        address = wait_for_address(tmp_path, tmp_path / "server.log", proc.pid, 60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert address == "tcp://127.0.0.1:4242"
+
+
+def test_wait_for_address_of_a_server_that_dies_or_hangs(tmp_path: Path) -> None:
+    proc = _fake_server(tmp_path, 0.0, False)
+    try:
+        with pytest.raises(PSError, match="exited before it listened"):
+            wait_for_address(tmp_path, tmp_path / "server.log", proc.pid, 60)
+    finally:
+        proc.wait()
+    proc = _fake_server(tmp_path, 30.0, False)
+    try:
+        with pytest.raises(NetworkTimeout, match=r"did not listen within 0\.5 s"):
+            wait_for_address(tmp_path, tmp_path / "server.log", proc.pid, 0.5)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# --- parameter shards ------------------------------------------------------------------------
+
+
+def test_shards_spread_over_components() -> None:
+    _, groups = parse_het("a:workers=2;b:workers=2;c:workers=1")
+    assert [g.shards for g in spread_shards(groups, 4)] == [2, 1, 1]
+    assert [g.shards for g in spread_shards(groups, 0)] == [0, 0, 0]
+    _, named = parse_het("a:workers=2,shards=2;b:workers=2")
+    assert [g.shards for g in spread_shards(named, 0)] == [2, 0]
+    assert [g.shards for g in spread_shards(named, 2)] == [2, 0]
+    with pytest.raises(ConfigError, match="components hold 2"):
+        spread_shards(named, 3)
+    with pytest.raises(ConfigError, match="shards must be between 0 and its 2 CPUs"):
+        parse_het("a:workers=2,shards=3")
+
+
+def test_one_shard_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="at least 2"):
+        _job(tmp_path, groups=(Group("workers", (1.0, 1.0), shards=1),))
+
+
+def test_script_with_shards(tmp_path: Path) -> None:
+    plain = _job(tmp_path, groups=(Group("workers", (1.0, 2.0), nodes=2, shards=2),))
+    text = render(plain, "c", "s")
+    assert _bash_syntax_ok(text, tmp_path)
+    assert "--shards 2\n" in text
+    assert "srun --overlap --ntasks=2 --cpus-per-task=1 --distribution=cyclic" in text
+    assert "launch.slurm.node shard --name-prefix shard --" in text
+    _, groups = parse_het("a:workers=2;b:workers=2,shards=2")
+    het = render(_job(tmp_path, groups=groups, het=True), "c", "s")
+    assert _bash_syntax_ok(het, tmp_path)
+    assert "srun --het-group=1 --overlap --ntasks=2" in het
+    assert "--name-prefix b-shard" in het and het.count("launch.slurm.node shard") == 1
+    none = render(_job(tmp_path), "c", "s")
+    assert "--shards 2" not in none and "launch.slurm.node shard" not in none
+    assert "SHARD_PIDS=()" in none  # the end of the script waits on an empty list
+
+
+def test_shard_command() -> None:
+    env = {"SLURM_PROCID": "1", "SLURMD_NODENAME": "gpu07"}
+    argv = shard_command("shard", env, ("--coordinator", "tcp://10.1.1.1:5000"), "10.1.1.7")
+    assert argv[:4] == [sys.executable, "-m", "pserver.cli", "shard"]
+    assert argv[4:] == [
+        "--bind",
+        "tcp://10.1.1.7:0",
+        "--name",
+        "shard1-gpu07",
+        "--coordinator",
+        "tcp://10.1.1.1:5000",
+    ]
+    with pytest.raises(ConfigError, match="srun step"):
+        shard_command("shard", {"SLURM_PROCID": "0"}, ())
+
+
+def test_a_run_stopped_by_a_signal_goes_on_when_resumed() -> None:
+    from pserver.runstate import RunState
+
+    meta: dict[str, object] = {"train_start": 1.0, "time_to_target": None, "epochs_done": 2}
+    meta["evals"] = []
+    stopped, ended = RunState(), RunState()
+    stopped.load_meta({**meta, "finish_reason": "stopped"})  # scancel, a time limit
+    ended.load_meta({**meta, "finish_reason": "epochs"})
+    assert not stopped.finished and stopped.epochs_done == 2
+    assert ended.finished
