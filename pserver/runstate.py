@@ -9,6 +9,9 @@ import dataclasses
 from typing import Any
 
 
+COMPLETED = ("epochs", "max_steps", "target_oa")  # finish reasons of a run that reached its end
+
+
 @dataclasses.dataclass
 class RunState:
     """A run's progress record.
@@ -63,7 +66,7 @@ class RunState:
         self.time_to_target = meta["time_to_target"]
         self.epochs_done = meta["epochs_done"]
         self.evals = list(meta["evals"])
-        # A run stopped by a signal (scancel, a Slurm time limit) goes on when resumed; only
-        # a run that ended by itself (epochs, steps, target, failure) stays ended.
+        # A run stopped by a signal (scancel, a Slurm time limit) or by a failure goes on when
+        # resumed; only a run that reached its end (epochs, steps, target) stays ended.
         reason = meta.get("finish_reason", "")
-        self.finish_reason = "" if reason == "stopped" else reason
+        self.finish_reason = reason if reason in COMPLETED else ""
