@@ -63,27 +63,28 @@ def table(
     lines = [
         "| variant | samples from | round median / min / max (s) | communication median (s) "
         "| worker compute median (s, shared cores) | est. round, own cores (s) "
-        "| × (all-reduce + compute) | × DDP step (both on shared cores) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| × (all-reduce + compute) | communication × all-reduce "
+        "| × DDP step (both on shared cores) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     figures: dict[str, Any] = {"reference": ref, "variants": {}}
     if ref is not None:
         lines.append(
             f"| gloo all-reduce of the flat gradient | - | "
             f"{_spread(_pooled(gloo_runs, 'allreduce_s'))} | {ref['allreduce_s']:.3f} "
-            "| - | - | - | - |"
+            "| - | - | - | 1.00 | - |"
         )
         lines.append(
             f"| one step's compute, alone on the CPU | local copy | - | - | "
-            f"{ref['compute_s']:.3f} | - | - | - |"
+            f"{ref['compute_s']:.3f} | - | - | - | - |"
         )
         lines.append(
             f"| **all-reduce + compute (reference)** | local copy | - | - | - | "
-            f"{ref['reference_s']:.3f} | 1.00 | - |"
+            f"{ref['reference_s']:.3f} | 1.00 | - | - |"
         )
         lines.append(
             f"| DDP step (gloo, bucketed, ranks compute at once) | local copy | "
-            f"{_spread(_pooled(gloo_runs, 'ddp_step_s'))} | - | - | - | - | 1.00 |"
+            f"{_spread(_pooled(gloo_runs, 'ddp_step_s'))} | - | - | - | - | - | 1.00 |"
         )
     for name in cfg.variants:
         variant = cfg.variant(name)
@@ -91,13 +92,13 @@ def table(
         if name in unavailable:
             lines.append(
                 f"| {name} | {source} | not available: needs "
-                f"{', '.join(unavailable[name])} | | | | | |"
+                f"{', '.join(unavailable[name])} | | | | | | |"
             )
             continue
         runs = ps_runs.get(name, [])
         if not runs:
             why = "; ".join(failures.get(name, ["no run"]))[:200]
-            lines.append(f"| {name} | {source} | failed: {why} | | | | | |")
+            lines.append(f"| {name} | {source} | failed: {why} | | | | | | |")
             continue
         rounds, comm = _pooled(runs, "round_s"), _pooled(runs, "comm_s")
         compute = _pooled(runs, "compute_s")
@@ -113,14 +114,16 @@ def table(
             "batches": runs[-1]["batches"],
             "repeats": len(runs),
         }
-        cells = ["-", "-", "-"]
+        cells = ["-", "-", "-", "-"]
         if ref is not None:
             row["estimated_round_s"] = row["comm_s_median"] + ref["compute_s"]
             row["ratio_reference"] = row["estimated_round_s"] / ref["reference_s"]
+            row["ratio_comm_allreduce"] = row["comm_s_median"] / ref["allreduce_s"]
             row["ratio_ddp_step"] = row["round_s"]["median"] / ref["ddp_step_s"]
             cells = [
                 f"{row['estimated_round_s']:.3f}",
                 f"**{row['ratio_reference']:.2f}**",
+                f"{row['ratio_comm_allreduce']:.2f}",
                 f"{row['ratio_ddp_step']:.2f}",
             ]
         figures["variants"][name] = row

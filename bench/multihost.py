@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"skipped: {reason} (the bench builds network namespaces)")
         return 0
-    for signum in (signal.SIGTERM, signal.SIGHUP):
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _interrupt)
     started = time.monotonic()
     try:

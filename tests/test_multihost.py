@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.mh_jobs import _rounds  # noqa: E402
+from bench.mh_report import table  # noqa: E402
 from bench.mh_setup import BenchConfig, Variant, missing_features  # noqa: E402
 from bench.netns import NetConfig, Network, available, namespaces, rate_bits  # noqa: E402
 from bench.netprobe import measure_rate  # noqa: E402
@@ -146,3 +147,31 @@ def test_round_records_give_communication_time(tmp_path: Path) -> None:
     report = _rounds(metrics, warmup=1)
     assert report["compute_s"] == [1.5] and report["comm_s"] == [1.5]
     assert report["compute_source"] == "round records"
+
+
+def test_not_root_is_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert available() == "network namespaces need root"
+
+
+def test_table_ratios_by_hand() -> None:
+    cfg = BenchConfig(variants=("ps-k1", "ps-k1-local", "ps-kN"))
+    gloo = [{"allreduce_s": [0.5, 0.5, 0.7], "compute_s": [0.25, 0.25], "ddp_step_s": [1.0]}]
+    ps = {
+        "ps-k1": [
+            {"round_s": [3.0, 2.5], "comm_s": [2.5, 2.0], "compute_s": [0.5, 0.5],
+             "compute_source": "batch / speed", "batches": {"w1": 8}},
+        ],
+        "ps-k1-local": [],
+    }  # fmt: skip
+    text, figures = table(cfg, gloo, ps, {"ps-kN": ["--shards"]}, {"ps-k1-local": ["it broke"]})
+    assert figures["reference"]["reference_s"] == pytest.approx(0.75)  # 0.5 + 0.25
+    row = figures["variants"]["ps-k1"]
+    assert row["estimated_round_s"] == pytest.approx(2.25 + 0.25)  # median comm + solo compute
+    assert row["ratio_reference"] == pytest.approx(2.5 / 0.75)
+    assert row["ratio_comm_allreduce"] == pytest.approx(2.25 / 0.5)
+    assert row["ratio_ddp_step"] == pytest.approx(2.75 / 1.0)
+    lines = text.splitlines()
+    assert all(line.count("|") == 10 for line in lines)
+    assert any("ps-kN" in line and "not available: needs --shards" in line for line in lines)
+    assert any("ps-k1-local" in line and "failed: it broke" in line for line in lines)
