@@ -180,7 +180,7 @@ def run_ps(
                 argv += ["--data", str(dataset)]
             joined.append(Child(f"w{i}", host.argv(argv), run_dir / f"w{i}.log"))
             children.append(joined[-1])
-        code = server.wait(cfg.job_timeout - (time.monotonic() - started))
+        code = server.wait(max(1.0, cfg.job_timeout - (time.monotonic() - started)))
         codes = [child.wait(EXIT_TIMEOUT_S) for child in joined]
         if code or any(codes):
             raise ChildError(

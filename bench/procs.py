@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -42,16 +43,20 @@ class Child:
         self._ended = False
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **(env or {})}
         self._sink = log_path.open("w", encoding="utf-8")
-        self.popen = subprocess.Popen(
-            list(argv),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            cwd=ROOT,
-            env=full_env,
-            start_new_session=True,
-        )
+        try:
+            self.popen = subprocess.Popen(
+                list(argv),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                cwd=ROOT,
+                env=full_env,
+                start_new_session=True,
+            )
+        except OSError:
+            self._sink.close()
+            raise
         self._reader = threading.Thread(target=self._read, name=f"log-{name}", daemon=True)
         self._reader.start()
 
@@ -81,6 +86,7 @@ class Child:
             ChildError: the process ended or the time ran out first.
         """
         regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
         seen = 0
         with self._cond:
             while True:
@@ -90,13 +96,10 @@ class Child:
                         return match
                 seen = len(self.lines)
                 if self._ended:
-                    raise ChildError(
-                        f"{self.name} ended before printing /{pattern}/\n{self.tail()}"
-                    )
-                if not self._cond.wait(timeout):
-                    raise ChildError(
-                        f"{self.name}: no /{pattern}/ within {timeout:g} s\n{self.tail()}"
-                    )
+                    raise ChildError(f"{self.name} ended before /{pattern}/\n{self.tail()}")
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    raise ChildError(f"{self.name}: no /{pattern}/ in {timeout:g} s\n{self.tail()}")
 
     def wait(self, timeout: float) -> int:
         """Wait for the process to exit.
