@@ -29,6 +29,7 @@ endif
 
 test: setup
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(PY) -m pytest -q -ra
 
 lint: setup

@@ -21,10 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pserver.trainer import Trainer
+
 from bench.wire_model import RESNET18_PARAMS
 from pserver import checkpoint
 from pserver.config import ServerConfig
-from pserver.trainer import Trainer
 
 
 async def one_round(directory: Path) -> tuple[float, float, int]:

@@ -1,11 +1,12 @@
 """Fused push+pull round trip of the parameter server against a raw ZeroMQ round trip.
 
 Both carry 11,689,512 float32 values (a ResNet-18) each way over TCP on 127.0.0.1 and are
-measured alternately in one run. The PS round trip includes decoding and validating the push,
-the finiteness check, the optimizer step (copy-on-step) and the reply with the new snapshot.
+measured alternately in one run. The PS round trip is what a worker does with ``--shards 1``:
+the gradient in chunks to the server's store, the push request, the update (checks, optimizer
+step, copy-on-step) and the new parameters back in chunks.
 The last line is ``ratio=X.XX`` (median PS time / median raw time).
 
-Usage: python bench/wire.py [--rounds 20] [--momentum 0.9]
+Usage: python bench/wire.py [--rounds 20] [--momentum 0.9] [--wire-dtype fp32] [--chunk-mb 4]
 """
 
 from __future__ import annotations
@@ -26,10 +27,19 @@ import zmq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
 from bench.wire_model import RESNET18_PARAMS  # noqa: E402
 from common.data.convert.synth import synth_hsi  # noqa: E402
 from common.protocol.client import Connection  # noqa: E402
-from common.protocol.messages import JoinRequest, PushRequest, TaskReply, TaskRequest  # noqa: E402
+from common.protocol.messages import (  # noqa: E402
+    JoinReply,
+    JoinRequest,
+    PushRequest,
+    TaskReply,
+    TaskRequest,
+)
+from worker.params import StoreClient  # noqa: E402
 
 
 def echo_server(endpoint_queue: mp.Queue) -> None:
@@ -48,7 +58,9 @@ def echo_server(endpoint_queue: mp.Queue) -> None:
     ctx.term()
 
 
-def start_pserver(dataset: Path, momentum: float) -> tuple[subprocess.Popen, str]:
+def start_pserver(
+    dataset: Path, momentum: float, wire: str, chunk_mb: float
+) -> tuple[subprocess.Popen, str]:
     """A real ``pserver start`` process in async mode with the ResNet-18-sized model."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
@@ -77,6 +89,10 @@ def start_pserver(dataset: Path, momentum: float) -> tuple[subprocess.Popen, str
             "1",
             "--global-batch",  # one sample per push: no epoch ends, so no evaluation runs
             "1",
+            "--wire-dtype",
+            wire,
+            "--chunk-mb",
+            str(chunk_mb),
         ],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
@@ -95,6 +111,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--wire-dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--chunk-mb", type=float, default=4.0)
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -104,7 +122,7 @@ def main() -> None:
         echo = mp.Process(target=echo_server, args=(queue,), daemon=True)
         echo.start()
         raw_endpoint = queue.get(timeout=30)
-        server, ps_endpoint = start_pserver(dataset, args.momentum)
+        server, ps_endpoint = start_pserver(dataset, args.momentum, args.wire_dtype, args.chunk_mb)
         try:
             run(raw_endpoint, ps_endpoint, args)
         finally:
@@ -120,39 +138,63 @@ def main() -> None:
 
 
 def run(raw_endpoint: str, ps_endpoint: str, args: argparse.Namespace) -> None:
-    """Alternate PS and raw round trips and print the medians and their ratio."""
-    ps = Connection(ps_endpoint, timeout_s=120)
-    join = ps.request(JoinRequest(name="bench", device="cpu", slowdown=1.0, threads=1))
-    task = ps.request(TaskRequest(worker_id=join.worker_id, speed=1000.0))
-    assert isinstance(task, TaskReply)
-    size = task.params.size
+    """Alternate PS and raw round trips and print the medians and their ratio.
+
+    The PS side is the worker's own code: ``StoreClient`` sends the gradient chunks, the push
+    request goes to the coordinator, and the new parameters come back chunk by chunk.
+    """
+    ctx = zmq.Context()
+    ps = Connection(ps_endpoint, timeout_s=120, context=ctx)
+    join = ps.request(
+        JoinRequest(name="bench", device="cpu", slowdown=1.0, threads=1), expect=JoinReply
+    )
+    size = join.state_size
     assert size >= RESNET18_PARAMS, size
     assert args.warmup + args.rounds < 200, "stay within one epoch: evaluation would interfere"
-    grad = np.random.default_rng(0).normal(0, 1e-3, size).astype(np.float32)
+    stores = StoreClient(
+        ctx,
+        join.shard_addresses,
+        join.shard_bounds,
+        ps_endpoint,
+        join.chunk_elems,
+        join.wire_dtype,
+        join.worker_id,
+        join.token,
+    )
+    task = ps.request(
+        TaskRequest(worker_id=join.worker_id, token=join.token, speed=1000.0), expect=TaskReply
+    )
+    state = torch.empty(size)
+    stores.pull(task.version)
+    stores.collect(state, 120)
+    grad = torch.from_numpy(np.random.default_rng(0).normal(0, 1e-3, size).astype(np.float32))
 
-    ctx = zmq.Context()
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(raw_endpoint)
-    payload = grad.copy()
+    payload = grad.numpy().copy()
 
     def ps_round() -> float:
         nonlocal task
         begin = time.perf_counter()
+        stores.push(task.task_id, task.push_token, task.version, grad)
         reply = ps.request(
             PushRequest(
                 worker_id=join.worker_id,
+                token=join.token,
                 task_id=task.task_id,
                 version=task.version,
                 batch_size=len(task.indices),
                 speed=1000.0,
                 compute_s=0.0,
+                transfer_s=0.0,
                 loss=1.0,
-                state=grad,
-            )
+            ),
+            expect=TaskReply,
         )
+        version = stores.collect(state, 120)
         elapsed = time.perf_counter() - begin
-        assert isinstance(reply, TaskReply) and reply.params.size == size
+        assert reply.action == "train" and version == reply.version
         task = reply
         return elapsed
 
@@ -171,16 +213,18 @@ def run(raw_endpoint: str, ps_endpoint: str, args: argparse.Namespace) -> None:
             ps_times.append(p)
             raw_times.append(r)
     raw.close(linger=0)
-    ctx.term()
+    stores.close()
     ps.close()
+    ctx.term()
     mb = size * 4 / 1e6
     ps_med, raw_med = statistics.median(ps_times), statistics.median(raw_times)
     print(
         f"payload: {size:,} float32 = {mb:.1f} MB each way; {args.rounds} rounds; "
-        f"server SGD momentum {args.momentum}"
+        f"server SGD momentum {args.momentum}; wire {join.wire_dtype}, chunks of "
+        f"{join.chunk_elems:,} values"
     )
     print(
-        f"raw DEALER/ROUTER round trip: median {raw_med * 1e3:.1f} ms "
+        f"raw DEALER/ROUTER round trip (fp32, one message): median {raw_med * 1e3:.1f} ms "
         f"(min {min(raw_times) * 1e3:.1f}, max {max(raw_times) * 1e3:.1f})"
     )
     print(

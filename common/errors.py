@@ -19,6 +19,9 @@ class ErrorCode(IntEnum):
     WRONG_TASK = 9  # the push does not answer the task the worker was given
     SHUTTING_DOWN = 10  # the server is stopping and takes no more work
     INTERNAL = 11  # the server failed while handling a valid request
+    INCOMPLETE = 12  # not every chunk of the push's gradient reached its store in time
+    REFUSED = 13  # the gradient or the update it makes was refused (outlier, invalid state)
+    BUSY = 14  # too much of this peer's data is in flight; retry later
 
 
 class PSError(Exception):
@@ -76,3 +79,7 @@ class ServerLost(PSError):
 
 class DeviceError(PSError):
     """The requested compute device is not available."""
+
+
+class ShardLost(PSError):
+    """A parameter shard stopped answering; the message names it."""

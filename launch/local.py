@@ -164,6 +164,8 @@ def run_local(cluster: LocalCluster, log_stream: IO[str] | None = None) -> dict[
             schedule = cluster.slowdown_schedules[i] if cluster.slowdown_schedules else ""
             args = ["--server", address, "--device", device, "--slowdown", str(slowdown)]
             args += ["--name", name, "--slowdown-schedule", schedule]
+            if ":" in cluster.model:  # a user model: the worker must be allowed to import it
+                args += ["--allow-model", cluster.model]
             proc = subprocess.Popen(
                 _python_module("worker.cli", "join", *args, *cluster.worker_options),
                 stdout=subprocess.PIPE,

@@ -1,34 +1,44 @@
-"""Atomic checkpoints of the training state, and restoring a server from the newest one.
+"""Atomic checkpoints of a run, gathered at one version, and restoring a server from them.
 
 A checkpoint is one ``.npz`` file (no pickle: numeric arrays plus a JSON document stored as
-bytes) written to a temporary name and renamed, so a crash never leaves a torn file. It holds
-the parameters and float buffers, the optimizer state, the version and step counters, the
-epoch and which samples of each open epoch were applied, the random-number state, the
-evaluations so far and each worker's counters. Samples that were handed out but not applied
-are handed out again after a restore, so each epoch still uses every sample exactly once.
+bytes) written to a temporary name, fsynced and renamed, so a crash never leaves a torn file;
+reading falls back to the previous checkpoint when the newest is damaged. It holds the whole
+state (gathered from every shard while no update is being published, so it resumes with any
+number of shards), the optimizer state, the counters, the epoch ledgers (samples handed out but
+not applied are handed out again on resume, so each epoch still uses every sample once), the
+random-number state, the evaluations and each worker's counters.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
 import os
 import re
+import time
+import zipfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from common.errors import ConfigError
 from pserver.sampler import EpochLedger, EpochSampler
+from pserver.store.stores import CapturedState
+
+if TYPE_CHECKING:
+    from pserver.server import ParameterServer
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
+READABLE_FORMATS = (1, 2)
 KEEP = 3
 NAME = re.compile(r"^ckpt-(\d{10})\.npz$")
+TMP = re.compile(r"^\.ckpt-\d{10}\.npz\.tmp$")
 
 
 @dataclasses.dataclass
@@ -36,8 +46,8 @@ class Checkpoint:
     """Everything a server needs to continue a run.
 
     Attributes:
-        arrays: ``state``, ``opt/<name>`` optimizer tensors, ``uses/<epoch>`` ledgers,
-            ``torch_rng``.
+        arrays: ``state``, ``slots`` (optimizer state, one row per slot), ``uses/<epoch>``
+            ledgers, ``torch_rng``.
         meta: JSON-able counters, identities and history.
     """
 
@@ -97,19 +107,37 @@ def write(directory: Path, checkpoint: Checkpoint) -> Path:
 
     Returns:
         The path written.
+
+    Raises:
+        OSError: the file could not be written (no temporary file is left behind).
     """
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"ckpt-{checkpoint.version:010d}.npz"
     tmp = directory / f".{path.name}.tmp"
     document = json.dumps({"format": FORMAT, **checkpoint.meta}).encode()
-    with tmp.open("wb") as handle:
-        np.savez(handle, meta=np.frombuffer(document, dtype=np.uint8), **checkpoint.arrays)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as handle:
+            arrays = {"meta": np.frombuffer(document, dtype=np.uint8), **checkpoint.arrays}
+            np.savez(handle, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as bool
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     for old in sorted(p for p in directory.iterdir() if NAME.match(p.name))[:-KEEP]:
         old.unlink()
     return path
+
+
+def remove_stale_tmp(directory: Path) -> int:
+    """Delete temporary files left by an interrupted write; returns how many."""
+    if not directory.is_dir():
+        return 0
+    stale = [p for p in directory.iterdir() if TMP.match(p.name)]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return len(stale)
 
 
 def latest(directory: Path) -> Path | None:
@@ -121,22 +149,44 @@ def latest(directory: Path) -> Path | None:
 
 
 def read(path: Path) -> Checkpoint:
-    """Load a checkpoint written by ``write``.
+    """Load a checkpoint written by ``write`` (this format or the first one).
 
     Raises:
-        ConfigError: the file is not a checkpoint of this format.
+        ConfigError: the file is damaged or not a checkpoint of a known format.
     """
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {key: data[key] for key in data.files}
-    except (OSError, ValueError) as exc:
+        meta = json.loads(arrays.pop("meta").tobytes().decode())
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
         raise ConfigError(f"cannot read checkpoint {str(path)!r}: {exc}") from exc
-    meta = json.loads(arrays.pop("meta").tobytes().decode())
-    if meta.get("format") != FORMAT:
-        raise ConfigError(
-            f"checkpoint {str(path)!r} has format {meta.get('format')!r}, expected {FORMAT}"
-        )
+    if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
+        raise ConfigError(f"checkpoint {str(path)!r} has an unknown format")
+    if meta["format"] == 1:  # optimizer tensors as opt/<name>
+        names = sorted(k.removeprefix("opt/") for k in arrays if k.startswith("opt/"))
+        rows = [arrays.pop(f"opt/{n}").astype(np.float32) for n in names]
+        arrays["slots"] = np.stack(rows) if rows else np.zeros((0, 0), dtype=np.float32)
+        meta["slots"] = names
     return Checkpoint(arrays, meta)
+
+
+def read_newest(directory: Path) -> Checkpoint:
+    """The newest readable checkpoint; a damaged newer one is skipped with a warning.
+
+    Raises:
+        ConfigError: there is none.
+    """
+    found = (
+        sorted((p for p in directory.iterdir() if NAME.match(p.name)), reverse=True)
+        if (directory.is_dir())
+        else []
+    )
+    for path in found:
+        try:
+            return read(path)
+        except ConfigError as exc:
+            log.warning("%s; trying the previous checkpoint", exc)
+    raise ConfigError(f"--resume: no readable checkpoint in {directory}")
 
 
 def torch_rng() -> np.ndarray:
@@ -150,82 +200,92 @@ def set_torch_rng(state: np.ndarray) -> None:
 
 
 # --- server integration ------------------------------------------------------------------------
-# These functions read and set ParameterServer attributes; they live here so that the server
-# module keeps to serving.
 
 
-def identity_of(ps: Any) -> dict[str, Any]:
+def identity_of(ps: ParameterServer) -> dict[str, Any]:
     """What must match for a checkpoint to be resumed by a server."""
+    cfg = ps.config
     return {
-        "mode": ps.config.mode,
-        "model": ps.config.model,
+        "mode": cfg.mode,
+        "model": cfg.model,
         "fingerprint": ps.meta.fingerprint,
-        "state_size": ps.trainer.state_size,
+        "state_size": ps.state_size,
+        "seed": cfg.seed,
+        "global_batch": cfg.global_batch,
+        "optimizer": cfg.optimizer,
     }
 
 
-async def save(ps: Any) -> Path:
-    """Write a checkpoint of server ``ps`` to ``run_dir/checkpoints`` and log it.
+async def save(ps: ParameterServer) -> Path:
+    """Gather the run at one version and write it to ``run_dir/checkpoints``.
 
     Returns:
         The checkpoint's path.
-    """
-    import asyncio
-    import time
 
+    Raises:
+        OSError: it could not be written.
+        ShardLost: a shard did not hand over its state.
+    """
+    assert ps.config.run_dir is not None
     begin = time.perf_counter()
-    arrays, counters = await ps.trainer.capture()
-    # No await between here and the capture's completion: the ledgers match the state.
-    sampler_arrays, sampler_meta = capture_sampler(ps.trainer.sampler)
-    arrays.update(sampler_arrays)
-    arrays["torch_rng"] = torch_rng()
-    meta = {
-        **counters,
-        **identity_of(ps),
-        "sampler": sampler_meta,
-        "t": ps.log.now(),
-        "train_start": ps.train_start,
-        "time_to_target": ps.time_to_target,
-        "epochs_done": ps.epochs_done,
-        "evals": ps.evals,
-        "workers": {w.name: w.summary() for w in ps.roster.all_workers()},
-        "policy": ps.policy.state(),
+    async with ps.updater.lock:  # no update is being published: state and books agree
+        captured = await ps.stores.capture(with_slots=True)
+        sampler_arrays, sampler_meta = capture_sampler(ps.sampler)
+        meta = {
+            "version": captured.version,
+            "steps": ps.updater.steps,
+            "samples_applied": ps.updater.samples_applied,
+            "optimizer_steps": captured.optimizer_steps,
+            "slots": captured.slots,
+            **identity_of(ps),
+            "sampler": sampler_meta,
+            "t": ps.log.now(),
+            **ps.run.to_meta(),
+            "workers": {str(w["name"]): w for w in ps.roster.summaries()},
+            "policy": ps.policy.state(),
+        }
+    arrays = {
+        "state": captured.state,
+        "slots": captured.slot_state.astype(np.float32),
+        "torch_rng": torch_rng(),
+        **sampler_arrays,
     }
     directory = ps.config.run_dir / "checkpoints"
     loop = asyncio.get_running_loop()
     path = await loop.run_in_executor(None, write, directory, Checkpoint(arrays, meta))
     ps.log.event(
         "checkpoint",
-        version=counters["version"],
+        version=captured.version,
         path=str(path),
         write_s=round(time.perf_counter() - begin, 4),
     )
-    log.info("checkpoint of version %d written to %s", counters["version"], path)
+    log.info("checkpoint of version %d written to %s", captured.version, path)
     return path
 
 
-def load(ps: Any, checkpoint: Checkpoint) -> None:
-    """Restore server ``ps`` (built with the same arguments) from ``checkpoint``.
+def restore_into(ps: ParameterServer, checkpoint: Checkpoint) -> CapturedState:
+    """Restore a server's books from ``checkpoint``; returns the state for its stores.
 
     Raises:
-        ConfigError: the checkpoint belongs to another mode, model or dataset.
+        ConfigError: the checkpoint belongs to another mode, model, dataset or seed.
     """
     meta = checkpoint.meta
     mine = identity_of(ps)
-    differs = {k: (meta.get(k), v) for k, v in mine.items() if meta.get(k) != v}
+    differs = {k: (meta.get(k), v) for k, v in mine.items() if k in meta and meta[k] != v}
     if differs:
         raise ConfigError(
             "the checkpoint does not match this server's arguments: "
-            + ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in differs.items())
+            + ", ".join(
+                f"--{k.replace('_', '-')} was {a!r}, now {b!r}" for k, (a, b) in differs.items()
+            )
         )
-    ps.trainer.restore(checkpoint.arrays, meta)
-    requeued = restore_sampler(ps.trainer.sampler, checkpoint.arrays, meta["sampler"])
+    state = checkpoint.arrays["state"].astype(np.float32)
+    if state.size != ps.state_size:
+        raise ConfigError(f"the checkpoint holds {state.size} values, this model {ps.state_size}")
+    requeued = restore_sampler(ps.sampler, checkpoint.arrays, meta["sampler"])
     set_torch_rng(checkpoint.arrays["torch_rng"])
-    ps.train_start = meta["train_start"]
-    ps.time_to_target = meta["time_to_target"]
-    ps.epochs_done = meta["epochs_done"]
-    ps.evals = list(meta["evals"])
-    ps.roster.history = dict(meta["workers"])
+    ps.run.load_meta(meta)
+    ps.roster.history = {str(k): dict(v) for k, v in meta["workers"].items()}
     ps.policy.restore(meta["policy"])
     ps.log.event("resume", version=checkpoint.version, requeued=requeued)
     log.info(
@@ -233,4 +293,11 @@ def load(ps: Any, checkpoint: Checkpoint) -> None:
         checkpoint.version,
         meta["sampler"]["epoch"],
         requeued,
+    )
+    return CapturedState(
+        checkpoint.version,
+        int(meta["optimizer_steps"]),
+        list(meta.get("slots", [])),
+        state,
+        checkpoint.arrays.get("slots", np.zeros((0, 0), dtype=np.float32)),
     )

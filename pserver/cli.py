@@ -1,209 +1,300 @@
-"""``pserver``: start a parameter server, query its status, and prepare datasets."""
+"""``pserver``: start a parameter server or a shard, query status, prepare datasets.
+
+Every option can also be set by an environment variable named after the command and the
+option, e.g. ``PSERVER_START_MODE=async`` or ``PSERVER_SHARD_COORDINATOR=tcp://...`` (each
+``--help`` shows the names).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
+from common.config import default
 from common.errors import PSError
 from common.logsetup import setup_logging
 from common.protocol.client import Connection
 from common.protocol.messages import StatusReply, StatusRequest
 from common.protocol.security import generate, load_client_keys
-from pserver.config import MODES, OPTIMIZERS, SCHEDULES, STALENESS, ServerConfig
+from common.protocol.wire import WIRE_DTYPES
+from pserver.config import MODES, OPTIMIZERS, SCHEDULES, STALENESS, ServerConfig, ShardConfig
 from pserver.data_cli import data_group
 
+CONTEXT = {"auto_envvar_prefix": "PSERVER", "show_default": True}
 
-@click.group(context_settings={"auto_envvar_prefix": "PSERVER", "show_default": True})
+
+def _opt(name: str, cls: type = ServerConfig, **kwargs: Any) -> Callable[[Any], Any]:
+    """A click option whose default comes from the config dataclass field ``name``."""
+    flag = kwargs.pop("flag", "--" + name.removesuffix("_s").replace("_", "-"))
+    return click.option(flag, name, default=default(cls, name), show_envvar=True, **kwargs)
+
+
+def _path(**kwargs: Any) -> click.Path:
+    return click.Path(path_type=Path, **kwargs)
+
+
+@click.group(context_settings=CONTEXT)
 def main() -> None:
     """Parameter server for heterogeneous distributed training on remote-sensing data."""
 
 
 @main.command()
-@click.option(
-    "--bind",
-    default="tcp://127.0.0.1:5555",
+@_opt(
+    "bind",
     help="ZeroMQ endpoint to listen on (tcp://0.0.0.0:PORT for a cluster; port 0 "
     "picks a free port).",
 )
 @click.option(
     "--dataset",
     required=True,
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    show_envvar=True,
+    type=_path(exists=True, dir_okay=False),
     help="HDF5 dataset made by 'pserver data'.",
 )
 @click.option(
     "--model",
     required=True,
+    show_envvar=True,
     help="Built-in model (hsi-cnn, hsi-3dcnn, scene-cnn, resnet18) or package.module:factory.",
 )
-@click.option(
-    "--mode", type=click.Choice(MODES), default="weighted-sync", help="How pushes are combined."
-)
-@click.option("--workers", default=1, type=int, help="Workers to wait for before training starts.")
-@click.option("--global-batch", default=64, type=int, help="Global batch B per update.")
-@click.option(
-    "--optimizer", type=click.Choice(OPTIMIZERS), default="sgd", help="Server-side optimizer."
-)
-@click.option("--lr", default=0.05, type=float, help="Learning rate.")
-@click.option("--momentum", default=0.9, type=float, help="SGD momentum.")
-@click.option("--nesterov/--no-nesterov", default=False, help="Nesterov momentum for SGD.")
-@click.option("--weight-decay", default=1e-4, type=float, help="L2 weight decay.")
-@click.option(
-    "--lr-schedule",
-    type=click.Choice(SCHEDULES),
-    default="constant",
-    help="Learning-rate schedule over training.",
-)
-@click.option(
-    "--warmup-fraction",
-    default=0.0,
-    type=float,
-    help="Linear warm-up over this fraction of training.",
-)
-@click.option("--epochs", type=int, default=None, help="Stop after this many epochs.")
-@click.option("--max-steps", type=int, default=None, help="Stop after this many updates.")
-@click.option(
-    "--target-oa", type=float, default=None, help="Stop once test overall accuracy reaches this."
-)
-@click.option(
-    "--staleness",
-    type=click.Choice(STALENESS),
-    default="inverse",
-    help="Async learning-rate scaling by staleness tau.",
-)
-@click.option(
-    "--staleness-a",
-    default=0.5,
-    type=float,
-    help="Decay a of the poly, hinge and exp staleness functions.",
-)
-@click.option("--staleness-b", default=4.0, type=float, help="Hinge point b of 'hinge'.")
-@click.option(
-    "--max-staleness",
+@_opt("mode", type=click.Choice(MODES), help="How pushes are combined.")
+@_opt("workers", type=int, help="Workers to wait for before training starts.")
+@_opt("global_batch", type=int, help="Global batch B per update.")
+@_opt("optimizer", type=click.Choice(OPTIMIZERS), help="Server-side optimizer.")
+@_opt("lr", type=float, help="Learning rate.")
+@_opt("momentum", type=float, help="SGD momentum.")
+@_opt("nesterov", flag="--nesterov/--no-nesterov", help="Nesterov momentum for SGD.")
+@_opt("weight_decay", type=float, help="L2 weight decay.")
+@_opt("lr_schedule", type=click.Choice(SCHEDULES), help="Learning-rate schedule over training.")
+@_opt("warmup_fraction", type=float, help="Linear warm-up over this fraction of training.")
+@_opt("epochs", type=int, help="Stop after this many epochs.")
+@_opt("max_steps", type=int, help="Stop after this many updates.")
+@_opt("target_oa", type=float, help="Stop once test overall accuracy reaches this.")
+@_opt("staleness", type=click.Choice(STALENESS), help="Async learning-rate scaling by staleness.")
+@_opt("staleness_a", type=float, help="Decay a of the poly, hinge and exp staleness functions.")
+@_opt("staleness_b", type=float, help="Hinge point b of 'hinge'.")
+@_opt(
+    "max_staleness",
     type=int,
-    default=None,
-    help="Async: reject pushes more than K versions old (worker re-pulls).",
+    help="Async: refuse pushes more than K versions old (the worker re-pulls).",
 )
-@click.option(
-    "--run-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Directory for metrics.jsonl and summary.json.",
+@_opt(
+    "run_dir",
+    type=_path(file_okay=False),
+    help="Directory for metrics.jsonl, summary.json and checkpoints.",
 )
-@click.option("--seed", default=0, type=int, help="Seed for initialisation and shuffling.")
-@click.option(
-    "--cache-mb",
-    default=2048,
+@_opt(
+    "overwrite",
+    flag="--overwrite/--no-overwrite",
+    help="Replace the run already in --run-dir (without it, such a directory is refused).",
+)
+@_opt("seed", type=int, help="Seed for initialisation and shuffling.")
+@_opt("cache_mb", type=int, help="Keep the sample array in memory when it is at most this large.")
+@_opt("eval_every", type=int, help="Evaluate every this many epochs (and always at the end).")
+@_opt(
+    "eval_every_updates",
     type=int,
-    help="Keep the sample array in memory when it is at most this large.",
+    help="Also evaluate every this many updates (the newest version; superseded ones are "
+    "skipped when evaluation falls behind).",
 )
-@click.option(
-    "--shutdown-timeout",
+@_opt(
+    "eval_samples",
+    type=int,
+    help="In-run evaluations use a fixed stratified subset of this many test samples; the "
+    "final evaluation always uses the whole test split.",
+)
+@_opt(
     "shutdown_timeout_s",
-    default=10.0,
     type=float,
-    help="Seconds to wait for workers to collect their stop.",
+    help="Seconds the whole shutdown may take after training ends (final checkpoint, final "
+    "evaluation, stopping workers, summary).",
 )
-@click.option(
-    "--eval-every",
-    default=1,
+@_opt(
+    "checkpoint_every",
     type=int,
-    help="Evaluate on the test split every this many epochs (and always at the end).",
-)
-@click.option(
-    "--checkpoint-every",
-    type=int,
-    default=None,
     help="Write a checkpoint to RUN_DIR/checkpoints every this many updates (one is always "
     "written at shutdown, also on SIGTERM, when --run-dir is given).",
 )
-@click.option(
-    "--resume/--no-resume",
-    default=False,
+@_opt(
+    "resume",
+    flag="--resume/--no-resume",
     help="Continue from the newest checkpoint in --run-dir (give the same other arguments).",
 )
-@click.option(
-    "--curve-secret",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
+@_opt(
+    "curve_secret",
+    type=_path(exists=True, dir_okay=False),
     help="The server's CURVE secret key file (server.key_secret from 'pserver keygen'): "
     "encrypt and authenticate all traffic.",
 )
-@click.option(
-    "--authorized-keys",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    default=None,
+@_opt(
+    "authorized_keys",
+    type=_path(exists=True, file_okay=False),
     help="Directory of worker public keys (*.key) allowed to connect (with --curve-secret).",
 )
-@click.option(
-    "--heartbeat",
-    "heartbeat_s",
-    default=1.0,
-    type=float,
-    help="Seconds between the heartbeats workers are asked to send.",
-)
-@click.option(
-    "--dead-after",
+@_opt("heartbeat_s", type=float, help="Seconds between the heartbeats workers are asked to send.")
+@_opt(
     "dead_after_s",
-    default=5.0,
     type=float,
     help="A worker silent this long is dropped; its unfinished samples go to others.",
 )
-@click.option(
-    "--torch-threads",
-    default=1,
+@_opt("torch_threads", type=int, help="Torch threads for updates and evaluation.")
+@_opt(
+    "shards",
     type=int,
-    help="Torch threads for updates and evaluation (one is fastest for memory-bound updates "
-    "on a node shared with workers).",
+    help="Parameter shards: 1 keeps the parameters in this process; K > 1 makes this server "
+    "the coordinator and waits for K 'pserver shard' servers, each holding 1/K of the state.",
 )
-@click.option("--log-level", default="INFO", help="Logging level.")
-def start(log_level: str, **options: object) -> None:
-    """Start a parameter server and serve until training ends."""
+@_opt(
+    "wire_dtype",
+    type=click.Choice(WIRE_DTYPES),
+    help="Format of gradients and parameters on the wire (master weights stay fp32).",
+)
+@_opt("chunk_mb", type=float, help="Large transfers travel in chunks of about this many MB.")
+@_opt(
+    "max_grad_norm",
+    type=float,
+    help="Clip each push to this gradient norm (off by default: absurd outliers are refused "
+    "instead, see --outlier-factor).",
+)
+@_opt(
+    "outlier_factor",
+    type=float,
+    help="Refuse a push whose gradient norm exceeds this many times the median of recent ones.",
+)
+@_opt(
+    "stage_timeout_s",
+    type=float,
+    help="Seconds a push's gradient chunks may take to arrive after the push is announced.",
+)
+@_opt("shard_timeout_s", type=float, help="Seconds a shard may take to answer the coordinator.")
+@_opt("max_workers", type=int, help="Members the run accepts at most.")
+@click.option("--log-level", default="INFO", show_envvar=True, help="Logging level.")
+def start(log_level: str, **options: Any) -> None:
+    """Start a parameter server (the coordinator) and serve until training ends."""
     setup_logging(log_level, "pserver ")
     try:
-        config = ServerConfig(**options).validate()  # type: ignore[arg-type]
-        summary = asyncio.run(_serve(config))
+        config = ServerConfig(**options)
+        summary, error, interrupted = asyncio.run(_serve(config))
     except PSError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(json.dumps(summary, indent=2))
+    if error:
+        raise click.ClickException(error)
+    if interrupted:
+        click.echo("pserver: interrupted; checkpoint and summary written", err=True)
+        sys.exit(128 + interrupted)
 
 
-async def _serve(config: ServerConfig) -> dict:
+def _on_signals(stop: Callable[[], None]) -> list[int]:
+    """First SIGINT/SIGTERM: graceful stop; a second one exits at once."""
+    received: list[int] = []
+    loop = asyncio.get_running_loop()
+
+    def handle(sig: int) -> None:
+        if received:
+            os._exit(128 + sig)
+        received.append(sig)
+        stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, handle, sig)
+    return received
+
+
+async def _serve(config: ServerConfig) -> tuple[dict[str, Any], str, int]:
     from pserver.server import ParameterServer  # torch import only when serving
 
     async with ParameterServer(config) as server:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, server.request_stop)
+        received = _on_signals(server.request_stop)
         click.echo(f"pserver listening on {server.address}", err=True)
-        return await server.serve()
+        summary = await server.serve()
+        return summary, server.run.error, received[0] if received else 0
 
 
 @main.command()
-@click.option("--server", required=True, help="Server endpoint, e.g. tcp://HOST:5555.")
-@click.option("--timeout", default=5.0, type=float, help="Seconds to wait for the reply.")
+@click.option(
+    "--coordinator",
+    required=True,
+    show_envvar=True,
+    help="The coordinator's endpoint (its 'pserver start --bind').",
+)
+@_opt("bind", ShardConfig, help="Endpoint this shard listens on (port 0 picks a free port).")
+@_opt(
+    "advertise",
+    ShardConfig,
+    help="Address workers use to reach this shard, when --bind is 0.0.0.0 (port 0 takes the "
+    "bound port).",
+)
+@_opt("name", ShardConfig, show_default="this host's name", help="Shard name in logs.")
+@_opt(
+    "connect_timeout_s",
+    ShardConfig,
+    type=float,
+    help="Give up when the coordinator cannot be reached for this long.",
+)
+@_opt(
+    "curve_secret",
+    ShardConfig,
+    type=_path(exists=True, dir_okay=False),
+    help="The server's CURVE secret key file (the coordinator's --curve-secret).",
+)
+@_opt(
+    "authorized_keys",
+    ShardConfig,
+    type=_path(exists=True, file_okay=False),
+    help="Directory of worker public keys allowed to connect (the coordinator's).",
+)
+@_opt("torch_threads", ShardConfig, type=int, help="Torch threads for updates.")
+@click.option("--log-level", default="INFO", show_envvar=True, help="Logging level.")
+def shard(log_level: str, **options: Any) -> None:
+    """Serve one parameter shard for a coordinator started with --shards K."""
+    setup_logging(log_level, "shard ")
+    try:
+        from pserver.shard_server import serve_shard
+
+        reason = asyncio.run(serve_shard(ShardConfig(**options)))
+    except PSError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"shard stopped: {reason}", err=True)
+    if reason == "interrupted" or "silent" in reason:
+        sys.exit(1)
+
+
+@main.command()
+@click.option(
+    "--server", required=True, show_envvar=True, help="Server endpoint, e.g. tcp://HOST:5555."
+)
+@click.option(
+    "--timeout", default=5.0, type=float, show_envvar=True, help="Seconds to wait for the reply."
+)
 @click.option(
     "--curve-server-key",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=_path(exists=True, dir_okay=False),
     default=None,
+    show_envvar=True,
     help="The server's public key file, for a server started with --curve-secret.",
 )
 @click.option(
     "--curve-secret",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=_path(exists=True, dir_okay=False),
     default=None,
+    show_envvar=True,
     help="This client's secret key file (its public key must be authorized).",
 )
 def status(
     server: str, timeout: float, curve_server_key: Path | None, curve_secret: Path | None
 ) -> None:
-    """Print the server's status as JSON (mode, version, epoch, workers, speeds)."""
+    """Print the server's status as JSON (mode, version, epoch, workers, speeds, shards)."""
+    if not server.startswith(("tcp://", "ipc://", "inproc://")):
+        raise click.ClickException(f"--server {server!r} must look like tcp://HOST:PORT")
     try:
         keys = None
         if curve_server_key or curve_secret:
@@ -211,23 +302,22 @@ def status(
                 raise click.UsageError("--curve-server-key and --curve-secret go together")
             keys = load_client_keys(curve_server_key, curve_secret)
         with Connection(server, timeout, curve=keys) as conn:
-            reply = conn.request(StatusRequest())
+            reply = conn.request(StatusRequest(), expect=StatusReply)
     except PSError as exc:
         raise click.ClickException(str(exc)) from exc
-    assert isinstance(reply, StatusReply)
     click.echo(json.dumps(reply.status, indent=2))
 
 
 @main.command()
-@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("directory", type=_path(file_okay=False))
 def keygen(directory: Path) -> None:
     """Write CURVE key pairs for a server and its workers into DIRECTORY.
 
     Gives server.key / server.key_secret, worker.key / worker.key_secret, and
     DIRECTORY/authorized_keys/ holding worker.key, ready for
     'pserver start --curve-secret DIRECTORY/server.key_secret --authorized-keys
-    DIRECTORY/authorized_keys' and 'worker join --curve-server-key DIRECTORY/server.key
-    --curve-secret DIRECTORY/worker.key_secret'.
+    DIRECTORY/authorized_keys' (shards take the same two options) and 'worker join
+    --curve-server-key DIRECTORY/server.key --curve-secret DIRECTORY/worker.key_secret'.
     """
     for role, path in generate(directory).items():
         click.echo(f"{role}: {path}")

@@ -1,21 +1,78 @@
-"""The server's validated configuration."""
+"""The server's and the shard's validated configurations; their defaults live here only."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import socket
 from pathlib import Path
 
+from common.config import default, need
 from common.errors import ConfigError
+from common.protocol.base import MAX_INDICES
+from common.protocol.wire import WIRE_DTYPES
 
 MODES = ("weighted-sync", "equal-sync", "async")
 STALENESS = ("inverse", "poly", "hinge", "exp", "constant")
 OPTIMIZERS = ("sgd", "adam")
 SCHEDULES = ("constant", "cosine", "step")
+ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def check_training(
+    *,
+    global_batch: int,
+    optimizer: str,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    lr_schedule: str,
+    warmup_fraction: float,
+    epochs: int | None,
+    max_steps: int | None,
+    target_oa: float | None,
+) -> None:
+    """The checks every trainer of a run shares (server and DDP baseline alike).
+
+    Raises:
+        ConfigError: a value is out of range; the message quotes it.
+    """
+    need(global_batch >= 1, f"--global-batch must be >= 1, got {global_batch}")
+    need(
+        global_batch <= MAX_INDICES, f"--global-batch must be <= {MAX_INDICES}, got {global_batch}"
+    )
+    need(
+        optimizer in OPTIMIZERS, f"--optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}"
+    )
+    need(math.isfinite(lr) and lr > 0, f"--lr must be > 0, got {lr}")
+    need(0 <= momentum < 1, f"--momentum must be in [0, 1), got {momentum}")
+    need(not nesterov or momentum > 0, "--nesterov needs --momentum > 0")
+    need(
+        math.isfinite(weight_decay) and weight_decay >= 0,
+        f"--weight-decay must be >= 0, got {weight_decay}",
+    )
+    need(
+        lr_schedule in SCHEDULES,
+        f"--lr-schedule {lr_schedule!r} is not one of {', '.join(SCHEDULES)}",
+    )
+    need(0 <= warmup_fraction < 1, f"--warmup-fraction must be in [0, 1), got {warmup_fraction}")
+    need(epochs is None or epochs >= 1, f"--epochs must be >= 1, got {epochs}")
+    need(max_steps is None or max_steps >= 1, f"--max-steps must be >= 1, got {max_steps}")
+    need(target_oa is None or 0 < target_oa <= 1, f"--target-oa must be in (0, 1], got {target_oa}")
+    need(
+        epochs is not None or max_steps is not None or target_oa is not None,
+        "give at least one of --epochs, --max-steps or --target-oa, or training never ends",
+    )
+    need(
+        lr_schedule == "constant" or epochs is not None or max_steps is not None,
+        f"--lr-schedule {lr_schedule} needs --epochs or --max-steps",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    """Everything ``pserver start`` needs; ``validate()`` quotes any bad value."""
+    """Everything ``pserver start`` needs; checked on construction (errors quote the value)."""
 
     dataset: Path
     model: str
@@ -38,11 +95,14 @@ class ServerConfig:
     staleness_b: float = 4.0
     max_staleness: int | None = None
     run_dir: Path | None = None
+    overwrite: bool = False
     seed: int = 0
     cache_mb: int = 2048
     eval_batch: int = 512
     eval_every: int = 1
-    shutdown_timeout_s: float = 10.0
+    eval_every_updates: int | None = None
+    eval_samples: int | None = None
+    shutdown_timeout_s: float = 120.0
     data_threads: int = 2
     torch_threads: int = 1
     heartbeat_s: float = 1.0
@@ -51,59 +111,49 @@ class ServerConfig:
     authorized_keys: Path | None = None
     resume: bool = False
     dead_after_s: float = 5.0
+    shards: int = 1
+    wire_dtype: str = "fp32"
+    chunk_mb: float = 4.0
+    max_grad_norm: float | None = None
+    outlier_factor: float = 1000.0
+    stage_timeout_s: float = 120.0
+    shard_timeout_s: float = 30.0
+    max_workers: int = 256
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> ServerConfig:
-        """Check every field.
+        """Check every field (also run on construction).
 
         Returns:
-            ``self``, so that ``ServerConfig(...).validate()`` reads naturally.
+            ``self``.
 
         Raises:
             ConfigError: a value is out of range; the message quotes it.
         """
-
-        def need(ok: bool, what: str) -> None:
-            if not ok:
-                raise ConfigError(what)
-
         need(self.mode in MODES, f"--mode {self.mode!r} is not one of {', '.join(MODES)}")
         need(
             self.staleness in STALENESS,
             f"--staleness {self.staleness!r} is not one of {', '.join(STALENESS)}",
         )
-        need(
-            self.optimizer in OPTIMIZERS,
-            f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}",
-        )
-        need(
-            self.lr_schedule in SCHEDULES,
-            f"--lr-schedule {self.lr_schedule!r} is not one of {', '.join(SCHEDULES)}",
+        check_training(
+            global_batch=self.global_batch,
+            optimizer=self.optimizer,
+            lr=self.lr,
+            momentum=self.momentum,
+            nesterov=self.nesterov,
+            weight_decay=self.weight_decay,
+            lr_schedule=self.lr_schedule,
+            warmup_fraction=self.warmup_fraction,
+            epochs=self.epochs,
+            max_steps=self.max_steps,
+            target_oa=self.target_oa,
         )
         need(self.workers >= 1, f"--workers must be >= 1, got {self.workers}")
-        need(self.global_batch >= 1, f"--global-batch must be >= 1, got {self.global_batch}")
-        need(self.lr > 0, f"--lr must be > 0, got {self.lr}")
-        need(0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}")
-        need(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
         need(
-            0 <= self.warmup_fraction < 1,
-            f"--warmup-fraction must be in [0, 1), got {self.warmup_fraction}",
-        )
-        need(self.epochs is None or self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}")
-        need(
-            self.max_steps is None or self.max_steps >= 1,
-            f"--max-steps must be >= 1, got {self.max_steps}",
-        )
-        need(
-            self.target_oa is None or 0 < self.target_oa <= 1,
-            f"--target-oa must be in (0, 1], got {self.target_oa}",
-        )
-        need(
-            self.epochs is not None or self.max_steps is not None or self.target_oa is not None,
-            "give at least one of --epochs, --max-steps or --target-oa, or training never ends",
-        )
-        need(
-            self.lr_schedule == "constant" or self.epochs is not None or self.max_steps is not None,
-            f"--lr-schedule {self.lr_schedule} needs --epochs or --max-steps",
+            self.workers <= self.max_workers,
+            f"--workers {self.workers} exceeds --max-workers {self.max_workers}",
         )
         need(
             self.max_staleness is None or self.max_staleness >= 0,
@@ -111,14 +161,14 @@ class ServerConfig:
         )
         need(self.staleness_a > 0, f"--staleness-a must be > 0, got {self.staleness_a}")
         need(self.staleness_b >= 0, f"--staleness-b must be >= 0, got {self.staleness_b}")
-        need(
-            self.checkpoint_every is None or self.checkpoint_every >= 1,
-            f"--checkpoint-every must be >= 1, got {self.checkpoint_every}",
-        )
+        for name in ("checkpoint_every", "eval_every_updates", "eval_samples"):
+            value = getattr(self, name)
+            need(value is None or value >= 1, f"--{_flag(name)} must be >= 1, got {value}")
         need(
             self.run_dir is not None or not (self.resume or self.checkpoint_every),
             "--resume and --checkpoint-every need --run-dir",
         )
+        need(not (self.resume and self.overwrite), "--resume and --overwrite exclude each other")
         need(
             (self.curve_secret is None) == (self.authorized_keys is None),
             "--curve-secret and --authorized-keys go together",
@@ -135,18 +185,97 @@ class ServerConfig:
         need(self.torch_threads >= 1, f"--torch-threads must be >= 1, got {self.torch_threads}")
         need(self.eval_every >= 1, f"--eval-every must be >= 1, got {self.eval_every}")
         need(self.cache_mb >= 0, f"--cache-mb must be >= 0, got {self.cache_mb}")
+        for name in ("shutdown_timeout_s", "stage_timeout_s", "shard_timeout_s"):
+            value = getattr(self, name)
+            need(value > 0, f"--{_flag(name)} must be > 0, got {value}")
         need(
-            self.shutdown_timeout_s > 0,
-            f"--shutdown-timeout must be > 0, got {self.shutdown_timeout_s}",
-        )
-        need(
-            self.bind.startswith(("tcp://", "ipc://", "inproc://")),
+            self.bind.startswith(ENDPOINT_SCHEMES),
             f"--bind {self.bind!r} must look like tcp://HOST:PORT",
         )
-        need(self.dataset.exists(), f"--dataset {str(self.dataset)!r} does not exist")
+        need(1 <= self.shards <= 256, f"--shards must be in [1, 256], got {self.shards}")
+        need(
+            self.wire_dtype in WIRE_DTYPES,
+            f"--wire-dtype {self.wire_dtype!r} is not one of {', '.join(WIRE_DTYPES)}",
+        )
+        need(
+            0.01 <= self.chunk_mb <= 256, f"--chunk-mb must be in [0.01, 256], got {self.chunk_mb}"
+        )
+        need(
+            self.max_grad_norm is None or self.max_grad_norm > 0,
+            f"--max-grad-norm must be > 0, got {self.max_grad_norm}",
+        )
+        need(self.outlier_factor > 1, f"--outlier-factor must be > 1, got {self.outlier_factor}")
+        need(self.max_workers >= 1, f"--max-workers must be >= 1, got {self.max_workers}")
         return self
 
     @property
     def is_sync(self) -> bool:
         """True for the two synchronous modes."""
         return self.mode != "async"
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Target bytes per wire chunk."""
+        return int(self.chunk_mb * (1 << 20))
+
+
+def _flag(name: str) -> str:
+    return name.removesuffix("_s").replace("_", "-")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardConfig:
+    """Everything ``pserver shard`` needs; checked on construction."""
+
+    coordinator: str
+    bind: str = "tcp://0.0.0.0:0"
+    advertise: str | None = None
+    name: str = dataclasses.field(default_factory=socket.gethostname)
+    connect_timeout_s: float = 60.0
+    curve_secret: Path | None = None
+    authorized_keys: Path | None = None
+    torch_threads: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("coordinator", "bind"):
+            value = getattr(self, name)
+            need(
+                value.startswith(ENDPOINT_SCHEMES),
+                f"--{name} {value!r} must look like tcp://HOST:PORT",
+            )
+        need(
+            self.advertise is None or self.advertise.startswith(ENDPOINT_SCHEMES),
+            f"--advertise {self.advertise!r} must look like tcp://HOST:PORT",
+        )
+        need(
+            self.connect_timeout_s > 0,
+            f"--connect-timeout must be > 0, got {self.connect_timeout_s}",
+        )
+        need(
+            (self.curve_secret is None) == (self.authorized_keys is None),
+            "--curve-secret and --authorized-keys go together",
+        )
+        need(self.torch_threads >= 1, f"--torch-threads must be >= 1, got {self.torch_threads}")
+
+
+def advertised(bound: str, advertise: str | None) -> str:
+    """The address workers and the coordinator use to reach a shard bound at ``bound``.
+
+    Raises:
+        ConfigError: bound to all interfaces without ``--advertise``.
+    """
+    if advertise is not None:
+        if advertise.endswith((":0", ":*")):
+            port = bound.rsplit(":", 1)[1]
+            return advertise.rsplit(":", 1)[0] + ":" + port
+        return advertise
+    host = bound[len("tcp://") :].rsplit(":", 1)[0] if bound.startswith("tcp://") else ""
+    if host in ("0.0.0.0", "*", "[::]", "::"):
+        raise ConfigError(
+            f"bound to all interfaces ({bound}): give --advertise tcp://THIS_HOST:PORT (port 0 "
+            "takes the bound port) so workers know where to reach this shard"
+        )
+    return bound
+
+
+__all__ = ["ServerConfig", "ShardConfig", "check_training", "default", "need"]

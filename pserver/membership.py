@@ -1,13 +1,23 @@
-"""The server's view of each worker: identity, speed, queued tasks and counters."""
+"""Who takes part in a run: members with their identity proof, liveness deadline, queued tasks
+and counters; departed members are folded into per-name counters and forgotten."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import dataclasses
+import itertools
 from collections.abc import Callable
 
 import numpy as np
+
+from common.errors import ErrorCode, ProtocolError
+from common.protocol.tokens import TokenBook
+
+MAX_NAME = 64
+MAX_HISTORY = 1024  # departed names remembered; beyond that their counters are pooled
+COUNTERS = ("samples", "pushes", "rejected", "non_finite", "refused")
+OTHERS = "(others)"
 
 
 @dataclasses.dataclass
@@ -20,7 +30,6 @@ class Task:
         positions: positions in the training split (for exactly-once accounting).
         indices: the matching dataset indices (what the worker trains on).
         round_id: the sync round it belongs to (async: -1).
-        pushed: its push is being applied, so it must not be handed out again.
     """
 
     task_id: int
@@ -28,12 +37,28 @@ class Task:
     positions: np.ndarray
     indices: list[int]
     round_id: int = -1
-    pushed: bool = False
 
     @property
     def size(self) -> int:
         """Number of samples."""
         return len(self.indices)
+
+
+class TaskFactory:
+    """Makes tasks with run-unique ids over training-split positions.
+
+    Args:
+        train_indices: dataset index of each training-split position.
+    """
+
+    def __init__(self, train_indices: np.ndarray) -> None:
+        self.train_indices = train_indices
+        self._ids = itertools.count(1)
+
+    def new(self, epoch: int, positions: np.ndarray, round_id: int = -1) -> Task:
+        """A task over ``positions`` of ``epoch``."""
+        indices = self.train_indices[positions].tolist()
+        return Task(next(self._ids), epoch, positions, indices, round_id)
 
 
 @dataclasses.dataclass
@@ -46,21 +71,26 @@ class Waiter:
 
 @dataclasses.dataclass
 class WorkerInfo:
-    """One member of the run."""
+    """One member of the run. Its task queue is written by the server alone."""
 
     worker_id: int
     name: str
     device: str
     slowdown: float
     threads: int
-    speed: float
     joined_t: float
+    user_id: str = ""
+    speed: float = 0.0
     tasks: collections.deque[Task] = dataclasses.field(default_factory=collections.deque)
     waiter: Waiter | None = None
+    pushing: int | None = None  # the task whose push is being checked
     samples: int = 0
     pushes: int = 0
     rejected: int = 0
     non_finite: int = 0
+    refused: int = 0
+    compute_s: float = 0.0
+    transfer_s: float = 0.0
     active: bool = True
     ready: bool = False
 
@@ -71,10 +101,7 @@ class WorkerInfo:
             "device": self.device,
             "slowdown": self.slowdown,
             "speed": round(self.speed, 3),
-            "samples": self.samples,
-            "pushes": self.pushes,
-            "rejected": self.rejected,
-            "non_finite": self.non_finite,
+            **{c: getattr(self, c) for c in COUNTERS},
             "active": self.active,
         }
 
@@ -84,32 +111,68 @@ class Roster:
 
     Every message from a worker pushes its deadline ``dead_after_s`` into the future; a worker
     whose deadline passes is handed to ``on_dead`` (from the event loop, via a timer: no
-    polling).
+    polling). Requests prove membership with the token issued at join (and, under CURVE, come
+    from the same public key).
 
     Args:
         dead_after_s: silence after which a worker counts as dead.
         on_dead: called with the worker when its deadline passes.
+        tokens: issues and checks worker tokens.
+        max_members: how many members may be active at once.
     """
 
-    def __init__(self, dead_after_s: float, on_dead: Callable[[WorkerInfo], None]) -> None:
+    def __init__(
+        self,
+        dead_after_s: float,
+        on_dead: Callable[[WorkerInfo], None],
+        tokens: TokenBook,
+        max_members: int,
+    ) -> None:
         self.dead_after_s = dead_after_s
         self.on_dead = on_dead
+        self.tokens = tokens
+        self.max_members = max_members
         self.workers: dict[int, WorkerInfo] = {}
-        self.history: dict[str, dict[str, object]] = {}  # counters from before a restart
+        self.history: dict[str, dict[str, object]] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._next_id = 1
 
-    def add(self, name: str, device: str, slowdown: float, threads: int, t: float) -> WorkerInfo:
-        """A new member; a name already in use gets the worker id appended."""
+    def add(
+        self, name: str, device: str, slowdown: float, threads: int, t: float, user_id: str = ""
+    ) -> WorkerInfo:
+        """A new member; a name already in use gets the worker id appended.
+
+        Raises:
+            ProtocolError: BUSY when ``max_members`` are active.
+        """
+        if len(self.workers) >= self.max_members:
+            raise ProtocolError(ErrorCode.BUSY, f"the run already has {self.max_members} members")
+        name = name[:MAX_NAME]
         names = {w.name for w in self.workers.values()}
         unique = name if name not in names else f"{name}-{self._next_id}"
-        worker = WorkerInfo(self._next_id, unique, device, slowdown, threads, 0.0, t)
+        worker = WorkerInfo(self._next_id, unique, device[:MAX_NAME], slowdown, threads, t, user_id)
         past = self.history.pop(unique, None)
-        if past is not None:  # the same worker before the server restarted
-            for counter in ("samples", "pushes", "rejected", "non_finite"):
-                setattr(worker, counter, int(past[counter]))  # type: ignore[call-overload]
+        if past is not None:  # the same worker before it rejoined or the server restarted
+            for counter in COUNTERS:
+                setattr(worker, counter, int(past.get(counter, 0)))  # type: ignore[call-overload]
         self._next_id += 1
         self.workers[worker.worker_id] = worker
+        self.touch(worker)
+        return worker
+
+    def member(self, worker_id: int, token: str, user_id: str = "") -> WorkerInfo:
+        """The active member behind a request (its liveness deadline restarts).
+
+        Raises:
+            ProtocolError: UNKNOWN_WORKER for a wrong token, a departed worker, or (CURVE) a
+                request from another key than the one that joined.
+        """
+        self.tokens.check(worker_id, token)
+        worker = self.workers.get(worker_id)
+        if worker is None or not worker.active or worker.user_id != user_id:
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_WORKER, f"worker id {worker_id} is not a member; join first"
+            )
         self.touch(worker)
         return worker
 
@@ -126,24 +189,37 @@ class Roster:
 
     def _expire(self, worker_id: int) -> None:
         self._timers.pop(worker_id, None)
-        worker = self.workers[worker_id]
-        if worker.active:
+        worker = self.workers.get(worker_id)
+        if worker is not None and worker.active:
             self.on_dead(worker)
 
     def remove(self, worker: WorkerInfo) -> None:
-        """Mark the worker gone (left, dead or stopped) and drop its deadline."""
+        """The worker is gone (left, dead or stopped): its counters go to the history."""
         worker.active = False
         worker.waiter = None
         timer = self._timers.pop(worker.worker_id, None)
         if timer is not None:
             timer.cancel()
+        self.workers.pop(worker.worker_id, None)
+        self._remember(worker.name, worker.summary())
 
-    def all_workers(self) -> list[WorkerInfo]:
-        """Every worker that joined this server, gone or not."""
-        return list(self.workers.values())
+    def credit(self, worker: WorkerInfo, samples: int) -> None:
+        """Count an applied push of ``worker`` (also after it left: the push still counts)."""
+        worker.samples += samples
+        worker.pushes += 1
+        if not worker.active:
+            self._remember(worker.name, worker.summary())
+
+    def _remember(self, name: str, entry: dict[str, object]) -> None:
+        if name not in self.history and len(self.history) >= MAX_HISTORY:
+            pooled = self.history.setdefault(OTHERS, {"name": OTHERS, "active": False})
+            for counter in COUNTERS:
+                pooled[counter] = int(pooled.get(counter, 0)) + int(entry.get(counter, 0))  # type: ignore[call-overload]
+            return
+        self.history[name] = {**entry, "active": False}
 
     def summaries(self) -> list[dict[str, object]]:
-        """Per-worker summaries, including workers known only from before a restart."""
+        """Per-worker summaries: departed ones by name, then the members."""
         return [*self.history.values(), *(w.summary() for w in self.workers.values())]
 
     def members(self) -> list[WorkerInfo]:

@@ -1,7 +1,8 @@
-"""Server-side optimizers on one flat parameter vector, writing each step to a new tensor.
+"""Server-side optimizers on a flat parameter vector, copy-on-step for parameters and state.
 
-Writing the result to fresh memory (copy-on-step) keeps every published parameter snapshot
-immutable without an extra copy, and lets a rejected update leave the parameters untouched.
+A step is computed into fresh memory (``prepare``) and only becomes the optimizer's state when
+it is committed, so an update that turns out invalid (non-finite parameters) is discarded
+without a trace, and published parameter snapshots are never modified.
 """
 
 from __future__ import annotations
@@ -12,9 +13,15 @@ import torch
 
 from common.errors import ConfigError
 
+SLOTS = {"sgd": ("momentum",), "sgd-plain": (), "adam": ("exp_avg", "exp_avg_sq")}
+
 
 class FlatOptimizer:
     """SGD (momentum, Nesterov) or Adam with L2 weight decay, as ``torch.optim`` defines them.
+
+    State slots start at zero (for SGD momentum that equals torch's first-step ``buf = grad``
+    bit for bit). ``state`` holds the committed slots; ``prepare`` writes a candidate into a
+    second set of buffers and ``commit`` swaps them in.
 
     Args:
         kind: ``sgd`` or ``adam``.
@@ -23,6 +30,9 @@ class FlatOptimizer:
         nesterov: Nesterov momentum for SGD.
         weight_decay: L2 penalty added to the gradient.
         betas, eps: Adam's constants.
+
+    Raises:
+        ConfigError: unknown kind, or Nesterov without momentum.
     """
 
     def __init__(
@@ -43,79 +53,98 @@ class FlatOptimizer:
         self.weight_decay, self.betas, self.eps = weight_decay, betas, eps
         self.steps = 0
         self.state: dict[str, torch.Tensor] = {}
+        self._spare: dict[str, torch.Tensor] = {}
+        self._scratch: torch.Tensor | None = None
+
+    @property
+    def slots(self) -> tuple[str, ...]:
+        """Names of the per-parameter state tensors."""
+        if self.kind == "adam":
+            return SLOTS["adam"]
+        return SLOTS["sgd"] if self.momentum else SLOTS["sgd-plain"]
+
+    def _buffers(
+        self, like: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        for name in self.slots:
+            if name not in self.state or self.state[name].shape != like.shape:
+                self.state[name] = torch.zeros_like(like)
+            if name not in self._spare or self._spare[name].shape != like.shape:
+                self._spare[name] = torch.empty_like(like)
+        return self.state, self._spare
+
+    def scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """A persistent temporary: fresh 47 MB allocations cost more than the arithmetic."""
+        if self._scratch is None or self._scratch.shape != like.shape:
+            self._scratch = torch.empty_like(like)
+        return self._scratch
+
+    def prepare(
+        self,
+        params: torch.Tensor,
+        grad: torch.Tensor,
+        out: torch.Tensor,
+        lr_scale: float = 1.0,
+        window: tuple[int, int] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Write ``params`` updated by ``grad`` into ``out``; nothing else changes.
+
+        A step may be computed window by window (element-wise arithmetic: the result is the
+        same bit for bit); the candidate state is complete once every window was prepared.
+
+        Args:
+            params: current flat parameters (not modified).
+            grad: the gradient of the window (not modified).
+            out: destination of the whole vector, distinct from ``params`` and ``grad``.
+            lr_scale: factor on the learning rate for this step (schedule x staleness).
+            window: ``(lo, hi)``, the part of the vector to compute (default: all of it).
+
+        Returns:
+            The candidate optimizer state, to pass to ``commit`` (or drop).
+        """
+        lr = self.lr * lr_scale
+        full_old, full_new = self._buffers(params)
+        lo, hi = window if window is not None else (0, params.numel())
+        p, o = params[lo:hi], out[lo:hi]
+        old = {k: v[lo:hi] for k, v in full_old.items()}
+        new = {k: v[lo:hi] for k, v in full_new.items()}
+        scratch = self.scratch(params)[lo:hi]
+        if self.weight_decay:
+            grad = torch.add(grad, p, alpha=self.weight_decay, out=scratch)
+        if self.kind == "sgd":
+            direction = grad
+            if self.momentum:
+                torch.add(grad, old["momentum"], alpha=self.momentum, out=new["momentum"])
+                direction = new["momentum"]
+                if self.nesterov:
+                    direction = torch.add(grad, direction, alpha=self.momentum, out=scratch)
+            torch.add(p, direction, alpha=-lr, out=o)
+            return full_new
+        beta1, beta2 = self.betas
+        torch.lerp(old["exp_avg"], grad, 1 - beta1, out=new["exp_avg"])
+        torch.mul(old["exp_avg_sq"], beta2, out=new["exp_avg_sq"])
+        new["exp_avg_sq"].addcmul_(grad, grad, value=1 - beta2)
+        step = self.steps + 1
+        bias1 = 1 - beta1**step
+        bias2 = 1 - beta2**step
+        denom = torch.sqrt(new["exp_avg_sq"], out=scratch)
+        denom.div_(math.sqrt(bias2)).add_(self.eps)
+        torch.addcdiv(p, new["exp_avg"], denom, value=-lr / bias1, out=o)
+        return full_new
+
+    def commit(self, candidate: dict[str, torch.Tensor]) -> None:
+        """Make a prepared step's state the optimizer's state."""
+        if candidate is not self._spare:
+            raise ValueError("commit takes the state the last prepare returned")
+        self.state, self._spare = candidate, self.state
+        self.steps += 1
 
     def step(
         self, params: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, lr_scale: float = 1.0
     ) -> None:
-        """Write ``params`` updated by ``grad`` into ``out``; ``params`` is not modified.
+        """``prepare`` and ``commit`` in one call."""
+        self.commit(self.prepare(params, grad, out, lr_scale))
 
-        Args:
-            params: current flat parameters.
-            grad: flat gradient of the same length (not modified).
-            out: destination, distinct from ``params``.
-            lr_scale: factor on the learning rate for this step (schedule x staleness).
-        """
-        lr = self.lr * lr_scale
-        self.steps += 1
-        if self.weight_decay:
-            grad = torch.add(grad, params, alpha=self.weight_decay, out=self._scratch(params))
-        if self.kind == "sgd":
-            self._sgd(params, grad, out, lr)
-        else:
-            self._adam(params, grad, out, lr)
-
-    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
-        """A persistent temporary: fresh 47 MB allocations cost more than the arithmetic."""
-        scratch = self.state.get("scratch")
-        if scratch is None or scratch.shape != like.shape:
-            scratch = self.state["scratch"] = torch.empty_like(like)
-        return scratch
-
-    def _sgd(self, params: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, lr: float) -> None:
-        direction = grad
-        if self.momentum:
-            buf = self.state.get("momentum")
-            if buf is None:
-                buf = self.state["momentum"] = grad.clone()
-            else:
-                torch.add(grad, buf, alpha=self.momentum, out=buf)  # one pass: m*buf + g
-            direction = buf
-            if self.nesterov:
-                direction = torch.add(grad, buf, alpha=self.momentum, out=self._scratch(params))
-        torch.add(params, direction, alpha=-lr, out=out)
-
-    def _adam(self, params: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, lr: float) -> None:
-        beta1, beta2 = self.betas
-        if "exp_avg" not in self.state:
-            self.state["exp_avg"] = torch.zeros_like(params)
-            self.state["exp_avg_sq"] = torch.zeros_like(params)
-        exp_avg, exp_avg_sq = self.state["exp_avg"], self.state["exp_avg_sq"]
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias1 = 1 - beta1**self.steps
-        bias2 = 1 - beta2**self.steps
-        denom = torch.sqrt(exp_avg_sq, out=self._scratch(params))
-        denom.div_(math.sqrt(bias2)).add_(self.eps)
-        torch.addcdiv(params, exp_avg, denom, value=-lr / bias1, out=out)
-
-
-def lr_factor(schedule: str, progress: float, warmup_fraction: float = 0.0) -> float:
-    """The schedule's factor on the base learning rate.
-
-    Args:
-        schedule: ``constant``, ``cosine`` (to zero at the end) or ``step`` (x0.1 at 50 % and
-            75 % of training).
-        progress: fraction of training done, in [0, 1].
-        warmup_fraction: linear warm-up over this first fraction of training.
-
-    Returns:
-        The factor in [0, 1].
-    """
-    progress = min(max(progress, 0.0), 1.0)
-    if warmup_fraction > 0 and progress < warmup_fraction:
-        return max(progress / warmup_fraction, 1e-3)
-    if schedule == "cosine":
-        return 0.5 * (1 + math.cos(math.pi * progress))
-    if schedule == "step":
-        return 0.1 ** ((progress >= 0.5) + (progress >= 0.75))
-    return 1.0
+    def state_finite(self, candidate: dict[str, torch.Tensor]) -> bool:
+        """Whether every slot of a candidate state is finite."""
+        return all(bool(torch.isfinite(t.sum())) for t in candidate.values())

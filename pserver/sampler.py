@@ -16,7 +16,7 @@ class EpochLedger:
     size: int
     handed_out: int = 0
     applied: int = 0
-    uses: np.ndarray = dataclasses.field(default=None)  # type: ignore[assignment]
+    uses: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int32))
 
     @property
     def complete(self) -> bool:

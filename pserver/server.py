@@ -1,166 +1,233 @@
-"""The parameter server: an asyncio ZeroMQ ROUTER serving joins, tasks, pushes, data and status."""
+"""The parameter server (the coordinator): membership, planning, updates, evaluation, the end.
+
+It owns the roster, the sampler, the mode policy, the parameter stores (its own with
+``--shards 1``, else K shard servers) and the run's records. Policies decide; this class acts:
+it queues the tasks a policy plans, applies the updates it asks for (one at a time, under the
+updater's lock, booking each right after it is published), answers waiting workers and ends
+training. Request handling lives in ``pserver.handlers``.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import secrets
-from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
 import torch
 
 from common.data.dataset import DatasetReader
-from common.errors import ConfigError, ErrorCode, ProtocolError
-from common.protocol.messages import (
-    Message,
-    TaskReply,
-)
-from common.training.evaluator import Evaluator, lower_thread_priority, record_evaluation
-from common.training.flat import FlatLayout
+from common.errors import ErrorCode, ProtocolError, PSError, ShardLost
+from common.protocol.chunks import chunk_elems_for, shard_bounds
+from common.protocol.messages import STORE_REQUESTS, WORKER_REQUESTS, TaskReply
+from common.protocol.shard_messages import ShardHello
+from common.protocol.tokens import TokenBook, new_key
+from common.training.evaluator import Evaluator
+from common.training.flat import FlatLayout, nonnegative_bounds
 from common.training.models import build_model
 from common.training.runlog import RunLog
-from pserver import checkpoint
+from pserver import checkpoint, rundir
 from pserver.config import ServerConfig
-from pserver.handlers import RequestHandlers
-from pserver.membership import Roster, Task, WorkerInfo
-from pserver.policies import POLICIES
+from pserver.evaluation import EvalScheduler, VersionInfo
+from pserver.handlers import Handlers
+from pserver.membership import Roster, TaskFactory, WorkerInfo
+from pserver.optimizer import FlatOptimizer
+from pserver.policies import POLICIES, Update
+from pserver.runstate import RunState
+from pserver.sampler import EpochSampler
+from pserver.store.service import StoreService
+from pserver.store.slices import SliceStore
+from pserver.store.stores import CapturedState, LocalStores, RemoteStores
 from pserver.summary import build_summary
-from pserver.trainer import Trainer
 from pserver.transport import Endpoint, TaskOwner
+from pserver.updates import GradientGuard, Updater
 
 log = logging.getLogger(__name__)
 
+FLUSH_EVERY_S = 0.5
+SUMMARY_RESERVE_S = 0.5  # of the shutdown budget, kept for writing the summary
 
-class ParameterServer(RequestHandlers):
-    """Holds the model state and serves workers until training ends.
+
+def make_optimizer(config: ServerConfig) -> FlatOptimizer:
+    """The run's optimizer (for one slice of the parameters)."""
+    return FlatOptimizer(
+        config.optimizer, config.lr, config.momentum, config.nesterov, config.weight_decay
+    )
+
+
+class ParameterServer:
+    """Holds the run and serves workers until training ends.
 
     Use as ``async with ParameterServer(cfg) as ps: summary = await ps.serve()``.
 
     Args:
-        config: a validated ``ServerConfig``.
+        config: the server configuration.
 
     Raises:
+        ConfigError: the run directory or checkpoint does not fit the arguments.
         DatasetError, ModelError: the dataset or model cannot be loaded.
     """
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        resumed = None
-        if config.resume:
-            assert config.run_dir is not None
-            path = checkpoint.latest(config.run_dir / "checkpoints")
-            if path is None:
-                raise ConfigError(f"--resume: no checkpoint in {config.run_dir / 'checkpoints'}")
-            resumed = checkpoint.read(path)
+        resumed = rundir.prepare(config)
         self.log = RunLog(config.run_dir, resume_at=resumed.meta["t"] if resumed else None)
         self.reader = DatasetReader(config.dataset, cache_bytes=config.cache_mb << 20)
-        meta = self.reader.meta
-        self.meta = meta
+        self.meta = meta = self.reader.meta
         torch.set_num_threads(config.torch_threads)
         torch.manual_seed(config.seed)
         channels, height, _ = meta.shape
         model = build_model(config.model, channels, meta.num_classes, height)
         layout = FlatLayout(model)
-        self.trainer = Trainer(
-            config, layout.read_state(), layout.num_params, len(self.reader.train_indices)
-        )
-        self.evaluator = Evaluator(model, self.reader, meta.num_classes, config.eval_batch)
-        self.policy = POLICIES[config.mode](self)
-        self.roster = Roster(config.dead_after_s, self._on_dead)
+        self.num_params, self.state_size = layout.num_params, layout.size
+        self.nonneg = nonnegative_bounds(model, layout)
+        self.initial = CapturedState(0, 0, [], layout.read_state().numpy(), np.zeros((0, 0)))
+        train_count = len(self.reader.train_indices)
+        self.run = RunState()
+        self.sampler = EpochSampler(train_count, config.seed, config.epochs)
+        self.tasks = TaskFactory(self.reader.train_indices)
+        self.policy = POLICIES[config.mode](config, self.sampler, self.tasks)
+        self.tokens = TokenBook(new_key())
+        self.shard_key = new_key()
         self.server_id = secrets.token_hex(8)
-        self.evals: list[dict[str, Any]] = []
-        self.epochs_done = 0
-        self.train_start: float | None = None
-        self.train_end: float | None = None
-        self.time_to_target: float | None = None
-        self.finish_reason = ""
-        self.summary: dict[str, Any] = {}
-        self.address = ""
-        self._finished = False
-        self._done = asyncio.Event()
-        self._workers_gone = asyncio.Event()
-        self.tasks = TaskOwner()
-        self._evaluations = TaskOwner()
-        self._next_task_id = 1
-        self._started = False
-        self._checkpoints = 0
-        self._checkpoint_lock = asyncio.Lock()
-        self._train_mask = np.zeros(meta.num_samples, dtype=bool)
-        self._train_mask[self.reader.train_indices] = True
-        self._data_pool = concurrent.futures.ThreadPoolExecutor(
-            config.data_threads, thread_name_prefix="data"
-        )
-        self._eval_pool = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="eval", initializer=lower_thread_priority
-        )
+        self.roster = Roster(config.dead_after_s, self._on_dead, self.tokens, config.max_workers)
+        self.owner = TaskOwner()
+        self.chunk_elems = chunk_elems_for(config.chunk_bytes, config.wire_dtype)
         self.endpoint = Endpoint(
             config.bind,
-            self.trainer.state_size * 8 + (16 << 20),
-            self.tasks,
+            {**WORKER_REQUESTS, **STORE_REQUESTS, ShardHello.TYPE: ShardHello},
+            self.chunk_elems * 4 + (4 << 20),
+            self.owner,
             config.curve_secret,
             config.authorized_keys,
         )
+        self.guard = GradientGuard(config.max_grad_norm, config.outlier_factor)
+        self.clip: dict[int, float] = {}
+        self.address = ""
+        self.started = False
+        self._done = asyncio.Event()
+        self._workers_gone = asyncio.Event()
+        self._checkpoint_lock = asyncio.Lock()
+        self._checkpoints = 0
+        self._flusher: asyncio.TimerHandle | None = None
+        self._stores_lost = False
         if resumed is not None:
-            checkpoint.load(self, resumed)
+            self.initial = checkpoint.restore_into(self, resumed)
+        self.stores: LocalStores | RemoteStores = self._make_stores()
+        self.updater = Updater(config, self.stores, train_count)
+        self.updater.restore(
+            self.initial.version,
+            int(resumed.meta["steps"]) if resumed else 0,
+            int(resumed.meta["samples_applied"]) if resumed else 0,
+        )
+        self.evaluations = EvalScheduler(
+            Evaluator(model, self.reader, meta.num_classes, config.eval_batch),
+            self.log,
+            self._newest_state,
+            config.eval_samples,
+            config.seed,
+            self._on_eval,
+        )
+        self.handlers = Handlers(self)
+
+    def _make_stores(self) -> LocalStores | RemoteStores:
+        cfg = self.config
+        if cfg.shards > 1:
+            return RemoteStores(
+                shard_bounds(self.state_size, cfg.shards), self.shard_key, cfg.shard_timeout_s
+            )
+        store = SliceStore(
+            0,
+            self.state_size,
+            self.num_params,
+            torch.from_numpy(self.initial.state.astype(np.float32)),
+            make_optimizer(cfg),
+            self.nonneg,
+            self.chunk_elems,
+            self.initial.version,
+        )
+        if self.initial.slots:
+            store.load_slots(
+                self.initial.slots,
+                torch.from_numpy(self.initial.slot_state),
+                self.initial.optimizer_steps,
+            )
+        service = StoreService(
+            store, cfg.wire_dtype, self.tokens, self.endpoint, cfg.stage_timeout_s
+        )
+        return LocalStores(service)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Bind the socket; ``self.address`` is then the endpoint workers connect to."""
+        """Bind the socket; ``self.address`` is then the endpoint workers connect to.
+
+        Raises:
+            ConfigError: the address cannot be bound.
+        """
         self.address = self.endpoint.bind()
-        # Load the sample cache (if the data fits) while workers start, not on the first pull.
         warm = self.reader.train_indices[:1]
-        self._spawn(
-            asyncio.get_running_loop().run_in_executor(self._data_pool, self.reader.read, warm)
-        )
+        self.owner.spawn(asyncio.get_running_loop().run_in_executor(None, self.reader.read, warm))
         self.log.event(
             "start",
             address=self.address,
             mode=self.config.mode,
             model=self.config.model,
             dataset=str(self.config.dataset),
-            state_size=self.trainer.state_size,
+            state_size=self.state_size,
+            shards=self.config.shards,
+            wire_dtype=self.config.wire_dtype,
             train=len(self.reader.train_indices),
             test=len(self.reader.test_indices),
         )
+        self._schedule_flush()
         log.info(
-            "serving %s on %s (%d parameters and buffers, %d training samples)",
+            "serving %s on %s (%d parameters and buffers, %d training samples, %d shard%s)",
             self.config.mode,
             self.address,
-            self.trainer.state_size,
+            self.state_size,
             len(self.reader.train_indices),
+            self.config.shards,
+            "" if self.config.shards == 1 else "s",
         )
+        if self.run.finished:  # resumed a run that had already ended
+            log.info("the run had already ended (%s); writing its summary", self.run.finish_reason)
+            self.owner.spawn(self._shutdown())
+        elif isinstance(self.stores, RemoteStores):
+            self.owner.spawn(self._watch_shards())
+
+    def _schedule_flush(self) -> None:
+        self.log.flush()
+        self._flusher = asyncio.get_running_loop().call_later(FLUSH_EVERY_S, self._schedule_flush)
 
     async def serve(self) -> dict[str, Any]:
-        """Serve until training has ended and the workers were told to stop.
+        """Serve until training has ended and the summary is written.
 
         Returns:
             The run summary (also written to ``summary.json``).
         """
-        receiver = asyncio.create_task(self.endpoint.receive_loop(self.dispatch))
+        receiver = asyncio.create_task(self.endpoint.receive_loop(self.handlers.dispatch))
         try:
             await self._done.wait()
         finally:
             receiver.cancel()
             await asyncio.gather(receiver, return_exceptions=True)
-        return self.summary
+        return build_summary(self)
 
     def request_stop(self) -> None:
         """End training now (signals call this); shutdown then proceeds within its timeout."""
         self.finish("stopped")
 
     async def close(self) -> None:
-        """Cancel outstanding tasks, close the socket and release the dataset."""
-        await self._evaluations.cancel_all()
-        await self.tasks.cancel_all()
+        """Cancel outstanding tasks, close the sockets and release the dataset."""
+        if self._flusher is not None:
+            self._flusher.cancel()
+        await self.evaluations.close()
+        await self.owner.cancel_all()
+        await self.stores.close("the server closed")
         self.roster.close()
         self.endpoint.close()
-        self.trainer.close()
-        self._data_pool.shutdown(wait=True, cancel_futures=True)
-        self._eval_pool.shutdown(wait=True, cancel_futures=True)
         self.reader.close()
         self.log.close()
 
@@ -171,213 +238,319 @@ class ParameterServer(RequestHandlers):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # --- plumbing ----------------------------------------------------------------------------
-
-    def _spawn(self, work: Awaitable[Any]) -> asyncio.Future[Any]:
-        """Run ``work`` in the background, owned by the server (cancelled on close)."""
-        return self.tasks.spawn(work)
-
-    def _reply(self, identity: bytes, request_id: int, message: Message) -> None:
-        self.endpoint.reply(identity, request_id, message)
-
-    def _member(self, worker_id: int) -> WorkerInfo:
-        """The active member with this id (its liveness deadline restarts)."""
-        worker = self.roster.workers.get(worker_id)
-        if worker is None or not worker.active:
-            raise ProtocolError(
-                ErrorCode.UNKNOWN_WORKER, f"worker id {worker_id} is not a member; join first"
-            )
-        self.roster.touch(worker)
-        return worker
-
-    def _drop(self, worker: WorkerInfo, reason: str) -> None:
-        """Remove a worker that left or died; its unfinished samples go back to the pool."""
-        self.roster.remove(worker)
-        self.log.event("leave", worker=worker.name, reason=reason[:200])
-        log.info("worker %s is gone: %s", worker.name, reason)
-        self._spawn(self.policy.on_leave(worker))
-        if not self.members():
-            self._workers_gone.set()
-
-    def _on_dead(self, worker: WorkerInfo) -> None:
-        self._drop(worker, f"dead: silent for {self.config.dead_after_s:g} s")
-
-    # --- services to the policies (PolicyContext) -------------------------------------------
+    # --- what the server does ---------------------------------------------------------------
 
     @property
     def finished(self) -> bool:
         """Training has ended."""
-        return self._finished
+        return self.run.finished
 
-    @property
-    def started(self) -> bool:
-        """Enough workers were ready and the policy planned its first tasks."""
-        return self._started
-
-    def members(self) -> list[WorkerInfo]:
-        """Workers that joined and have neither left nor been stopped, in join order."""
-        return self.roster.members()
-
-    def active_workers(self) -> list[WorkerInfo]:
-        """Members that have calibrated and take tasks, in join order."""
-        return self.roster.ready()
-
-    def new_task(
-        self, worker: WorkerInfo, epoch: int, positions: np.ndarray, round_id: int = -1
-    ) -> Task:
-        """Create a task over training-split ``positions`` and queue it on ``worker``."""
-        indices = self.reader.train_indices[positions].tolist()
-        task = Task(self._next_task_id, epoch, positions, indices, round_id)
-        self._next_task_id += 1
-        worker.tasks.append(task)
-        return task
+    def plan(self) -> None:
+        """Queue whatever tasks the policy plans now."""
+        if self.finished or not self.started:
+            return
+        for worker, task in self.policy.plan(self.roster.ready()):
+            worker.tasks.append(task)
 
     def release(self) -> None:
         """Answer each waiting worker with its runnable task, or with stop once training ended."""
-        version, state = self.trainer.snapshot
-        params = state.numpy()
-        for worker in self.members():
+        for worker in self.roster.members():
             waiter = worker.waiter
             if waiter is None:
                 continue
-            if self._finished:
-                self._send_stop(worker)
+            if self.finished:
+                self.stop_worker(worker)
                 continue
             task = self.policy.runnable(worker)
             if task is None:
                 continue
             hint = self.policy.prefetch_hint(worker)
             worker.waiter = None
-            self._reply(
+            self.endpoint.reply(
                 waiter.identity,
                 waiter.request_id,
                 TaskReply(
                     action="train",
                     task_id=task.task_id,
-                    version=version,
+                    push_token=self.tokens.push_token(worker.worker_id, task.task_id),
+                    version=self.updater.version,
                     epoch=task.epoch,
                     indices=task.indices,
                     prefetch=hint.indices if hint else [],
-                    params=params,
                 ),
             )
 
-    def _send_stop(self, worker: WorkerInfo) -> None:
+    def stop_worker(self, worker: WorkerInfo) -> None:
+        """Tell a waiting worker to stop; it leaves the run."""
         waiter = worker.waiter
         self.roster.remove(worker)
         if waiter is not None:
-            self._reply(
+            self.endpoint.reply(
                 waiter.identity,
                 waiter.request_id,
                 TaskReply(
                     action="stop",
                     task_id=0,
-                    version=self.trainer.version,
+                    push_token="",
+                    version=self.updater.version,
                     epoch=0,
                     indices=[],
                     prefetch=[],
-                    params=np.zeros(0, dtype=np.float32),
                 ),
             )
         self.log.event("leave", worker=worker.name, reason="stop")
-        if not self.members():
+        if not self.roster.members():
             self._workers_gone.set()
 
-    def account(self, done: list[tuple[WorkerInfo, Task]]) -> None:
-        """Book applied tasks; start evaluations at epoch ends; stop when a limit is hit."""
-        cfg = self.config
-        sampler = self.trainer.sampler
-        for worker, task in done:
-            worker.samples += task.size
-            worker.pushes += 1
+    def start_training(self) -> None:
+        """Enough workers are ready: plan the first tasks."""
+        self.started = True
+        if self.run.train_start is None:  # not when resuming
+            self.run.train_start = self.log.now()
+        self.log.event(
+            "train_start", workers=len(self.roster.ready()), version=self.updater.version
+        )
+
+    def drop_worker(self, worker: WorkerInfo, reason: str) -> None:
+        """Remove a worker that left or died; samples of tasks it never pushed go back."""
+        if not worker.active:
+            return
+        dropped = list(worker.tasks)
+        worker.tasks.clear()
+        self.roster.remove(worker)
+        for task in dropped:
+            self.sampler.give_back(task.epoch, task.positions)
+        self.log.event("leave", worker=worker.name, reason=reason[:200])
+        log.info("worker %s is gone: %s", worker.name, reason)
+        update = self.policy.leave(worker, dropped)
+        if dropped:
+            ids = [t.task_id for t in dropped]
+            self.owner.spawn(self.stores.drop(ids, ErrorCode.UNKNOWN_WORKER, "the worker left"))
+        if update is not None:
+            self.owner.spawn(self.run_update(update))
+        if not self.roster.members():
+            self._workers_gone.set()
+        self.plan()
+        self.release()
+
+    def _on_dead(self, worker: WorkerInfo) -> None:
+        self.drop_worker(worker, f"dead: silent for {self.config.dead_after_s:g} s")
+
+    async def run_update(self, update: Update) -> bool:
+        """Apply an update the policy asked for and book it; or, if it is refused, answer its
+        pushes with the error and hand its samples out again.
+
+        Returns:
+            Whether it was applied.
+        """
+        async with self.updater.lock:
+            try:
+                tau = await self.updater.apply(update, self.clip)
+            except ProtocolError as exc:
+                await self._refused(update, exc)
+                return False
+            except ShardLost as exc:
+                self.fail(str(exc), stores_lost=True)
+                return False
+            self._book(update, tau)
+        self.plan()
+        self.release()
+        return True
+
+    async def _refused(self, update: Update, exc: ProtocolError) -> None:
+        self.policy.refused(update)
+        if exc.code == ErrorCode.STALE:
+            await self.stores.drop(update.task_ids, exc.code, str(exc))
+        for worker, task, _ in update.entries:
+            self.clip.pop(task.task_id, None)
+            worker.pushing = None
+            if worker.active and exc.code == ErrorCode.STALE:
+                worker.tasks.appendleft(task)  # recompute the same samples on fresh parameters
+            else:
+                self.sampler.give_back(task.epoch, task.positions)
+            if exc.code == ErrorCode.REFUSED:
+                worker.refused += 1
+            waiter = worker.waiter
+            if waiter is not None:
+                worker.waiter = None
+                self.endpoint.reply_error(waiter.identity, waiter.request_id, exc.code, str(exc))
+        self.plan()
+        self.release()
+
+    def _book(self, update: Update, tau: int) -> None:
+        """Count an applied update (under the updater's lock, right after it was published)."""
+        cfg, sampler, version = self.config, self.sampler, self.updater.version
+        self.policy.applied(update, tau)
+        now = self.log.now()
+        workers = []
+        epoch = update.entries[0][1].epoch if update.entries else 0
+        for worker, task, _ in update.entries:
+            self.clip.pop(task.task_id, None)
+            worker.pushing = None
+            self.roster.credit(worker, task.size)
+            workers.append(
+                {"worker": worker.name, "batch": task.size, "speed": round(worker.speed, 3)}
+            )
+        if cfg.is_sync:
+            self.log.event(
+                "round",
+                round=update.round_id,
+                epoch=epoch,
+                version=version,
+                round_s=round(self.policy.round_times[-1], 6),  # type: ignore[attr-defined]
+                workers=workers,
+            )
+        else:
+            pushed = workers[0]
+            self.log.event(
+                "push",
+                worker=pushed["worker"],
+                batch=pushed["batch"],
+                speed=pushed["speed"],
+                epoch=epoch,
+                staleness=tau,
+                version=version,
+            )
+        self.evaluations.made(
+            version,
+            VersionInfo(epoch, self.updater.samples_applied, now, self.run.train_time(now)),
+        )
+        wanted = cfg.eval_every_updates is not None and version % cfg.eval_every_updates == 0
+        for _, task, _ in update.entries:
             ledger = sampler.record_applied(task.epoch, task.positions)
-            if ledger.complete:
-                exactly_once = bool((ledger.uses == 1).all())
-                self.log.event(
-                    "epoch",
-                    epoch=ledger.epoch,
-                    samples=ledger.applied,
-                    exactly_once=exactly_once,
-                    version=self.trainer.version,
-                )
-                if not exactly_once:
-                    log.error("epoch %d did not use every sample exactly once", ledger.epoch)
-                sampler.forget(ledger.epoch)
-                self.epochs_done = max(self.epochs_done, ledger.epoch)
-                if ledger.epoch % cfg.eval_every == 0:
-                    self._evaluate_now(ledger.epoch)
+            if not ledger.complete:
+                continue
+            exactly_once = bool((ledger.uses == 1).all())
+            self.log.event(
+                "epoch",
+                epoch=ledger.epoch,
+                samples=ledger.applied,
+                exactly_once=exactly_once,
+                version=version,
+            )
+            if exactly_once:
+                log.info("epoch %d done at version %d", ledger.epoch, version)
+            else:
+                log.error("epoch %d did not use every sample exactly once", ledger.epoch)
+            sampler.forget(ledger.epoch)
+            self.run.epochs_done = max(self.run.epochs_done, ledger.epoch)
+            wanted = wanted or ledger.epoch % cfg.eval_every == 0
+        if wanted:
+            self.evaluations.request()
         every = cfg.checkpoint_every
-        if every and self.trainer.steps // every > self._checkpoints:
-            self._checkpoints = self.trainer.steps // every
-            self._spawn(self.save_checkpoint())
-        if cfg.max_steps is not None and self.trainer.steps >= cfg.max_steps:
+        if every and self.updater.steps // every > self._checkpoints:
+            self._checkpoints = self.updater.steps // every
+            self.owner.spawn(self.save_checkpoint())
+        if cfg.max_steps is not None and self.updater.steps >= cfg.max_steps:
             self.finish("max_steps")
         elif sampler.exhausted and not sampler.ledgers:
             self.finish("epochs")
 
-    # --- evaluation and the end of training -------------------------------------------------
+    # --- evaluation, checkpoints and the end of training ------------------------------------
 
-    def _evaluate_now(self, epoch: int) -> None:
-        version, state = self.trainer.snapshot
-        t = self.log.now()
-        self._evaluations.spawn(
-            self._evaluate(version, epoch, state, t, self.trainer.samples_applied)
-        )
+    async def _newest_state(self) -> tuple[int, np.ndarray, Any]:
+        if isinstance(self.stores, LocalStores):
+            version, state, lease = self.stores.published()
+            return version, state, lease.release
+        captured = await self.stores.capture(with_slots=False)
+        return captured.version, captured.state, lambda: None
 
-    async def _evaluate(
-        self, version: int, epoch: int, state: torch.Tensor, t: float, samples: int
-    ) -> None:
-        loop = asyncio.get_running_loop()
-        begin = loop.time()
-        scores = await loop.run_in_executor(self._eval_pool, self.evaluator.evaluate, state.numpy())
-        record = record_evaluation(
-            self.log,
-            scores,
-            t=t,
-            version=version,
-            epoch=epoch,
-            samples=samples,
-            eval_s=loop.time() - begin,
-        )
-        self.evals.append(record)
+    def _on_eval(self, record: dict[str, Any]) -> None:
+        self.run.evals.append(record)
         target = self.config.target_oa
-        if target is not None and scores.oa >= target and self.time_to_target is None:
-            self.time_to_target = t - (self.train_start or 0.0)
+        if target is not None and record["oa"] >= target and self.run.time_to_target is None:
+            self.run.time_to_target = record["train_t"]
             self.finish("target_oa")
 
     def finish(self, reason: str) -> None:
         """End training: no more tasks; waiting workers are told to stop."""
-        if self._finished:
+        if self.run.finished:
             return
-        self._finished = True
-        self.finish_reason = reason
-        self.train_end = self.log.now()
-        log.info("training finished (%s) at version %d", reason, self.trainer.version)
+        self.run.finish_reason = reason
+        self.run.train_end = self.log.now()
+        log.info("training finished (%s) at version %d", reason, self.updater.version)
+        self.log.event("finish", reason=reason, version=self.updater.version)
         self.release()
-        self._spawn(self._shutdown())
+        self.owner.spawn(self._shutdown())
 
-    async def save_checkpoint(self) -> None:
-        """Write a checkpoint now (one at a time)."""
+    def fail(self, reason: str, stores_lost: bool = False) -> None:
+        """End the run because of an error; the server will exit non-zero.
+
+        Args:
+            reason: what went wrong (logged and kept in the summary).
+            stores_lost: a shard is gone, so no final checkpoint or evaluation is possible
+                (the last periodic checkpoint is the one to resume from).
+        """
+        log.error("%s", reason)
+        self._stores_lost = self._stores_lost or stores_lost
+        if not self.run.error:
+            self.run.error = reason
+        self.finish(f"failed: {reason}")
+
+    async def save_checkpoint(self) -> bool:
+        """Write a checkpoint now (one at a time); a failure is logged and training goes on.
+
+        Returns:
+            Whether it was written.
+        """
         async with self._checkpoint_lock:
-            await checkpoint.save(self)
+            try:
+                await checkpoint.save(self)
+                return True
+            except (OSError, PSError) as exc:
+                log.error("checkpoint failed: %s", exc)
+                self.log.event("checkpoint_failed", error=str(exc)[:300])
+                return False
+
+    async def _watch_shards(self) -> None:
+        """Ping the shards while the run lasts; a shard that stops answering ends it."""
+        assert isinstance(self.stores, RemoteStores)
+        await self.stores.ready.wait()
+        while not self.finished:
+            await asyncio.sleep(self.config.heartbeat_s)
+            try:
+                await self.stores.ping()
+            except ShardLost as exc:
+                self.fail(str(exc), stores_lost=True)
+                return
 
     async def _shutdown(self) -> None:
-        if self.config.run_dir is not None:
-            await self.save_checkpoint()
-        await self._evaluations.wait()
-        if not self.evals or self.evals[-1]["version"] != self.trainer.version:
-            self._evaluate_now(self.trainer.sampler.epoch)
-            await self._evaluations.wait()
-        if not self.members():
-            self._workers_gone.set()
+        """Checkpoint, final evaluation, stop the workers, write the summary: all within
+        ``--shutdown-timeout``; whatever fails is reported and the server exits non-zero."""
+        deadline = asyncio.get_running_loop().time() + self.config.shutdown_timeout_s
         try:
-            await asyncio.wait_for(self._workers_gone.wait(), self.config.shutdown_timeout_s)
+            await asyncio.wait_for(self._wind_down(deadline), self.config.shutdown_timeout_s)
         except TimeoutError:
-            log.warning(
-                "%d workers did not collect their stop within %.0f s",
-                len(self.members()),
-                self.config.shutdown_timeout_s,
+            self.run.error = self.run.error or (
+                f"shutdown did not finish within --shutdown-timeout "
+                f"{self.config.shutdown_timeout_s:g} s"
             )
-        self.summary = build_summary(self)
-        self.log.write_summary(self.summary)
-        self._done.set()
+            log.error("%s", self.run.error)
+        except Exception as exc:
+            log.exception("shutdown failed")
+            self.run.error = self.run.error or f"shutdown failed: {type(exc).__name__}: {exc}"
+        finally:
+            try:
+                self.log.write_summary(build_summary(self))
+            except OSError as exc:
+                self.run.error = self.run.error or f"cannot write summary.json: {exc}"
+                log.error("%s", self.run.error)
+            if self.log.error and not self.run.error:
+                self.run.error = self.log.error
+            self._done.set()
+
+    async def _wind_down(self, deadline: float) -> None:
+        async with self.updater.lock:
+            pass  # an update being published completes first
+        if not self._stores_lost:
+            if self.config.run_dir is not None and not await self.save_checkpoint():
+                self.run.error = self.run.error or "the final checkpoint could not be written"
+            await self.evaluations.final(self.updater.version)
+        self.release()
+        if not self.roster.members():
+            self._workers_gone.set()
+        left = deadline - asyncio.get_running_loop().time() - SUMMARY_RESERVE_S
+        try:
+            await asyncio.wait_for(self._workers_gone.wait(), max(left, 0.01))
+        except TimeoutError:
+            log.info("%d workers did not collect their stop", len(self.roster.members()))

@@ -12,46 +12,64 @@ if TYPE_CHECKING:
 
 def build_summary(ps: ParameterServer) -> dict[str, Any]:
     """The run summary of GUIDE section 3, plus mode-specific extras under ``details``."""
-    cfg, trainer = ps.config, ps.trainer
-    train_start = ps.train_start or 0.0
-    train_end = ps.train_end if ps.train_end is not None else ps.log.now()
-    staleness = ps.policy.staleness() if hasattr(ps.policy, "staleness") else None
+    cfg, run = ps.config, ps.run
+    now = ps.log.now()
     return run_summary(
         mode=cfg.mode,
         model=cfg.model,
         dataset=str(cfg.dataset),
-        wall_time_s=ps.log.now(),
-        train_time_s=train_end - train_start,
-        steps=trainer.steps,
-        epochs=ps.epochs_done,
-        samples_seen=trainer.samples_applied,
-        evals=ps.evals,
+        wall_time_s=now,
+        train_time_s=run.train_time(now),
+        steps=ps.updater.steps,
+        epochs=run.epochs_done,
+        samples_seen=ps.updater.samples_applied,
+        evals=run.evals,
         target_oa=cfg.target_oa,
-        time_to_target_s=ps.time_to_target,
+        time_to_target_s=run.time_to_target,
         workers=ps.roster.summaries(),
-        staleness=staleness,
-        finish_reason=ps.finish_reason,
+        staleness=ps.policy.staleness(),
+        finish_reason=run.finish_reason,
         global_batch=cfg.global_batch,
-        details=ps.policy.summary(),
+        details={
+            **ps.policy.summary(),
+            "shards": cfg.shards,
+            "wire_dtype": cfg.wire_dtype,
+            "refused_pushes": ps.guard.refused,
+            "clipped_pushes": ps.guard.clipped,
+            "skipped_evaluations": ps.evaluations.skipped,
+            "error": run.error or None,
+        },
     )
 
 
 def status_of(ps: ParameterServer) -> dict[str, Any]:
     """The live status map answered to ``pserver status``."""
-    last = ps.evals[-1] if ps.evals else None
+    run = ps.run
+    last = run.evals[-1] if run.evals else None
+    stores = ps.stores
     return {
         "mode": ps.config.mode,
         "model": ps.config.model,
-        "version": ps.trainer.version,
-        "epoch": ps.trainer.sampler.epoch,
-        "steps": ps.trainer.steps,
-        "samples_seen": ps.trainer.samples_applied,
+        "version": ps.updater.version,
+        "epoch": ps.sampler.epoch,
+        "steps": ps.updater.steps,
+        "samples_seen": ps.updater.samples_applied,
         "training": ps.started and not ps.finished,
         "finished": ps.finished,
-        "waiting_for": max(ps.config.workers - len(ps.active_workers()), 0)
-        if not ps.started
-        else 0,
+        "finish_reason": run.finish_reason or None,
+        "waiting_for": 0 if ps.started else max(ps.config.workers - len(ps.roster.ready()), 0),
         "last_eval": scores_of(last),
+        "shards": [
+            {
+                "index": i,
+                "address": address or "(this server)",
+                "state": [lo, hi],
+                **getattr(stores, "health", {}).get(i, {}),
+            }
+            for i, (address, lo, hi) in enumerate(
+                zip(stores.addresses, stores.bounds[:-1], stores.bounds[1:], strict=False)
+            )
+        ],
         "workers": [
             {"id": w.worker_id, "ready": w.ready, **w.summary()} for w in ps.roster.workers.values()
         ],

@@ -70,6 +70,9 @@ class Proc:
         if self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait()
+        self._reader.join(timeout=10)
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
 
 
 def start_server(

@@ -4,44 +4,103 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 import zmq
 import zmq.asyncio
 
 from common.errors import RemoteError
-from common.protocol.messages import REPLIES, Message, parse_message
+from common.protocol.chunks import chunk_spans, encode
+from common.protocol.messages import (
+    REPLIES,
+    GradientChunk,
+    JoinReply,
+    JoinRequest,
+    Message,
+    ParamsChunk,
+    PushRequest,
+    TaskReply,
+    TaskRequest,
+    parse_message,
+)
 from pserver.config import ServerConfig
 from pserver.server import ParameterServer
 
 REPLY_TIMEOUT_S = 20.0
 
 
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """A joined worker as the tests see it."""
+
+    join: JoinReply
+
+    @property
+    def worker_id(self) -> int:
+        return self.join.worker_id
+
+    @property
+    def token(self) -> str:
+        return self.join.token
+
+
 class AsyncClient:
-    """A DEALER client for the event loop the server runs in (real TCP on 127.0.0.1)."""
+    """A DEALER client for the event loop the server runs in (real TCP on 127.0.0.1).
+
+    Several requests may be in flight; replies are matched by request id.
+    """
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
+        self.ctx, self.address = ctx, address
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
         self._ids = itertools.count(1)
+        self._early: dict[int, Any] = {}
+        self._stores: dict[str, AsyncClient] = {}
+
+    def store(self, address: str) -> AsyncClient:
+        """The client for a parameter store ("" is the server itself)."""
+        if not address:
+            return self
+        if address not in self._stores:
+            self._stores[address] = AsyncClient(self.ctx, address)
+        return self._stores[address]
 
     async def send_raw(self, frames: list[Any]) -> list[bytes]:
         """Send arbitrary frames and return the reply frames."""
         await self.sock.send_multipart(frames)
         return await asyncio.wait_for(self.sock.recv_multipart(), REPLY_TIMEOUT_S)
 
-    async def request(self, message: Message) -> Message:
-        """Send a well-formed request and return the parsed reply (raises RemoteError)."""
+    async def send(self, message: Message) -> int:
+        """Send a well-formed request; returns its request id."""
         rid = next(self._ids)
         await self.sock.send_multipart(message.to_wire(rid))
-        frames = await asyncio.wait_for(self.sock.recv_multipart(), REPLY_TIMEOUT_S)
-        reply, reply_id = parse_message(frames, REPLIES)
-        assert reply_id == rid
-        return reply
+        return rid
+
+    async def receive(self, rid: int) -> Message:
+        """The reply to request ``rid`` (raises RemoteError for an error reply)."""
+        while rid not in self._early:
+            frames = await asyncio.wait_for(self.sock.recv_multipart(), REPLY_TIMEOUT_S)
+            try:
+                reply, reply_id = parse_message(frames, REPLIES)
+                self._early[reply_id] = reply
+            except RemoteError as exc:
+                self._early[exc.request_id] = exc
+        outcome = self._early.pop(rid)
+        if isinstance(outcome, RemoteError):
+            raise outcome
+        return outcome
+
+    async def request(self, message: Message) -> Message:
+        """Send a well-formed request and return the parsed reply (raises RemoteError)."""
+        return await self.receive(await self.send(message))
 
     async def expect_error(self, message: Message) -> RemoteError:
         """Send ``message`` and return the error reply it must get."""
@@ -51,8 +110,86 @@ class AsyncClient:
             return exc
         raise AssertionError(f"{message.TYPE} was accepted")
 
+    async def join(self, name: str, speed: float = 100.0) -> tuple[Member, TaskReply]:
+        """Join, then ask for the first task (waits until training starts)."""
+        join = await self.request(JoinRequest(name=name, device="cpu", slowdown=1.0, threads=1))
+        assert isinstance(join, JoinReply)
+        member = Member(join)
+        task = await self.request(
+            TaskRequest(worker_id=join.worker_id, token=join.token, speed=speed)
+        )
+        assert isinstance(task, TaskReply) and task.action == "train"
+        return member, task
+
+    async def send_gradient(
+        self, member: Member, task: TaskReply, values: np.ndarray, **changes: Any
+    ) -> list[tuple[AsyncClient, int]]:
+        """Send every chunk of ``values`` to its store (``changes`` override chunk fields, the
+        raw ``gradient`` array included); returns (store client, request id) per chunk."""
+        join = member.join
+        sent = []
+        for start, stop, store in self._chunks(join):
+            data, scale = encode(torch.from_numpy(values[start:stop]), join.wire_dtype)
+            fields = dict(
+                worker_id=member.worker_id,
+                token=task.push_token,
+                task_id=task.task_id,
+                version=task.version,
+                offset=start,
+                scale=scale,
+                gradient=data,
+            )
+            fields.update(changes)
+            sent.append((store, await store.send(GradientChunk(**fields))))
+        return sent
+
+    def _chunks(self, join: JoinReply) -> list[tuple[int, int, AsyncClient]]:
+        bounds = join.shard_bounds
+        return [
+            (start, stop, self.store(address))
+            for address, lo, hi in zip(join.shard_addresses, bounds[:-1], bounds[1:], strict=True)
+            for start, stop in chunk_spans(lo, hi, join.chunk_elems)
+        ]
+
+    async def push(
+        self, member: Member, task: TaskReply, gradient: np.ndarray, **changes: Any
+    ) -> Message:
+        """Push a gradient (chunks, then the push request) and return the push's reply; the
+        chunks' answers are read too (they must be parameters when the push succeeds)."""
+        chunks = await self.send_gradient(member, task, gradient)
+        rid = await self.send(push_request(member, task, **changes))
+        reply = await self.receive(rid)
+        if isinstance(reply, TaskReply) and reply.action == "train":
+            for store, rid in chunks:
+                assert isinstance(await store.receive(rid), ParamsChunk)
+        return reply
+
     def close(self) -> None:
+        for store in self._stores.values():
+            store.close()
         self.sock.close(linger=0)
+
+
+def push_request(member: Member, task: TaskReply, **changes: Any) -> PushRequest:
+    """The push request answering ``task`` (fields may be changed)."""
+    fields = dict(
+        worker_id=member.worker_id,
+        token=member.token,
+        task_id=task.task_id,
+        version=task.version,
+        batch_size=len(task.indices),
+        speed=100.0,
+        compute_s=0.01,
+        transfer_s=0.0,
+        loss=1.0,
+    )
+    fields.update(changes)
+    return PushRequest(**fields)
+
+
+def published(ps: ParameterServer) -> torch.Tensor:
+    """A copy of the single-server run's published state."""
+    return ps.stores.service.store.state.clone()  # type: ignore[union-attr]
 
 
 @contextlib.asynccontextmanager
@@ -62,10 +199,10 @@ async def live_server(dataset: Path, **options: Any) -> AsyncIterator[ParameterS
         "model": "hsi-cnn",
         "bind": "tcp://127.0.0.1:0",
         "epochs": 1,
-        "shutdown_timeout_s": 0.5,
+        "shutdown_timeout_s": 2.0,
     }
     settings.update(options)
-    config = ServerConfig(dataset=dataset, **settings).validate()
+    config = ServerConfig(dataset=dataset, **settings)
     async with ParameterServer(config) as server:
         serving = asyncio.create_task(server.serve())
         try:
@@ -86,3 +223,25 @@ async def clients(address: str, count: int) -> AsyncIterator[list[AsyncClient]]:
         for client in made:
             client.close()
         ctx.term()
+
+
+@contextlib.asynccontextmanager
+async def live_sharded(dataset: Path, shards: int, **options: Any) -> AsyncIterator[Any]:
+    """A started coordinator with ``shards`` shard servers, all on this event loop."""
+    from pserver.config import ShardConfig
+    from pserver.shard_server import ShardServer
+
+    servers: list[ShardServer] = []
+    running: list[asyncio.Task[str]] = []
+    try:
+        async with live_server(dataset, shards=shards, **options) as ps:
+            config = ShardConfig(coordinator=ps.address, bind="tcp://127.0.0.1:0")
+            servers = [ShardServer(config) for _ in range(shards)]
+            running = [asyncio.create_task(s.run()) for s in servers]
+            await asyncio.wait_for(ps.stores.ready.wait(), 30)
+            yield ps
+    finally:
+        # The coordinator told its shards to stop when it closed.
+        await asyncio.wait_for(asyncio.gather(*running, return_exceptions=True), 30)
+        for server in servers:
+            await server.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,13 +14,13 @@ from torch import nn
 from common.training.flat import FlatLayout
 from common.training.models import build_model
 from common.training.planner import plan_batches, plan_equal
-from pserver.config import ServerConfig
-from pserver.optimizer import FlatOptimizer, lr_factor
+from common.training.schedule import lr_factor
+from pserver.optimizer import FlatOptimizer
 from pserver.policies.equal_sync import EqualSync
 from pserver.policies.weighted_sync import WeightedSync
 from pserver.sampler import EpochSampler
 from pserver.staleness import staleness_function
-from pserver.trainer import Trainer
+from pserver.store.slices import SliceStore
 
 
 def _model_and_batch(n: int = 24) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -39,27 +38,28 @@ def _mean_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.
     return layout.read_push(layout.read_buffers())
 
 
-def _config(**changes) -> ServerConfig:
-    fields = dict(
-        dataset=Path("unused.h5"), model="hsi-cnn", epochs=1, momentum=0.0, weight_decay=0.0, lr=0.1
-    )
-    fields.update(changes)
-    return ServerConfig(**fields)
+def _store(state: torch.Tensor, num_params: int, optimizer: FlatOptimizer) -> SliceStore:
+    return SliceStore(0, state.numel(), num_params, state, optimizer, [], 1 << 20)
 
 
-async def _combine(
-    policy_cls, sizes: dict[int, int], grads: dict[int, torch.Tensor]
-) -> torch.Tensor:
-    weights = policy_cls.weights(None, sizes)
-    trainer = Trainer(_config(), torch.zeros(1), 1, 10)
-    total = torch.zeros_like(next(iter(grads.values())))
+def _step(store: SliceStore, grads: dict[int, torch.Tensor], weights: dict[int, float]) -> None:
+    """Stage one push per worker id, then apply their weighted sum as version 1."""
     for wid, grad in grads.items():
-        await trainer.accumulate(total, grad, weights[wid])
-    trainer.close()
-    return total
+        store.stage(wid, wid, 0, 0, 1.0, grad)
+    ok, reason = store.prepare(1, sorted(grads), [weights[w] for w in sorted(grads)], 1.0, 1.0)
+    assert ok, reason
+    store.commit(1)
 
 
-async def test_weighted_sync_equals_the_gradient_of_the_union_batch() -> None:
+def _combine(policy_cls, sizes: dict[int, int], grads: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The combined gradient a policy's weights give (read off one SGD step with lr 1)."""
+    size = next(iter(grads.values())).numel()
+    store = _store(torch.zeros(size), size, FlatOptimizer("sgd", lr=1.0))
+    _step(store, grads, policy_cls.weights(None, sizes))
+    return -store.state
+
+
+def test_weighted_sync_equals_the_gradient_of_the_union_batch() -> None:
     model, x, y = _model_and_batch(24)
     sizes = {1: 13, 2: 8, 3: 3}  # b_i from speeds 13:8:3, sum B = 24
     bounds = np.cumsum([0, *sizes.values()])
@@ -67,40 +67,35 @@ async def test_weighted_sync_equals_the_gradient_of_the_union_batch() -> None:
         wid: _mean_gradient(model, x[a:b], y[a:b])
         for wid, a, b in zip(sizes, bounds[:-1], bounds[1:], strict=True)
     }
-    combined = await _combine(WeightedSync, sizes, grads)
+    combined = _combine(WeightedSync, sizes, grads)
     union = _mean_gradient(model, x, y)
     torch.testing.assert_close(combined, union, rtol=1e-5, atol=1e-6)
     plain_mean = sum(grads.values()) / 3
     assert not torch.allclose(plain_mean, union, atol=1e-4)  # the weighting matters
 
 
-async def test_equal_sync_is_the_plain_mean() -> None:
+def test_equal_sync_is_the_plain_mean() -> None:
     grads = {1: torch.tensor([1.0, 2.0]), 2: torch.tensor([3.0, -2.0]), 3: torch.tensor([5.0, 6.0])}
-    combined = await _combine(EqualSync, {1: 4, 2: 4, 3: 3}, grads)
+    combined = _combine(EqualSync, {1: 4, 2: 4, 3: 3}, grads)
     torch.testing.assert_close(combined, torch.tensor([3.0, 2.0]))
 
 
-async def test_weighted_step_on_the_server_equals_a_single_process_sgd_step() -> None:
+def test_weighted_step_on_the_server_equals_a_single_process_sgd_step() -> None:
     model, x, y = _model_and_batch(20)
     layout = FlatLayout(model)
     start = layout.read_state()
-    trainer = Trainer(
-        _config(momentum=0.9, weight_decay=1e-3), start.clone(), layout.num_params, 20
-    )
+    optimizer = FlatOptimizer("sgd", lr=0.1, momentum=0.9, weight_decay=1e-3)
+    store = _store(start.clone(), layout.num_params, optimizer)
     sizes = {1: 15, 2: 5}
     grads = {1: _mean_gradient(model, x[:15], y[:15]), 2: _mean_gradient(model, x[15:], y[15:])}
-    total = torch.zeros_like(start)
-    for wid, weight in WeightedSync.weights(None, sizes).items():
-        await trainer.accumulate(total, grads[wid], weight)
-    await trainer.apply(total, samples=20, buffer_scale=1.0)
-    trainer.close()
+    _step(store, grads, WeightedSync.weights(None, sizes))
 
     reference = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
     model.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
     reference.step()
-    torch.testing.assert_close(trainer.snapshot.state, layout.read_state(), rtol=1e-5, atol=1e-6)
-    assert trainer.version == 1
+    torch.testing.assert_close(store.state, layout.read_state(), rtol=1e-5, atol=1e-6)
+    assert store.version == 1
 
 
 @pytest.mark.parametrize(

@@ -71,7 +71,8 @@ def test_compare_two_modes_writes_the_report(tmp_path: Path) -> None:
         summary = run["summary"]
         assert summary["mode"] == mode and summary["epochs"] == 3
         assert run["epoch_time_s"] == pytest.approx(summary["train_time_s"] / 3)
-        assert [p["samples"] for p in run["curve"]] == [120, 240, 360]
+        samples = [p["samples"] for p in run["curve"]]  # the server skips superseded versions
+        assert samples == sorted(set(samples)) and samples[-1] == 360, samples
         assert run["time_to_target_s"] is not None  # a target of 0.3 is met after one epoch
         assert run["time_to_target_s"] <= summary["train_time_s"]
     # Same seed, split, initialisation and equal batches: DDP and equal-sync learn alike.

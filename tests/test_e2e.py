@@ -66,7 +66,13 @@ def test_jasper_ridge_three_heterogeneous_workers(
     events = _events(run_dir)
     assert all({"event", "t"} <= set(e) for e in events)
     evals = [e for e in events if e["event"] == "eval"]
-    assert [e["epoch"] for e in evals] == list(range(1, EPOCHS + 1))
+    # Evaluation takes the newest version and skips superseded ones; the last is the final one.
+    eval_epochs = [e["epoch"] for e in evals]
+    assert eval_epochs == sorted(eval_epochs) and eval_epochs[-1] == EPOCHS
+    test_count = next(e for e in events if e["event"] == "start")["test"]
+    assert evals[-1]["version"] == summary["steps"]
+    assert evals[-1]["test_samples"] == test_count  # the final evaluation: whole test split
+    assert [e["t"] for e in events] == sorted(e["t"] for e in events)  # in time order
     assert all(EVAL_KEYS <= set(e) for e in evals)
     epochs = [e for e in events if e["event"] == "epoch"]
     assert len(epochs) == EPOCHS

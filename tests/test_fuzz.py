@@ -12,10 +12,11 @@ import torch
 
 from common.protocol.messages import (
     DataRequest,
+    GradientChunk,
     HeartbeatRequest,
-    JoinReply,
     JoinRequest,
     LeaveRequest,
+    PullRequest,
     PushRequest,
     StatusReply,
     StatusRequest,
@@ -23,7 +24,7 @@ from common.protocol.messages import (
     TaskRequest,
 )
 from common.protocol.wire import PROTOCOL_VERSION
-from tests.live import clients, live_server
+from tests.live import Member, clients, live_server, published, push_request
 
 MESSAGES = 10_000
 BATCH = 200
@@ -31,22 +32,34 @@ STRANGER = 10_000  # worker id that is never a member: no fuzzed push can be val
 
 
 def _templates(state_size: int) -> list[list[bytes]]:
-    grad = np.zeros(state_size, dtype=np.float32)
+    grad = np.zeros(min(state_size, 4096), dtype=np.float32)
+    token = "0" * 32
     messages = [
-        TaskRequest(worker_id=STRANGER, speed=10.0),
+        TaskRequest(worker_id=STRANGER, token=token, speed=10.0),
         PushRequest(
             worker_id=STRANGER,
+            token=token,
             task_id=1,
             version=0,
             batch_size=4,
             speed=1.0,
             compute_s=0.1,
+            transfer_s=0.0,
             loss=0.5,
-            state=grad,
         ),
-        DataRequest(worker_id=STRANGER, indices=[0, 1, 2]),
-        HeartbeatRequest(worker_id=STRANGER),
-        LeaveRequest(worker_id=STRANGER, reason="x"),
+        GradientChunk(
+            worker_id=STRANGER,
+            token=token,
+            task_id=1,
+            version=0,
+            offset=0,
+            scale=1.0,
+            gradient=grad,
+        ),
+        PullRequest(worker_id=STRANGER, token=token, min_version=0, offset=0, length=4096),
+        DataRequest(worker_id=STRANGER, token=token, indices=[0, 1, 2]),
+        HeartbeatRequest(worker_id=STRANGER, token=token),
+        LeaveRequest(worker_id=STRANGER, token=token, reason="x"),
         StatusRequest(),
         JoinRequest(name="fuzz", device="cpu", slowdown=0.5, threads=1),  # invalid slowdown
     ]
@@ -70,6 +83,8 @@ def _random_value(rng: random.Random, depth: int = 0) -> object:
             [
                 "status_request",
                 "push_request",
+                "gradient_chunk",
+                "pull_request",
                 "join_request",
                 "task_request",
                 "data_request",
@@ -140,18 +155,13 @@ def _fuzz_message(rng: random.Random, templates: list[list[bytes]]) -> list[byte
 async def test_ten_thousand_hostile_messages_change_nothing(small_hsi) -> None:
     rng = random.Random(20261121)
     async with (
-        live_server(small_hsi, mode="async", epochs=1000) as ps,
+        live_server(small_hsi, mode="async", epochs=1000, dead_after_s=600) as ps,
         clients(ps.address, 2) as (honest, fuzzer),
     ):
-        join = await honest.request(
-            JoinRequest(name="honest", device="cpu", slowdown=1.0, threads=1)
-        )
-        assert isinstance(join, JoinReply)
-        task = await honest.request(TaskRequest(worker_id=join.worker_id, speed=50.0))
-        assert isinstance(task, TaskReply)  # training is under way, a task is outstanding
-        before = ps.trainer.snapshot.state.clone()
-        version = ps.trainer.version
-        templates = _templates(ps.trainer.state_size)
+        await honest.join("honest", speed=50.0)  # training is under way, a task is outstanding
+        before = published(ps)
+        version = ps.updater.version
+        templates = _templates(ps.state_size)
 
         replies = {"error": 0, "ok": 0}
         sent = 0
@@ -167,8 +177,89 @@ async def test_ten_thousand_hostile_messages_change_nothing(small_hsi) -> None:
 
         assert sum(replies.values()) == MESSAGES
         assert replies["error"] > 0.9 * MESSAGES
-        assert ps.trainer.version == version
-        assert torch.equal(ps.trainer.snapshot.state, before)  # bit-identical
+        assert ps.updater.version == version
+        assert torch.equal(published(ps), before)  # bit-identical
         status = await honest.request(StatusRequest())
         assert isinstance(status, StatusReply) and status.status["version"] == version
         assert status.status["workers"][0]["name"] == "honest"
+
+
+def _spoofed(
+    rng: random.Random, honest: list[Member], tasks: dict[int, TaskReply], mallory: Member
+):
+    """One message claiming to be an honest worker (or reaching for its task) without its
+    token: what a peer on the same network can send."""
+    victim = rng.choice(honest)
+    task = tasks[victim.worker_id]
+    token = rng.choice(["0" * 32, mallory.token, rng.randbytes(16).hex(), "", "é" * 32])
+    wid = rng.choice([victim.worker_id, mallory.worker_id])
+    roll = rng.randrange(8)
+    if roll == 0:
+        return LeaveRequest(worker_id=victim.worker_id, token=token, reason="spoofed")
+    if roll == 1:
+        return HeartbeatRequest(worker_id=victim.worker_id, token=token)
+    if roll == 2:
+        return TaskRequest(worker_id=victim.worker_id, token=token, speed=rng.choice([1.0, 1e9]))
+    if roll == 3:
+        return push_request(victim, task, worker_id=wid, token=token)
+    if roll == 4:  # mallory's own valid token, pushing the victim's task
+        return push_request(mallory, task)
+    if roll == 5:
+        size = min(task.indices[0] + 1024, 4096)
+        return GradientChunk(
+            worker_id=wid,
+            token=rng.choice([token, task.push_token if wid != victim.worker_id else token]),
+            task_id=task.task_id,
+            version=task.version,
+            offset=0,
+            scale=1.0,
+            gradient=np.full(size, 1e3, dtype=np.float32),
+        )
+    if roll == 6:
+        return PullRequest(worker_id=wid, token=token, min_version=0, offset=0, length=1024)
+    return DataRequest(worker_id=victim.worker_id, token=token, indices=task.indices[:3])
+
+
+async def test_spoofed_sequences_change_nothing_and_training_completes(small_hsi) -> None:
+    rng = random.Random(7)
+    async with (
+        live_server(
+            small_hsi, mode="weighted-sync", workers=2, global_batch=24, epochs=4, dead_after_s=600
+        ) as ps,
+        clients(ps.address, 3) as (a, b, fuzzer),
+    ):
+        (member_a, task_a), (member_b, task_b) = await asyncio.gather(a.join("a"), b.join("b"))
+        join = await fuzzer.request(
+            JoinRequest(name="mallory", device="cpu", slowdown=1, threads=1)
+        )
+        mallory = Member(join)  # a member, but never ready: it holds no task
+        honest = [member_a, member_b]
+        tasks = {member_a.worker_id: task_a, member_b.worker_id: task_b}
+        before, version = published(ps), ps.updater.version
+        sent = 0
+        while sent < MESSAGES:  # phase 1: hostile messages alone
+            count = min(BATCH, MESSAGES - sent)
+            for _ in range(count):
+                await fuzzer.send(_spoofed(rng, honest, tasks, mallory))
+            for _ in range(count):
+                frames = await asyncio.wait_for(fuzzer.sock.recv_multipart(), 30)
+                assert msgpack.unpackb(frames[0])["status"] in ("ok", "error")
+            sent += count
+        assert ps.updater.version == version and torch.equal(published(ps), before)
+        assert {w.name for w in ps.roster.members()} == {"a", "b", "mallory"}
+
+        async def train(client, member, task):  # phase 2: honest training, fuzzing goes on
+            while task.action == "train":
+                values = np.full(ps.state_size, 1e-3, dtype=np.float32)
+                task = await asyncio.wait_for(client.push(member, task, values), 30)
+
+        async def harass():
+            for _ in range(2000):
+                await fuzzer.send(_spoofed(rng, honest, tasks, mallory))
+                await asyncio.sleep(0)
+
+        await asyncio.gather(train(a, member_a, task_a), train(b, member_b, task_b), harass())
+        epochs = [e for e in ps.log.events if e["event"] == "epoch"]
+        assert [e["epoch"] for e in epochs] == [1, 2, 3, 4]
+        assert all(e["exactly_once"] for e in epochs)
+        assert ps.run.finish_reason == "epochs"

@@ -108,6 +108,7 @@ def test_worker_config_checks_the_data_path(small_hsi: Path, tmp_path: Path) -> 
 def test_the_cli_documents_the_new_options() -> None:
     result = CliRunner().invoke(worker_main, ["join", "--help"], terminal_width=200)
     assert result.exit_code == 0, result.output
+    blocks = re.split(r"\n(?=  -)", result.output)  # one block per option, wrapped lines joined
     for option in ("--data PATH", "--augment / --no-augment", "--augment-noise STD"):
-        line = next(ln for ln in result.output.splitlines() if option in ln)
-        assert "[default:" in line, line
+        block = " ".join(next(b for b in blocks if b.lstrip().startswith(option)).split())
+        assert "default:" in block and "env var: WORKER_JOIN_" in block, block

@@ -2,22 +2,37 @@
 
 from __future__ import annotations
 
+import itertools
+
 import msgpack
 import numpy as np
 import pytest
+import torch
 
 from common.errors import ErrorCode, ProtocolError, RemoteError
+from common.protocol.chunks import (
+    ALIGN,
+    as_tensor,
+    chunk_spans,
+    decode_into,
+    encode,
+    shard_bounds,
+)
 from common.protocol.messages import (
     REPLIES,
-    REQUESTS,
+    STORE_REQUESTS,
+    WORKER_REQUESTS,
     DataReply,
     DataRequest,
+    GradientChunk,
     HeartbeatReply,
     HeartbeatRequest,
     JoinReply,
     JoinRequest,
     LeaveReply,
     LeaveRequest,
+    ParamsChunk,
+    PullRequest,
     PushRequest,
     StatusReply,
     StatusRequest,
@@ -26,49 +41,133 @@ from common.protocol.messages import (
     error_frames,
     parse_message,
 )
-from common.protocol.wire import PROTOCOL_VERSION, decode_frames, encode_frames
+from common.protocol.shard_messages import (
+    CONTROL_REPLIES,
+    CONTROL_REQUESTS,
+    AckReply,
+    ApplyReply,
+    ApplyRequest,
+    CaptureRequest,
+    CommitRequest,
+    DropRequest,
+    PingReply,
+    PingRequest,
+    ShardHello,
+    ShardWelcome,
+    ShutdownRequest,
+    StagedReply,
+    StagedRequest,
+    StateReply,
+)
+from common.protocol.wire import (
+    PROTOCOL_VERSION,
+    BFloat16Array,
+    bfloat16_words,
+    decode_frames,
+    encode_frames,
+)
 
 STATE = np.arange(10, dtype=np.float32)
+TOKEN = "0123456789abcdef0123456789abcdef"
 
 EXAMPLES = [
     JoinRequest(name="gpu-0", device="cuda:0", slowdown=1.0, threads=4),
-    TaskRequest(worker_id=3, speed=812.5),
+    TaskRequest(worker_id=3, token=TOKEN, speed=812.5),
     PushRequest(
         worker_id=3,
+        token=TOKEN,
         task_id=9,
         version=4,
         batch_size=12,
         speed=800.0,
         compute_s=0.02,
+        transfer_s=0.01,
         loss=0.7,
-        state=STATE,
     ),
-    DataRequest(worker_id=3, indices=[5, 1, 99]),
+    GradientChunk(
+        worker_id=3, token=TOKEN, task_id=9, version=4, offset=0, scale=1.0, gradient=STATE
+    ),
+    PullRequest(worker_id=3, token=TOKEN, min_version=4, offset=0, length=10),
+    DataRequest(worker_id=3, token=TOKEN, indices=[5, 1, 99]),
     StatusRequest(),
-    HeartbeatRequest(worker_id=3),
-    LeaveRequest(worker_id=3, reason="done"),
+    HeartbeatRequest(worker_id=3, token=TOKEN),
+    LeaveRequest(worker_id=3, token=TOKEN, reason="done"),
     JoinReply(
         worker_id=3,
+        token=TOKEN,
         mode="async",
         model="hsi-cnn",
         in_channels=198,
         num_classes=4,
         input_size=5,
         state_size=10,
+        num_params=8,
         dataset_fingerprint="ab12",
         seed=0,
         server_id="5f3a",
         heartbeat_s=1.0,
         dead_after_s=5.0,
+        wire_dtype="bf16",
+        chunk_elems=1 << 20,
+        shard_addresses=["", "tcp://10.0.0.2:7000"],
+        shard_bounds=[0, 4, 10],
     ),
     TaskReply(
-        action="train", task_id=9, version=4, epoch=1, indices=[1, 2], prefetch=[3], params=STATE
+        action="train",
+        task_id=9,
+        push_token=TOKEN,
+        version=4,
+        epoch=1,
+        indices=[1, 2],
+        prefetch=[3],
+    ),
+    ParamsChunk(
+        version=5, offset=0, scale=1.0, params=bfloat16_words(np.arange(10, dtype=np.uint16))
     ),
     DataReply(x=np.ones((2, 3, 5, 5), dtype=np.float32), y=np.array([0, 1], dtype=np.int64)),
     StatusReply(status={"mode": "async", "version": 4}),
-    HeartbeatReply(server_id="5f3a"),
+    HeartbeatReply(server_id="5f3a", finished=False),
     LeaveReply(),
+    ShardHello(address="tcp://10.0.0.2:7000", name="node-2"),
+    ShardWelcome(
+        index=1,
+        key=TOKEN,
+        token_key=TOKEN,
+        lo=4,
+        hi=10,
+        num_params=8,
+        wire_dtype="fp32",
+        chunk_elems=1024,
+        optimizer="sgd",
+        lr=0.1,
+        momentum=0.9,
+        nesterov=False,
+        weight_decay=0.0,
+        version=0,
+        optimizer_steps=0,
+        dead_after_s=60.0,
+        nonneg_bounds=[8, 10],
+        slots=["momentum"],
+        state=STATE[4:],
+        slot_state=STATE[4:8],
+    ),
+    StagedRequest(key=TOKEN, task_id=9, worker_id=3, timeout_s=5.0),
+    StagedReply(finite=True, grad_sq=2.5, buffer_sq=0.0),
+    ApplyRequest(
+        key=TOKEN, version=5, task_ids=[9, 11], weights=[0.75, 0.25], lr_scale=1.0, buffer_scale=1.0
+    ),
+    ApplyReply(ok=False, reason="non-finite"),
+    CommitRequest(key=TOKEN, version=5, commit=True, code=0, message=""),
+    DropRequest(key=TOKEN, task_ids=[9], code=8, message="stale"),
+    CaptureRequest(key=TOKEN, with_slots=True),
+    StateReply(version=5, optimizer_steps=5, slots=["momentum"], state=STATE, slot_state=STATE),
+    PingRequest(key=TOKEN),
+    PingReply(version=5, staged=1),
+    ShutdownRequest(key=TOKEN, reason="done"),
+    AckReply(),
 ]
+REQUESTS = {**WORKER_REQUESTS, **STORE_REQUESTS, **CONTROL_REQUESTS, ShardHello.TYPE: ShardHello}
+ALL_REPLIES = {**REPLIES, **CONTROL_REPLIES}
 
 
 def _wire_bytes(frames: list) -> list[bytes]:
@@ -77,7 +176,7 @@ def _wire_bytes(frames: list) -> list[bytes]:
 
 @pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: m.TYPE)
 def test_every_message_round_trips(message) -> None:
-    table = REQUESTS if message.TYPE in REQUESTS else REPLIES
+    table = REQUESTS if message.TYPE in REQUESTS else ALL_REPLIES
     decoded, rid = parse_message(_wire_bytes(message.to_wire(41)), table)
     assert rid == 41
     assert type(decoded) is type(message)
@@ -85,13 +184,14 @@ def test_every_message_round_trips(message) -> None:
         got = getattr(decoded, name)
         if isinstance(value, np.ndarray):
             assert got.dtype == value.dtype and got.shape == value.shape
+            assert isinstance(got, BFloat16Array) == isinstance(value, BFloat16Array)
             np.testing.assert_array_equal(got, value)
         else:
             assert got == value
 
 
 def test_every_type_has_an_example() -> None:
-    assert {m.TYPE for m in EXAMPLES} == set(REQUESTS) | set(REPLIES)
+    assert {m.TYPE for m in EXAMPLES} == set(REQUESTS) | set(ALL_REPLIES)
 
 
 def test_error_reply_raises_remote_error_with_code() -> None:
@@ -132,34 +232,49 @@ BAD = {
     "body not a map": ([_header(body=[1])], ErrorCode.BAD_FIELD),
     "unknown field": ([_header(body={"x": 1})], ErrorCode.BAD_FIELD),
     "wrong field type": (
-        [_header(type="task_request", body={"worker_id": "1", "speed": 1.0})],
+        [_header(type="task_request", body={"worker_id": "1", "token": "", "speed": 1.0})],
         ErrorCode.BAD_FIELD,
     ),
     "bool is not int": (
-        [_header(type="task_request", body={"worker_id": True, "speed": 1.0})],
+        [_header(type="task_request", body={"worker_id": True, "token": "", "speed": 1.0})],
         ErrorCode.BAD_FIELD,
     ),
     "non-finite float": (
-        [_header(type="task_request", body={"worker_id": 1, "speed": float("nan")})],
+        [_header(type="task_request", body={"worker_id": 1, "token": "", "speed": float("nan")})],
         ErrorCode.BAD_FIELD,
     ),
     "missing field": ([_header(type="task_request", body={"worker_id": 1})], ErrorCode.BAD_FIELD),
     "index list of strings": (
-        [_header(type="data_request", body={"worker_id": 1, "indices": ["a"]})],
+        [_header(type="data_request", body={"worker_id": 1, "token": "", "indices": ["a"]})],
+        ErrorCode.BAD_FIELD,
+    ),
+    "weights with NaN": (
+        [
+            _header(
+                type="apply_request",
+                body={
+                    "key": "",
+                    "version": 1,
+                    "task_ids": [1],
+                    "weights": [float("nan")],
+                    "lr_scale": 1.0,
+                    "buffer_scale": 1.0,
+                },
+            )
+        ],
         ErrorCode.BAD_FIELD,
     ),
     "missing tensor": (
         [
             _header(
-                type="push_request",
+                type="gradient_chunk",
                 body={
                     "worker_id": 1,
+                    "token": "",
                     "task_id": 1,
                     "version": 0,
-                    "batch_size": 1,
-                    "speed": 1.0,
-                    "compute_s": 0.1,
-                    "loss": 0.1,
+                    "offset": 0,
+                    "scale": 1.0,
                 },
             )
         ],
@@ -188,3 +303,34 @@ def test_tensors_are_read_without_copy_and_big_endian_is_refused() -> None:
         encode_frames({}, [array.astype(">f8")])
     with pytest.raises(ProtocolError):
         encode_frames({}, [np.array(["a"], dtype=object)])
+
+
+@pytest.mark.parametrize("wire", ["fp32", "bf16", "fp16"])
+def test_wire_formats_round_trip_within_their_precision(wire: str) -> None:
+    rng = np.random.default_rng(0)
+    values = torch.from_numpy(rng.normal(0, 1e-3, 5000).astype(np.float32))
+    values[0] = 0.0
+    data, scale = encode(values, wire)
+    frames = encode_frames({"type": "x", "id": 1}, [data])
+    _, (received,) = decode_frames([bytes(f) for f in frames])
+    out = torch.empty(5000)
+    decode_into(as_tensor(received, wire, "x"), scale, out)
+    tolerance = {"fp32": 0.0, "bf16": 2**-8, "fp16": 2**-10}[wire]
+    torch.testing.assert_close(out, values, rtol=tolerance, atol=1e-12)
+    if wire == "fp16":  # tiny gradients survive thanks to the scale
+        assert scale > 1 and bool((out[1:] != 0).all())
+    with pytest.raises(ProtocolError):  # the wrong format is refused
+        as_tensor(received, "fp32" if wire != "fp32" else "bf16", "x")
+
+
+def test_shard_bounds_and_chunks_are_aligned_and_cover_the_state() -> None:
+    for size, shards in ((10, 1), (5000, 2), (1_000_003, 3), (2048, 4)):
+        bounds = shard_bounds(size, shards)
+        assert bounds[0] == 0 and bounds[-1] == size and bounds == sorted(bounds)
+        assert all(b % ALIGN == 0 for b in bounds[1:-1])
+        for lo, hi in itertools.pairwise(bounds):
+            spans = chunk_spans(lo, hi, 3000)
+            assert [a for a, _ in spans] == [lo, *(b for _, b in spans[:-1])] or lo == hi
+            assert all(a % ALIGN == 0 for a, _ in spans)
+    sizes = np.diff(shard_bounds(1_000_003, 3))
+    assert sizes.max() - sizes.min() <= ALIGN  # even in bytes

@@ -30,7 +30,7 @@ def test_kill_9_of_a_worker_mid_round_in_weighted_sync(jasper_h5: Path, tmp_path
     )
     workers = [start_worker(address, f"w{s}", s) for s in (1, 2, 4)]
     try:
-        server.wait_for("epoch 2 version")
+        server.wait_for("epoch 2 done")
         victim = workers[1]
         victim.popen.send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
@@ -73,11 +73,11 @@ def test_late_joiner_is_used_and_a_leaver_is_not_waited_for(
     first = [start_worker(address, "a", 1), start_worker(address, "b", 2)]
     late = None
     try:
-        server.wait_for("epoch 2 version")
+        server.wait_for("epoch 2 done")
         late = start_worker(address, "late", 1)
         server.wait_for("worker late joined")
-        server.wait_for(": OA ")  # an epoch ends with the late worker in the rounds
-        server.wait_for(": OA ")
+        server.wait_for(" done at version")  # an epoch ends with the late worker in the rounds
+        server.wait_for(" done at version")
         first[1].popen.send_signal(signal.SIGINT)  # Ctrl-C: a graceful leave
         assert first[1].wait() != 0
         server.wait_for("is gone: left: interrupted")
@@ -122,7 +122,7 @@ def test_kill_9_of_the_server_then_resume_with_the_same_workers(
     try:
         line = server.wait_for("checkpoint of version")
         saved = int(line.split("checkpoint of version", 1)[1].split()[0])
-        server.wait_for("epoch 2 version")  # train on past the checkpoint, then crash
+        server.wait_for("epoch 2 done")  # train on past the checkpoint, then crash
         server.popen.send_signal(signal.SIGKILL)
         server.wait()
         restarted, again = start_server(jasper_h5, tmp_path, *args, "--resume", bind=address)
@@ -149,7 +149,7 @@ def test_kill_9_of_the_server_then_resume_with_the_same_workers(
 
 
 @pytest.mark.e2e
-def test_sigterm_stops_the_round_checkpoints_and_workers_exit_0(
+def test_sigterm_stops_the_round_checkpoints_and_workers_exit_0_server_non_zero(
     small_hsi: Path, tmp_path: Path
 ) -> None:
     server, address = start_server(
@@ -166,11 +166,12 @@ def test_sigterm_stops_the_round_checkpoints_and_workers_exit_0(
     )
     workers = [start_worker(address, "a", 1), start_worker(address, "b", 3)]
     try:
-        server.wait_for("epoch 2 version")
+        server.wait_for("epoch 2 done")
         server.popen.send_signal(signal.SIGTERM)
         stopped_at = time.monotonic()
-        assert server.wait(timeout=30) == 0
+        assert server.wait(timeout=30) == 128 + signal.SIGTERM  # interrupted: non-zero, says so
         took = time.monotonic() - stopped_at
+        server.expect("interrupted; checkpoint and summary written")
         assert [w.wait(timeout=30) for w in workers] == [0, 0]
     finally:
         for proc in (server, *workers):

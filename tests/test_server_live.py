@@ -11,44 +11,19 @@ import numpy as np
 import pytest
 import torch
 
-from common.errors import ErrorCode
+from common.errors import ErrorCode, RemoteError
 from common.protocol.messages import (
     DataReply,
     DataRequest,
-    JoinReply,
     JoinRequest,
     LeaveRequest,
-    PushRequest,
     StatusReply,
     StatusRequest,
     TaskReply,
     TaskRequest,
 )
 from common.protocol.wire import PROTOCOL_VERSION
-from tests.live import AsyncClient, clients, live_server
-
-
-async def _join(client: AsyncClient, name: str, speed: float = 100.0) -> tuple[int, TaskReply]:
-    join = await client.request(JoinRequest(name=name, device="cpu", slowdown=1.0, threads=1))
-    assert isinstance(join, JoinReply)
-    task = await client.request(TaskRequest(worker_id=join.worker_id, speed=speed))
-    assert isinstance(task, TaskReply) and task.action == "train"
-    return join.worker_id, task
-
-
-def _push(worker_id: int, task: TaskReply, state: np.ndarray, **changes) -> PushRequest:
-    fields = dict(
-        worker_id=worker_id,
-        task_id=task.task_id,
-        version=task.version,
-        batch_size=len(task.indices),
-        speed=100.0,
-        compute_s=0.01,
-        loss=1.0,
-        state=state,
-    )
-    fields.update(changes)
-    return PushRequest(**fields)
+from tests.live import clients, live_server, published, push_request
 
 
 def _raw_header(**fields) -> bytes:
@@ -79,10 +54,11 @@ async def test_hostile_input_gets_error_replies_and_leaves_parameters_unchanged(
         live_server(small_hsi, mode="async", epochs=100) as ps,
         clients(ps.address, 2) as (client, attacker),
     ):
-        worker_id, task = await _join(client, "honest")
-        size = ps.trainer.state_size
-        before = ps.trainer.snapshot.state.clone()
-        version = ps.trainer.version
+        member, task = await client.join("honest")
+        worker_id = member.worker_id
+        size = ps.state_size
+        before = published(ps)
+        version = ps.updater.version
 
         for name, (frames, code) in RAW_ATTACKS.items():
             reply = msgpack.unpackb((await attacker.send_raw(frames))[0])
@@ -93,39 +69,59 @@ async def test_hostile_input_gets_error_replies_and_leaves_parameters_unchanged(
         nan[size // 2] = np.nan
         inf = good.copy()
         inf[0] = np.inf
+        token = member.token
+        # Pushes whose gradient is bad: the push is refused with the gradient's error code.
+        for gradient, code in ((nan, ErrorCode.NON_FINITE), (inf, ErrorCode.NON_FINITE)):
+            with pytest.raises(RemoteError) as refused:
+                await attacker.push(member, task, gradient)
+            assert refused.value.code == code
+        chunk_cases = [
+            (dict(gradient=good[:-1]), ErrorCode.BAD_TENSOR),
+            (dict(gradient=good[: 1 << 10].astype(np.float64)), ErrorCode.BAD_TENSOR),
+            (dict(token="0" * 32), ErrorCode.WRONG_TASK),
+            (dict(offset=7), ErrorCode.BAD_TENSOR),
+        ]
+        for change, code in chunk_cases:
+            store, rid = (await attacker.send_gradient(member, task, good, **change))[0]
+            with pytest.raises(RemoteError) as refused:
+                await store.receive(rid)
+            assert refused.value.code == code, (change, refused.value)
         cases = [
-            (_push(worker_id, task, nan), ErrorCode.NON_FINITE),
-            (_push(worker_id, task, inf), ErrorCode.NON_FINITE),
-            (_push(worker_id, task, good[:-1]), ErrorCode.BAD_TENSOR),
-            (_push(worker_id, task, good.astype(np.float64)), ErrorCode.BAD_TENSOR),
-            (_push(worker_id, task, good, task_id=task.task_id + 100), ErrorCode.WRONG_TASK),
-            (_push(worker_id, task, good, batch_size=len(task.indices) + 1), ErrorCode.BAD_FIELD),
-            (_push(worker_id, task, good, version=10**6), ErrorCode.BAD_FIELD),
-            (_push(worker_id + 50, task, good), ErrorCode.UNKNOWN_WORKER),
-            (DataRequest(worker_id=worker_id, indices=[-1]), ErrorCode.BAD_FIELD),
+            (push_request(member, task, task_id=task.task_id + 100), ErrorCode.WRONG_TASK),
+            (push_request(member, task, batch_size=len(task.indices) + 1), ErrorCode.BAD_FIELD),
+            (push_request(member, task, version=10**6), ErrorCode.BAD_FIELD),
+            (push_request(member, task, worker_id=worker_id + 50), ErrorCode.UNKNOWN_WORKER),
+            (push_request(member, task, token="f" * 32), ErrorCode.UNKNOWN_WORKER),
+            (DataRequest(worker_id=worker_id, token=token, indices=[-1]), ErrorCode.BAD_FIELD),
             (
-                DataRequest(worker_id=worker_id, indices=[int(ps.reader.test_indices[0])]),
+                DataRequest(
+                    worker_id=worker_id, token=token, indices=[int(ps.reader.test_indices[0])]
+                ),
                 ErrorCode.BAD_FIELD,
             ),
             (JoinRequest(name="", device="cpu", slowdown=1.0, threads=1), ErrorCode.BAD_FIELD),
-            (TaskRequest(worker_id=worker_id, speed=-1.0), ErrorCode.BAD_FIELD),
+            (TaskRequest(worker_id=worker_id, token=token, speed=-1.0), ErrorCode.BAD_FIELD),
         ]
         for message, code in cases:
             error = await attacker.expect_error(message)
             assert error.code == code, (message.TYPE, error)
 
-        assert ps.trainer.version == version
-        assert torch.equal(ps.trainer.snapshot.state, before)
+        assert ps.updater.version == version
+        assert torch.equal(published(ps), before)
         status = await attacker.request(StatusRequest())
         assert isinstance(status, StatusReply) and status.status["version"] == version
 
-        data = await client.request(DataRequest(worker_id=worker_id, indices=task.indices))
+        data = await client.request(
+            DataRequest(worker_id=worker_id, token=token, indices=task.indices)
+        )
         assert isinstance(data, DataReply) and data.x.shape[0] == len(task.indices)
-        nxt = await client.request(_push(worker_id, task, good))
+        again = await client.request(TaskRequest(worker_id=worker_id, token=token, speed=50.0))
+        assert isinstance(again, TaskReply) and again.task_id == task.task_id
+        nxt = await client.push(member, task, good)
         assert isinstance(nxt, TaskReply) and nxt.version == version + 1
-        replay = await client.expect_error(_push(worker_id, task, good))
+        replay = await client.expect_error(push_request(member, task))
         assert replay.code == ErrorCode.WRONG_TASK
-        assert ps.trainer.version == version + 1
+        assert ps.updater.version == version + 1
 
 
 async def test_max_staleness_rejects_old_pushes_and_the_worker_re_pulls(small_hsi) -> None:
@@ -133,20 +129,23 @@ async def test_max_staleness_rejects_old_pushes_and_the_worker_re_pulls(small_hs
         live_server(small_hsi, mode="async", epochs=100, max_staleness=0) as ps,
         clients(ps.address, 2) as (a, b),
     ):
-        id_a, task_a = await _join(a, "a")
-        id_b, task_b = await _join(b, "b")
-        zeros = np.zeros(ps.trainer.state_size, dtype=np.float32)
-        await a.request(_push(id_a, task_a, zeros))  # version 0 -> 1
-        state = ps.trainer.snapshot.state.clone()
-        stale = await b.expect_error(_push(id_b, task_b, zeros))  # computed on 0: tau = 1 > 0
-        assert stale.code == ErrorCode.STALE
-        assert torch.equal(ps.trainer.snapshot.state, state) and ps.trainer.version == 1
-        again = await b.request(TaskRequest(worker_id=id_b, speed=100.0))
+        member_a, task_a = await a.join("a")
+        member_b, task_b = await b.join("b")
+        zeros = np.zeros(ps.state_size, dtype=np.float32)
+        await a.push(member_a, task_a, zeros)  # version 0 -> 1
+        state = published(ps)
+        with pytest.raises(RemoteError) as stale:  # computed on 0: tau = 1 > 0
+            await b.push(member_b, task_b, zeros)
+        assert stale.value.code == ErrorCode.STALE
+        assert torch.equal(published(ps), state) and ps.updater.version == 1
+        again = await b.request(
+            TaskRequest(worker_id=member_b.worker_id, token=member_b.token, speed=100.0)
+        )
         assert isinstance(again, TaskReply)
         assert again.task_id == task_b.task_id and again.version == 1
         assert again.indices == task_b.indices
-        fresh = await b.request(_push(id_b, again, zeros))
-        assert isinstance(fresh, TaskReply) and ps.trainer.version == 2
+        fresh = await b.push(member_b, again, zeros)
+        assert isinstance(fresh, TaskReply) and ps.updater.version == 2
 
 
 async def test_status_command_reports_mode_version_and_workers(small_hsi) -> None:
@@ -180,22 +179,19 @@ async def test_sync_round_waits_for_every_worker_then_replies_to_all(small_hsi, 
         live_server(small_hsi, mode=mode, workers=2, global_batch=30) as ps,
         clients(ps.address, 2) as (fast, slow),
     ):
-        join_f = await fast.request(JoinRequest(name="f", device="cpu", slowdown=1, threads=1))
-        join_s = await slow.request(JoinRequest(name="s", device="cpu", slowdown=1, threads=1))
-        tasks = await asyncio.gather(
-            fast.request(TaskRequest(worker_id=join_f.worker_id, speed=200.0)),
-            slow.request(TaskRequest(worker_id=join_s.worker_id, speed=100.0)),
+        (member_f, task_f), (member_s, task_s) = await asyncio.gather(
+            fast.join("f", speed=200.0), slow.join("s", speed=100.0)
         )
-        sizes = [len(t.indices) for t in tasks]
+        sizes = [len(task_f.indices), len(task_s.indices)]
         assert sum(sizes) == 30
         assert sizes == ([20, 10] if mode == "weighted-sync" else [15, 15])
-        zeros = np.zeros(ps.trainer.state_size, dtype=np.float32)
-        first = asyncio.create_task(fast.request(_push(join_f.worker_id, tasks[0], zeros)))
+        zeros = np.zeros(ps.state_size, dtype=np.float32)
+        first = asyncio.create_task(fast.push(member_f, task_f, zeros))
         done, _ = await asyncio.wait({first}, timeout=0.5)
         assert not done, "the round closed before the slow worker pushed"
-        assert set(ps.policy.rounds[0].received) == {join_f.worker_id}
-        assert ps.trainer.version == 0
-        second = await slow.request(_push(join_s.worker_id, tasks[1], zeros))
+        assert set(ps.policy.rounds[0].received) == {member_f.worker_id}
+        assert ps.updater.version == 0
+        second = await slow.push(member_s, task_s, zeros)
         assert (await first).version == second.version == 1
 
 
@@ -204,21 +200,20 @@ async def test_a_push_that_arrived_counts_even_if_its_worker_then_leaves(small_h
         live_server(small_hsi, mode="weighted-sync", workers=2, global_batch=30) as ps,
         clients(ps.address, 3) as (a, b, a_again),
     ):
-        join_a = await a.request(JoinRequest(name="a", device="cpu", slowdown=1, threads=1))
-        join_b = await b.request(JoinRequest(name="b", device="cpu", slowdown=1, threads=1))
-        task_a, task_b = await asyncio.gather(
-            a.request(TaskRequest(worker_id=join_a.worker_id, speed=200.0)),
-            b.request(TaskRequest(worker_id=join_b.worker_id, speed=100.0)),
+        (member_a, task_a), (member_b, task_b) = await asyncio.gather(
+            a.join("a", speed=200.0), b.join("b", speed=100.0)
         )
-        zeros = np.zeros(ps.trainer.state_size, dtype=np.float32)
-        waiting = asyncio.create_task(a.request(_push(join_a.worker_id, task_a, zeros)))
+        zeros = np.zeros(ps.state_size, dtype=np.float32)
+        waiting = asyncio.create_task(a.push(member_a, task_a, zeros))
         done, _ = await asyncio.wait({waiting}, timeout=0.5)
-        assert not done and set(ps.policy.rounds[0].received) == {join_a.worker_id}
-        await a_again.request(LeaveRequest(worker_id=join_a.worker_id, reason="bye"))
-        reply = await b.request(_push(join_b.worker_id, task_b, zeros))
-        assert isinstance(reply, TaskReply) and ps.trainer.version == 1
-        ledger = ps.trainer.sampler.ledgers[1]
+        assert not done and set(ps.policy.rounds[0].received) == {member_a.worker_id}
+        await a_again.request(
+            LeaveRequest(worker_id=member_a.worker_id, token=member_a.token, reason="bye")
+        )
+        reply = await b.push(member_b, task_b, zeros)
+        assert isinstance(reply, TaskReply) and ps.updater.version == 1
+        ledger = ps.sampler.ledgers[1]
         assert ledger.applied == 30  # a's 20 samples count: its gradient is in the update
-        workers = {w.name: w for w in ps.roster.all_workers()}
-        assert workers["a"].samples == len(task_a.indices) == 20
+        workers = {str(w["name"]): w for w in ps.roster.summaries()}
+        assert workers["a"]["samples"] == len(task_a.indices) == 20
         waiting.cancel()

@@ -1,15 +1,23 @@
-"""``worker``: join a parameter server and train until it says stop."""
+"""``worker``: join a parameter server and train until it says stop.
+
+Every option can also be set by an environment variable such as ``WORKER_JOIN_SERVER`` (each
+``--help`` shows the names).
+"""
 
 from __future__ import annotations
 
+import functools
 import socket
 import sys
 
 import click
 
+from common.config import default
 from common.errors import PSError
 from common.logsetup import setup_logging
 from worker.config import WorkerConfig
+
+option = functools.partial(click.option, show_envvar=True)
 
 
 @click.group(context_settings={"auto_envvar_prefix": "WORKER", "show_default": True})
@@ -18,68 +26,77 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--server", required=True, help="Server endpoint, e.g. tcp://HOST:5555.")
-@click.option("--device", default="cpu", help="cpu, cuda or cuda:N.")
-@click.option(
+@option("--server", required=True, help="Server endpoint, e.g. tcp://HOST:5555.")
+@option("--device", default=default(WorkerConfig, "device"), help="cpu, cuda or cuda:N.")
+@option(
     "--slowdown",
-    default=1.0,
+    default=default(WorkerConfig, "slowdown"),
     type=float,
     help="Emulate a device F times slower: after t s of compute, wait (F-1)*t s.",
 )
-@click.option(
+@option(
     "--slowdown-schedule",
     default="",
     help="Change the slowdown during training: STEP:F[,STEP:F...], e.g. 200:3 makes the worker "
     "3x slower from its 200th step on.",
 )
-@click.option(
+@option(
     "--name",
     default=socket.gethostname,
     show_default="this host's name",
     help="Worker name in logs and metrics.",
 )
-@click.option("--threads", default=1, type=int, help="Torch CPU threads.")
-@click.option(
-    "--join-timeout",
-    "join_timeout_s",
-    default=60.0,
+@option("--threads", default=default(WorkerConfig, "threads"), type=int, help="Torch CPU threads.")
+@option(
+    "--connect-timeout",
+    "connect_timeout_s",
+    default=default(WorkerConfig, "connect_timeout_s"),
     type=float,
-    help="Seconds to wait for the server to accept the join.",
+    help="Give up when the server cannot be reached (or keeps answering 'busy') for this many "
+    "seconds at start.",
 )
-@click.option(
+@option(
+    "--allow-model",
+    "allow_model",
+    multiple=True,
+    metavar="package.module:factory",
+    help="Let the server make this worker import and build this user model (built-in models "
+    "need no permission; repeat for several).",
+)
+@option(
     "--reply-timeout",
     "reply_timeout_s",
-    default=600.0,
+    default=default(WorkerConfig, "reply_timeout_s"),
     type=float,
     help="Seconds to wait for a task (sync rounds wait for the slowest worker).",
 )
-@click.option(
+@option(
     "--data-timeout",
     "data_timeout_s",
-    default=120.0,
+    default=default(WorkerConfig, "data_timeout_s"),
     type=float,
     help="Seconds to wait for a data reply.",
 )
-@click.option(
+@option(
     "--rejoin-timeout",
     "rejoin_timeout_s",
-    default=120.0,
+    default=default(WorkerConfig, "rejoin_timeout_s"),
     type=float,
     help="Keep trying to rejoin a lost or restarted server for this many seconds.",
 )
-@click.option(
+@option(
     "--curve-server-key",
     default=None,
     type=click.Path(exists=True, dir_okay=False),
     help="The server's public key file (server.key), for a server using CURVE.",
 )
-@click.option(
+@option(
     "--curve-secret",
     default=None,
     type=click.Path(exists=True, dir_okay=False),
     help="This worker's secret key file (worker.key_secret); its public key must be authorized.",
 )
-@click.option(
+@option(
     "--data",
     default=None,
     metavar="PATH",
@@ -87,28 +104,34 @@ def main() -> None:
     help="Read samples from this local or shared copy of the dataset instead of pulling them "
     "from the server; its fingerprint must match the server's.",
 )
-@click.option(
+@option(
     "--augment/--no-augment",
     default=False,
     help="Augment training batches with random flips and 90-degree rotations, reproducibly "
     "per task.",
 )
-@click.option(
+@option(
     "--augment-noise",
-    default=0.0,
+    default=default(WorkerConfig, "augment_noise"),
     type=float,
     metavar="STD",
     help="With --augment: add a Gaussian offset per sample and band with this standard "
     "deviation (the data have unit variance per band); 0 disables it.",
 )
-@click.option("--log-every", default=50, type=int, help="Log progress every N steps.")
-@click.option("--log-level", default="INFO", help="Logging level.")
+@option(
+    "--log-every",
+    default=default(WorkerConfig, "log_every"),
+    type=int,
+    help="Log progress every N steps.",
+)
+@option("--log-level", default="INFO", help="Logging level.")
 def join(log_level: str, **options: object) -> None:
     """Join a server and train until training ends."""
     name = str(options["name"])
     setup_logging(log_level, f"worker[{name}] ")
     try:
-        config = WorkerConfig(**options).validate()  # type: ignore[arg-type]
+        options["allow_model"] = tuple(options["allow_model"])  # type: ignore[arg-type]
+        config = WorkerConfig(**options)  # type: ignore[arg-type]
         from worker.loop import Worker  # torch import only when training
 
         stats = Worker(config).run()

@@ -13,7 +13,7 @@ from common.training.slowdown import SlowdownSchedule
 
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig:
-    """Everything ``worker join`` needs; ``validate()`` quotes any bad value."""
+    """Everything ``worker join`` needs; checked on construction (errors quote the value)."""
 
     server: str
     device: str = "cpu"
@@ -21,7 +21,7 @@ class WorkerConfig:
     slowdown_schedule: str = ""
     name: str = dataclasses.field(default_factory=socket.gethostname)
     threads: int = 1
-    join_timeout_s: float = 60.0
+    connect_timeout_s: float = 30.0
     reply_timeout_s: float = 600.0
     data_timeout_s: float = 120.0
     rejoin_timeout_s: float = 120.0
@@ -32,6 +32,10 @@ class WorkerConfig:
     augment_noise: float = 0.0
     curve_server_key: str | None = None
     curve_secret: str | None = None
+    allow_model: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> WorkerConfig:
         """Check every field.
@@ -53,13 +57,24 @@ class WorkerConfig:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         if not self.name:
             raise ConfigError("--name must not be empty")
-        for field in ("join_timeout_s", "reply_timeout_s", "data_timeout_s", "rejoin_timeout_s"):
+        for field in (
+            "connect_timeout_s",
+            "reply_timeout_s",
+            "data_timeout_s",
+            "rejoin_timeout_s",
+        ):
             if getattr(self, field) <= 0:
                 raise ConfigError(f"{field} must be > 0, got {getattr(self, field)}")
         if self.data is not None and not os.path.isfile(self.data):
             raise ConfigError(f"--data {self.data!r} is not a file")
         if (self.curve_server_key is None) != (self.curve_secret is None):
             raise ConfigError("--curve-server-key and --curve-secret go together")
+        for model in self.allow_model:
+            if ":" not in model:
+                raise ConfigError(
+                    f"--allow-model {model!r} must be package.module:factory (built-in models "
+                    "need no permission)"
+                )
         if not (math.isfinite(self.augment_noise) and self.augment_noise >= 0):
             raise ConfigError(f"--augment-noise must be >= 0, got {self.augment_noise}")
         if self.augment_noise > 0 and not self.augment:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from common.errors import DeviceError
@@ -42,3 +44,34 @@ def host_buffer(
 ) -> torch.Tensor:
     """A host staging buffer: pinned when the device is CUDA, so copies can be async."""
     return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+class ComputeTimer:
+    """Times one step's compute: CUDA events on a GPU (queued with the kernels, read after
+    the end event completes), the wall clock on a CPU.
+
+    Args:
+        device: the device the step runs on.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._begin = 0.0
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        """Mark the start of the step."""
+        if self.cuda:
+            self._start.record()
+        else:
+            self._begin = time.perf_counter()
+
+    def stop(self) -> float:
+        """Mark the end of the step; returns its compute time in seconds."""
+        if self.cuda:
+            self._end.record()
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end) / 1000.0
+        return time.perf_counter() - self._begin

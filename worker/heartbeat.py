@@ -14,18 +14,24 @@ from common.protocol.messages import HeartbeatReply, HeartbeatRequest
 
 log = logging.getLogger(__name__)
 
+TRAINING_ENDED = "training has ended"
+# Heartbeats answered 'finished' before the worker gives up waiting for its own stop reply.
+ENDED_BEATS = 3
+
 
 class Heartbeat:
     """Sends a heartbeat every ``interval_s`` on its own socket and thread.
 
     When a heartbeat goes unanswered for ``dead_after_s``, is refused, or is answered by a
     different server (a restart), it publishes the reason on ``abort`` (an ``inproc://`` PUB
-    endpoint), which ends every wait of the worker's connections with ``ServerLost``.
+    endpoint), which ends every wait of the worker's connections with ``ServerLost``. When the
+    server says training has ended for a few beats in a row (the worker is stuck on something
+    that will never answer, such as a lost shard), it publishes ``TRAINING_ENDED``.
 
     Args:
         context: the worker's ZeroMQ context (inproc endpoints live in it).
         connect: makes a connection to the server with the given reply timeout.
-        worker_id, server_id: the membership to keep alive.
+        worker_id, token, server_id: the membership to keep alive.
         interval_s, dead_after_s: as told by the server at join.
         abort: the inproc endpoint to publish on.
     """
@@ -35,13 +41,14 @@ class Heartbeat:
         context: zmq.Context,
         connect: Callable[[float], Connection],
         worker_id: int,
+        token: str,
         server_id: str,
         interval_s: float,
         dead_after_s: float,
         abort: str,
     ) -> None:
         self.connect = connect
-        self.worker_id, self.server_id = worker_id, server_id
+        self.worker_id, self.token, self.server_id = worker_id, token, server_id
         self.interval_s, self.dead_after_s = interval_s, dead_after_s
         self._publisher = context.socket(zmq.PUB)
         self._publisher.setsockopt(zmq.LINGER, 0)
@@ -56,16 +63,23 @@ class Heartbeat:
     def _run(self) -> None:
         conn = self.connect(self.dead_after_s)
         reason = ""
+        ended = 0
         try:
             while not self._stop.wait(self.interval_s):
                 try:
-                    reply = conn.request(HeartbeatRequest(worker_id=self.worker_id))
+                    reply = conn.request(
+                        HeartbeatRequest(worker_id=self.worker_id, token=self.token),
+                        expect=HeartbeatReply,
+                    )
                 except PSError as exc:
                     reason = f"heartbeat failed: {exc}"
                     break
-                assert isinstance(reply, HeartbeatReply)
                 if reply.server_id != self.server_id:
                     reason = "the server restarted"
+                    break
+                ended = ended + 1 if reply.finished else 0
+                if ended >= ENDED_BEATS:
+                    reason = TRAINING_ENDED
                     break
         finally:
             conn.close()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,34 +14,39 @@ import torch
 import zmq
 from torch import nn
 
-from common.errors import ErrorCode, NetworkTimeout, RemoteError, ServerLost
+from common.errors import ErrorCode, ModelError, NetworkTimeout, PSError, RemoteError, ServerLost
 from common.protocol.client import Connection
 from common.protocol.messages import (
     JoinReply,
     JoinRequest,
+    LeaveReply,
     LeaveRequest,
     PushRequest,
     TaskReply,
     TaskRequest,
 )
 from common.protocol.security import load_client_keys
-from common.training.flat import FlatLayout
-from common.training.models import build_model
+from common.training.flat import FlatModel
+from common.training.models import BUILTIN, build_model
 from common.training.slowdown import SlowdownSchedule
 from common.training.speed import SpeedMeter
 from worker.augment import Augmenter
 from worker.config import WorkerConfig
-from worker.device import host_buffer, resolve_device, synchronize
-from worker.heartbeat import Heartbeat
+from worker.device import ComputeTimer, host_buffer, resolve_device
+from worker.heartbeat import TRAINING_ENDED, Heartbeat
 from worker.local_data import open_local_copy
+from worker.params import StoreClient
 from worker.prefetch import AheadReader, Prefetcher
 
 log = logging.getLogger(__name__)
 
-# Rejections after which the worker pulls fresh parameters and recomputes the same task.
-RETRY_CODES = (ErrorCode.STALE, ErrorCode.NON_FINITE)
+# Rejections after which the worker pulls fresh parameters and recomputes (the same task after
+# STALE/NON_FINITE/INCOMPLETE, whatever the server hands out after REFUSED).
+RETRY_CODES = (ErrorCode.STALE, ErrorCode.NON_FINITE, ErrorCode.INCOMPLETE, ErrorCode.REFUSED)
 # Rejections after which the worker joins again (the server forgot it: dropped or restarted).
 REJOIN_CODES = (ErrorCode.UNKNOWN_WORKER,)
+# A task whose loss is NaN this many times in a row is given up: the worker leaves.
+MAX_NAN_TRIES = 3
 
 
 @dataclass
@@ -54,8 +61,12 @@ class WorkerStats:
     rejected: int = 0
 
 
+class NonFiniteLoss(PSError):
+    """The loss stayed NaN or infinite on the same task; the worker gives it up."""
+
+
 class Worker:
-    """One training process connected to one server.
+    """One training process connected to one server (and its parameter shards).
 
     Args:
         config: a validated ``WorkerConfig``.
@@ -67,6 +78,7 @@ class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        self.timer = ComputeTimer(self.device)
         torch.set_num_threads(config.threads)
         self.context = zmq.Context()
         self.curve = (
@@ -75,15 +87,20 @@ class Worker:
             else None
         )
         self.conn: Connection | None = None
+        self.stores: StoreClient | None = None
         self.speed = SpeedMeter()
         self.slowdown = SlowdownSchedule(config.slowdown, config.slowdown_schedule)
         self.stats = WorkerStats()
         self.worker_id = 0
+        self.token = ""
         self.sessions = 0
         self._joined = False
+        self._ever_joined = False
         self.model: nn.Module | None = None
-        self.layout: FlatLayout | None = None
+        self.flat: FlatModel | None = None
         self._host_state: torch.Tensor | None = None
+        self._host_grad: torch.Tensor | None = None
+        self._loaded_version = -1
         self.augmenter: Augmenter | None = None
 
     def run(self) -> WorkerStats:
@@ -93,19 +110,28 @@ class Worker:
             What this worker did.
 
         Raises:
-            NetworkTimeout, ServerLost: the server stayed away longer than the rejoin timeout.
+            NetworkTimeout: the server was never reached within ``--connect-timeout``, or was
+                lost for longer than ``--rejoin-timeout``.
             RemoteError: the server refused the worker.
+            ModelError: the server asks for a model this worker may not import.
         """
         begin = time.perf_counter()
         lost_since: float | None = None
+        log.info("connecting to %s", self.config.server)
         try:
             while True:
                 try:
                     self._session()
                     break
                 except (ServerLost, NetworkTimeout, RemoteError) as exc:
-                    rejoinable = not isinstance(exc, RemoteError) or exc.code in REJOIN_CODES
                     now = time.monotonic()
+                    if isinstance(exc, ServerLost) and str(exc) == TRAINING_ENDED:
+                        log.info("the server ended training")
+                        break
+                    if not self._ever_joined:
+                        self._not_yet_joined(exc, time.perf_counter() - begin)
+                        continue
+                    rejoinable = not isinstance(exc, RemoteError) or exc.code in REJOIN_CODES
                     if self._joined or lost_since is None:
                         lost_since = now  # the server was there until now
                     self._joined = False
@@ -130,6 +156,23 @@ class Worker:
         )
         return self.stats
 
+    def _not_yet_joined(self, exc: PSError, waited_s: float) -> None:
+        """Decide after a failed first join: retry (the server is busy), or give up.
+
+        Raises:
+            NetworkTimeout: nothing answered within ``--connect-timeout``.
+            RemoteError: the server refused the join for good.
+        """
+        limit = self.config.connect_timeout_s
+        if isinstance(exc, RemoteError) and exc.code != ErrorCode.BUSY:
+            raise exc
+        if isinstance(exc, NetworkTimeout) or waited_s >= limit:
+            raise NetworkTimeout(
+                f"{self.config.server} was never reached within --connect-timeout {limit:g} s"
+            ) from None
+        log.info("the server is not ready yet (%s); trying again", exc)
+        time.sleep(min(1.0, max(limit - waited_s, 0.0)))
+
     def _connect(self, timeout_s: float, abort: str | None = None) -> Connection:
         """A new connection to the server in this worker's context, with its CURVE keys."""
         return Connection(
@@ -143,13 +186,14 @@ class Worker:
         prefetcher: AheadReader | None = None
         try:
             spec = self._join()
-            self._joined = True
+            self._joined = self._ever_joined = True
             abort = f"inproc://abort-{id(self)}-{self.sessions}"
             self.sessions += 1
             heartbeat = Heartbeat(
                 self.context,
                 self._connect,
                 spec.worker_id,
+                spec.token,
                 spec.server_id,
                 spec.heartbeat_s,
                 spec.dead_after_s,
@@ -158,11 +202,24 @@ class Worker:
             self.conn.close()  # again, now listening to the heartbeat's abort channel
             self.conn = self._connect(self.config.reply_timeout_s, abort)
             heartbeat.start()
+            self.stores = StoreClient(
+                self.context,
+                spec.shard_addresses,
+                spec.shard_bounds,
+                self.config.server,
+                spec.chunk_elems,
+                spec.wire_dtype,
+                spec.worker_id,
+                spec.token,
+                self.curve,
+                abort,
+            )
             prefetcher = self._open_data(spec, abort)
             if self.config.augment:
                 self.augmenter = Augmenter(spec.seed, noise=self.config.augment_noise)
             if self.speed.speed == 0.0:
                 self._calibrate(spec)
+            self._loaded_version = -1
             reply = self._request_task()
             while reply.action == "train":
                 reply = self._step(reply, prefetcher)
@@ -172,17 +229,31 @@ class Worker:
             if prefetcher is not None:
                 self.stats.data_wait_s += prefetcher.wait_s
                 prefetcher.close()
+            if self.stores is not None:
+                self.stores.close()
+                self.stores = None
             self.conn.close()
 
     def _open_data(self, spec: JoinReply, abort: str) -> AheadReader:
         """The sample source: the --data copy if given (same fingerprint as the server's)."""
         if self.config.data is None:
             return Prefetcher(
-                lambda: self._connect(self.config.data_timeout_s, abort), self.worker_id
+                lambda: self._connect(self.config.data_timeout_s, abort),
+                self.worker_id,
+                self.token,
             )
         return open_local_copy(self.config.data, spec.dataset_fingerprint)
 
+    def _check_model_allowed(self, model: str) -> None:
+        if model in BUILTIN or model in self.config.allow_model:
+            return
+        raise ModelError(
+            f"the server asks for model {model!r}, which would import code on this worker; "
+            f"start the worker with --allow-model {model} if you trust it"
+        )
+
     def _join(self) -> JoinReply:
+        assert self.conn is not None
         reply = self.conn.request(
             JoinRequest(
                 name=self.config.name,
@@ -190,73 +261,78 @@ class Worker:
                 slowdown=self.config.slowdown,
                 threads=self.config.threads,
             ),
-            timeout_s=self.config.join_timeout_s,
+            timeout_s=self.config.connect_timeout_s,
+            expect=JoinReply,
         )
-        assert isinstance(reply, JoinReply)
-        self.worker_id = reply.worker_id
-        self.model = (
-            build_model(reply.model, reply.in_channels, reply.num_classes, reply.input_size)
-            .to(self.device)
-            .train()
-        )
-        self.layout = FlatLayout(self.model)
-        if self.layout.size != reply.state_size:
+        self._check_model_allowed(reply.model)
+        self.worker_id, self.token = reply.worker_id, reply.token
+        model = build_model(reply.model, reply.in_channels, reply.num_classes, reply.input_size)
+        self.model = model.to(self.device).train()
+        self.flat = FlatModel(self.model)
+        if self.flat.size != reply.state_size or self.flat.num_params != reply.num_params:
             raise RemoteError(
                 ErrorCode.BAD_TENSOR,
-                f"model {reply.model} has {self.layout.size} values here but "
+                f"model {reply.model} has {self.flat.size} values here but "
                 f"{reply.state_size} on the server",
             )
-        self._host_state = host_buffer(self.layout.size, self.device)
+        self._host_state = host_buffer(self.flat.size, self.device)
+        self._host_grad = host_buffer(self.flat.size, self.device)
         log.info(
-            "joined %s as worker %d (%s, model %s)",
+            "joined %s as worker %d (%s, model %s, %d store%s, %s wire)",
             self.config.server,
             self.worker_id,
             reply.mode,
             reply.model,
+            len(reply.shard_addresses),
+            "" if len(reply.shard_addresses) == 1 else "s",
+            reply.wire_dtype,
         )
         return reply
 
     def _calibrate(self, spec: JoinReply) -> None:
         """Time a few steps on random data so the first plan already follows speeds."""
+        assert self.flat is not None
         batch = self.config.calibration_batch
-        x = torch.randn(
-            batch, spec.in_channels, spec.input_size, spec.input_size, device=self.device
-        )
+        size = spec.input_size
+        x = torch.randn(batch, spec.in_channels, size, size, device=self.device)
         y = torch.randint(0, spec.num_classes, (batch,), device=self.device)
-        state = self.layout.read_state()
+        state = self.flat.state.clone()
         for _ in range(3):
             self._compute(x, y)
-        self.layout.write_state(state)  # calibration must not leave BatchNorm statistics
+        self.flat.state.copy_(state)  # calibration must not leave BatchNorm statistics
         log.info("calibrated: %.1f samples/s", self.speed.speed)
 
     def _compute(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Forward and backward on one batch, then the emulated slowdown; returns the loss."""
-        assert self.model is not None
-        synchronize(self.device)
-        start = time.perf_counter()
-        self.model.zero_grad(set_to_none=False)
+        assert self.model is not None and self.flat is not None
+        self.timer.start()
+        self.flat.zero_grad()
         loss = nn.functional.cross_entropy(self.model(x), y)
         loss.backward()
-        synchronize(self.device)
-        emulated = self.slowdown.emulate(self.stats.steps, time.perf_counter() - start)
+        emulated = self.slowdown.emulate(self.stats.steps, self.timer.stop())
         self.speed.update(len(y), emulated)
         self.stats.compute_s += emulated
         return float(loss.detach())
 
     def _request_task(self) -> TaskReply:
-        reply = self.conn.request(TaskRequest(worker_id=self.worker_id, speed=self.speed.speed))
-        assert isinstance(reply, TaskReply)
-        return reply
+        assert self.conn is not None
+        return self.conn.request(
+            TaskRequest(worker_id=self.worker_id, token=self.token, speed=self.speed.speed),
+            expect=TaskReply,
+        )
 
-    def _load(self, params: np.ndarray) -> torch.Tensor:
-        """Load served parameters; returns the float buffers as loaded (for their change)."""
-        assert self.layout is not None and self._host_state is not None
-        self._host_state.copy_(torch.from_numpy(params))
-        self.layout.write_state(self._host_state)
-        return self.layout.read_buffers()
+    def _ensure_params(self, task: TaskReply) -> None:
+        """Make sure the parameters of ``task.version`` (or newer) are loaded."""
+        assert self.stores is not None and self._host_state is not None
+        if self._loaded_version < task.version:
+            self.stores.pull(task.version)
+            self._loaded_version = self.stores.collect(
+                self._host_state, self.config.reply_timeout_s
+            )
+        assert self.flat is not None
+        self.flat.load(self._host_state)
 
-    def _step(self, task: TaskReply, prefetcher: AheadReader) -> TaskReply:
-        buffers_before = self._load(task.params)
+    def _batch(self, task: TaskReply, prefetcher: AheadReader) -> tuple[torch.Tensor, torch.Tensor]:
         x_np, y_np = prefetcher.get(task.indices)
         prefetcher.start(task.prefetch)
         pin = self.device.type == "cuda"
@@ -268,10 +344,26 @@ class Worker:
         y = y.to(self.device, non_blocking=pin)
         if self.augmenter is not None:
             x = self.augmenter(x, step_key=task.task_id)
-        begin = self.stats.compute_s
-        loss = self._compute(x, y)
-        assert self.layout is not None
-        update = self.layout.read_push(buffers_before)
+        return x, y
+
+    def _step(self, task: TaskReply, prefetcher: AheadReader) -> TaskReply:
+        """Train on one task and push; returns the next task (or stop)."""
+        assert self.flat is not None and self.stores is not None and self._host_grad is not None
+        x, y = self._batch(task, prefetcher)
+        for attempt in range(1, MAX_NAN_TRIES + 1):
+            self._ensure_params(task)
+            begin = self.stats.compute_s
+            loss = self._compute(x, y)
+            if math.isfinite(loss):
+                break
+            log.warning("loss is %s on task %d (try %d)", loss, task.task_id, attempt)
+            self._loaded_version = -1  # pull the parameters again before retrying
+            if attempt == MAX_NAN_TRIES:
+                raise NonFiniteLoss(
+                    f"the loss stayed {loss} on task {task.task_id} after {attempt} tries; "
+                    "leaving so that its samples go to other workers"
+                )
+        self.flat.push_into(self._host_grad)
         self.stats.steps += 1
         self.stats.samples += len(task.indices)
         if self.stats.steps % self.config.log_every == 0:
@@ -283,32 +375,54 @@ class Worker:
                 loss,
                 self.speed.speed,
             )
+        self.stores.push(task.task_id, task.push_token, task.version, self._host_grad)
+        assert self.conn is not None
         push = PushRequest(
             worker_id=self.worker_id,
+            token=self.token,
             task_id=task.task_id,
             version=task.version,
             batch_size=len(task.indices),
             speed=self.speed.speed,
             compute_s=self.stats.compute_s - begin,
+            transfer_s=self.stores.transfer_s,
             loss=loss,
-            state=update.numpy(),
         )
         try:
-            reply = self.conn.request(push)
+            reply = self.conn.request(push, expect=TaskReply)
         except RemoteError as exc:
+            self._drain()
             if exc.code not in RETRY_CODES:
                 raise
             self.stats.rejected += 1
             log.info("push rejected (%s); pulling fresh parameters", exc)
-            reply = self._request_task()
-        assert isinstance(reply, TaskReply)
+            self._loaded_version = -1
+            return self._request_task()
+        if reply.action == "train":
+            try:
+                assert self._host_state is not None
+                self._loaded_version = self.stores.collect(
+                    self._host_state, self.config.reply_timeout_s
+                )
+            except RemoteError as exc:
+                log.info("fused parameters refused (%s); pulling them", exc)
+                self._loaded_version = -1
         return reply
+
+    def _drain(self) -> None:
+        """Read the (error) answers to a rejected push's chunks, so none is left pending."""
+        assert self.stores is not None and self._host_grad is not None
+        with contextlib.suppress(RemoteError, NetworkTimeout):
+            self.stores.collect(self._host_grad, min(self.config.reply_timeout_s, 30.0))
 
     def _leave(self, reason: str) -> None:
         if not self._joined:
             return
         try:
             with self._connect(2.0) as conn:
-                conn.request(LeaveRequest(worker_id=self.worker_id, reason=reason))
+                conn.request(
+                    LeaveRequest(worker_id=self.worker_id, token=self.token, reason=reason[:500]),
+                    expect=LeaveReply,
+                )
         except Exception as exc:  # best effort on the way out
             log.debug("leave not acknowledged: %s", exc)

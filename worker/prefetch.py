@@ -72,12 +72,12 @@ class Prefetcher(AheadReader):
 
     Args:
         connect: makes a new connection to the server (called on the reading thread).
-        worker_id: this worker's id.
+        worker_id, token: this worker's membership.
     """
 
-    def __init__(self, connect: Callable[[], Connection], worker_id: int) -> None:
+    def __init__(self, connect: Callable[[], Connection], worker_id: int, token: str) -> None:
         super().__init__("prefetch")
-        self.connect, self.worker_id = connect, worker_id
+        self.connect, self.worker_id, self.token = connect, worker_id, token
         self._local = threading.local()
         self._connections: list[Connection] = []
 
@@ -86,8 +86,10 @@ class Prefetcher(AheadReader):
         if conn is None:
             conn = self._local.conn = self.connect()
             self._connections.append(conn)
-        reply = conn.request(DataRequest(worker_id=self.worker_id, indices=indices))
-        assert isinstance(reply, DataReply)
+        reply = conn.request(
+            DataRequest(worker_id=self.worker_id, token=self.token, indices=indices),
+            expect=DataReply,
+        )
         return reply.x, reply.y
 
     def _close_source(self) -> None:

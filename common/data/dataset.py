@@ -48,7 +48,7 @@ def _le_bytes(arr: np.ndarray) -> bytes | memoryview:
     arr = np.ascontiguousarray(arr)
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
-    return memoryview(arr).cast("B")
+    return arr.data.cast("B")
 
 
 def combine_fingerprint(

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import TypeVar
 
 import zmq
 
-from common.errors import NetworkTimeout, RemoteError, ServerLost
+from common.errors import (
+    ConfigError,
+    ErrorCode,
+    NetworkTimeout,
+    ProtocolError,
+    RemoteError,
+    ServerLost,
+)
 from common.protocol.messages import REPLIES, Message, parse_message
 from common.protocol.security import ClientKeys
+
+M = TypeVar("M", bound=Message)
 
 
 class Connection:
@@ -23,6 +33,9 @@ class Connection:
         abort: an ``inproc://`` PUB endpoint in ``context``; any message published there ends
             the current wait with ``ServerLost`` (a worker's heartbeat thread uses it).
         curve: CURVE keys, for a server started with ``--curve-secret``.
+
+    Raises:
+        ConfigError: ``address`` is not a usable endpoint.
     """
 
     def __init__(
@@ -41,7 +54,13 @@ class Connection:
         self._sock.setsockopt(zmq.LINGER, 0)
         if curve is not None:
             curve.apply(self._sock)
-        self._sock.connect(address)
+        try:
+            self._sock.connect(address)
+        except zmq.ZMQError as exc:
+            self._sock.close(linger=0)
+            if self._own_context:
+                self._context.term()
+            raise ConfigError(f"cannot connect to {address!r}: {exc}") from None
         self._ids = itertools.count(1)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
@@ -53,12 +72,13 @@ class Connection:
             self._abort.connect(abort)
             self._poller.register(self._abort, zmq.POLLIN)
 
-    def request(self, message: Message, timeout_s: float | None = None) -> Message:
+    def request(self, message: Message, timeout_s: float | None = None, *, expect: type[M]) -> M:
         """Send ``message`` and return the server's reply.
 
         Args:
             message: the request.
             timeout_s: how long to wait; the connection's default if None.
+            expect: the reply type the request must get.
 
         Returns:
             The reply message.
@@ -67,7 +87,7 @@ class Connection:
             NetworkTimeout: no reply in time.
             ServerLost: the abort endpoint said the server is gone.
             RemoteError: the server answered with an error.
-            ProtocolError: the reply is malformed.
+            ProtocolError: the reply is malformed or not an ``expect``.
         """
         request_id = next(self._ids)
         self._sock.send_multipart(message.to_wire(request_id), copy=False)
@@ -90,6 +110,10 @@ class Connection:
                     raise
                 continue
             if reply_id == request_id:
+                if not isinstance(reply, expect):
+                    raise ProtocolError(
+                        ErrorCode.BAD_FIELD, f"expected {expect.TYPE}, got {reply.TYPE}"
+                    )
                 return reply
 
     def close(self) -> None:

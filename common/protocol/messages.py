@@ -1,131 +1,59 @@
-"""Protocol messages as frozen dataclasses with validated ``to_wire``/``from_wire``."""
+"""The messages between workers and the coordinator or a parameter store (docs/protocol.md).
+
+Every request from a member carries its ``worker_id`` and the secret ``token`` it got at join,
+so no connection can act for another worker.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import types
-import typing
-from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
-from common.errors import ErrorCode, ProtocolError, RemoteError
-from common.protocol.wire import decode_frames, encode_frames
+from common.protocol.base import (
+    MAX_INDICES,
+    MAX_STRING,
+    Message,
+    error_frames,
+    parse_message,
+    request_id_of,
+)
 
-MAX_INDICES = 1 << 17
-MAX_STRING = 4096
+__all__ = [
+    "MAX_INDICES",
+    "MAX_STRING",
+    "REPLIES",
+    "STORE_REQUESTS",
+    "WORKER_REQUESTS",
+    "DataReply",
+    "DataRequest",
+    "GradientChunk",
+    "HeartbeatReply",
+    "HeartbeatRequest",
+    "JoinReply",
+    "JoinRequest",
+    "LeaveReply",
+    "LeaveRequest",
+    "Message",
+    "ParamsChunk",
+    "PullRequest",
+    "PushRequest",
+    "StatusReply",
+    "StatusRequest",
+    "TaskReply",
+    "TaskRequest",
+    "error_frames",
+    "parse_message",
+    "request_id_of",
+]
 
-
-@dataclasses.dataclass(frozen=True)
-class Message:
-    """Base of every message: fields are header entries, ``np.ndarray`` fields are frames."""
-
-    TYPE: ClassVar[str] = ""
-
-    def to_wire(self, request_id: int) -> list[Any]:
-        """Encode this message as frames tagged with ``request_id``."""
-        body: dict[str, Any] = {}
-        tensors: list[np.ndarray] = []
-        for name, kind in _schema(type(self)):
-            value = getattr(self, name)
-            if kind is np.ndarray:
-                tensors.append(value)
-            else:
-                body[name] = value
-        return encode_frames(
-            {"type": self.TYPE, "id": request_id, "status": "ok", "body": body}, tensors
-        )
-
-    @classmethod
-    def from_parts(cls, body: Any, tensors: list[np.ndarray]) -> Message:
-        """Build and validate a message from a decoded header body and its tensors.
-
-        Raises:
-            ProtocolError: a field is missing, of the wrong type or out of range.
-        """
-        if not isinstance(body, dict):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE}: body must be a map")
-        values: dict[str, Any] = {}
-        tensor_fields = [n for n, k in _schema(cls) if k is np.ndarray]
-        if len(tensors) != len(tensor_fields):
-            raise ProtocolError(
-                ErrorCode.BAD_TENSOR,
-                f"{cls.TYPE}: expects {len(tensor_fields)} tensors, got {len(tensors)}",
-            )
-        arrays = iter(tensors)
-        for name, kind in _schema(cls):
-            if kind is np.ndarray:
-                values[name] = next(arrays)
-                continue
-            if name not in body:
-                raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE}: missing field {name!r}")
-            values[name] = _check(cls.TYPE, name, kind, body[name])
-        extra = set(body) - set(values)
-        if extra:
-            raise ProtocolError(
-                ErrorCode.BAD_FIELD, f"{cls.TYPE}: unknown fields {sorted(extra)!r}"
-            )
-        return cls(**values)
-
-
-_SCHEMAS: dict[type, list[tuple[str, Any]]] = {}
-
-
-def _schema(cls: type) -> list[tuple[str, Any]]:
-    if cls not in _SCHEMAS:
-        hints = typing.get_type_hints(cls)
-        _SCHEMAS[cls] = [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
-    return _SCHEMAS[cls]
-
-
-def _check(mtype: str, name: str, kind: Any, value: Any) -> Any:
-    """Return ``value`` if it matches the annotation ``kind``, else raise BAD_FIELD."""
-
-    def bad(why: str) -> ProtocolError:
-        return ProtocolError(ErrorCode.BAD_FIELD, f"{mtype}: field {name!r} {why}")
-
-    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
-        options = typing.get_args(kind)
-        if value is None and type(None) in options:
-            return None
-        kind = next(k for k in options if k is not type(None))
-    if kind is bool:
-        if type(value) is not bool:
-            raise bad(f"must be a bool, got {value!r:.60}")
-        return value
-    if kind is int:
-        if type(value) is not int:
-            raise bad(f"must be an int, got {value!r:.60}")
-        return value
-    if kind is float:
-        if type(value) not in (int, float) or not math.isfinite(value):
-            raise bad(f"must be a finite number, got {value!r:.60}")
-        return float(value)
-    if kind is str:
-        if type(value) is not str or len(value) > MAX_STRING:
-            raise bad(f"must be a string of at most {MAX_STRING} characters")
-        return value
-    if typing.get_origin(kind) is list and typing.get_args(kind) == (int,):
-        if type(value) is not list or len(value) > MAX_INDICES:
-            raise bad(f"must be a list of at most {MAX_INDICES} ints")
-        if not all(type(v) is int for v in value):
-            raise bad("must contain only ints")
-        return value
-    if kind is dict:
-        if type(value) is not dict:
-            raise bad("must be a map")
-        return value
-    raise TypeError(f"unsupported field annotation {kind!r}")  # a bug in a message class
-
-
-# --- requests (worker -> server) -------------------------------------------------------------
+# --- worker -> coordinator ---------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class JoinRequest(Message):
-    """A worker asks to join; the reply tells it which model to build and calibrate."""
+    """A worker asks to join; the reply tells it which model to build and where the stores are."""
 
     TYPE: ClassVar[str] = "join_request"
     name: str
@@ -141,23 +69,28 @@ class TaskRequest(Message):
 
     TYPE: ClassVar[str] = "task_request"
     worker_id: int
+    token: str
     speed: float
 
 
 @dataclasses.dataclass(frozen=True)
 class PushRequest(Message):
-    """A worker pushes the gradient of its task; ``state`` is the flat gradient followed by the
-    change of the float buffers (BatchNorm statistics) over the step."""
+    """A worker reports its task done; its gradient went to the stores as ``gradient_chunk``s.
+
+    ``compute_s`` is the step's compute time (emulated slowdown included) and ``transfer_s``
+    the time the worker spent receiving its previous parameters.
+    """
 
     TYPE: ClassVar[str] = "push_request"
     worker_id: int
+    token: str
     task_id: int
     version: int
     batch_size: int
     speed: float
     compute_s: float
+    transfer_s: float
     loss: float
-    state: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +99,7 @@ class DataRequest(Message):
 
     TYPE: ClassVar[str] = "data_request"
     worker_id: int
+    token: str
     indices: list[int]
 
 
@@ -175,6 +109,7 @@ class HeartbeatRequest(Message):
 
     TYPE: ClassVar[str] = "heartbeat_request"
     worker_id: int
+    token: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,43 +125,98 @@ class LeaveRequest(Message):
 
     TYPE: ClassVar[str] = "leave_request"
     worker_id: int
+    token: str
     reason: str
 
 
-# --- replies (server -> worker) --------------------------------------------------------------
+# --- worker -> parameter store (the coordinator itself, or a shard) ---------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientChunk(Message):
+    """One chunk of a task's gradient: ``gradient`` holds state elements ``[offset, offset + n)``
+    in the run's wire format, multiplied by ``scale``; ``token`` is the task's push token.
+    Answered with the same range of the next parameters (``params_chunk``) once the update is
+    published, or with an error."""
+
+    TYPE: ClassVar[str] = "gradient_chunk"
+    worker_id: int
+    token: str
+    task_id: int
+    version: int
+    offset: int
+    scale: float
+    gradient: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class PullRequest(Message):
+    """Parameters ``[offset, offset + length)`` of version ``min_version`` or newer."""
+
+    TYPE: ClassVar[str] = "pull_request"
+    worker_id: int
+    token: str
+    min_version: int
+    offset: int
+    length: int
+
+
+# --- replies -----------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class JoinReply(Message):
-    """Membership granted: what to build and how the run is set up."""
+    """Membership granted: what to build, how the run is set up, and where parameters live.
+
+    ``shard_addresses[k]`` serves state elements ``shard_bounds[k]`` to ``shard_bounds[k + 1]``;
+    an empty address means the coordinator itself.
+    """
 
     TYPE: ClassVar[str] = "join_reply"
     worker_id: int
+    token: str
     mode: str
     model: str
     in_channels: int
     num_classes: int
     input_size: int
     state_size: int
+    num_params: int
     dataset_fingerprint: str
     seed: int
     server_id: str
     heartbeat_s: float
     dead_after_s: float
+    wire_dtype: str
+    chunk_elems: int
+    shard_addresses: list[str]
+    shard_bounds: list[int]
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskReply(Message):
-    """The next task: train on ``indices`` starting from ``params`` at ``version``, and prefetch
-    ``prefetch`` (the likely next task) meanwhile; or ``action == "stop"``."""
+    """The next task: train on ``indices`` from parameters of version ``version`` (pulled from
+    the stores), and prefetch ``prefetch`` meanwhile; or ``action == "stop"``. The gradient's
+    chunks carry ``push_token``, which only this worker got for this task."""
 
     TYPE: ClassVar[str] = "task_reply"
     action: str
     task_id: int
+    push_token: str
     version: int
     epoch: int
     indices: list[int]
     prefetch: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamsChunk(Message):
+    """Parameters ``[offset, offset + n)`` of ``version`` in the wire format, times ``scale``."""
+
+    TYPE: ClassVar[str] = "params_chunk"
+    version: int
+    offset: int
+    scale: float
     params: np.ndarray
 
 
@@ -249,10 +239,12 @@ class StatusReply(Message):
 
 @dataclasses.dataclass(frozen=True)
 class HeartbeatReply(Message):
-    """Acknowledges a heartbeat; a changed ``server_id`` means the server restarted."""
+    """Acknowledges a heartbeat; a changed ``server_id`` means the server restarted, and
+    ``finished`` that training has ended (the worker stops whatever it waits for)."""
 
     TYPE: ClassVar[str] = "heartbeat_reply"
     server_id: str
+    finished: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,7 +254,7 @@ class LeaveReply(Message):
     TYPE: ClassVar[str] = "leave_reply"
 
 
-REQUESTS: dict[str, type[Message]] = {
+WORKER_REQUESTS: dict[str, type[Message]] = {
     m.TYPE: m
     for m in (
         JoinRequest,
@@ -274,52 +266,16 @@ REQUESTS: dict[str, type[Message]] = {
         LeaveRequest,
     )
 }
+STORE_REQUESTS: dict[str, type[Message]] = {m.TYPE: m for m in (GradientChunk, PullRequest)}
 REPLIES: dict[str, type[Message]] = {
-    m.TYPE: m for m in (JoinReply, TaskReply, DataReply, HeartbeatReply, StatusReply, LeaveReply)
-}
-
-
-def request_id_of(header: dict[str, Any]) -> int:
-    """The request id of a decoded header, or 0 when it has none usable."""
-    rid = header.get("id")
-    return rid if type(rid) is int and 0 <= rid < 1 << 63 else 0
-
-
-def parse_message(frames: Sequence[Any], table: dict[str, type[Message]]) -> tuple[Message, int]:
-    """Decode frames into one of the messages in ``table``.
-
-    Returns:
-        The message and its request id.
-
-    Raises:
-        ProtocolError: malformed frames, wrong version, unknown type or invalid fields.
-        RemoteError: the frames are an error reply.
-    """
-    header, tensors = decode_frames(frames)
-    rid = request_id_of(header)
-    if header.get("status") == "error":
-        error = RemoteError(header.get("code", ErrorCode.INTERNAL), str(header.get("message")))
-        error.request_id = rid
-        raise error
-    mtype = header.get("type")
-    cls = table.get(mtype) if isinstance(mtype, str) else None
-    try:
-        if cls is None:
-            raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {mtype!r:.60}")
-        return cls.from_parts(header.get("body", {}), tensors), rid
-    except ProtocolError as exc:
-        exc.request_id = rid
-        raise
-
-
-def error_frames(request_id: int, code: ErrorCode, message: str) -> list[Any]:
-    """Frames of an error reply."""
-    return encode_frames(
-        {
-            "type": "error",
-            "id": request_id,
-            "status": "error",
-            "code": int(code),
-            "message": message[:MAX_STRING],
-        }
+    m.TYPE: m
+    for m in (
+        JoinReply,
+        TaskReply,
+        ParamsChunk,
+        DataReply,
+        HeartbeatReply,
+        StatusReply,
+        LeaveReply,
     )
+}

@@ -63,6 +63,33 @@ def load_server_secret(secret_file: Path) -> tuple[bytes, bytes]:
     return public, secret
 
 
+def server_as_client(secret_file: Path) -> ClientKeys:
+    """CURVE keys for the coordinator talking to its shards, which use the same server key
+    pair and accept that key besides the workers' (see ``AuthorizedKeys``)."""
+    public, secret = load_server_secret(secret_file)
+    return ClientKeys(public, public, secret)
+
+
+class AuthorizedKeys:
+    """A CURVE credentials provider: the public keys in a directory, plus extra ones.
+
+    Args:
+        directory: ``*.key`` files (``pserver keygen`` writes ``authorized_keys/``).
+        extra: more z85 public keys to allow (a shard allows its coordinator's).
+    """
+
+    def __init__(self, directory: Path, extra: tuple[bytes, ...] = ()) -> None:
+        try:
+            loaded = zmq.auth.load_certificates(str(directory))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read authorized keys in {str(directory)!r}: {exc}") from exc
+        self.keys = {*loaded, *extra}
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """Whether ``key`` (z85) may connect."""
+        return key in self.keys
+
+
 def generate(directory: Path) -> dict[str, Path]:
     """Write a server and a worker key pair, and authorize the worker's public key.
 

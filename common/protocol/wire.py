@@ -10,13 +10,17 @@ import numpy as np
 
 from common.errors import ErrorCode, ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 8
 MAX_NDIM = 8
+BFLOAT16 = "bfloat16"
+WIRE_DTYPES = ("fp32", "bf16", "fp16")  # formats of gradients and parameters on the wire
 # Only plain numeric dtypes may cross the wire; object, string and void dtypes never do.
+# bfloat16 has no numpy dtype: it travels as 16-bit words, tagged by ``BFloat16Array``.
 ALLOWED_DTYPES = frozenset(
     {
+        BFLOAT16,
         "float16",
         "float32",
         "float64",
@@ -30,6 +34,21 @@ ALLOWED_DTYPES = frozenset(
         "uint64",
     }
 )
+
+
+class BFloat16Array(np.ndarray):
+    """A uint16 array whose words are bfloat16 values (the wire tags it ``bfloat16``)."""
+
+
+def bfloat16_words(words: np.ndarray) -> BFloat16Array:
+    """Tag a uint16 array as bfloat16 for the wire (no copy)."""
+    if words.dtype != np.uint16:
+        raise TypeError(f"bfloat16 words must be uint16, got {words.dtype}")
+    return words.view(BFloat16Array)
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    return np.dtype(np.uint16 if name == BFLOAT16 else name)
 
 
 def encode_frames(header: dict[str, Any], tensors: Sequence[np.ndarray] = ()) -> list[Any]:
@@ -48,10 +67,11 @@ def encode_frames(header: dict[str, Any], tensors: Sequence[np.ndarray] = ()) ->
     descriptors = []
     payload: list[Any] = []
     for array in tensors:
+        name = BFLOAT16 if isinstance(array, BFloat16Array) else array.dtype.name
         array = np.ascontiguousarray(array)
-        if array.dtype.name not in ALLOWED_DTYPES or array.dtype.byteorder == ">":
+        if name not in ALLOWED_DTYPES or array.dtype.byteorder == ">":
             raise ProtocolError(ErrorCode.BAD_TENSOR, f"dtype {array.dtype!s} cannot be sent")
-        descriptors.append({"dtype": array.dtype.name, "shape": list(array.shape)})
+        descriptors.append({"dtype": name, "shape": list(array.shape)})
         payload.append(array.reshape(-1).view(np.uint8).data if array.size else b"")
     full = dict(header)
     full["v"] = PROTOCOL_VERSION
@@ -71,7 +91,8 @@ def decode_frames(frames: Sequence[Any]) -> tuple[dict[str, Any], list[np.ndarra
         frames: header frame then tensor frames (bytes or ``zmq.Frame``), routing identity removed.
 
     Returns:
-        The header map and the tensors as read-only arrays that share the frames' memory.
+        The header map and the tensors as read-only arrays that share the frames' memory
+        (``bfloat16`` tensors as ``BFloat16Array``).
 
     Raises:
         ProtocolError: the frames are not a well-formed message of this protocol version.
@@ -121,7 +142,8 @@ def _decode_tensor(desc: Any, buf: memoryview, index: int) -> np.ndarray:
         or not all(type(n) is int and 0 <= n < 1 << 40 for n in shape)
     ):
         raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor {index}: bad shape {shape!r}")
-    itemsize = np.dtype(dtype).itemsize
+    numpy_dtype = _numpy_dtype(dtype)
+    itemsize = numpy_dtype.itemsize
     expected = int(np.prod(shape, dtype=np.int64)) * itemsize if shape else itemsize
     if buf.nbytes != expected:
         raise ProtocolError(
@@ -129,4 +151,5 @@ def _decode_tensor(desc: Any, buf: memoryview, index: int) -> np.ndarray:
             f"tensor {index}: frame has {buf.nbytes} bytes, dtype {dtype} x shape {shape} "
             f"needs {expected}",
         )
-    return np.frombuffer(buf, dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
+    array = np.frombuffer(buf, dtype=numpy_dtype.newbyteorder("<")).reshape(shape)
+    return array.view(BFloat16Array) if dtype == BFLOAT16 else array

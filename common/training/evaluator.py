@@ -39,12 +39,14 @@ class Evaluator:
         self.batch = batch
 
     @torch.no_grad()
-    def evaluate(self, state: np.ndarray) -> Scores:
-        """OA, AA, kappa and mean cross-entropy of ``state`` on the whole test split."""
+    def evaluate(self, state: np.ndarray, indices: np.ndarray | None = None) -> Scores:
+        """OA, AA, kappa and mean cross-entropy of ``state`` on ``indices`` (default: the whole
+        test split)."""
         self.layout.write_state(state)
         matrix = np.zeros((self.num_classes, self.num_classes), dtype=np.int64)
         loss_sum, count = 0.0, 0
-        for x, y in self.reader.iter_blocks(self.reader.test_indices, self.batch):
+        test = self.reader.test_indices if indices is None else indices
+        for x, y in self.reader.iter_blocks(test, self.batch):
             logits = self.model(torch.from_numpy(x))
             target = torch.from_numpy(y)
             loss_sum += float(nn.functional.cross_entropy(logits, target, reduction="sum"))
@@ -69,11 +71,11 @@ def record_evaluation(
     run_log: RunLog,
     scores: Scores,
     *,
-    t: float,
     version: int,
     epoch: int,
     samples: int,
     eval_s: float,
+    t: float | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """Log the ``eval`` event of GUIDE section 3 and the matching progress line.
@@ -81,7 +83,7 @@ def record_evaluation(
     Args:
         run_log: the run's log.
         scores: the evaluation's result.
-        t: when the evaluated version was made (seconds since the run started).
+        t: the event's time (default: now, which keeps the log in time order).
         version, epoch, samples: what was evaluated.
         eval_s: how long the evaluation took.
         extra: more fields for the event.

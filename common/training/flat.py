@@ -67,3 +67,74 @@ class FlatLayout:
         parts = [g.cpu() for g in grads]
         parts.append(self.read_buffers() - buffers_before)
         return torch.cat(parts)
+
+
+def nonnegative_bounds(model: nn.Module, layout: FlatLayout) -> list[int]:
+    """Flat ranges of the state that must never become negative (BatchNorm running variances).
+
+    Returns:
+        ``[start0, stop0, start1, stop1, ...]`` offsets into the flat state.
+    """
+    bounds: list[int] = []
+    offset = layout.num_params
+    for name, buffer in model.named_buffers():
+        if not buffer.is_floating_point():
+            continue
+        if name.endswith("running_var"):
+            bounds += [offset, offset + buffer.numel()]
+        offset += buffer.numel()
+    return bounds
+
+
+class FlatModel:
+    """A model whose parameters, float buffers and gradients are views of flat buffers on its
+    device, so loading parameters is one copy in and reading the push is one copy out.
+
+    Build it after the model is on its device and never move the model afterwards.
+
+    Args:
+        model: the model (its tensors are re-pointed into the flat buffers).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        layout = FlatLayout(model)
+        self.num_params, self.size = layout.num_params, layout.size
+        first = next(iter(layout.params), None)
+        device = first.device if first is not None else torch.device("cpu")
+        self.state = layout.read_state().to(device)
+        self.grads = torch.zeros(self.num_params, device=device)
+        self._buffers_before = torch.empty(self.size - self.num_params, device=device)
+        offset = 0
+        with torch.no_grad():
+            for param in layout.params:
+                n = param.numel()
+                param.data = self.state[offset : offset + n].view_as(param)
+                param.grad = self.grads[offset : offset + n].view_as(param)
+                offset += n
+            for name, buffer in list(model.named_buffers()):
+                if not buffer.is_floating_point():
+                    continue
+                module_name, _, attr = name.rpartition(".")
+                module = model.get_submodule(module_name) if module_name else model
+                n = buffer.numel()
+                module._buffers[attr] = self.state[offset : offset + n].view_as(buffer)
+                offset += n
+
+    def load(self, host_state: torch.Tensor) -> None:
+        """Copy a flat host state in (non-blocking from pinned memory) and remember the
+        buffers as loaded, for their change over the step."""
+        self.state.copy_(host_state, non_blocking=True)
+        self._buffers_before.copy_(self.state[self.num_params :])
+
+    def zero_grad(self) -> None:
+        """Zero every gradient (in place, so they stay views)."""
+        self.grads.zero_()
+
+    def push_into(self, host: torch.Tensor) -> None:
+        """Write ``[gradients..., buffer changes...]`` into the flat host buffer ``host``."""
+        p = self.num_params
+        host[:p].copy_(self.grads, non_blocking=True)
+        host[p:].copy_(self.state[p:] - self._buffers_before, non_blocking=True)
+        if self.state.device.type == "cuda":
+            torch.cuda.current_stream(self.state.device).synchronize()

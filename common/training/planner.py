@@ -23,8 +23,10 @@ def plan_batches(speeds: dict[int, float], total: int) -> dict[int, int]:
     order = sorted(speeds, key=lambda w: (-speeds[w], w))
     if total < len(order):
         return {w: 1 for w in order[:total]}
-    norm = sum(speeds.values())
-    shares = {w: total * speeds[w] / norm for w in order}
+    top = speeds[order[0]]
+    relative = {w: speeds[w] / top for w in order}  # in (0, 1]: no overflow for any input
+    norm = math.fsum(relative.values())
+    shares = {w: total * relative[w] / norm for w in order}
     sizes = {w: math.floor(shares[w]) for w in order}
     left = total - sum(sizes.values())
     by_remainder = sorted(order, key=lambda w: (-(shares[w] - sizes[w]), w))

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import time
 from pathlib import Path
 from typing import IO, Any
 
+log = logging.getLogger(__name__)
+
+# Events written to disk at once (launchers and users wait for them); others are buffered and
+# flushed by ``flush`` (the server calls it twice a second) or at close.
+IMMEDIATE = frozenset(
+    {"start", "train_start", "eval", "epoch", "join", "leave", "checkpoint", "resume", "finish"}
+)
+
 
 class RunLog:
     """Appends timestamped events to ``metrics.jsonl`` and writes ``summary.json`` atomically.
+
+    A failing write (full disk, removed directory) never raises into training: it is logged,
+    kept in ``error`` and further events stay in memory only; the server reports it at the end.
 
     Args:
         run_dir: the run directory, created if missing; None keeps events in memory only.
@@ -23,6 +36,7 @@ class RunLog:
         self.run_dir = run_dir
         self._file: IO[str] | None = None
         self.events: list[dict[str, Any]] = []
+        self.error = ""
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
             mode = "w" if resume_at is None else "a"
@@ -37,20 +51,67 @@ class RunLog:
         record = {"event": name, "t": round(self.now() if t is None else t, 6), **fields}
         self.events.append(record)
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(_finite(record), allow_nan=False) + "\n")
+                if name in IMMEDIATE:
+                    self._file.flush()
+            except (OSError, ValueError) as exc:
+                self._failed(exc)
         return record
 
+    def flush(self) -> None:
+        """Write buffered events to disk."""
+        if self._file is not None:
+            try:
+                self._file.flush()
+            except OSError as exc:
+                self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        self.error = f"cannot write {self.run_dir}/metrics.jsonl: {exc}"
+        log.error("%s; events are kept in memory only from now on", self.error)
+        file, self._file = self._file, None
+        try:
+            if file is not None:
+                file.close()
+        except OSError:
+            pass
+
     def write_summary(self, summary: dict[str, Any]) -> None:
-        """Write ``summary.json`` via a temporary file and rename."""
+        """Write ``summary.json`` via a temporary file and rename.
+
+        Raises:
+            OSError: the file cannot be written (the temporary file is removed).
+        """
         if self.run_dir is None:
             return
         tmp = self.run_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, self.run_dir / "summary.json")
+        try:
+            tmp.write_text(
+                json.dumps(_finite(summary), indent=2, allow_nan=False) + "\n", encoding="utf-8"
+            )
+            os.replace(tmp, self.run_dir / "summary.json")
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def close(self) -> None:
-        """Close ``metrics.jsonl``."""
+        """Flush and close ``metrics.jsonl``."""
+        self.flush()
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as exc:
+                self._failed(exc)
             self._file = None
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with NaN and infinities replaced by None (JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value

@@ -23,10 +23,10 @@ from common.training.evaluator import Evaluator
 from common.training.flat import FlatLayout
 from common.training.models import build_model
 from common.training.planner import plan_equal
+from common.training.schedule import lr_factor
 from launch.ddp.launcher import DDPConfig
 from launch.ddp.record import RunRecorder
 from launch.ddp.step import ComputeOnlyStep
-from pserver.optimizer import lr_factor
 from worker.device import resolve_device
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pserver.policies.asynchronous import AsyncPolicy
-from pserver.policies.base import ModePolicy, PolicyContext
+from pserver.policies.base import Assignment, ModePolicy, Update
 from pserver.policies.equal_sync import EqualSync
 from pserver.policies.weighted_sync import WeightedSync
 
@@ -13,4 +13,12 @@ POLICIES: dict[str, type[ModePolicy]] = {
     "async": AsyncPolicy,
 }
 
-__all__ = ["POLICIES", "AsyncPolicy", "EqualSync", "ModePolicy", "PolicyContext", "WeightedSync"]
+__all__ = [
+    "POLICIES",
+    "Assignment",
+    "AsyncPolicy",
+    "EqualSync",
+    "ModePolicy",
+    "Update",
+    "WeightedSync",
+]

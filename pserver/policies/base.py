@@ -1,57 +1,80 @@
-"""The interface every mode policy implements, and what the server offers it."""
+"""The interface every mode policy implements. Policies decide; the server acts.
+
+A policy plans tasks (returning them; the server queues them), says which task a worker may
+run, and turns accepted pushes into ``Update``s. It never sends, applies or books anything:
+the server does, once per message.
+"""
 
 from __future__ import annotations
 
 import abc
-from typing import Protocol
-
-import numpy as np
-import torch
+import dataclasses
+from collections.abc import Callable
 
 from common.protocol.messages import PushRequest
-from common.training.runlog import RunLog
 from pserver.config import ServerConfig
-from pserver.membership import Task, WorkerInfo
-from pserver.trainer import Trainer
+from pserver.membership import Task, TaskFactory, WorkerInfo
+from pserver.sampler import EpochSampler
+
+Assignment = tuple[WorkerInfo, Task]
 
 
-class PolicyContext(Protocol):
-    """The server's services to a policy."""
+def _no_scaling(tau: int) -> float:
+    return 1.0
 
-    config: ServerConfig
-    trainer: Trainer
-    log: RunLog
+
+@dataclasses.dataclass
+class Update:
+    """One optimizer step a policy asks for.
+
+    Attributes:
+        entries: the pushes it combines, in summation order (worker id), with their weights.
+        buffer_scale: factor on the summed buffer changes.
+        based_on: async: the version the gradient was computed on (None: the current one).
+        lr_scale: factor on the scheduled learning rate for staleness tau; may raise
+            ``ProtocolError(STALE)`` to refuse the update.
+        round_id: the sync round it closes (async: -1).
+    """
+
+    entries: list[tuple[WorkerInfo, Task, float]]
+    buffer_scale: float
+    based_on: int | None = None
+    lr_scale: Callable[[int], float] = _no_scaling
+    round_id: int = -1
 
     @property
-    def finished(self) -> bool:
-        """Training has ended; no more tasks are planned."""
+    def samples(self) -> int:
+        """Training samples the update covers."""
+        return sum(task.size for _, task, _ in self.entries)
 
-    def active_workers(self) -> list[WorkerInfo]:
-        """Members that are still training, in join order."""
+    @property
+    def task_ids(self) -> list[int]:
+        """The combined tasks, in summation order."""
+        return [task.task_id for _, task, _ in self.entries]
 
-    def new_task(
-        self, worker: WorkerInfo, epoch: int, positions: np.ndarray, round_id: int = -1
-    ) -> Task:
-        """Create a task over ``positions`` and queue it on ``worker``."""
-
-    def release(self) -> None:
-        """Answer every waiting worker that now has a task it may run (or must stop)."""
-
-    def account(self, done: list[tuple[WorkerInfo, Task]]) -> None:
-        """Book applied tasks: per-worker counters, epoch ledgers, evaluation, stop checks."""
+    @property
+    def weights(self) -> list[float]:
+        """Their weights, in summation order."""
+        return [weight for _, _, weight in self.entries]
 
 
 class ModePolicy(abc.ABC):
-    """Turns pushes into parameter updates and decides which task each worker runs next."""
+    """Turns pushes into updates and decides which task each worker runs next.
+
+    Args:
+        config: the server configuration.
+        sampler: the epoch sampler (the policy takes positions from it when planning).
+        tasks: makes tasks.
+    """
 
     name = ""
 
-    def __init__(self, ctx: PolicyContext) -> None:
-        self.ctx = ctx
+    def __init__(self, config: ServerConfig, sampler: EpochSampler, tasks: TaskFactory) -> None:
+        self.config, self.sampler, self.tasks = config, sampler, tasks
 
     @abc.abstractmethod
-    def start(self) -> None:
-        """Training begins: plan the first tasks."""
+    def plan(self, ready: list[WorkerInfo]) -> list[Assignment]:
+        """New tasks for the ready workers (called whenever work may be planned)."""
 
     @abc.abstractmethod
     def runnable(self, worker: WorkerInfo) -> Task | None:
@@ -61,22 +84,24 @@ class ModePolicy(abc.ABC):
         """The task the worker will most likely run after the current one."""
         return worker.tasks[1] if len(worker.tasks) > 1 else None
 
-    def on_join(self, worker: WorkerInfo) -> None:  # noqa: B027 - optional hook
-        """A worker joined after training started."""
-
     @abc.abstractmethod
-    async def on_push(
-        self, worker: WorkerInfo, task: Task, push: PushRequest, update: torch.Tensor
-    ) -> None:
-        """Combine a validated push for ``task`` (``worker.tasks[0]``).
+    def accept(self, worker: WorkerInfo, task: Task, push: PushRequest) -> Update | None:
+        """A push for ``task`` arrived complete and passed every check; it now counts.
 
-        Raises:
-            ProtocolError: the push is rejected (non-finite, too stale); nothing changed.
+        Returns:
+            The update that is now due, if any.
         """
 
     @abc.abstractmethod
-    async def on_leave(self, worker: WorkerInfo) -> None:
-        """``worker`` left; it will push no more."""
+    def leave(self, worker: WorkerInfo, dropped: list[Task]) -> Update | None:
+        """``worker`` is gone; ``dropped`` are its tasks that will never be pushed (the server
+        gives their samples back). Returns an update that is now due, if any."""
+
+    def applied(self, update: Update, tau: int) -> None:  # noqa: B027 - optional hook
+        """``update`` was applied with staleness ``tau``."""
+
+    def refused(self, update: Update) -> None:  # noqa: B027 - optional hook
+        """``update`` was not applied (stale or invalid); the server handles its tasks."""
 
     def state(self) -> dict[str, object]:
         """JSON-able counters to keep in a checkpoint."""
@@ -84,6 +109,10 @@ class ModePolicy(abc.ABC):
 
     def restore(self, state: dict[str, object]) -> None:  # noqa: B027 - optional hook
         """Load what ``state`` returned."""
+
+    def staleness(self) -> dict[str, float] | None:
+        """Mean and max staleness of applied pushes (None in sync modes)."""
+        return None
 
     def summary(self) -> dict[str, object]:
         """Mode-specific entries for ``summary.json``."""

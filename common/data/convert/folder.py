@@ -111,7 +111,8 @@ def _decode(path: Path) -> np.ndarray:
             return _channels_first(arr, series.axes) if arr.ndim >= 2 else arr
     from PIL import Image
 
-    with Image.open(path) as img:
+    with Image.open(path) as opened:
+        img: Image.Image = opened
         if img.mode == "P":
             img = img.convert("RGBA" if "transparency" in img.info else "RGB")
         elif img.mode == "1":

@@ -96,7 +96,7 @@ def write_patch_dataset(
         log.info("disjoint split: %d pixels in the guard band are left out", y.size - keep.size)
         coords, y, train, test = coords[keep], y[keep], remap[train], remap[test]
     for c in np.flatnonzero(np.bincount(y[test], minlength=k) == 0):
-        log.warning("class %d (%s) has no test samples", c, class_names[c])
+        log.warning("class %d (%s) has no test samples", c, class_names[int(c)])
     train_pixels = cube[coords[train, 0], coords[train, 1]].astype(np.float64)
     mean = train_pixels.mean(axis=0)
     std = train_pixels.std(axis=0)

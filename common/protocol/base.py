@@ -1,0 +1,180 @@
+"""The message machinery: frozen dataclasses with validated ``to_wire``/``from_parts``, parsing
+and error replies. The message catalogue is in ``messages`` and ``shard_messages``."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from common.errors import ErrorCode, ProtocolError, RemoteError
+from common.protocol.wire import decode_frames, encode_frames
+
+MAX_INDICES = 1 << 17
+MAX_STRING = 4096
+MAX_LIST = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """Base of every message: fields are header entries, ``np.ndarray`` fields are frames."""
+
+    TYPE: ClassVar[str] = ""
+
+    def to_wire(self, request_id: int) -> list[Any]:
+        """Encode this message as frames tagged with ``request_id``."""
+        body: dict[str, Any] = {}
+        tensors: list[np.ndarray] = []
+        for name, kind in _schema(type(self)):
+            value = getattr(self, name)
+            if kind is np.ndarray:
+                tensors.append(value)
+            else:
+                body[name] = value
+        return encode_frames(
+            {"type": self.TYPE, "id": request_id, "status": "ok", "body": body}, tensors
+        )
+
+    @classmethod
+    def from_parts(cls, body: Any, tensors: list[np.ndarray]) -> Message:
+        """Build and validate a message from a decoded header body and its tensors.
+
+        Raises:
+            ProtocolError: a field is missing, of the wrong type or out of range.
+        """
+        if not isinstance(body, dict):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE}: body must be a map")
+        values: dict[str, Any] = {}
+        tensor_fields = [n for n, k in _schema(cls) if k is np.ndarray]
+        if len(tensors) != len(tensor_fields):
+            raise ProtocolError(
+                ErrorCode.BAD_TENSOR,
+                f"{cls.TYPE}: expects {len(tensor_fields)} tensors, got {len(tensors)}",
+            )
+        arrays = iter(tensors)
+        for name, kind in _schema(cls):
+            if kind is np.ndarray:
+                values[name] = next(arrays)
+                continue
+            if name not in body:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE}: missing field {name!r}")
+            values[name] = _check(cls.TYPE, name, kind, body[name])
+        extra = set(body) - set(values)
+        if extra:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD, f"{cls.TYPE}: unknown fields {sorted(extra)!r}"
+            )
+        return cls(**values)
+
+
+_SCHEMAS: dict[type, list[tuple[str, Any]]] = {}
+
+
+def _schema(cls: type) -> list[tuple[str, Any]]:
+    if cls not in _SCHEMAS:
+        hints = typing.get_type_hints(cls)
+        _SCHEMAS[cls] = [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
+    return _SCHEMAS[cls]
+
+
+def _check(mtype: str, name: str, kind: Any, value: Any) -> Any:
+    """Return ``value`` if it matches the annotation ``kind``, else raise BAD_FIELD."""
+
+    def bad(why: str) -> ProtocolError:
+        return ProtocolError(ErrorCode.BAD_FIELD, f"{mtype}: field {name!r} {why}")
+
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        options = typing.get_args(kind)
+        if value is None and type(None) in options:
+            return None
+        kind = next(k for k in options if k is not type(None))
+    if kind is bool:
+        if type(value) is not bool:
+            raise bad(f"must be a bool, got {value!r:.60}")
+        return value
+    if kind is int:
+        if type(value) is not int:
+            raise bad(f"must be an int, got {value!r:.60}")
+        return value
+    if kind is float:
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise bad(f"must be a finite number, got {value!r:.60}")
+        return float(value)
+    if kind is str:
+        if type(value) is not str or len(value) > MAX_STRING:
+            raise bad(f"must be a string of at most {MAX_STRING} characters")
+        return value
+    if typing.get_origin(kind) is list and typing.get_args(kind) == (int,):
+        if type(value) is not list or len(value) > MAX_INDICES:
+            raise bad(f"must be a list of at most {MAX_INDICES} ints")
+        if not all(type(v) is int for v in value):
+            raise bad("must contain only ints")
+        return value
+    if typing.get_origin(kind) is list and typing.get_args(kind) == (float,):
+        if type(value) is not list or len(value) > MAX_LIST:
+            raise bad(f"must be a list of at most {MAX_LIST} numbers")
+        if not all(type(v) in (int, float) and math.isfinite(v) for v in value):
+            raise bad("must contain only finite numbers")
+        return [float(v) for v in value]
+    if typing.get_origin(kind) is list and typing.get_args(kind) == (str,):
+        if type(value) is not list or len(value) > MAX_LIST:
+            raise bad(f"must be a list of at most {MAX_LIST} strings")
+        if not all(type(v) is str and len(v) <= MAX_STRING for v in value):
+            raise bad(f"must contain only strings of at most {MAX_STRING} characters")
+        return value
+    if kind is dict:
+        if type(value) is not dict:
+            raise bad("must be a map")
+        return value
+    raise TypeError(f"unsupported field annotation {kind!r}")  # a bug in a message class
+
+
+def request_id_of(header: dict[str, Any]) -> int:
+    """The request id of a decoded header, or 0 when it has none usable."""
+    rid = header.get("id")
+    return rid if type(rid) is int and 0 <= rid < 1 << 63 else 0
+
+
+def parse_message(frames: Sequence[Any], table: dict[str, type[Message]]) -> tuple[Message, int]:
+    """Decode frames into one of the messages in ``table``.
+
+    Returns:
+        The message and its request id.
+
+    Raises:
+        ProtocolError: malformed frames, wrong version, unknown type or invalid fields.
+        RemoteError: the frames are an error reply.
+    """
+    header, tensors = decode_frames(frames)
+    rid = request_id_of(header)
+    if header.get("status") == "error":
+        error = RemoteError(header.get("code", ErrorCode.INTERNAL), str(header.get("message")))
+        error.request_id = rid
+        raise error
+    mtype = header.get("type")
+    cls = table.get(mtype) if isinstance(mtype, str) else None
+    try:
+        if cls is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {mtype!r:.60}")
+        return cls.from_parts(header.get("body", {}), tensors), rid
+    except ProtocolError as exc:
+        exc.request_id = rid
+        raise
+
+
+def error_frames(request_id: int, code: ErrorCode, message: str) -> list[Any]:
+    """Frames of an error reply."""
+    return encode_frames(
+        {
+            "type": "error",
+            "id": request_id,
+            "status": "error",
+            "code": int(code),
+            "message": message[:MAX_STRING],
+        }
+    )

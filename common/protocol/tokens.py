@@ -1,0 +1,69 @@
+"""Worker tokens: the secret a worker gets at join and shows in every later request.
+
+A token is an HMAC of the worker id under the run's token key, so the coordinator and every
+shard can check it without a shared table, and no connection can act for another worker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+from common.errors import ErrorCode, ProtocolError
+
+TOKEN_CHARS = 32
+
+
+def new_key() -> str:
+    """A fresh random key (hex)."""
+    return secrets.token_hex(32)
+
+
+class TokenBook:
+    """Issues and checks worker tokens under one key.
+
+    Args:
+        key: the run's token key (hex), shared by the coordinator and its shards.
+    """
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self._key = bytes.fromhex(key)
+
+    def _sign(self, text: str) -> str:
+        return hmac.new(self._key, text.encode(), hashlib.sha256).hexdigest()[:TOKEN_CHARS]
+
+    def token(self, worker_id: int) -> str:
+        """The token of ``worker_id``."""
+        return self._sign(f"worker:{worker_id}")
+
+    def push_token(self, worker_id: int, task_id: int) -> str:
+        """The token that lets ``worker_id`` push gradient chunks for ``task_id``."""
+        return self._sign(f"push:{worker_id}:{task_id}")
+
+    def check(self, worker_id: int, token: str) -> None:
+        """Accept ``token`` only if it is ``worker_id``'s.
+
+        Raises:
+            ProtocolError: UNKNOWN_WORKER otherwise.
+        """
+        if not _same(self.token(worker_id), token):
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_WORKER, f"worker id {worker_id} with a wrong token; join first"
+            )
+
+    def check_push(self, worker_id: int, task_id: int, token: str) -> None:
+        """Accept ``token`` only if task ``task_id`` was given to ``worker_id``.
+
+        Raises:
+            ProtocolError: WRONG_TASK otherwise.
+        """
+        if not _same(self.push_token(worker_id, task_id), token):
+            raise ProtocolError(
+                ErrorCode.WRONG_TASK, f"task {task_id} was not given to worker {worker_id}"
+            )
+
+
+def _same(expected: str, given: str) -> bool:
+    return given.isascii() and hmac.compare_digest(expected, given)

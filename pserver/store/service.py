@@ -1,0 +1,288 @@
+"""A ``SliceStore`` served on an event loop: workers' gradient chunks and pulls, and the
+coordinator's commands (staged? apply, commit, drop, capture).
+
+Tensor work runs on one dedicated thread when the slice is large (so the loop keeps
+serving) and inline when it is small (a thread hop costs more than the arithmetic); either
+way one call runs at a time, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import torch
+
+from common.errors import ErrorCode, ProtocolError
+from common.protocol.chunks import as_tensor, encode
+from common.protocol.messages import GradientChunk, Message, ParamsChunk, PullRequest
+from common.protocol.tokens import TokenBook
+from pserver.store.pool import Lease
+from pserver.store.slices import SliceStore
+
+log = logging.getLogger(__name__)
+
+INLINE_ELEMS = 1 << 18  # slices up to 1 MB of float32 are updated on the loop itself
+CLOSED_TASKS = 1 << 16  # recently closed task ids whose late chunks are refused
+_T = TypeVar("_T")
+
+
+class Replier(Protocol):
+    """How the service answers requests (the server's endpoint)."""
+
+    def reply(
+        self, identity: bytes, request_id: int, message: Message, lease: Lease | None = None
+    ) -> None:
+        """Send ``message`` as the reply; hold ``lease`` until the frames are on the wire."""
+
+    def reply_error(self, identity: bytes, request_id: int, code: ErrorCode, text: str) -> None:
+        """Send an error reply."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StageReport:
+    """A push's gradient as its store(s) received it."""
+
+    finite: bool
+    grad_sq: float
+    buffer_sq: float
+
+
+@dataclasses.dataclass
+class _Encoded:
+    version: int
+    chunks: dict[int, tuple[np.ndarray, float]]
+    lease: Lease | None  # the state buffer, when chunks are views of it (fp32)
+
+
+class StoreService:
+    """Serves one slice.
+
+    Args:
+        store: the slice.
+        wire: the run's wire format.
+        tokens: checks worker tokens.
+        replier: sends replies.
+        pull_timeout_s: how long a pull may wait for the version it asks for.
+    """
+
+    def __init__(
+        self,
+        store: SliceStore,
+        wire: str,
+        tokens: TokenBook,
+        replier: Replier,
+        pull_timeout_s: float,
+    ) -> None:
+        self.store, self.wire, self.tokens, self.replier = store, wire, tokens, replier
+        self.pull_timeout_s = pull_timeout_s
+        self._executor = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store")
+            if store.size > INLINE_ELEMS
+            else None
+        )
+        self._pending: dict[int, list[tuple[bytes, int, int]]] = collections.defaultdict(list)
+        self._complete: dict[int, asyncio.Event] = {}
+        self._published = asyncio.Event()
+        self._encoded: _Encoded | None = None
+        self._finished_ids: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._closed = False
+
+    @property
+    def version(self) -> int:
+        """The published version."""
+        return self.store.version
+
+    async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        if self._executor is None:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # --- from workers -----------------------------------------------------------------------
+
+    async def on_gradient_chunk(self, identity: bytes, request_id: int, msg: GradientChunk) -> None:
+        """Stage one chunk; its reply waits for the update the gradient goes into."""
+        self._check_open()
+        self.tokens.check_push(msg.worker_id, msg.task_id, msg.token)
+        if msg.task_id in self._finished_ids:
+            raise ProtocolError(ErrorCode.WRONG_TASK, f"task {msg.task_id} is already closed")
+        data = as_tensor(msg.gradient, self.wire, "gradient")
+        staged = await self._run(
+            self.store.stage, msg.task_id, msg.worker_id, msg.version, msg.offset, msg.scale, data
+        )
+        self._pending[msg.task_id].append((identity, request_id, msg.offset))
+        if staged.complete(self.store.size):
+            self._event(msg.task_id).set()
+
+    async def on_pull(self, identity: bytes, request_id: int, msg: PullRequest) -> None:
+        """Answer with one chunk of the published parameters, once ``min_version`` is out."""
+        self._check_open()
+        self.tokens.check(msg.worker_id, msg.token)
+        if self.store._span_of.get(msg.offset) != msg.length:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"[{msg.offset}, +{msg.length}) is not a chunk of "
+                f"[{self.store.lo}, {self.store.hi})",
+            )
+        if msg.min_version > self.store.version + 1:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD, f"version {msg.min_version} is not the next to be published"
+            )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.pull_timeout_s
+        while self.store.version < msg.min_version:
+            left = deadline - loop.time()
+            if left <= 0 or self._closed:
+                raise ProtocolError(
+                    ErrorCode.SHUTTING_DOWN if self._closed else ErrorCode.INCOMPLETE,
+                    f"version {msg.min_version} was not published in time",
+                )
+            published = self._published
+            try:
+                await asyncio.wait_for(published.wait(), left)
+            except TimeoutError:
+                continue
+        await self._send_chunks([(identity, request_id, msg.offset)])
+
+    # --- from the coordinator ---------------------------------------------------------------
+
+    def _event(self, task_id: int) -> asyncio.Event:
+        event = self._complete.get(task_id)
+        if event is None:
+            event = self._complete[task_id] = asyncio.Event()
+        return event
+
+    async def staged(self, task_id: int, worker_id: int, timeout_s: float) -> StageReport:
+        """Wait until every chunk of ``task_id``'s gradient is in.
+
+        Raises:
+            ProtocolError: INCOMPLETE after ``timeout_s``; WRONG_TASK if another worker staged it.
+        """
+        try:
+            await asyncio.wait_for(self._event(task_id).wait(), timeout_s)
+        except TimeoutError:
+            raise ProtocolError(
+                ErrorCode.INCOMPLETE,
+                f"the gradient of task {task_id} did not fully arrive within {timeout_s:g} s",
+            ) from None
+        staged = self.store.staged.get(task_id)
+        if staged is None:
+            raise ProtocolError(ErrorCode.WRONG_TASK, f"the push of task {task_id} was withdrawn")
+        if staged.worker_id != worker_id:
+            raise ProtocolError(
+                ErrorCode.WRONG_TASK, f"task {task_id} was pushed by another worker"
+            )
+        return StageReport(staged.finite, staged.grad_sq, staged.buffer_sq)
+
+    async def apply(
+        self,
+        version: int,
+        task_ids: list[int],
+        weights: list[float],
+        lr_scale: float,
+        buffer_scale: float,
+    ) -> tuple[bool, str]:
+        """Compute the candidate of ``version`` (see ``SliceStore.prepare``)."""
+        return await self._run(
+            self.store.prepare, version, task_ids, weights, lr_scale, buffer_scale
+        )
+
+    async def commit(self, version: int, commit: bool, code: int, message: str) -> None:
+        """Publish the candidate and answer its tasks' chunks with the new parameters; or
+        discard it and answer them with error ``code``."""
+        if commit:
+            task_ids = await self._run(self.store.commit, version)
+            self._encoded = None
+            published, self._published = self._published, asyncio.Event()
+            published.set()
+            waiting = [entry for t in task_ids for entry in self._pending.pop(t, [])]
+            self._wake(task_ids)
+            for task_id in task_ids:  # applied: a replay of its chunks is refused
+                self._finished_ids[task_id] = None
+            while len(self._finished_ids) > CLOSED_TASKS:
+                self._finished_ids.popitem(last=False)
+            await self._send_chunks(waiting)
+        else:
+            await self.drop(await self._run(self.store.abort), code, message)
+
+    async def drop(self, task_ids: list[int], code: int, message: str) -> None:
+        """Forget staged gradients and answer their chunks with error ``code`` (the task may be
+        pushed again: after STALE or NON_FINITE the worker recomputes it)."""
+        await self._run(self.store.drop, task_ids)
+        self._wake(task_ids)
+        error = ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.INTERNAL
+        for task_id in task_ids:
+            for identity, request_id, _ in self._pending.pop(task_id, []):
+                self.replier.reply_error(identity, request_id, error, message)
+
+    def _wake(self, task_ids: list[int]) -> None:
+        """Wake whoever waits for these tasks' gradients (they were applied or withdrawn)."""
+        for task_id in task_ids:
+            event = self._complete.pop(task_id, None)
+            if event is not None:
+                event.set()
+
+    async def capture(self, with_slots: bool) -> tuple[int, int, list[str], np.ndarray, np.ndarray]:
+        """The published slice (a copy) and, if asked, the optimizer slots."""
+
+        def work() -> tuple[int, int, list[str], np.ndarray, np.ndarray]:
+            state = self.store.state.numpy().copy()
+            names, rows = self.store.slot_state() if with_slots else ([], torch.zeros(0))
+            return self.store.version, self.store.optimizer.steps, names, state, rows.numpy()
+
+        return await self._run(work)
+
+    def close(self, reason: str) -> None:
+        """Answer everything pending with SHUTTING_DOWN and refuse new work."""
+        self._closed = True
+        self._published.set()
+        for task_id in list(self._pending):
+            for identity, request_id, _ in self._pending.pop(task_id):
+                self.replier.reply_error(identity, request_id, ErrorCode.SHUTTING_DOWN, reason)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ProtocolError(ErrorCode.SHUTTING_DOWN, "training has ended")
+
+    # --- replies ----------------------------------------------------------------------------
+
+    async def _send_chunks(self, waiting: list[tuple[bytes, int, int]]) -> None:
+        if not waiting:
+            return
+        encoded = self._encoded
+        fresh = encoded is None or encoded.version != self.store.version
+        if fresh:
+            encoded = self._encoded = await self._run(self._encode)
+        assert encoded is not None
+        try:
+            for identity, request_id, offset in waiting:
+                data, scale = encoded.chunks[offset]
+                self.replier.reply(
+                    identity,
+                    request_id,
+                    ParamsChunk(version=encoded.version, offset=offset, scale=scale, params=data),
+                    lease=encoded.lease,
+                )
+        finally:
+            if fresh and encoded.lease is not None:
+                encoded.lease.release()  # the hold _encode took; each reply holds its own
+
+    def _encode(self) -> _Encoded:
+        """Wire chunks of the published slice. With fp32 they are views of the state buffer:
+        a hold is taken here, on the thread that also prepares updates, so the buffer cannot be
+        recycled before the replies that send it hold it themselves."""
+        store = self.store
+        lease = store.lease.hold() if self.wire == "fp32" else None
+        chunks = {
+            start: encode(store.state[start - store.lo : stop - store.lo], self.wire)
+            for start, stop in store.spans
+        }
+        return _Encoded(store.version, chunks, lease)

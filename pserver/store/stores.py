@@ -1,0 +1,305 @@
+"""The coordinator's view of where parameters live: its own single store (``--shards 1``), or K
+shard servers. Both offer the same operations, so the push path does not care which.
+
+With shards every operation fans out to all of them at once and completes when all answered.
+An update is published in two phases: every shard computes and validates its candidate
+(``apply``), and only when all of them succeeded does any shard publish (``commit``);
+otherwise all discard it. So no version is ever half applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Sequence
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from common.errors import ErrorCode, NetworkTimeout, ProtocolError, RemoteError, ShardLost
+from common.protocol.aclient import AsyncConnection
+from common.protocol.shard_messages import (
+    AckReply,
+    ApplyReply,
+    ApplyRequest,
+    CaptureRequest,
+    CommitRequest,
+    DropRequest,
+    PingReply,
+    PingRequest,
+    ShutdownRequest,
+    StagedReply,
+    StagedRequest,
+    StateReply,
+)
+from pserver.store.pool import Lease
+from pserver.store.service import StageReport, StoreService
+
+_T = TypeVar("_T")
+SHUTDOWN_S = 2.0  # how long a shard may take to acknowledge the end of the run
+
+
+@dataclasses.dataclass
+class CapturedState:
+    """The whole state at one version, gathered from the store(s)."""
+
+    version: int
+    optimizer_steps: int
+    slots: list[str]
+    state: np.ndarray
+    slot_state: np.ndarray  # (len(slots), num_params)
+
+
+class ParameterStores(Protocol):
+    """What the coordinator needs of wherever the parameters live."""
+
+    @property
+    def addresses(self) -> list[str]:
+        """Where workers reach each store, in range order ("" is the coordinator)."""
+
+    @property
+    def bounds(self) -> list[int]:
+        """The K + 1 range boundaries."""
+
+    async def staged(self, task_id: int, worker_id: int, timeout_s: float) -> StageReport:
+        """Wait until every chunk of a push arrived; its finiteness and squared norms."""
+
+    async def apply(
+        self,
+        version: int,
+        task_ids: list[int],
+        weights: list[float],
+        lr_scale: float,
+        buffer_scale: float,
+    ) -> tuple[bool, str]:
+        """Compute version ``version`` everywhere as a candidate; ``(all valid, why not)``."""
+
+    async def commit(self, version: int, commit: bool, code: int, message: str) -> None:
+        """Publish the candidate everywhere, or discard it (answering its chunks with code)."""
+
+    async def drop(self, task_ids: list[int], code: int, message: str) -> None:
+        """Forget staged gradients everywhere, answering their chunks with error ``code``."""
+
+    async def capture(self, with_slots: bool) -> CapturedState:
+        """The published state (and optimizer slots)."""
+
+    async def close(self, reason: str) -> None:
+        """Answer what is pending and stop."""
+
+
+class LocalStores:
+    """The coordinator's own store over the whole state (``--shards 1``: no extra hop).
+
+    Args:
+        service: the store service the coordinator's endpoint feeds with gradient chunks.
+    """
+
+    def __init__(self, service: StoreService) -> None:
+        self.service = service
+        self.addresses = [""]
+        self.bounds = [0, service.store.size]
+
+    async def staged(self, task_id: int, worker_id: int, timeout_s: float) -> StageReport:
+        return await self.service.staged(task_id, worker_id, timeout_s)
+
+    async def apply(
+        self,
+        version: int,
+        task_ids: list[int],
+        weights: list[float],
+        lr_scale: float,
+        buffer_scale: float,
+    ) -> tuple[bool, str]:
+        return await self.service.apply(version, task_ids, weights, lr_scale, buffer_scale)
+
+    async def commit(self, version: int, commit: bool, code: int, message: str) -> None:
+        await self.service.commit(version, commit, code, message)
+
+    async def drop(self, task_ids: list[int], code: int, message: str) -> None:
+        await self.service.drop(task_ids, code, message)
+
+    async def capture(self, with_slots: bool) -> CapturedState:
+        version, steps, slots, state, rows = await self.service.capture(with_slots)
+        return CapturedState(version, steps, slots, state, rows)
+
+    def published(self) -> tuple[int, np.ndarray, Lease]:
+        """The published version and state, without a copy; release the lease when done."""
+        store = self.service.store
+        return store.version, store.state.numpy(), store.lease.hold()
+
+    async def close(self, reason: str) -> None:
+        self.service.close(reason)
+
+
+@dataclasses.dataclass
+class ShardLink:
+    """The coordinator's connection to one shard server."""
+
+    index: int
+    address: str
+    lo: int
+    hi: int
+    connection: AsyncConnection
+
+    def describe(self) -> str:
+        """How errors name this shard."""
+        return f"shard {self.index} at {self.address} (state [{self.lo}, {self.hi}))"
+
+
+class RemoteStores:
+    """K shard servers, each holding one contiguous range of the state.
+
+    Args:
+        bounds: K + 1 range boundaries.
+        key: the shard key control requests carry.
+        timeout_s: how long a shard may take to answer a control request.
+    """
+
+    def __init__(self, bounds: list[int], key: str, timeout_s: float) -> None:
+        self.bounds = bounds
+        self.key = key
+        self.timeout_s = timeout_s
+        self.links: list[ShardLink] = []
+        self.ready = asyncio.Event()
+        self.health: dict[int, dict[str, Any]] = {}
+
+    @property
+    def addresses(self) -> list[str]:
+        """Where workers reach each shard, in range order."""
+        return [link.address for link in self.links]
+
+    @property
+    def expected(self) -> int:
+        """How many shards the run needs."""
+        return len(self.bounds) - 1
+
+    def add(self, link: ShardLink) -> None:
+        """A shard registered; the stores are ready once all have."""
+        self.links.append(link)
+        self.links.sort(key=lambda s: s.index)
+        if len(self.links) == self.expected:
+            self.ready.set()
+
+    async def _all(self, calls: Sequence[Awaitable[_T]], what: str) -> list[_T]:
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for link, result in zip(self.links, results, strict=True):
+            if isinstance(result, NetworkTimeout):
+                raise ShardLost(f"{link.describe()} did not answer {what}: {result}")
+            if isinstance(result, RemoteError):
+                raise ProtocolError(
+                    _code(result.code), f"{link.describe()}: {result.remote_message}"
+                )
+            if isinstance(result, BaseException):
+                raise result
+        return list(results)  # type: ignore[arg-type]
+
+    async def staged(self, task_id: int, worker_id: int, timeout_s: float) -> StageReport:
+        request = StagedRequest(
+            key=self.key, task_id=task_id, worker_id=worker_id, timeout_s=timeout_s
+        )
+        replies = await self._all(
+            [
+                s.connection.request(request, timeout_s + self.timeout_s, StagedReply)
+                for s in self.links
+            ],
+            "staged",
+        )
+        return StageReport(
+            all(r.finite for r in replies),
+            sum(r.grad_sq for r in replies),
+            sum(r.buffer_sq for r in replies),
+        )
+
+    async def apply(
+        self,
+        version: int,
+        task_ids: list[int],
+        weights: list[float],
+        lr_scale: float,
+        buffer_scale: float,
+    ) -> tuple[bool, str]:
+        request = ApplyRequest(
+            key=self.key,
+            version=version,
+            task_ids=task_ids,
+            weights=weights,
+            lr_scale=lr_scale,
+            buffer_scale=buffer_scale,
+        )
+        replies = await self._all(
+            [s.connection.request(request, self.timeout_s, ApplyReply) for s in self.links],
+            "apply",
+        )
+        failed = [(s, r) for s, r in zip(self.links, replies, strict=True) if not r.ok]
+        if failed:
+            link, reply = failed[0]
+            return False, f"{reply.reason} ({link.describe()})"
+        return True, ""
+
+    async def commit(self, version: int, commit: bool, code: int, message: str) -> None:
+        request = CommitRequest(
+            key=self.key, version=version, commit=commit, code=code, message=message
+        )
+        await self._all(
+            [s.connection.request(request, self.timeout_s, AckReply) for s in self.links],
+            "commit",
+        )
+
+    async def drop(self, task_ids: list[int], code: int, message: str) -> None:
+        request = DropRequest(key=self.key, task_ids=task_ids, code=code, message=message)
+        await self._all(
+            [s.connection.request(request, self.timeout_s, AckReply) for s in self.links],
+            "drop",
+        )
+
+    async def capture(self, with_slots: bool) -> CapturedState:
+        request = CaptureRequest(key=self.key, with_slots=with_slots)
+        replies = await self._all(
+            [s.connection.request(request, self.timeout_s * 4, StateReply) for s in self.links],
+            "capture",
+        )
+        versions = {r.version for r in replies}
+        if len(versions) != 1:
+            raise ShardLost(f"shards are at different versions {sorted(versions)}")
+        state = np.concatenate([r.state for r in replies])
+        slots = replies[0].slots
+        rows = (
+            np.concatenate([r.slot_state.reshape(len(slots), -1) for r in replies], axis=1)
+            if slots
+            else np.zeros((0, 0), dtype=np.float32)
+        )
+        return CapturedState(
+            replies[0].version, replies[0].optimizer_steps, list(slots), state, rows
+        )
+
+    async def ping(self) -> list[int]:
+        """Every shard's version (raises ``ShardLost`` naming a shard that did not answer)."""
+        request = PingRequest(key=self.key)
+        begin = time.monotonic()
+        replies = await self._all(
+            [s.connection.request(request, self.timeout_s, PingReply) for s in self.links],
+            "ping",
+        )
+        rtt = time.monotonic() - begin
+        for link, reply in zip(self.links, replies, strict=True):
+            self.health[link.index] = {
+                "version": reply.version,
+                "staged": reply.staged,
+                "ping_s": round(rtt, 4),
+                "at": time.time(),
+            }
+        return [r.version for r in replies]
+
+    async def close(self, reason: str) -> None:
+        request = ShutdownRequest(key=self.key, reason=reason[:200])
+        await asyncio.gather(
+            *(s.connection.request(request, SHUTDOWN_S, AckReply) for s in self.links),
+            return_exceptions=True,
+        )
+        for link in self.links:
+            await link.connection.close()
+
+
+def _code(code: Any) -> ErrorCode:
+    return ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.INTERNAL

@@ -1,0 +1,149 @@
+"""Applying updates: one at a time, with the schedule's learning rate and staleness, a guard
+against absurd gradients, and the two-phase publish on the parameter stores."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import statistics
+
+from common.errors import ErrorCode, ProtocolError
+from common.training.schedule import lr_factor
+from pserver.config import ServerConfig
+from pserver.policies.base import Update
+from pserver.store.service import StageReport
+from pserver.store.stores import ParameterStores
+
+log = logging.getLogger(__name__)
+
+GUARD_WINDOW = 64
+GUARD_WARMUP = 8
+# Before enough norms are known, only pushes beyond these are refused (no sane model has them).
+GRAD_NORM_CAP = 1e8
+BUFFER_NORM_CAP = 1e8
+
+
+class GradientGuard:
+    """Decides per push: refuse an absurd gradient, or (``--max-grad-norm``) clip it.
+
+    By default nothing is clipped, so weighted-sync stays exact: a push is refused only when
+    its gradient (or buffer change) norm exceeds ``outlier_factor`` times the median of the
+    last accepted ones (or a fixed cap while fewer than 8 are known).
+
+    Args:
+        max_grad_norm: clip pushes to this gradient norm (None: never clip).
+        outlier_factor: how far beyond the recent median a norm may go.
+    """
+
+    def __init__(self, max_grad_norm: float | None, outlier_factor: float) -> None:
+        self.max_grad_norm, self.outlier_factor = max_grad_norm, outlier_factor
+        self._grads: collections.deque[float] = collections.deque(maxlen=GUARD_WINDOW)
+        self._buffers: collections.deque[float] = collections.deque(maxlen=GUARD_WINDOW)
+        self.refused = 0
+        self.clipped = 0
+
+    def _limit(self, recent: collections.deque[float], cap: float) -> float:
+        if len(recent) < GUARD_WARMUP:
+            return cap
+        return self.outlier_factor * max(statistics.median(recent), 1e-6)
+
+    def check(self, report: StageReport) -> float:
+        """The factor to apply to this push (1.0 unless clipped).
+
+        Raises:
+            ProtocolError: NON_FINITE for NaN/Inf; REFUSED for an absurd norm.
+        """
+        if not report.finite:
+            raise ProtocolError(ErrorCode.NON_FINITE, "pushed gradient contains NaN or Inf")
+        grad = math.sqrt(report.grad_sq)
+        buffers = math.sqrt(report.buffer_sq)
+        for norm, recent, cap, what in (
+            (grad, self._grads, GRAD_NORM_CAP, "gradient"),
+            (buffers, self._buffers, BUFFER_NORM_CAP, "buffer change"),
+        ):
+            limit = self._limit(recent, cap)
+            if norm > limit:
+                self.refused += 1
+                raise ProtocolError(
+                    ErrorCode.REFUSED,
+                    f"{what} norm {norm:.3g} is far beyond recent pushes (limit {limit:.3g})",
+                )
+        self._grads.append(grad)
+        self._buffers.append(buffers)
+        if self.max_grad_norm is not None and grad > self.max_grad_norm:
+            self.clipped += 1
+            return self.max_grad_norm / grad
+        return 1.0
+
+
+class Updater:
+    """Applies updates in order and counts them.
+
+    Hold ``lock`` around ``apply`` and whatever must see the state and the books agree
+    (booking the update, capturing a checkpoint).
+
+    Args:
+        config: the server configuration (schedule, limits).
+        stores: where the parameters live.
+        train_count: size of the training split.
+    """
+
+    def __init__(self, config: ServerConfig, stores: ParameterStores, train_count: int) -> None:
+        self.config, self.stores, self.train_count = config, stores, train_count
+        self.lock = asyncio.Lock()
+        self.version = 0
+        self.steps = 0
+        self.samples_applied = 0
+
+    def progress(self) -> float:
+        """Fraction of training done, for the learning-rate schedule."""
+        if self.config.max_steps is not None:
+            return self.steps / self.config.max_steps
+        if self.config.epochs is not None:
+            return self.samples_applied / (self.config.epochs * self.train_count)
+        return 0.0
+
+    def lr_factor(self) -> float:
+        """The schedule's factor for the next update."""
+        cfg = self.config
+        return lr_factor(cfg.lr_schedule, self.progress(), cfg.warmup_fraction)
+
+    async def apply(self, update: Update, clip: dict[int, float]) -> int:
+        """Apply ``update`` (call with ``lock`` held).
+
+        Args:
+            update: the pushes to combine.
+            clip: task id -> clipping factor on its weight (absent: 1).
+
+        Returns:
+            The staleness tau of the update.
+
+        Raises:
+            ProtocolError: STALE (refused by the policy's staleness rule) or REFUSED (the
+                update would make the state invalid); nothing was published. The stores
+                already answered the pushes' chunks for REFUSED; for STALE the caller does.
+        """
+        version = self.version
+        tau = 0 if update.based_on is None else version - update.based_on
+        lr_scale = update.lr_scale(tau) * self.lr_factor()
+        weights = [
+            w * clip.get(t, 1.0) for t, w in zip(update.task_ids, update.weights, strict=True)
+        ]
+        ok, reason = await self.stores.apply(
+            version + 1, update.task_ids, weights, lr_scale, update.buffer_scale
+        )
+        if not ok:
+            message = f"update refused: {reason}; the samples will be handed out again"
+            await self.stores.commit(version + 1, False, ErrorCode.REFUSED, message)
+            raise ProtocolError(ErrorCode.REFUSED, message)
+        await self.stores.commit(version + 1, True, 0, "")
+        self.version = version + 1
+        self.steps += 1
+        self.samples_applied += update.samples
+        return tau
+
+    def restore(self, version: int, steps: int, samples_applied: int) -> None:
+        """Continue counting from a checkpoint."""
+        self.version, self.steps, self.samples_applied = version, steps, samples_applied

@@ -1,0 +1,274 @@
+"""What operators run into, with real processes: a full disk, run directories, resumes, signals,
+bad addresses, untrusted models, NaN losses. Every failure ends with a one-line error and a
+non-zero exit, never a hang or a traceback."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import ROOT, Proc, events, start_server, start_worker, summary
+
+pytestmark = pytest.mark.e2e
+QUICK = ("--epochs", "3", "--global-batch", "16", "--shutdown-timeout", "20")
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str], text: str) -> None:
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert text in result.stderr, result.stderr
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size_kb: int) -> Iterator[Path]:
+    """A tmpfs of ``size_kb`` mounted at ``path`` (needs root), unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    path.mkdir(parents=True)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(path)], check=True
+    )
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _fill(disk: Path, leave_kb: int) -> None:
+    """Fill the disk up to ``leave_kb`` kB of free space."""
+    stat = os.statvfs(disk)
+    free = stat.f_bavail * stat.f_frsize
+    (disk / "filler").write_bytes(b"\0" * max(free - leave_kb * 1024, 0))
+
+
+def test_a_full_disk_ends_the_run_with_a_clear_error_and_no_leftovers(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    with small_disk(tmp_path / "disk", 1024) as disk:
+        run_dir = disk / "run"
+        run_dir.mkdir()
+        _fill(disk, leave_kb=24)  # metrics fit for a while; no checkpoint (600 kB) ever fits
+        server, address = start_server(
+            small_hsi, run_dir, *QUICK, "--epochs", "6", "--checkpoint-every", "4"
+        )
+        worker = start_worker(address, "w")
+        try:
+            code = server.wait(timeout=120)
+            assert worker.wait(timeout=60) == 0
+        finally:
+            server.kill()
+            worker.kill()
+        log = "".join(server.seen)
+        assert code != 0, log
+        assert "checkpoint failed" in log and "training finished (epochs)" in log, log
+        assert "Error: " in log and "Traceback" not in log, log
+        leftovers = (
+            list((run_dir / "checkpoints").glob("*.tmp"))
+            if (run_dir / "checkpoints").exists()
+            else []
+        )
+        assert leftovers == []
+
+
+def test_an_unwritable_metrics_log_does_not_stop_training(small_hsi: Path, tmp_path: Path) -> None:
+    with small_disk(tmp_path / "disk", 512) as disk:
+        run_dir = disk / "run"
+        run_dir.mkdir()
+        _fill(disk, leave_kb=0)
+        server, address = start_server(small_hsi, run_dir, *QUICK)
+        worker = start_worker(address, "w")
+        try:
+            code = server.wait(timeout=120)
+            assert worker.wait(timeout=60) == 0
+        finally:
+            server.kill()
+            worker.kill()
+        log = "".join(server.seen)
+        assert code != 0 and "training finished (epochs)" in log, log
+        assert "cannot write" in log and "metrics.jsonl" in log, log
+
+
+def test_a_run_dir_holding_a_run_is_refused_unless_overwrite(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    args = ("pserver.cli", "start", "--dataset", str(small_hsi), "--model", "hsi-cnn")
+    args += ("--bind", "tcp://127.0.0.1:0", "--epochs", "1", "--run-dir", str(tmp_path))
+    _one_line_error(_run(*args), "already holds a run")
+    server = Proc([*args, "--overwrite"], "server")
+    worker = start_worker(server.wait_for("listening on").split("listening on")[1].strip(), "w")
+    try:
+        assert server.wait() == 0 and worker.wait() == 0
+    finally:
+        server.kill()
+        worker.kill()
+    assert summary(tmp_path)["epochs"] == 1
+
+
+def test_resume_checks_the_seed_falls_back_and_finishes_a_finished_run(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    server, address = start_server(small_hsi, tmp_path, *QUICK, "--checkpoint-every", "3")
+    worker = start_worker(address, "w")
+    try:
+        assert server.wait() == 0 and worker.wait() == 0
+    finally:
+        server.kill()
+        worker.kill()
+    steps = summary(tmp_path)["steps"]
+    common = ("pserver.cli", "start", "--dataset", str(small_hsi), "--model", "hsi-cnn")
+    common += ("--bind", "tcp://127.0.0.1:0", "--run-dir", str(tmp_path), "--resume", *QUICK)
+    _one_line_error(_run(*common, "--seed", "7"), "--seed was 0, now 7")
+    finished = _run(*common)  # the run had ended: no waiting for workers
+    assert finished.returncode == 0, finished.stderr
+    assert "had already ended" in finished.stderr
+    assert json.loads(finished.stdout)["finish_reason"] == "epochs"
+    assert summary(tmp_path)["steps"] == steps
+    checkpoints = sorted((tmp_path / "checkpoints").glob("ckpt-*.npz"))
+    for newest in checkpoints[-2:]:  # truncated, as by a crash mid-copy
+        newest.write_bytes(newest.read_bytes()[:1000])
+    server = Proc([*common], "server")
+    worker = start_worker(server.wait_for("listening on").split("listening on")[1].strip(), "w")
+    try:
+        assert server.wait() == 0 and worker.wait() == 0
+    finally:
+        server.kill()
+        worker.kill()
+    log = "".join(server.seen)
+    assert "trying the previous checkpoint" in log and "resumed at version" in log, log
+    assert summary(tmp_path)["steps"] == steps and summary(tmp_path)["epochs"] == 3
+
+
+def test_one_line_errors_for_a_busy_port_and_bad_addresses(small_hsi: Path, tmp_path: Path) -> None:
+    server, address = start_server(small_hsi, tmp_path / "a", "--epochs", "1")
+    try:
+        busy = _run(
+            "pserver.cli", "start", "--bind", address, "--dataset", str(small_hsi),
+            "--model", "hsi-cnn", "--epochs", "1",
+        )  # fmt: skip
+        _one_line_error(busy, f"cannot listen on {address}")
+    finally:
+        server.popen.send_signal(signal.SIGTERM)
+        server.wait()
+    _one_line_error(_run("pserver.cli", "status", "--server", "localhost:5555"), "tcp://HOST:PORT")
+    _one_line_error(
+        _run("pserver.cli", "status", "--server", "tcp://no such host:1", "--timeout", "1"),
+        "no such host",
+    )
+    begin = time.monotonic()
+    lonely = _run(
+        "worker.cli", "join", "--server", "tcp://127.0.0.1:9", "--connect-timeout", "3",
+        timeout=60,
+    )  # fmt: skip
+    _one_line_error(lonely, "was never reached within --connect-timeout 3 s")
+    assert "connecting to tcp://127.0.0.1:9" in lonely.stderr
+    assert time.monotonic() - begin < 30
+    too_big = _run(
+        "pserver.cli", "start", "--dataset", str(small_hsi), "--model", "hsi-cnn",
+        "--epochs", "1", "--global-batch", "200000",
+    )  # fmt: skip
+    _one_line_error(too_big, "--global-batch must be <= 131072")
+
+
+def test_a_second_ctrl_c_exits_at_once(small_hsi: Path, tmp_path: Path) -> None:
+    server, address = start_server(
+        small_hsi, tmp_path, "--epochs", "500", "--shutdown-timeout", "120", "--dead-after", "120"
+    )
+    worker = start_worker(address, "frozen")
+    try:
+        server.wait_for("epoch 1 done")
+        worker.popen.send_signal(signal.SIGSTOP)  # a member that will not collect its stop
+        server.popen.send_signal(signal.SIGINT)
+        server.wait_for("training finished (stopped)")
+        begin = time.monotonic()
+        server.popen.send_signal(signal.SIGINT)  # do not wait for it: exit now
+        assert server.wait(timeout=10) == 128 + signal.SIGINT
+        assert time.monotonic() - begin < 10
+    finally:
+        server.kill()
+        worker.popen.send_signal(signal.SIGCONT)
+        worker.kill()
+
+
+USER_MODULE = '''
+"""Importing this module has a side effect the test can see."""
+import pathlib
+import torch
+from torch import nn
+
+pathlib.Path(__file__).with_name("IMPORTED").write_text("yes")
+
+
+class Exploding(nn.Module):
+    def __init__(self, in_channels, num_classes):
+        super().__init__()
+        self.head = nn.Linear(in_channels, num_classes)
+
+    def forward(self, x):
+        return self.head(x.mean(dim=(2, 3))) * float("nan")
+
+
+def build(in_channels, num_classes, input_size):
+    return Exploding(in_channels, num_classes)
+'''
+
+
+def test_untrusted_models_are_not_imported_and_nan_losses_end_in_a_clear_leave(
+    small_hsi: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server_side = tmp_path / "server_side"
+    package = server_side / "evil_pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "model.py").write_text(USER_MODULE)
+    worker_side = tmp_path / "worker_side"
+    (worker_side / "evil_pkg").mkdir(parents=True)
+    (worker_side / "evil_pkg" / "__init__.py").write_text("")
+    (worker_side / "evil_pkg" / "model.py").write_text(USER_MODULE)
+    model = "evil_pkg.model:build"
+    monkeypatch.setenv("PYTHONPATH", str(server_side))
+    server = Proc(
+        [
+            "pserver.cli", "start", "--bind", "tcp://127.0.0.1:0", "--dataset", str(small_hsi),
+            "--model", model, "--epochs", "2", "--run-dir", str(tmp_path / "run"),
+            "--shutdown-timeout", "5",
+        ],
+        "server",
+    )  # fmt: skip
+    address = server.wait_for("listening on").split("listening on")[1].strip()
+    monkeypatch.setenv("PYTHONPATH", str(worker_side))
+    try:
+        refused = start_worker(address, "careful")
+        assert refused.wait(timeout=60) != 0
+        assert "--allow-model evil_pkg.model:build" in "".join(refused.seen)
+        assert not (worker_side / "evil_pkg" / "IMPORTED").exists()  # never imported
+        trusting = start_worker(address, "trusting", 1.0, "--allow-model", model)
+        assert trusting.wait(timeout=120) != 0
+        out = "".join(trusting.seen)
+        assert "the loss stayed nan" in out and "Traceback" not in out, out
+        server.wait_for("is gone: left: failed: NonFiniteLoss")
+    finally:
+        server.popen.send_signal(signal.SIGTERM)
+        server.wait()
+        server.kill()
+    assert [e for e in events(tmp_path / "run") if e["event"] == "leave"]

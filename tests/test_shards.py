@@ -1,0 +1,135 @@
+"""Parameter shards: the same scripted pushes give the same state bit for bit with 1, 2 or 3
+shards (two-phase publish, sums in worker order); shards refuse hostile input unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from common.errors import ErrorCode, RemoteError
+from common.protocol.messages import (
+    JoinReply,
+    JoinRequest,
+    PullRequest,
+    TaskReply,
+    TaskRequest,
+)
+from common.protocol.shard_messages import ApplyRequest, CaptureRequest, CommitRequest
+from pserver.store.stores import RemoteStores
+from tests.live import AsyncClient, Member, clients, live_server, live_sharded
+
+ROUNDS = 5
+SETTINGS = dict(global_batch=30, chunk_mb=0.02, epochs=50, momentum=0.9, weight_decay=1e-4)
+
+
+def _gradient(task: TaskReply, size: int, num_params: int) -> np.ndarray:
+    """A deterministic gradient per task: parameters noisy, buffer changes small and positive
+    (so running variances stay valid)."""
+    rng = np.random.default_rng(sum(task.indices) + 7919 * task.epoch)
+    values = rng.normal(0.0, 0.05, size).astype(np.float32)
+    values[num_params:] = np.abs(values[num_params:]) * 0.01
+    return values
+
+
+async def _members(a: AsyncClient, b: AsyncClient) -> list[tuple[Member, TaskReply, AsyncClient]]:
+    """Join a then b (fixed worker ids), then wait for both first tasks."""
+    joins = []
+    for client, name in ((a, "a"), (b, "b")):
+        join = await client.request(JoinRequest(name=name, device="cpu", slowdown=1, threads=1))
+        assert isinstance(join, JoinReply)
+        joins.append(Member(join))
+    tasks = await asyncio.gather(
+        *(
+            c.request(TaskRequest(worker_id=m.worker_id, token=m.token, speed=s))
+            for c, m, s in ((a, joins[0], 200.0), (b, joins[1], 100.0))
+        )
+    )
+    return [(m, t, c) for m, t, c in zip(joins, tasks, (a, b), strict=True)]  # type: ignore[misc]
+
+
+async def _script(ps, mode: str) -> tuple[torch.Tensor, np.ndarray]:
+    size, num_params = ps.state_size, ps.num_params
+    async with clients(ps.address, 2) as (a, b):
+        workers = await _members(a, b)
+        for _ in range(ROUNDS):
+            if mode == "async":  # one after the other: the same staleness every run
+                for i, (member, task, client) in enumerate(workers):
+                    reply = await client.push(member, task, _gradient(task, size, num_params))
+                    assert isinstance(reply, TaskReply) and reply.action == "train"
+                    workers[i] = (member, reply, client)
+            else:
+                replies = await asyncio.gather(
+                    *(c.push(m, t, _gradient(t, size, num_params)) for m, t, c in workers)
+                )
+                workers = [(m, r, c) for (m, _, c), r in zip(workers, replies, strict=True)]
+        captured = await ps.stores.capture(with_slots=True)
+        assert ps.updater.version == (2 * ROUNDS if mode == "async" else ROUNDS)
+    return torch.from_numpy(captured.state.copy()), captured.slot_state.copy()
+
+
+@pytest.mark.parametrize(
+    ("mode", "shards", "wire"),
+    [
+        ("weighted-sync", 2, "fp32"),
+        ("weighted-sync", 3, "fp32"),
+        ("weighted-sync", 2, "bf16"),
+        ("async", 2, "fp32"),
+    ],
+)
+async def test_sharded_updates_equal_unsharded_bit_for_bit(small_hsi, mode, shards, wire) -> None:
+    options = dict(SETTINGS, mode=mode, workers=2, wire_dtype=wire)
+    async with live_server(small_hsi, **options) as single:
+        state_1, slots_1 = await _script(single, mode)
+    async with live_sharded(small_hsi, shards, **options) as sharded:
+        assert isinstance(sharded.stores, RemoteStores)
+        state_k, slots_k = await _script(sharded, mode)
+    assert torch.equal(state_k, state_1)
+    assert np.array_equal(slots_k, slots_1)
+    assert not torch.equal(state_1, torch.from_numpy(single.initial.state))  # it did train
+
+
+async def test_a_shard_refuses_hostile_input_and_keeps_its_slice(small_hsi) -> None:
+    async with live_sharded(small_hsi, 2, **dict(SETTINGS, mode="async")) as ps:
+        link = ps.stores.links[0]
+        async with clients(ps.address, 1) as (honest,):
+            member, task = await honest.join("honest")
+        before = await ps.stores.capture(with_slots=True)
+        async with clients(link.address, 1) as (attacker,):
+            for frames in (
+                [b"\x00garbage"],
+                [msgpack.packb({"v": 2, "type": "apply_request", "id": 3, "body": {}})],
+            ):
+                reply = msgpack.unpackb((await attacker.send_raw(frames))[0])
+                assert reply["status"] == "error"
+            forged = [
+                ApplyRequest(
+                    key="x" * 64,
+                    version=1,
+                    task_ids=[task.task_id],
+                    weights=[1.0],
+                    lr_scale=1e9,
+                    buffer_scale=1.0,
+                ),
+                CommitRequest(key="", version=1, commit=True, code=0, message=""),
+                CaptureRequest(key="guess", with_slots=True),
+                PullRequest(
+                    worker_id=member.worker_id, token="0" * 32, min_version=0, offset=0, length=7
+                ),
+            ]
+            for message in forged:
+                error = await attacker.expect_error(message)
+                assert error.code in (ErrorCode.UNKNOWN_WORKER, ErrorCode.BAD_FIELD), error
+            wrong_token = await attacker.send_gradient(
+                member, task, np.zeros(ps.state_size, np.float32), token="f" * 32
+            )
+            store, rid = wrong_token[0]
+            with pytest.raises(RemoteError) as refused:
+                await store.receive(rid)
+            assert refused.value.code == ErrorCode.WRONG_TASK
+        after = await ps.stores.capture(with_slots=True)
+        assert after.version == before.version == 0
+        assert np.array_equal(after.state, before.state)

@@ -1,0 +1,175 @@
+"""The worker's side of the parameter stores: push a gradient and pull parameters, chunk by
+chunk, to and from every store at once.
+
+Each store (the coordinator itself with ``--shards 1``, else each shard) gets its own socket.
+A push sends every chunk of the gradient without waiting; each chunk is answered with the same
+range of the next parameters once the update is published, and those chunks are written into
+the host state buffer as they arrive. A pull asks every chunk of the parameters at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+import torch
+import zmq
+
+from common.errors import ErrorCode, NetworkTimeout, ProtocolError, RemoteError, ServerLost
+from common.protocol.base import parse_message
+from common.protocol.chunks import as_tensor, chunk_spans, decode_into, encode
+from common.protocol.messages import REPLIES, GradientChunk, ParamsChunk, PullRequest
+from common.protocol.security import ClientKeys
+
+
+class StoreClient:
+    """Sockets to every parameter store, with the chunk layout of the state.
+
+    Args:
+        context: the worker's ZeroMQ context.
+        addresses: one endpoint per store ("" stands for ``coordinator``).
+        bounds: store ``k`` holds state elements ``bounds[k]`` to ``bounds[k + 1]``.
+        coordinator: the coordinator's endpoint.
+        chunk_elems: elements per chunk.
+        wire: the run's wire format.
+        worker_id, token: this worker's membership.
+        curve: CURVE keys (stores use the coordinator's key pair).
+        abort: an ``inproc://`` endpoint whose messages end every wait with ``ServerLost``.
+    """
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        addresses: Sequence[str],
+        bounds: Sequence[int],
+        coordinator: str,
+        chunk_elems: int,
+        wire: str,
+        worker_id: int,
+        token: str,
+        curve: ClientKeys | None = None,
+        abort: str | None = None,
+    ) -> None:
+        if len(bounds) != len(addresses) + 1 or list(bounds) != sorted(bounds):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"malformed shard bounds {list(bounds)[:8]}")
+        self.wire, self.worker_id, self.token = wire, worker_id, token
+        self.transfer_s = 0.0
+        self._ids = itertools.count(1)
+        self._poller = zmq.Poller()
+        self._sockets: list[zmq.Socket] = []
+        self._spans: list[list[tuple[int, int]]] = []
+        for address, lo, hi in zip(addresses, bounds[:-1], bounds[1:], strict=True):
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if curve is not None:
+                curve.apply(sock)
+            sock.connect(address or coordinator)
+            self._poller.register(sock, zmq.POLLIN)
+            self._sockets.append(sock)
+            self._spans.append(chunk_spans(lo, hi, chunk_elems))
+        self._abort: zmq.Socket | None = None
+        if abort is not None:
+            self._abort = context.socket(zmq.SUB)
+            self._abort.setsockopt(zmq.LINGER, 0)
+            self._abort.setsockopt(zmq.SUBSCRIBE, b"")
+            self._abort.connect(abort)
+            self._poller.register(self._abort, zmq.POLLIN)
+        self._waiting: dict[int, tuple[int, int]] = {}  # request id -> (start, stop)
+
+    def push(self, task_id: int, push_token: str, version: int, gradient: torch.Tensor) -> None:
+        """Send every chunk of ``gradient`` (flat float32 on the host); replies come later."""
+        self._waiting.clear()
+        for sock, spans in zip(self._sockets, self._spans, strict=True):
+            for start, stop in spans:
+                data, scale = encode(gradient[start:stop], self.wire)
+                request_id = next(self._ids)
+                message = GradientChunk(
+                    worker_id=self.worker_id,
+                    token=push_token,
+                    task_id=task_id,
+                    version=version,
+                    offset=start,
+                    scale=scale,
+                    gradient=data,
+                )
+                sock.send_multipart(message.to_wire(request_id), copy=False)
+                self._waiting[request_id] = (start, stop)
+
+    def pull(self, min_version: int) -> None:
+        """Ask every store for every chunk of version ``min_version`` or newer."""
+        self._waiting.clear()
+        for sock, spans in zip(self._sockets, self._spans, strict=True):
+            for start, stop in spans:
+                request_id = next(self._ids)
+                message = PullRequest(
+                    worker_id=self.worker_id,
+                    token=self.token,
+                    min_version=min_version,
+                    offset=start,
+                    length=stop - start,
+                )
+                sock.send_multipart(message.to_wire(request_id), copy=False)
+                self._waiting[request_id] = (start, stop)
+
+    def collect(self, state: torch.Tensor, timeout_s: float) -> int:
+        """Receive the answers to the last push or pull into the host ``state`` buffer.
+
+        Returns:
+            The version received (the oldest, should the stores differ).
+
+        Raises:
+            RemoteError: a store answered with an error (every answer was still drained).
+            NetworkTimeout: not every chunk arrived within ``timeout_s``.
+            ServerLost: the abort channel fired.
+        """
+        deadline = time.monotonic() + timeout_s
+        versions: list[int] = []
+        error: RemoteError | None = None
+        first: float | None = None
+        while self._waiting:
+            left = deadline - time.monotonic()
+            ready = dict(self._poller.poll(int(left * 1000) + 1)) if left > 0 else {}
+            if self._abort is not None and self._abort in ready:
+                raise ServerLost(self._abort.recv().decode(errors="replace"))
+            if not ready:
+                raise NetworkTimeout(
+                    f"{len(self._waiting)} parameter chunks did not arrive within {timeout_s:g} s"
+                )
+            for sock in self._sockets:
+                if sock not in ready:
+                    continue
+                while sock.poll(0):
+                    frames = sock.recv_multipart(copy=False)
+                    try:
+                        reply, request_id = parse_message(frames, REPLIES)
+                    except RemoteError as exc:
+                        if self._waiting.pop(exc.request_id, None) is not None and error is None:
+                            error = exc
+                        continue
+                    span = self._waiting.pop(request_id, None)
+                    if span is None or not isinstance(reply, ParamsChunk):
+                        continue  # a late answer to an earlier request
+                    first = time.monotonic() if first is None else first
+                    self._load(reply, span, state)
+                    versions.append(reply.version)
+        self.transfer_s = 0.0 if first is None else time.monotonic() - first
+        if error is not None:
+            raise error
+        return min(versions)
+
+    def _load(self, reply: ParamsChunk, span: tuple[int, int], state: torch.Tensor) -> None:
+        start, stop = span
+        if reply.offset != start:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"chunk at {reply.offset}, asked {start}")
+        data = as_tensor(reply.params, self.wire, "params")
+        if data.numel() != stop - start or not reply.scale > 0:
+            raise ProtocolError(ErrorCode.BAD_TENSOR, f"chunk at {start} has the wrong size")
+        decode_into(data, reply.scale, state[start:stop])
+
+    def close(self) -> None:
+        """Close every socket."""
+        for sock in self._sockets:
+            sock.close(linger=0)
+        if self._abort is not None:
+            self._abort.close(linger=0)
