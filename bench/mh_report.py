@@ -19,22 +19,27 @@ def _pooled(runs: list[dict[str, Any]], key: str) -> list[float]:
     return [v for run in runs for v in run[key]]
 
 
-def reference(gloo_runs: list[dict[str, Any]]) -> dict[str, float]:
+def reference(gloo_runs: list[dict[str, Any]], compute_s: float = 0.0) -> dict[str, float]:
     """The baseline figures pooled over repeats.
 
     Args:
         gloo_runs: the results of ``run_gloo``.
+        compute_s: a given compute time per step (e.g. a GPU's); 0 uses the measured one.
 
     Returns:
-        ``allreduce_s`` (median), ``compute_s`` (median of every rank's solo step times),
-        ``ddp_step_s`` (median) and ``reference_s`` = all-reduce + compute.
+        ``allreduce_s`` (median), ``compute_s`` (``compute_s`` if given, else the fastest of
+        every rank's solo steps: other jobs on the machine only ever add to a step's time),
+        ``compute_median_s``, ``ddp_step_s`` (median) and ``reference_s`` = all-reduce +
+        compute.
     """
     allreduce = statistics.median(_pooled(gloo_runs, "allreduce_s"))
-    compute = statistics.median(_pooled(gloo_runs, "compute_s"))
+    solo = _pooled(gloo_runs, "compute_s")
+    compute = compute_s or min(solo)
     step = statistics.median(_pooled(gloo_runs, "ddp_step_s"))
     return {
         "allreduce_s": allreduce,
         "compute_s": compute,
+        "compute_median_s": statistics.median(solo),
         "ddp_step_s": step,
         "reference_s": allreduce + compute,
     }
@@ -59,7 +64,7 @@ def table(
     Returns:
         The text to print and a JSON-ready dict of the figures.
     """
-    ref = reference(gloo_runs) if gloo_runs else None
+    ref = reference(gloo_runs, cfg.compute_s) if gloo_runs else None
     lines = [
         "| variant | samples from | round median / min / max (s) | communication median (s) "
         "| worker compute median (s, shared cores) | est. round, own cores (s) "
@@ -75,7 +80,8 @@ def table(
             "| - | - | - | 1.00 | - |"
         )
         lines.append(
-            f"| one step's compute, alone on the CPU | local copy | - | - | "
+            f"| one step's compute ({'given' if cfg.compute_s else 'fastest alone'}) "
+            "| local copy | - | - | "
             f"{ref['compute_s']:.3f} | - | - | - | - |"
         )
         lines.append(
@@ -144,9 +150,20 @@ def legend(cfg: BenchConfig, figures: dict[str, Any], params: int | None) -> str
         f" {cfg.steps} steps per run, first {cfg.warmup} rounds left out",
         "communication = round time minus the slowest worker's compute in that round (it also "
         "holds the server's aggregation and optimizer step); est. round, own cores = "
-        "communication + one step's compute measured alone, i.e. the round each host would see "
-        "with its own CPU. Raw round times are on 2 shared cores: the workers' compute competes.",
+        "communication + one step's compute, i.e. the round each host would see with its own "
+        "CPU. Raw round times are on the shared cores: the workers' compute competes.",
     ]
+    ref = figures["reference"]
+    if ref is not None:
+        source = (
+            "given by --compute-s"
+            if cfg.compute_s
+            else "the fastest solo step (other jobs on the machine only add time)"
+        )
+        text.append(
+            f"one step's compute {ref['compute_s']:.3f} s: {source}; the median solo step "
+            f"was {ref['compute_median_s']:.3f} s"
+        )
     for name, row in figures["variants"].items():
         text.append(
             f"{name}: median batch per worker {row['batches']} "

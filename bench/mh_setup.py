@@ -107,17 +107,33 @@ VARIANTS = (
         requires=SHARDED,
         requires_commands=SHARD_CMD,
     ),
-    # Hook for the transfer-aware planner (issue 10): the option name is a placeholder until
-    # the planner lands; adjust it here then.
+    # The planner variants use the planner branch's `--planner model|compute|speed` (issue 10);
+    # they show as not available until that option is on main.
     Variant(
-        "ps-k1-transfer-plan",
-        "one server, transfer-aware batch plan; local copy",
-        options=("--planner", "transfer"),
+        "ps-k1-compute-plan",
+        "one server, batches planned on compute alone (--planner compute); local copy",
+        options=("--planner", "compute"),
         local_data=True,
         requires=("--planner",),
     ),
+    Variant(
+        "ps-k1-transfer-plan",
+        "one server, batches planned with transfer times (--planner model); local copy",
+        options=("--planner", "model"),
+        local_data=True,
+        requires=("--planner",),
+    ),
+    Variant(
+        "ps-kfast-transfer-plan",
+        "shards on the fastest-linked worker hosts only, --planner model; local copy",
+        options=("--shards", "{shards}", "--planner", "model"),
+        shards="fast",
+        local_data=True,
+        requires=(*SHARDED, "--planner"),
+        requires_commands=SHARD_CMD,
+    ),
 )
-DEFAULT_VARIANTS = ("ps-k1", "ps-k1-local", "ps-k1-bf16", "ps-kN", "ps-kN-bf16")
+DEFAULT_VARIANTS = ("ps-k1", "ps-k1-local", "ps-k1-bf16", "ps-kN", "ps-kN-pull", "ps-kN-bf16")
 
 
 def _help(*args: str) -> str:
@@ -170,6 +186,8 @@ class BenchConfig:
         repeats: interleaved repeats of every job.
         threads: torch threads per worker and rank.
         probe_mb: megabytes sent per link check.
+        compute_s: one step's compute time to add to communication (e.g. a GPU's); 0 uses
+            the fastest step measured alone on this machine.
         job_timeout: seconds one job (a PS run or the gloo baseline) may take.
         out: where datasets, run dirs, logs and results.json go.
         prefix: namespace name prefix.
@@ -187,6 +205,7 @@ class BenchConfig:
     repeats: int = 3
     threads: int = 1
     probe_mb: float = 0.0
+    compute_s: float = 0.0
     job_timeout: float = 900.0
     out: Path = Path("runs/multihost")
     prefix: str = "mh"
@@ -231,6 +250,8 @@ class BenchConfig:
             )
         if self.job_timeout < 60:
             raise ConfigError(f"--job-timeout must be >= 60 s, got {self.job_timeout}")
+        if self.compute_s < 0:
+            raise ConfigError(f"--compute-s must be >= 0, got {self.compute_s}")
         if self.probe_mb < 0:
             raise ConfigError(f"--probe-mb must be >= 0, got {self.probe_mb}")
         return self

@@ -76,6 +76,12 @@ def parse(argv: list[str] | None) -> BenchConfig:
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every job")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker/rank")
     p.add_argument("--probe-mb", type=float, default=0.0, help="MB per link check (0: 0.4 s worth)")
+    p.add_argument(
+        "--compute-s",
+        type=float,
+        default=0.0,
+        help="one step's compute (s) for the ratios, e.g. a GPU's; 0: fastest solo step here",
+    )
     p.add_argument("--job-timeout", type=float, default=900.0, help="seconds one job may take")
     p.add_argument("--out", type=Path, default=ROOT / "runs/multihost", help="output directory")
     p.add_argument("--prefix", default="mh", help="namespace name prefix")
@@ -94,6 +100,7 @@ def parse(argv: list[str] | None) -> BenchConfig:
         repeats=a.repeats,
         threads=a.threads,
         probe_mb=a.probe_mb,
+        compute_s=a.compute_s,
         job_timeout=a.job_timeout,
         out=a.out,
         prefix=a.prefix,

@@ -132,6 +132,8 @@ class Child:
                 self._signal(signal.SIGKILL)
                 self.popen.wait(timeout=30)
         self._reader.join(timeout=5)
+        if self.popen.stdout is not None and not self._reader.is_alive():
+            self.popen.stdout.close()
         self._sink.close()
 
     def _signal(self, signum: int) -> None:

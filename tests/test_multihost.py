@@ -156,7 +156,7 @@ def test_not_root_is_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_table_ratios_by_hand() -> None:
     cfg = BenchConfig(variants=("ps-k1", "ps-k1-local", "ps-kN"))
-    gloo = [{"allreduce_s": [0.5, 0.5, 0.7], "compute_s": [0.25, 0.25], "ddp_step_s": [1.0]}]
+    gloo = [{"allreduce_s": [0.5, 0.5, 0.7], "compute_s": [0.25, 0.9], "ddp_step_s": [1.0]}]
     ps = {
         "ps-k1": [
             {"round_s": [3.0, 2.5], "comm_s": [2.5, 2.0], "compute_s": [0.5, 0.5],
@@ -165,7 +165,7 @@ def test_table_ratios_by_hand() -> None:
         "ps-k1-local": [],
     }  # fmt: skip
     text, figures = table(cfg, gloo, ps, {"ps-kN": ["--shards"]}, {"ps-k1-local": ["it broke"]})
-    assert figures["reference"]["reference_s"] == pytest.approx(0.75)  # 0.5 + 0.25
+    assert figures["reference"]["reference_s"] == pytest.approx(0.75)  # 0.5 + fastest 0.25
     row = figures["variants"]["ps-k1"]
     assert row["estimated_round_s"] == pytest.approx(2.25 + 0.25)  # median comm + solo compute
     assert row["ratio_reference"] == pytest.approx(2.5 / 0.75)
@@ -175,3 +175,6 @@ def test_table_ratios_by_hand() -> None:
     assert all(line.count("|") == 10 for line in lines)
     assert any("ps-kN" in line and "not available: needs --shards" in line for line in lines)
     assert any("ps-k1-local" in line and "failed: it broke" in line for line in lines)
+    given = BenchConfig(variants=("ps-k1",), compute_s=0.05)
+    _, figures = table(given, gloo, ps, {}, {})
+    assert figures["variants"]["ps-k1"]["ratio_reference"] == pytest.approx(2.3 / 0.55)
