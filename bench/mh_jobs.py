@@ -1,0 +1,226 @@
+"""The multi-host bench's jobs: the gloo baseline and one parameter-server run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.mh_setup import BenchConfig, Variant
+from bench.netns import Network
+from bench.procs import Child, ChildError, python
+
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 240.0
+EXIT_TIMEOUT_S = 120.0
+# The rendezvous port of the gloo ranks: fixed, because it lives on an address inside a
+# namespace this bench created, where nothing else can hold it.
+GLOO_PORT = 29517
+
+
+def _stop_all(children: list[Child]) -> None:
+    for child in reversed(children):
+        child.stop()
+
+
+def run_gloo(net: Network, cfg: BenchConfig, dataset: Path, log_dir: Path) -> dict[str, Any]:
+    """The DDP baseline: one gloo rank per worker host, reading the dataset's local copy.
+
+    Args:
+        net: the emulated hosts (host 0, the server host, takes no part).
+        cfg: the bench settings.
+        dataset: the dataset file (the same path is every host's local copy).
+        log_dir: receives each rank's log.
+
+    Returns:
+        Rank 0's result: params, compute_s (per rank, solo), allreduce_s, ddp_step_s.
+
+    Raises:
+        ChildError: a rank failed or the job outlived ``cfg.job_timeout``.
+    """
+    log_dir.mkdir(parents=True, exist_ok=True)
+    hosts = net.hosts[1:]
+    children: list[Child] = []
+    try:
+        for rank, host in enumerate(hosts):
+            argv = python(
+                "bench.mh_gloo",
+                "--rank",
+                str(rank),
+                "--world",
+                str(len(hosts)),
+                "--master",
+                hosts[0].address,
+                "--port",
+                str(GLOO_PORT),
+                "--dataset",
+                str(dataset),
+                "--model",
+                cfg.model,
+                "--batch",
+                str(cfg.batch),
+                "--threads",
+                str(cfg.threads),
+                "--compute-steps",
+                str(max(5, cfg.steps // 2)),
+                "--allreduce-repeats",
+                str(cfg.steps),
+                "--ddp-steps",
+                str(cfg.steps),
+                "--timeout",
+                str(cfg.job_timeout),
+            )
+            env = {"GLOO_SOCKET_IFNAME": host.interface}
+            children.append(Child(f"gloo{rank}", host.argv(argv), log_dir / f"gloo{rank}.log", env))
+        line = children[0].wait_for(r"^RESULT (\{.*\})$", cfg.job_timeout)
+        codes = [child.wait(EXIT_TIMEOUT_S) for child in children]
+        if any(codes):
+            raise ChildError(f"gloo rank exit codes {codes}; logs in {log_dir}")
+        return json.loads(line.group(1))
+    finally:
+        _stop_all(children)
+
+
+def run_ps(
+    net: Network, cfg: BenchConfig, variant: Variant, dataset: Path, run_dir: Path
+) -> dict[str, Any]:
+    """One weighted-sync run: ``pserver start`` on host 0, ``worker join`` on each worker host,
+    ``pserver shard`` where the variant puts shards; ``cfg.steps`` updates.
+
+    Args:
+        net: the emulated hosts.
+        cfg: the bench settings.
+        variant: what to run.
+        dataset: the dataset file (served by the server; the workers' local copy if asked).
+        run_dir: the server's run dir; the processes' logs go there too.
+
+    Returns:
+        ``{"round_s", "compute_s", "comm_s", "batches", "compute_source", "wall_s"}``: per
+        measured round its time, the slowest worker's compute and the rest; per worker its
+        median batch.
+
+    Raises:
+        ChildError: a process failed, or the run outlived ``cfg.job_timeout``.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    server_host, workers = net.hosts[0], net.hosts[1:]
+    n = len(workers)
+    children: list[Child] = []
+    started = time.monotonic()
+    try:
+        server = Child(
+            "server",
+            server_host.argv(
+                python(
+                    "pserver.cli",
+                    "start",
+                    "--bind",
+                    f"tcp://{server_host.address}:0",
+                    "--dataset",
+                    str(dataset),
+                    "--model",
+                    cfg.model,
+                    "--mode",
+                    "weighted-sync",
+                    "--workers",
+                    str(n),
+                    "--global-batch",
+                    str(cfg.batch * n),
+                    "--max-steps",
+                    str(cfg.steps),
+                    "--eval-every",
+                    "1000000",
+                    "--torch-threads",
+                    "1",
+                    "--shutdown-timeout",
+                    "120",
+                    "--run-dir",
+                    str(run_dir),
+                    *variant.server_options(net.config.rates),
+                )
+            ),
+            run_dir / "server.log",
+        )
+        children.append(server)
+        endpoint = server.wait_for(r"pserver listening on (\S+)", STARTUP_TIMEOUT_S).group(1)
+        shards = []
+        for index in variant.shard_hosts(net.config.rates):
+            host = net.hosts[index]
+            argv = python(
+                "pserver.cli",
+                "shard",
+                "--coordinator",
+                endpoint,
+                "--bind",
+                f"tcp://{host.address}:0",
+            )
+            shards.append(
+                Child(f"shard@{host.netns}", host.argv(argv), run_dir / f"shard{index}.log")
+            )
+            children.append(shards[-1])
+        joined = []
+        for i, host in enumerate(workers, start=1):
+            argv = python(
+                "worker.cli",
+                "join",
+                "--server",
+                endpoint,
+                "--name",
+                f"w{i}",
+                "--threads",
+                str(cfg.threads),
+                "--log-every",
+                "1000000",
+            )
+            if variant.local_data:
+                argv += ["--data", str(dataset)]
+            joined.append(Child(f"w{i}", host.argv(argv), run_dir / f"w{i}.log"))
+            children.append(joined[-1])
+        code = server.wait(max(1.0, cfg.job_timeout - (time.monotonic() - started)))
+        codes = [child.wait(EXIT_TIMEOUT_S) for child in joined]
+        if code or any(codes):
+            raise ChildError(
+                f"{variant.name}: server exit code {code}, worker exit codes {codes}\n"
+                f"{server.tail()}\n" + "\n".join(child.tail(10) for child in joined)
+            )
+        for shard in shards:
+            shard.wait(EXIT_TIMEOUT_S)
+        report = _rounds(run_dir / "metrics.jsonl", cfg.warmup)
+        report["wall_s"] = time.monotonic() - started
+        return report
+    finally:
+        _stop_all(children)
+
+
+def _rounds(metrics: Path, warmup: int) -> dict[str, Any]:
+    """Round times, the slowest worker's compute per round and their difference.
+
+    A round record's worker entries carry ``compute_s`` once the server logs it; until then
+    compute is estimated as batch / speed (the worker's smoothed compute speed).
+    """
+    events = [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines()]
+    rounds = [e for e in events if e.get("event") == "round"][warmup:]
+    if not rounds:
+        raise ChildError(f"{metrics} holds no rounds past the {warmup} warm-up rounds")
+    measured = all("compute_s" in w for r in rounds for w in r["workers"])
+    round_s, compute_s, batches = [], [], {}
+    for r in rounds:
+        if measured:
+            per_worker = [float(w["compute_s"]) for w in r["workers"]]
+        else:
+            per_worker = [w["batch"] / w["speed"] for w in r["workers"] if w["speed"] > 0]
+        round_s.append(float(r["round_s"]))
+        compute_s.append(max(per_worker, default=0.0))
+        for w in r["workers"]:
+            batches.setdefault(w["worker"], []).append(int(w["batch"]))
+    return {
+        "round_s": round_s,
+        "compute_s": compute_s,
+        "comm_s": [t - c for t, c in zip(round_s, compute_s, strict=True)],
+        "batches": {name: statistics.median(b) for name, b in sorted(batches.items())},
+        "compute_source": "round records" if measured else "batch / speed",
+    }

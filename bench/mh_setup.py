@@ -1,0 +1,261 @@
+"""What the multi-host bench runs: its validated config and the declarative PS variants.
+
+A variant is a few lines: a name, extra ``pserver start`` options, where shard servers go,
+whether workers read a local copy, and the options the installed ``pserver`` must know. A
+variant whose options are missing is reported as not available, never run without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+from pathlib import Path
+
+from bench.netns import rate_bits
+from bench.procs import ROOT, python
+from common.errors import ConfigError
+
+HELP_TIMEOUT_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One parameter-server configuration to measure.
+
+    Attributes:
+        name: the row label.
+        about: one line for the table's legend.
+        options: extra ``pserver start`` options; ``{shards}`` becomes the shard count.
+        shards: ``""`` (no shard servers), ``"workers"`` (one ``pserver shard`` per worker
+            host) or ``"fast"`` (one per worker host whose link is the fastest, so none on a
+            slow host).
+        local_data: workers read the dataset's local copy (``worker join --data``) instead of
+            pulling samples from the server over the capped links.
+        requires: options ``pserver start --help`` must list.
+        requires_commands: ``pserver`` subcommands that must exist.
+    """
+
+    name: str
+    about: str
+    options: tuple[str, ...] = ()
+    shards: str = ""
+    local_data: bool = False
+    requires: tuple[str, ...] = ()
+    requires_commands: tuple[str, ...] = ()
+
+    def shard_hosts(self, rates: tuple[str, ...]) -> list[int]:
+        """Indices of the worker hosts (1..N) that run a shard server, given every host's rate."""
+        workers = range(1, len(rates))
+        if self.shards == "workers":
+            return list(workers)
+        if self.shards == "fast":
+            fastest = max(rate_bits(rates[i]) for i in workers)
+            return [i for i in workers if rate_bits(rates[i]) == fastest]
+        return []
+
+    def server_options(self, rates: tuple[str, ...]) -> list[str]:
+        """``options`` with ``{shards}`` filled in."""
+        count = str(len(self.shard_hosts(rates)))
+        return [opt.replace("{shards}", count) for opt in self.options]
+
+
+SHARDED = ("--shards",)
+SHARD_CMD = ("shard",)
+VARIANTS = (
+    Variant("ps-k1", "one server (K = 1), fp32; samples pulled from the server"),
+    Variant("ps-k1-local", "one server (K = 1), fp32; samples from a local copy", local_data=True),
+    Variant(
+        "ps-k1-bf16",
+        "one server (K = 1), bf16 on the wire; local copy",
+        options=("--wire-dtype", "bf16"),
+        local_data=True,
+        requires=("--wire-dtype",),
+    ),
+    Variant(
+        "ps-kN",
+        "K = N shards on the worker hosts, fp32; local copy",
+        options=("--shards", "{shards}", "--wire-dtype", "fp32"),
+        shards="workers",
+        local_data=True,
+        requires=(*SHARDED, "--wire-dtype"),
+        requires_commands=SHARD_CMD,
+    ),
+    Variant(
+        "ps-kN-pull",
+        "K = N shards on the worker hosts, fp32; samples pulled from the coordinator",
+        options=("--shards", "{shards}", "--wire-dtype", "fp32"),
+        shards="workers",
+        requires=(*SHARDED, "--wire-dtype"),
+        requires_commands=SHARD_CMD,
+    ),
+    Variant(
+        "ps-kN-bf16",
+        "K = N shards on the worker hosts, bf16 on the wire; local copy",
+        options=("--shards", "{shards}", "--wire-dtype", "bf16"),
+        shards="workers",
+        local_data=True,
+        requires=(*SHARDED, "--wire-dtype"),
+        requires_commands=SHARD_CMD,
+    ),
+    Variant(
+        "ps-kfast",
+        "shards only on the fastest-linked worker hosts (slow-link case), fp32; local copy",
+        options=("--shards", "{shards}"),
+        shards="fast",
+        local_data=True,
+        requires=SHARDED,
+        requires_commands=SHARD_CMD,
+    ),
+    # The planner variants use the planner branch's `--planner model|compute|speed` (issue 10);
+    # they show as not available until that option is on main.
+    Variant(
+        "ps-k1-compute-plan",
+        "one server, batches planned on compute alone (--planner compute); local copy",
+        options=("--planner", "compute"),
+        local_data=True,
+        requires=("--planner",),
+    ),
+    Variant(
+        "ps-k1-transfer-plan",
+        "one server, batches planned with transfer times (--planner model); local copy",
+        options=("--planner", "model"),
+        local_data=True,
+        requires=("--planner",),
+    ),
+    Variant(
+        "ps-kfast-transfer-plan",
+        "shards on the fastest-linked worker hosts only, --planner model; local copy",
+        options=("--shards", "{shards}", "--planner", "model"),
+        shards="fast",
+        local_data=True,
+        requires=(*SHARDED, "--planner"),
+        requires_commands=SHARD_CMD,
+    ),
+)
+DEFAULT_VARIANTS = ("ps-k1", "ps-k1-local", "ps-k1-bf16", "ps-kN", "ps-kN-pull", "ps-kN-bf16")
+
+
+def _help(*args: str) -> str:
+    done = subprocess.run(
+        python("pserver.cli", *args, "--help"),
+        capture_output=True,
+        text=True,
+        timeout=HELP_TIMEOUT_S,
+        cwd=ROOT,
+        check=False,
+    )
+    return done.stdout
+
+
+def missing_features(variants: tuple[Variant, ...]) -> dict[str, list[str]]:
+    """What each variant needs that the installed ``pserver`` lacks.
+
+    Args:
+        variants: the variants to check.
+
+    Returns:
+        ``{variant name: [missing option or command, ...]}``; an empty list means available.
+    """
+    start_help = _help("start")
+    top_help = _help()
+    options = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", start_help))
+    commands = set(re.findall(r"^\s{2}([a-z][a-z-]*)\s", top_help.split("Commands:")[-1], re.M))
+    report = {}
+    for v in variants:
+        gone = [opt for opt in v.requires if opt not in options]
+        gone += [f"pserver {cmd}" for cmd in v.requires_commands if cmd not in commands]
+        report[v.name] = gone
+    return report
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """The multi-host bench's settings.
+
+    Attributes:
+        workers: worker hosts N (host 0 runs the server).
+        rates: one tc rate per host, server first (N + 1 entries).
+        variants: names from ``VARIANTS``.
+        model: the model every run trains.
+        size: image side of the synthetic 3-band scenes.
+        samples: scenes in the dataset.
+        batch: samples per worker per step (global batch = batch * N).
+        steps: PS updates per run (``--max-steps``).
+        warmup: rounds left out of the statistics at the start of each PS run.
+        repeats: interleaved repeats of every job.
+        threads: torch threads per worker and rank.
+        probe_mb: megabytes sent per link check.
+        compute_s: one step's compute time to add to communication (e.g. a GPU's); 0 uses
+            the fastest step measured alone on this machine.
+        job_timeout: seconds one job (a PS run or the gloo baseline) may take.
+        out: where datasets, run dirs, logs and results.json go.
+        prefix: namespace name prefix.
+    """
+
+    workers: int = 3
+    rates: tuple[str, ...] = ("1gbit",) * 4
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
+    model: str = "resnet18"
+    size: int = 32
+    samples: int = 2000
+    batch: int = 8
+    steps: int = 12
+    warmup: int = 2
+    repeats: int = 3
+    threads: int = 1
+    probe_mb: float = 0.0
+    compute_s: float = 0.0
+    job_timeout: float = 900.0
+    out: Path = Path("runs/multihost")
+    prefix: str = "mh"
+
+    def validate(self) -> BenchConfig:
+        """Check every field.
+
+        Returns:
+            The config itself.
+
+        Raises:
+            ConfigError: quoting the bad value.
+        """
+        if not 1 <= self.workers <= 16:
+            raise ConfigError(f"--workers must be in [1, 16], got {self.workers}")
+        if len(self.rates) != self.workers + 1:
+            raise ConfigError(
+                f"--rates needs {self.workers + 1} rates (server, then each worker), "
+                f"got {len(self.rates)}: {','.join(self.rates)}"
+            )
+        for rate in self.rates:
+            rate_bits(rate)
+        known = {v.name for v in VARIANTS}
+        unknown = [name for name in self.variants if name not in known]
+        if unknown:
+            raise ConfigError(f"unknown variants {unknown}; known: {sorted(known)}")
+        for name, value, low in (
+            ("--size", self.size, 8),
+            ("--batch", self.batch, 1),
+            ("--steps", self.steps, 1),
+            ("--repeats", self.repeats, 1),
+            ("--threads", self.threads, 1),
+        ):
+            if value < low:
+                raise ConfigError(f"{name} must be >= {low}, got {value}")
+        if self.warmup < 0 or self.warmup >= self.steps:
+            raise ConfigError(f"--warmup must be in [0, --steps), got {self.warmup}")
+        if self.samples < 2 * self.batch * self.workers * (self.steps + 1):
+            raise ConfigError(
+                f"--samples {self.samples} is too few for {self.steps} steps of "
+                f"{self.batch * self.workers} without an epoch end (evaluation) in a run"
+            )
+        if self.job_timeout < 60:
+            raise ConfigError(f"--job-timeout must be >= 60 s, got {self.job_timeout}")
+        if self.compute_s < 0:
+            raise ConfigError(f"--compute-s must be >= 0, got {self.compute_s}")
+        if self.probe_mb < 0:
+            raise ConfigError(f"--probe-mb must be >= 0, got {self.probe_mb}")
+        return self
+
+    def variant(self, name: str) -> Variant:
+        """The ``Variant`` called ``name``."""
+        return next(v for v in VARIANTS if v.name == name)

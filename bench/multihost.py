@@ -1,0 +1,237 @@
+"""Multi-host bench: the parameter server against torch DDP (gloo) over capped links.
+
+Builds N+1 hosts as network namespaces behind one bridge, each link capped in both directions
+with tc tbf (``--rate``, or ``--rates`` per host, server first), checks the caps with bulk
+transfers, then runs on the same model (``resnet18`` on synthetic 3-band scenes), data and
+links, interleaved over ``--repeats``:
+
+- the DDP baseline: one gloo rank per worker host; the flat all-reduce of the gradient, one
+  step's compute measured alone (ranks take turns), and whole DDP steps;
+- each parameter-server variant (``--variants``): ``pserver start`` weighted-sync on host 0,
+  ``worker join`` on each worker host (and ``pserver shard`` on worker hosts for sharded
+  variants); round times from the run's ``metrics.jsonl``.
+
+Fairness on a machine whose few cores every process shares: a PS round's communication time
+is its round time minus the slowest worker's compute in that round, and is compared after
+adding one step's compute measured with the CPU to itself, against (all-reduce + that same
+compute); raw round times on the shared cores are shown beside them. Variants whose options
+the installed ``pserver`` lacks are reported as not available. Needs root (prints why and
+exits 0 otherwise). Every namespace is removed at the end, also on failure, Ctrl-C or SIGTERM.
+
+Usage: python bench/multihost.py [--workers 3] [--rate 1gbit | --rates 1gbit,1gbit,1gbit,100mbit]
+       [--variants ps-k1,ps-k1-local,...] [--repeats 3] [--steps 12] [--out runs/multihost]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.mh_jobs import run_gloo, run_ps
+from bench.mh_report import legend, table
+from bench.mh_setup import DEFAULT_VARIANTS, VARIANTS, BenchConfig, missing_features
+from bench.netns import NetConfig, Network, available, rate_bits
+from bench.netprobe import measure_rate
+from bench.procs import ROOT, ChildError, python
+from common.errors import PSError
+from common.logsetup import setup_logging
+
+log = logging.getLogger("multihost")
+SYNTH_TIMEOUT_S = 300.0
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def parse(argv: list[str] | None) -> BenchConfig:
+    """Build the config from the command line (``--help`` lists every option)."""
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=fmt)
+    p.add_argument("--workers", type=int, default=3, help="worker hosts N")
+    p.add_argument("--rate", default="1gbit", help="every link's rate (tc units)")
+    p.add_argument(
+        "--rates", default="", help="per host, server first (N+1 rates); overrides --rate"
+    )
+    names = ", ".join(v.name for v in VARIANTS)
+    p.add_argument(
+        "--variants", default=",".join(DEFAULT_VARIANTS), help=f"PS variants of: {names}"
+    )
+    p.add_argument("--model", default="resnet18", help="model for every run")
+    p.add_argument("--size", type=int, default=32, help="image side of the synthetic scenes")
+    p.add_argument("--samples", type=int, default=2000, help="scenes in the dataset")
+    p.add_argument("--batch", type=int, default=8, help="samples per worker per step")
+    p.add_argument("--steps", type=int, default=12, help="PS updates (and DDP steps) per run")
+    p.add_argument("--warmup", type=int, default=2, help="PS rounds left out at the start")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every job")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker/rank")
+    p.add_argument("--probe-mb", type=float, default=0.0, help="MB per link check (0: 0.4 s worth)")
+    p.add_argument(
+        "--compute-s",
+        type=float,
+        default=0.0,
+        help="one step's compute (s) for the ratios, e.g. a GPU's; 0: fastest solo step here",
+    )
+    p.add_argument("--job-timeout", type=float, default=900.0, help="seconds one job may take")
+    p.add_argument("--out", type=Path, default=ROOT / "runs/multihost", help="output directory")
+    p.add_argument("--prefix", default="mh", help="namespace name prefix")
+    a = p.parse_args(argv)
+    rates = tuple(a.rates.split(",")) if a.rates else (a.rate,) * (a.workers + 1)
+    return BenchConfig(
+        workers=a.workers,
+        rates=rates,
+        variants=tuple(v for v in a.variants.split(",") if v),
+        model=a.model,
+        size=a.size,
+        samples=a.samples,
+        batch=a.batch,
+        steps=a.steps,
+        warmup=a.warmup,
+        repeats=a.repeats,
+        threads=a.threads,
+        probe_mb=a.probe_mb,
+        compute_s=a.compute_s,
+        job_timeout=a.job_timeout,
+        out=a.out,
+        prefix=a.prefix,
+    ).validate()
+
+
+def make_dataset(cfg: BenchConfig) -> Path:
+    """Synthetic 3-band scenes through the user-facing ``pserver data synth``."""
+    path = cfg.out / f"scenes-{cfg.size}px-{cfg.samples}.h5"
+    if not path.exists():
+        argv = python(
+            "pserver.cli",
+            "data",
+            "synth",
+            "--kind",
+            "scenes",
+            "--out",
+            str(path),
+            "--samples",
+            str(cfg.samples),
+            "--bands",
+            "3",
+            "--size",
+            str(cfg.size),
+            "--classes",
+            "10",
+            "--seed",
+            "0",
+        )
+        subprocess.run(argv, check=True, timeout=SYNTH_TIMEOUT_S, cwd=ROOT, capture_output=True)
+    return path
+
+
+def check_links(net: Network, cfg: BenchConfig) -> list[str]:
+    """Bulk transfers server -> worker and worker -> server on every worker's link."""
+    lines = []
+    server = net.hosts[0]
+    for host in net.hosts[1:]:
+        slower = min(rate_bits(server.rate), rate_bits(host.rate))
+        size = int(cfg.probe_mb * 1e6) or max(1 << 20, min(64 << 20, int(slower / 8 * 0.4)))
+        for src, dst in ((server, host), (host, server)):
+            bits = measure_rate(src, dst, size, cfg.out / "logs")
+            lines.append(
+                f"link {src.netns} -> {dst.netns}: {bits / 1e6:.1f} Mbit/s of TCP payload "
+                f"(cap {slower / 1e6:g} Mbit/s, {size / 1e6:.1f} MB)"
+            )
+    return lines
+
+
+def run(cfg: BenchConfig) -> int:
+    """Build the hosts, run every job, print the table; returns the exit code."""
+    variants = tuple(cfg.variant(name) for name in cfg.variants)
+    lacking = {name: gone for name, gone in missing_features(variants).items() if gone}
+    runnable = [v for v in variants if v.name not in lacking]
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    dataset = make_dataset(cfg)
+    cfg = dataclasses.replace(cfg, out=cfg.out / time.strftime("%Y%m%d-%H%M%S"))
+    cfg.out.mkdir()
+    gloo_runs, ps_runs, failures = [], {v.name: [] for v in runnable}, {}
+    with Network(NetConfig(rates=cfg.rates, prefix=cfg.prefix)) as net:
+        links = check_links(net, cfg)
+        for line in links:
+            log.info(line)
+        for repeat in range(cfg.repeats):
+            try:
+                gloo_runs.append(run_gloo(net, cfg, dataset, cfg.out / f"gloo-r{repeat}"))
+                log.info("repeat %d gloo: %s", repeat, _brief(gloo_runs[-1]))
+            except ChildError as exc:
+                failures.setdefault("gloo", []).append(str(exc).splitlines()[0])
+                log.error("repeat %d gloo failed: %s", repeat, exc)
+            for variant in runnable:
+                run_dir = cfg.out / f"{variant.name}-r{repeat}"
+                try:
+                    ps_runs[variant.name].append(run_ps(net, cfg, variant, dataset, run_dir))
+                    log.info(
+                        "repeat %d %s: %s", repeat, variant.name, _brief(ps_runs[variant.name][-1])
+                    )
+                except ChildError as exc:
+                    failures.setdefault(variant.name, []).append(str(exc).splitlines()[0])
+                    log.error("repeat %d %s failed: %s", repeat, variant.name, exc)
+    text, figures = table(cfg, gloo_runs, ps_runs, lacking, failures)
+    params = gloo_runs[0]["params"] if gloo_runs else None
+    print("\n".join(links))
+    print(text)
+    print(legend(cfg, figures, params))
+    results = {
+        "config": {k: str(v) for k, v in vars(cfg).items()},
+        "links": links,
+        "figures": figures,
+        "unavailable": lacking,
+        "failures": failures,
+        "gloo": gloo_runs,
+        "ps": ps_runs,
+    }
+    (cfg.out / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
+    print(f"results: {cfg.out / 'results.json'}")
+    return 1 if failures else 0
+
+
+def _brief(result: dict) -> str:
+    keys = ("allreduce_s", "ddp_step_s", "round_s", "comm_s")
+    parts = [f"{k} {sorted(result[k])[len(result[k]) // 2]:.3f}" for k in keys if result.get(k)]
+    return ", ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; exit code 0 when every job ran (or the bench cannot run here)."""
+    setup_logging("INFO", "multihost ")
+    try:
+        cfg = parse(argv)
+    except PSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    reason = available()
+    if reason:
+        print(f"skipped: {reason} (the bench builds network namespaces)")
+        return 0
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _interrupt)
+    started = time.monotonic()
+    try:
+        code = run(cfg)
+    except KeyboardInterrupt:
+        log.error("interrupted; every namespace and process was removed")
+        return 130
+    except (PSError, OSError, subprocess.SubprocessError) as exc:
+        log.error("%s", exc)
+        return 1
+    log.info("done in %.0f s", time.monotonic() - started)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

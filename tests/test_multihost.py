@@ -1,0 +1,180 @@
+"""The multi-host bench's parts: emulated hosts with capped links (root), config, variants."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.mh_jobs import _rounds  # noqa: E402
+from bench.mh_report import table  # noqa: E402
+from bench.mh_setup import BenchConfig, Variant, missing_features  # noqa: E402
+from bench.netns import NetConfig, Network, available, namespaces, rate_bits  # noqa: E402
+from bench.netprobe import measure_rate  # noqa: E402
+from bench.procs import Child  # noqa: E402
+from common.errors import ConfigError  # noqa: E402
+
+PREFIX = "mht"  # not the bench's "mh-": a bench run at the same time is left alone
+
+
+@pytest.fixture
+def netns_ok() -> None:
+    """Skips without root or iproute2; fails instead when REQUIRE_NETNS=1."""
+    reason = available()
+    if reason is None:
+        return
+    if os.environ.get("REQUIRE_NETNS") == "1":
+        pytest.fail(f"{reason} (REQUIRE_NETNS=1 requires it)")
+    pytest.skip(reason)
+
+
+def _all_mh() -> set[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10)
+    return {line.split()[0] for line in listing.stdout.splitlines() if line.startswith("mh")}
+
+
+def test_capped_link_and_teardown(netns_ok: None, tmp_path: Path) -> None:
+    before = _all_mh()
+    # A stale namespace from a "crashed" earlier run with this prefix is removed at start.
+    subprocess.run(["ip", "netns", "add", f"{PREFIX}-h7"], check=True, timeout=10)
+    cap = rate_bits("50mbit")
+    try:
+        with Network(
+            NetConfig(rates=("50mbit", "50mbit"), prefix=PREFIX, subnet="10.214.0")
+        ) as net:
+            assert f"{PREFIX}-h7" not in namespaces(PREFIX)
+            assert set(namespaces(PREFIX)) == {f"{PREFIX}-sw", f"{PREFIX}-h0", f"{PREFIX}-h1"}
+            a, b = net.hosts
+            up = measure_rate(a, b, 3_000_000, tmp_path, timeout=60)
+            down = measure_rate(b, a, 3_000_000, tmp_path, timeout=60)
+            stats = net.qdisc_stats()
+        # TCP payload stays under the cap (headers take ~3 %); far below would mean a broken link.
+        for rate in (up, down):
+            assert 0.6 * cap < rate < 1.02 * cap, (up, down, stats)
+        assert all("tbf" in text and "rate 50Mbit" in text for text in stats.values()), stats
+    finally:
+        subprocess.run(["ip", "netns", "del", f"{PREFIX}-h7"], capture_output=True, timeout=10)
+    assert namespaces(PREFIX) == []
+    assert _all_mh() == before
+
+
+def test_teardown_on_failure(netns_ok: None, tmp_path: Path) -> None:
+    sleeper: Child | None = None
+    try:
+        with (
+            pytest.raises(RuntimeError, match="boom"),
+            Network(NetConfig(rates=("1gbit", "1gbit", "1gbit"), prefix=PREFIX)) as net,
+        ):
+            assert len(namespaces(PREFIX)) == 4
+            # A process left running inside a host is killed with its namespace.
+            argv = net.hosts[1].argv(["sh", "-c", "echo ready; exec sleep 300"])
+            sleeper = Child("sleeper", argv, tmp_path / "sleeper.log")
+            sleeper.wait_for("^ready$", 30)
+            raise RuntimeError("boom")
+        assert namespaces(PREFIX) == []
+        assert sleeper is not None and sleeper.wait(timeout=10) == -9
+    finally:
+        if sleeper is not None:
+            sleeper.stop()
+
+
+def test_rates_and_config_validation() -> None:
+    assert rate_bits("1gbit") == 1_000_000_000
+    assert rate_bits("100mbit") == 100_000_000
+    assert rate_bits("2.5Mbit") == 2_500_000
+    for bad in ("fast", "0mbit", "10mbps", ""):
+        with pytest.raises(ConfigError, match="rate"):
+            rate_bits(bad)
+    with pytest.raises(ConfigError, match="prefix"):
+        NetConfig(rates=("1gbit", "1gbit"), prefix="xx").validate()
+    with pytest.raises(ConfigError, match="subnet"):
+        NetConfig(rates=("1gbit", "1gbit"), subnet="8.8.8").validate()
+    with pytest.raises(ConfigError, match="hosts"):
+        NetConfig(rates=("1gbit",)).validate()
+    with pytest.raises(ConfigError, match="needs 4 rates"):
+        BenchConfig(workers=3, rates=("1gbit",) * 3).validate()
+    with pytest.raises(ConfigError, match="unknown variants"):
+        BenchConfig(variants=("ps-k9",)).validate()
+
+
+def test_shard_placement_skips_the_slow_host() -> None:
+    rates = ("1gbit", "1gbit", "1gbit", "100mbit")
+    every = Variant("a", "", options=("--shards", "{shards}"), shards="workers")
+    fast = Variant("b", "", options=("--shards", "{shards}"), shards="fast")
+    assert every.shard_hosts(rates) == [1, 2, 3]
+    assert fast.shard_hosts(rates) == [1, 2]
+    assert fast.server_options(rates) == ["--shards", "2"]
+    assert Variant("c", "").shard_hosts(rates) == []
+
+
+def test_missing_options_are_reported() -> None:
+    known = Variant("known", "", options=("--max-steps", "3"), requires=("--max-steps",))
+    absent = Variant(
+        "absent", "", requires=("--no-such-option",), requires_commands=("no-such-command",)
+    )
+    report = missing_features((known, absent))
+    assert report == {"known": [], "absent": ["--no-such-option", "pserver no-such-command"]}
+
+
+def test_round_records_give_communication_time(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+
+    def record(seconds: float, *workers: tuple[str, int, float]) -> dict:
+        entries = [{"worker": n, "batch": b, "speed": s} for n, b, s in workers]
+        return {"event": "round", "t": 1.0, "round_s": seconds, "workers": entries}
+
+    events = [
+        {"event": "start", "t": 0.0},
+        record(9.0, ("w1", 8, 8.0)),
+        record(3.0, ("w1", 8, 16.0), ("w2", 4, 4.0)),
+    ]
+    metrics.write_text("\n".join(json.dumps(e) for e in events) + "\n")
+    report = _rounds(metrics, warmup=1)
+    assert report["round_s"] == [3.0]
+    assert report["compute_s"] == [1.0]  # the slower worker: 4 samples at 4 samples/s
+    assert report["comm_s"] == [2.0]
+    assert report["compute_source"] == "batch / speed"
+    events[2]["workers"][1]["compute_s"] = 1.5
+    events[2]["workers"][0]["compute_s"] = 0.5
+    metrics.write_text("\n".join(json.dumps(e) for e in events) + "\n")
+    report = _rounds(metrics, warmup=1)
+    assert report["compute_s"] == [1.5] and report["comm_s"] == [1.5]
+    assert report["compute_source"] == "round records"
+
+
+def test_not_root_is_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert available() == "network namespaces need root"
+
+
+def test_table_ratios_by_hand() -> None:
+    cfg = BenchConfig(variants=("ps-k1", "ps-k1-local", "ps-kN"))
+    gloo = [{"allreduce_s": [0.5, 0.5, 0.7], "compute_s": [0.25, 0.9], "ddp_step_s": [1.0]}]
+    ps = {
+        "ps-k1": [
+            {"round_s": [3.0, 2.5], "comm_s": [2.5, 2.0], "compute_s": [0.5, 0.5],
+             "compute_source": "batch / speed", "batches": {"w1": 8}},
+        ],
+        "ps-k1-local": [],
+    }  # fmt: skip
+    text, figures = table(cfg, gloo, ps, {"ps-kN": ["--shards"]}, {"ps-k1-local": ["it broke"]})
+    assert figures["reference"]["reference_s"] == pytest.approx(0.75)  # 0.5 + fastest 0.25
+    row = figures["variants"]["ps-k1"]
+    assert row["estimated_round_s"] == pytest.approx(2.25 + 0.25)  # median comm + solo compute
+    assert row["ratio_reference"] == pytest.approx(2.5 / 0.75)
+    assert row["ratio_comm_allreduce"] == pytest.approx(2.25 / 0.5)
+    assert row["ratio_ddp_step"] == pytest.approx(2.75 / 1.0)
+    lines = text.splitlines()
+    assert all(line.count("|") == 10 for line in lines)
+    assert any("ps-kN" in line and "not available: needs --shards" in line for line in lines)
+    assert any("ps-k1-local" in line and "failed: it broke" in line for line in lines)
+    given = BenchConfig(variants=("ps-k1",), compute_s=0.05)
+    _, figures = table(given, gloo, ps, {}, {})
+    assert figures["variants"]["ps-k1"]["ratio_reference"] == pytest.approx(2.3 / 0.55)
