@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-
 COMPLETED = ("epochs", "max_steps", "target_oa")  # finish reasons of a run that reached its end
 
 
