@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from common.errors import ConfigError, DeviceError
+from common.training.models import build_model
 from common.training.slowdown import SlowdownSchedule
 from common.training.speed import SpeedMeter
 from worker.device import resolve_device
@@ -58,3 +59,56 @@ def test_slowdown_schedule_factors_and_emulated_time() -> None:
     for bad in ("x", "10", "10:0.5"):
         with pytest.raises(ConfigError):
             SlowdownSchedule(1.0, bad)
+
+
+class _RecordingStores:
+    """Stands in for StoreClient: records which chunks were sent, when, with what values."""
+
+    def __init__(self, size: int, chunk: int) -> None:
+        self.chunks = [(a, min(a + chunk, size)) for a in range(0, size, chunk)]
+        self.sent: dict[int, torch.Tensor] = {}
+        self.order: list[int] = []
+        self.during_backward: list[int] = []
+        self.in_backward = False
+
+    def begin_push(self, task_id: int, push_token: str, version: int) -> None:
+        self.sent.clear()
+
+    def send_chunk(self, index: int, values: torch.Tensor) -> None:
+        self.sent[index] = values.clone()
+        self.order.append(index)
+        if self.in_backward:
+            self.during_backward.append(index)
+
+    def unsent(self) -> list[int]:
+        return [j for j in range(len(self.chunks)) if j not in self.sent]
+
+
+def test_chunks_pushed_during_backward_equal_the_whole_push() -> None:
+    from common.training.flat import FlatModel
+    from worker.overlap import OverlappedPush
+
+    torch.manual_seed(0)
+    model = build_model("hsi-cnn", in_channels=8, num_classes=3, input_size=5).train()
+    flat = FlatModel(model)
+    stores = _RecordingStores(flat.size, 2048)
+    host = torch.zeros(flat.size)
+    overlap = OverlappedPush(flat, stores, host)  # type: ignore[arg-type]
+    x, y = torch.randn(16, 8, 5, 5), torch.randint(0, 3, (16,))
+    flat.load(flat.state.clone())
+    flat.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    overlap.arm(1, "token", 0)
+    stores.in_backward = True
+    loss.backward()
+    stores.in_backward = False
+    overlap.finish()
+    whole = torch.empty(flat.size)
+    flat.push_into(whole)
+    assert sorted(stores.sent) == list(range(len(stores.chunks)))
+    for j, (a, b) in enumerate(stores.chunks):
+        assert torch.equal(stores.sent[j], whole[a:b])
+    # backward finishes the last layers first: most chunks left during backward, from the end
+    assert len(stores.during_backward) >= len(stores.chunks) // 2
+    params_done = [j for j in stores.during_backward if stores.chunks[j][0] < flat.num_params]
+    assert params_done[0] > params_done[-1]

@@ -33,6 +33,7 @@ class WorkerConfig:
     curve_server_key: str | None = None
     curve_secret: str | None = None
     allow_model: tuple[str, ...] = ()
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         self.validate()

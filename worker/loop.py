@@ -35,6 +35,7 @@ from worker.config import WorkerConfig
 from worker.device import ComputeTimer, host_buffer, resolve_device
 from worker.heartbeat import TRAINING_ENDED, Heartbeat
 from worker.local_data import open_local_copy
+from worker.overlap import OverlappedPush
 from worker.params import StoreClient
 from worker.prefetch import AheadReader, Prefetcher
 
@@ -101,6 +102,7 @@ class Worker:
         self._host_state: torch.Tensor | None = None
         self._host_grad: torch.Tensor | None = None
         self._loaded_version = -1
+        self.overlap: OverlappedPush | None = None
         self.augmenter: Augmenter | None = None
 
     def run(self) -> WorkerStats:
@@ -215,6 +217,9 @@ class Worker:
                 self.curve,
                 abort,
             )
+            if self.config.overlap:
+                assert self.flat is not None and self._host_grad is not None
+                self.overlap = OverlappedPush(self.flat, self.stores, self._host_grad)
             prefetcher = self._open_data(spec, abort)
             if self.config.augment:
                 self.augmenter = Augmenter(spec.seed, noise=self.config.augment_noise)
@@ -278,6 +283,7 @@ class Worker:
             )
         self._host_state = host_buffer(self.flat.size, self.device)
         self._host_grad = host_buffer(self.flat.size, self.device)
+        self.overlap = None
         log.info(
             "joined %s as worker %d (%s, model %s, %d store%s, %s wire)",
             self.config.server,
@@ -303,17 +309,41 @@ class Worker:
         self.flat.state.copy_(state)  # calibration must not leave BatchNorm statistics
         log.info("calibrated: %.1f samples/s", self.speed.speed)
 
-    def _compute(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Forward and backward on one batch, then the emulated slowdown; returns the loss."""
+    def _compute(self, x: torch.Tensor, y: torch.Tensor, task: TaskReply | None = None) -> float:
+        """Forward and backward on one batch, then the emulated slowdown; returns the loss.
+
+        With ``task``, gradient chunks are pushed while backward runs (on an emulated slow
+        device only after its emulated step, as its slowdown is a sleep after compute). A
+        loss that is not finite skips backward and pushes nothing.
+        """
         assert self.model is not None and self.flat is not None
         self.timer.start()
         self.flat.zero_grad()
         loss = nn.functional.cross_entropy(self.model(x), y)
-        loss.backward()
+        value = float(loss.detach())
+        overlap = task is not None and self.overlap is not None
+        overlap = overlap and self.slowdown.factor(self.stats.steps) == 1
+        if math.isfinite(value):
+            if overlap:
+                assert self.overlap is not None and task is not None
+                self.overlap.arm(task.task_id, task.push_token, task.version)
+            loss.backward()
         emulated = self.slowdown.emulate(self.stats.steps, self.timer.stop())
         self.speed.update(len(y), emulated)
         self.stats.compute_s += emulated
-        return float(loss.detach())
+        if task is not None and math.isfinite(value):
+            self._finish_push(task, overlap)
+        return value
+
+    def _finish_push(self, task: TaskReply, overlapped: bool) -> None:
+        """Send what backward did not already push."""
+        assert self.flat is not None and self.stores is not None and self._host_grad is not None
+        if overlapped:
+            assert self.overlap is not None
+            self.overlap.finish()
+            return
+        self.flat.push_into(self._host_grad)
+        self.stores.push(task.task_id, task.push_token, task.version, self._host_grad)
 
     def _request_task(self) -> TaskReply:
         assert self.conn is not None
@@ -354,7 +384,7 @@ class Worker:
         for attempt in range(1, MAX_NAN_TRIES + 1):
             self._ensure_params(task)
             begin = self.stats.compute_s
-            loss = self._compute(x, y)
+            loss = self._compute(x, y, task)
             if math.isfinite(loss):
                 break
             log.warning("loss is %s on task %d (try %d)", loss, task.task_id, attempt)
@@ -364,7 +394,6 @@ class Worker:
                     f"the loss stayed {loss} on task {task.task_id} after {attempt} tries; "
                     "leaving so that its samples go to other workers"
                 )
-        self.flat.push_into(self._host_grad)
         self.stats.steps += 1
         self.stats.samples += len(task.indices)
         if self.stats.steps % self.config.log_every == 0:
@@ -376,7 +405,6 @@ class Worker:
                 loss,
                 self.speed.speed,
             )
-        self.stores.push(task.task_id, task.push_token, task.version, self._host_grad)
         assert self.conn is not None
         push = PushRequest(
             worker_id=self.worker_id,

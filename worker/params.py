@@ -76,25 +76,52 @@ class StoreClient:
             self._abort.connect(abort)
             self._poller.register(self._abort, zmq.POLLIN)
         self._waiting: dict[int, tuple[int, int]] = {}  # request id -> (start, stop)
+        self._chunk_socket = [
+            sock for sock, spans in zip(self._sockets, self._spans, strict=True) for _ in spans
+        ]
+        self._push: tuple[int, str, int] = (0, "", 0)
+        self._unsent: set[int] = set()
+
+    @property
+    def chunks(self) -> list[tuple[int, int]]:
+        """Every chunk ``(start, stop)`` of the state, in store order."""
+        return [span for spans in self._spans for span in spans]
+
+    def begin_push(self, task_id: int, push_token: str, version: int) -> None:
+        """Start pushing the gradient of ``task_id``: chunks follow with ``send_chunk``."""
+        self._waiting.clear()
+        self._push = (task_id, push_token, version)
+        self._unsent = set(range(len(self._chunk_socket)))
+
+    def send_chunk(self, index: int, values: torch.Tensor) -> None:
+        """Send chunk ``index`` (of ``chunks``) of the gradient being pushed; its reply (the
+        same range of the next parameters) comes later."""
+        task_id, push_token, version = self._push
+        start, stop = self.chunks[index]
+        data, scale = encode(values, self.wire)
+        request_id = next(self._ids)
+        message = GradientChunk(
+            worker_id=self.worker_id,
+            token=push_token,
+            task_id=task_id,
+            version=version,
+            offset=start,
+            scale=scale,
+            gradient=data,
+        )
+        self._chunk_socket[index].send_multipart(message.to_wire(request_id), copy=False)
+        self._waiting[request_id] = (start, stop)
+        self._unsent.discard(index)
+
+    def unsent(self) -> list[int]:
+        """Chunks of the push not sent yet."""
+        return sorted(self._unsent)
 
     def push(self, task_id: int, push_token: str, version: int, gradient: torch.Tensor) -> None:
         """Send every chunk of ``gradient`` (flat float32 on the host); replies come later."""
-        self._waiting.clear()
-        for sock, spans in zip(self._sockets, self._spans, strict=True):
-            for start, stop in spans:
-                data, scale = encode(gradient[start:stop], self.wire)
-                request_id = next(self._ids)
-                message = GradientChunk(
-                    worker_id=self.worker_id,
-                    token=push_token,
-                    task_id=task_id,
-                    version=version,
-                    offset=start,
-                    scale=scale,
-                    gradient=data,
-                )
-                sock.send_multipart(message.to_wire(request_id), copy=False)
-                self._waiting[request_id] = (start, stop)
+        self.begin_push(task_id, push_token, version)
+        for index, (start, stop) in enumerate(self.chunks):
+            self.send_chunk(index, gradient[start:stop])
 
     def pull(self, min_version: int) -> None:
         """Ask every store for every chunk of version ``min_version`` or newer."""

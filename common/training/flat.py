@@ -131,10 +131,17 @@ class FlatModel:
         """Zero every gradient (in place, so they stay views)."""
         self.grads.zero_()
 
-    def push_into(self, host: torch.Tensor) -> None:
-        """Write ``[gradients..., buffer changes...]`` into the flat host buffer ``host``."""
+    def push_into(self, host: torch.Tensor, start: int = 0, stop: int | None = None) -> None:
+        """Write ``[gradients..., buffer changes...]`` (elements ``start`` to ``stop`` of it)
+        into the same range of the flat host buffer ``host``."""
         p = self.num_params
-        host[:p].copy_(self.grads, non_blocking=True)
-        host[p:].copy_(self.state[p:] - self._buffers_before, non_blocking=True)
+        stop = self.size if stop is None else stop
+        if start < p:
+            cut = min(stop, p)
+            host[start:cut].copy_(self.grads[start:cut], non_blocking=True)
+        if stop > p:
+            cut = max(start, p)
+            change = self.state[cut:stop] - self._buffers_before[cut - p : stop - p]
+            host[cut:stop].copy_(change, non_blocking=True)
         if self.state.device.type == "cuda":
             torch.cuda.current_stream(self.state.device).synchronize()

@@ -53,9 +53,13 @@ class RunLog:
             if tensorboard:
                 from common.training.tbsink import TensorBoardSink
 
-                board = TensorBoardSink(run_dir, fresh=resume_at is None)
-                board.set_clock(self.now())
-                self.add_sink(board, board.close)
+                try:
+                    board = TensorBoardSink(run_dir, fresh=resume_at is None)
+                except OSError as exc:  # e.g. a full disk: the run goes on without it
+                    log.error("TensorBoard files cannot be written (%s); going on without", exc)
+                else:
+                    board.set_clock(self.now())
+                    self.add_sink(board, board.close)
 
     def add_sink(self, sink: Sink, close: Callable[[], None] | None = None) -> None:
         """Hand every later event to ``sink`` (it must not block); ``close`` runs on close."""

@@ -166,7 +166,10 @@ class TensorBoardSink:
                     log.exception("TensorBoard: cannot write %s", record.get("event"))
             self._flush_window()
         finally:
-            self._writer.close()
+            try:
+                self._writer.close()
+            except OSError as exc:  # a full disk must not end the process with a traceback
+                log.error("TensorBoard: cannot close the event file: %s", exc)
 
     def _emit(self, scalars: list[tuple[str, float]], step: int, t: float) -> None:
         """Write scalars as one record."""
