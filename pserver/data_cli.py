@@ -33,6 +33,16 @@ def _summary(meta: DatasetMeta) -> str:
     )
 
 
+def _names(text: str | None) -> list[str] | None:
+    """Split a comma-separated --classes value; None when not given."""
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",")]
+    if not all(names):
+        raise click.BadParameter(f"empty class name in {text!r}", param_hint="--classes")
+    return names
+
+
 @click.group("data")
 def data_group() -> None:
     """Prepare, synthesise and inspect HDF5 datasets."""
@@ -45,12 +55,16 @@ def prepare_group() -> None:
 
 @prepare_group.command("hsi")
 @click.option(
-    "--cube", required=True, help="Hyperspectral cube (rows, cols, bands) as FILE.mat[:KEY]."
+    "--cube",
+    required=True,
+    help="Hyperspectral cube (rows, cols, bands): FILE.mat[:KEY] (loaded whole), an ENVI "
+    "FILE.hdr (or its data file) or a GeoTIFF FILE.tif (both read a band of rows at a time).",
 )
 @click.option(
     "--gt",
     required=True,
-    help="Class map (rows, cols) as FILE.mat[:KEY]; 0 = unlabelled, 1..K = classes.",
+    help="Class map (rows, cols): FILE.mat[:KEY], a single-band GeoTIFF or an ENVI "
+    "classification file; 0 = unlabelled, 1..K = classes.",
 )
 @click.option(
     "--out", required=True, type=click.Path(dir_okay=False), help="The HDF5 file to write."
@@ -72,10 +86,24 @@ def prepare_group() -> None:
     "disjoint: spatial tiles, no test patch shares a pixel with a training patch.",
 )
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the split.")
+@click.option(
+    "--classes",
+    default=None,
+    show_default=True,
+    help="Comma-separated names of classes 1..K (default: from the .mat 'class_names' "
+    "variable or the ENVI header, else class_1..class_K).",
+)
 def prepare_hsi_cmd(
-    cube: str, gt: str, out: str, patch: int, train_fraction: float, split: str, seed: int
+    cube: str,
+    gt: str,
+    out: str,
+    patch: int,
+    train_fraction: float,
+    split: str,
+    seed: int,
+    classes: str | None,
 ) -> None:
-    """Cut P x P patches around every labelled pixel of a .mat cube and class map."""
+    """Cut P x P patches around every labelled pixel of a cube and class map."""
     from common.data.convert.hsi import prepare_hsi
 
     meta = _run(
@@ -87,6 +115,7 @@ def prepare_hsi_cmd(
         train_fraction=train_fraction,
         split=split,
         seed=seed,
+        class_names=_names(classes),
     )
     click.echo(_summary(meta))
 
