@@ -17,6 +17,7 @@ from common.protocol.messages import StatusReply, StatusRequest
 from common.protocol.security import generate, load_client_keys
 from pserver.config import MODES, OPTIMIZERS, SCHEDULES, STALENESS, ServerConfig
 from pserver.data_cli import data_group
+from pserver.model_cli import COMMANDS as MODEL_COMMANDS
 
 
 @click.group(context_settings={"auto_envvar_prefix": "PSERVER", "show_default": True})
@@ -234,6 +235,8 @@ def keygen(directory: Path) -> None:
 
 
 main.add_command(data_group)
+for _command in MODEL_COMMANDS:
+    main.add_command(_command)
 
 if __name__ == "__main__":
     sys.exit(main())
