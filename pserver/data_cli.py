@@ -160,6 +160,71 @@ def prepare_folder_cmd(
     click.echo(_summary(meta))
 
 
+@prepare_group.command("torch")
+@click.option(
+    "--dataset",
+    "spec",
+    required=True,
+    help="package.module:Factory returning a map-style torch Dataset whose samples are "
+    "{'image', 'label'} dicts (torchgeo) or (x, y) tuples; the module must be importable "
+    "(PYTHONPATH).",
+)
+@click.option(
+    "--kwargs",
+    default=None,
+    show_default=True,
+    help="Factory arguments as k=v,k2=v2 (values: Python literals, else strings).",
+)
+@click.option(
+    "--out", required=True, type=click.Path(dir_okay=False), help="The HDF5 file to write."
+)
+@click.option(
+    "--classes",
+    default=None,
+    show_default=True,
+    help="Comma-separated class names for labels 0..K-1 (default: the dataset's 'classes' "
+    "attribute, else class_0..class_K-1).",
+)
+@click.option(
+    "--train-fraction",
+    default=0.8,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
+    help="Fraction of each class's samples used for training (stratified).",
+)
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the split.")
+@click.option(
+    "--progress/--no-progress", default=True, show_default=True, help="Show progress bars."
+)
+def prepare_torch_cmd(
+    spec: str,
+    kwargs: str | None,
+    out: str,
+    classes: str | None,
+    train_fraction: float,
+    seed: int,
+    progress: bool,
+) -> None:
+    """Stream a torch Dataset (e.g. a torchgeo classification dataset) into a scenes file."""
+    from common.data.convert.torch_dataset import parse_kwargs, prepare_torch
+
+    try:
+        factory_kwargs = parse_kwargs(kwargs)
+    except DatasetError as exc:
+        raise click.BadParameter(str(exc), param_hint="--kwargs") from exc
+    meta = _run(
+        prepare_torch,
+        spec=spec,
+        out=out,
+        kwargs=factory_kwargs,
+        class_names=_names(classes),
+        train_fraction=train_fraction,
+        seed=seed,
+        progress=progress,
+    )
+    click.echo(_summary(meta))
+
+
 @data_group.command("synth")
 @click.option(
     "--kind",
