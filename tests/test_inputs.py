@@ -11,7 +11,7 @@ import rasterio
 import scipy.io
 import spectral.io.envi as envi
 from click.testing import CliRunner
-from affine import Affine
+from rasterio.transform import Affine
 
 import common.data.convert.patches as patches
 from common.data.convert.cube import load_labels, open_cube

@@ -30,7 +30,7 @@ def _quiet() -> Iterator[None]:
 
 def _georef(dataset: Any) -> GeoRef | None:
     """GeoRef of an open rasterio dataset; None when it has neither CRS nor a transform."""
-    from affine import Affine
+    from rasterio.transform import Affine
 
     crs = dataset.crs.to_wkt() if dataset.crs else None
     transform = tuple(float(v) for v in tuple(dataset.transform)[:6])
@@ -143,7 +143,7 @@ def write_class_geotiff(
         DatasetError: the file cannot be written.
     """
     import rasterio
-    from affine import Affine
+    from rasterio.transform import Affine
 
     k = len(class_names)
     dtype = np.uint8 if k < 255 else np.uint16
