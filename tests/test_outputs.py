@@ -20,32 +20,13 @@ from PIL import Image
 from rasterio.transform import Affine
 
 from common.data.dataset import DatasetReader
-from launch.local import LocalCluster, run_local
 from pserver.cli import main
 from pserver.outputs.maps import colours
+from tests.runs import train
 
 PATCH = 5
 CRS = "EPSG:32610"
 TRANSFORM = Affine(20.0, 0.0, 552000.0, 0.0, -20.0, 4141000.0)
-
-
-def train(dataset: Path, run_dir: Path, model: str, epochs: int, workers: int = 2) -> dict:
-    """A short real run (server and worker processes); prints the cluster log on failure."""
-    cluster = LocalCluster(
-        dataset=dataset,
-        model=model,
-        mode="weighted-sync",
-        slowdowns=(1.0,) * workers,
-        run_dir=run_dir,
-        server_options=("--epochs", str(epochs), "--lr", "0.05", "--lr-schedule", "cosine"),
-        run_timeout_s=240.0,
-    )
-    try:
-        return run_local(cluster)
-    except Exception:
-        log = run_dir / "cluster.log"
-        print(log.read_text() if log.is_file() else "no cluster.log")
-        raise
 
 
 def invoke(args: list[str]) -> Any:
