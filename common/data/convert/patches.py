@@ -57,14 +57,22 @@ def padded_rows(cube: Cube, start: int, stop: int, pad: int) -> np.ndarray:
     Raises:
         DatasetError: the cube cannot be read.
     """
-    rows, cols, _ = cube.shape
+    rows, cols, bands = cube.shape
     wanted = reflect_indices(np.arange(start - pad, stop + pad), rows)
     lo, hi = int(wanted.min()), int(wanted.max()) + 1
-    block = np.asarray(cube.read_rows(lo, hi), dtype=np.float32)
-    block = block[wanted - lo]
+    raw = cube.read_rows(lo, hi)
+    # One float32 output, filled in place: the stored rows go into its middle columns
+    # (converted on assignment), then the reflected columns are copied from them.
+    out = np.empty((wanted.size, cols + 2 * pad, bands), dtype=np.float32)
+    middle = out[:, pad : pad + cols]
+    if np.array_equal(wanted, np.arange(lo, hi)):
+        middle[...] = raw
+    else:
+        middle[...] = raw[wanted - lo]
     if pad:
-        block = block[:, reflect_indices(np.arange(-pad, cols + pad), cols)]
-    return block
+        out[:, :pad] = middle[:, reflect_indices(np.arange(-pad, 0), cols)]
+        out[:, pad + cols :] = middle[:, reflect_indices(np.arange(cols, cols + pad), cols)]
+    return out
 
 
 def iter_bands(
