@@ -80,6 +80,7 @@ def predict_scene(
                 predicted = model.classify(windows[r, c])
                 flat[start * cols + first : start * cols + first + idx.size] = predicted
                 bar.update(idx.size)
+            del windows  # one band in memory at a time
     return out
 
 

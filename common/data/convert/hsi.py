@@ -142,6 +142,7 @@ def write_patch_dataset(
             for first in range(lo, hi, BLOCK):
                 rc = coords[first : min(hi, first + BLOCK)]
                 w.write(windows[rc[:, 0] - start, rc[:, 1]], y[first : first + len(rc)])
+            del windows  # one band in memory at a time
         w.close(
             train,
             test,

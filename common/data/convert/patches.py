@@ -93,7 +93,8 @@ def iter_bands(
 
     Returns:
         An iterator of ``(start, stop, windows)``: ``windows[r, c]`` is the float32 (bands, P, P)
-        patch centred on pixel (start + r, c) (a view into one padded band).
+        patch centred on pixel (start + r, c) (a view into one padded band). Delete ``windows``
+        at the end of each step, so that only one band is in memory at a time.
     """
     rows, cols, bands = cube.shape
     step = rows_per_band(cols, bands, patch, budget)
@@ -104,3 +105,4 @@ def iter_bands(
             block -= mean.astype(np.float32)
             block /= std.astype(np.float32)
         yield start, stop, sliding_window_view(block, (patch, patch), axis=(0, 1))
+        del block  # before the next band is read (callers drop their view too)
