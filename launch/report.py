@@ -140,10 +140,58 @@ def render_markdown(data: dict[str, Any]) -> str:
         "",
         _table(SPEEDUP_COLUMNS, speedups),
         "",
+        *per_class_section(data),
         "![OA against training time and samples seen](report.png)",
         "",
     ]
     return "\n".join(lines)
+
+
+def per_class_section(data: dict[str, Any]) -> list[str]:
+    """Markdown lines of the per-class accuracy table: one row per mode, one column per class.
+
+    Each cell is the median over the mode's repeats of the class's test accuracy in the
+    final evaluation, with the min-max range when repeats differ; ``-`` where no run reported
+    the class.
+
+    Args:
+        data: compare.json content.
+
+    Returns:
+        The section's lines (empty when no run's summary has ``per_class``).
+    """
+    names: list[str] = []
+    rows = []
+    support: list[int] = []
+    for mode in data["settings"]["modes"]:
+        found = [
+            r["summary"]["per_class"]
+            for r in data["runs"]
+            if r["mode"] == mode and "error" not in r and (r.get("summary") or {}).get("per_class")
+        ]
+        if not found:
+            continue
+        names = names or list(found[0]["names"])
+        support = support or list(found[0]["support"])
+        row = [mode]
+        for k in range(len(names)):
+            stats = spread([p["accuracy"][k] for p in found if k < len(p["accuracy"])])
+            if stats is None:
+                row.append("-")
+            elif stats[0] == stats[2]:
+                row.append(f"{stats[1]:.3f}")
+            else:
+                row.append(f"{stats[1]:.3f} ({stats[0]:.3f}-{stats[2]:.3f})")
+        rows.append(row)
+    if not rows:
+        return []
+    headers = ["mode", *(f"{n} (n={s})" for n, s in zip(names, support, strict=False))]
+    return [
+        "## Per-class accuracy (final evaluation, median over repeats, min-max in brackets)",
+        "",
+        _table(headers, rows),
+        "",
+    ]
 
 
 def plot(data: dict[str, Any], path: Path) -> list[str]:

@@ -27,6 +27,7 @@ from common.protocol.security import generate, load_client_keys
 from common.protocol.wire import WIRE_DTYPES
 from pserver.config import MODES, OPTIMIZERS, SCHEDULES, STALENESS, ServerConfig, ShardConfig
 from pserver.data_cli import data_group
+from pserver.model_cli import COMMANDS as MODEL_COMMANDS
 
 CONTEXT = {"auto_envvar_prefix": "PSERVER", "show_default": True}
 
@@ -335,6 +336,8 @@ def keygen(directory: Path) -> None:
 
 
 main.add_command(data_group)
+for _command in MODEL_COMMANDS:
+    main.add_command(_command)
 
 if __name__ == "__main__":
     sys.exit(main())

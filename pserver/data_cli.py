@@ -33,6 +33,16 @@ def _summary(meta: DatasetMeta) -> str:
     )
 
 
+def _names(text: str | None) -> list[str] | None:
+    """Split a comma-separated --classes value; None when not given."""
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",")]
+    if not all(names):
+        raise click.BadParameter(f"empty class name in {text!r}", param_hint="--classes")
+    return names
+
+
 @click.group("data")
 def data_group() -> None:
     """Prepare, synthesise and inspect HDF5 datasets."""
@@ -45,12 +55,16 @@ def prepare_group() -> None:
 
 @prepare_group.command("hsi")
 @click.option(
-    "--cube", required=True, help="Hyperspectral cube (rows, cols, bands) as FILE.mat[:KEY]."
+    "--cube",
+    required=True,
+    help="Hyperspectral cube (rows, cols, bands): FILE.mat[:KEY] (loaded whole), an ENVI "
+    "FILE.hdr (or its data file) or a GeoTIFF FILE.tif (both read a band of rows at a time).",
 )
 @click.option(
     "--gt",
     required=True,
-    help="Class map (rows, cols) as FILE.mat[:KEY]; 0 = unlabelled, 1..K = classes.",
+    help="Class map (rows, cols): FILE.mat[:KEY], a single-band GeoTIFF or an ENVI "
+    "classification file; 0 = unlabelled, 1..K = classes.",
 )
 @click.option(
     "--out", required=True, type=click.Path(dir_okay=False), help="The HDF5 file to write."
@@ -72,10 +86,24 @@ def prepare_group() -> None:
     "disjoint: spatial tiles, no test patch shares a pixel with a training patch.",
 )
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the split.")
+@click.option(
+    "--classes",
+    default=None,
+    show_default=True,
+    help="Comma-separated names of classes 1..K (default: from the .mat 'class_names' "
+    "variable or the ENVI header, else class_1..class_K).",
+)
 def prepare_hsi_cmd(
-    cube: str, gt: str, out: str, patch: int, train_fraction: float, split: str, seed: int
+    cube: str,
+    gt: str,
+    out: str,
+    patch: int,
+    train_fraction: float,
+    split: str,
+    seed: int,
+    classes: str | None,
 ) -> None:
-    """Cut P x P patches around every labelled pixel of a .mat cube and class map."""
+    """Cut P x P patches around every labelled pixel of a cube and class map."""
     from common.data.convert.hsi import prepare_hsi
 
     meta = _run(
@@ -87,6 +115,7 @@ def prepare_hsi_cmd(
         train_fraction=train_fraction,
         split=split,
         seed=seed,
+        class_names=_names(classes),
     )
     click.echo(_summary(meta))
 
@@ -127,6 +156,71 @@ def prepare_folder_cmd(
         train_fraction=train_fraction,
         seed=seed,
         size=size,
+    )
+    click.echo(_summary(meta))
+
+
+@prepare_group.command("torch")
+@click.option(
+    "--dataset",
+    "spec",
+    required=True,
+    help="package.module:Factory returning a map-style torch Dataset whose samples are "
+    "{'image', 'label'} dicts (torchgeo) or (x, y) tuples; the module must be importable "
+    "(PYTHONPATH).",
+)
+@click.option(
+    "--kwargs",
+    default=None,
+    show_default=True,
+    help="Factory arguments as k=v,k2=v2 (values: Python literals, else strings).",
+)
+@click.option(
+    "--out", required=True, type=click.Path(dir_okay=False), help="The HDF5 file to write."
+)
+@click.option(
+    "--classes",
+    default=None,
+    show_default=True,
+    help="Comma-separated class names for labels 0..K-1 (default: the dataset's 'classes' "
+    "attribute, else class_0..class_K-1).",
+)
+@click.option(
+    "--train-fraction",
+    default=0.8,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
+    help="Fraction of each class's samples used for training (stratified).",
+)
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the split.")
+@click.option(
+    "--progress/--no-progress", default=True, show_default=True, help="Show progress bars."
+)
+def prepare_torch_cmd(
+    spec: str,
+    kwargs: str | None,
+    out: str,
+    classes: str | None,
+    train_fraction: float,
+    seed: int,
+    progress: bool,
+) -> None:
+    """Stream a torch Dataset (e.g. a torchgeo classification dataset) into a scenes file."""
+    from common.data.convert.torch_dataset import parse_kwargs, prepare_torch
+
+    try:
+        factory_kwargs = parse_kwargs(kwargs)
+    except DatasetError as exc:
+        raise click.BadParameter(str(exc), param_hint="--kwargs") from exc
+    meta = _run(
+        prepare_torch,
+        spec=spec,
+        out=out,
+        kwargs=factory_kwargs,
+        class_names=_names(classes),
+        train_fraction=train_fraction,
+        seed=seed,
+        progress=progress,
     )
     click.echo(_summary(meta))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from common.training.summary import run_summary, scores_of
+from common.training.summary import per_class_of, run_summary, scores_of
 
 if TYPE_CHECKING:
     from pserver.server import ParameterServer
@@ -30,6 +30,7 @@ def build_summary(ps: ParameterServer) -> dict[str, Any]:
         staleness=ps.policy.staleness(),
         finish_reason=run.finish_reason,
         global_batch=cfg.global_batch,
+        per_class=per_class_of(run.evals, ps.meta.class_names),
         details={
             **ps.policy.summary(),
             "shards": cfg.shards,

@@ -67,6 +67,7 @@ def test_compare_two_modes_writes_the_report(tmp_path: Path) -> None:
     ps_summary = json.loads((Path(runs["equal-sync"]["run_dir"]) / "summary.json").read_text())
     ddp_summary = json.loads((Path(runs["ddp"]["run_dir"]) / "summary.json").read_text())
     assert set(ddp_summary) == set(ps_summary)  # the same summary.json contract
+    assert ddp_summary["per_class"]["support"] == ps_summary["per_class"]["support"]
     for mode, run in runs.items():
         summary = run["summary"]
         assert summary["mode"] == mode and summary["epochs"] == 3
@@ -88,6 +89,7 @@ def test_compare_two_modes_writes_the_report(tmp_path: Path) -> None:
         assert len(row) == len(RESULT_COLUMNS) and row[1] == "1"
         for cell in row[2:]:
             assert len(cell.split(" / ")) == 3, cell  # min / median / max
+    assert _table(markdown, "## Per-class accuracy")[0][0] == "mode"
     speedups = _table(markdown, "## Speed-up")
     assert speedups[0] == list(SPEEDUP_COLUMNS)
     assert speedups[2][:2] == ["ddp", "1.00x"]  # ddp against itself

@@ -80,6 +80,9 @@ def record_evaluation(
 ) -> dict[str, Any]:
     """Log the ``eval`` event of GUIDE section 3 and the matching progress line.
 
+    The event also carries the per-class ``accuracy`` and ``support`` and the ``confusion``
+    matrix, from which the summary's ``per_class`` is built.
+
     Args:
         run_log: the run's log.
         scores: the evaluation's result.
@@ -102,6 +105,9 @@ def record_evaluation(
         kappa=scores.kappa,
         loss=scores.loss,
         eval_s=round(eval_s, 4),
+        accuracy=list(scores.accuracy),
+        support=list(scores.support),
+        confusion=[list(row) for row in scores.confusion],
         **extra,
     )
     log.info(

@@ -15,6 +15,28 @@ def scores_of(record: dict[str, Any] | None) -> dict[str, float] | None:
     return {k: record[k] for k in SCORE_KEYS}
 
 
+def per_class_of(evals: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str, Any] | None:
+    """The ``per_class`` map of the final evaluation (the highest version).
+
+    Args:
+        evals: every ``eval`` record.
+        names: the dataset's class names.
+
+    Returns:
+        ``{"names", "accuracy", "support", "confusion"}``, or None without an evaluation
+        that carries per-class results.
+    """
+    final = max(evals, key=lambda r: r["version"]) if evals else None
+    if final is None or "accuracy" not in final:
+        return None
+    return {
+        "names": list(names),
+        "accuracy": final["accuracy"],
+        "support": final["support"],
+        "confusion": final["confusion"],
+    }
+
+
 def run_summary(
     *,
     mode: str,
@@ -53,7 +75,8 @@ def run_summary(
         finish_reason: why training ended.
         global_batch: B.
         idle_share: sync modes: the share of worker round time spent waiting at the barrier.
-        per_class: ``{"names", "accuracy", "support"}`` of the final evaluation.
+        per_class: ``{"names", "accuracy", "support", "confusion"}`` of the final
+            evaluation (see ``per_class_of``).
         details: mode-specific extras.
 
     Returns:

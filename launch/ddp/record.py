@@ -12,7 +12,7 @@ from common.training.evaluator import Evaluator, record_evaluation
 from common.training.flat import FlatLayout
 from common.training.runlog import RunLog
 from common.training.speed import SpeedMeter
-from common.training.summary import run_summary
+from common.training.summary import per_class_of, run_summary
 from launch.ddp.launcher import DDPConfig
 from launch.ddp.step import StepResult
 
@@ -212,6 +212,7 @@ class RunRecorder:
             staleness=None,
             finish_reason=reason,
             global_batch=self.config.train.global_batch,
+            per_class=per_class_of(self.evals, self.evaluator.reader.meta.class_names),
             details={
                 "rounds": len(self.round_times),
                 "round_s_median": float(np.median(times)),

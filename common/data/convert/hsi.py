@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
-from common.data.convert.matfile import load_class_names, load_mat_array, split_spec
+from common.data.convert.cube import ArrayCube, Cube, load_labels, open_cube
+from common.data.convert.patches import iter_bands, rows_per_band
 from common.data.dataset import DatasetMeta, DatasetReader
 from common.data.splits import disjoint_split, stratified_split, take_stratified
 from common.data.writer import DatasetWriter
@@ -22,8 +22,32 @@ SPLITS = ("random", "disjoint")
 BLOCK = 1024  # samples per write; bounds the memory of one block of patches
 
 
+def _train_statistics(cube: Cube, train_coords: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-band mean and std (float64) of the training pixels, read band by band; checks that
+    the whole cube is finite.
+
+    Raises:
+        DatasetError: the cube holds NaN or Inf, or cannot be read.
+    """
+    rows, cols, bands = cube.shape
+    step = rows_per_band(cols, bands, 1)
+    parts = []
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        block = cube.read_rows(start, stop)
+        if block.dtype.kind == "f" and not np.all(np.isfinite(block)):
+            raise DatasetError(f"cube {cube.spec!r} contains NaN or Inf (rows {start}:{stop})")
+        inside = train_coords[(train_coords[:, 0] >= start) & (train_coords[:, 0] < stop)]
+        parts.append(block[inside[:, 0] - start, inside[:, 1]].astype(np.float64))
+    pixels = np.concatenate(parts)
+    mean = pixels.mean(axis=0)
+    std = pixels.std(axis=0)
+    std[std < 1e-12] = 1.0
+    return mean, std
+
+
 def write_patch_dataset(
-    cube: np.ndarray,
+    cube: np.ndarray | Cube,
     labels: np.ndarray,
     out: str | os.PathLike[str],
     *,
@@ -40,10 +64,12 @@ def write_patch_dataset(
 
     Picks the labelled pixels (optionally capped), splits them, normalises every band with the
     mean and std of the training pixels, reflect-pads the cube and streams (C, P, P) patches
-    centred on each labelled pixel, in row-major pixel order, to ``out``.
+    centred on each labelled pixel, in row-major pixel order, to ``out``. The cube is read
+    twice, a band of rows at a time (statistics, then patches).
 
     Args:
-        cube: (rows, cols, bands) numeric array.
+        cube: (rows, cols, bands) numeric array, or an open ``Cube`` (read band by band, so
+            ENVI and GeoTIFF scenes need not fit in memory).
         labels: (rows, cols) int array, -1 for unlabelled and 0..K-1 for classes.
         out: the dataset file to write.
         class_names: K names.
@@ -61,11 +87,12 @@ def write_patch_dataset(
     Raises:
         DatasetError: an argument is invalid or no pixel is labelled.
     """
-    if cube.ndim != 3:
-        raise DatasetError(f"cube must be (rows, cols, bands), got shape {cube.shape}")
-    if labels.shape != cube.shape[:2]:
+    if isinstance(cube, np.ndarray):
+        cube = ArrayCube(cube)
+    rows, cols, bands = cube.shape
+    if labels.shape != (rows, cols):
         raise DatasetError(
-            f"class map shape {labels.shape} does not match cube rows x cols {cube.shape[:2]}"
+            f"class map shape {labels.shape} does not match cube rows x cols {(rows, cols)}"
         )
     if not (isinstance(patch, (int, np.integer)) and patch >= 1 and patch % 2 == 1):
         raise DatasetError(f"patch must be an odd integer >= 1, got {patch!r}")
@@ -89,7 +116,7 @@ def write_patch_dataset(
     if split == "random":
         train, test = stratified_split(y, train_fraction, seed, k)
     else:
-        train, test = disjoint_split(coords, y, cube.shape[:2], patch, train_fraction, seed)
+        train, test = disjoint_split(coords, y, (rows, cols), patch, train_fraction, seed)
         keep = np.union1d(train, test)
         remap = np.full(y.size, -1, dtype=np.int64)
         remap[keep] = np.arange(keep.size)
@@ -97,29 +124,25 @@ def write_patch_dataset(
         coords, y, train, test = coords[keep], y[keep], remap[train], remap[test]
     for c in np.flatnonzero(np.bincount(y[test], minlength=k) == 0):
         log.warning("class %d (%s) has no test samples", c, class_names[int(c)])
-    train_pixels = cube[coords[train, 0], coords[train, 1]].astype(np.float64)
-    mean = train_pixels.mean(axis=0)
-    std = train_pixels.std(axis=0)
-    std[std < 1e-12] = 1.0
-    norm = cube.astype(np.float32)  # in place from here: cubes can be large
-    norm -= mean.astype(np.float32)
-    norm /= std.astype(np.float32)
-    r = patch // 2
-    padded = np.pad(norm, ((r, r), (r, r), (0, 0)), mode="reflect") if r else norm
-    windows = sliding_window_view(padded, (patch, patch), axis=(0, 1))  # rows, cols, C, P, P
+    mean, std = _train_statistics(cube, coords[train])
     attrs = {
         "patch": int(patch),
         "split": split,
         "train_fraction": float(train_fraction),
         "seed": int(seed),
-        "image_shape": [int(cube.shape[0]), int(cube.shape[1])],
+        "image_shape": [int(rows), int(cols)],
         **(extra_attrs or {}),
     }
-    bands = cube.shape[2]
+    # Pixels are in row-major order, so one top-to-bottom pass over bands of rows writes them
+    # in file order; only one reflect-padded, normalised band is in memory at a time.
+    row_starts = np.searchsorted(coords[:, 0], np.arange(rows + 1))
     with DatasetWriter(out, (bands, patch, patch), y.size, "hsi", class_names, source) as w:
-        for start in range(0, y.size, BLOCK):
-            rc = coords[start : start + BLOCK]
-            w.write(windows[rc[:, 0], rc[:, 1]], y[start : start + BLOCK])
+        for start, stop, windows in iter_bands(cube, patch, mean, std):
+            lo, hi = int(row_starts[start]), int(row_starts[stop])
+            for first in range(lo, hi, BLOCK):
+                rc = coords[first : min(hi, first + BLOCK)]
+                w.write(windows[rc[:, 0] - start, rc[:, 1]], y[first : first + len(rc)])
+            del windows  # one band in memory at a time
         w.close(
             train,
             test,
@@ -140,18 +163,23 @@ def prepare_hsi(
     train_fraction: float = 0.1,
     split: str = "random",
     seed: int = 0,
+    class_names: Sequence[str] | None = None,
 ) -> DatasetMeta:
-    """Prepare a patch dataset from a hyperspectral cube and a ground-truth map in .mat files.
+    """Prepare a patch dataset from a hyperspectral cube and a ground-truth map.
 
     Args:
-        cube_spec: ``FILE.mat[:KEY]`` of the (rows, cols, bands) cube.
-        gt_spec: ``FILE.mat[:KEY]`` of the (rows, cols) class map; 0 = unlabelled, 1..K =
-            classes 0..K-1. A ``class_names`` variable in that file names the classes.
+        cube_spec: the (rows, cols, bands) cube: ``FILE.mat[:KEY]`` (loaded whole), an ENVI
+            file (``.hdr`` or its data file) or a multi-band GeoTIFF (both read a band of rows
+            at a time, so they need not fit in memory).
+        gt_spec: the (rows, cols) class map, ``FILE.mat[:KEY]``, a single-band GeoTIFF or an
+            ENVI classification file; 0 = unlabelled, 1..K = classes 0..K-1. Class names come
+            from a ``class_names`` variable (.mat) or the ENVI header's ``class names``.
         out: the dataset file to write.
         patch: odd patch side P >= 1.
         train_fraction: training fraction per class, in (0, 1).
         split: ``"random"`` or ``"disjoint"`` (spatially disjoint; see docs/data.md).
         seed: seed of the split.
+        class_names: names of classes 1..K; override those found in the files.
 
     Returns:
         The written dataset's metadata.
@@ -166,41 +194,37 @@ def prepare_hsi(
         raise DatasetError(f"train_fraction must be in (0, 1), got {train_fraction!r}")
     if split not in SPLITS:
         raise DatasetError(f"split must be one of {SPLITS}, got {split!r}")
-    cube = load_mat_array(cube_spec)
-    gt = load_mat_array(gt_spec)
-    if cube.ndim != 3:
-        raise DatasetError(f"cube {cube_spec!r} must be (rows, cols, bands), got {cube.shape}")
-    if gt.ndim != 2:
-        raise DatasetError(f"ground truth {gt_spec!r} must be (rows, cols), got {gt.shape}")
-    if gt.shape != cube.shape[:2]:
-        raise DatasetError(
-            f"ground truth {gt_spec!r} is {gt.shape[0]}x{gt.shape[1]} but cube {cube_spec!r} "
-            f"is {cube.shape[0]}x{cube.shape[1]} (rows x cols)"
+    with open_cube(cube_spec) as cube:
+        gt, names, gt_georef = load_labels(gt_spec)
+        rows, cols, _ = cube.shape
+        if gt.shape != (rows, cols):
+            raise DatasetError(
+                f"ground truth {gt_spec!r} is {gt.shape[0]}x{gt.shape[1]} but cube "
+                f"{cube_spec!r} is {rows}x{cols} (rows x cols)"
+            )
+        if gt_georef is not None and cube.georef is not None and gt_georef != cube.georef:
+            log.warning(
+                "ground truth %s and cube %s are georeferenced differently", gt_spec, cube_spec
+            )
+        num_labels = int(gt.max())
+        where = "class_names"
+        if class_names is not None:
+            names, where = [str(n) for n in class_names], "--classes"
+        if names is not None and len(names) < num_labels:
+            raise DatasetError(
+                f"ground truth {gt_spec!r} has labels up to {num_labels} but {where} lists "
+                f"only {len(names)}: {names}"
+            )
+        if names is None:
+            names = [f"class_{i}" for i in range(1, num_labels + 1)]
+        return write_patch_dataset(
+            cube,
+            gt - 1,
+            out,
+            class_names=names,
+            patch=patch,
+            train_fraction=train_fraction,
+            split=split,
+            seed=seed,
+            source=f"prepare hsi --cube {cube_spec} --gt {gt_spec}",
         )
-    if not np.all(np.isfinite(cube)):
-        raise DatasetError(f"cube {cube_spec!r} contains NaN or Inf")
-    if gt.dtype.kind == "f" and not np.all(np.mod(gt, 1) == 0):
-        raise DatasetError(f"ground truth {gt_spec!r} has non-integer labels")
-    if gt.min() < 0:
-        raise DatasetError(f"ground truth {gt_spec!r} has negative label {gt.min()}")
-    gt = gt.astype(np.int64)
-    num_labels = int(gt.max())
-    names = load_class_names(split_spec(gt_spec)[0])
-    if names is not None and len(names) < num_labels:
-        raise DatasetError(
-            f"ground truth {gt_spec!r} has labels up to {num_labels} but class_names lists "
-            f"only {len(names)}: {names}"
-        )
-    if names is None:
-        names = [f"class_{i}" for i in range(1, num_labels + 1)]
-    return write_patch_dataset(
-        cube,
-        gt - 1,
-        out,
-        class_names=names,
-        patch=patch,
-        train_fraction=train_fraction,
-        split=split,
-        seed=seed,
-        source=f"prepare hsi --cube {cube_spec} --gt {gt_spec}",
-    )

@@ -1,0 +1,1 @@
+"""What a trained run produces for users: exported models, classification maps, predictions."""

@@ -1,0 +1,123 @@
+"""Classifying every pixel of a scene with an exported model, streamed band by band."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from common.data.convert.cube import Cube
+from common.data.convert.patches import iter_bands
+from common.errors import DatasetError, ModelError
+from common.training.metrics import Scores, confusion_matrix, scores_from_confusion
+from pserver.outputs.model_file import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+def check_scene(model: LoadedModel, cube: Cube) -> int:
+    """Check that ``model`` classifies pixels of scenes like ``cube``.
+
+    Returns:
+        The patch side P.
+
+    Raises:
+        ModelError: the model classifies whole images, not pixels.
+        DatasetError: the cube's band count differs from the model's.
+    """
+    meta = model.meta
+    if meta["kind"] != "hsi":
+        raise ModelError(
+            f"model {str(model.path)!r} classifies whole images ({meta['kind']}); "
+            "use --images DIR instead of --cube"
+        )
+    bands = cube.shape[2]
+    if bands != meta["bands"]:
+        raise DatasetError(
+            f"cube {cube.spec!r} has {bands} bands but model {str(model.path)!r} was trained on "
+            f"{meta['bands']}"
+        )
+    return int(meta["patch"])
+
+
+def predict_scene(
+    model: LoadedModel, cube: Cube, batch: int = 1024, progress: bool = True
+) -> np.ndarray:
+    """Classify every pixel of ``cube`` from the P x P patch around it (reflect padding).
+
+    The cube is read a band of rows at a time (windowed for ENVI and GeoTIFF), and patches go
+    to the model ``batch`` at a time, so memory holds one band, one batch and the map itself.
+
+    Args:
+        model: an exported pixel classifier (kind ``hsi``).
+        cube: the scene, with the model's band count.
+        batch: patches per forward pass.
+        progress: show a progress bar (pixels) on stderr.
+
+    Returns:
+        The (rows, cols) class indices (uint8 for up to 256 classes, else uint16).
+
+    Raises:
+        ModelError, DatasetError: see ``check_scene``; DatasetError when the cube is unreadable.
+    """
+    if batch < 1:
+        raise DatasetError(f"batch must be >= 1, got {batch}")
+    patch = check_scene(model, cube)
+    rows, cols, _ = cube.shape
+    dtype = np.uint8 if len(model.class_names) <= 256 else np.uint16
+    out = np.zeros((rows, cols), dtype=dtype)
+    flat = out.reshape(-1)
+    with tqdm(
+        total=rows * cols, unit="px", unit_scale=True, desc="predict", disable=not progress
+    ) as bar:
+        for start, stop, windows in iter_bands(cube, patch):
+            n = (stop - start) * cols
+            for first in range(0, n, batch):
+                idx = np.arange(first, min(n, first + batch))
+                r, c = np.divmod(idx, cols)
+                predicted = model.classify(windows[r, c])
+                flat[start * cols + first : start * cols + first + idx.size] = predicted
+                bar.update(idx.size)
+            del windows  # one band in memory at a time
+    return out
+
+
+def score_map(classes: np.ndarray, gt: np.ndarray, num_classes: int) -> Scores:
+    """OA, AA, kappa and per-class accuracy of a map on the labelled pixels of ``gt``.
+
+    Args:
+        classes: (rows, cols) predicted class indices.
+        gt: (rows, cols) ground truth, 0 = unlabelled, k + 1 = class k.
+        num_classes: K.
+
+    Returns:
+        The scores (loss is NaN: a map has no loss).
+
+    Raises:
+        DatasetError: the shapes differ or ``gt`` has labels above K.
+    """
+    if gt.shape != classes.shape:
+        raise DatasetError(
+            f"ground truth is {gt.shape[0]}x{gt.shape[1]} but the scene is "
+            f"{classes.shape[0]}x{classes.shape[1]} (rows x cols)"
+        )
+    if gt.max(initial=0) > num_classes:
+        raise DatasetError(
+            f"ground truth has label {int(gt.max())} but the model knows {num_classes} classes"
+        )
+    labelled = gt > 0
+    matrix = confusion_matrix(gt[labelled] - 1, classes[labelled], num_classes)
+    return scores_from_confusion(matrix, float("nan"))
+
+
+def scores_report(scores: Scores, names: list[str]) -> dict[str, Any]:
+    """Scores of a map as JSON-able data: ``{"labelled", "oa", "aa", "kappa", "per_class"}``."""
+    return {
+        "labelled": int(sum(scores.support)),
+        "oa": scores.oa,
+        "aa": scores.aa,
+        "kappa": scores.kappa,
+        "per_class": scores.per_class(names),
+    }
