@@ -86,20 +86,21 @@ def pump(
     """Copy a child's output to ``sink``; optionally catch the server's listening address.
 
     Args:
-        stream: the child's text output, read to its end.
+        stream: the child's text output, read to its end and then closed.
         sink: where each line goes, after ``prefix``.
         prefix: e.g. ``"[server] "``.
         found: set once a line announces the server's address.
         box: receives that address.
     """
-    for line in stream:
-        if found is not None and box is not None and not found.is_set():
-            match = LISTENING.search(line)
-            if match:
-                box.append(match.group(1))
-                found.set()
-        sink.write(prefix + line)
-        sink.flush()
+    with stream:  # the pipe is closed once the child has closed its end
+        for line in stream:
+            if found is not None and box is not None and not found.is_set():
+                match = LISTENING.search(line)
+                if match:
+                    box.append(match.group(1))
+                    found.set()
+            sink.write(prefix + line)
+            sink.flush()
 
 
 def run_local(cluster: LocalCluster, log_stream: IO[str] | None = None) -> dict[str, Any]:

@@ -351,6 +351,9 @@ class ParameterServer:
             Whether it was applied.
         """
         async with self.updater.lock:
+            if self.finished:  # the final checkpoint and summary stand: nothing changes now
+                await self._discarded(update)
+                return False
             try:
                 tau = await self.updater.apply(update, self.clip)
             except ProtocolError as exc:
@@ -363,6 +366,18 @@ class ParameterServer:
         self.plan()
         self.release()
         return True
+
+    async def _discarded(self, update: Update) -> None:
+        """An update closed after training ended: its samples go back (a resume hands them
+        out again) and its workers are told to stop."""
+        self.policy.refused(update)
+        await self.stores.drop(update.task_ids, ErrorCode.SHUTTING_DOWN, "training ended")
+        for worker, task, _ in update.entries:
+            self.clip.pop(task.task_id, None)
+            worker.pushing = None
+            self.sampler.give_back(task.epoch, task.positions)
+            if worker.active:
+                self.stop_worker(worker)
 
     async def _refused(self, update: Update, exc: ProtocolError) -> None:
         self.policy.refused(update)

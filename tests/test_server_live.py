@@ -217,3 +217,30 @@ async def test_a_push_that_arrived_counts_even_if_its_worker_then_leaves(small_h
         workers = {str(w["name"]): w for w in ps.roster.summaries()}
         assert workers["a"]["samples"] == len(task_a.indices) == 20
         waiting.cancel()
+
+
+async def test_an_update_closed_after_training_ended_is_not_applied(small_hsi) -> None:
+    """A push accepted just before the end must not change the parameters after it: the
+    final checkpoint and summary would then disagree with them; its samples go back."""
+    async with (
+        live_server(small_hsi, mode="async", epochs=100) as ps,
+        clients(ps.address, 1) as (client,),
+    ):
+        member, task = await client.join("late")
+        worker = ps.roster.workers[member.worker_id]
+        handed_out = ps.sampler.ledgers[task.epoch].handed_out
+        zeros = np.zeros(ps.state_size, dtype=np.float32)
+        async with ps.updater.lock:  # an update being applied holds the lock
+            pushing = asyncio.create_task(client.push(member, task, zeros))
+            for _ in range(200):  # until the push is accepted and waits for the lock
+                if worker.waiter is not None:
+                    break
+                await asyncio.sleep(0.05)
+            assert worker.waiter is not None
+            ps.finish("stopped")
+        reply = await asyncio.wait_for(pushing, 20)
+        assert isinstance(reply, TaskReply) and reply.action == "stop"
+        assert ps.updater.version == 0
+        ledger = ps.sampler.ledgers[task.epoch]
+        assert ledger.applied == 0
+        assert ledger.handed_out == handed_out - len(task.indices)
