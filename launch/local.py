@@ -7,19 +7,21 @@ import json
 import logging
 import os
 import re
-import signal
-import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from common.errors import ConfigError, PSError
+from launch.children import POLL_S, Child, Children, second_signal_kills, signals_interrupt
+from pserver.config import ServerConfig
 
 log = logging.getLogger(__name__)
 
 LISTENING = re.compile(r"pserver listening on (\S+)")
+SHUTDOWN_MARGIN_S = 15.0  # beyond the server's --shutdown-timeout, before it is killed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +125,57 @@ def run_local(cluster: LocalCluster, log_stream: IO[str] | None = None) -> dict[
     cluster.run_dir.mkdir(parents=True, exist_ok=True)
     own_log = log_stream is None
     sink = log_stream or (cluster.run_dir / "cluster.log").open("w", encoding="utf-8")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    server_cmd = _python_module(
+    children = Children(sink, {**os.environ, "PYTHONUNBUFFERED": "1"})
+    server: Child | None = None
+    try:
+        with signals_interrupt():
+            catcher = AddressCatcher()
+            server = children.start("server", _server_command(cluster), catcher, stderr_only=True)
+            address = _wait_until_listening(server, catcher, cluster.startup_timeout_s)
+            workers = [
+                children.start(name, _python_module("worker.cli", "join", *args))
+                for name, args in _worker_commands(cluster, address)
+            ]
+            code = children.wait(server, cluster.run_timeout_s, lambda: _check_workers(workers))
+    except BaseException:
+        with second_signal_kills(children):
+            children.stop(server, first_grace_s=_shutdown_budget_s(cluster.server_options))
+        raise
+    finally:
+        children.close()
+        if own_log:
+            sink.close()
+    if code != 0:
+        raise PSError(f"{server.failure()}; see the log")
+    children.stop()  # workers end when the server does; any straggler is stopped
+    failed = [w.code for w in workers]
+    if any(failed):
+        log.warning("worker exit codes: %s", failed)
+    summary_path = cluster.run_dir / "summary.json"
+    if not summary_path.exists():
+        raise PSError(f"the server wrote no {summary_path}")
+    summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    summary["worker_exit_codes"] = failed
+    return summary
+
+
+class AddressCatcher:
+    """Finds the server's address in its output (``pserver listening on ADDR``)."""
+
+    def __init__(self) -> None:
+        self.found = threading.Event()
+        self.address = ""
+
+    def __call__(self, line: str) -> None:
+        if not self.found.is_set():
+            match = LISTENING.search(line)
+            if match:
+                self.address = match.group(1)
+                self.found.set()
+
+
+def _server_command(cluster: LocalCluster) -> list[str]:
+    return _python_module(
         "pserver.cli",
         "start",
         "--bind",
@@ -141,77 +192,48 @@ def run_local(cluster: LocalCluster, log_stream: IO[str] | None = None) -> dict[
         str(cluster.run_dir),
         *cluster.server_options,
     )
-    server = subprocess.Popen(
-        server_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
-    )
-    listening, box = threading.Event(), []
-    pumps = [
-        threading.Thread(
-            target=pump, args=(server.stderr, sink, "[server] ", listening, box), daemon=True
-        )
-    ]
-    pumps[0].start()
-    workers: list[subprocess.Popen[str]] = []
-    try:
-        if not listening.wait(cluster.startup_timeout_s) or server.poll() is not None:
-            raise PSError(
-                f"the server did not start (exit code {server.poll()}); "
-                f"see {cluster.run_dir / 'cluster.log'}"
-            )
-        address = box[0]
-        for i, slowdown in enumerate(cluster.slowdowns):
-            device = cluster.devices[i if len(cluster.devices) > 1 else 0]
-            name = f"w{i}-x{slowdown:g}"
-            schedule = cluster.slowdown_schedules[i] if cluster.slowdown_schedules else ""
-            args = ["--server", address, "--device", device, "--slowdown", str(slowdown)]
-            args += ["--name", name, "--slowdown-schedule", schedule]
-            if ":" in cluster.model:  # a user model: the worker must be allowed to import it
-                args += ["--allow-model", cluster.model]
-            proc = subprocess.Popen(
-                _python_module("worker.cli", "join", *args, *cluster.worker_options),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=env,
-            )
-            workers.append(proc)
-            thread = threading.Thread(
-                target=pump, args=(proc.stdout, sink, f"[{name}] "), daemon=True
-            )
-            thread.start()
-            pumps.append(thread)
-        code = server.wait(timeout=cluster.run_timeout_s)
-        failed = [w.wait(timeout=60) for w in workers]
-        if code != 0:
-            raise PSError(f"the server exited with code {code}; see the log")
-        if any(failed):
-            log.warning("worker exit codes: %s", failed)
-    except (KeyboardInterrupt, subprocess.TimeoutExpired):
-        _stop(server, workers)
-        raise
-    except BaseException:
-        _stop(server, workers)
-        raise
-    finally:
-        for thread in pumps:
-            thread.join(timeout=5)
-        if own_log:
-            sink.close()
-    summary_path = cluster.run_dir / "summary.json"
-    if not summary_path.exists():
-        raise PSError(f"the server wrote no {summary_path}")
-    summary = json.loads(summary_path.read_text(encoding="utf-8"))
-    summary["worker_exit_codes"] = failed
-    return summary
 
 
-def _stop(server: subprocess.Popen[str], workers: Sequence[subprocess.Popen[str]]) -> None:
-    """Ask the server to stop (it stops the workers), then kill whatever is left."""
-    if server.poll() is None:
-        server.send_signal(signal.SIGTERM)
-    for proc in (server, *workers):
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def _worker_commands(cluster: LocalCluster, address: str) -> list[tuple[str, list[str]]]:
+    """(name, ``worker join`` arguments) per worker."""
+    commands = []
+    for i, slowdown in enumerate(cluster.slowdowns):
+        device = cluster.devices[i if len(cluster.devices) > 1 else 0]
+        name = f"w{i}-x{slowdown:g}"
+        schedule = cluster.slowdown_schedules[i] if cluster.slowdown_schedules else ""
+        args = ["--server", address, "--device", device, "--slowdown", str(slowdown)]
+        args += ["--name", name, "--slowdown-schedule", schedule]
+        if ":" in cluster.model:  # a user model: the worker must be allowed to import it
+            args += ["--allow-model", cluster.model]
+        commands.append((name, [*args, *cluster.worker_options]))
+    return commands
+
+
+def _wait_until_listening(server: Child, catcher: AddressCatcher, timeout_s: float) -> str:
+    """The server's address once it listens; fails fast with its error if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while not catcher.found.wait(POLL_S):
+        if server.code is not None:
+            raise PSError(f"the server did not start: {server.failure()}")
+        if time.monotonic() > deadline:
+            raise PSError(f"the server did not start listening within {timeout_s:g} s")
+    return catcher.address
+
+
+def _check_workers(workers: list[Child]) -> None:
+    """Fail once every worker has exited and one of them failed (the server would wait)."""
+    if workers and all(w.code is not None for w in workers):
+        failed = [w for w in workers if w.code != 0]
+        if failed:
+            raise PSError("; ".join(w.failure() for w in failed))
+
+
+def _shutdown_budget_s(server_options: Sequence[str]) -> float:
+    """How long the server may take to stop: its ``--shutdown-timeout`` and a margin."""
+    budget = ServerConfig.shutdown_timeout_s
+    for i, option in enumerate(server_options):
+        if option == "--shutdown-timeout" and i + 1 < len(server_options):
+            budget = float(server_options[i + 1])
+        elif option.startswith("--shutdown-timeout="):
+            budget = float(option.split("=", 1)[1])
+    return budget + SHUTDOWN_MARGIN_S

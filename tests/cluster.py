@@ -8,6 +8,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,15 @@ class Proc:
 
     def wait_for(self, text: str, timeout: float = LINE_TIMEOUT_S) -> str:
         """Block until a line containing ``text`` appears; return it."""
+        deadline = time.monotonic() + timeout
         while True:
-            line = self.lines.get(timeout=timeout)
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                raise AssertionError(
+                    f"{self.name} printed no {text!r} within {timeout:g} s:\n"
+                    + "".join(self.seen[-80:])
+                ) from None
             if line is None:
                 raise AssertionError(
                     f"{self.name} ended before printing {text!r}:\n" + "".join(self.seen[-80:])
@@ -58,7 +66,12 @@ class Proc:
 
     def wait(self, timeout: float = LINE_TIMEOUT_S) -> int:
         """Wait for exit, draining output."""
-        code = self.popen.wait(timeout=timeout)
+        try:
+            code = self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"{self.name} did not exit within {timeout:g} s:\n" + "".join(self.seen[-80:])
+            ) from None
         self._reader.join(timeout=10)
         while not self.lines.empty():
             line = self.lines.get()

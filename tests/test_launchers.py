@@ -1,0 +1,152 @@
+"""``pslaunch local`` watches its children: fails fast with their error, forwards signals, never
+leaves orphans, and lets the server write its summary when stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from common.errors import PSError
+from launch.local import LocalCluster, run_local
+
+ROOT = Path(__file__).resolve().parents[1]
+WAIT_S = 120.0
+MARK = "PSLAUNCH_TEST_MARK"
+
+
+def _processes_marked(mark: str) -> list[int]:
+    """Pids of live processes (zombies excluded) whose environment holds ``MARK=mark``: the
+    launcher's children inherit it, wherever they were reparented."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if f"{MARK}={mark}".encode() in environ and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture
+def mark(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A unique value every process this test starts carries in its environment."""
+    value = uuid.uuid4().hex
+    monkeypatch.setenv(MARK, value)
+    return value
+
+
+def _cluster(dataset: Path, run_dir: Path, **changes: object) -> LocalCluster:
+    settings: dict[str, object] = {
+        "dataset": dataset,
+        "model": "hsi-cnn",
+        "mode": "weighted-sync",
+        "slowdowns": (1.0,),
+        "run_dir": run_dir,
+        "server_options": ("--epochs", "2", "--shutdown-timeout", "30"),
+        "startup_timeout_s": WAIT_S,
+        "run_timeout_s": WAIT_S,
+    }
+    settings.update(changes)
+    return LocalCluster(**settings)  # type: ignore[arg-type]
+
+
+def test_a_server_that_cannot_start_fails_the_launch_with_its_error(
+    tmp_path: Path, mark: str
+) -> None:
+    cluster = _cluster(tmp_path / "missing.h5", tmp_path / "run")
+    with pytest.raises(PSError, match=r"did not start: server exited with code 2: .*not exist"):
+        run_local(cluster)
+    assert _processes_marked(mark) == []
+
+
+def test_the_only_worker_failing_ends_the_run_with_its_error(
+    small_hsi: Path, tmp_path: Path, mark: str
+) -> None:
+    """A worker asking for CUDA on a machine without it exits; the launch must not wait for
+    it forever but stop the server (which still writes its summary) and name the cause."""
+    cluster = _cluster(small_hsi, tmp_path, devices=("cuda:0",))
+    with pytest.raises(PSError, match=r"w0-x1 exited with code 1: .*CUDA"):
+        run_local(cluster)
+    assert _processes_marked(mark) == []
+    assert (tmp_path / "summary.json").exists()
+
+
+def _start_pslaunch(dataset: Path, run_dir: Path) -> subprocess.Popen[str]:
+    """``pslaunch local`` as a user starts it, in its own process group (like a terminal)."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "launch.cli",
+            "local",
+            "--dataset",
+            str(dataset),
+            "--model",
+            "hsi-cnn",
+            "--mode",
+            "async",
+            "--slowdowns",
+            "1,2",
+            "--epochs",
+            "1000",
+            "--run-dir",
+            str(run_dir),
+            "--server-opt=--shutdown-timeout=30",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+
+
+def _wait_for_training(run_dir: Path, launcher: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline and launcher.poll() is None:
+        if metrics.exists() and '"event": "push"' in metrics.read_text(encoding="utf-8"):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"training did not start (pslaunch exit code {launcher.poll()})")
+
+
+@pytest.mark.parametrize(
+    ("signum", "target"),
+    [(signal.SIGTERM, "launcher"), (signal.SIGINT, "group")],
+    ids=["sigterm-to-pslaunch", "ctrl-c-in-the-terminal"],
+)
+def test_a_stopped_launch_stops_every_child_and_keeps_the_summary(
+    small_hsi: Path, tmp_path: Path, mark: str, signum: int, target: str
+) -> None:
+    run_dir = tmp_path / "run"
+    launcher = _start_pslaunch(small_hsi, run_dir)
+    try:
+        _wait_for_training(run_dir, launcher)
+        assert len(_processes_marked(mark)) == 4  # pslaunch, its server and 2 workers
+        if target == "launcher":
+            launcher.send_signal(signum)
+        else:
+            os.killpg(launcher.pid, signum)  # what Ctrl-C does: the whole foreground group
+        _, err = launcher.communicate(timeout=WAIT_S)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate()
+    assert launcher.returncode == 130, err
+    assert "interrupted" in err
+    assert _processes_marked(mark) == []
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    assert summary["finish_reason"] == "stopped" and summary["steps"] > 0
