@@ -6,21 +6,24 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import sys
-import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from common.errors import ConfigError, PSError
-from launch.children import POLL_S, Child, Children, second_signal_kills, signals_interrupt
+from launch.procs import (
+    Child,
+    Children,
+    second_signal_kills,
+    signals_interrupt,
+    start_offset,
+    wait_for_address,
+)
 from pserver.config import ServerConfig
 
 log = logging.getLogger(__name__)
 
-LISTENING = re.compile(r"pserver listening on (\S+)")
 SHUTDOWN_MARGIN_S = 15.0  # beyond the server's --shutdown-timeout, before it is killed
 
 
@@ -78,29 +81,11 @@ def _python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def pump(
-    stream: IO[str],
-    sink: IO[str],
-    prefix: str,
-    found: threading.Event | None = None,
-    box: list[str] | None = None,
-) -> None:
-    """Copy a child's output to ``sink``; optionally catch the server's listening address.
-
-    Args:
-        stream: the child's text output, read to its end and then closed.
-        sink: where each line goes, after ``prefix``.
-        prefix: e.g. ``"[server] "``.
-        found: set once a line announces the server's address.
-        box: receives that address.
-    """
-    with stream:  # the pipe is closed once the child has closed its end
+def pump(stream: IO[str], sink: IO[str], prefix: str) -> None:
+    """Copy a child's output to ``sink``, each line after ``prefix``; the stream is read to its
+    end and then closed."""
+    with stream:
         for line in stream:
-            if found is not None and box is not None and not found.is_set():
-                match = LISTENING.search(line)
-                if match:
-                    box.append(match.group(1))
-                    found.set()
             sink.write(prefix + line)
             sink.flush()
 
@@ -129,9 +114,10 @@ def run_local(cluster: LocalCluster, log_stream: IO[str] | None = None) -> dict[
     server: Child | None = None
     try:
         with signals_interrupt():
-            catcher = AddressCatcher()
-            server = children.start("server", _server_command(cluster), catcher, stderr_only=True)
-            address = _wait_until_listening(server, catcher, cluster.startup_timeout_s)
+            metrics = cluster.run_dir / "metrics.jsonl"
+            offset = start_offset(metrics)
+            server = children.start("server", _server_command(cluster), stderr_only=True)
+            address = wait_for_address(server, metrics, offset, cluster.startup_timeout_s)
             workers = [
                 children.start(name, _python_module("worker.cli", "join", *args))
                 for name, args in _worker_commands(cluster, address)
@@ -157,21 +143,6 @@ def run_local(cluster: LocalCluster, log_stream: IO[str] | None = None) -> dict[
     summary = json.loads(summary_path.read_text(encoding="utf-8"))
     summary["worker_exit_codes"] = failed
     return summary
-
-
-class AddressCatcher:
-    """Finds the server's address in its output (``pserver listening on ADDR``)."""
-
-    def __init__(self) -> None:
-        self.found = threading.Event()
-        self.address = ""
-
-    def __call__(self, line: str) -> None:
-        if not self.found.is_set():
-            match = LISTENING.search(line)
-            if match:
-                self.address = match.group(1)
-                self.found.set()
 
 
 def _server_command(cluster: LocalCluster) -> list[str]:
@@ -207,17 +178,6 @@ def _worker_commands(cluster: LocalCluster, address: str) -> list[tuple[str, lis
             args += ["--allow-model", cluster.model]
         commands.append((name, [*args, *cluster.worker_options]))
     return commands
-
-
-def _wait_until_listening(server: Child, catcher: AddressCatcher, timeout_s: float) -> str:
-    """The server's address once it listens; fails fast with its error if it exits first."""
-    deadline = time.monotonic() + timeout_s
-    while not catcher.found.wait(POLL_S):
-        if server.code is not None:
-            raise PSError(f"the server did not start: {server.failure()}")
-        if time.monotonic() > deadline:
-            raise PSError(f"the server did not start listening within {timeout_s:g} s")
-    return catcher.address
 
 
 def _check_workers(workers: list[Child]) -> None:

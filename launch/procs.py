@@ -1,5 +1,6 @@
 """A launcher's child processes: each in its own process group, its output pumped into one log,
-watched while the run goes, and stopped in order (server first, with its shutdown budget).
+watched while the run goes, and stopped in order (server first, with its shutdown budget); and
+the server's address, read from its ``start`` event in ``metrics.jsonl``.
 
 Children run in their own sessions, so a Ctrl-C in the terminal reaches only the launcher, which
 then asks the server to stop once (a second signal would make the server exit at once and lose
@@ -11,12 +12,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import IO
 
@@ -161,6 +164,55 @@ class Children:
         for child in self.children:
             if child.pump is not None:
                 child.pump.join(timeout=timeout_s)
+
+
+def start_offset(metrics: Path) -> int:
+    """Where a server started now will write its events: the file's current size."""
+    try:
+        return metrics.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def new_start_address(metrics: Path, offset: int) -> str | None:
+    """The address of the last ``start`` event written after byte ``offset`` (GUIDE §7), or
+    None while there is none (a resumed run's file holds earlier servers' events before it)."""
+    try:
+        with metrics.open("rb") as f:
+            f.seek(offset)
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return None
+    address = None
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue  # a line still being written
+        if isinstance(record, dict) and record.get("event") == "start":
+            value = record.get("address")
+            if isinstance(value, str) and value:
+                address = value
+    return address
+
+
+def wait_for_address(server: Child, metrics: Path, offset: int, timeout_s: float) -> str:
+    """The server's address once its ``start`` event is written; fails fast with the server's
+    error if it exits first.
+
+    Raises:
+        PSError: the server exited, or did not start within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        address = new_start_address(metrics, offset)
+        if address is not None:
+            return address
+        if server.code is not None:
+            raise PSError(f"the server did not start: {server.failure()}")
+        if time.monotonic() > deadline:
+            raise PSError(f"the server did not start listening within {timeout_s:g} s")
+        time.sleep(POLL_S)
 
 
 def _signal_group(popen: subprocess.Popen[str], signum: int) -> None:
