@@ -112,15 +112,16 @@ def test_task_zero_hosts_the_store_and_publishes_its_port(tmp_path: Path) -> Non
 def test_task_config_checks_the_step_and_names_the_gpu(data: Path) -> None:
     job = _ddp_job(data)
     job.run_dir.mkdir()
-    path = job.run_dir / "ddp_config.json"
-    path.write_text(job.ddp_config().to_json())
+    path, config = job.run_dir / "ddp_config.json", job.ddp_config()
+    path.write_text(config.to_json())
     place = SlurmRank(1, 2, "127.0.0.1", None, job.run_dir / "rendezvous-7.0")
-    assert task_config(path, place, False, {}) == path
-    mine = task_config(path, place, True, {"CUDA_VISIBLE_DEVICES": "3", "SLURM_LOCALID": "1"})
+    assert task_config(config, path, place, False, {}) == path
+    env = {"CUDA_VISIBLE_DEVICES": "3", "SLURM_LOCALID": "1"}
+    mine = task_config(config, path, place, True, env)
     assert mine.name == "ddp_config-1.json"
     assert DDPConfig.from_json(mine.read_text()).devices == ("cuda:0",)
     with pytest.raises(ConfigError, match="SLURM_NTASKS=3"):
-        task_config(path, dataclasses.replace(place, world_size=3), False, {})
+        task_config(config, path, dataclasses.replace(place, world_size=3), False, {})
 
 
 def _compare(data: Path, **changes: object) -> CompareConfig:

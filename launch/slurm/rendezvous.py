@@ -170,11 +170,14 @@ def store_address(place: SlurmRank, timeout_s: float) -> str:
         time.sleep(POLL_S)
 
 
-def task_config(config_path: Path, place: SlurmRank, gpu: bool, env: Mapping[str, str]) -> Path:
+def task_config(
+    config: DDPConfig, config_path: Path, place: SlurmRank, gpu: bool, env: Mapping[str, str]
+) -> Path:
     """The configuration this task's rank reads: the job's, or a copy naming its own GPU.
 
     Args:
-        config_path: the job's ``ddp_config.json``.
+        config: the job's configuration.
+        config_path: the file it was read from (``ddp_config.json``).
         place: the task's place.
         gpu: the task was given GPUs (its device comes from Slurm, as for workers).
         env: the task's environment.
@@ -185,7 +188,6 @@ def task_config(config_path: Path, place: SlurmRank, gpu: bool, env: Mapping[str
     Raises:
         ConfigError: the configuration's ranks do not match ``SLURM_NTASKS``.
     """
-    config = DDPConfig.from_json(config_path.read_text(encoding="utf-8"))
     if config.world_size != place.world_size:
         raise ConfigError(
             f"{config_path} has {config.world_size} ranks (slowdowns) but the step has "
@@ -216,7 +218,7 @@ def run_slurm_rank(config_path: Path, gpu: bool, env: MutableMapping[str, str]) 
 
     config = DDPConfig.from_json(config_path.read_text(encoding="utf-8"))
     place = SlurmRank.from_env(env, config.run_dir)
-    path = task_config(config_path, place, gpu, env)
+    path = task_config(config, config_path, place, gpu, env)
     if place.on_loopback() and "GLOO_SOCKET_IFNAME" not in env:
         loopback = _loopback_interface()
         if loopback:
