@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from common.errors import NetworkTimeout
+from launch.settings import TrainSettings
 from launch.slurm.groups import Group
+from launch.slurm.jobs import SlurmRuns, run_job
 from launch.slurm.script import resources
 from launch.slurm.submit import wait_job
 from tests.slurm_jobs import (
@@ -284,3 +287,21 @@ def test_compare_launcher_slurm_writes_the_report(jasper_h5: Path, tmp_path: Pat
         rows = [line.split("|")[1].strip() for line in markdown.splitlines() if "| 1 |" in line]
         assert rows == ["weighted-sync", "ddp"]
         assert (out / "report.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_a_job_past_its_wait_timeout_is_cancelled(jasper_h5: Path, tmp_path: Path) -> None:
+    """compare's wait for one job is bounded: a job still running then is cancelled."""
+    job = SlurmRuns(time="10:00").job(
+        dataset=jasper_h5,
+        model="hsi-cnn",
+        mode="ddp",
+        run_dir=tmp_path / "late",
+        slowdowns=(1.0,),
+        train=TrainSettings(epochs=100),
+        cpus=1,
+    )
+    jobs: list[str] = []
+    with jobs_shown_and_cancelled(job.run_dir, jobs):
+        with pytest.raises(NetworkTimeout, match="had not ended"):
+            run_job(job, "test", 1.0, on_submit=jobs.append)
+        wait_for_state(jobs[0], "JobState=CANCELLED", timeout=60)
