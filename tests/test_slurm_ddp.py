@@ -10,8 +10,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from common.errors import ConfigError, NetworkTimeout
+from launch.cli import main
 from launch.compare import CompareConfig
 from launch.ddp.launcher import DDPConfig
 from launch.settings import TrainSettings
@@ -74,6 +76,19 @@ def test_ddp_job_refuses_what_only_a_server_does(data: Path) -> None:
     ):
         with pytest.raises(ConfigError, match=re.escape(name)):
             _ddp_job(data, **changes)
+
+
+def test_cli_writes_a_ddp_job(data: Path) -> None:
+    run_dir = data.parent / "run"
+    args = ["slurm", "--mode", "ddp", "--dataset", str(data), "--model", "hsi-cnn"]
+    args += ["--slowdowns", "1,3", "--epochs", "2", "--run-dir", str(run_dir)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    text = (run_dir / "job.sbatch").read_text()
+    assert "launch.slurm.node ddp" in text and '"slowdowns": [\n    1.0,\n    3.0\n  ]' in text
+    bad = CliRunner().invoke(main, [*args, "--shards", "2"])
+    assert bad.exit_code != 0 and "--shards does not apply" in bad.output
+    assert "Traceback" not in bad.output
 
 
 def test_rank_place_from_slurm_variables(tmp_path: Path) -> None:
