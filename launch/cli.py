@@ -17,6 +17,7 @@ from launch.ddp.launcher import BACKENDS, DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
 from launch.slowdowns import SCHEDULES_HELP, parse_schedules
 from launch.slurm.cli import slurm
+from launch.slurm.jobs import LAUNCHERS, SlurmRuns
 from launch.table import summary_tables
 from pserver.config import MODES, STALENESS
 
@@ -219,6 +220,20 @@ def ddp(
     help="Extra 'pserver start' option for the PS modes, e.g. --server-opt=--staleness-a=1.",
 )
 @click.option("--progress/--no-progress", default=True, help="Show the live progress line.")
+@click.option(
+    "--launcher",
+    type=click.Choice(LAUNCHERS),
+    default="local",
+    help="local: processes on this machine; slurm: each run as a Slurm job, one at a time.",
+)
+@click.option("--partition", default=None, help="Slurm partition (default: the cluster's).")
+@click.option("--time", "slurm_time", default="01:00:00", help="Each Slurm job's time limit.")
+@click.option(
+    "--wait-timeout",
+    type=float,
+    default=86400.0,
+    help="Seconds to wait for one Slurm job, queueing included; then it is cancelled.",
+)
 def compare(
     workers: int | None,
     slowdowns: str,
@@ -227,6 +242,9 @@ def compare(
     modes: str,
     server_opts: tuple[str, ...],
     progress: bool,
+    partition: str | None,
+    slurm_time: str,
+    wait_timeout: float,
     **options: Any,
 ) -> None:
     """Run every mode REPEATS times on the same data, seeds and slowdowns; write a report."""
@@ -242,6 +260,7 @@ def compare(
         slowdown_schedules=schedules,
         devices=device_list,
         server_options=server_opts,
+        slurm=SlurmRuns(partition=partition, time=slurm_time, wait_timeout_s=wait_timeout),
         **options,
     )
     data = _run(lambda c: run_compare(c, show_progress=progress), config)

@@ -2,8 +2,10 @@
 
 Runs are interleaved (repeat 1 of every mode, then repeat 2, ...) so that a change in the
 machine's load affects every mode alike. Each run gets the same seed and the same number of
-samples, so only the mode differs. The target accuracy is read off the eval events afterwards
-(runs are not stopped at it), so one run gives both the time to target and the final scores.
+samples, so only the mode differs. With ``launcher="slurm"`` each run is a Slurm job (see
+``launch.slurm.jobs``), submitted and waited for in the same order. The target accuracy is
+read off the eval events afterwards (runs are not stopped at it), so one run gives both the
+time to target and the final scores.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from common.errors import ConfigError, PSError
 from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
 from launch.settings import TrainSettings
+from launch.slurm.config import SlurmJob
+from launch.slurm.jobs import LAUNCHERS, SlurmRuns, run_job
 from pserver.config import MODES, STALENESS
 
 log = logging.getLogger(__name__)
@@ -52,6 +56,8 @@ class CompareConfig:
         staleness, max_staleness: async options (None: the server's default).
         server_options: further ``pserver start`` options for the parameter-server modes.
         threads: torch CPU threads per worker and per DDP rank.
+        launcher: ``local`` (processes on this machine) or ``slurm`` (one job per run).
+        slurm: how runs become Slurm jobs (``launcher="slurm"`` only).
     """
 
     dataset: Path
@@ -68,6 +74,8 @@ class CompareConfig:
     max_staleness: int | None = None
     server_options: tuple[str, ...] = ()
     threads: int = 1
+    launcher: str = "local"
+    slurm: SlurmRuns = dataclasses.field(default_factory=SlurmRuns)
 
     def validate(self) -> CompareConfig:
         """Check every field.
@@ -106,15 +114,37 @@ class CompareConfig:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         self.cluster("weighted-sync", self.out).validate()
         self.ddp("ddp", self.out).validate()
+        if self.launcher not in LAUNCHERS:
+            raise ConfigError(f"--launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
+        if self.launcher == "slurm":
+            self._validate_slurm()
         return self
 
-    def cluster(self, mode: str, run_dir: Path) -> LocalCluster:
-        """The parameter-server run of ``mode``."""
-        options = list(self.train.server_args())
+    def _validate_slurm(self) -> None:
+        """Refuse what Slurm runs do not support; build one job of each kind as a check."""
+        if any(self.slowdown_schedules):
+            raise ConfigError("--slowdown-schedules is not supported with --launcher slurm")
+        if set(self.devices) != {"cpu"}:
+            raise ConfigError(
+                f"--devices {','.join(self.devices)!r}: with --launcher slurm workers run on "
+                "the CPUs Slurm gives them (use pslaunch slurm --gpus-per-worker for GPUs)"
+            )
+        self.slurm.validate()
+        self.slurm_job("weighted-sync", self.out / "runs" / "check")
+        self.slurm_job("ddp", self.out / "runs" / "check")
+
+    def _server_mode_options(self) -> list[str]:
+        """``pserver start`` options for the async settings given."""
+        options = []
         if self.staleness is not None:
             options += ["--staleness", self.staleness]
         if self.max_staleness is not None:
             options += ["--max-staleness", str(self.max_staleness)]
+        return options
+
+    def cluster(self, mode: str, run_dir: Path) -> LocalCluster:
+        """The parameter-server run of ``mode``."""
+        options = [*self.train.server_args(), *self._server_mode_options()]
         return LocalCluster(
             dataset=self.dataset,
             model=self.model,
@@ -148,6 +178,22 @@ class CompareConfig:
             slowdown_schedules=self.slowdown_schedules,
             devices=self.devices,
             threads=self.threads,
+        )
+
+    def slurm_job(self, mode: str, run_dir: Path) -> SlurmJob:
+        """The run of ``mode`` as a Slurm job with the same settings as a local run."""
+        server_mode = mode in MODES
+        return self.slurm.job(
+            dataset=self.dataset,
+            model=self.model,
+            mode=mode if server_mode else "ddp",
+            run_dir=run_dir,
+            slowdowns=self.slowdowns if mode != SINGLE else (1.0,),
+            train=self.train,
+            cpus=self.threads,
+            server_options=(*self._server_mode_options(), *self.server_options)
+            if server_mode
+            else (),
         )
 
     def settings(self) -> dict[str, Any]:
@@ -296,7 +342,9 @@ def _run_one(config: CompareConfig, mode: str, repeat: int, bar: tqdm) -> dict[s
     with (run_dir / "cluster.log").open("w", encoding="utf-8") as log_file:
         sink = ProgressSink(log_file, bar, label)
         try:
-            if mode in MODES:
+            if config.launcher == "slurm":
+                summary = _run_slurm(config, mode, run_dir, sink)
+            elif mode in MODES:
                 summary = run_local(config.cluster(mode, run_dir), log_stream=sink)
             else:
                 summary = run_ddp(config.ddp(mode, run_dir), log_stream=sink)
@@ -304,6 +352,20 @@ def _run_one(config: CompareConfig, mode: str, repeat: int, bar: tqdm) -> dict[s
             log.error("compare: %s failed: %s", label, exc)
             return {"mode": mode, "repeat": repeat, "run_dir": str(run_dir), "error": str(exc)}
     return run_record(mode, repeat, run_dir, summary, config.target_oa)
+
+
+def _run_slurm(
+    config: CompareConfig, mode: str, run_dir: Path, sink: ProgressSink
+) -> dict[str, Any]:
+    """Run ``mode`` as a Slurm job and return its summary (its logs stay in ``run_dir``)."""
+
+    def submitted(job_id: str) -> None:
+        sink.write(f"compare: {mode} runs as Slurm job {job_id}; its logs are in {run_dir}\n")
+        sink.bar.set_postfix_str(f"{sink.label}: Slurm job {job_id}", refresh=True)
+
+    job = config.slurm_job(mode, run_dir)
+    command = f"pslaunch compare --launcher slurm ({mode}, {run_dir.name})"
+    return run_job(job, command, config.slurm.wait_timeout_s, on_submit=submitted)
 
 
 def _initial_scores(config: CompareConfig) -> dict[str, float] | None:

@@ -16,15 +16,17 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 300.0
 
 
-def pslaunch(*args: str, timeout: float = JOB_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    """Run ``pslaunch ARGS`` and return its result (output captured)."""
+def pslaunch(
+    *args: str, timeout: float = JOB_TIMEOUT_S, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``pslaunch ARGS`` (with ``env`` added to the environment) and return its result."""
     return subprocess.run(
         [sys.executable, "-m", "launch.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
 
 
@@ -37,10 +39,11 @@ def job_id_of(output: str) -> str:
 
 
 def logs(run_dir: Path, tail: int = 60) -> str:
-    """The job's own output and the last lines of its server and worker logs."""
+    """The job's own output and the last lines of its server, worker and rank logs (also of
+    the jobs in ``run_dir/runs/*``, where compare puts them)."""
     parts = []
-    for pattern in ("slurm-*.out", "server-*.log", "workers-*.log"):
-        for path in sorted(run_dir.glob(pattern)):
+    for pattern in ("slurm-*.out", "server-*.log", "workers-*.log", "ranks-*.log"):
+        for path in sorted([*run_dir.glob(pattern), *run_dir.glob(f"runs/*/{pattern}")]):
             lines = path.read_text(encoding="utf-8", errors="replace").splitlines()[-tail:]
             parts.append(f"----- {path.name}\n" + "\n".join(lines))
     return "\n".join(parts) or f"(no logs in {run_dir})"

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from common.errors import NetworkTimeout
+from launch.settings import TrainSettings
 from launch.slurm.groups import Group
+from launch.slurm.jobs import SlurmRuns, run_job
 from launch.slurm.script import resources
 from launch.slurm.submit import wait_job
 from tests.slurm_jobs import (
@@ -214,3 +219,89 @@ def test_workers_pick_their_gpu_as_slurm_hands_them_out() -> None:
     shared = Group("g", (1.0, 1.0), gpus_per_node=2, nodes=1)
     assert devices(shared) == ["0 cuda:0", "1 cuda:1"]
     assert devices(Group("g", (1.0,))) == ["0 cpu"]
+
+
+def test_pslaunch_slurm_ddp_runs_ranks_on_two_nodes(jasper_h5: Path, tmp_path: Path) -> None:
+    """DDP ranks as srun tasks on two nodes; MASTER_ADDR names the rendezvous host."""
+    run_dir = tmp_path / "ddp"
+    args = ["slurm", "--mode", "ddp", "--dataset", str(jasper_h5), "--model", "hsi-cnn"]
+    args += ["--slowdowns", "1,2", "--nodes", "2", "--epochs", "3", *TRAIN]
+    args += ["--time", "10:00", "--run-dir", str(run_dir), "--wait"]
+    jobs: list[str] = []
+    with jobs_shown_and_cancelled(run_dir, jobs):
+        done = pslaunch(*args, env={"MASTER_ADDR": "localhost"})
+        if "submitted job" in done.stdout:
+            jobs.append(job_id_of(done.stdout))
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "ended: COMPLETED, exit code 0" in done.stdout
+        assert "#SBATCH --no-requeue" in (run_dir / "job.sbatch").read_text()
+        result = summary(run_dir)
+        assert result["mode"] == "ddp" and result["epochs"] == 3
+        assert result["samples_seen"] == 3 * TRAIN_COUNT
+        assert result["final"]["oa"] >= 0.85, result["final"]
+        ranks = {w["name"]: w["samples"] for w in result["workers"]}
+        assert ranks == {"r0-x1": 3 * TRAIN_COUNT // 2, "r1-x2": 3 * TRAIN_COUNT // 2}
+        # Two nodes; task 0 published the rendezvous at MASTER_ADDR and a port it picked.
+        out = next(run_dir.glob("slurm-*.out")).read_text()
+        nodelist = out.split("DDP ranks on ", 1)[1].split(",", 1)[0].split()[0]
+        hosts = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30
+        ).stdout.split()
+        assert len(hosts) == 2, out
+        published = (run_dir / f"rendezvous-{jobs[0]}.0").read_text().strip()
+        assert re.fullmatch(r"localhost:\d+", published), published
+
+
+def test_compare_launcher_slurm_writes_the_report(jasper_h5: Path, tmp_path: Path) -> None:
+    """Each mode runs as its own Slurm job, in the given order; the usual report follows."""
+    out = tmp_path / "cmp"
+    args = ["compare", "--launcher", "slurm", "--dataset", str(jasper_h5), "--model", "hsi-cnn"]
+    args += ["--modes", "weighted-sync,ddp", "--slowdowns", "1,2", "--epochs", "4", *TRAIN]
+    args += ["--repeats", "1", "--time", "10:00", "--wait-timeout", "240", "--no-progress"]
+    jobs: list[str] = []
+    with jobs_shown_and_cancelled(out, jobs):
+        try:
+            done = pslaunch(*args, "--out", str(out), timeout=2 * JOB_TIMEOUT_S)
+        finally:
+            jobs += [p.stem.split("-", 1)[1] for p in out.glob("runs/*/slurm-*.out")]
+        assert done.returncode == 0, done.stdout + done.stderr
+        data = json.loads((out / "compare.json").read_text())
+        assert data["settings"]["launcher"] == "slurm"
+        runs = data["runs"]
+        assert [r["mode"] for r in runs] == ["weighted-sync", "ddp"]
+        job_ids = []
+        for run, kind in zip(runs, ("pserver.cli start", "launch.slurm.node ddp"), strict=True):
+            assert "error" not in run, run
+            result = run["summary"]
+            assert result["mode"] == run["mode"] and result["epochs"] == 4
+            assert result["samples_seen"] == 4 * TRAIN_COUNT
+            assert result["final"]["oa"] >= 0.85, (run["mode"], result["final"])
+            assert {w["slowdown"] for w in result["workers"]} == {1.0, 2.0}
+            run_dir = Path(run["run_dir"])
+            assert kind in (run_dir / "job.sbatch").read_text()
+            (log,) = run_dir.glob("slurm-*.out")  # it ran as a Slurm job
+            job_ids.append(int(log.stem.split("-", 1)[1]))
+        assert job_ids[0] < job_ids[1]  # submitted in the compare order
+        markdown = (out / "report.md").read_text()
+        assert markdown.strip() in done.stdout
+        rows = [line.split("|")[1].strip() for line in markdown.splitlines() if "| 1 |" in line]
+        assert rows == ["weighted-sync", "ddp"]
+        assert (out / "report.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_a_job_past_its_wait_timeout_is_cancelled(jasper_h5: Path, tmp_path: Path) -> None:
+    """compare's wait for one job is bounded: a job still running then is cancelled."""
+    job = SlurmRuns(time="10:00").job(
+        dataset=jasper_h5,
+        model="hsi-cnn",
+        mode="ddp",
+        run_dir=tmp_path / "late",
+        slowdowns=(1.0,),
+        train=TrainSettings(epochs=100),
+        cpus=1,
+    )
+    jobs: list[str] = []
+    with jobs_shown_and_cancelled(job.run_dir, jobs):
+        with pytest.raises(NetworkTimeout, match="had not ended"):
+            run_job(job, "test", 1.0, on_submit=jobs.append)
+        wait_for_state(jobs[0], "JobState=CANCELLED", timeout=60)

@@ -13,7 +13,7 @@ from common.errors import ConfigError, PSError
 from common.logsetup import setup_logging
 from launch.cli_options import build_train, train_options
 from launch.slowdowns import parse_slowdowns
-from launch.slurm.config import SlurmJob
+from launch.slurm.config import DDP, SlurmJob
 from launch.slurm.groups import HET_HELP, Group, parse_het, spread_shards
 from launch.slurm.submit import check_run_dir, read_summary, submit, wait_job, write_script
 from launch.table import summary_tables
@@ -67,7 +67,13 @@ def _extra(options: dict[str, Any]) -> tuple[str, ...]:
     help="HDF5 dataset made by 'pserver data', at a path every node sees.",
 )
 @click.option("--model", required=True, help="Built-in model name or package.module:factory.")
-@click.option("--mode", type=click.Choice(MODES), default="weighted-sync", help="Server mode.")
+@click.option(
+    "--mode",
+    type=click.Choice((*MODES, DDP)),
+    default="weighted-sync",
+    help="Server mode, or ddp: the torch DDP baseline, one srun task per rank (workers, "
+    "slowdowns, nodes, partition and CPUs as for workers).",
+)
 @click.option(
     "--workers", type=int, default=None, help="Workers (default: one per --slowdowns entry)."
 )
@@ -200,7 +206,8 @@ def slurm(
     """Write RUN_DIR/job.sbatch for a training run on Slurm; --submit or --wait submits it.
 
     The server runs on the job's first node, the workers as srun steps (one task each);
-    --het makes a heterogeneous job with one component per worker group.
+    --het makes a heterogeneous job with one component per worker group. --mode ddp writes a
+    job of torch DDP ranks instead, one srun task per rank (task 0 hosts the rendezvous).
     """
     setup_logging("INFO", "pslaunch ")
     try:

@@ -8,12 +8,14 @@ import sys
 from pathlib import Path
 
 from common.errors import ConfigError
+from launch.ddp.launcher import DDPConfig
 from launch.settings import TrainSettings
 from launch.slurm.groups import Group, ServerPlace
 
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+@,=:-]+$")
+DDP = "ddp"
 
 
 def time_limit_s(text: str) -> int:
@@ -48,7 +50,8 @@ class SlurmJob:
     """A parameter-server training run as one Slurm job.
 
     Attributes:
-        dataset, model, mode: as for ``pserver start`` (the dataset path as seen on the nodes).
+        dataset, model, mode: as for ``pserver start`` (the dataset path as seen on the nodes);
+            mode ``ddp`` runs the torch DDP baseline instead, one srun task per rank.
         run_dir: the run directory, on a file system every node of the job sees.
         groups: the workers: one group for a plain job, one per component for a hetjob.
         het: write a heterogeneous job (one component per group, plus ``server`` if given).
@@ -120,6 +123,8 @@ class SlurmJob:
             )
         if not self.het and (len(self.groups) != 1 or self.server is not None):
             raise ConfigError("a plain job has one worker group and no server component")
+        if self.mode == DDP:
+            self._validate_ddp()
         limit = time_limit_s(self.time)
         if limit <= 0:
             raise ConfigError(f"--time must be positive, got {self.time!r}")
@@ -152,3 +157,33 @@ class SlurmJob:
                 "quotes or shell characters"
             )
         return self
+
+    def _validate_ddp(self) -> None:
+        """Refuse what a DDP job cannot do: no server, no shards, no checkpoint to resume."""
+        refused = [
+            (self.het, "--het"),
+            (self.shards > 0, "--shards"),
+            (self.resume, "--resume"),
+            (bool(self.server_options), "server options"),
+            (bool(self.worker_options), "--worker-opt"),
+        ]
+        for present, name in refused:
+            if present:
+                raise ConfigError(f"--mode ddp runs torch DDP ranks: {name} does not apply")
+        self.ddp_config().validate()
+
+    def ddp_config(self) -> DDPConfig:
+        """The DDP baseline's configuration for this job (mode ``ddp``): one rank per worker
+        of the group, its CPUs as torch threads, the job's time limit as the run's bound."""
+        group = self.groups[0]
+        return DDPConfig(
+            dataset=self.dataset,
+            model=self.model,
+            slowdowns=group.slowdowns,
+            run_dir=self.run_dir,
+            train=self.train,
+            devices=("cuda:0",) if group.gpus else ("cpu",),
+            threads=group.cpus,
+            startup_timeout_s=self.startup_timeout_s,
+            run_timeout_s=float(time_limit_s(self.time)),
+        )

@@ -172,7 +172,8 @@ def resources(group: Group) -> list[str]:
     return options
 
 
-def _placement(partition: str | None, constraint: str | None) -> list[str]:
+def placement(partition: str | None, constraint: str | None) -> list[str]:
+    """``--partition`` and ``--constraint`` options for the given values (None: left out)."""
     options = []
     if partition:
         options.append(f"--partition={partition}")
@@ -198,13 +199,13 @@ def _sbatch_lines(job: SlurmJob) -> list[str]:
     if not job.het:
         group = job.groups[0]
         lines.append(f"# {group.workers} workers, one task each; the server shares the first node.")
-        lines += [f"#SBATCH {o}" for o in _placement(job.partition, group.constraint)]
+        lines += [f"#SBATCH {o}" for o in placement(job.partition, group.constraint)]
         lines += [f"#SBATCH {o}" for o in resources(group)]
         return lines
     if job.server is not None:
         place = job.server
         lines.append("# Component 0: the server alone.")
-        lines += [f"#SBATCH {o}" for o in _placement(place.partition, place.constraint)]
+        lines += [f"#SBATCH {o}" for o in placement(place.partition, place.constraint)]
         lines += ["#SBATCH --nodes=1", "#SBATCH --ntasks=1"]
         lines.append(f"#SBATCH --cpus-per-task={place.cpus}")
     for index, group in enumerate(job.groups):
@@ -213,7 +214,7 @@ def _sbatch_lines(job: SlurmJob) -> list[str]:
             lines.append("#SBATCH hetjob")
         where = " (the server shares its first node)" if component == 0 else ""
         lines.append(f"# Component {component}: workers {group.name!r}{where}.")
-        lines += [f"#SBATCH {o}" for o in _placement(group.partition, group.constraint)]
+        lines += [f"#SBATCH {o}" for o in placement(group.partition, group.constraint)]
         lines += [f"#SBATCH {o}" for o in resources(group)]
     return lines
 
@@ -231,7 +232,7 @@ def _step(job: SlurmJob, index: int, group: Group) -> str:
     gpu = "--gpu" if group.gpus else "--no-gpu"
     return (
         f"    # group {group.name!r}: {group.workers} worker(s), slowdown {slowdowns}\n"
-        + _wrap(["srun", *options], "    ")
+        + wrap(["srun", *options], "    ")
         + " \\\n"
         f'        "$PY" -m launch.slurm.node worker --name-prefix {prefix} '
         f"--slowdowns {slowdowns} {gpu} -- \\\n"
@@ -239,7 +240,7 @@ def _step(job: SlurmJob, index: int, group: Group) -> str:
     )
 
 
-def _wrap(words: list[str], indent: str, width: int = 96) -> str:
+def wrap(words: list[str], indent: str, width: int = 96) -> str:
     """Words joined into shell lines of at most ``width`` characters, continued with '\\'."""
     lines = [indent + words[0]]
     for word in words[1:]:
@@ -294,7 +295,7 @@ def _shards(job: SlurmJob) -> str:
         ]
         prefix = "shard" if not job.het else f"{group.name}-shard"
         lines += [
-            _wrap(["srun", *options], "") + " \\",
+            wrap(["srun", *options], "") + " \\",
             f'    "$PY" -m launch.slurm.node shard --name-prefix {prefix} -- '
             '--coordinator "$ADDRESS" \\',
             '    --connect-timeout "$STARTUP_TIMEOUT" >>"$SHARDS_LOG" 2>&1 &',

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError, NetworkTimeout, PSError
-from launch.slurm.config import SlurmJob
+from launch.slurm.config import DDP, SlurmJob
+from launch.slurm.ddp_script import render_ddp
 from launch.slurm.script import render
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,11 @@ def write_script(job: SlurmJob, command: str) -> Path:
     """Write ``run_dir/job.sbatch`` (executable) and return its path."""
     job.run_dir.mkdir(parents=True, exist_ok=True)
     path = job.run_dir / SCRIPT_NAME
-    path.write_text(render(job, command, str(path), worker_extras(job)), encoding="utf-8")
+    if job.mode == DDP:
+        text = render_ddp(job, command, str(path))
+    else:
+        text = render(job, command, str(path), worker_extras(job))
+    path.write_text(text, encoding="utf-8")
     path.chmod(0o755)
     return path
 
