@@ -17,7 +17,6 @@ from launch.settings import TrainSettings
 from launch.slurm.config import SlurmJob, time_limit_s
 from launch.slurm.groups import Group, parse_het, spread_shards
 from launch.slurm.node import (
-    last_start_address,
     pick_device,
     shard_command,
     wait_for_address,
@@ -290,48 +289,32 @@ def _write_events(path: Path, *records: dict) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def test_last_start_event_wins(tmp_path: Path) -> None:
-    metrics = tmp_path / "metrics.jsonl"
-    _write_events(
-        metrics,
-        {"event": "start", "t": 0, "address": "tcp://10.0.0.1:1"},
-        {"event": "eval", "t": 1},
-        {"event": "start", "t": 2, "address": "tcp://10.0.0.2:2"},
-    )
-    with metrics.open("a") as f:
-        f.write('{"event": "start", "addr')  # a line still being written
-    assert last_start_address(metrics) == "tcp://10.0.0.2:2"
-    _write_events(metrics, {"event": "eval", "t": 1})
-    with pytest.raises(PSError, match="no 'start' event"):
-        last_start_address(metrics)
-
-
 FAKE_SERVER = """
 import json, sys, time
-run_dir, log, delay, listen = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4] == "1"
+run_dir, delay, listen = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1"
 time.sleep(delay)
 if listen:
     with open(run_dir + "/metrics.jsonl", "a") as f:
         f.write(json.dumps({"event": "start", "t": 0, "address": "tcp://127.0.0.1:4242"}) + "\\n")
-    with open(log, "a") as f:
-        f.write("pserver listening on tcp://127.0.0.1:4242\\n")
     time.sleep(30)
 """
 
 
 def _fake_server(tmp_path: Path, delay: float, listen: bool) -> subprocess.Popen[bytes]:
-    log = tmp_path / "server.log"
     return subprocess.Popen(
-        [sys.executable, "-c", FAKE_SERVER, str(tmp_path), str(log), str(delay), str(int(listen))]
+        [sys.executable, "-c", FAKE_SERVER, str(tmp_path), str(delay), str(int(listen))]
     )
 
 
 def test_wait_for_address_of_a_server_that_starts(tmp_path: Path) -> None:
-    # An older run's start event must not be taken: the log line marks this server's.
-    _write_events(tmp_path / "metrics.jsonl", {"event": "start", "t": 0, "address": "tcp://old:1"})
+    # An older attempt's start event (before the offset) must not be taken, nor a line still
+    # being written.
+    metrics = tmp_path / "metrics.jsonl"
+    _write_events(metrics, {"event": "start", "t": 0, "address": "tcp://old:1"})
+    offset = metrics.stat().st_size
     proc = _fake_server(tmp_path, 0.5, True)
     try:
-        address = wait_for_address(tmp_path, tmp_path / "server.log", proc.pid, 60)
+        address = wait_for_address(metrics, offset, proc.pid, 60)
     finally:
         proc.kill()
         proc.wait()
@@ -342,13 +325,13 @@ def test_wait_for_address_of_a_server_that_dies_or_hangs(tmp_path: Path) -> None
     proc = _fake_server(tmp_path, 0.0, False)
     try:
         with pytest.raises(PSError, match="exited before it listened"):
-            wait_for_address(tmp_path, tmp_path / "server.log", proc.pid, 60)
+            wait_for_address(tmp_path / "metrics.jsonl", 0, proc.pid, 60)
     finally:
         proc.wait()
     proc = _fake_server(tmp_path, 30.0, False)
     try:
         with pytest.raises(NetworkTimeout, match=r"did not listen within 0\.5 s"):
-            wait_for_address(tmp_path, tmp_path / "server.log", proc.pid, 0.5)
+            wait_for_address(tmp_path / "metrics.jsonl", 0, proc.pid, 0.5)
     finally:
         proc.kill()
         proc.wait()

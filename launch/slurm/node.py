@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,40 +12,9 @@ from pathlib import Path
 import click
 
 from common.errors import ConfigError, NetworkTimeout, PSError
+from launch.procs import new_start_address
 
-LISTENING = "pserver listening on "
 POLL_S = 0.2
-
-
-def last_start_address(metrics: Path) -> str:
-    """The ``address`` of the last ``start`` event in a ``metrics.jsonl`` (GUIDE section 7).
-
-    Args:
-        metrics: the run's ``metrics.jsonl``.
-
-    Returns:
-        The endpoint, e.g. ``tcp://10.0.0.5:41234``.
-
-    Raises:
-        PSError: the file is missing or holds no ``start`` event with an address.
-    """
-    address = None
-    try:
-        lines = metrics.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise PSError(f"cannot read {metrics}: {exc}") from exc
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line still being written
-        if isinstance(record, dict) and record.get("event") == "start":
-            value = record.get("address")
-            if isinstance(value, str) and value:
-                address = value
-    if address is None:
-        raise PSError(f"{metrics} has no 'start' event with an address")
-    return address
 
 
 def _running(pid: int) -> bool:
@@ -58,16 +26,17 @@ def _running(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
-def wait_for_address(run_dir: Path, log: Path, pid: int, timeout_s: float) -> str:
-    """Wait until the server started by this job listens, then return its address.
+def wait_for_address(metrics: Path, offset: int, pid: int, timeout_s: float) -> str:
+    """Wait until the server started by this job writes its ``start`` event; return its address.
 
-    The server prints its listening line after it has written the ``start`` event, so once the
-    line is in this attempt's own log, the last ``start`` event is this server's. Files are
-    re-read every 0.2 s: there is no portable file-change notification in the standard library.
+    Only events written after byte ``offset`` (the file's size before the server started)
+    count, so an earlier attempt's ``start`` event is never taken (GUIDE section 7). The file
+    is re-read every 0.2 s: there is no portable file-change notification in the standard
+    library.
 
     Args:
-        run_dir: the run directory (its ``metrics.jsonl`` holds the ``start`` event).
-        log: this attempt's server log.
+        metrics: the run's ``metrics.jsonl``.
+        offset: its size in bytes before this attempt's server started.
         pid: the server's process id.
         timeout_s: how long to wait.
 
@@ -76,20 +45,17 @@ def wait_for_address(run_dir: Path, log: Path, pid: int, timeout_s: float) -> st
 
     Raises:
         PSError: the server exited first.
-        NetworkTimeout: it did not listen within ``timeout_s``.
+        NetworkTimeout: it did not start within ``timeout_s``.
     """
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            text = log.read_text(encoding="utf-8", errors="replace")
-        except FileNotFoundError:
-            text = ""
-        if LISTENING in text:
-            return last_start_address(run_dir / "metrics.jsonl")
+        address = new_start_address(metrics, offset)
+        if address is not None:
+            return address
         if not _running(pid):
-            raise PSError(f"the server (pid {pid}) exited before it listened; see {log}")
+            raise PSError(f"the server (pid {pid}) exited before it listened")
         if time.monotonic() >= deadline:
-            raise NetworkTimeout(f"the server did not listen within {timeout_s:g} s; see {log}")
+            raise NetworkTimeout(f"the server did not listen within {timeout_s:g} s")
         time.sleep(POLL_S)
 
 
@@ -233,13 +199,15 @@ def main() -> None:
 
 @main.command()
 @click.option("--run-dir", required=True, type=click.Path(path_type=Path), help="Run directory.")
-@click.option("--log", required=True, type=click.Path(path_type=Path), help="The server's log.")
+@click.option(
+    "--offset", default=0, show_default=True, help="metrics.jsonl's size before the server started."
+)
 @click.option("--pid", required=True, type=int, help="The server's process id.")
 @click.option("--timeout", default=300.0, show_default=True, help="Seconds to wait.")
-def address(run_dir: Path, log: Path, pid: int, timeout: float) -> None:
-    """Print the server's address once it listens."""
+def address(run_dir: Path, offset: int, pid: int, timeout: float) -> None:
+    """Print the server's address once its ``start`` event is written."""
     try:
-        click.echo(wait_for_address(run_dir, log, pid, timeout))
+        click.echo(wait_for_address(run_dir / "metrics.jsonl", offset, pid, timeout))
     except PSError as exc:
         raise click.ClickException(str(exc)) from exc
 

@@ -64,6 +64,8 @@ if [[ $RESUME == 1 ]] \\
     RESUME_ARGS=(--resume)
 fi
 SERVER_LOG=$RUN_DIR/server-$SLURM_JOB_ID.$ATTEMPT.log
+# Only "start" events written after this offset are this attempt's server's.
+EVENTS_OFFSET=$(stat -c %s "$RUN_DIR/metrics.jsonl" 2>/dev/null || echo 0)
 echo "job $SLURM_JOB_ID (attempt $ATTEMPT): server on $FIRST_NODE, log $SERVER_LOG"
 echo "job: {nodes}"
 "$PY" -m pserver.cli start --bind "tcp://$SERVER_HOST:$SERVER_PORT" --dataset "$DATASET" \\
@@ -88,8 +90,8 @@ on_term() {{
 }}
 trap on_term TERM
 
-# The address workers connect to: the last "start" event in metrics.jsonl, once it listens.
-if ! ADDRESS=$("$PY" -m launch.slurm.node address --run-dir "$RUN_DIR" --log "$SERVER_LOG" \\
+# The address workers connect to: this server's "start" event in metrics.jsonl.
+if ! ADDRESS=$("$PY" -m launch.slurm.node address --run-dir "$RUN_DIR" --offset "$EVENTS_OFFSET" \\
     --pid "$SERVER_PID" --timeout "$STARTUP_TIMEOUT"); then
     echo "job: the server did not start; the end of $SERVER_LOG:" >&2
     tail -n 30 "$SERVER_LOG" >&2
