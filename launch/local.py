@@ -81,15 +81,6 @@ def _python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def pump(stream: IO[str], sink: IO[str], prefix: str) -> None:
-    """Copy a child's output to ``sink``, each line after ``prefix``; the stream is read to its
-    end and then closed."""
-    with stream:
-        for line in stream:
-            sink.write(prefix + line)
-            sink.flush()
-
-
 def run_local(cluster: LocalCluster, log_stream: IO[str] | None = None) -> dict[str, Any]:
     """Run the server and workers to completion and return the summary.
 

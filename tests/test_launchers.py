@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from common.errors import PSError
+from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
+from launch.settings import TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 WAIT_S = 120.0
@@ -150,3 +152,62 @@ def test_a_stopped_launch_stops_every_child_and_keeps_the_summary(
     assert _processes_marked(mark) == []
     summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
     assert summary["finish_reason"] == "stopped" and summary["steps"] > 0
+
+
+def test_a_failing_ddp_rank_stops_the_others_with_its_error(
+    small_hsi: Path, tmp_path: Path, mark: str
+) -> None:
+    """Rank 1 asks for CUDA on a machine without it: rank 0 would wait at the rendezvous until
+    its timeout; the launcher must stop it at once and name the failing rank's error."""
+    config = DDPConfig(
+        dataset=small_hsi,
+        model="hsi-cnn",
+        slowdowns=(1.0, 1.0),
+        run_dir=tmp_path,
+        train=TrainSettings(epochs=2),
+        devices=("cpu", "cuda:0"),
+        startup_timeout_s=WAIT_S,
+    )
+    begin = time.monotonic()
+    with pytest.raises(PSError, match=r"DDP rank r1-x1 exited with code 1: .*CUDA"):
+        run_ddp(config)
+    assert time.monotonic() - begin < WAIT_S / 2
+    assert _processes_marked(mark) == []
+
+
+def test_sigterm_to_pslaunch_ddp_stops_every_rank(
+    small_hsi: Path, tmp_path: Path, mark: str
+) -> None:
+    run_dir = tmp_path / "run"
+    command = ["ddp", "--dataset", str(small_hsi), "--model", "hsi-cnn", "--slowdowns", "1,2"]
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "launch.cli",
+            *command,
+            "--epochs",
+            "1000",
+            "--run-dir",
+            str(run_dir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while len(_processes_marked(mark)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)  # pslaunch and its 2 ranks
+        assert len(_processes_marked(mark)) == 3
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=WAIT_S)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate()
+    assert launcher.returncode == 130, err
+    assert "interrupted" in err
+    assert _processes_marked(mark) == []

@@ -16,17 +16,15 @@ import datetime
 import json
 import logging
 import os
-import queue
 import socket
-import subprocess
 import sys
-import threading
+import time
 from pathlib import Path
 from typing import IO, Any
 
 from common.errors import ConfigError, PSError
 from common.training.slowdown import SlowdownSchedule
-from launch.local import pump
+from launch.procs import Children, second_signal_kills, signals_interrupt
 from launch.settings import TrainSettings, server_default
 
 log = logging.getLogger(__name__)
@@ -177,16 +175,11 @@ def _rank_env() -> dict[str, str]:
     return env
 
 
-def _watch(proc: subprocess.Popen[str], rank: int, exits: queue.Queue[tuple[int, int]]) -> None:
-    """Report ``proc``'s exit code on ``exits`` (one thread per rank, so nothing polls)."""
-    exits.put((rank, proc.wait()))
-
-
 def run_ddp(config: DDPConfig, log_stream: IO[str] | None = None) -> dict[str, Any]:
     """Run every rank to completion and return rank 0's summary.
 
-    If a rank fails, or on Ctrl-C or the run timeout, every rank still running is terminated
-    (then killed) and waited for.
+    If a rank fails, or on Ctrl-C, SIGTERM or the run timeout, every rank still running is
+    terminated (then killed with its process group) and reaped.
 
     Args:
         config: what to run.
@@ -214,35 +207,19 @@ def run_ddp(config: DDPConfig, log_stream: IO[str] | None = None) -> dict[str, A
         timeout = datetime.timedelta(seconds=config.startup_timeout_s)
         store = TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
         rendezvous = ["--store", f"127.0.0.1:{store.port}"]
-    env = _rank_env()
-    procs: list[subprocess.Popen[str]] = []
-    threads: list[threading.Thread] = []
-    exits: queue.Queue[tuple[int, int]] = queue.Queue()
+    children = Children(sink, _rank_env())
     try:
-        for rank in range(config.world_size):
-            cmd = [sys.executable, "-m", "launch.ddp.rank", "--config", str(config_path)]
-            proc = subprocess.Popen(
-                [*cmd, "--rank", str(rank), *rendezvous],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=env,
-            )
-            procs.append(proc)
-            for target, args in (
-                (pump, (proc.stdout, sink, f"[{config.rank_name(rank)}] ")),
-                (_watch, (proc, rank, exits)),
-            ):
-                thread = threading.Thread(target=target, args=args, daemon=True)
-                thread.start()
-                threads.append(thread)
-        _wait_all(procs, exits, config.run_timeout_s)
+        with signals_interrupt():
+            for rank in range(config.world_size):
+                cmd = [sys.executable, "-m", "launch.ddp.rank", "--config", str(config_path)]
+                children.start(config.rank_name(rank), [*cmd, "--rank", str(rank), *rendezvous])
+            _wait_all(children, config.run_timeout_s)
     except BaseException:
-        _stop(procs)
+        with second_signal_kills(children):
+            children.stop()
         raise
     finally:
-        for thread in threads:
-            thread.join(timeout=5)
+        children.close()
         if own_log:
             sink.close()
         del store  # closes the rendezvous
@@ -252,29 +229,16 @@ def run_ddp(config: DDPConfig, log_stream: IO[str] | None = None) -> dict[str, A
     return json.loads(summary_path.read_text(encoding="utf-8"))
 
 
-def _wait_all(
-    procs: list[subprocess.Popen[str]], exits: queue.Queue[tuple[int, int]], timeout_s: float
-) -> None:
+def _wait_all(children: Children, timeout_s: float) -> None:
     """Wait until every rank exits; raise at the first failure or when time runs out."""
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
-    for _ in procs:
-        left = (deadline - datetime.datetime.now()).total_seconds()
-        try:
-            rank, code = exits.get(timeout=max(left, 0.001))
-        except queue.Empty:
-            raise PSError(f"the DDP run did not finish within {timeout_s:.0f} s") from None
-        if code != 0:
-            raise PSError(f"DDP rank {rank} exited with code {code}; see the log")
+    ranks = list(children.children)
 
+    def fail_fast() -> None:
+        for child in ranks:
+            if child.code not in (None, 0):
+                raise PSError(f"DDP rank {child.failure()}")
 
-def _stop(procs: list[subprocess.Popen[str]]) -> None:
-    """Terminate the ranks still running, then kill whatever outlives a short grace period."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    deadline = time.monotonic() + timeout_s
+    for child in ranks:
+        children.wait(child, max(deadline - time.monotonic(), 0.001), fail_fast)
+        fail_fast()
