@@ -184,9 +184,9 @@ def _predict_cube(model: Any, options: dict[str, Any]) -> None:
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar on stderr.")
 def predict_cmd(model_path: Path, cube: str | None, images: Path | None, **options: Any) -> None:
     """Classify every pixel of a scene (--cube) or every image of a folder (--images)."""
+    from common.training.device import resolve_device
     from pserver.outputs.images import predict_images
     from pserver.outputs.model_file import load_model
-    from worker.device import resolve_device
 
     if (cube is None) == (images is None):
         raise click.UsageError("give exactly one of --cube FILE or --images DIR")

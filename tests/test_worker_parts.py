@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from common.errors import ConfigError, DeviceError
+from common.training.device import resolve_device
 from common.training.models import build_model
 from common.training.slowdown import SlowdownSchedule
 from common.training.speed import SpeedMeter
-from worker.device import resolve_device
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present on this machine")

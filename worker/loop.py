@@ -26,13 +26,13 @@ from common.protocol.messages import (
     TaskRequest,
 )
 from common.protocol.security import load_client_keys
+from common.training.device import ComputeTimer, host_buffer, resolve_device
 from common.training.flat import FlatModel
 from common.training.models import BUILTIN, build_model
 from common.training.slowdown import SlowdownSchedule
 from common.training.speed import SpeedMeter
 from worker.augment import Augmenter
 from worker.config import WorkerConfig
-from worker.device import ComputeTimer, host_buffer, resolve_device
 from worker.heartbeat import TRAINING_ENDED, Heartbeat
 from worker.local_data import open_local_copy
 from worker.overlap import OverlappedPush

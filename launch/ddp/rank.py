@@ -19,6 +19,7 @@ from torch import nn
 
 from common.data.dataset import DatasetReader
 from common.logsetup import setup_logging
+from common.training.device import resolve_device
 from common.training.evaluator import Evaluator
 from common.training.flat import FlatLayout
 from common.training.models import build_model
@@ -27,7 +28,6 @@ from common.training.schedule import lr_factor
 from launch.ddp.launcher import DDPConfig
 from launch.ddp.record import RunRecorder
 from launch.ddp.step import ComputeOnlyStep
-from worker.device import resolve_device
 
 log = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from common.training.device import synchronize
 from common.training.slowdown import SlowdownSchedule
-from worker.device import synchronize
 
 AllReduce = Callable[[torch.Tensor], None]
 
