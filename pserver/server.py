@@ -19,7 +19,7 @@ import torch
 
 from common.data.dataset import DatasetReader
 from common.errors import ErrorCode, ProtocolError, PSError, ShardLost
-from common.protocol.chunks import chunk_elems_for, shard_bounds
+from common.protocol.chunks import chunk_elems_for
 from common.protocol.messages import STORE_REQUESTS, WORKER_REQUESTS, TaskReply
 from common.protocol.shard_messages import ShardHello
 from common.protocol.tokens import TokenBook, new_key
@@ -28,16 +28,16 @@ from common.training.flat import FlatLayout, nonnegative_bounds
 from common.training.models import build_model
 from common.training.runlog import RunLog
 from pserver import checkpoint, rundir
+from pserver.booking import book, discard, refuse
 from pserver.config import ServerConfig
-from pserver.evaluation import EvalScheduler, VersionInfo
+from pserver.evaluation import EvalScheduler
 from pserver.handlers import Handlers
 from pserver.membership import Roster, TaskFactory, WorkerInfo
-from pserver.optimizer import FlatOptimizer
 from pserver.policies import POLICIES, Update
 from pserver.runstate import RunState
 from pserver.sampler import EpochSampler
-from pserver.store.service import StoreService
-from pserver.store.slices import SliceStore
+from pserver.shutdown import shutdown, watch_shards
+from pserver.store.build import build_stores
 from pserver.store.stores import CapturedState, LocalStores, RemoteStores
 from pserver.summary import build_summary
 from pserver.transport import Endpoint, TaskOwner
@@ -46,14 +46,6 @@ from pserver.updates import GradientGuard, Updater
 log = logging.getLogger(__name__)
 
 FLUSH_EVERY_S = 0.5
-SUMMARY_RESERVE_S = 0.5  # of the shutdown budget, kept for writing the summary
-
-
-def make_optimizer(config: ServerConfig) -> FlatOptimizer:
-    """The run's optimizer (for one slice of the parameters)."""
-    return FlatOptimizer(
-        config.optimizer, config.lr, config.momentum, config.nesterov, config.weight_decay
-    )
 
 
 class ParameterServer:
@@ -107,15 +99,15 @@ class ParameterServer:
         self.clip: dict[int, float] = {}
         self.address = ""
         self.started = False
-        self._done = asyncio.Event()
-        self._workers_gone = asyncio.Event()
+        self.done = asyncio.Event()
+        self.workers_gone = asyncio.Event()
         self._checkpoint_lock = asyncio.Lock()
-        self._checkpoints = 0
+        self.checkpoints_started = 0
         self._flusher: asyncio.TimerHandle | None = None
-        self._stores_lost = False
+        self.stores_lost = False
         if resumed is not None:
             self.initial = checkpoint.restore_into(self, resumed)
-        self.stores: LocalStores | RemoteStores = self._make_stores()
+        self.stores: LocalStores | RemoteStores = build_stores(self)
         self.updater = Updater(config, self.stores, train_count)
         self.updater.restore(
             self.initial.version,
@@ -131,33 +123,6 @@ class ParameterServer:
             self._on_eval,
         )
         self.handlers = Handlers(self)
-
-    def _make_stores(self) -> LocalStores | RemoteStores:
-        cfg = self.config
-        if cfg.shards > 1:
-            return RemoteStores(
-                shard_bounds(self.state_size, cfg.shards), self.shard_key, cfg.shard_timeout_s
-            )
-        store = SliceStore(
-            0,
-            self.state_size,
-            self.num_params,
-            torch.from_numpy(self.initial.state.astype(np.float32)),
-            make_optimizer(cfg),
-            self.nonneg,
-            self.chunk_elems,
-            self.initial.version,
-        )
-        if self.initial.slots:
-            store.load_slots(
-                self.initial.slots,
-                torch.from_numpy(self.initial.slot_state),
-                self.initial.optimizer_steps,
-            )
-        service = StoreService(
-            store, cfg.wire_dtype, self.tokens, self.endpoint, cfg.stage_timeout_s
-        )
-        return LocalStores(service)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -198,9 +163,9 @@ class ParameterServer:
         )
         if self.run.finished:  # resumed a run that had already ended
             log.info("the run had already ended (%s); writing its summary", self.run.finish_reason)
-            self.owner.spawn(self._shutdown())
+            self.owner.spawn(shutdown(self))
         elif isinstance(self.stores, RemoteStores):
-            self.owner.spawn(self._watch_shards())
+            self.owner.spawn(watch_shards(self))
 
     def _schedule_flush(self) -> None:
         self.log.flush()
@@ -214,7 +179,7 @@ class ParameterServer:
         """
         receiver = asyncio.create_task(self.endpoint.receive_loop(self.handlers.dispatch))
         try:
-            await self._done.wait()
+            await self.done.wait()
         finally:
             receiver.cancel()
             await asyncio.gather(receiver, return_exceptions=True)
@@ -307,7 +272,7 @@ class ParameterServer:
             )
         self.log.event("leave", worker=worker.name, reason="stop")
         if not self.roster.members():
-            self._workers_gone.set()
+            self.workers_gone.set()
 
     def start_training(self) -> None:
         """Enough workers are ready: plan the first tasks."""
@@ -336,7 +301,7 @@ class ParameterServer:
         if update is not None:
             self.owner.spawn(self.run_update(update))
         if not self.roster.members():
-            self._workers_gone.set()
+            self.workers_gone.set()
         self.plan()
         self.release()
 
@@ -352,121 +317,20 @@ class ParameterServer:
         """
         async with self.updater.lock:
             if self.finished:  # the final checkpoint and summary stand: nothing changes now
-                await self._discarded(update)
+                await discard(self, update)
                 return False
             try:
                 tau = await self.updater.apply(update, self.clip)
             except ProtocolError as exc:
-                await self._refused(update, exc)
+                await refuse(self, update, exc)
                 return False
             except ShardLost as exc:
                 self.fail(str(exc), stores_lost=True)
                 return False
-            self._book(update, tau)
+            book(self, update, tau)
         self.plan()
         self.release()
         return True
-
-    async def _discarded(self, update: Update) -> None:
-        """An update closed after training ended: its samples go back (a resume hands them
-        out again) and its workers are told to stop."""
-        self.policy.refused(update)
-        await self.stores.drop(update.task_ids, ErrorCode.SHUTTING_DOWN, "training ended")
-        for worker, task, _ in update.entries:
-            self.clip.pop(task.task_id, None)
-            worker.pushing = None
-            self.sampler.give_back(task.epoch, task.positions)
-            if worker.active:
-                self.stop_worker(worker)
-
-    async def _refused(self, update: Update, exc: ProtocolError) -> None:
-        self.policy.refused(update)
-        if exc.code == ErrorCode.STALE:
-            await self.stores.drop(update.task_ids, exc.code, str(exc))
-        for worker, task, _ in update.entries:
-            self.clip.pop(task.task_id, None)
-            worker.pushing = None
-            if worker.active and exc.code == ErrorCode.STALE:
-                worker.tasks.appendleft(task)  # recompute the same samples on fresh parameters
-            else:
-                self.sampler.give_back(task.epoch, task.positions)
-            if exc.code == ErrorCode.REFUSED:
-                worker.refused += 1
-            waiter = worker.waiter
-            if waiter is not None:
-                worker.waiter = None
-                self.endpoint.reply_error(waiter.identity, waiter.request_id, exc.code, str(exc))
-        self.plan()
-        self.release()
-
-    def _book(self, update: Update, tau: int) -> None:
-        """Count an applied update (under the updater's lock, right after it was published)."""
-        cfg, sampler, version = self.config, self.sampler, self.updater.version
-        self.policy.applied(update, tau)
-        now = self.log.now()
-        workers = []
-        epoch = update.entries[0][1].epoch if update.entries else 0
-        for worker, task, _ in update.entries:
-            self.clip.pop(task.task_id, None)
-            worker.pushing = None
-            self.roster.credit(worker, task.size)
-            workers.append(
-                {"worker": worker.name, "batch": task.size, "speed": round(worker.speed, 3)}
-            )
-        if cfg.is_sync:
-            self.log.event(
-                "round",
-                round=update.round_id,
-                epoch=epoch,
-                version=version,
-                round_s=round(self.policy.round_times[-1], 6),  # type: ignore[attr-defined]
-                workers=workers,
-            )
-        else:
-            pushed = workers[0]
-            self.log.event(
-                "push",
-                worker=pushed["worker"],
-                batch=pushed["batch"],
-                speed=pushed["speed"],
-                epoch=epoch,
-                staleness=tau,
-                version=version,
-            )
-        self.evaluations.made(
-            version,
-            VersionInfo(epoch, self.updater.samples_applied, now, self.run.train_time(now)),
-        )
-        wanted = cfg.eval_every_updates is not None and version % cfg.eval_every_updates == 0
-        for _, task, _ in update.entries:
-            ledger = sampler.record_applied(task.epoch, task.positions)
-            if not ledger.complete:
-                continue
-            exactly_once = bool((ledger.uses == 1).all())
-            self.log.event(
-                "epoch",
-                epoch=ledger.epoch,
-                samples=ledger.applied,
-                exactly_once=exactly_once,
-                version=version,
-            )
-            if exactly_once:
-                log.info("epoch %d done at version %d", ledger.epoch, version)
-            else:
-                log.error("epoch %d did not use every sample exactly once", ledger.epoch)
-            sampler.forget(ledger.epoch)
-            self.run.epochs_done = max(self.run.epochs_done, ledger.epoch)
-            wanted = wanted or ledger.epoch % cfg.eval_every == 0
-        if wanted:
-            self.evaluations.request()
-        every = cfg.checkpoint_every
-        if every and self.updater.steps // every > self._checkpoints:
-            self._checkpoints = self.updater.steps // every
-            self.owner.spawn(self.save_checkpoint())
-        if cfg.max_steps is not None and self.updater.steps >= cfg.max_steps:
-            self.finish("max_steps")
-        elif sampler.exhausted and not sampler.ledgers:
-            self.finish("epochs")
 
     # --- evaluation, checkpoints and the end of training ------------------------------------
 
@@ -493,7 +357,7 @@ class ParameterServer:
         log.info("training finished (%s) at version %d", reason, self.updater.version)
         self.log.event("finish", reason=reason, version=self.updater.version)
         self.release()
-        self.owner.spawn(self._shutdown())
+        self.owner.spawn(shutdown(self))
 
     def fail(self, reason: str, stores_lost: bool = False) -> None:
         """End the run because of an error; the server will exit non-zero.
@@ -504,7 +368,7 @@ class ParameterServer:
                 (the last periodic checkpoint is the one to resume from).
         """
         log.error("%s", reason)
-        self._stores_lost = self._stores_lost or stores_lost
+        self.stores_lost = self.stores_lost or stores_lost
         if not self.run.error:
             self.run.error = reason
         self.finish(f"failed: {reason}")
@@ -523,56 +387,3 @@ class ParameterServer:
                 log.error("checkpoint failed: %s", exc)
                 self.log.event("checkpoint_failed", error=str(exc)[:300])
                 return False
-
-    async def _watch_shards(self) -> None:
-        """Ping the shards while the run lasts; a shard that stops answering ends it."""
-        assert isinstance(self.stores, RemoteStores)
-        await self.stores.ready.wait()
-        while not self.finished:
-            await asyncio.sleep(self.config.heartbeat_s)
-            try:
-                await self.stores.ping()
-            except ShardLost as exc:
-                self.fail(str(exc), stores_lost=True)
-                return
-
-    async def _shutdown(self) -> None:
-        """Checkpoint, final evaluation, stop the workers, write the summary: all within
-        ``--shutdown-timeout``; whatever fails is reported and the server exits non-zero."""
-        deadline = asyncio.get_running_loop().time() + self.config.shutdown_timeout_s
-        try:
-            await asyncio.wait_for(self._wind_down(deadline), self.config.shutdown_timeout_s)
-        except TimeoutError:
-            self.run.error = self.run.error or (
-                f"shutdown did not finish within --shutdown-timeout "
-                f"{self.config.shutdown_timeout_s:g} s"
-            )
-            log.error("%s", self.run.error)
-        except Exception as exc:
-            log.exception("shutdown failed")
-            self.run.error = self.run.error or f"shutdown failed: {type(exc).__name__}: {exc}"
-        finally:
-            try:
-                self.log.write_summary(build_summary(self))
-            except OSError as exc:
-                self.run.error = self.run.error or f"cannot write summary.json: {exc}"
-                log.error("%s", self.run.error)
-            if self.log.error and not self.run.error:
-                self.run.error = self.log.error
-            self._done.set()
-
-    async def _wind_down(self, deadline: float) -> None:
-        async with self.updater.lock:
-            pass  # an update being published completes first
-        if not self._stores_lost:
-            if self.config.run_dir is not None and not await self.save_checkpoint():
-                self.run.error = self.run.error or "the final checkpoint could not be written"
-            await self.evaluations.final(self.updater.version)
-        self.release()
-        if not self.roster.members():
-            self._workers_gone.set()
-        left = deadline - asyncio.get_running_loop().time() - SUMMARY_RESERVE_S
-        try:
-            await asyncio.wait_for(self._workers_gone.wait(), max(left, 0.01))
-        except TimeoutError:
-            log.info("%d workers did not collect their stop", len(self.roster.members()))
