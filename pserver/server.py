@@ -1,10 +1,11 @@
 """The parameter server (the coordinator): membership, planning, updates, evaluation, the end.
 
 It owns the roster, the sampler, the mode policy, the parameter stores (its own with
-``--shards 1``, else K shard servers) and the run's records. Policies decide; this class acts:
-it queues the tasks a policy plans, applies the updates it asks for (one at a time, under the
-updater's lock, booking each right after it is published), answers waiting workers and ends
-training. Request handling lives in ``pserver.handlers``.
+``--shards 1``, else K shard servers; ``pserver.store.build``) and the run's records. Policies
+decide; this class acts: it queues the tasks a policy plans, applies the updates it asks for
+(one at a time, under the updater's lock; ``pserver.booking`` books each right after it is
+published, or hands a refused one's samples back), answers waiting workers and ends training
+(``pserver.shutdown``). Request handling lives in ``pserver.handlers``.
 """
 
 from __future__ import annotations
