@@ -93,6 +93,14 @@ def prepare_group() -> None:
     help="Comma-separated names of classes 1..K (default: from the .mat 'class_names' "
     "variable or the ENVI header, else class_1..class_K).",
 )
+@click.option(
+    "--x-dtype",
+    default="float32",
+    show_default=True,
+    type=click.Choice(["float32", "float16", "raw"]),
+    help="How samples are stored and served: normalised float32 or float16, or raw: the "
+    "cube's integers (uint8/uint16/int16), normalised by the reader and the workers.",
+)
 def prepare_hsi_cmd(
     cube: str,
     gt: str,
@@ -102,6 +110,7 @@ def prepare_hsi_cmd(
     split: str,
     seed: int,
     classes: str | None,
+    x_dtype: str,
 ) -> None:
     """Cut P x P patches around every labelled pixel of a cube and class map."""
     from common.data.convert.hsi import prepare_hsi
@@ -116,6 +125,7 @@ def prepare_hsi_cmd(
         split=split,
         seed=seed,
         class_names=_names(classes),
+        x_dtype=x_dtype,
     )
     click.echo(_summary(meta))
 

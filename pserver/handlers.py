@@ -64,7 +64,7 @@ class Handlers:
         train_mask = np.zeros(server.meta.num_samples, dtype=bool)
         train_mask[server.reader.train_indices] = True
         self._train_mask = train_mask
-        self._sample_bytes = int(np.prod(server.meta.shape)) * 4 + 8
+        self._sample_bytes = int(np.prod(server.meta.shape)) * server.reader.codec.itemsize + 8
 
     async def dispatch(self, request: Request, message: Message) -> None:
         """Route a parsed request to its handler."""
@@ -110,6 +110,7 @@ class Handlers:
         ps.log.event("join", worker=worker.name, device=worker.device, slowdown=msg.slowdown)
         log.info("worker %s joined (%s, slowdown %.1f)", worker.name, worker.device, msg.slowdown)
         channels, height, _ = ps.meta.shape
+        mean, std = ps.reader.codec.wire_stats()
         ps.endpoint.reply(
             request.identity,
             request.request_id,
@@ -132,6 +133,9 @@ class Handlers:
                 chunk_elems=ps.chunk_elems,
                 shard_addresses=list(stores.addresses),
                 shard_bounds=list(stores.bounds),
+                sample_dtype=ps.reader.codec.dtype,
+                norm_mean=mean,
+                norm_std=std,
             ),
         )
 
@@ -281,7 +285,7 @@ class Handlers:
                 ErrorCode.BAD_FIELD, "data_request may only name indices of the training split"
             )
         loop = asyncio.get_running_loop()
-        x, y = await loop.run_in_executor(None, ps.reader.read, indices)
+        x, y = await loop.run_in_executor(None, ps.reader.read_stored, indices)
         ps.endpoint.reply(request.identity, request.request_id, DataReply(x=x, y=y))
 
     # --- parameter store (--shards 1) and shard registration --------------------------------

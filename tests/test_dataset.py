@@ -45,7 +45,7 @@ def test_round_trip_layout_and_meta(tmp_path: Path) -> None:
     with h5py.File(out, "r") as f:
         assert f["x"].dtype == np.float32 and f["x"].chunks == (1, *SHAPE)
         assert f["y"].dtype == np.int64
-        assert f.attrs["format_version"] == 1
+        assert f.attrs["format_version"] == 2 and f.attrs["normalise_on_read"] == 0
         assert json.loads(f.attrs["class_names"]) == ["c0", "c1", "c2"]
         assert f.attrs["fingerprint"] == fp
     with DatasetReader(out) as r:

@@ -111,6 +111,9 @@ EXAMPLES = [
         chunk_elems=1 << 20,
         shard_addresses=["", "tcp://10.0.0.2:7000"],
         shard_bounds=[0, 4, 10],
+        sample_dtype="uint16",
+        norm_mean=[1.5] * 198,
+        norm_std=[2.0] * 198,
     ),
     TaskReply(
         action="train",

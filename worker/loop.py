@@ -37,7 +37,7 @@ from worker.heartbeat import TRAINING_ENDED, Heartbeat
 from worker.local_data import open_local_copy
 from worker.overlap import OverlappedPush
 from worker.params import StoreClient
-from worker.prefetch import AheadReader, Prefetcher
+from worker.prefetch import AheadReader, Prefetcher, sample_codec
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +248,8 @@ class Worker:
                 lambda: self._connect(self.config.data_timeout_s, abort),
                 self.worker_id,
                 self.token,
+                sample_codec(spec),
+                (spec.in_channels, spec.input_size, spec.input_size),
             )
         return open_local_copy(self.config.data, spec.dataset_fingerprint)
 

@@ -10,8 +10,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from common.data.codec import SampleCodec
+from common.errors import DatasetError, ErrorCode, ProtocolError
 from common.protocol.client import Connection
-from common.protocol.messages import DataReply, DataRequest
+from common.protocol.messages import DataReply, DataRequest, JoinReply
 
 
 class AheadReader(abc.ABC):
@@ -70,14 +72,26 @@ class AheadReader(abc.ABC):
 class Prefetcher(AheadReader):
     """Pulls samples from the server over its own connection.
 
+    Samples arrive in their stored dtype and are normalised here, on the worker.
+
     Args:
         connect: makes a new connection to the server (called on the reading thread).
         worker_id, token: this worker's membership.
+        codec: the stored dtype and normalisation the join reply announced.
+        shape: one sample's (C, H, W).
     """
 
-    def __init__(self, connect: Callable[[], Connection], worker_id: int, token: str) -> None:
+    def __init__(
+        self,
+        connect: Callable[[], Connection],
+        worker_id: int,
+        token: str,
+        codec: SampleCodec,
+        shape: tuple[int, int, int],
+    ) -> None:
         super().__init__("prefetch")
         self.connect, self.worker_id, self.token = connect, worker_id, token
+        self.codec, self.shape = codec, shape
         self._local = threading.local()
         self._connections: list[Connection] = []
 
@@ -90,8 +104,37 @@ class Prefetcher(AheadReader):
             DataRequest(worker_id=self.worker_id, token=self.token, indices=indices),
             expect=DataReply,
         )
-        return reply.x, reply.y
+        try:
+            self.codec.check_stored(reply.x, self.shape)
+        except DatasetError as exc:
+            raise ProtocolError(ErrorCode.BAD_TENSOR, f"data_reply: {exc}") from exc
+        if len(reply.x) != len(indices) or reply.y.shape != (len(indices),):
+            raise ProtocolError(
+                ErrorCode.BAD_TENSOR,
+                f"data_reply has {len(reply.x)} samples and {reply.y.shape} labels "
+                f"for {len(indices)} indices",
+            )
+        return self.codec.decode(reply.x), reply.y
 
     def _close_source(self) -> None:
         for conn in self._connections:
             conn.close()
+
+
+def sample_codec(spec: JoinReply) -> SampleCodec:
+    """How the server's samples become model input, from its join reply.
+
+    Raises:
+        ProtocolError: the reply names no usable dtype or statistics.
+    """
+    mean = np.asarray(spec.norm_mean, dtype=np.float32) if spec.norm_mean else None
+    std = np.asarray(spec.norm_std, dtype=np.float32) if spec.norm_std else None
+    try:
+        codec = SampleCodec(spec.sample_dtype, mean, std)
+    except DatasetError as exc:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"join_reply: {exc}") from exc
+    if mean is not None and mean.shape != (spec.in_channels,):
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD, f"join_reply: {mean.size} band statistics for {spec.in_channels}"
+        )
+    return codec

@@ -16,64 +16,17 @@ from typing import Any
 import h5py
 import numpy as np
 
+from common.data.codec import FLOAT_DTYPES, STORED_DTYPES, SampleCodec
+from common.data.fingerprint import as_index_array, combine_fingerprint, digest, le_bytes
 from common.errors import DatasetError
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: /x float32, normalised
 KINDS = ("hsi", "scenes")
 SPLITS = ("train", "test")
 _REQUIRED_ATTRS = ("format_version", "kind", "class_names", "num_classes", "fingerprint")
-
-
-def _as_index_array(indices: Any, what: str) -> np.ndarray:
-    """Return ``indices`` as a 1-D int64 array, or raise DatasetError."""
-    arr = np.asarray(indices)
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        raise DatasetError(
-            f"{what} must be a 1-D integer array, got dtype {arr.dtype} shape {arr.shape}"
-        )
-    return arr.astype(np.int64, copy=False)
-
-
-def _digest(arr: np.ndarray) -> bytes:
-    """sha256 digest of an array's little-endian, C-ordered bytes."""
-    return hashlib.sha256(_le_bytes(arr)).digest()
-
-
-def _le_bytes(arr: np.ndarray) -> bytes | memoryview:
-    """The array's bytes in little-endian C order (what the fingerprint hashes)."""
-    arr = np.ascontiguousarray(arr)
-    if arr.dtype.byteorder == ">":
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
-    return arr.data.cast("B")
-
-
-def combine_fingerprint(
-    x_digest: bytes, y_digest: bytes, train_idx: np.ndarray, test_idx: np.ndarray
-) -> str:
-    """Combine the four parts of a dataset fingerprint (see docs/data.md).
-
-    Args:
-        x_digest: sha256 digest of all ``/x`` bytes (float32 little-endian, sample order).
-        y_digest: sha256 digest of all ``/y`` bytes (int64 little-endian).
-        train_idx: the training indices (int64).
-        test_idx: the test indices (int64).
-
-    Returns:
-        The hex sha256 of the concatenated digests of x, y, train_idx and test_idx.
-    """
-    h = hashlib.sha256()
-    for part in (
-        x_digest,
-        y_digest,
-        _digest(train_idx.astype(np.int64)),
-        _digest(test_idx.astype(np.int64)),
-    ):
-        h.update(part)
-    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -151,14 +104,15 @@ class DatasetReader:
         if missing:
             raise self._fail(f"root attributes {missing} are missing")
         version = _decode_attr(f.attrs["format_version"])
-        if version != FORMAT_VERSION:
-            raise self._fail(f"format_version is {version!r}, this code reads {FORMAT_VERSION}")
+        if version not in READABLE_VERSIONS:
+            raise self._fail(f"format_version is {version!r}, this code reads {READABLE_VERSIONS}")
         kind = _decode_attr(f.attrs["kind"])
         if kind not in KINDS:
             raise self._fail(f"kind is {kind!r}, expected one of {KINDS}")
         x, y = f["x"], f["y"]
-        if x.ndim != 4 or x.dtype != np.float32:
-            raise self._fail(f"/x must be float32 (N, C, H, W), got {x.dtype} {x.shape}")
+        dtypes = ("float32",) if version == 1 else STORED_DTYPES
+        if x.ndim != 4 or x.dtype.name not in dtypes or x.dtype.byteorder == ">":
+            raise self._fail(f"/x must be one of {dtypes} (N, C, H, W), got {x.dtype} {x.shape}")
         n = x.shape[0]
         if y.shape != (n,) or not np.issubdtype(y.dtype, np.integer):
             raise self._fail(f"/y must be integers of shape ({n},), got {y.dtype} {y.shape}")
@@ -191,16 +145,19 @@ class DatasetReader:
             s: np.bincount(self._y[ix], minlength=num_classes).tolist() for s, ix in splits.items()
         }
         known = {"format_version", "kind", "class_names", "num_classes", "fingerprint", "source"}
+        known.add("normalise_on_read")
         extra = {k: _decode_attr(v) for k, v in f.attrs.items() if k not in known}
         self._raw_chunks = (
             x.chunks == (1, *x.shape[1:])
             and not x.compression
             and not x.shuffle
             and not x.fletcher32
-            and x.dtype == np.dtype("<f4")
         )
         self.norm_mean = np.asarray(f["norm_mean"][...]) if "norm_mean" in f else None
         self.norm_std = np.asarray(f["norm_std"][...]) if "norm_std" in f else None
+        self.codec = self._codec(
+            x.dtype.name, bool(_decode_attr(f.attrs.get("normalise_on_read", 0)))
+        )
         self.meta = DatasetMeta(
             path=str(self.path),
             kind=kind,
@@ -215,6 +172,19 @@ class DatasetReader:
             source=str(_decode_attr(f.attrs.get("source", ""))),
             attrs=extra,
         )
+
+    def _codec(self, dtype: str, on_read: bool) -> SampleCodec:
+        """How ``/x`` becomes model input; raw integers are always normalised on read."""
+        if dtype in FLOAT_DTYPES and not on_read:
+            return SampleCodec(dtype)
+        if self.norm_mean is None or self.norm_std is None:
+            raise self._fail(
+                f"/x is {dtype} normalised on read, but /norm_mean or /norm_std is missing"
+            )
+        try:
+            return SampleCodec(dtype, self.norm_mean, self.norm_std)
+        except DatasetError as exc:
+            raise self._fail(str(exc)) from exc
 
     @property
     def train_indices(self) -> np.ndarray:
@@ -233,34 +203,40 @@ class DatasetReader:
 
     def _x_nbytes(self) -> int:
         n, c, h, w = (self.meta.num_samples, *self.meta.shape)
-        return n * c * h * w * 4
+        return n * c * h * w * self.codec.itemsize
 
     def read(self, indices: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Read samples in the order given; indices may repeat.
+        """Read samples in the order given as model input; indices may repeat.
 
         Args:
             indices: 1-D integer indices into the dataset.
 
         Returns:
-            ``(x, y)``: float32 (n, C, H, W) and int64 (n,), in the order of ``indices``.
+            ``(x, y)``: float32 (n, C, H, W) normalised and int64 (n,), in the order of
+            ``indices``.
 
         Raises:
             DatasetError: an index is out of range, or the reader is closed.
         """
-        idx = _as_index_array(indices, "indices")
+        x, y = self.read_stored(indices)
+        return self.codec.decode(x), y
+
+    def read_stored(self, indices: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Like ``read``, but ``x`` as stored (``codec.dtype``, not normalised on read)."""
+        idx = as_index_array(indices, "indices")
         n = self.meta.num_samples
         if idx.size and (idx.min() < 0 or idx.max() >= n):
             bad = int(idx.min() if idx.min() < 0 else idx.max())
             raise DatasetError(f"index {bad} outside [0, {n}) in {str(self.path)!r}")
         y = self._y[idx]
         if idx.size == 0:
-            return np.zeros((0, *self.meta.shape), dtype=np.float32), y
+            return np.zeros((0, *self.meta.shape), dtype=self.codec.dtype), y
         with self._lock:
             if self._file is None:
                 raise DatasetError(f"reader for {str(self.path)!r} is closed")
             if self._cache is None and self._x_nbytes() <= self.cache_bytes:
                 log.debug("caching %s (%d bytes) in memory", self.path, self._x_nbytes())
-                self._cache = np.asarray(self._file["x"][...], dtype=np.float32)
+                self._cache = np.asarray(self._file["x"][...])
             if self._cache is None:
                 uniq, inverse = np.unique(idx, return_inverse=True)
                 data = self._read_rows(uniq)
@@ -276,14 +252,15 @@ class DatasetReader:
         """
         assert self._file is not None
         x = self._file["x"]
-        out = np.empty((rows.size, *self.meta.shape), dtype=np.float32)
+        dtype = np.dtype(self.codec.dtype).newbyteorder("<")
+        out = np.empty((rows.size, *self.meta.shape), dtype=dtype)
         if self._raw_chunks:
             try:
                 for k, i in enumerate(rows.tolist()):
                     mask, buf = x.id.read_direct_chunk((i, 0, 0, 0))
                     if mask:
                         raise OSError("chunk has filters applied")
-                    out[k] = np.frombuffer(buf, dtype="<f4").reshape(self.meta.shape)
+                    out[k] = np.frombuffer(buf, dtype=dtype).reshape(self.meta.shape)
                 return out
             except (OSError, ValueError) as exc:
                 log.debug("raw chunk reads fail on %s (%s); slicing instead", self.path, exc)
@@ -311,7 +288,7 @@ class DatasetReader:
         """
         if block < 1:
             raise DatasetError(f"block must be >= 1, got {block}")
-        idx = _as_index_array(indices, "indices")
+        idx = as_index_array(indices, "indices")
         for start in range(0, idx.size, block):
             yield self.read(idx[start : start + block])
 
@@ -328,10 +305,11 @@ class DatasetReader:
             DatasetError: the reader is closed.
         """
         xh = hashlib.sha256()
-        for x, _ in self.iter_blocks(np.arange(self.meta.num_samples), block):
-            xh.update(_le_bytes(x))
+        every = np.arange(self.meta.num_samples)
+        for start in range(0, every.size, max(block, 1)):
+            xh.update(le_bytes(self.read_stored(every[start : start + block])[0]))
         found = combine_fingerprint(
-            xh.digest(), _digest(self._y), self._splits["train"], self._splits["test"]
+            xh.digest(), digest(self._y), self._splits["train"], self._splits["test"]
         )
         return found == self.meta.fingerprint
 

@@ -16,13 +16,9 @@ from typing import Any
 import h5py
 import numpy as np
 
-from common.data.dataset import (
-    FORMAT_VERSION,
-    KINDS,
-    _as_index_array,
-    _le_bytes,
-    combine_fingerprint,
-)
+from common.data.codec import RAW_DTYPES, STORED_DTYPES, SampleCodec, encode
+from common.data.dataset import FORMAT_VERSION, KINDS
+from common.data.fingerprint import as_index_array, combine_fingerprint, le_bytes
 from common.errors import DatasetError
 
 log = logging.getLogger(__name__)
@@ -30,7 +26,7 @@ log = logging.getLogger(__name__)
 
 def _check_split(idx: np.ndarray, n: int, name: str) -> np.ndarray:
     """Sort a split's indices and check range and uniqueness."""
-    idx = np.sort(_as_index_array(idx, name))
+    idx = np.sort(as_index_array(idx, name))
     if idx.size and (idx[0] < 0 or idx[-1] >= n):
         bad = idx[0] if idx[0] < 0 else idx[-1]
         raise DatasetError(f"{name} contains index {int(bad)} outside [0, {n})")
@@ -69,6 +65,7 @@ class DatasetWriter:
         kind: str,
         class_names: Sequence[str],
         source: str = "",
+        x_dtype: str = "float32",
     ) -> None:
         """Create the temporary file and its datasets.
 
@@ -79,6 +76,9 @@ class DatasetWriter:
             kind: ``"hsi"`` or ``"scenes"``.
             class_names: one name per class; labels are 0..len(class_names)-1.
             source: free text saying where the data came from.
+            x_dtype: how ``/x`` is stored: ``float32`` or ``float16`` (normalised samples), or
+                ``uint8``/``uint16``/``int16`` (raw sensor values, normalised on read with the
+                statistics ``close`` is given).
 
         Raises:
             DatasetError: an argument is invalid or the file cannot be created.
@@ -93,6 +93,9 @@ class DatasetWriter:
             raise DatasetError(f"kind must be one of {KINDS}, got {kind!r}")
         if len(class_names) < 1:
             raise DatasetError("class_names is empty: a dataset needs at least one class")
+        if x_dtype not in STORED_DTYPES:
+            raise DatasetError(f"x_dtype {x_dtype!r} is not one of {STORED_DTYPES}")
+        self.x_dtype = x_dtype
         self.num_samples = int(num_samples)
         self.kind = kind
         self.class_names = [str(c) for c in class_names]
@@ -109,7 +112,10 @@ class DatasetWriter:
         try:
             self._file = h5py.File(self._tmp, "x")
             self._x = self._file.create_dataset(
-                "x", shape=(self.num_samples, *self.shape), dtype="<f4", chunks=(1, *self.shape)
+                "x",
+                shape=(self.num_samples, *self.shape),
+                dtype=np.dtype(x_dtype).newbyteorder("<"),
+                chunks=(1, *self.shape),
             )
             self._y = self._file.create_dataset("y", shape=(self.num_samples,), dtype="<i8")
         except Exception as exc:
@@ -127,7 +133,7 @@ class DatasetWriter:
         """Append a block of samples after those already written.
 
         Args:
-            x_block: float array (n, C, H, W); converted to float32.
+            x_block: array (n, C, H, W), stored as ``x_dtype`` (values must fit it).
             y_block: integer labels (n,) in [0, num_classes).
 
         Raises:
@@ -136,7 +142,7 @@ class DatasetWriter:
         """
         if self._file is None:
             raise DatasetError(f"writer for {str(self.path)!r} is already closed")
-        x = np.ascontiguousarray(x_block, dtype=np.float32)
+        x = np.asarray(x_block)
         y = np.asarray(y_block)
         n = x.shape[0] if x.ndim else 0
         if x.shape[1:] != self.shape or x.ndim != 4:
@@ -156,11 +162,12 @@ class DatasetWriter:
             )
         if not np.all(np.isfinite(x)):
             raise DatasetError(f"x block starting at sample {self._written} has NaN or Inf")
+        x = encode(x, self.x_dtype)
         start = self._written
         self._x[start : start + n] = x
         self._y[start : start + n] = y
-        self._x_hash.update(_le_bytes(x))
-        self._y_hash.update(_le_bytes(y))
+        self._x_hash.update(le_bytes(x))
+        self._y_hash.update(le_bytes(y))
         self._written += n
 
     def close(
@@ -178,8 +185,9 @@ class DatasetWriter:
             train_idx: training sample indices (any order; stored sorted).
             test_idx: test sample indices, disjoint from ``train_idx``.
             extra_attrs: more root attributes (dicts and lists are stored as JSON text).
-            norm_mean: per-band mean (C,) subtracted from the data, stored as ``/norm_mean``.
-            norm_std: per-band std (C,) the data was divided by, stored as ``/norm_std``.
+            norm_mean: per-band mean (C,) subtracted from the raw data, stored as
+                ``/norm_mean`` (required for raw ``x_dtype``: the reader subtracts it).
+            norm_std: per-band std (C,) the centred data is divided by, ``/norm_std``.
             extra_datasets: more root datasets, e.g. ``{"coords": (N, 2) array}``; names must
                 not clash with the layout's own.
 
@@ -203,7 +211,13 @@ class DatasetWriter:
                 raise DatasetError(
                     f"train_idx and test_idx share {common.size} indices, e.g. {int(common[0])}"
                 )
+            raw = self.x_dtype in RAW_DTYPES
+            if raw:  # the reader will normalise: the statistics must be usable
+                if norm_mean is None or norm_std is None:
+                    raise DatasetError(f"raw {self.x_dtype} samples need norm_mean and norm_std")
+                SampleCodec(self.x_dtype, np.asarray(norm_mean), np.asarray(norm_std))
             f = self._file
+            f.attrs["normalise_on_read"] = int(raw)
             f.create_dataset("train_idx", data=train, dtype="<i8")
             f.create_dataset("test_idx", data=test, dtype="<i8")
             for name, arr in (("norm_mean", norm_mean), ("norm_std", norm_std)):

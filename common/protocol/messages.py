@@ -169,7 +169,8 @@ class JoinReply(Message):
     """Membership granted: what to build, how the run is set up, and where parameters live.
 
     ``shard_addresses[k]`` serves state elements ``shard_bounds[k]`` to ``shard_bounds[k + 1]``;
-    an empty address means the coordinator itself.
+    an empty address means the coordinator itself. Samples travel in ``sample_dtype``; when
+    ``norm_mean``/``norm_std`` are not empty the worker normalises them per band.
     """
 
     TYPE: ClassVar[str] = "join_reply"
@@ -191,6 +192,9 @@ class JoinReply(Message):
     chunk_elems: int
     shard_addresses: list[str]
     shard_bounds: list[int]
+    sample_dtype: str
+    norm_mean: list[float]
+    norm_std: list[float]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +226,8 @@ class ParamsChunk(Message):
 
 @dataclasses.dataclass(frozen=True)
 class DataReply(Message):
-    """Samples ``x`` (n, C, H, W) float32 and labels ``y`` (n,) int64, in request order."""
+    """Samples ``x`` (n, C, H, W) in the join reply's ``sample_dtype`` and labels ``y`` (n,)
+    int64, in request order."""
 
     TYPE: ClassVar[str] = "data_reply"
     x: np.ndarray

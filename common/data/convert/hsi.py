@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from common.data.codec import RAW_DTYPES
 from common.data.convert.cube import ArrayCube, Cube, load_labels, open_cube
 from common.data.convert.patches import iter_bands, rows_per_band
 from common.data.dataset import DatasetMeta, DatasetReader
@@ -59,6 +60,7 @@ def write_patch_dataset(
     max_samples: int | None = None,
     source: str = "",
     extra_attrs: dict[str, Any] | None = None,
+    x_dtype: str = "float32",
 ) -> DatasetMeta:
     """Turn a cube and a class map into a patch dataset file (the one HSI pipeline).
 
@@ -80,6 +82,7 @@ def write_patch_dataset(
         max_samples: keep at most this many labelled pixels (stratified); None keeps all.
         source: free text stored in the file.
         extra_attrs: more root attributes.
+        x_dtype: as for ``prepare_hsi``.
 
     Returns:
         The written dataset's metadata.
@@ -125,6 +128,8 @@ def write_patch_dataset(
     for c in np.flatnonzero(np.bincount(y[test], minlength=k) == 0):
         log.warning("class %d (%s) has no test samples", c, class_names[int(c)])
     mean, std = _train_statistics(cube, coords[train])
+    stored = _stored_dtype(cube, x_dtype)
+    normalise_now = stored not in RAW_DTYPES
     attrs = {
         "patch": int(patch),
         "split": split,
@@ -136,8 +141,10 @@ def write_patch_dataset(
     # Pixels are in row-major order, so one top-to-bottom pass over bands of rows writes them
     # in file order; only one reflect-padded, normalised band is in memory at a time.
     row_starts = np.searchsorted(coords[:, 0], np.arange(rows + 1))
-    with DatasetWriter(out, (bands, patch, patch), y.size, "hsi", class_names, source) as w:
-        for start, stop, windows in iter_bands(cube, patch, mean, std):
+    shape = (bands, patch, patch)
+    with DatasetWriter(out, shape, y.size, "hsi", class_names, source, stored) as w:
+        scaling = (mean, std) if normalise_now else (None, None)
+        for start, stop, windows in iter_bands(cube, patch, *scaling):
             lo, hi = int(row_starts[start]), int(row_starts[stop])
             for first in range(lo, hi, BLOCK):
                 rc = coords[first : min(hi, first + BLOCK)]
@@ -155,6 +162,18 @@ def write_patch_dataset(
         return reader.meta
 
 
+def _stored_dtype(cube: np.ndarray | Cube, x_dtype: str) -> str:
+    """The dtype ``/x`` is written in: ``raw`` keeps the cube's integers (normalised on read)."""
+    if x_dtype != "raw":
+        return x_dtype
+    if np.dtype(cube.dtype).name not in RAW_DTYPES:
+        raise DatasetError(
+            f"--x-dtype raw keeps the cube's integers, but the cube is {cube.dtype} "
+            f"(raw works for {', '.join(RAW_DTYPES)}); use float32 or float16"
+        )
+    return np.dtype(cube.dtype).name
+
+
 def prepare_hsi(
     cube_spec: str,
     gt_spec: str,
@@ -164,6 +183,7 @@ def prepare_hsi(
     split: str = "random",
     seed: int = 0,
     class_names: Sequence[str] | None = None,
+    x_dtype: str = "float32",
 ) -> DatasetMeta:
     """Prepare a patch dataset from a hyperspectral cube and a ground-truth map.
 
@@ -180,6 +200,8 @@ def prepare_hsi(
         split: ``"random"`` or ``"disjoint"`` (spatially disjoint; see docs/data.md).
         seed: seed of the split.
         class_names: names of classes 1..K; override those found in the files.
+        x_dtype: how samples are stored: ``float32`` or ``float16`` (normalised), or ``raw``
+            (the cube's integers, normalised on read; half the bytes of float32 for uint16).
 
     Returns:
         The written dataset's metadata.
@@ -227,4 +249,5 @@ def prepare_hsi(
             split=split,
             seed=seed,
             source=f"prepare hsi --cube {cube_spec} --gt {gt_spec}",
+            x_dtype=x_dtype,
         )
