@@ -331,6 +331,8 @@ def info_cmd(dataset: str, as_json: bool) -> None:
     click.echo(f"kind:        {info['kind']}")
     click.echo(f"samples:     {info['samples']} (train {counts['train']}, test {counts['test']})")
     click.echo(f"shape:       {' x '.join(map(str, info['shape']))} (C x H x W)")
+    raw = " (raw, normalised on read)" if info["normalise_on_read"] else ""
+    click.echo(f"stored as:   {info['stored_dtype']}{raw}")
     click.echo(f"classes:     {info['classes']}")
     width = max(len(n) for n in info["class_names"])
     for i, name in enumerate(info["class_names"]):

@@ -340,9 +340,9 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
         path: the dataset file.
 
     Returns:
-        ``{"path", "kind", "samples", "classes", "class_names", "shape", "fingerprint",
-        "source", "counts": {"train", "test", "per_class": {"train": [...], "test": [...]}},
-        "attrs"}``.
+        ``{"path", "kind", "samples", "classes", "class_names", "shape", "stored_dtype",
+        "normalise_on_read", "fingerprint", "source", "counts": {"train", "test",
+        "per_class": {"train": [...], "test": [...]}}, "attrs"}``.
 
     Raises:
         DatasetError: the file is missing or invalid.
@@ -356,6 +356,8 @@ def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
             "classes": m.num_classes,
             "class_names": list(m.class_names),
             "shape": list(m.shape),
+            "stored_dtype": reader.codec.dtype,
+            "normalise_on_read": reader.codec.normalises,
             "fingerprint": m.fingerprint,
             "source": m.source,
             "counts": {
