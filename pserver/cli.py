@@ -28,6 +28,7 @@ from common.protocol.wire import WIRE_DTYPES
 from pserver.config import MODES, OPTIMIZERS, SCHEDULES, STALENESS, ServerConfig, ShardConfig
 from pserver.data_cli import data_group
 from pserver.model_cli import COMMANDS as MODEL_COMMANDS
+from pserver.snapshot_cli import evaluate_snapshots_cmd
 
 CONTEXT = {"auto_envvar_prefix": "PSERVER", "show_default": True}
 
@@ -123,6 +124,17 @@ def main() -> None:
     type=int,
     help="Write a checkpoint to RUN_DIR/checkpoints every this many updates (one is always "
     "written at shutdown, also on SIGTERM, when --run-dir is given).",
+)
+@_opt(
+    "snapshot_every_updates",
+    type=int,
+    help="Save the state of every N-th version to RUN_DIR/snapshots for 'pserver "
+    "evaluate-snapshots' (off by default; disk: at most --snapshot-limit states).",
+)
+@_opt(
+    "snapshot_limit",
+    type=int,
+    help="Snapshots kept at most; beyond it every other one is deleted and the interval doubles.",
 )
 @_opt(
     "resume",
@@ -336,6 +348,7 @@ def keygen(directory: Path) -> None:
 
 
 main.add_command(data_group)
+main.add_command(evaluate_snapshots_cmd)
 for _command in MODEL_COMMANDS:
     main.add_command(_command)
 

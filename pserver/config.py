@@ -108,6 +108,8 @@ class ServerConfig:
     torch_threads: int = 1
     heartbeat_s: float = 1.0
     checkpoint_every: int | None = None
+    snapshot_every_updates: int | None = None
+    snapshot_limit: int = 1000
     curve_secret: Path | None = None
     authorized_keys: Path | None = None
     resume: bool = False
@@ -164,13 +166,23 @@ class ServerConfig:
         )
         need(self.staleness_a > 0, f"--staleness-a must be > 0, got {self.staleness_a}")
         need(self.staleness_b >= 0, f"--staleness-b must be >= 0, got {self.staleness_b}")
-        for name in ("checkpoint_every", "eval_every_updates", "eval_samples"):
+        for name in (
+            "checkpoint_every",
+            "eval_every_updates",
+            "eval_samples",
+            "snapshot_every_updates",
+        ):
             value = getattr(self, name)
             need(value is None or value >= 1, f"--{_flag(name)} must be >= 1, got {value}")
         need(
             self.run_dir is not None or not (self.resume or self.checkpoint_every),
             "--resume and --checkpoint-every need --run-dir",
         )
+        need(
+            self.run_dir is not None or self.snapshot_every_updates is None,
+            "--snapshot-every-updates needs --run-dir",
+        )
+        need(self.snapshot_limit >= 2, f"--snapshot-limit must be >= 2, got {self.snapshot_limit}")
         need(not (self.resume and self.overwrite), "--resume and --overwrite exclude each other")
         need(
             (self.curve_secret is None) == (self.authorized_keys is None),

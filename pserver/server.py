@@ -38,6 +38,8 @@ from pserver.policies import POLICIES, Update
 from pserver.runstate import RunState
 from pserver.sampler import EpochSampler
 from pserver.shutdown import shutdown, watch_shards
+from pserver.snapshot_hooks import take as take_snapshot
+from pserver.snapshot_hooks import writer_for
 from pserver.store.build import build_stores
 from pserver.store.stores import CapturedState, LocalStores, RemoteStores
 from pserver.summary import build_summary
@@ -118,12 +120,13 @@ class ParameterServer:
         self.evaluations = EvalScheduler(
             Evaluator(model, self.reader, meta.num_classes, config.eval_batch),
             self.log,
-            self._newest_state,
+            self.newest_state,
             config.eval_samples,
             config.seed,
             self._on_eval,
         )
         self.handlers = Handlers(self)
+        self.snapshots = writer_for(self, resumed is not None)  # --snapshot-every-updates
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -197,6 +200,8 @@ class ParameterServer:
         if self._flusher is not None:
             self._flusher.cancel()
         await self.evaluations.close()
+        if self.snapshots is not None:
+            self.snapshots.close()
         await self.owner.cancel_all()
         await self.stores.close("the server closed")
         self.roster.close()
@@ -329,13 +334,15 @@ class ParameterServer:
                 self.fail(str(exc), stores_lost=True)
                 return False
             book(self, update, tau)
+            await take_snapshot(self)
         self.plan()
         self.release()
         return True
 
     # --- evaluation, checkpoints and the end of training ------------------------------------
 
-    async def _newest_state(self) -> tuple[int, np.ndarray, Any]:
+    async def newest_state(self) -> tuple[int, np.ndarray, Any]:
+        """The published version, its state and the call that releases it."""
         if isinstance(self.stores, LocalStores):
             version, state, lease = self.stores.published()
             return version, state, lease.release

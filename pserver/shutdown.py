@@ -8,6 +8,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from common.errors import ShardLost
+from pserver.snapshot_hooks import at_end
 from pserver.store.stores import RemoteStores
 from pserver.summary import build_summary
 
@@ -46,8 +47,8 @@ async def shutdown(ps: ParameterServer) -> None:
 
 
 async def _wind_down(ps: ParameterServer, deadline: float) -> None:
-    async with ps.updater.lock:
-        pass  # an update being published completes first
+    async with ps.updater.lock:  # an update being published completes first
+        await at_end(ps)  # the final snapshot (--snapshot-every-updates)
     if not ps.stores_lost:
         if ps.config.run_dir is not None and not await ps.save_checkpoint():
             ps.run.error = ps.run.error or "the final checkpoint could not be written"

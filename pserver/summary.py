@@ -38,6 +38,13 @@ def build_summary(ps: ParameterServer) -> dict[str, Any]:
             "refused_pushes": ps.guard.refused,
             "clipped_pushes": ps.guard.clipped,
             "skipped_evaluations": ps.evaluations.skipped,
+            "snapshots": None
+            if ps.snapshots is None
+            else {
+                "every": ps.snapshots.every,
+                "written": ps.snapshots.written,
+                "failed": ps.snapshots.failed,
+            },
             "error": run.error or None,
         },
     )

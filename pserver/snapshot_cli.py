@@ -1,0 +1,51 @@
+"""``pserver evaluate-snapshots``: the command line of ``pserver.snapshot_eval``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from common.errors import PSError
+
+
+@click.command("evaluate-snapshots")
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option(
+    "--target-oa",
+    type=float,
+    default=None,
+    show_envvar=True,
+    help="Report the first version reaching this test OA (default: the run's --target-oa).",
+)
+@click.option(
+    "--dataset",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    show_envvar=True,
+    help="The run's dataset file (default: the one RUN_DIR/snapshots/run.json names).",
+)
+@click.option("--batch", type=int, default=512, show_envvar=True, help="Evaluation batch size.")
+@click.option("--threads", type=int, default=1, show_envvar=True, help="Torch CPU threads.")
+@click.option("--progress/--no-progress", default=True, show_envvar=True, help="Progress bar.")
+def evaluate_snapshots_cmd(
+    run_dir: Path,
+    target_oa: float | None,
+    dataset: Path | None,
+    batch: int,
+    threads: int,
+    progress: bool,
+) -> None:
+    """Score every snapshot in RUN_DIR/snapshots on the whole test split after training.
+
+    Writes RUN_DIR/snapshots.jsonl (version, epoch, train_time_s, samples, final, oa, aa,
+    kappa, loss) and prints the first version reaching the target and its training time.
+    """
+    from pserver.snapshot_eval import SnapshotEvalConfig, describe, evaluate_snapshots
+
+    try:
+        config = SnapshotEvalConfig(run_dir, dataset, target_oa, batch, threads, progress)
+        result = evaluate_snapshots(config)
+    except PSError as exc:
+        raise click.ClickException(str(exc).strip().splitlines()[0]) from exc
+    click.echo(describe(result))
