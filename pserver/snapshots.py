@@ -263,7 +263,7 @@ class SnapshotWriter:
         future = loop.run_in_executor(self._pool, self._save, state, meta, release)
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
-        if len(self._pending) > MAX_PENDING:
+        if len(self._pending) == MAX_PENDING + 1:  # once per backlog
             log.warning(
                 "%d snapshot writes queued (the disk is slower than updates)", len(self._pending)
             )
