@@ -157,6 +157,13 @@ def local(
 )
 @click.option("--threads", type=int, default=1, help="Torch CPU threads per rank.")
 @click.option("--eval-batch", type=int, default=512, help="Evaluation batch on rank 0.")
+@click.option(
+    "--snapshot-every-steps",
+    type=int,
+    default=None,
+    help="Rank 0 saves every N-th step's state to RUN_DIR/snapshots for 'pserver "
+    "evaluate-snapshots' (off by default).",
+)
 def ddp(
     workers: int | None,
     slowdowns: str,
@@ -220,6 +227,13 @@ def ddp(
     help="Extra 'pserver start' option for the PS modes, e.g. --server-opt=--staleness-a=1.",
 )
 @click.option("--progress/--no-progress", default=True, help="Show the live progress line.")
+@click.option(
+    "--snapshot-every",
+    type=int,
+    default=None,
+    help="Snapshot every N updates (async: every N x workers pushes, about as many samples) "
+    "and take time to target from the snapshots, scored after each run (off by default).",
+)
 @click.option(
     "--launcher",
     type=click.Choice(LAUNCHERS),

@@ -26,6 +26,8 @@ from launch.local import LocalCluster, run_local
 from launch.settings import TrainSettings
 from launch.slurm.config import SlurmJob
 from launch.slurm.jobs import LAUNCHERS, SlurmRuns, run_job
+from launch.snapshot_times import score_run
+from launch.snapshot_times import server_options as snapshot_options
 from pserver.config import MODES, STALENESS
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,8 @@ class CompareConfig:
         threads: torch CPU threads per worker and per DDP rank.
         launcher: ``local`` (processes on this machine) or ``slurm`` (one job per run).
         slurm: how runs become Slurm jobs (``launcher="slurm"`` only).
+        snapshot_every: snapshot every N updates and take time to target from the snapshots
+            (``launch.snapshot_times``); None: from the per-epoch evaluations.
     """
 
     dataset: Path
@@ -76,6 +80,7 @@ class CompareConfig:
     threads: int = 1
     launcher: str = "local"
     slurm: SlurmRuns = dataclasses.field(default_factory=SlurmRuns)
+    snapshot_every: int | None = None
 
     def validate(self) -> CompareConfig:
         """Check every field.
@@ -110,6 +115,8 @@ class CompareConfig:
             raise ConfigError(
                 f"--staleness {self.staleness!r} is not one of {', '.join(STALENESS)}"
             )
+        if self.snapshot_every is not None and self.snapshot_every < 1:
+            raise ConfigError(f"--snapshot-every must be >= 1, got {self.snapshot_every}")
         if self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         self.cluster("weighted-sync", self.out).validate()
@@ -133,9 +140,9 @@ class CompareConfig:
         self.slurm_job("weighted-sync", self.out / "runs" / "check")
         self.slurm_job("ddp", self.out / "runs" / "check")
 
-    def _server_mode_options(self) -> list[str]:
-        """``pserver start`` options for the async settings given."""
-        options = []
+    def _server_mode_options(self, mode: str) -> list[str]:
+        """``pserver start`` options for the async settings and snapshots given."""
+        options = snapshot_options(mode, self.snapshot_every, len(self.slowdowns))
         if self.staleness is not None:
             options += ["--staleness", self.staleness]
         if self.max_staleness is not None:
@@ -144,7 +151,7 @@ class CompareConfig:
 
     def cluster(self, mode: str, run_dir: Path) -> LocalCluster:
         """The parameter-server run of ``mode``."""
-        options = [*self.train.server_args(), *self._server_mode_options()]
+        options = [*self.train.server_args(), *self._server_mode_options(mode)]
         return LocalCluster(
             dataset=self.dataset,
             model=self.model,
@@ -168,6 +175,7 @@ class CompareConfig:
                 train=self.train,
                 devices=self.devices[:1],
                 threads=self.threads,
+                snapshot_every_steps=self.snapshot_every,
             )
         return DDPConfig(
             dataset=self.dataset,
@@ -178,6 +186,7 @@ class CompareConfig:
             slowdown_schedules=self.slowdown_schedules,
             devices=self.devices,
             threads=self.threads,
+            snapshot_every_steps=self.snapshot_every,
         )
 
     def slurm_job(self, mode: str, run_dir: Path) -> SlurmJob:
@@ -191,7 +200,7 @@ class CompareConfig:
             slowdowns=self.slowdowns if mode != SINGLE else (1.0,),
             train=self.train,
             cpus=self.threads,
-            server_options=(*self._server_mode_options(), *self.server_options)
+            server_options=(*self._server_mode_options(mode), *self.server_options)
             if server_mode
             else (),
         )
@@ -351,7 +360,10 @@ def _run_one(config: CompareConfig, mode: str, repeat: int, bar: tqdm) -> dict[s
         except PSError as exc:
             log.error("compare: %s failed: %s", label, exc)
             return {"mode": mode, "repeat": repeat, "run_dir": str(run_dir), "error": str(exc)}
-    return run_record(mode, repeat, run_dir, summary, config.target_oa)
+    if config.snapshot_every is not None:
+        sink.bar.set_postfix_str(f"{label}: scoring snapshots", refresh=True)
+    scored = score_run(run_dir, config.target_oa, config.snapshot_every, config.threads)
+    return {**run_record(mode, repeat, run_dir, summary, config.target_oa), **scored}
 
 
 def _run_slurm(

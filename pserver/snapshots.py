@@ -258,16 +258,21 @@ class SnapshotWriter:
                 "snapshot of version %d skipped: version %d is published", meta.version, version
             )
             return
-        self.versions.append(version)
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._pool, self._save, state, meta, release)
+        future = asyncio.wrap_future(self.submit(meta, state, release))
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
         if len(self._pending) == MAX_PENDING + 1:  # once per backlog
-            log.warning(
-                "%d snapshot writes queued (the disk is slower than updates)", len(self._pending)
-            )
+            log.warning("%d snapshot writes queued (the disk is slower than updates)", MAX_PENDING)
+
+    def submit(
+        self, meta: SnapshotMeta, state: np.ndarray, release: Callable[[], None] = lambda: None
+    ) -> concurrent.futures.Future[None]:
+        """Queue ``state`` to be saved as ``meta.version`` by the write thread (which calls
+        ``release`` once it is saved); call from one thread only."""
+        self.versions.append(meta.version)
+        future = self._pool.submit(self._save, state, meta, release)
         self._thin()
+        return future
 
     def _save(self, state: np.ndarray, meta: SnapshotMeta, release: Callable[[], None]) -> None:
         try:

@@ -51,6 +51,9 @@ class DDPConfig:
         collective_timeout_s: how long a rank waits in one collective (rank 0 evaluates while
             the others wait, so this bounds an evaluation too).
         run_timeout_s: how long the whole run may take before it is stopped.
+        snapshot_every_steps: rank 0 saves every N-th step's state to ``run_dir/snapshots``
+            for ``pserver evaluate-snapshots`` (None: off).
+        snapshot_limit: snapshots kept at most (``pserver start --snapshot-limit``).
     """
 
     dataset: Path
@@ -67,6 +70,8 @@ class DDPConfig:
     startup_timeout_s: float = 120.0
     collective_timeout_s: float = 600.0
     run_timeout_s: float = 3600.0
+    snapshot_every_steps: int | None = None
+    snapshot_limit: int = server_default("snapshot_limit")
 
     @property
     def world_size(self) -> int:
@@ -129,6 +134,12 @@ class DDPConfig:
         for name in ("startup_timeout_s", "collective_timeout_s", "run_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.snapshot_every_steps is not None and self.snapshot_every_steps < 1:
+            raise ConfigError(
+                f"--snapshot-every-steps must be >= 1, got {self.snapshot_every_steps}"
+            )
+        if self.snapshot_limit < 2:
+            raise ConfigError(f"--snapshot-limit must be >= 2, got {self.snapshot_limit}")
         if not self.dataset.is_file():
             raise ConfigError(f"--dataset {str(self.dataset)!r} does not exist")
         return self

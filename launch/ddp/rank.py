@@ -185,6 +185,7 @@ class RankTrainer:
         if self.recorder is not None:
             batches = [sizes.get(r, 0) for r in range(self.world_size)]
             self.recorder.round(epoch, self.steps, batches, result, time.perf_counter() - begin)
+            self.recorder.snapshot(epoch, self.steps, self.samples)
 
     def close(self) -> None:
         """Release the dataset, the run log and the DDP wrapper."""

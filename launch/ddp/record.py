@@ -15,6 +15,7 @@ from common.training.speed import SpeedMeter
 from common.training.summary import per_class_of, run_summary
 from launch.ddp.launcher import DDPConfig
 from launch.ddp.step import StepResult
+from pserver.snapshots import SnapshotMeta, SnapshotWriter
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,14 @@ class RunRecorder:
         self.train_start = 0.0
         self.time_to_target: float | None = None
         meta = evaluator.reader.meta
+        self.snapshots: SnapshotWriter | None = None
+        if config.snapshot_every_steps is not None:
+            info: dict[str, Any] = {"mode": "ddp", "model": config.model}
+            info.update(dataset=str(config.dataset), fingerprint=meta.fingerprint)
+            info["state_size"] = layout.size
+            self.snapshots = SnapshotWriter(
+                config.run_dir, config.snapshot_every_steps, config.snapshot_limit, info
+            )
         self.log.event(
             "start",
             mode="ddp",
@@ -115,6 +124,17 @@ class RunRecorder:
             workers=workers,
         )
 
+    def snapshot(self, epoch: int, version: int, samples: int, final: bool = False) -> None:
+        """Save this step's state when the interval keeps it (written on another thread)."""
+        writer = self.snapshots
+        if writer is None or not (
+            writer.due(version) or (final and version not in writer.versions)
+        ):
+            return
+        train_t = round(self.train_clock(self.log.now()), 6)
+        state = self.layout.read_state().numpy()
+        writer.submit(SnapshotMeta(version, epoch, samples, train_t, final), state)
+
     def _evaluate(self, epoch: int, version: int, samples: int) -> dict[str, Any]:
         t = self.log.now()
         train_t = self.train_clock(t)
@@ -172,6 +192,7 @@ class RunRecorder:
         train_end = self.log.now()
         train_time = self.train_clock(train_end)
         log.info("training finished (%s) at version %d", reason, version)
+        self.snapshot(epoch, version, samples, final=True)
         if not self.evals or self.evals[-1]["version"] != version:
             self._evaluate(epoch, version, samples)
         for rank in range(self.world_size):
@@ -225,5 +246,7 @@ class RunRecorder:
         )
 
     def close(self) -> None:
-        """Close ``metrics.jsonl``."""
+        """Finish the snapshot writes; close ``metrics.jsonl``."""
+        if self.snapshots is not None:
+            self.snapshots.close()
         self.log.close()
