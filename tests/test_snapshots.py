@@ -285,3 +285,47 @@ def test_snapshots_need_a_run_dir(small_hsi: Path) -> None:
             snapshot_every_updates=0,
             run_dir=Path("x"),
         )
+
+
+@pytest.mark.e2e
+def test_compare_takes_time_to_target_from_snapshots(tmp_path: Path) -> None:
+    from common.data.convert.synth import synth_hsi
+    from launch.cli import main as pslaunch
+
+    data = tmp_path / "hsi.h5"
+    synth_hsi(data, samples=400, bands=16, size=32, classes=4, train_fraction=0.3, seed=4)
+    out = tmp_path / "cmp"
+    args = ["compare", "--dataset", str(data), "--model", "hsi-cnn", "--modes", "async,ddp"]
+    args += ["--slowdowns", "1,2", "--epochs", "3", "--global-batch", "32", "--repeats", "1"]
+    args += ["--target-oa", "0.6", "--snapshot-every", "2", "--no-progress", "--out", str(out)]
+    result = CliRunner().invoke(pslaunch, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "compare.json").read_text())
+    runs = {r["mode"]: r for r in report["runs"]}
+    # 3 epochs of 120 samples in steps of 32 (the last of each epoch 24): 12 DDP steps
+    assert runs["ddp"]["summary"]["steps"] == 12
+    expected_every = {"async": 4, "ddp": 2}  # async: 2 x 2 workers pushes
+    for mode, run in runs.items():
+        assert run["time_to_target_source"] == "snapshots", run.get("snapshot_error")
+        assert run["snapshot_every"] == expected_every[mode]
+        rows = [
+            json.loads(line)
+            for line in (Path(run["run_dir"]) / "snapshots.jsonl").read_text().splitlines()
+        ]
+        versions = [r["version"] for r in rows]
+        steps = run["summary"]["steps"]
+        every = expected_every[mode]
+        assert versions[: steps // every] == list(range(every, steps + 1, every)), versions
+        assert versions[-1] == steps
+        final = run["summary"]["final"]
+        assert rows[-1]["oa"] == pytest.approx(final["oa"], abs=1e-5)
+        first = next((r for r in rows if r["oa"] >= 0.6), None)
+        if first is None:
+            assert run["time_to_target_s"] is None
+        else:
+            assert run["time_to_target_s"] == first["train_time_s"]
+            assert run["time_to_target_version"] == first["version"]
+        assert [p["version"] for p in run["snapshot_curve"]] == versions
+    markdown = (out / "report.md").read_text()
+    assert "first snapshot with OA at or above the target" in markdown
+    assert "async: snapshots every 4 updates; ddp: snapshots every 2 updates" in markdown
