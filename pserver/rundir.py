@@ -13,7 +13,7 @@ from pserver.config import ServerConfig
 log = logging.getLogger(__name__)
 
 # What makes a directory hold a run (launcher logs and job scripts do not count).
-RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints", "snapshots")
+RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints", "snapshots", "snapshots.jsonl")
 
 
 def prepare(config: ServerConfig) -> checkpoint.Checkpoint | None:

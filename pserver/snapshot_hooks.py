@@ -28,7 +28,7 @@ def writer_for(ps: ParameterServer, resumed: bool) -> SnapshotWriter | None:
     info = {
         "mode": cfg.mode,
         "model": cfg.model,
-        "dataset": str(cfg.dataset),
+        "dataset": str(cfg.dataset.resolve()),
         "fingerprint": ps.meta.fingerprint,
         "state_size": ps.state_size,
     }

@@ -52,7 +52,7 @@ class RunRecorder:
         self.snapshots: SnapshotWriter | None = None
         if config.snapshot_every_steps is not None:
             info: dict[str, Any] = {"mode": "ddp", "model": config.model}
-            info.update(dataset=str(config.dataset), fingerprint=meta.fingerprint)
+            info.update(dataset=str(config.dataset.resolve()), fingerprint=meta.fingerprint)
             info["state_size"] = layout.size
             self.snapshots = SnapshotWriter(
                 config.run_dir, config.snapshot_every_steps, config.snapshot_limit, info
