@@ -329,3 +329,31 @@ def test_compare_takes_time_to_target_from_snapshots(tmp_path: Path) -> None:
     markdown = (out / "report.md").read_text()
     assert "first snapshot with OA at or above the target" in markdown
     assert "async: snapshots every 4 updates; ddp: snapshots every 2 updates" in markdown
+
+
+@pytest.mark.e2e
+def test_sharded_async_run_snapshots_the_gathered_state(small_hsi: Path, tmp_path: Path) -> None:
+    from tests.cluster import start_server, start_shard, start_worker
+
+    run_dir = tmp_path / "run"
+    options = ("--shards", "2", "--workers", "2", "--mode", "async", "--epochs", "2")
+    server, address = start_server(
+        small_hsi, run_dir, *options, "--global-batch", "16", "--snapshot-every-updates", "3"
+    )
+    procs = [start_shard(address, f"shard{i}") for i in range(2)]
+    procs += [start_worker(address, f"w{i}", 1.0 + i) for i in range(2)]
+    try:
+        assert server.wait() == 0, "".join(server.seen)
+        assert all(p.wait(timeout=60) == 0 for p in procs)
+    finally:
+        for proc in (server, *procs):
+            proc.kill()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps = summary["steps"]
+    versions = [v for v, _ in snap.list_snapshots(run_dir / "snapshots")]
+    assert versions[: steps // 3] == list(range(3, steps + 1, 3)) and versions[-1] == steps
+    done = _evaluate(run_dir)
+    assert done.returncode == 0, done.stderr
+    last = json.loads((run_dir / "snapshots.jsonl").read_text().splitlines()[-1])
+    assert last["oa"] == pytest.approx(summary["final"]["oa"], abs=1e-5)
+    assert last["loss"] == pytest.approx(summary["final"]["loss"], abs=1e-4)
