@@ -32,7 +32,10 @@ def writer_for(ps: ParameterServer, resumed: bool) -> SnapshotWriter | None:
         "fingerprint": ps.meta.fingerprint,
         "state_size": ps.state_size,
     }
-    return SnapshotWriter(cfg.run_dir, cfg.snapshot_every_updates, cfg.snapshot_limit, info)
+    resumed_at = ps.initial.version if resumed else None
+    return SnapshotWriter(
+        cfg.run_dir, cfg.snapshot_every_updates, cfg.snapshot_limit, info, resumed_at
+    )
 
 
 async def take(ps: ParameterServer, final: bool = False) -> None:

@@ -220,14 +220,28 @@ class SnapshotWriter:
         every: the interval in updates.
         limit: snapshots kept at most; beyond it the interval doubles (see module doc).
         info: what ``run.json`` records about the run (model, dataset, fingerprint, ...).
+        resumed_at: the version a resumed run continues from: snapshots of later versions
+            belong to work that is redone, and are deleted.
     """
 
-    def __init__(self, run_dir: Path, every: int, limit: int, info: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        every: int,
+        limit: int,
+        info: dict[str, Any],
+        resumed_at: int | None = None,
+    ) -> None:
         self.directory = run_dir / DIRECTORY
         self.directory.mkdir(parents=True, exist_ok=True)
         for stale in self.directory.glob(".snap-*.tmp"):
             stale.unlink(missing_ok=True)
         kept = list_snapshots(self.directory)
+        if resumed_at is not None:
+            for version, path in kept:
+                if version > resumed_at:
+                    path.unlink()
+            kept = [(v, p) for v, p in kept if v <= resumed_at]
         self.every, self.limit, self.info = every, limit, info
         previous = self.directory / RUN_FILE
         if previous.is_file() and kept:  # a resumed run keeps its (possibly doubled) interval
@@ -294,15 +308,18 @@ class SnapshotWriter:
             return
         self.every *= 2
         dropped = [v for v in kept if v % self.every]
-        self.versions = [v for v in self.versions if not v % self.every]
+        self.versions = [v for v in self.versions if v not in dropped]
         info = {**self.info, "every": self.every}
         self._pool.submit(self._delete, dropped, info)
         log.info("snapshot limit %d reached: now every %d updates", self.limit, self.every)
 
     def _delete(self, versions: list[int], info: dict[str, Any]) -> None:
-        for version in versions:
-            path_for(self.directory, version).unlink(missing_ok=True)
-        write_run_file(self.directory, info)
+        try:
+            for version in versions:
+                path_for(self.directory, version).unlink(missing_ok=True)
+            write_run_file(self.directory, info)
+        except OSError as exc:
+            log.error("thinning the snapshots failed: %s", exc)
 
     async def drain(self) -> None:
         """Wait until every queued write is done."""

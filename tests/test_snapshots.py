@@ -357,3 +357,15 @@ def test_sharded_async_run_snapshots_the_gathered_state(small_hsi: Path, tmp_pat
     last = json.loads((run_dir / "snapshots.jsonl").read_text().splitlines()[-1])
     assert last["oa"] == pytest.approx(summary["final"]["oa"], abs=1e-5)
     assert last["loss"] == pytest.approx(summary["final"]["loss"], abs=1e-4)
+
+
+def test_a_resumed_run_drops_snapshots_of_redone_versions(tmp_path: Path) -> None:
+    first = snap.SnapshotWriter(tmp_path, every=2, limit=100, info=INFO)
+    state = np.zeros(10, dtype=np.float32)
+    for version in (2, 4, 6, 8):
+        first.submit(snap.SnapshotMeta(version, 1, version, float(version)), state)
+    first.close()
+    resumed = snap.SnapshotWriter(tmp_path, every=2, limit=100, info=INFO, resumed_at=5)
+    resumed.close()
+    assert [v for v, _ in snap.list_snapshots(tmp_path / "snapshots")] == [2, 4]
+    assert resumed.due(6) and not resumed.due(4)
