@@ -60,8 +60,9 @@ def settings_title(settings: dict[str, Any]) -> str:
 
 
 def curve_points(run: dict[str, Any], key: str, initial: float | None) -> np.ndarray:
-    """(x, OA) of one run's curve against ``key``, starting at x = 0 when known."""
-    pts = [(p[key], p["oa"]) for p in run["curve"]]
+    """(x, OA) of one run's curve against ``key``, starting at x = 0 when known; the run's
+    snapshots (finer, scored on the whole test split) where it has them."""
+    pts = [(p[key], p["oa"]) for p in run.get("snapshot_curve") or run["curve"]]
     if pts and pts[0][0] > 0 and initial is not None:
         pts.insert(0, (0.0, initial))
     return np.array(sorted(pts), dtype=float).reshape(-1, 2)
@@ -128,6 +129,8 @@ def plot_curves(data: dict[str, Any], stem: Path) -> list[str]:
         axis.set_ylabel("test OA")
         axis.grid(alpha=0.3)
         axis.legend(loc="lower right", fontsize=8)
+    snapshots = any(r.get("snapshot_curve") for r in data["runs"])
+    points = "points: snapshots scored after training; " if snapshots else ""
     start = (
         f"t = 0: the shared initial model, OA {initial:.3f}"
         if initial is not None
@@ -136,7 +139,7 @@ def plot_curves(data: dict[str, Any], stem: Path) -> list[str]:
     left.set_title("OA against training time", fontsize=10)
     right.set_title("OA against samples seen", fontsize=10)
     fig.suptitle(
-        f"{settings_title(settings)}\nline: median over repeats; band: min–max; {start}",
+        f"{settings_title(settings)}\n{points}line: median over repeats; band: min–max; {start}",
         fontsize=9,
     )
     return _save(fig, stem)
