@@ -369,3 +369,25 @@ def test_a_resumed_run_drops_snapshots_of_redone_versions(tmp_path: Path) -> Non
     resumed.close()
     assert [v for v, _ in snap.list_snapshots(tmp_path / "snapshots")] == [2, 4]
     assert resumed.due(6) and not resumed.due(4)
+
+
+def test_ddp_and_compare_refuse_a_bad_interval(small_hsi: Path, tmp_path: Path) -> None:
+    from launch.compare import CompareConfig
+    from launch.ddp.launcher import DDPConfig
+    from launch.settings import TrainSettings
+
+    train = TrainSettings(epochs=1)
+    ddp = DDPConfig(small_hsi, "hsi-cnn", (1.0,), tmp_path, train, snapshot_every_steps=0)
+    with pytest.raises(ConfigError, match="--snapshot-every-steps must be >= 1, got 0"):
+        ddp.validate()
+    compare = CompareConfig(
+        small_hsi, "hsi-cnn", ("async",), (1.0, 1.0), tmp_path, train, snapshot_every=-1
+    )
+    with pytest.raises(ConfigError, match="--snapshot-every must be >= 1, got -1"):
+        compare.validate()
+    compare = CompareConfig(
+        small_hsi, "hsi-cnn", ("async",), (1.0, 1.0, 1.0), tmp_path, train, snapshot_every=5
+    )
+    options = compare.cluster("async", tmp_path).server_options
+    assert options[options.index("--snapshot-every-updates") + 1] == "15"
+    assert compare.ddp("ddp", tmp_path).snapshot_every_steps == 5
