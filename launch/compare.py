@@ -360,10 +360,8 @@ def _run_one(config: CompareConfig, mode: str, repeat: int, bar: tqdm) -> dict[s
         except PSError as exc:
             log.error("compare: %s failed: %s", label, exc)
             return {"mode": mode, "repeat": repeat, "run_dir": str(run_dir), "error": str(exc)}
-    every = config.snapshot_every
-    if config.launcher == "slurm" and mode not in MODES:
-        every = None  # Slurm DDP jobs keep no snapshots: their per-epoch evaluations count
-    if every is not None:
+    every = config.snapshot_every if config.launcher == "local" or mode in MODES else None
+    if every is not None:  # Slurm DDP jobs keep no snapshots: their per-epoch evaluations count
         sink.bar.set_postfix_str(f"{label}: scoring snapshots", refresh=True)
     scored = score_run(run_dir, config.target_oa, every, config.threads)
     return {**run_record(mode, repeat, run_dir, summary, config.target_oa), **scored}
