@@ -127,6 +127,16 @@ class Children:
             if time.monotonic() > deadline:
                 raise PSError(f"{main.name} did not finish within {timeout_s:g} s")
 
+    def wait_all(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` in all for every child to exit; True if they all did."""
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            try:
+                child.popen.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                return False
+        return True
+
     def stop(
         self, first: Child | None = None, first_grace_s: float = 0.0, grace_s: float = 10.0
     ) -> None:

@@ -173,7 +173,6 @@ def prepare_folder_cmd(
 @prepare_group.command("torch")
 @click.option(
     "--dataset",
-    "spec",
     required=True,
     help="package.module:Factory returning a map-style torch Dataset whose samples are "
     "{'image', 'label'} dicts (torchgeo) or (x, y) tuples; the module must be importable "
@@ -207,7 +206,7 @@ def prepare_folder_cmd(
     "--progress/--no-progress", default=True, show_default=True, help="Show progress bars."
 )
 def prepare_torch_cmd(
-    spec: str,
+    dataset: str,
     kwargs: str | None,
     out: str,
     classes: str | None,
@@ -224,7 +223,7 @@ def prepare_torch_cmd(
         raise click.BadParameter(str(exc), param_hint="--kwargs") from exc
     meta = _run(
         prepare_torch,
-        spec=spec,
+        spec=dataset,
         out=out,
         kwargs=factory_kwargs,
         class_names=_names(classes),
@@ -314,16 +313,14 @@ def synth_cmd(
 
 @data_group.command("info")
 @click.argument("dataset", type=click.Path(dir_okay=False))
-@click.option(
-    "--json", "as_json", is_flag=True, default=False, show_default=True, help="Print JSON."
-)
-def info_cmd(dataset: str, as_json: bool) -> None:
+@click.option("--json", is_flag=True, default=False, show_default=True, help="Print JSON.")
+def info_cmd(dataset: str, **flags: bool) -> None:
     """Show a dataset's samples, classes, per-split counts and shape."""
     try:
         info = describe(dataset)
     except DatasetError as exc:
         raise click.ClickException(str(exc)) from exc
-    if as_json:
+    if flags["json"]:
         click.echo(json.dumps(info, indent=2))
         return
     counts = info["counts"]
