@@ -17,6 +17,7 @@ from common.errors import ConfigError, PSError
 from launch.procs import (
     Child,
     Children,
+    EventsMark,
     second_signal_kills,
     signals_interrupt,
     start_offset,
@@ -120,13 +121,15 @@ def run_local(
     sink = log_stream or (cluster.run_dir / "cluster.log").open("w", encoding="utf-8")
     children = Children(sink, {**os.environ, "PYTHONUNBUFFERED": "1"})
     server: Child | None = None
+    marks: list[EventsMark] = []
     try:
         with signals_interrupt():
             metrics = cluster.run_dir / "metrics.jsonl"
-            offset = start_offset(metrics)
+            mark = start_offset(metrics)
+            marks.append(mark)
             server = children.start("server", _server_command(cluster), stderr_only=True)
-            with _following(progress, metrics, offset):
-                address = wait_for_address(server, metrics, offset, cluster.startup_timeout_s)
+            with _following(progress, metrics, mark):
+                address = wait_for_address(server, metrics, mark, cluster.startup_timeout_s)
                 shards = [
                     children.start(name, _python_module("pserver.cli", "shard", *args))
                     for name, args in _shard_commands(cluster, address)
@@ -145,6 +148,8 @@ def run_local(
         raise
     finally:
         children.close()
+        for mark in marks:
+            mark.close()
         if own_log:
             sink.close()
     if code != 0:
@@ -166,10 +171,10 @@ def run_local(
 
 
 def _following(
-    progress: RunProgress | None, metrics: Path, offset: int
+    progress: RunProgress | None, metrics: Path, mark: EventsMark
 ) -> contextlib.AbstractContextManager[None]:
     """Feed ``progress`` from ``metrics`` within the block (nothing without one)."""
-    return progress.follow(metrics, offset) if progress is not None else contextlib.nullcontext()
+    return progress.follow(metrics, mark) if progress is not None else contextlib.nullcontext()
 
 
 def _server_command(cluster: LocalCluster) -> list[str]:

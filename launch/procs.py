@@ -176,20 +176,52 @@ class Children:
                 child.pump.join(timeout=timeout_s)
 
 
-def start_offset(metrics: Path) -> int:
-    """Where a server started now will write its events: the file's current size."""
-    try:
-        return metrics.stat().st_size
-    except FileNotFoundError:
-        return 0
+class EventsMark:
+    """Where the events of a server started now begin in ``metrics.jsonl``: after the current
+    end of the file, or at 0 once the server has replaced it (``--overwrite``) or if there was
+    none. The old file is held open, so its inode cannot be reused by the new one.
+
+    Args:
+        metrics: the run's ``metrics.jsonl`` (it may not exist yet).
+    """
+
+    def __init__(self, metrics: Path) -> None:
+        self.metrics = metrics
+        self._old: IO[bytes] | None = None
+        self.size = 0
+        with contextlib.suppress(FileNotFoundError):
+            self._old = metrics.open("rb")
+            self.size = os.fstat(self._old.fileno()).st_size
+
+    def same_file(self, stat: os.stat_result) -> bool:
+        """Whether ``stat`` (of the file now at the path) is the file that was there."""
+        if self._old is None:
+            return False
+        old = os.fstat(self._old.fileno())
+        return (old.st_dev, old.st_ino) == (stat.st_dev, stat.st_ino)
+
+    def offset(self, stat: os.stat_result) -> int:
+        """Where the new events begin in the file whose ``stat`` is given."""
+        return self.size if self.same_file(stat) else 0
+
+    def close(self) -> None:
+        """Let go of the old file."""
+        if self._old is not None:
+            self._old.close()
+            self._old = None
 
 
-def new_start_address(metrics: Path, offset: int) -> str | None:
-    """The address of the last ``start`` event written after byte ``offset`` (GUIDE §7), or
-    None while there is none (a resumed run's file holds earlier servers' events before it)."""
+def start_offset(metrics: Path) -> EventsMark:
+    """Where a server started now will write its events (close the mark when done)."""
+    return EventsMark(metrics)
+
+
+def new_start_address(metrics: Path, mark: EventsMark) -> str | None:
+    """The address of the last ``start`` event written after ``mark`` (GUIDE §7), or None
+    while there is none (a resumed run's file holds earlier servers' events before it)."""
     try:
         with metrics.open("rb") as f:
-            f.seek(offset)
+            f.seek(mark.offset(os.fstat(f.fileno())))
             lines = f.read().splitlines()
     except FileNotFoundError:
         return None
@@ -206,7 +238,7 @@ def new_start_address(metrics: Path, offset: int) -> str | None:
     return address
 
 
-def wait_for_address(server: Child, metrics: Path, offset: int, timeout_s: float) -> str:
+def wait_for_address(server: Child, metrics: Path, mark: EventsMark, timeout_s: float) -> str:
     """The server's address once its ``start`` event is written; fails fast with the server's
     error if it exits first.
 
@@ -215,7 +247,7 @@ def wait_for_address(server: Child, metrics: Path, offset: int, timeout_s: float
     """
     deadline = time.monotonic() + timeout_s
     while True:
-        address = new_start_address(metrics, offset)
+        address = new_start_address(metrics, mark)
         if address is not None:
             return address
         if server.code is not None:

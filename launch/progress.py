@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from tqdm import tqdm
+
+from launch.procs import EventsMark
 
 POLL_S = 0.5  # how often the file is read for new events
 
@@ -84,14 +87,14 @@ class RunProgress:
         self.bar.close()
 
     @contextlib.contextmanager
-    def follow(self, metrics: Path, offset: int) -> Iterator[None]:
-        """Within the block, feed the events appended to ``metrics`` after byte ``offset``.
+    def follow(self, metrics: Path, mark: EventsMark) -> Iterator[None]:
+        """Within the block, feed the events a server writes to ``metrics`` after ``mark``.
 
         The file is read every ``POLL_S`` seconds on a thread; leaving the block reads what is
         left, stops the thread and closes the bar.
         """
         stop = threading.Event()
-        tail = _Tail(metrics, offset)
+        tail = _Tail(metrics, mark)
         thread = threading.Thread(target=self._follow, args=(tail, stop), daemon=True)
         thread.start()
         try:
@@ -116,16 +119,24 @@ class RunProgress:
 
 
 class _Tail:
-    """The complete JSON lines appended to a file since the last read."""
+    """The complete JSON lines a server appended to a file since the last read; a file that
+    replaces the one read so far is read from its start."""
 
-    def __init__(self, path: Path, offset: int) -> None:
-        self.path, self.offset = path, offset
+    def __init__(self, path: Path, mark: EventsMark) -> None:
+        self.path, self.mark = path, mark
+        self.offset = 0
+        self.file_id: tuple[int, int] | None = None
         self._lock = threading.Lock()
 
     def read(self) -> list[dict[str, Any]]:
         with self._lock:
             try:
                 with self.path.open("rb") as f:
+                    stat = os.fstat(f.fileno())
+                    if (stat.st_dev, stat.st_ino) != self.file_id:
+                        first = self.file_id is None
+                        self.file_id = (stat.st_dev, stat.st_ino)
+                        self.offset = self.mark.offset(stat) if first else 0
                     f.seek(self.offset)
                     data = f.read()
             except FileNotFoundError:

@@ -223,9 +223,63 @@ def test_pslaunch_local_with_two_shards_trains_jasper_ridge_and_leaves_nothing(
     summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
     assert summary["details"]["shards"] == 2
     assert summary["final"]["oa"] >= 0.85, summary["final"]
-    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").open(encoding="utf-8")]
+    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    events = [json.loads(line) for line in lines]
     epochs = [e for e in events if e["event"] == "epoch"]
     assert [e["epoch"] for e in epochs] == list(range(1, 9))
     assert all(e["exactly_once"] for e in epochs)
     log = (run_dir / "cluster.log").read_text(encoding="utf-8")
     assert "[shard0]" in log and "[shard1]" in log
+
+
+def test_a_launch_finds_the_new_server_after_it_replaced_the_file(tmp_path: Path) -> None:
+    """--overwrite removes the old metrics.jsonl: the new server's start event is at byte 0 of
+    a new file, not after the old file's end."""
+    from launch.procs import new_start_address, start_offset
+
+    metrics = tmp_path / "metrics.jsonl"
+    old = {"event": "start", "t": 0, "address": "tcp://127.0.0.1:1"}
+    metrics.write_text((json.dumps(old) + "\n") * 50, encoding="utf-8")
+    mark = start_offset(metrics)
+    try:
+        assert new_start_address(metrics, mark) is None  # only the old server's events
+        with metrics.open("a", encoding="utf-8") as f:  # a resumed server appends
+            f.write(json.dumps({**old, "address": "tcp://127.0.0.1:2"}) + "\n")
+        assert new_start_address(metrics, mark) == "tcp://127.0.0.1:2"
+        metrics.unlink()  # an overwriting server replaces the file
+        metrics.write_text(json.dumps({**old, "address": "tcp://127.0.0.1:3"}) + "\n")
+        assert new_start_address(metrics, mark) == "tcp://127.0.0.1:3"
+    finally:
+        mark.close()
+
+
+def test_pslaunch_local_runs_twice_in_one_run_dir_with_overwrite(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    args = ["local", "--dataset", str(small_hsi), "--model", "hsi-cnn", "--slowdowns", "1,2"]
+    args += ["--epochs", "2", "--run-dir", str(tmp_path), "--no-progress"]
+    command = [sys.executable, "-m", "launch.cli", *args]
+    first = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    refused = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert refused.returncode == 1 and "--overwrite" in refused.stderr
+    again = subprocess.run(
+        [*command, "--server-opt=--overwrite"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "share:" in again.stdout and "w1-x2" in again.stdout
+
+
+def test_the_demo_refuses_an_earlier_run_without_overwrite(tmp_path: Path) -> None:
+    from launch.demo import main as demo
+
+    (tmp_path / "equal-sync").mkdir()
+    (tmp_path / "equal-sync" / "summary.json").write_text("{}", encoding="utf-8")
+    assert demo(["--out", str(tmp_path), "--shared", str(tmp_path / "none")]) == 2
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    demo_rule = makefile.split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    assert "launch.demo" in demo_rule and "--overwrite" in demo_rule
