@@ -283,3 +283,24 @@ def test_the_demo_refuses_an_earlier_run_without_overwrite(tmp_path: Path) -> No
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
     demo_rule = makefile.split("\ndemo:", 1)[1].split("\n\n", 1)[0]
     assert "launch.demo" in demo_rule and "--overwrite" in demo_rule
+
+
+def test_data_prepare_shows_a_bar_per_pass(jasper_dir: Path, tmp_path: Path) -> None:
+    from tests.test_folder import make_tiff_folder
+
+    cube, gt = (str(jasper_dir / name) for name in ("JasperRidge.mat", "JasperRidge_gt.mat"))
+    hsi = CliRunner().invoke(
+        pserver,
+        ["data", "prepare", "hsi", "--cube", cube, "--gt", gt, "--out", str(tmp_path / "j.h5")],
+    )
+    assert hsi.exit_code == 0, hsi.output
+    for bar in ("pass 1/2 (statistics): 100%", "pass 2/2 (patches): 100%"):
+        assert bar in hsi.stderr and "100/100 [" in hsi.stderr  # Jasper Ridge is 100 x 100
+    make_tiff_folder(tmp_path / "scenes", per_class=5)
+    args = ["data", "prepare", "folder", str(tmp_path / "scenes"), "--out", str(tmp_path / "s.h5")]
+    folder = CliRunner().invoke(pserver, args)
+    images = sum(1 for p in (tmp_path / "scenes").rglob("*.tif"))
+    assert folder.exit_code == 0 and "pass 2/2 (write): 100%" in folder.stderr
+    assert f"{images}/{images} [" in folder.stderr
+    quiet = CliRunner().invoke(pserver, [*args[:-1], str(tmp_path / "s2.h5"), "--no-progress"])
+    assert quiet.exit_code == 0 and "pass 1/2" not in quiet.stderr
