@@ -304,3 +304,18 @@ def test_data_prepare_shows_a_bar_per_pass(jasper_dir: Path, tmp_path: Path) -> 
     assert f"{images}/{images} [" in folder.stderr
     quiet = CliRunner().invoke(pserver, [*args[:-1], str(tmp_path / "s2.h5"), "--no-progress"])
     assert quiet.exit_code == 0 and "pass 1/2" not in quiet.stderr
+
+
+def test_an_evaluation_of_the_whole_test_split_can_show_its_progress(
+    small_hsi: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from common.data.dataset import DatasetReader
+    from launch.initial import initial_scores
+
+    with DatasetReader(small_hsi) as reader:
+        test = len(reader.test_indices)
+    shown = initial_scores(small_hsi, "hsi-cnn", seed=3, batch=64, progress=True)
+    err = capsys.readouterr().err
+    assert "evaluating: 100%" in err and f"{test}/{test} [" in err
+    assert initial_scores(small_hsi, "hsi-cnn", seed=3, batch=64) == shown
+    assert "evaluating" not in capsys.readouterr().err
