@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -319,3 +320,33 @@ def test_an_evaluation_of_the_whole_test_split_can_show_its_progress(
     assert "evaluating: 100%" in err and f"{test}/{test} [" in err
     assert initial_scores(small_hsi, "hsi-cnn", seed=3, batch=64) == shown
     assert "evaluating" not in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_a_stopped_launch_with_shards_stops_and_reaps_them(small_hsi: Path, tmp_path: Path) -> None:
+    from tests.test_launchers import _wait_for_training
+
+    mark = uuid.uuid4().hex
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [
+            sys.executable, "-m", "launch.cli", "local", "--dataset", str(small_hsi),
+            "--model", "hsi-cnn", "--mode", "async", "--slowdowns", "1,2", "--epochs", "1000",
+            "--shards", "2", "--run-dir", str(run_dir), "--server-opt=--shutdown-timeout=30",
+        ],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, MARK: mark}, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait_for_training(run_dir, launcher)
+        assert len(_processes_marked(mark)) == 6  # pslaunch, server, 2 shards, 2 workers
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate()
+    assert launcher.returncode == 130, err[-2000:]
+    assert _processes_marked(mark) == []
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    assert summary["finish_reason"] == "stopped" and summary["details"]["shards"] == 2
