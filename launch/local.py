@@ -11,13 +11,14 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from common.errors import ConfigError, PSError
 from launch.procs import (
     Child,
     Children,
     EventsMark,
+    TextSink,
     second_signal_kills,
     signals_interrupt,
     start_offset,
@@ -96,7 +97,7 @@ def _python_module(module: str, *args: str) -> list[str]:
 
 def run_local(
     cluster: LocalCluster,
-    log_stream: IO[str] | None = None,
+    log_stream: TextSink | None = None,
     progress: RunProgress | None = None,
 ) -> dict[str, Any]:
     """Run the server, its shards and the workers to completion and return the summary.
@@ -117,8 +118,10 @@ def run_local(
     """
     cluster.validate()
     cluster.run_dir.mkdir(parents=True, exist_ok=True)
-    own_log = log_stream is None
-    sink = log_stream or (cluster.run_dir / "cluster.log").open("w", encoding="utf-8")
+    own_log = None
+    if log_stream is None:
+        log_stream = own_log = (cluster.run_dir / "cluster.log").open("w", encoding="utf-8")
+    sink = log_stream
     children = Children(sink, {**os.environ, "PYTHONUNBUFFERED": "1"})
     server: Child | None = None
     marks: list[EventsMark] = []
@@ -150,8 +153,8 @@ def run_local(
         children.close()
         for mark in marks:
             mark.close()
-        if own_log:
-            sink.close()
+        if own_log is not None:
+            own_log.close()
     if code != 0:
         raise PSError(f"{server.failure()}; see the log")
     failed = [w.code for w in workers]

@@ -21,12 +21,20 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import IO
+from typing import IO, Protocol
 
 from common.errors import PSError
 
 TAIL_LINES = 40
 POLL_S = 0.2
+
+
+class TextSink(Protocol):
+    """Where children's output goes: a text file, or anything with ``write`` and ``flush``."""
+
+    def write(self, text: str, /) -> object: ...
+
+    def flush(self) -> None: ...
 
 
 @dataclasses.dataclass
@@ -65,7 +73,7 @@ class Children:
         env: the children's environment.
     """
 
-    def __init__(self, sink: IO[str], env: dict[str, str]) -> None:
+    def __init__(self, sink: TextSink, env: dict[str, str]) -> None:
         self.sink, self.env = sink, env
         self.children: list[Child] = []
         self._sink_lock = threading.Lock()

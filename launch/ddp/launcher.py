@@ -20,11 +20,11 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from common.errors import ConfigError, PSError
 from common.training.slowdown import SlowdownSchedule
-from launch.procs import Children, second_signal_kills, signals_interrupt
+from launch.procs import Children, TextSink, second_signal_kills, signals_interrupt
 from launch.settings import TrainSettings, server_default
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ def _rank_env() -> dict[str, str]:
     return env
 
 
-def run_ddp(config: DDPConfig, log_stream: IO[str] | None = None) -> dict[str, Any]:
+def run_ddp(config: DDPConfig, log_stream: TextSink | None = None) -> dict[str, Any]:
     """Run every rank to completion and return rank 0's summary.
 
     If a rank fails, or on Ctrl-C, SIGTERM or the run timeout, every rank still running is
@@ -199,8 +199,10 @@ def run_ddp(config: DDPConfig, log_stream: IO[str] | None = None) -> dict[str, A
     config_path = config.run_dir / "ddp_config.json"
     config_path.write_text(config.to_json(), encoding="utf-8")
     (config.run_dir / "summary.json").unlink(missing_ok=True)
-    own_log = log_stream is None
-    sink = log_stream or (config.run_dir / "cluster.log").open("w", encoding="utf-8")
+    own_log = None
+    if log_stream is None:
+        log_stream = own_log = (config.run_dir / "cluster.log").open("w", encoding="utf-8")
+    sink = log_stream
     store = None
     rendezvous: list[str] = []
     if config.world_size > 1:
@@ -220,8 +222,8 @@ def run_ddp(config: DDPConfig, log_stream: IO[str] | None = None) -> dict[str, A
         raise
     finally:
         children.close()
-        if own_log:
-            sink.close()
+        if own_log is not None:
+            own_log.close()
         del store  # closes the rendezvous
     summary_path = config.run_dir / "summary.json"
     if not summary_path.exists():
