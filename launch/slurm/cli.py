@@ -76,7 +76,10 @@ def _extra(options: dict[str, Any]) -> tuple[str, ...]:
     "slowdowns, nodes, partition and CPUs as for workers).",
 )
 @click.option(
-    "--workers", type=int, default=None, help="Workers (default: one per --slowdowns entry)."
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Workers (default: one per --slowdowns entry).",
 )
 @click.option(
     "--slowdowns",
