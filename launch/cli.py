@@ -17,8 +17,10 @@ from launch.cli_options import (
     build_train,
     build_workers,
     cluster_options,
+    progress_option,
     run_options,
     server_mode_args,
+    threads_option,
     train_options,
 )
 from launch.compare import MODES_HELP, CompareConfig, run_compare
@@ -127,16 +129,16 @@ def local_cluster(
     default="auto",
     help="torch.distributed backend; auto: nccl when every rank is on CUDA, else gloo.",
 )
-@click.option(
-    "--threads", type=click.IntRange(min=1), default=1, help="Torch CPU threads per rank."
-)
+@threads_option
 @click.option("--eval-batch", type=int, default=512, help="Evaluation batch on rank 0.")
+@progress_option
 def ddp(
     workers: int | None,
     slowdowns: str,
     slowdown_schedules: str,
     devices: str,
     target_oa: float | None,
+    progress: bool,
     **options: Any,
 ) -> None:
     """Run the torch.distributed DDP baseline (one process per rank) and print the summary.
@@ -159,7 +161,8 @@ def ddp(
         f"pslaunch: ddp with {len(factors)} ranks (slowdowns {list(factors)}); "
         f"logs in {config.run_dir / 'cluster.log'}"
     )
-    click.echo(summary_tables(_run(run_ddp, config)))
+    bar = RunProgress(train.epochs, train.max_steps, enabled=progress)
+    click.echo(summary_tables(_run(lambda c: run_ddp(c, progress=bar), config)))
 
 
 @main.command()

@@ -155,28 +155,34 @@ def async_options(func: F) -> F:
     )
 
 
+def threads_option(func: F) -> F:
+    """--threads (local, compare and ddp)."""
+    return click.option(
+        "--threads",
+        type=click.IntRange(min=1),
+        default=1,
+        help="Torch CPU threads per worker (and per DDP rank).",
+    )(func)
+
+
+def progress_option(func: F) -> F:
+    """--progress/--no-progress (local, compare and ddp)."""
+    return click.option(
+        "--progress/--no-progress",
+        default=True,
+        help="Show a live progress bar (samples trained, epoch, version, latest OA).",
+    )(func)
+
+
 def run_options(func: F) -> F:
     """--threads, --server-opt and --progress/--no-progress (local and compare)."""
-    return _apply(
-        func,
-        [
-            click.option(
-                "--threads",
-                type=click.IntRange(min=1),
-                default=1,
-                help="Torch CPU threads per worker (and per DDP rank).",
-            ),
-            click.option(
-                "--server-opt",
-                multiple=True,
-                help="Extra 'pserver start' option for the parameter-server runs, e.g. "
-                "--server-opt=--staleness-a=1.",
-            ),
-            click.option(
-                "--progress/--no-progress", default=True, help="Show a live progress bar."
-            ),
-        ],
+    server_opt = click.option(
+        "--server-opt",
+        multiple=True,
+        help="Extra 'pserver start' option for the parameter-server runs, e.g. "
+        "--server-opt=--staleness-a=1.",
     )
+    return _apply(func, [threads_option, server_opt, progress_option])
 
 
 def server_mode_args(staleness: str | None, max_staleness: int | None) -> tuple[str, ...]:

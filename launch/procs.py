@@ -209,8 +209,9 @@ class EventsMark:
         return (old.st_dev, old.st_ino) == (stat.st_dev, stat.st_ino)
 
     def offset(self, stat: os.stat_result) -> int:
-        """Where the new events begin in the file whose ``stat`` is given."""
-        return self.size if self.same_file(stat) else 0
+        """Where the new events begin in the file whose ``stat`` is given (0 also when the old
+        file was truncated)."""
+        return self.size if self.same_file(stat) and stat.st_size >= self.size else 0
 
     def close(self) -> None:
         """Let go of the old file."""

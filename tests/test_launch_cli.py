@@ -97,7 +97,7 @@ def test_variables_set_options_and_short_aliases_set_nothing(small_hsi: Path) ->
 
 SHARED = ("dataset", "model", "workers", "slowdowns", "slowdown_schedules", "devices", "epochs")
 SHARED += ("max_steps", "global_batch", "optimizer", "lr", "momentum", "nesterov", "weight_decay")
-SHARED += ("lr_schedule", "warmup_fraction", "seed", "target_oa", "threads")
+SHARED += ("lr_schedule", "warmup_fraction", "seed", "target_oa", "threads", "progress")
 
 
 def test_local_compare_and_ddp_share_one_option_set() -> None:
@@ -111,7 +111,7 @@ def test_local_compare_and_ddp_share_one_option_set() -> None:
             assert local.opts == other.opts, name
             assert local.type.to_info_dict() == other.type.to_info_dict(), name
             assert local.default == other.default, name
-    for name in ("staleness", "max_staleness", "server_opt", "progress"):
+    for name in ("staleness", "max_staleness", "server_opt"):
         info = (params[c][name].type.to_info_dict() for c in ("local", "compare"))
         assert next(info) == next(info), name
     assert params["local"]["shards"].default == 1

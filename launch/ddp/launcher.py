@@ -24,7 +24,14 @@ from typing import Any
 
 from common.errors import ConfigError, PSError
 from common.training.slowdown import SlowdownSchedule
-from launch.procs import Children, TextSink, second_signal_kills, signals_interrupt
+from launch.procs import (
+    Children,
+    EventsMark,
+    TextSink,
+    second_signal_kills,
+    signals_interrupt,
+)
+from launch.progress import RunProgress
 from launch.settings import TrainSettings, server_default
 
 log = logging.getLogger(__name__)
@@ -175,7 +182,9 @@ def _rank_env() -> dict[str, str]:
     return env
 
 
-def run_ddp(config: DDPConfig, log_stream: TextSink | None = None) -> dict[str, Any]:
+def run_ddp(
+    config: DDPConfig, log_stream: TextSink | None = None, progress: RunProgress | None = None
+) -> dict[str, Any]:
     """Run every rank to completion and return rank 0's summary.
 
     If a rank fails, or on Ctrl-C, SIGTERM or the run timeout, every rank still running is
@@ -184,6 +193,7 @@ def run_ddp(config: DDPConfig, log_stream: TextSink | None = None) -> dict[str, 
     Args:
         config: what to run.
         log_stream: where the ranks' logs go (default: ``run_dir/cluster.log``).
+        progress: a progress bar fed from rank 0's events (none by default).
 
     Returns:
         The parsed ``summary.json``.
@@ -199,6 +209,8 @@ def run_ddp(config: DDPConfig, log_stream: TextSink | None = None) -> dict[str, 
     config_path = config.run_dir / "ddp_config.json"
     config_path.write_text(config.to_json(), encoding="utf-8")
     (config.run_dir / "summary.json").unlink(missing_ok=True)
+    metrics = config.run_dir / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)  # rank 0 writes it afresh; the progress bar reads it
     own_log = None
     if log_stream is None:
         log_stream = own_log = (config.run_dir / "cluster.log").open("w", encoding="utf-8")
@@ -215,7 +227,12 @@ def run_ddp(config: DDPConfig, log_stream: TextSink | None = None) -> dict[str, 
             for rank in range(config.world_size):
                 cmd = [sys.executable, "-m", "launch.ddp.rank", "--config", str(config_path)]
                 children.start(config.rank_name(rank), [*cmd, "--rank", str(rank), *rendezvous])
-            _wait_all(children, config.run_timeout_s)
+            mark = EventsMark(metrics)  # no file: rank 0's events start at byte 0
+            watch = (
+                progress.follow(metrics, mark) if progress is not None else contextlib.nullcontext()
+            )
+            with watch:
+                _wait_all(children, config.run_timeout_s)
     except BaseException:
         with second_signal_kills(children):
             children.stop()
