@@ -225,12 +225,19 @@ def start_offset(metrics: Path) -> EventsMark:
     return EventsMark(metrics)
 
 
-def new_start_address(metrics: Path, mark: EventsMark) -> str | None:
+def new_start_address(metrics: Path, mark: EventsMark | int) -> str | None:
     """The address of the last ``start`` event written after ``mark`` (GUIDE §7), or None
-    while there is none (a resumed run's file holds earlier servers' events before it)."""
+    while there is none (a resumed run's file holds earlier servers' events before it).
+
+    Args:
+        metrics: the run's ``metrics.jsonl``.
+        mark: an ``EventsMark`` taken before the server started, or a byte offset (for a
+            process that did not start the server; it cannot tell a replaced file).
+    """
     try:
         with metrics.open("rb") as f:
-            f.seek(mark.offset(os.fstat(f.fileno())))
+            offset = mark if isinstance(mark, int) else mark.offset(os.fstat(f.fileno()))
+            f.seek(offset)
             lines = f.read().splitlines()
     except FileNotFoundError:
         return None
