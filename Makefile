@@ -49,7 +49,7 @@ lint: setup
 	$(PY) -m ruff format --check .
 
 demo: setup
-	$(PY) -m launch.demo --shared $(SHARED) --out $(DEMO_DIR)
+	$(PY) -m launch.demo --shared $(SHARED) --out $(DEMO_DIR) --overwrite
 
 bench: setup
 	$(PY) bench/wire.py

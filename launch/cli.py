@@ -9,29 +9,29 @@ from typing import Any
 
 import click
 
+from common.cli_env import show_envvars
 from common.errors import ConfigError, PSError
 from common.logsetup import setup_logging
-from launch.cli_options import build_train, build_workers, cluster_options, train_options
+from launch.cli_options import (
+    async_options,
+    build_train,
+    build_workers,
+    cluster_options,
+    progress_option,
+    run_options,
+    server_mode_args,
+    threads_option,
+    train_options,
+)
 from launch.compare import MODES_HELP, CompareConfig, run_compare
 from launch.ddp.launcher import BACKENDS, DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
-from launch.slowdowns import SCHEDULES_HELP, parse_schedules
+from launch.progress import RunProgress
+from launch.settings import TrainSettings
 from launch.slurm.cli import slurm
 from launch.slurm.jobs import LAUNCHERS, SlurmRuns
 from launch.table import summary_tables
-from pserver.config import MODES, STALENESS
-
-
-def parse_floats(text: str) -> tuple[float, ...]:
-    """``"1,2,4"`` -> ``(1.0, 2.0, 4.0)``.
-
-    Raises:
-        click.BadParameter: an entry is not a number.
-    """
-    try:
-        return tuple(float(part) for part in text.split(",") if part.strip())
-    except ValueError as exc:
-        raise click.BadParameter(f"{text!r} is not a comma-separated list of numbers") from exc
+from pserver.config import MODES
 
 
 @click.group(context_settings={"auto_envvar_prefix": "PSLAUNCH", "show_default": True})
@@ -40,103 +40,77 @@ def main() -> None:
 
 
 @main.command()
-@click.option(
-    "--dataset",
-    required=True,
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="HDF5 dataset made by 'pserver data'.",
-)
-@click.option("--model", required=True, help="Built-in model name or package.module:factory.")
+@cluster_options
 @click.option("--mode", type=click.Choice(MODES), default="weighted-sync", help="Server mode.")
-@click.option(
-    "--workers",
-    type=int,
-    default=None,
-    help="Number of workers (default: one per --slowdowns entry).",
-)
-@click.option(
-    "--slowdowns",
-    default="1",
-    help="Comma-separated slowdown per worker; a single value applies to all.",
-)
-@click.option("--slowdown-schedules", default="", help=SCHEDULES_HELP)
-@click.option("--devices", default="cpu", help="Comma-separated device per worker, or one for all.")
 @click.option(
     "--run-dir",
     required=True,
     type=click.Path(file_okay=False, path_type=Path),
     help="Directory for metrics.jsonl, summary.json and cluster.log.",
 )
-@click.option("--epochs", type=int, default=None, help="Stop after this many epochs.")
-@click.option("--max-steps", type=int, default=None, help="Stop after this many updates.")
+@train_options
 @click.option("--target-oa", type=float, default=None, help="Stop at this test OA.")
-@click.option("--global-batch", type=int, default=None, help="Global batch (server default).")
-@click.option("--lr", type=float, default=None, help="Learning rate (server default).")
-@click.option("--optimizer", default=None, help="sgd or adam (server default).")
+@async_options
+@run_options
 @click.option(
-    "--staleness",
-    type=click.Choice(STALENESS),
-    default=None,
-    help="Async staleness function (server default).",
+    "--shards",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Parameter shards: K > 1 starts K 'pserver shard' processes beside the server, each "
+    "holding 1/K of the state; 1 keeps the parameters in the server.",
 )
-@click.option("--max-staleness", type=int, default=None, help="Async staleness bound.")
-@click.option("--seed", type=int, default=None, help="Seed (server default).")
-@click.option(
-    "--server-opt",
-    "server_opts",
-    multiple=True,
-    help="Extra 'pserver start' option, e.g. --server-opt=--lr-schedule=cosine.",
-)
-def local(
-    dataset: Path,
-    model: str,
-    mode: str,
+def local(progress: bool, **params: Any) -> None:
+    """Run a server, its shards and N local workers with the given slowdowns, then print the
+    summary."""
+    setup_logging("INFO", "pslaunch ")
+    cluster, train = local_cluster(**params)
+    click.echo(
+        f"pslaunch: {cluster.mode} with {len(cluster.slowdowns)} workers "
+        f"(slowdowns {list(cluster.slowdowns)})"
+        + (f" and {cluster.shards} shards" if cluster.shards > 1 else "")
+        + f"; logs in {cluster.run_dir / 'cluster.log'}"
+    )
+    bar = RunProgress(train.epochs, train.max_steps, enabled=progress)
+    summary = _run(lambda c: run_local(c, progress=bar), cluster)
+    click.echo(summary_tables(summary))
+
+
+def local_cluster(
     workers: int | None,
     slowdowns: str,
     slowdown_schedules: str,
     devices: str,
-    run_dir: Path,
-    server_opts: tuple[str, ...],
-    **server: object,
-) -> None:
-    """Run a server and N local workers with the given slowdowns, then print the summary."""
-    setup_logging("INFO", "pslaunch ")
-    factors = parse_floats(slowdowns)
-    count = workers or len(factors)
-    if len(factors) == 1:
-        factors = factors * count
-    if len(factors) != count:
-        raise click.BadParameter(f"--slowdowns has {len(factors)} entries for {count} workers")
+    target_oa: float | None,
+    staleness: str | None,
+    max_staleness: int | None,
+    threads: int,
+    server_opt: tuple[str, ...],
+    **options: Any,
+) -> tuple[LocalCluster, TrainSettings]:
+    """The validated cluster and training settings of ``pslaunch local``'s options (but
+    ``--progress``).
+
+    Raises:
+        click.BadParameter: an option is out of range or the options disagree.
+    """
+    train = build_train(options, target_oa)
+    factors, schedules, device_list = build_workers(workers, slowdowns, slowdown_schedules, devices)
+    cluster = LocalCluster(
+        slowdowns=factors,
+        server_options=(
+            *train.server_args(),
+            *server_mode_args(staleness, max_staleness),
+            *server_opt,
+        ),
+        devices=device_list,
+        slowdown_schedules=schedules,
+        worker_options=("--threads", str(threads)),
+        **options,
+    )
     try:
-        schedules = parse_schedules(slowdown_schedules, factors)
+        return cluster.validate(), train
     except ConfigError as exc:
         raise click.BadParameter(str(exc)) from exc
-    options: list[str] = []
-    for key, value in server.items():
-        if value is not None:
-            options += [f"--{key.replace('_', '-')}", str(value)]
-    cluster = LocalCluster(
-        dataset=dataset,
-        model=model,
-        mode=mode,
-        slowdowns=factors,
-        run_dir=run_dir,
-        server_options=(*options, *server_opts),
-        devices=tuple(d.strip() for d in devices.split(",")),
-        slowdown_schedules=schedules,
-    )
-    click.echo(
-        f"pslaunch: {mode} with {count} workers (slowdowns {list(factors)}); "
-        f"logs in {run_dir / 'cluster.log'}"
-    )
-    try:
-        summary = run_local(cluster)
-    except PSError as exc:
-        raise click.ClickException(str(exc)) from exc
-    except KeyboardInterrupt:
-        click.echo("pslaunch: interrupted; the cluster was stopped", err=True)
-        sys.exit(130)
-    click.echo(summary_tables(summary))
 
 
 @main.command()
@@ -155,7 +129,7 @@ def local(
     default="auto",
     help="torch.distributed backend; auto: nccl when every rank is on CUDA, else gloo.",
 )
-@click.option("--threads", type=int, default=1, help="Torch CPU threads per rank.")
+@threads_option
 @click.option("--eval-batch", type=int, default=512, help="Evaluation batch on rank 0.")
 @click.option(
     "--snapshot-every-steps",
@@ -164,12 +138,14 @@ def local(
     help="Rank 0 saves every N-th step's state to RUN_DIR/snapshots for 'pserver "
     "evaluate-snapshots' (off by default).",
 )
+@progress_option
 def ddp(
     workers: int | None,
     slowdowns: str,
     slowdown_schedules: str,
     devices: str,
     target_oa: float | None,
+    progress: bool,
     **options: Any,
 ) -> None:
     """Run the torch.distributed DDP baseline (one process per rank) and print the summary.
@@ -192,7 +168,8 @@ def ddp(
         f"pslaunch: ddp with {len(factors)} ranks (slowdowns {list(factors)}); "
         f"logs in {config.run_dir / 'cluster.log'}"
     )
-    click.echo(summary_tables(_run(run_ddp, config)))
+    bar = RunProgress(train.epochs, train.max_steps, enabled=progress)
+    click.echo(summary_tables(_run(lambda c: run_ddp(c, progress=bar), config)))
 
 
 @main.command()
@@ -212,21 +189,8 @@ def ddp(
     default=None,
     help="Report the training time to reach this test OA (runs are not stopped at it).",
 )
-@click.option(
-    "--staleness",
-    type=click.Choice(STALENESS),
-    default=None,
-    help="Async staleness function (server default).",
-)
-@click.option("--max-staleness", type=int, default=None, help="Async staleness bound.")
-@click.option("--threads", type=int, default=1, help="Torch CPU threads per worker and rank.")
-@click.option(
-    "--server-opt",
-    "server_opts",
-    multiple=True,
-    help="Extra 'pserver start' option for the PS modes, e.g. --server-opt=--staleness-a=1.",
-)
-@click.option("--progress/--no-progress", default=True, help="Show the live progress line.")
+@async_options
+@run_options
 @click.option(
     "--snapshot-every",
     type=int,
@@ -241,7 +205,7 @@ def ddp(
     help="local: processes on this machine; slurm: each run as a Slurm job, one at a time.",
 )
 @click.option("--partition", default=None, help="Slurm partition (default: the cluster's).")
-@click.option("--time", "slurm_time", default="01:00:00", help="Each Slurm job's time limit.")
+@click.option("--time", default="01:00:00", help="Each Slurm job's time limit.")
 @click.option(
     "--wait-timeout",
     type=float,
@@ -254,10 +218,10 @@ def compare(
     slowdown_schedules: str,
     devices: str,
     modes: str,
-    server_opts: tuple[str, ...],
+    server_opt: tuple[str, ...],
     progress: bool,
     partition: str | None,
-    slurm_time: str,
+    time: str,
     wait_timeout: float,
     **options: Any,
 ) -> None:
@@ -273,8 +237,8 @@ def compare(
         slowdowns=factors,
         slowdown_schedules=schedules,
         devices=device_list,
-        server_options=server_opts,
-        slurm=SlurmRuns(partition=partition, time=slurm_time, wait_timeout_s=wait_timeout),
+        server_options=server_opt,
+        slurm=SlurmRuns(partition=partition, time=time, wait_timeout_s=wait_timeout),
         **options,
     )
     data = _run(lambda c: run_compare(c, show_progress=progress), config)
@@ -296,6 +260,7 @@ def _run(runner: Callable[[Any], dict[str, Any]], config: Any) -> dict[str, Any]
 
 
 main.add_command(slurm)
+show_envvars(main)  # PSLAUNCH_<COMMAND>_<OPTION>, e.g. PSLAUNCH_LOCAL_WORKERS
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""Click options shared by ``pslaunch ddp`` and ``pslaunch compare``, and what they build."""
+"""Click options shared by ``pslaunch local``, ``ddp`` and ``compare``, and what they build."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import click
 from common.errors import ConfigError
 from launch.settings import TrainSettings, server_default
 from launch.slowdowns import SCHEDULES_HELP, parse_schedules, parse_slowdowns
-from pserver.config import OPTIMIZERS, SCHEDULES
+from pserver.config import OPTIMIZERS, SCHEDULES, STALENESS
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -52,7 +52,7 @@ def cluster_options(func: F) -> F:
             ),
             click.option(
                 "--workers",
-                type=int,
+                type=click.IntRange(min=1),
                 default=None,
                 help="Number of workers (default: one per --slowdowns entry).",
             ),
@@ -132,6 +132,67 @@ def train_options(func: F) -> F:
             ),
         ],
     )
+
+
+def async_options(func: F) -> F:
+    """--staleness and --max-staleness, passed to ``pserver start`` (local and compare)."""
+    return _apply(
+        func,
+        [
+            click.option(
+                "--staleness",
+                type=click.Choice(STALENESS),
+                default=None,
+                help="Async staleness function (server default).",
+            ),
+            click.option(
+                "--max-staleness",
+                type=click.IntRange(min=0),
+                default=None,
+                help="Async staleness bound.",
+            ),
+        ],
+    )
+
+
+def threads_option(func: F) -> F:
+    """--threads (local, compare and ddp)."""
+    return click.option(
+        "--threads",
+        type=click.IntRange(min=1),
+        default=1,
+        help="Torch CPU threads per worker (and per DDP rank).",
+    )(func)
+
+
+def progress_option(func: F) -> F:
+    """--progress/--no-progress (local, compare and ddp)."""
+    return click.option(
+        "--progress/--no-progress",
+        default=True,
+        help="Show a live progress bar (samples trained, epoch, version, latest OA).",
+    )(func)
+
+
+def run_options(func: F) -> F:
+    """--threads, --server-opt and --progress/--no-progress (local and compare)."""
+    server_opt = click.option(
+        "--server-opt",
+        multiple=True,
+        help="Extra 'pserver start' option for the parameter-server runs, e.g. "
+        "--server-opt=--staleness-a=1.",
+    )
+    return _apply(func, [threads_option, server_opt, progress_option])
+
+
+def server_mode_args(staleness: str | None, max_staleness: int | None) -> tuple[str, ...]:
+    """``pserver start`` options for the async settings given (none for server defaults)."""
+    args: list[str] = []
+    if staleness is not None:
+        args += ["--staleness", staleness]
+    if max_staleness is not None:
+        args += ["--max-staleness", str(max_staleness)]
+    return tuple(args)
 
 
 def build_train(options: dict[str, Any], target_oa: float | None = None) -> TrainSettings:

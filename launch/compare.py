@@ -330,7 +330,7 @@ def run_compare(config: CompareConfig, show_progress: bool = True) -> dict[str, 
     config.validate()
     config.out.mkdir(parents=True, exist_ok=True)
     data: dict[str, Any] = {"settings": config.settings(), "runs": []}
-    data["initial"] = _initial_scores(config)  # the curves' t = 0 point
+    data["initial"] = _initial_scores(config, show_progress)  # the curves' t = 0 point
     total = config.repeats * len(config.modes)
     with tqdm(total=total, desc="compare", unit="run", disable=not show_progress) as bar:
         for repeat in range(1, config.repeats + 1):
@@ -381,12 +381,12 @@ def _run_slurm(
     return run_job(job, command, config.slurm.wait_timeout_s, on_submit=submitted)
 
 
-def _initial_scores(config: CompareConfig) -> dict[str, float] | None:
+def _initial_scores(config: CompareConfig, progress: bool) -> dict[str, float] | None:
     """Scores of the initial model all runs share; None (logged) if it cannot be built."""
     from launch.initial import initial_scores
 
     try:
-        return initial_scores(config.dataset, config.model, config.train.seed)
+        return initial_scores(config.dataset, config.model, config.train.seed, progress=progress)
     except PSError as exc:
         log.warning("compare: no t = 0 point: %s", exc)
         return None

@@ -12,7 +12,9 @@ from common.training.flat import FlatLayout
 from common.training.models import build_model
 
 
-def initial_scores(dataset: Path, model: str, seed: int, batch: int = 512) -> dict[str, float]:
+def initial_scores(
+    dataset: Path, model: str, seed: int, batch: int = 512, progress: bool = False
+) -> dict[str, float]:
     """Evaluate the model as the server and every DDP rank initialise it.
 
     They all call ``torch.manual_seed(seed)`` and then ``build_model``, so with the same seed
@@ -23,6 +25,7 @@ def initial_scores(dataset: Path, model: str, seed: int, batch: int = 512) -> di
         model: a built-in model name or ``package.module:factory``.
         seed: the runs' seed.
         batch: evaluation batch size.
+        progress: show a progress bar of the evaluation on stderr.
 
     Returns:
         ``{"oa", "aa", "kappa", "loss"}`` on the whole test split.
@@ -37,7 +40,9 @@ def initial_scores(dataset: Path, model: str, seed: int, batch: int = 512) -> di
             torch.manual_seed(seed)
             net = build_model(model, channels, reader.meta.num_classes, height)
         state = FlatLayout(net).read_state().numpy()
-        scores = Evaluator(net, reader, reader.meta.num_classes, batch).evaluate(state)
+        scores = Evaluator(net, reader, reader.meta.num_classes, batch).evaluate(
+            state, progress=progress
+        )
     finally:
         reader.close()
     return {"oa": scores.oa, "aa": scores.aa, "kappa": scores.kappa, "loss": scores.loss}

@@ -1,7 +1,9 @@
-"""A local cluster: one server process and N worker processes on 127.0.0.1."""
+"""A local cluster: one server process, K parameter shard processes and N worker processes on
+127.0.0.1."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -9,22 +11,26 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from common.errors import ConfigError, PSError
 from launch.procs import (
     Child,
     Children,
+    EventsMark,
+    TextSink,
     second_signal_kills,
     signals_interrupt,
     start_offset,
     wait_for_address,
 )
+from launch.progress import RunProgress
 from pserver.config import ServerConfig
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_MARGIN_S = 15.0  # beyond the server's --shutdown-timeout, before it is killed
+ENDING_S = 30.0  # how long workers and shards may take to exit after the server has
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +45,8 @@ class LocalCluster:
         devices: one device per worker (``cpu``, ``cuda:N``), or one for all.
         slowdown_schedules: per worker, ``STEP:F,...`` changes of its slowdown ("" for none).
         worker_options: further ``worker join`` options for every worker.
+        shards: parameter shards; K > 1 starts K ``pserver shard`` processes beside the server
+            (which becomes their coordinator), 1 keeps the parameters in the server.
         startup_timeout_s: how long the server may take to start listening.
         run_timeout_s: how long the whole run may take before it is stopped.
     """
@@ -52,6 +60,7 @@ class LocalCluster:
     devices: tuple[str, ...] = ("cpu",)
     slowdown_schedules: tuple[str, ...] = ()
     worker_options: tuple[str, ...] = ()
+    shards: int = 1
     startup_timeout_s: float = 120.0
     run_timeout_s: float = 3600.0
 
@@ -59,7 +68,8 @@ class LocalCluster:
         """Check the worker list.
 
         Raises:
-            ConfigError: no workers, a slowdown below 1, or a device list of the wrong length.
+            ConfigError: no workers, a slowdown below 1, a device list of the wrong length,
+                fewer than 1 shard, or ``--shards`` among the server options.
         """
         if not self.slowdowns:
             raise ConfigError("give at least one worker")
@@ -74,6 +84,10 @@ class LocalCluster:
             raise ConfigError(
                 f"--devices lists {len(self.devices)} devices for {len(self.slowdowns)} workers"
             )
+        if self.shards < 1:
+            raise ConfigError(f"--shards must be >= 1, got {self.shards}")
+        if any(o == "--shards" or o.startswith("--shards=") for o in self.server_options):
+            raise ConfigError("give the shard count as pslaunch's --shards, which starts them")
         return self
 
 
@@ -81,15 +95,20 @@ def _python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def run_local(cluster: LocalCluster, log_stream: IO[str] | None = None) -> dict[str, Any]:
-    """Run the server and workers to completion and return the summary.
+def run_local(
+    cluster: LocalCluster,
+    log_stream: TextSink | None = None,
+    progress: RunProgress | None = None,
+) -> dict[str, Any]:
+    """Run the server, its shards and the workers to completion and return the summary.
 
-    Ctrl-C (or any error) sends SIGTERM to the server, which tells the workers to stop; all
-    processes are waited for, and killed if they outlive their timeout.
+    Ctrl-C (or any error) sends SIGTERM to the server, which tells the workers and shards to
+    stop; all processes are waited for, and killed if they outlive their timeout.
 
     Args:
         cluster: what to run.
         log_stream: where the processes' logs go (default: ``run_dir/cluster.log``).
+        progress: a progress bar fed from the run's events while it trains (none by default).
 
     Returns:
         The parsed ``summary.json``.
@@ -99,41 +118,66 @@ def run_local(cluster: LocalCluster, log_stream: IO[str] | None = None) -> dict[
     """
     cluster.validate()
     cluster.run_dir.mkdir(parents=True, exist_ok=True)
-    own_log = log_stream is None
-    sink = log_stream or (cluster.run_dir / "cluster.log").open("w", encoding="utf-8")
+    own_log = None
+    if log_stream is None:
+        log_stream = own_log = (cluster.run_dir / "cluster.log").open("w", encoding="utf-8")
+    sink = log_stream
     children = Children(sink, {**os.environ, "PYTHONUNBUFFERED": "1"})
     server: Child | None = None
+    marks: list[EventsMark] = []
     try:
         with signals_interrupt():
             metrics = cluster.run_dir / "metrics.jsonl"
-            offset = start_offset(metrics)
+            mark = start_offset(metrics)
+            marks.append(mark)
             server = children.start("server", _server_command(cluster), stderr_only=True)
-            address = wait_for_address(server, metrics, offset, cluster.startup_timeout_s)
-            workers = [
-                children.start(name, _python_module("worker.cli", "join", *args))
-                for name, args in _worker_commands(cluster, address)
-            ]
-            code = children.wait(server, cluster.run_timeout_s, lambda: _check_workers(workers))
+            with _following(progress, metrics, mark):
+                address = wait_for_address(server, metrics, mark, cluster.startup_timeout_s)
+                shards = [
+                    children.start(name, _python_module("pserver.cli", "shard", *args))
+                    for name, args in _shard_commands(cluster, address)
+                ]
+                workers = [
+                    children.start(name, _python_module("worker.cli", "join", *args))
+                    for name, args in _worker_commands(cluster, address)
+                ]
+                code = children.wait(server, cluster.run_timeout_s, lambda: _check(workers, shards))
+            if code == 0:
+                children.wait_all(ENDING_S)  # workers and shards end when the server does
+            children.stop()  # any straggler is stopped
     except BaseException:
         with second_signal_kills(children):
             children.stop(server, first_grace_s=_shutdown_budget_s(cluster.server_options))
         raise
     finally:
         children.close()
-        if own_log:
-            sink.close()
+        for mark in marks:
+            mark.close()
+        if own_log is not None:
+            own_log.close()
     if code != 0:
         raise PSError(f"{server.failure()}; see the log")
-    children.stop()  # workers end when the server does; any straggler is stopped
     failed = [w.code for w in workers]
     if any(failed):
         log.warning("worker exit codes: %s", failed)
+    shard_codes = [s.code for s in shards]
+    if any(shard_codes):
+        log.warning("shard exit codes: %s", shard_codes)
     summary_path = cluster.run_dir / "summary.json"
     if not summary_path.exists():
         raise PSError(f"the server wrote no {summary_path}")
     summary = json.loads(summary_path.read_text(encoding="utf-8"))
     summary["worker_exit_codes"] = failed
+    if shards:
+        summary["shard_exit_codes"] = shard_codes
     return summary
+
+
+def _following(
+    progress: RunProgress | None, metrics: Path, mark: EventsMark
+) -> contextlib.AbstractContextManager[None]:
+    """Feed ``progress`` from ``metrics`` within the block (nothing without one)."""
+    return progress.follow(metrics, mark) if progress is not None else contextlib.nullcontext()
 
 
 def _server_command(cluster: LocalCluster) -> list[str]:
@@ -152,8 +196,22 @@ def _server_command(cluster: LocalCluster) -> list[str]:
         str(len(cluster.slowdowns)),
         "--run-dir",
         str(cluster.run_dir),
+        *(("--shards", str(cluster.shards)) if cluster.shards > 1 else ()),
         *cluster.server_options,
     )
+
+
+def _shard_commands(cluster: LocalCluster, address: str) -> list[tuple[str, list[str]]]:
+    """(name, ``pserver shard`` arguments) per shard; none unless ``shards`` > 1."""
+    if cluster.shards < 2:
+        return []
+    return [
+        (
+            f"shard{i}",
+            ["--coordinator", address, "--bind", "tcp://127.0.0.1:0", "--name", f"shard{i}"],
+        )
+        for i in range(cluster.shards)
+    ]
 
 
 def _worker_commands(cluster: LocalCluster, address: str) -> list[tuple[str, list[str]]]:
@@ -171,12 +229,16 @@ def _worker_commands(cluster: LocalCluster, address: str) -> list[tuple[str, lis
     return commands
 
 
-def _check_workers(workers: list[Child]) -> None:
-    """Fail once every worker has exited and one of them failed (the server would wait)."""
+def _check(workers: list[Child], shards: list[Child]) -> None:
+    """Fail once every worker has exited and one of them failed, or a shard failed while the
+    server runs (the server would wait for them)."""
     if workers and all(w.code is not None for w in workers):
         failed = [w for w in workers if w.code != 0]
         if failed:
             raise PSError("; ".join(w.failure() for w in failed))
+    failed = [s for s in shards if s.code not in (None, 0)]
+    if failed:
+        raise PSError("; ".join(s.failure() for s in failed))
 
 
 def _shutdown_budget_s(server_options: Sequence[str]) -> float:

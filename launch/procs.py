@@ -21,12 +21,20 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import IO
+from typing import IO, Protocol
 
 from common.errors import PSError
 
 TAIL_LINES = 40
 POLL_S = 0.2
+
+
+class TextSink(Protocol):
+    """Where children's output goes: a text file, or anything with ``write`` and ``flush``."""
+
+    def write(self, text: str, /) -> object: ...
+
+    def flush(self) -> None: ...
 
 
 @dataclasses.dataclass
@@ -65,7 +73,7 @@ class Children:
         env: the children's environment.
     """
 
-    def __init__(self, sink: IO[str], env: dict[str, str]) -> None:
+    def __init__(self, sink: TextSink, env: dict[str, str]) -> None:
         self.sink, self.env = sink, env
         self.children: list[Child] = []
         self._sink_lock = threading.Lock()
@@ -127,6 +135,16 @@ class Children:
             if time.monotonic() > deadline:
                 raise PSError(f"{main.name} did not finish within {timeout_s:g} s")
 
+    def wait_all(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` in all for every child to exit; True if they all did."""
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            try:
+                child.popen.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                return False
+        return True
+
     def stop(
         self, first: Child | None = None, first_grace_s: float = 0.0, grace_s: float = 10.0
     ) -> None:
@@ -166,19 +184,59 @@ class Children:
                 child.pump.join(timeout=timeout_s)
 
 
-def start_offset(metrics: Path) -> int:
-    """Where a server started now will write its events: the file's current size."""
-    try:
-        return metrics.stat().st_size
-    except FileNotFoundError:
-        return 0
+class EventsMark:
+    """Where the events of a server started now begin in ``metrics.jsonl``: after the current
+    end of the file, or at 0 once the server has replaced it (``--overwrite``) or if there was
+    none. The old file is held open, so its inode cannot be reused by the new one.
+
+    Args:
+        metrics: the run's ``metrics.jsonl`` (it may not exist yet).
+    """
+
+    def __init__(self, metrics: Path) -> None:
+        self.metrics = metrics
+        self._old: IO[bytes] | None = None
+        self.size = 0
+        with contextlib.suppress(FileNotFoundError):
+            self._old = metrics.open("rb")
+            self.size = os.fstat(self._old.fileno()).st_size
+
+    def same_file(self, stat: os.stat_result) -> bool:
+        """Whether ``stat`` (of the file now at the path) is the file that was there."""
+        if self._old is None:
+            return False
+        old = os.fstat(self._old.fileno())
+        return (old.st_dev, old.st_ino) == (stat.st_dev, stat.st_ino)
+
+    def offset(self, stat: os.stat_result) -> int:
+        """Where the new events begin in the file whose ``stat`` is given (0 also when the old
+        file was truncated)."""
+        return self.size if self.same_file(stat) and stat.st_size >= self.size else 0
+
+    def close(self) -> None:
+        """Let go of the old file."""
+        if self._old is not None:
+            self._old.close()
+            self._old = None
 
 
-def new_start_address(metrics: Path, offset: int) -> str | None:
-    """The address of the last ``start`` event written after byte ``offset`` (GUIDE §7), or
-    None while there is none (a resumed run's file holds earlier servers' events before it)."""
+def start_offset(metrics: Path) -> EventsMark:
+    """Where a server started now will write its events (close the mark when done)."""
+    return EventsMark(metrics)
+
+
+def new_start_address(metrics: Path, mark: EventsMark | int) -> str | None:
+    """The address of the last ``start`` event written after ``mark`` (GUIDE §7), or None
+    while there is none (a resumed run's file holds earlier servers' events before it).
+
+    Args:
+        metrics: the run's ``metrics.jsonl``.
+        mark: an ``EventsMark`` taken before the server started, or a byte offset (for a
+            process that did not start the server; it cannot tell a replaced file).
+    """
     try:
         with metrics.open("rb") as f:
+            offset = mark if isinstance(mark, int) else mark.offset(os.fstat(f.fileno()))
             f.seek(offset)
             lines = f.read().splitlines()
     except FileNotFoundError:
@@ -196,7 +254,7 @@ def new_start_address(metrics: Path, offset: int) -> str | None:
     return address
 
 
-def wait_for_address(server: Child, metrics: Path, offset: int, timeout_s: float) -> str:
+def wait_for_address(server: Child, metrics: Path, mark: EventsMark, timeout_s: float) -> str:
     """The server's address once its ``start`` event is written; fails fast with the server's
     error if it exits first.
 
@@ -205,7 +263,7 @@ def wait_for_address(server: Child, metrics: Path, offset: int, timeout_s: float
     """
     deadline = time.monotonic() + timeout_s
     while True:
-        address = new_start_address(metrics, offset)
+        address = new_start_address(metrics, mark)
         if address is not None:
             return address
         if server.code is not None:

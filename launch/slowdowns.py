@@ -25,8 +25,11 @@ def parse_slowdowns(text: str, workers: int | None = None) -> tuple[float, ...]:
         One factor per worker.
 
     Raises:
-        ConfigError: an entry is not a number or below 1, or the count does not match.
+        ConfigError: ``workers`` is below 1, an entry is not a number or below 1, or the count
+            does not match.
     """
+    if workers is not None and workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {workers}")
     try:
         factors = tuple(float(part) for part in text.split(",") if part.strip())
     except ValueError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,8 +29,38 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+RUN_LEGEND = (
+    "train s: training wall time, without start-up and evaluations; OA, AA, kappa: final "
+    "test overall accuracy, mean per-class accuracy and Cohen's kappa; best OA: the best of "
+    "any evaluation; to target s: training time until --target-oa was first reached; "
+    "staleness: how many versions behind an async push was (mean/max)."
+)
+WORKER_LEGEND = (
+    "slowdown: the emulated factor (x4 = four times slower); speed: measured compute speed; "
+    "samples: training samples the worker computed; share: its part of all samples "
+    "(weighted-sync gives faster workers more, equal-sync the same to all); pushes: "
+    "gradients it sent (one per round in sync modes)."
+)
+
+
+def seconds(value: float | None) -> str:
+    """Seconds to 0.1 s ("-" for None)."""
+    return "-" if value is None else f"{value:.1f}"
+
+
+def score(value: float | None) -> str:
+    """An accuracy or kappa to 4 decimals ("-" for None)."""
+    return "-" if value is None else f"{value:.4f}"
+
+
+def legend(text: str, width: int = 96) -> str:
+    """``text`` wrapped to ``width`` columns, as lines after a table."""
+    return "\n".join(textwrap.wrap(text, width))
+
+
 def summary_tables(summary: dict[str, Any]) -> str:
-    """A run's results and its per-worker shares as two tables."""
+    """A run's results and its per-worker shares as two tables, each followed by a legend that
+    defines its columns."""
     final = summary.get("final") or {}
     staleness = summary.get("staleness") or {}
     run = format_table(
@@ -50,21 +81,29 @@ def summary_tables(summary: dict[str, Any]) -> str:
                 summary["mode"],
                 summary["epochs"],
                 summary["steps"],
-                summary["train_time_s"],
-                final.get("oa"),
-                final.get("aa"),
-                final.get("kappa"),
-                summary.get("best_oa"),
-                summary.get("time_to_target_s"),
+                seconds(summary["train_time_s"]),
+                score(final.get("oa")),
+                score(final.get("aa")),
+                score(final.get("kappa")),
+                score(summary.get("best_oa")),
+                seconds(summary.get("time_to_target_s")),
                 f"{staleness['mean']:.2f}/{staleness['max']}" if staleness else "-",
             ]
         ],
     )
+    total = sum(w["samples"] for w in summary["workers"]) or 1
     workers = format_table(
-        ["worker", "slowdown", "speed (samples/s)", "samples", "pushes"],
+        ["worker", "slowdown", "speed (samples/s)", "samples", "share", "pushes"],
         [
-            [w["name"], w["slowdown"], w["speed"], w["samples"], w["pushes"]]
+            [
+                w["name"],
+                f"x{w['slowdown']:g}",
+                f"{w['speed']:.0f}",
+                w["samples"],
+                f"{100 * w['samples'] / total:.1f} %",
+                w["pushes"],
+            ]
             for w in summary["workers"]
         ],
     )
-    return f"{run}\n\n{workers}"
+    return f"{run}\n{legend(RUN_LEGEND)}\n\n{workers}\n{legend(WORKER_LEGEND)}"

@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from common.cli_env import show_envvars
 from common.config import default
 from common.errors import PSError
 from common.logsetup import setup_logging
@@ -351,6 +352,7 @@ main.add_command(data_group)
 main.add_command(evaluate_snapshots_cmd)
 for _command in MODEL_COMMANDS:
     main.add_command(_command)
+show_envvars(main)  # PSERVER_<COMMAND>_<OPTION>, e.g. PSERVER_START_MODE
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -101,6 +101,9 @@ def prepare_group() -> None:
     help="How samples are stored and served: normalised float32 or float16, or raw: the "
     "cube's integers (uint8/uint16/int16), normalised by the reader and the workers.",
 )
+@click.option(
+    "--progress/--no-progress", default=True, show_default=True, help="Show progress bars."
+)
 def prepare_hsi_cmd(
     cube: str,
     gt: str,
@@ -111,6 +114,7 @@ def prepare_hsi_cmd(
     seed: int,
     classes: str | None,
     x_dtype: str,
+    progress: bool,
 ) -> None:
     """Cut P x P patches around every labelled pixel of a cube and class map."""
     from common.data.convert.hsi import prepare_hsi
@@ -126,6 +130,7 @@ def prepare_hsi_cmd(
         seed=seed,
         class_names=_names(classes),
         x_dtype=x_dtype,
+        progress=progress,
     )
     click.echo(_summary(meta))
 
@@ -150,8 +155,11 @@ def prepare_hsi_cmd(
     show_default=True,
     help="Resize every image to SIZE x SIZE (default: keep; all images must share one size).",
 )
+@click.option(
+    "--progress/--no-progress", default=True, show_default=True, help="Show progress bars."
+)
 def prepare_folder_cmd(
-    directory: str, out: str, train_fraction: float, seed: int, size: int | None
+    directory: str, out: str, train_fraction: float, seed: int, size: int | None, progress: bool
 ) -> None:
     """Build a scenes dataset from DIR/<class>/*.tif|tiff|png|jpg|jpeg (EuroSAT layout).
 
@@ -166,6 +174,7 @@ def prepare_folder_cmd(
         train_fraction=train_fraction,
         seed=seed,
         size=size,
+        progress=progress,
     )
     click.echo(_summary(meta))
 
@@ -173,7 +182,6 @@ def prepare_folder_cmd(
 @prepare_group.command("torch")
 @click.option(
     "--dataset",
-    "spec",
     required=True,
     help="package.module:Factory returning a map-style torch Dataset whose samples are "
     "{'image', 'label'} dicts (torchgeo) or (x, y) tuples; the module must be importable "
@@ -207,7 +215,7 @@ def prepare_folder_cmd(
     "--progress/--no-progress", default=True, show_default=True, help="Show progress bars."
 )
 def prepare_torch_cmd(
-    spec: str,
+    dataset: str,
     kwargs: str | None,
     out: str,
     classes: str | None,
@@ -224,7 +232,7 @@ def prepare_torch_cmd(
         raise click.BadParameter(str(exc), param_hint="--kwargs") from exc
     meta = _run(
         prepare_torch,
-        spec=spec,
+        spec=dataset,
         out=out,
         kwargs=factory_kwargs,
         class_names=_names(classes),
@@ -314,16 +322,14 @@ def synth_cmd(
 
 @data_group.command("info")
 @click.argument("dataset", type=click.Path(dir_okay=False))
-@click.option(
-    "--json", "as_json", is_flag=True, default=False, show_default=True, help="Print JSON."
-)
-def info_cmd(dataset: str, as_json: bool) -> None:
+@click.option("--json", is_flag=True, default=False, show_default=True, help="Print JSON.")
+def info_cmd(dataset: str, **flags: bool) -> None:
     """Show a dataset's samples, classes, per-split counts and shape."""
     try:
         info = describe(dataset)
     except DatasetError as exc:
         raise click.ClickException(str(exc)) from exc
-    if as_json:
+    if flags["json"]:
         click.echo(json.dumps(info, indent=2))
         return
     counts = info["counts"]

@@ -42,20 +42,19 @@ def _fail(exc: Exception) -> click.ClickException:
 )
 @click.option(
     "--format",
-    "fmt",
     type=click.Choice(["program", "state-dict"]),
     default="program",
     help="program: torch.export program with the normalisation built in, loads with "
     "torch.export.load alone; state-dict: weights for torch.load(weights_only=True).",
 )
 def export_cmd(
-    run_dir: Path, out: Path, checkpoint: Path | None, dataset: Path | None, fmt: str
+    run_dir: Path, out: Path, checkpoint: Path | None, dataset: Path | None, format: str
 ) -> None:
     """Export a run's model: raw (unnormalised) C x P x P samples in, class logits out."""
     from pserver.outputs.export import ExportConfig, export
 
     config = ExportConfig(
-        run_dir=run_dir, out=out, checkpoint=checkpoint, dataset=dataset, format=fmt
+        run_dir=run_dir, out=out, checkpoint=checkpoint, dataset=dataset, format=format
     )
     try:
         meta = export(config)
@@ -63,7 +62,7 @@ def export_cmd(
         raise _fail(exc) from exc
     shape = f"{meta['bands']}x{meta['height']}x{meta['width']}"
     click.echo(
-        f"wrote {out} ({fmt}): {meta['model']} taking raw {shape} samples, "
+        f"wrote {out} ({format}): {meta['model']} taking raw {shape} samples, "
         f"{meta['num_classes']} classes {meta['class_names']}, checkpoint version "
         f"{meta['checkpoint']['version']}"
     )
@@ -127,7 +126,6 @@ def _predict_cube(model: Any, options: dict[str, Any]) -> None:
 @click.command("predict")
 @click.option(
     "--model",
-    "model_path",
     required=True,
     type=click.Path(dir_okay=False, path_type=Path),
     help="Model file written by 'pserver export'.",
@@ -182,7 +180,7 @@ def _predict_cube(model: Any, options: dict[str, Any]) -> None:
 )
 @click.option("--device", default="cpu", help="cpu, cuda or cuda:N.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar on stderr.")
-def predict_cmd(model_path: Path, cube: str | None, images: Path | None, **options: Any) -> None:
+def predict_cmd(model: Path, cube: str | None, images: Path | None, **options: Any) -> None:
     """Classify every pixel of a scene (--cube) or every image of a folder (--images)."""
     from common.training.device import resolve_device
     from pserver.outputs.images import predict_images
@@ -196,13 +194,13 @@ def predict_cmd(model_path: Path, cube: str | None, images: Path | None, **optio
         raise click.UsageError("--npy, --geotiff and --gt apply to --cube only")
     try:
         device = resolve_device(options["device"])
-        model = load_model(model_path, device)
+        net = load_model(model, device)
         if cube is not None:
-            _predict_cube(model, {**options, "cube": cube})
+            _predict_cube(net, {**options, "cube": cube})
             return
         assert images is not None  # one of --cube and --images is required
         result = predict_images(
-            model, images, options["out"], min(options["batch"], IMAGE_BATCH), options["progress"]
+            net, images, options["out"], min(options["batch"], IMAGE_BATCH), options["progress"]
         )
     except (PSError, OSError) as exc:
         raise _fail(exc) from exc

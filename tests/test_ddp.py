@@ -103,6 +103,8 @@ def test_ddp_trains_on_jasper_ridge(jasper_h5: Path, tmp_path: Path) -> None:
         ],
     )
     assert result.exit_code == 0, result.output
+    assert "training: 100%" in result.stderr and "2892/2892" in result.stderr  # progress bar
+    assert "epoch 3, version 48, OA 0." in result.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert SUMMARY_KEYS <= set(summary)
     assert summary["mode"] == "ddp" and summary["staleness"] is None

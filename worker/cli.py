@@ -12,6 +12,7 @@ import sys
 
 import click
 
+from common.cli_env import show_envvars
 from common.config import default
 from common.errors import PSError
 from common.logsetup import setup_logging
@@ -145,6 +146,8 @@ def join(log_level: str, **options: object) -> None:
         f"wall {stats.wall_s:.1f} s"
     )
 
+
+show_envvars(main)  # WORKER_JOIN_<OPTION>, e.g. WORKER_JOIN_SERVER
 
 if __name__ == "__main__":
     sys.exit(main())

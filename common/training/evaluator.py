@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from common.data.dataset import DatasetReader
 from common.training.flat import FlatLayout
@@ -39,19 +40,24 @@ class Evaluator:
         self.batch = batch
 
     @torch.no_grad()
-    def evaluate(self, state: np.ndarray, indices: np.ndarray | None = None) -> Scores:
+    def evaluate(
+        self, state: np.ndarray, indices: np.ndarray | None = None, progress: bool = False
+    ) -> Scores:
         """OA, AA, kappa and mean cross-entropy of ``state`` on ``indices`` (default: the whole
-        test split)."""
+        test split); ``progress`` shows a bar of test samples on stderr."""
         self.layout.write_state(state)
         matrix = np.zeros((self.num_classes, self.num_classes), dtype=np.int64)
         loss_sum, count = 0.0, 0
         test = self.reader.test_indices if indices is None else indices
+        bar = tqdm(total=len(test), desc="evaluating", unit="sample", disable=not progress)
         for x, y in self.reader.iter_blocks(test, self.batch):
+            bar.update(len(y))
             logits = self.model(torch.from_numpy(x))
             target = torch.from_numpy(y)
             loss_sum += float(nn.functional.cross_entropy(logits, target, reduction="sum"))
             count += len(y)
             matrix += confusion_matrix(y, logits.argmax(1).numpy(), self.num_classes)
+        bar.close()
         return scores_from_confusion(matrix, loss_sum / max(count, 1))
 
 

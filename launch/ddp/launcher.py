@@ -20,11 +20,18 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from common.errors import ConfigError, PSError
 from common.training.slowdown import SlowdownSchedule
-from launch.procs import Children, second_signal_kills, signals_interrupt
+from launch.procs import (
+    Children,
+    EventsMark,
+    TextSink,
+    second_signal_kills,
+    signals_interrupt,
+)
+from launch.progress import RunProgress
 from launch.settings import TrainSettings, server_default
 
 log = logging.getLogger(__name__)
@@ -186,7 +193,9 @@ def _rank_env() -> dict[str, str]:
     return env
 
 
-def run_ddp(config: DDPConfig, log_stream: IO[str] | None = None) -> dict[str, Any]:
+def run_ddp(
+    config: DDPConfig, log_stream: TextSink | None = None, progress: RunProgress | None = None
+) -> dict[str, Any]:
     """Run every rank to completion and return rank 0's summary.
 
     If a rank fails, or on Ctrl-C, SIGTERM or the run timeout, every rank still running is
@@ -195,6 +204,7 @@ def run_ddp(config: DDPConfig, log_stream: IO[str] | None = None) -> dict[str, A
     Args:
         config: what to run.
         log_stream: where the ranks' logs go (default: ``run_dir/cluster.log``).
+        progress: a progress bar fed from rank 0's events (none by default).
 
     Returns:
         The parsed ``summary.json``.
@@ -210,8 +220,12 @@ def run_ddp(config: DDPConfig, log_stream: IO[str] | None = None) -> dict[str, A
     config_path = config.run_dir / "ddp_config.json"
     config_path.write_text(config.to_json(), encoding="utf-8")
     (config.run_dir / "summary.json").unlink(missing_ok=True)
-    own_log = log_stream is None
-    sink = log_stream or (config.run_dir / "cluster.log").open("w", encoding="utf-8")
+    metrics = config.run_dir / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)  # rank 0 writes it afresh; the progress bar reads it
+    own_log = None
+    if log_stream is None:
+        log_stream = own_log = (config.run_dir / "cluster.log").open("w", encoding="utf-8")
+    sink = log_stream
     store = None
     rendezvous: list[str] = []
     if config.world_size > 1:
@@ -224,15 +238,20 @@ def run_ddp(config: DDPConfig, log_stream: IO[str] | None = None) -> dict[str, A
             for rank in range(config.world_size):
                 cmd = [sys.executable, "-m", "launch.ddp.rank", "--config", str(config_path)]
                 children.start(config.rank_name(rank), [*cmd, "--rank", str(rank), *rendezvous])
-            _wait_all(children, config.run_timeout_s)
+            mark = EventsMark(metrics)  # no file: rank 0's events start at byte 0
+            watch = (
+                progress.follow(metrics, mark) if progress is not None else contextlib.nullcontext()
+            )
+            with watch:
+                _wait_all(children, config.run_timeout_s)
     except BaseException:
         with second_signal_kills(children):
             children.stop()
         raise
     finally:
         children.close()
-        if own_log:
-            sink.close()
+        if own_log is not None:
+            own_log.close()
         del store  # closes the rendezvous
     summary_path = config.run_dir / "summary.json"
     if not summary_path.exists():

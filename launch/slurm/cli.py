@@ -15,7 +15,8 @@ from launch.cli_options import build_train, train_options
 from launch.slowdowns import parse_slowdowns
 from launch.slurm.config import DDP, SlurmJob
 from launch.slurm.groups import HET_HELP, Group, parse_het, spread_shards
-from launch.slurm.submit import check_run_dir, read_summary, submit, wait_job, write_script
+from launch.slurm.submit import check_run_dir, read_summary, wait_job, write_script
+from launch.slurm.submit import submit as submit_job
 from launch.table import summary_tables
 from pserver.config import MODES, STALENESS
 
@@ -75,7 +76,10 @@ def _extra(options: dict[str, Any]) -> tuple[str, ...]:
     "slowdowns, nodes, partition and CPUs as for workers).",
 )
 @click.option(
-    "--workers", type=int, default=None, help="Workers (default: one per --slowdowns entry)."
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Workers (default: one per --slowdowns entry).",
 )
 @click.option(
     "--slowdowns",
@@ -102,8 +106,6 @@ def _extra(options: dict[str, Any]) -> tuple[str, ...]:
 @click.option("--het", default=None, help=HET_HELP)
 @click.option(
     "--time",
-    "time_limit",
-    envvar="PSLAUNCH_SLURM_TIME",
     default="01:00:00",
     help="The job's time limit.",
 )
@@ -125,7 +127,7 @@ def _extra(options: dict[str, Any]) -> tuple[str, ...]:
     type=click.Path(file_okay=False, path_type=Path),
     help="Run directory on a file system every node sees; job.sbatch is written there.",
 )
-@click.option("--submit", "do_submit", is_flag=True, help="Submit the job with sbatch.")
+@click.option("--submit", is_flag=True, help="Submit the job with sbatch.")
 @click.option("--wait", is_flag=True, help="Submit, wait for the job to end and print the summary.")
 @click.option(
     "--wait-timeout",
@@ -155,7 +157,6 @@ def _extra(options: dict[str, Any]) -> tuple[str, ...]:
 )
 @click.option(
     "--sbatch-opt",
-    "sbatch_opts",
     multiple=True,
     help="Extra #SBATCH option, e.g. --sbatch-opt=--account=proj1.",
 )
@@ -170,13 +171,11 @@ def _extra(options: dict[str, Any]) -> tuple[str, ...]:
 @click.option("--max-staleness", type=int, default=None, help="Async staleness bound.")
 @click.option(
     "--server-opt",
-    "server_opts",
     multiple=True,
     help="Extra 'pserver start' option, e.g. --server-opt=--checkpoint-every=50.",
 )
 @click.option(
     "--worker-opt",
-    "worker_opts",
     multiple=True,
     help="Extra 'worker join' option, e.g. --worker-opt=--data=/scratch/copy.h5.",
 )
@@ -192,14 +191,14 @@ def slurm(
     gpus_per_worker: int,
     shards: int,
     het: str | None,
-    time_limit: str,
+    time: str,
     run_dir: Path,
-    do_submit: bool,
+    submit: bool,
     wait: bool,
     wait_timeout: float,
-    server_opts: tuple[str, ...],
-    worker_opts: tuple[str, ...],
-    sbatch_opts: tuple[str, ...],
+    server_opt: tuple[str, ...],
+    worker_opt: tuple[str, ...],
+    sbatch_opt: tuple[str, ...],
     target_oa: float | None,
     **options: Any,
 ) -> None:
@@ -224,10 +223,10 @@ def slurm(
             train=train,
             het=het is not None,
             server=server,
-            server_options=(*_extra(options), *server_opts),
-            worker_options=worker_opts,
+            server_options=(*_extra(options), *server_opt),
+            worker_options=worker_opt,
             partition=partition,
-            time=time_limit,
+            time=time,
             signal_before_s=options.pop("signal_before"),
             requeue=options.pop("requeue"),
             resume=options.pop("resume"),
@@ -235,19 +234,19 @@ def slurm(
             job_name=options.pop("job_name"),
             startup_timeout_s=options.pop("startup_timeout"),
             stop_timeout_s=options.pop("stop_timeout"),
-            sbatch_options=sbatch_opts,
+            sbatch_options=sbatch_opt,
         ).validate()
-        if do_submit or wait:
+        if submit or wait:
             check_run_dir(job.run_dir, job.resume)
         script = write_script(job, shlex.join(["pslaunch", *sys.argv[1:]]))
     except PSError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"pslaunch: wrote {script}")
-    if not (do_submit or wait):
+    if not (submit or wait):
         click.echo(f"pslaunch: submit it with: sbatch {script}")
         return
     try:
-        job_id = submit(script)
+        job_id = submit_job(script)
     except PSError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(
@@ -270,9 +269,3 @@ def slurm(
         raise click.ClickException(f"job {job_id} wrote no summary: {exc}") from exc
     if not end.ok:
         raise click.ClickException(f"job {job_id} did not complete; see {job.run_dir}")
-
-
-# Every option may come from PSLAUNCH_SLURM_<OPTION>; --help shows which.
-for _param in slurm.params:
-    if isinstance(_param, click.Option):
-        _param.show_envvar = True

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from common.data.dataset import DatasetMeta, DatasetReader
 from common.data.splits import stratified_split
@@ -220,6 +221,7 @@ def prepare_folder(
     train_fraction: float = 0.8,
     seed: int = 0,
     size: int | None = None,
+    progress: bool = False,
 ) -> DatasetMeta:
     """Convert a class-per-folder image collection (EuroSAT layout) into a scenes dataset.
 
@@ -236,6 +238,7 @@ def prepare_folder(
         seed: seed of the split.
         size: resize every image to size x size when given; otherwise all images must
             already share one size.
+        progress: show a progress bar per pass (images read) on stderr.
 
     Returns:
         The written dataset's metadata.
@@ -259,7 +262,10 @@ def prepare_folder(
     )
     images = _Images(scan, size)
     stats: tuple[float, np.ndarray, np.ndarray] | None = None
-    for i, image in images:
+    total = len(scan.files)
+    for i, image in tqdm(
+        images, total=total, desc="pass 1/2 (check)", unit="image", disable=not progress
+    ):
         if is_train[i]:
             if stats is None:
                 zeros = np.zeros(image.shape[0])
@@ -280,7 +286,9 @@ def prepare_folder(
     with DatasetWriter(out, shape, len(scan.files), "scenes", scan.class_names, source) as w:
         buf = np.empty((block, *shape), dtype=np.float32)
         filled = 0
-        for i, image in images:
+        for i, image in tqdm(
+            images, total=total, desc="pass 2/2 (write)", unit="image", disable=not progress
+        ):
             np.subtract(image, mean32, out=buf[filled])
             buf[filled] /= std32
             filled += 1

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from common.data.codec import RAW_DTYPES
 from common.data.convert.cube import ArrayCube, Cube, load_labels, open_cube
@@ -23,7 +24,9 @@ SPLITS = ("random", "disjoint")
 BLOCK = 1024  # samples per write; bounds the memory of one block of patches
 
 
-def _train_statistics(cube: Cube, train_coords: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _train_statistics(
+    cube: Cube, train_coords: np.ndarray, progress: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """Per-band mean and std (float64) of the training pixels, read band by band; checks that
     the whole cube is finite.
 
@@ -33,13 +36,16 @@ def _train_statistics(cube: Cube, train_coords: np.ndarray) -> tuple[np.ndarray,
     rows, cols, bands = cube.shape
     step = rows_per_band(cols, bands, 1)
     parts = []
+    bar = tqdm(total=rows, desc="pass 1/2 (statistics)", unit="row", disable=not progress)
     for start in range(0, rows, step):
         stop = min(rows, start + step)
+        bar.update(stop - start)
         block = cube.read_rows(start, stop)
         if block.dtype.kind == "f" and not np.all(np.isfinite(block)):
             raise DatasetError(f"cube {cube.spec!r} contains NaN or Inf (rows {start}:{stop})")
         inside = train_coords[(train_coords[:, 0] >= start) & (train_coords[:, 0] < stop)]
         parts.append(block[inside[:, 0] - start, inside[:, 1]].astype(np.float64))
+    bar.close()
     pixels = np.concatenate(parts)
     mean = pixels.mean(axis=0)
     std = pixels.std(axis=0)
@@ -61,6 +67,7 @@ def write_patch_dataset(
     source: str = "",
     extra_attrs: dict[str, Any] | None = None,
     x_dtype: str = "float32",
+    progress: bool = False,
 ) -> DatasetMeta:
     """Turn a cube and a class map into a patch dataset file (the one HSI pipeline).
 
@@ -83,6 +90,7 @@ def write_patch_dataset(
         source: free text stored in the file.
         extra_attrs: more root attributes.
         x_dtype: as for ``prepare_hsi``.
+        progress: show a progress bar per pass over the cube (rows read) on stderr.
 
     Returns:
         The written dataset's metadata.
@@ -127,7 +135,7 @@ def write_patch_dataset(
         coords, y, train, test = coords[keep], y[keep], remap[train], remap[test]
     for c in np.flatnonzero(np.bincount(y[test], minlength=k) == 0):
         log.warning("class %d (%s) has no test samples", c, class_names[int(c)])
-    mean, std = _train_statistics(cube, coords[train])
+    mean, std = _train_statistics(cube, coords[train], progress)
     stored = _stored_dtype(cube, x_dtype)
     normalise_now = stored not in RAW_DTYPES
     attrs = {
@@ -142,9 +150,11 @@ def write_patch_dataset(
     # in file order; only one reflect-padded, normalised band is in memory at a time.
     row_starts = np.searchsorted(coords[:, 0], np.arange(rows + 1))
     shape = (bands, patch, patch)
-    with DatasetWriter(out, shape, y.size, "hsi", class_names, source, stored) as w:
+    bar = tqdm(total=rows, desc="pass 2/2 (patches)", unit="row", disable=not progress)
+    with bar, DatasetWriter(out, shape, y.size, "hsi", class_names, source, stored) as w:
         scaling = (mean, std) if normalise_now else (None, None)
         for start, stop, windows in iter_bands(cube, patch, *scaling):
+            bar.update(stop - start)
             lo, hi = int(row_starts[start]), int(row_starts[stop])
             for first in range(lo, hi, BLOCK):
                 rc = coords[first : min(hi, first + BLOCK)]
@@ -184,6 +194,7 @@ def prepare_hsi(
     seed: int = 0,
     class_names: Sequence[str] | None = None,
     x_dtype: str = "float32",
+    progress: bool = False,
 ) -> DatasetMeta:
     """Prepare a patch dataset from a hyperspectral cube and a ground-truth map.
 
@@ -202,6 +213,7 @@ def prepare_hsi(
         class_names: names of classes 1..K; override those found in the files.
         x_dtype: how samples are stored: ``float32`` or ``float16`` (normalised), or ``raw``
             (the cube's integers, normalised on read; half the bytes of float32 for uint16).
+        progress: show progress bars on stderr.
 
     Returns:
         The written dataset's metadata.
@@ -250,4 +262,5 @@ def prepare_hsi(
             seed=seed,
             source=f"prepare hsi --cube {cube_spec} --gt {gt_spec}",
             x_dtype=x_dtype,
+            progress=progress,
         )

@@ -1,0 +1,45 @@
+"""Environment variables for command-line options: one naming scheme, shown by every ``--help``.
+
+The names are click's ``auto_envvar_prefix`` names: the program (``PSERVER``, ``WORKER``,
+``PSLAUNCH``), each subcommand, then the option, upper case with ``-`` as ``_``:
+``pserver start --mode`` is ``PSERVER_START_MODE``, ``pserver data prepare hsi --cube`` is
+``PSERVER_DATA_PREPARE_HSI_CUBE``, ``pslaunch local --workers`` is ``PSLAUNCH_LOCAL_WORKERS``.
+There are no short aliases (``PSERVER_MODE`` sets nothing).
+"""
+
+from __future__ import annotations
+
+import click
+
+
+def envvar_name(prefix: str, path: tuple[str, ...], option: click.Option) -> str:
+    """The environment variable that sets ``option`` of the command at ``path``.
+
+    Args:
+        prefix: the program's prefix, e.g. ``"PSERVER"``.
+        path: the subcommand names below the program, e.g. ``("data", "prepare", "hsi")``.
+        option: one of that command's options.
+
+    Returns:
+        The name, e.g. ``PSERVER_DATA_PREPARE_HSI_CUBE``.
+    """
+    assert option.name is not None
+    parts = [prefix, *path, option.name]
+    return "_".join(part.replace("-", "_").upper() for part in parts)
+
+
+def walk_options(
+    command: click.Command, path: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], click.Option]]:
+    """Every option of ``command`` and its subcommands, each with its command's path."""
+    found = [(path, p) for p in command.params if isinstance(p, click.Option)]
+    if isinstance(command, click.Group):
+        for name, sub in sorted(command.commands.items()):
+            found += walk_options(sub, (*path, name))
+    return found
+
+
+def show_envvars(command: click.Command) -> None:
+    """Make every option of ``command`` and its subcommands show its variable in ``--help``."""
+    for _, option in walk_options(command):
+        option.show_envvar = True

@@ -1,0 +1,156 @@
+"""A live progress bar for a run, fed from the events its server writes to ``metrics.jsonl``.
+
+The bar counts training samples applied (``round`` and ``push`` events); with ``--epochs`` its
+total is epochs x training samples (from the ``start`` event), with only ``--max-steps`` it
+counts updates. Its status shows the epoch, the model version and the latest test OA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from tqdm import tqdm
+
+from launch.procs import EventsMark
+
+POLL_S = 0.5  # how often the file is read for new events
+
+
+class RunProgress:
+    """The progress of one run, shown on a tqdm bar.
+
+    Args:
+        epochs: the run's ``--epochs`` (None: not given).
+        max_steps: the run's ``--max-steps`` (None: not given).
+        enabled: False shows nothing (the events are still read).
+        file: where the bar goes (default: stderr).
+    """
+
+    def __init__(
+        self,
+        epochs: int | None,
+        max_steps: int | None,
+        enabled: bool = True,
+        file: IO[str] | None = None,
+    ) -> None:
+        self.epochs, self.max_steps = epochs, max_steps
+        self.by_steps = epochs is None and max_steps is not None
+        self.samples = self.steps = self.version = self.epoch = 0
+        self.oa: float | None = None
+        self._lock = threading.Lock()  # the follower thread and the closing thread both feed
+        self.bar = tqdm(
+            total=max_steps if self.by_steps else None,
+            unit="update" if self.by_steps else "sample",
+            desc="training",
+            disable=not enabled,
+            file=file,
+            dynamic_ncols=True,
+        )
+        self.bar.set_postfix_str("starting", refresh=False)
+
+    def feed(self, record: dict[str, Any]) -> None:
+        """Take one ``metrics.jsonl`` event into account (unknown events are ignored)."""
+        kind = record.get("event")
+        if kind == "start" and not self.by_steps and self.epochs is not None:
+            train = record.get("train")
+            if isinstance(train, int) and train > 0:
+                self.bar.total = self.epochs * train
+        elif kind in ("round", "push"):
+            if kind == "round":
+                batch = sum(_int(w.get("batch")) for w in record.get("workers") or ())
+            else:
+                batch = _int(record.get("batch"))
+            self.samples += batch
+            self.steps += 1
+            self.version = _int(record.get("version")) or self.version
+            self.epoch = _int(record.get("epoch")) or self.epoch
+            self.bar.update(1 if self.by_steps else batch)
+        elif kind == "eval" and isinstance(record.get("oa"), int | float):
+            self.oa = float(record["oa"])
+        else:
+            return
+        self.bar.set_postfix_str(self.status(), refresh=False)
+
+    def status(self) -> str:
+        """The bar's status text: epoch, model version and latest test OA."""
+        oa = "-" if self.oa is None else f"{self.oa:.3f}"
+        return f"epoch {self.epoch}, version {self.version}, OA {oa}"
+
+    def close(self) -> None:
+        """Close the bar (it stays on screen)."""
+        self.bar.close()
+
+    @contextlib.contextmanager
+    def follow(self, metrics: Path, mark: EventsMark) -> Iterator[None]:
+        """Within the block, feed the events a server writes to ``metrics`` after ``mark``.
+
+        The file is read every ``POLL_S`` seconds on a thread; leaving the block reads what is
+        left, stops the thread and closes the bar.
+        """
+        stop = threading.Event()
+        tail = _Tail(metrics, mark)
+        thread = threading.Thread(target=self._follow, args=(tail, stop), daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join(timeout=10.0)
+            self._feed_all(tail)
+            self.close()
+
+    def _follow(self, tail: _Tail, stop: threading.Event) -> None:
+        while not stop.wait(POLL_S):
+            self._feed_all(tail)
+
+    def _feed_all(self, tail: _Tail) -> None:
+        with self._lock:
+            records = tail.read()
+            for record in records:
+                self.feed(record)
+            if records:
+                self.bar.refresh()
+
+
+class _Tail:
+    """The complete JSON lines a server appended to a file since the last read; a file that
+    replaces the one read so far is read from its start."""
+
+    def __init__(self, path: Path, mark: EventsMark) -> None:
+        self.path, self.mark = path, mark
+        self.offset = 0
+        self.file_id: tuple[int, int] | None = None
+        self._lock = threading.Lock()
+
+    def read(self) -> list[dict[str, Any]]:
+        with self._lock:
+            try:
+                with self.path.open("rb") as f:
+                    stat = os.fstat(f.fileno())
+                    if (stat.st_dev, stat.st_ino) != self.file_id:
+                        first = self.file_id is None
+                        self.file_id = (stat.st_dev, stat.st_ino)
+                        self.offset = self.mark.offset(stat) if first else 0
+                    f.seek(self.offset)
+                    data = f.read()
+            except FileNotFoundError:
+                return []
+            end = data.rfind(b"\n") + 1  # a last line without its newline is still being written
+            self.offset += end
+        records = []
+        for line in data[:end].splitlines():
+            with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError):
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    records.append(record)
+        return records
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
