@@ -13,8 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import re
-import threading
 from pathlib import Path
 from typing import IO, Any
 
@@ -23,6 +21,7 @@ from tqdm import tqdm
 from common.errors import ConfigError, PSError
 from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
+from launch.progress import RunProgress
 from launch.settings import TrainSettings
 from launch.slurm.config import SlurmJob
 from launch.slurm.jobs import LAUNCHERS, SlurmRuns, run_job
@@ -38,7 +37,6 @@ MODES_HELP = (
     f"Comma-separated modes among {', '.join(COMPARE_MODES)}; '{SINGLE}' is the --workers 1 "
     "reference (one DDP process, slowdown 1, the whole global batch)."
 )
-EVAL_LINE = re.compile(r"epoch (\d+) version (\d+): OA ([0-9.]+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,35 +210,27 @@ class CompareConfig:
         return data
 
 
-class ProgressSink:
-    """A log sink for one run: copies lines to its log file and shows epoch and OA live.
+class RunStatus(RunProgress):
+    """Shows one run's latest evaluation on the compare bar, from its ``metrics.jsonl`` events.
 
     Args:
-        log_file: the run's log (cluster.log).
-        bar: the progress bar whose status line shows the latest evaluation.
-        label: the run's name on that line.
+        bar: the compare bar (one step per run).
+        label: the run's name on its status line.
     """
 
-    def __init__(self, log_file: IO[str], bar: tqdm, label: str) -> None:
-        self.file, self.bar, self.label = log_file, bar, label
-        self._lock = threading.Lock()  # several pump threads write here
-        bar.set_postfix_str(f"{label}: starting", refresh=True)
+    def __init__(self, bar: tqdm, label: str) -> None:
+        super().__init__(None, None, enabled=False)
+        self.compare_bar, self.label = bar, label
+        self.show("starting")
 
-    def write(self, text: str) -> int:
-        """Copy ``text`` to the log and show any evaluation line on the bar."""
-        with self._lock:
-            self.file.write(text)
-            if text.startswith(("[server]", "[r0-")):
-                match = EVAL_LINE.search(text)
-                if match:
-                    epoch, _, oa = match.groups()
-                    self.bar.set_postfix_str(f"{self.label}: epoch {epoch} OA {float(oa):.4f}")
-        return len(text)
+    def show(self, text: str) -> None:
+        """Put ``text`` on the compare bar's status line, after the run's name."""
+        self.compare_bar.set_postfix_str(f"{self.label}: {text}", refresh=True)
 
-    def flush(self) -> None:
-        """Flush the log file."""
-        with self._lock:
-            self.file.flush()
+    def feed(self, record: dict[str, Any]) -> None:
+        super().feed(record)
+        if record.get("event") == "eval" and self.oa is not None:
+            self.show(f"epoch {record.get('epoch')} OA {self.oa:.4f}")
 
 
 def eval_curve(run_dir: Path) -> list[dict[str, float]]:
@@ -348,33 +338,33 @@ def _run_one(config: CompareConfig, mode: str, repeat: int, bar: tqdm) -> dict[s
     label = f"{mode} #{repeat}/{config.repeats}"
     log.info("compare: %s in %s", label, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    status = RunStatus(bar, label)
     with (run_dir / "cluster.log").open("w", encoding="utf-8") as log_file:
-        sink = ProgressSink(log_file, bar, label)
         try:
             if config.launcher == "slurm":
-                summary = _run_slurm(config, mode, run_dir, sink)
+                summary = _run_slurm(config, mode, run_dir, log_file, status)
             elif mode in MODES:
-                summary = run_local(config.cluster(mode, run_dir), log_stream=sink)
+                summary = run_local(config.cluster(mode, run_dir), log_file, status)
             else:
-                summary = run_ddp(config.ddp(mode, run_dir), log_stream=sink)
+                summary = run_ddp(config.ddp(mode, run_dir), log_file, status)
         except PSError as exc:
             log.error("compare: %s failed: %s", label, exc)
             return {"mode": mode, "repeat": repeat, "run_dir": str(run_dir), "error": str(exc)}
     every = config.snapshot_every if config.launcher == "local" or mode in MODES else None
     if every is not None:  # Slurm DDP jobs keep no snapshots: their per-epoch evaluations count
-        sink.bar.set_postfix_str(f"{label}: scoring snapshots", refresh=True)
+        status.show("scoring snapshots")
     scored = score_run(run_dir, config.target_oa, every, config.threads)
     return {**run_record(mode, repeat, run_dir, summary, config.target_oa), **scored}
 
 
 def _run_slurm(
-    config: CompareConfig, mode: str, run_dir: Path, sink: ProgressSink
+    config: CompareConfig, mode: str, run_dir: Path, log_file: IO[str], status: RunStatus
 ) -> dict[str, Any]:
     """Run ``mode`` as a Slurm job and return its summary (its logs stay in ``run_dir``)."""
 
     def submitted(job_id: str) -> None:
-        sink.write(f"compare: {mode} runs as Slurm job {job_id}; its logs are in {run_dir}\n")
-        sink.bar.set_postfix_str(f"{sink.label}: Slurm job {job_id}", refresh=True)
+        log_file.write(f"compare: {mode} runs as Slurm job {job_id}; its logs are in {run_dir}\n")
+        status.show(f"Slurm job {job_id}")
 
     job = config.slurm_job(mode, run_dir)
     command = f"pslaunch compare --launcher slurm ({mode}, {run_dir.name})"

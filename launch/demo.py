@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from common.logsetup import setup_logging
 from launch.local import LocalCluster, run_local
+from launch.progress import RunProgress
 from launch.table import format_table, legend, score, seconds
 
 MODES = ("weighted-sync", "equal-sync", "async")
@@ -27,19 +29,23 @@ TABLE_LEGEND = (
 )
 
 
-class ProgressFilter:
-    """A text sink that shows only the server's per-epoch evaluation lines."""
+class EvaluationLines(RunProgress):
+    """Prints each evaluation of a run as its server records it in ``metrics.jsonl`` (no bar)."""
 
     def __init__(self, mode: str) -> None:
+        super().__init__(None, None, enabled=False)
         self.mode = mode
 
-    def write(self, text: str) -> None:
-        if "OA " in text and text.startswith("[server]"):
-            sys.stdout.write(f"  {self.mode:13s} {text.split(': ', 1)[-1]}")
-            sys.stdout.flush()
-
-    def flush(self) -> None:
-        sys.stdout.flush()
+    def feed(self, record: dict[str, Any]) -> None:
+        super().feed(record)
+        if record.get("event") == "eval" and isinstance(record.get("oa"), int | float):
+            names = {"oa": "OA", "aa": "AA", "kappa": "kappa", "loss": "loss"}
+            scores = " ".join(f"{name} {record.get(key, 0):.4f}" for key, name in names.items())
+            print(
+                f"  {self.mode:13s} epoch {record.get('epoch')} version {record.get('version')}: "
+                f"{scores}",
+                flush=True,
+            )
 
 
 def prepare_dataset(shared: Path, out_dir: Path) -> Path:
@@ -107,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 *(("--overwrite",) if args.overwrite else ()),
             ),
         )
-        summary = run_local(cluster, log_stream=ProgressFilter(mode))
+        summary = run_local(cluster, progress=EvaluationLines(mode))
         final = summary["final"] or {}
         total = sum(w["samples"] for w in summary["workers"]) or 1
         shares = " ".join(
@@ -134,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print(legend(TABLE_LEGEND))
-    print(f"\nRun directories with metrics.jsonl and summary.json: {args.out}/<mode>")
+    print(f"\nRun directories with metrics.jsonl, summary.json and the logs (cluster.log): {args.out}/<mode>")
     return 0
 
 
