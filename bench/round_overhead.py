@@ -1,0 +1,150 @@
+"""Fixed cost of a weighted-sync round: the PS round against the same step in one process.
+
+hsi-cnn on Jasper Ridge (5x5 patches, 10 % train, seed 0), 64-sample rounds. Each repeat runs,
+one after the other in this one invocation:
+
+- ``in-process``: forward, backward and a ``torch.optim.SGD`` step (the server's lr, momentum
+  and weight decay) on the same model with 64-sample batches of the same training data, held in
+  memory, on one torch thread (a worker's default);
+- ``ps 1 worker``: a real ``pserver start`` and one ``worker join`` process on 127.0.0.1
+  (weighted-sync, evaluation only at the end), the server's round times from metrics.jsonl;
+- ``ps 3 workers`` (unless ``--workers 1``): the same with three workers of equal speed.
+
+A round's overhead is its median round time minus the median in-process step of the same
+repeat. The last lines print the medians over repeats and ``overhead_ms=X.X`` (one worker).
+
+Needs the Jasper Ridge files (``--jasper``, default ../shared/datasets/jasper_ridge).
+
+Usage: python bench/round_overhead.py [--rounds 200] [--repeats 3] [--workers 1,3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from common.data.convert.hsi import prepare_hsi  # noqa: E402
+from common.data.dataset import DatasetReader  # noqa: E402
+from common.training.models import build_model  # noqa: E402
+from launch.local import LocalCluster, run_local  # noqa: E402
+from pserver.config import ServerConfig  # noqa: E402
+
+BATCH = 64
+WARMUP = 10
+
+
+def in_process_step_s(dataset: Path, steps: int) -> float:
+    """Median seconds of one forward/backward/SGD step on 64 in-memory training samples."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    with DatasetReader(dataset) as reader:
+        meta = reader.meta
+        x_np, y_np = reader.read(reader.train_indices)
+    x, y = torch.from_numpy(x_np.copy()), torch.from_numpy(y_np.copy())
+    channels, size, _ = meta.shape
+    model = build_model("hsi-cnn", channels, meta.num_classes, size).train()
+    cfg = ServerConfig
+    opt = torch.optim.SGD(
+        model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+    )
+    batches = len(y) // BATCH
+    times = []
+    for step in range(steps + WARMUP):
+        lo = (step % batches) * BATCH
+        begin = time.perf_counter()
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x[lo : lo + BATCH]), y[lo : lo + BATCH])
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times[WARMUP:])
+
+
+def ps_round_s(dataset: Path, workers: int, rounds: int, run_dir: Path) -> tuple[float, float]:
+    """Median round time of full 64-sample weighted-sync rounds, and the mean time between
+    consecutive round events (every cost included), with real processes on loopback."""
+    run_local(
+        LocalCluster(
+            dataset=dataset,
+            model="hsi-cnn",
+            mode="weighted-sync",
+            slowdowns=(1.0,) * workers,
+            run_dir=run_dir,
+            server_options=(
+                "--max-steps",
+                str(rounds + WARMUP),
+                "--global-batch",
+                str(BATCH),
+                "--eval-every",
+                "1000000",
+            ),
+        )
+    )
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rounds_ = [e for e in events if e["event"] == "round"][WARMUP:]
+    full = [r for r in rounds_ if sum(w["batch"] for w in r["workers"]) == BATCH]
+    gaps = [b["t"] - a["t"] for a, b in zip(rounds_, rounds_[1:], strict=False)]
+    return statistics.median(r["round_s"] for r in full), statistics.mean(gaps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", default="1,3", help="worker counts, comma-separated")
+    parser.add_argument("--jasper", type=Path, default=ROOT.parent / "shared/datasets/jasper_ridge")
+    args = parser.parse_args()
+    counts = [int(n) for n in args.workers.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        dataset = Path(tmp) / "jasper_p5.h5"
+        prepare_hsi(
+            str(args.jasper / "JasperRidge.mat"),
+            str(args.jasper / "JasperRidge_gt.mat"),
+            dataset,
+            patch=5,
+            train_fraction=0.1,
+            split="random",
+            seed=0,
+        )
+        local: list[float] = []
+        ps: dict[int, list[float]] = {n: [] for n in counts}
+        gaps: dict[int, list[float]] = {n: [] for n in counts}
+        for repeat in range(args.repeats):
+            local.append(in_process_step_s(dataset, args.rounds))
+            line = f"repeat {repeat}: in-process step {local[-1] * 1e3:6.2f} ms"
+            for n in counts:
+                median, gap = ps_round_s(dataset, n, args.rounds, Path(tmp) / f"ps{n}-{repeat}")
+                ps[n].append(median)
+                gaps[n].append(gap)
+                line += f" | ps {n}w round {median * 1e3:6.2f} ms (mean gap {gap * 1e3:6.2f})"
+                line += f" overhead {(median - local[-1]) * 1e3:+6.2f} ms"
+            print(line, flush=True)
+    step = statistics.median(local)
+    print(f"hsi-cnn, Jasper Ridge, {BATCH}-sample rounds, {args.rounds} rounds x {args.repeats}")
+    print(f"in-process step: {step * 1e3:.2f} ms (median of repeats)")
+    for n in counts:
+        overheads = [p - s for p, s in zip(ps[n], local, strict=True)]
+        print(
+            f"ps {n} worker{'s' if n > 1 else ''}: round {statistics.median(ps[n]) * 1e3:.2f} ms,"
+            f" mean gap {statistics.median(gaps[n]) * 1e3:.2f} ms,"
+            f" overhead {statistics.median(overheads) * 1e3:.2f} ms per round"
+            f" (ratio {statistics.median(ps[n]) / step:.2f})"
+        )
+    if 1 in counts:
+        overheads = [p - s for p, s in zip(ps[1], local, strict=True)]
+        print(f"overhead_ms={statistics.median(overheads) * 1e3:.1f}")
+
+
+if __name__ == "__main__":
+    main()
