@@ -248,6 +248,7 @@ class Worker:
                 lambda: self._connect(self.config.data_timeout_s, abort),
                 self.worker_id,
                 self.token,
+                self.config.cache_mb << 20,
             )
         return open_local_copy(self.config.data, spec.dataset_fingerprint)
 

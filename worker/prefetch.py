@@ -1,4 +1,5 @@
-"""Pulls training samples from the server on a background thread, one task ahead."""
+"""Pulls training samples from the server on a background thread, one task ahead, and keeps
+the samples it got (up to a byte budget) so later epochs need no data request for them."""
 
 from __future__ import annotations
 
@@ -21,14 +22,23 @@ class AheadReader(abc.ABC):
     using the started read when it matches and reading now otherwise. The time ``get`` blocks
     is added to ``wait_s``. Subclasses say where samples come from.
 
+    With ``cache_bytes``, samples read are kept (the first ones until the budget is full, none
+    evicted) and only the samples not kept are read: once every sample of a task is kept, the
+    task needs no read and no thread hop. The dataset does not change during a run, so a kept
+    sample equals a fresh read.
+
     Args:
         thread_name: name prefix of the reading thread.
+        cache_bytes: how many bytes of samples to keep (0: none).
     """
 
-    def __init__(self, thread_name: str) -> None:
+    def __init__(self, thread_name: str, cache_bytes: int = 0) -> None:
         self.wait_s = 0.0
+        self.cache_hits = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=thread_name)
         self._pending: tuple[tuple[int, ...], concurrent.futures.Future] | None = None
+        self._cache_left = cache_bytes
+        self._kept: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     @abc.abstractmethod
     def _fetch(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -38,10 +48,15 @@ class AheadReader(abc.ABC):
     def _close_source(self) -> None:
         """Release the source once the thread has stopped."""
 
+    def _missing(self, indices: list[int]) -> list[int]:
+        kept = self._kept
+        return [i for i in indices if i not in kept]
+
     def start(self, indices: list[int]) -> None:
-        """Begin reading ``indices`` in the background (no-op for an empty list)."""
-        if len(indices):
-            self._pending = (tuple(indices), self._pool.submit(self._fetch, list(indices)))
+        """Begin reading ``indices`` (those not kept) in the background (no-op when none)."""
+        missing = self._missing(indices)
+        if missing:
+            self._pending = (tuple(indices), self._pool.submit(self._fetch, missing))
 
     def get(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """The samples for ``indices``, in order: float32 (n, C, H, W) and int64 (n,).
@@ -49,17 +64,40 @@ class AheadReader(abc.ABC):
         Raises:
             NetworkTimeout, RemoteError, DatasetError: the source did not deliver them.
         """
+        missing = self._missing(indices)
+        if indices and not missing:
+            self.cache_hits += 1
+            self._pending = None
+            return self._assemble(indices, {})
         begin = time.perf_counter()
         key = tuple(indices)
         if self._pending is not None and self._pending[0] == key:
             future = self._pending[1]
         else:
-            future = self._pool.submit(self._fetch, list(indices))
+            future = self._pool.submit(self._fetch, missing)
         self._pending = None
         try:
-            return future.result()
+            x, y = future.result()
         finally:
             self.wait_s += time.perf_counter() - begin
+        if len(missing) == len(indices) and self._cache_left <= 0:
+            return x, y  # nothing kept and nothing to keep: as read
+        fresh = {i: (x[n], y[n]) for n, i in enumerate(missing)}
+        for i, sample in fresh.items():
+            size = sample[0].nbytes + sample[1].nbytes
+            if self._cache_left < size:
+                break
+            self._kept[i] = sample
+            self._cache_left -= size
+        return self._assemble(indices, fresh)
+
+    def _assemble(
+        self, indices: list[int], fresh: dict[int, tuple[np.ndarray, np.ndarray]]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Kept and freshly read samples stacked in the order of ``indices``."""
+        kept = self._kept
+        rows = [kept[i] if i in kept else fresh[i] for i in indices]
+        return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
 
     def close(self) -> None:
         """Stop the thread, then release the source."""
@@ -73,10 +111,17 @@ class Prefetcher(AheadReader):
     Args:
         connect: makes a new connection to the server (called on the reading thread).
         worker_id, token: this worker's membership.
+        cache_bytes: how many bytes of samples to keep for later epochs.
     """
 
-    def __init__(self, connect: Callable[[], Connection], worker_id: int, token: str) -> None:
-        super().__init__("prefetch")
+    def __init__(
+        self,
+        connect: Callable[[], Connection],
+        worker_id: int,
+        token: str,
+        cache_bytes: int = 0,
+    ) -> None:
+        super().__init__("prefetch", cache_bytes)
         self.connect, self.worker_id, self.token = connect, worker_id, token
         self._local = threading.local()
         self._connections: list[Connection] = []
