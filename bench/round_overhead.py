@@ -10,22 +10,31 @@ one after the other in this one invocation:
   (weighted-sync, evaluation only at the end), the server's round times from metrics.jsonl;
 - ``ps 3 workers`` (unless ``--workers 1``): the same with three workers of equal speed.
 
+With ``--baseline DIR`` (another checkout of the project, e.g. ``git worktree add /tmp/base
+main``) every PS run is also made with that code, right after this code's (the order flips
+every repeat), so a change is measured side by side on the same noisy machine.
+
 A round's overhead is its median round time minus the median in-process step of the same
 repeat. The last lines print the medians over repeats and ``overhead_ms=X.X`` (one worker).
 
 Needs the Jasper Ridge files (``--jasper``, default ../shared/datasets/jasper_ridge).
 
 Usage: python bench/round_overhead.py [--rounds 200] [--repeats 3] [--workers 1,3]
+                                      [--baseline DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,9 +80,35 @@ def in_process_step_s(dataset: Path, steps: int) -> float:
     return statistics.median(times[WARMUP:])
 
 
-def ps_round_s(dataset: Path, workers: int, rounds: int, run_dir: Path) -> tuple[float, float]:
+@contextlib.contextmanager
+def code_from(tree: Path | None) -> Iterator[None]:
+    """Child processes (``python -m ...``) import the project from ``tree`` (None: this one)."""
+    if tree is None:
+        yield
+        return
+    here = Path.cwd()
+    os.chdir(tree)
+    try:
+        yield
+    finally:
+        os.chdir(here)
+
+
+def ps_round_s(
+    dataset: Path, workers: int, rounds: int, run_dir: Path, tree: Path | None = None
+) -> tuple[float, float]:
     """Median round time of full 64-sample weighted-sync rounds, and the mean time between
     consecutive round events (every cost included), with real processes on loopback."""
+    with code_from(tree):
+        _run_ps(dataset, workers, rounds, run_dir)
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rounds_ = [e for e in events if e["event"] == "round"][WARMUP:]
+    full = [r for r in rounds_ if sum(w["batch"] for w in r["workers"]) == BATCH]
+    gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(rounds_)]
+    return statistics.median(r["round_s"] for r in full), statistics.mean(gaps)
+
+
+def _run_ps(dataset: Path, workers: int, rounds: int, run_dir: Path) -> None:
     run_local(
         LocalCluster(
             dataset=dataset,
@@ -91,11 +126,6 @@ def ps_round_s(dataset: Path, workers: int, rounds: int, run_dir: Path) -> tuple
             ),
         )
     )
-    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rounds_ = [e for e in events if e["event"] == "round"][WARMUP:]
-    full = [r for r in rounds_ if sum(w["batch"] for w in r["workers"]) == BATCH]
-    gaps = [b["t"] - a["t"] for a, b in zip(rounds_, rounds_[1:], strict=False)]
-    return statistics.median(r["round_s"] for r in full), statistics.mean(gaps)
 
 
 def main() -> None:
@@ -104,8 +134,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", default="1,3", help="worker counts, comma-separated")
     parser.add_argument("--jasper", type=Path, default=ROOT.parent / "shared/datasets/jasper_ridge")
+    parser.add_argument("--baseline", type=Path, default=None, help="another checkout to compare")
     args = parser.parse_args()
     counts = [int(n) for n in args.workers.split(",")]
+    trees: dict[str, Path | None] = {"this": None}
+    if args.baseline is not None:
+        trees["baseline"] = args.baseline.resolve()
     with tempfile.TemporaryDirectory() as tmp:
         dataset = Path(tmp) / "jasper_p5.h5"
         prepare_hsi(
@@ -118,31 +152,39 @@ def main() -> None:
             seed=0,
         )
         local: list[float] = []
-        ps: dict[int, list[float]] = {n: [] for n in counts}
-        gaps: dict[int, list[float]] = {n: [] for n in counts}
+        ps: dict[tuple[str, int], list[float]] = {(t, n): [] for t in trees for n in counts}
+        gaps: dict[tuple[str, int], list[float]] = {key: [] for key in ps}
         for repeat in range(args.repeats):
             local.append(in_process_step_s(dataset, args.rounds))
             line = f"repeat {repeat}: in-process step {local[-1] * 1e3:6.2f} ms"
+            order = list(trees) if repeat % 2 == 0 else list(reversed(trees))
             for n in counts:
-                median, gap = ps_round_s(dataset, n, args.rounds, Path(tmp) / f"ps{n}-{repeat}")
-                ps[n].append(median)
-                gaps[n].append(gap)
-                line += f" | ps {n}w round {median * 1e3:6.2f} ms (mean gap {gap * 1e3:6.2f})"
-                line += f" overhead {(median - local[-1]) * 1e3:+6.2f} ms"
+                for name in order:
+                    run_dir = Path(tmp) / f"{name}-{n}-{repeat}"
+                    median, gap = ps_round_s(dataset, n, args.rounds, run_dir, trees[name])
+                    ps[name, n].append(median)
+                    gaps[name, n].append(gap)
+                    line += f" | {name} {n}w round {median * 1e3:6.2f} ms"
+                    line += f" (overhead {(median - local[-1]) * 1e3:+6.2f})"
             print(line, flush=True)
     step = statistics.median(local)
     print(f"hsi-cnn, Jasper Ridge, {BATCH}-sample rounds, {args.rounds} rounds x {args.repeats}")
     print(f"in-process step: {step * 1e3:.2f} ms (median of repeats)")
-    for n in counts:
-        overheads = [p - s for p, s in zip(ps[n], local, strict=True)]
+    for (name, n), rounds in ps.items():
+        overheads = [p - s for p, s in zip(rounds, local, strict=True)]
         print(
-            f"ps {n} worker{'s' if n > 1 else ''}: round {statistics.median(ps[n]) * 1e3:.2f} ms,"
-            f" mean gap {statistics.median(gaps[n]) * 1e3:.2f} ms,"
-            f" overhead {statistics.median(overheads) * 1e3:.2f} ms per round"
-            f" (ratio {statistics.median(ps[n]) / step:.2f})"
+            f"{name:8s} ps {n} worker{'s' if n > 1 else ' '}: round "
+            f"{statistics.median(rounds) * 1e3:6.2f} ms, mean gap "
+            f"{statistics.median(gaps[name, n]) * 1e3:6.2f} ms, overhead "
+            f"{statistics.median(overheads) * 1e3:6.2f} ms per round "
+            f"(ratio to in-process {statistics.median(rounds) / step:.2f})"
         )
+    if "baseline" in trees:
+        for n in counts:
+            ratios = [b / t for b, t in zip(ps["baseline", n], ps["this", n], strict=True)]
+            print(f"{n} worker(s): baseline round / this round = {statistics.median(ratios):.2f}")
     if 1 in counts:
-        overheads = [p - s for p, s in zip(ps[1], local, strict=True)]
+        overheads = [p - s for p, s in zip(ps["this", 1], local, strict=True)]
         print(f"overhead_ms={statistics.median(overheads) * 1e3:.1f}")
 
 

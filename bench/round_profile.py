@@ -53,7 +53,9 @@ SERVER_STAGES = [
 ]
 
 
-def classify(path: Path, stages: list[tuple[str, tuple[str, ...]]]) -> tuple[collections.Counter[str], int]:
+def classify(
+    path: Path, stages: list[tuple[str, tuple[str, ...]]]
+) -> tuple[collections.Counter[str], int]:
     """Samples per stage of the main thread in a py-spy raw (collapsed) file."""
     counts: collections.Counter[str] = collections.Counter()
     total = 0
@@ -69,7 +71,6 @@ def classify(path: Path, stages: list[tuple[str, tuple[str, ...]]]) -> tuple[col
         )
         counts[stage] += int(n)
     return counts, total
-
 
 
 def wait_rounds(metrics: Path, count: int, timeout_s: float) -> list[dict]:
@@ -106,12 +107,31 @@ def main() -> None:
         run_dir = tmp / "run"
         steps = int(200 + args.seconds * 400)  # more than the window can use at 2.5 ms/round
         server = subprocess.Popen(
-            [str(bin_dir / "pserver"), "start", "--bind", "tcp://127.0.0.1:0", "--dataset",
-             str(dataset), "--model", "hsi-cnn", "--mode", "weighted-sync", "--workers", "1",
-             "--global-batch", "64", "--eval-every", "1000000", "--max-steps", str(steps),
-             "--run-dir", str(run_dir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                str(bin_dir / "pserver"),
+                "start",
+                "--bind",
+                "tcp://127.0.0.1:0",
+                "--dataset",
+                str(dataset),
+                "--model",
+                "hsi-cnn",
+                "--mode",
+                "weighted-sync",
+                "--workers",
+                "1",
+                "--global-batch",
+                "64",
+                "--eval-every",
+                "1000000",
+                "--max-steps",
+                str(steps),
+                "--run-dir",
+                str(run_dir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         worker = None
         try:
             metrics = run_dir / "metrics.jsonl"
@@ -123,15 +143,30 @@ def main() -> None:
             start = [json.loads(x) for x in metrics.read_text().splitlines() if '"start"' in x]
             worker = subprocess.Popen(
                 [str(bin_dir / "worker"), "join", "--server", start[-1]["address"]],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             before = len(wait_rounds(metrics, 100, 120))
             spies = [
                 subprocess.Popen(
-                    [spy, "record", "--idle", "-p", str(proc.pid), "-r", str(args.rate),
-                     "-d", str(int(args.seconds)), "-f", "raw", "-o", str(tmp / f"{name}.raw")],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                )  # fmt: skip
+                    [
+                        spy,
+                        "record",
+                        "--idle",
+                        "-p",
+                        str(proc.pid),
+                        "-r",
+                        str(args.rate),
+                        "-d",
+                        str(int(args.seconds)),
+                        "-f",
+                        "raw",
+                        "-o",
+                        str(tmp / f"{name}.raw"),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
                 for name, proc in (("server", server), ("worker", worker))
             ]
             for spy_proc in spies:

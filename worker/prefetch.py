@@ -13,6 +13,7 @@ import numpy as np
 
 from common.protocol.client import Connection
 from common.protocol.messages import DataReply, DataRequest
+from worker.sample_cache import SampleCache
 
 
 class AheadReader(abc.ABC):
@@ -36,9 +37,9 @@ class AheadReader(abc.ABC):
         self.wait_s = 0.0
         self.cache_hits = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=thread_name)
-        self._pending: tuple[tuple[int, ...], concurrent.futures.Future] | None = None
-        self._cache_left = cache_bytes
-        self._kept: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # (task indices, the indices being read for it, the read)
+        self._pending: tuple[tuple[int, ...], list[int], concurrent.futures.Future] | None = None
+        self._cache = SampleCache(cache_bytes)
 
     @abc.abstractmethod
     def _fetch(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -48,15 +49,11 @@ class AheadReader(abc.ABC):
     def _close_source(self) -> None:
         """Release the source once the thread has stopped."""
 
-    def _missing(self, indices: list[int]) -> list[int]:
-        kept = self._kept
-        return [i for i in indices if i not in kept]
-
     def start(self, indices: list[int]) -> None:
         """Begin reading ``indices`` (those not kept) in the background (no-op when none)."""
-        missing = self._missing(indices)
+        missing = self._cache.missing(indices)
         if missing:
-            self._pending = (tuple(indices), self._pool.submit(self._fetch, missing))
+            self._pending = (tuple(indices), missing, self._pool.submit(self._fetch, missing))
 
     def get(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """The samples for ``indices``, in order: float32 (n, C, H, W) and int64 (n,).
@@ -64,15 +61,15 @@ class AheadReader(abc.ABC):
         Raises:
             NetworkTimeout, RemoteError, DatasetError: the source did not deliver them.
         """
-        missing = self._missing(indices)
+        missing = self._cache.missing(indices)
         if indices and not missing:
             self.cache_hits += 1
             self._pending = None
-            return self._assemble(indices, {})
+            return self._cache.batch(indices)
         begin = time.perf_counter()
         key = tuple(indices)
         if self._pending is not None and self._pending[0] == key:
-            future = self._pending[1]
+            _, missing, future = self._pending
         else:
             future = self._pool.submit(self._fetch, missing)
         self._pending = None
@@ -80,24 +77,8 @@ class AheadReader(abc.ABC):
             x, y = future.result()
         finally:
             self.wait_s += time.perf_counter() - begin
-        if len(missing) == len(indices) and self._cache_left <= 0:
-            return x, y  # nothing kept and nothing to keep: as read
-        fresh = {i: (x[n], y[n]) for n, i in enumerate(missing)}
-        for i, sample in fresh.items():
-            size = sample[0].nbytes + sample[1].nbytes
-            if self._cache_left < size:
-                break
-            self._kept[i] = sample
-            self._cache_left -= size
-        return self._assemble(indices, fresh)
-
-    def _assemble(
-        self, indices: list[int], fresh: dict[int, tuple[np.ndarray, np.ndarray]]
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Kept and freshly read samples stacked in the order of ``indices``."""
-        kept = self._kept
-        rows = [kept[i] if i in kept else fresh[i] for i in indices]
-        return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
+        self._cache.add(missing, x, y)
+        return self._cache.merge(indices, missing, x, y)
 
     def close(self) -> None:
         """Stop the thread, then release the source."""
