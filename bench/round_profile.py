@@ -7,7 +7,12 @@ into a stage of the round. A stage's share of its thread's samples times the med
 gives its milliseconds per round. Needs ``pip install py-spy`` (not a project dependency) and
 the rights to attach to child processes (root, or ptrace_scope 0).
 
-Usage: python bench/round_profile.py [--seconds 8] [--rate 400] [--jasper DIR]
+With ``--baseline DIR`` (another checkout, e.g. ``git worktree add /tmp/base main``) the same
+is measured with that code first and both columns are printed side by side. Each process's CPU
+time per round (all its threads, from /proc) is printed too: unlike wall-clock shares it does
+not grow when other processes compete for the cores.
+
+Usage: python bench/round_profile.py [--seconds 8] [--rate 400] [--jasper DIR] [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -22,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -62,7 +69,7 @@ def classify(
     for line in path.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
         frames = stack.split(";")
-        if not frames[0].startswith("<module>"):
+        if not frames[0].startswith(("<module>", "_run_module_as_main")):
             continue  # another thread
         total += int(n)
         names = [f.split(" (")[0] for f in reversed(frames)]
@@ -85,14 +92,121 @@ def wait_rounds(metrics: Path, count: int, timeout_s: float) -> list[dict]:
     raise TimeoutError(f"fewer than {count} rounds within {timeout_s:g} s")
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process has used so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def profile(tree: Path, dataset: Path, tmp: Path, seconds: int, rate: int) -> dict[str, Any]:
+    """Run a server and one worker with the code in ``tree``; sample both for ``seconds``.
+
+    Returns:
+        ``round_ms`` (median), per process ``{stage: ms per round}`` and ``cpu_ms`` per round.
+    """
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    run_dir = tmp / f"run-{tree.name}"
+    steps = 200 + seconds * 400  # more than the window can use at 2.5 ms a round
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pserver.cli",
+            "start",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--dataset",
+            str(dataset),
+            "--model",
+            "hsi-cnn",
+            "--mode",
+            "weighted-sync",
+            "--workers",
+            "1",
+            "--global-batch",
+            "64",
+            "--eval-every",
+            "1000000",
+            "--max-steps",
+            str(steps),
+            "--run-dir",
+            str(run_dir),
+        ],
+        cwd=tree,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    worker = None
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 60
+        while '"start"' not in (metrics.read_text() if metrics.exists() else ""):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the server did not start within 60 s")
+            time.sleep(0.1)
+        start = [json.loads(x) for x in metrics.read_text().splitlines() if '"start"' in x]
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "join", "--server", start[-1]["address"]],
+            cwd=tree,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        before = len(wait_rounds(metrics, 100, 120))
+        procs = {"server": server, "worker": worker}
+        cpu0 = {name: cpu_s(proc.pid) for name, proc in procs.items()}
+        spies = [
+            subprocess.Popen(
+                [
+                    spy,
+                    "record",
+                    "--idle",
+                    "-p",
+                    str(proc.pid),
+                    "-r",
+                    str(rate),
+                    "-d",
+                    str(seconds),
+                    "-f",
+                    "raw",
+                    "-o",
+                    str(tmp / f"{name}.raw"),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for name, proc in procs.items()
+        ]
+        for spy_proc in spies:
+            spy_proc.wait(timeout=seconds + 60)
+        cpu = {name: cpu_s(proc.pid) - cpu0[name] for name, proc in procs.items()}
+        rounds = wait_rounds(metrics, before + 1, 10)[before:]
+        done = len(wait_rounds(metrics, 0, 1)) - before
+    finally:
+        for proc in (worker, server):
+            if proc is not None:
+                proc.kill()
+                proc.wait(timeout=30)
+    result: dict[str, Any] = {
+        "round_ms": statistics.median(r["round_s"] for r in rounds) * 1e3,
+        "cpu_ms": {name: c / max(done, 1) * 1e3 for name, c in cpu.items()},
+    }
+    for name, stages in (("worker", WORKER_STAGES), ("server", SERVER_STAGES)):
+        counts, total = classify(tmp / f"{name}.raw", stages)
+        order = [s for s, _ in stages] + ["other (Python glue)"]
+        result[name] = {s: counts[s] / max(total, 1) * result["round_ms"] for s in order}
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=int, default=8)
     parser.add_argument("--rate", type=int, default=400)
     parser.add_argument("--jasper", type=Path, default=ROOT.parent / "shared/datasets/jasper_ridge")
+    parser.add_argument("--baseline", type=Path, default=None, help="another checkout to compare")
     args = parser.parse_args()
-    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    bin_dir = Path(sys.executable).parent
+    trees = {"this": ROOT}
+    if args.baseline is not None:
+        trees = {"baseline": args.baseline.resolve(), **trees}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         dataset = tmp / "jasper.h5"
@@ -104,87 +218,21 @@ def main() -> None:
             train_fraction=0.1,
             seed=0,
         )
-        run_dir = tmp / "run"
-        steps = int(200 + args.seconds * 400)  # more than the window can use at 2.5 ms/round
-        server = subprocess.Popen(
-            [
-                str(bin_dir / "pserver"),
-                "start",
-                "--bind",
-                "tcp://127.0.0.1:0",
-                "--dataset",
-                str(dataset),
-                "--model",
-                "hsi-cnn",
-                "--mode",
-                "weighted-sync",
-                "--workers",
-                "1",
-                "--global-batch",
-                "64",
-                "--eval-every",
-                "1000000",
-                "--max-steps",
-                str(steps),
-                "--run-dir",
-                str(run_dir),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+        results = {
+            name: profile(tree, dataset, tmp, args.seconds, args.rate)
+            for name, tree in trees.items()
+        }
+    names = list(results)
+    print("ms per round" + "".join(f"{n:>10s}" for n in names))
+    print(f"{'median round':42s}" + "".join(f"{results[n]['round_ms']:10.2f}" for n in names))
+    for proc in ("worker", "server"):
+        print(
+            f"{proc + ' CPU time (all threads)':42s}"
+            + "".join(f"{results[n]['cpu_ms'][proc]:10.2f}" for n in names)
         )
-        worker = None
-        try:
-            metrics = run_dir / "metrics.jsonl"
-            deadline = time.monotonic() + 60
-            while '"start"' not in (metrics.read_text() if metrics.exists() else ""):
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the server did not start within 60 s")
-                time.sleep(0.1)
-            start = [json.loads(x) for x in metrics.read_text().splitlines() if '"start"' in x]
-            worker = subprocess.Popen(
-                [str(bin_dir / "worker"), "join", "--server", start[-1]["address"]],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            before = len(wait_rounds(metrics, 100, 120))
-            spies = [
-                subprocess.Popen(
-                    [
-                        spy,
-                        "record",
-                        "--idle",
-                        "-p",
-                        str(proc.pid),
-                        "-r",
-                        str(args.rate),
-                        "-d",
-                        str(int(args.seconds)),
-                        "-f",
-                        "raw",
-                        "-o",
-                        str(tmp / f"{name}.raw"),
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-                for name, proc in (("server", server), ("worker", worker))
-            ]
-            for spy_proc in spies:
-                spy_proc.wait(timeout=args.seconds + 60)
-            rounds = wait_rounds(metrics, before + 1, 10)[before:]
-        finally:
-            for proc in (worker, server):
-                if proc is not None:
-                    proc.kill()
-                    proc.wait(timeout=30)
-        round_ms = statistics.median(r["round_s"] for r in rounds) * 1e3
-        print(f"{len(rounds)} rounds sampled, median round {round_ms:.2f} ms")
-        for name, stages in (("worker", WORKER_STAGES), ("server", SERVER_STAGES)):
-            counts, total = classify(tmp / f"{name}.raw", stages)
-            print(f"{name} main thread ({total} samples), ms per round:")
-            order = [s for s, _ in stages] + ["other (Python glue)"]
-            for stage in order:
-                print(f"  {stage:40s} {counts[stage] / max(total, 1) * round_ms:6.2f}")
+        print(f"{proc} main thread, wall clock:")
+        for stage in results[names[0]][proc]:
+            print(f"  {stage:40s}" + "".join(f"{results[n][proc][stage]:10.2f}" for n in names))
 
 
 if __name__ == "__main__":

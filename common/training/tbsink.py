@@ -78,10 +78,11 @@ class TensorBoardSink:
     server's event loop) never waits for a file write. Events are handed over in batches (an
     evaluation at once; rounds and pushes with the first event ``HANDOFF_S`` of wall time after
     the oldest waiting one, or once ``HANDOFF_MAX`` wait, and at ``close()``), so the writer
-    thread does not wake, and contend for the interpreter, on every round. A thread of its own converts and writes them; ``close()`` drains the queue and
-    flushes. TensorBoard's writer checksums every record
-    in pure Python, so scalars are packed: one record per evaluation, and one per
-    ``interval_s`` of run time for rounds and pushes (hundreds per second in small runs):
+    thread does not wake, and contend for the interpreter, on every round. A thread of its
+    own converts and writes them; ``close()`` drains the queue and flushes. TensorBoard's
+    writer checksums every record in pure Python, so scalars are packed: one record per
+    evaluation, and one per ``interval_s`` of run time for rounds and pushes (hundreds per
+    second in small runs):
 
     - ``eval/{oa,aa,kappa,loss}`` per evaluation (step: samples seen);
     - ``round/{seconds,idle_share}`` (means over the interval), ``round/count`` (rounds in
