@@ -17,7 +17,6 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from common.errors import ConfigError, ErrorCode, ProtocolError, RemoteError
 from common.protocol.base import Message, error_frames, parse_message
 from common.protocol.security import AuthorizedKeys, is_loopback, load_server_secret
-from common.protocol.wire import COPY_BELOW_BYTES
 from pserver.errorlog import RateLimitedLog
 from pserver.store.pool import Lease
 
@@ -124,7 +123,6 @@ class Endpoint:
         """
         sock = self.context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.copy_threshold = COPY_BELOW_BYTES
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         self._secure(sock)
         bind = self.bind_to

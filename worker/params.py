@@ -21,7 +21,6 @@ from common.protocol.base import parse_message
 from common.protocol.chunks import as_tensor, chunk_spans, decode_into, encode
 from common.protocol.messages import REPLIES, GradientChunk, ParamsChunk, PullRequest
 from common.protocol.security import ClientKeys
-from common.protocol.wire import COPY_BELOW_BYTES
 
 
 class StoreClient:
@@ -63,7 +62,6 @@ class StoreClient:
         for address, lo, hi in zip(addresses, bounds[:-1], bounds[1:], strict=True):
             sock = context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.copy_threshold = COPY_BELOW_BYTES
             if curve is not None:
                 curve.apply(sock)
             sock.connect(address or coordinator)

@@ -14,7 +14,6 @@ import zmq.asyncio
 from common.errors import ErrorCode, NetworkTimeout, ProtocolError, RemoteError
 from common.protocol.base import Message, parse_message
 from common.protocol.security import ClientKeys
-from common.protocol.wire import COPY_BELOW_BYTES
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
@@ -42,7 +41,6 @@ class AsyncConnection:
         self.address, self.replies = address, replies
         self._sock = context.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.copy_threshold = COPY_BELOW_BYTES
         if curve is not None:
             curve.apply(self._sock)
         self._sock.connect(address)

@@ -18,7 +18,6 @@ from common.errors import (
 )
 from common.protocol.messages import REPLIES, Message, parse_message
 from common.protocol.security import ClientKeys
-from common.protocol.wire import COPY_BELOW_BYTES
 
 M = TypeVar("M", bound=Message)
 
@@ -53,7 +52,6 @@ class Connection:
         self._context = context or zmq.Context()
         self._sock = self._context.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.copy_threshold = COPY_BELOW_BYTES
         if curve is not None:
             curve.apply(self._sock)
         try:

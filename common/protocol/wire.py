@@ -15,11 +15,6 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 8
 MAX_NDIM = 8
 BFLOAT16 = "bfloat16"
-# Frames below this size are copied into ZeroMQ even when sent with ``copy=False``: a copy of
-# up to 1 MiB costs tens of microseconds, while a zero-copy frame's release wakes pyzmq's
-# garbage-collector thread, which then competes with the sender for the interpreter lock and
-# the cores. Set on every socket the project sends from (``sock.copy_threshold``).
-COPY_BELOW_BYTES = 1 << 20
 WIRE_DTYPES = ("fp32", "bf16", "fp16")  # formats of gradients and parameters on the wire
 # Only plain numeric dtypes may cross the wire; object, string and void dtypes never do.
 # bfloat16 has no numpy dtype: it travels as 16-bit words, tagged by ``BFloat16Array``.
