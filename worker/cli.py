@@ -106,6 +106,13 @@ def main() -> None:
     "from the server; its fingerprint must match the server's.",
 )
 @option(
+    "--cache-mb",
+    default=default(WorkerConfig, "cache_mb"),
+    type=int,
+    help="Keep up to this many MiB of samples pulled from the server, so later epochs do not "
+    "pull them again (0: keep none; not used with --data).",
+)
+@option(
     "--augment/--no-augment",
     default=False,
     help="Augment training batches with random flips and 90-degree rotations, reproducibly "

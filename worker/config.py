@@ -34,6 +34,7 @@ class WorkerConfig:
     curve_secret: str | None = None
     allow_model: tuple[str, ...] = ()
     overlap: bool = True
+    cache_mb: int = 512
 
     def __post_init__(self) -> None:
         self.validate()
@@ -54,6 +55,8 @@ class WorkerConfig:
         if self.slowdown < 1:
             raise ConfigError(f"--slowdown must be >= 1, got {self.slowdown}")
         SlowdownSchedule(self.slowdown, self.slowdown_schedule)  # raises on a malformed one
+        if self.cache_mb < 0:
+            raise ConfigError(f"--cache-mb must be >= 0, got {self.cache_mb}")
         if self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
         if not self.name:

@@ -103,6 +103,7 @@ class Worker:
         self._host_state: torch.Tensor | None = None
         self._host_grad: torch.Tensor | None = None
         self._loaded_version = -1
+        self._overlapped = False  # the last step's push was armed during backward
         self.overlap: OverlappedPush | None = None
         self.augmenter: Augmenter | None = None
 
@@ -218,7 +219,9 @@ class Worker:
                 self.curve,
                 abort,
             )
-            if self.config.overlap:
+            if self.config.overlap and len(self.stores.chunks) > 1:
+                # With one chunk there is nothing to overlap: it is complete only when
+                # backward ends, and it goes out with the push request.
                 assert self.flat is not None and self._host_grad is not None
                 self.overlap = OverlappedPush(self.flat, self.stores, self._host_grad)
             prefetcher = self._open_data(spec, abort)
@@ -250,6 +253,7 @@ class Worker:
                 self.token,
                 sample_codec(spec),
                 (spec.in_channels, spec.input_size, spec.input_size),
+                self.config.cache_mb << 20,
             )
         return open_local_copy(self.config.data, spec.dataset_fingerprint)
 
@@ -316,8 +320,9 @@ class Worker:
         """Forward and backward on one batch, then the emulated slowdown; returns the loss.
 
         With ``task``, gradient chunks are pushed while backward runs (on an emulated slow
-        device only after its emulated step, as its slowdown is a sleep after compute). A
-        loss that is not finite skips backward and pushes nothing.
+        device only after its emulated step, as its slowdown is a sleep after compute); the
+        rest go with the push request (``_finish_push``). A loss that is not finite skips
+        backward and pushes nothing.
         """
         assert self.model is not None and self.flat is not None
         self.timer.start()
@@ -334,12 +339,12 @@ class Worker:
         emulated = self.slowdown.emulate(self.stats.steps, self.timer.stop())
         self.speed.update(len(y), emulated)
         self.stats.compute_s += emulated
-        if task is not None and math.isfinite(value):
-            self._finish_push(task, overlap)
+        self._overlapped = overlap
         return value
 
     def _finish_push(self, task: TaskReply, overlapped: bool) -> None:
-        """Send what backward did not already push."""
+        """Send what backward did not already push, right before the push request: chunks
+        and request then reach the server together and wake it once, not twice."""
         assert self.flat is not None and self.stores is not None and self._host_grad is not None
         if overlapped:
             assert self.overlap is not None
@@ -420,6 +425,7 @@ class Worker:
             transfer_s=self.stores.transfer_s,
             loss=loss,
         )
+        self._finish_push(task, self._overlapped)
         try:
             reply = self.conn.request(push, expect=TaskReply)
         except RemoteError as exc:

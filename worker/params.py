@@ -81,11 +81,12 @@ class StoreClient:
         ]
         self._push: tuple[int, str, int] = (0, "", 0)
         self._unsent: set[int] = set()
+        self._chunks = [span for spans in self._spans for span in spans]
 
     @property
     def chunks(self) -> list[tuple[int, int]]:
         """Every chunk ``(start, stop)`` of the state, in store order."""
-        return [span for spans in self._spans for span in spans]
+        return list(self._chunks)
 
     def begin_push(self, task_id: int, push_token: str, version: int) -> None:
         """Start pushing the gradient of ``task_id``: chunks follow with ``send_chunk``."""
@@ -97,7 +98,7 @@ class StoreClient:
         """Send chunk ``index`` (of ``chunks``) of the gradient being pushed; its reply (the
         same range of the next parameters) comes later."""
         task_id, push_token, version = self._push
-        start, stop = self.chunks[index]
+        start, stop = self._chunks[index]
         data, scale = encode(values, self.wire)
         request_id = next(self._ids)
         message = GradientChunk(
@@ -120,7 +121,7 @@ class StoreClient:
     def push(self, task_id: int, push_token: str, version: int, gradient: torch.Tensor) -> None:
         """Send every chunk of ``gradient`` (flat float32 on the host); replies come later."""
         self.begin_push(task_id, push_token, version)
-        for index, (start, stop) in enumerate(self.chunks):
+        for index, (start, stop) in enumerate(self._chunks):
             self.send_chunk(index, gradient[start:stop])
 
     def pull(self, min_version: int) -> None:

@@ -1,4 +1,5 @@
-"""Pulls training samples from the server on a background thread, one task ahead."""
+"""Pulls training samples from the server on a background thread, one task ahead, and keeps
+the samples it got (up to a byte budget) so later epochs need no data request for them."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from common.data.codec import SampleCodec
 from common.errors import DatasetError, ErrorCode, ProtocolError
 from common.protocol.client import Connection
 from common.protocol.messages import DataReply, DataRequest, JoinReply
+from worker.sample_cache import SampleCache
 
 
 class AheadReader(abc.ABC):
@@ -23,14 +25,23 @@ class AheadReader(abc.ABC):
     using the started read when it matches and reading now otherwise. The time ``get`` blocks
     is added to ``wait_s``. Subclasses say where samples come from.
 
+    With ``cache_bytes``, samples read are kept (the first ones until the budget is full, none
+    evicted) and only the samples not kept are read: once every sample of a task is kept, the
+    task needs no read and no thread hop. The dataset does not change during a run, so a kept
+    sample equals a fresh read.
+
     Args:
         thread_name: name prefix of the reading thread.
+        cache_bytes: how many bytes of samples to keep (0: none).
     """
 
-    def __init__(self, thread_name: str) -> None:
+    def __init__(self, thread_name: str, cache_bytes: int = 0) -> None:
         self.wait_s = 0.0
+        self.cache_hits = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=thread_name)
-        self._pending: tuple[tuple[int, ...], concurrent.futures.Future] | None = None
+        # (task indices, the indices being read for it, the read)
+        self._pending: tuple[tuple[int, ...], list[int], concurrent.futures.Future] | None = None
+        self._cache = SampleCache(cache_bytes)
 
     @abc.abstractmethod
     def _fetch(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -41,9 +52,10 @@ class AheadReader(abc.ABC):
         """Release the source once the thread has stopped."""
 
     def start(self, indices: list[int]) -> None:
-        """Begin reading ``indices`` in the background (no-op for an empty list)."""
-        if len(indices):
-            self._pending = (tuple(indices), self._pool.submit(self._fetch, list(indices)))
+        """Begin reading ``indices`` (those not kept) in the background (no-op when none)."""
+        missing = self._cache.missing(indices)
+        if missing:
+            self._pending = (tuple(indices), missing, self._pool.submit(self._fetch, missing))
 
     def get(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """The samples for ``indices``, in order: float32 (n, C, H, W) and int64 (n,).
@@ -51,17 +63,24 @@ class AheadReader(abc.ABC):
         Raises:
             NetworkTimeout, RemoteError, DatasetError: the source did not deliver them.
         """
+        missing = self._cache.missing(indices)
+        if indices and not missing:
+            self.cache_hits += 1
+            self._pending = None
+            return self._cache.batch(indices)
         begin = time.perf_counter()
         key = tuple(indices)
         if self._pending is not None and self._pending[0] == key:
-            future = self._pending[1]
+            _, missing, future = self._pending
         else:
-            future = self._pool.submit(self._fetch, list(indices))
+            future = self._pool.submit(self._fetch, missing)
         self._pending = None
         try:
-            return future.result()
+            x, y = future.result()
         finally:
             self.wait_s += time.perf_counter() - begin
+        self._cache.add(missing, x, y)
+        return self._cache.merge(indices, missing, x, y)
 
     def close(self) -> None:
         """Stop the thread, then release the source."""
@@ -79,6 +98,7 @@ class Prefetcher(AheadReader):
         worker_id, token: this worker's membership.
         codec: the stored dtype and normalisation the join reply announced.
         shape: one sample's (C, H, W).
+        cache_bytes: how many bytes of samples to keep for later epochs.
     """
 
     def __init__(
@@ -88,8 +108,9 @@ class Prefetcher(AheadReader):
         token: str,
         codec: SampleCodec,
         shape: tuple[int, int, int],
+        cache_bytes: int = 0,
     ) -> None:
-        super().__init__("prefetch")
+        super().__init__("prefetch", cache_bytes)
         self.connect, self.worker_id, self.token = connect, worker_id, token
         self.codec, self.shape = codec, shape
         self._local = threading.local()

@@ -30,9 +30,9 @@ class Message:
         """Encode this message as frames tagged with ``request_id``."""
         body: dict[str, Any] = {}
         tensors: list[np.ndarray] = []
-        for name, kind in _schema(type(self)):
+        for name, _, _, kind in _schema(type(self)):
             value = getattr(self, name)
-            if kind is np.ndarray:
+            if kind == "tensor":
                 tensors.append(value)
             else:
                 body[name] = value
@@ -50,20 +50,21 @@ class Message:
         if not isinstance(body, dict):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE}: body must be a map")
         values: dict[str, Any] = {}
-        tensor_fields = [n for n, k in _schema(cls) if k is np.ndarray]
+        schema = _schema(cls)
+        tensor_fields = [n for n, _, _, k in schema if k == "tensor"]
         if len(tensors) != len(tensor_fields):
             raise ProtocolError(
                 ErrorCode.BAD_TENSOR,
                 f"{cls.TYPE}: expects {len(tensor_fields)} tensors, got {len(tensors)}",
             )
         arrays = iter(tensors)
-        for name, kind in _schema(cls):
-            if kind is np.ndarray:
+        for name, _, optional, kind in schema:
+            if kind == "tensor":
                 values[name] = next(arrays)
                 continue
             if name not in body:
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE}: missing field {name!r}")
-            values[name] = _check(cls.TYPE, name, kind, body[name])
+            values[name] = _check(cls.TYPE, name, optional, kind, body[name])
         extra = set(body) - set(values)
         if extra:
             raise ProtocolError(
@@ -72,66 +73,82 @@ class Message:
         return cls(**values)
 
 
-_SCHEMAS: dict[type, list[tuple[str, Any]]] = {}
+_SCHEMAS: dict[type, list[tuple[str, Any, bool, str]]] = {}
 
 
-def _schema(cls: type) -> list[tuple[str, Any]]:
+def _schema(cls: type) -> list[tuple[str, Any, bool, str]]:
+    """Per field: name, annotation, whether None is allowed and the checked kind (resolved
+    once per class, so parsing a message does no ``typing`` introspection)."""
     if cls not in _SCHEMAS:
         hints = typing.get_type_hints(cls)
-        _SCHEMAS[cls] = [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
+        _SCHEMAS[cls] = [
+            (f.name, hints[f.name], *_resolve(hints[f.name])) for f in dataclasses.fields(cls)
+        ]
     return _SCHEMAS[cls]
 
 
-def _check(mtype: str, name: str, kind: Any, value: Any) -> Any:
-    """Return ``value`` if it matches the annotation ``kind``, else raise BAD_FIELD."""
+def _resolve(kind: Any) -> tuple[bool, str]:
+    """``(optional, kind name)`` of a field annotation."""
+    optional = False
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        options = typing.get_args(kind)
+        optional = type(None) in options
+        kind = next(k for k in options if k is not type(None))
+    if kind is np.ndarray:
+        return optional, "tensor"
+    for simple in (bool, int, float, str, dict):
+        if kind is simple:
+            return optional, simple.__name__
+    if typing.get_origin(kind) is list and typing.get_args(kind) in ((int,), (float,), (str,)):
+        return optional, f"list[{typing.get_args(kind)[0].__name__}]"
+    raise TypeError(f"unsupported field annotation {kind!r}")  # a bug in a message class
+
+
+def _check(mtype: str, name: str, optional: bool, kind: str, value: Any) -> Any:
+    """Return ``value`` if it matches the resolved annotation, else raise BAD_FIELD."""
 
     def bad(why: str) -> ProtocolError:
         return ProtocolError(ErrorCode.BAD_FIELD, f"{mtype}: field {name!r} {why}")
 
-    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
-        options = typing.get_args(kind)
-        if value is None and type(None) in options:
-            return None
-        kind = next(k for k in options if k is not type(None))
-    if kind is bool:
-        if type(value) is not bool:
-            raise bad(f"must be a bool, got {value!r:.60}")
-        return value
-    if kind is int:
+    if value is None and optional:
+        return None
+    if kind == "int":
         if type(value) is not int:
             raise bad(f"must be an int, got {value!r:.60}")
         return value
-    if kind is float:
+    if kind == "float":
         if type(value) not in (int, float) or not math.isfinite(value):
             raise bad(f"must be a finite number, got {value!r:.60}")
         return float(value)
-    if kind is str:
+    if kind == "str":
         if type(value) is not str or len(value) > MAX_STRING:
             raise bad(f"must be a string of at most {MAX_STRING} characters")
         return value
-    if typing.get_origin(kind) is list and typing.get_args(kind) == (int,):
+    if kind == "bool":
+        if type(value) is not bool:
+            raise bad(f"must be a bool, got {value!r:.60}")
+        return value
+    if kind == "list[int]":
         if type(value) is not list or len(value) > MAX_INDICES:
             raise bad(f"must be a list of at most {MAX_INDICES} ints")
         if not all(type(v) is int for v in value):
             raise bad("must contain only ints")
         return value
-    if typing.get_origin(kind) is list and typing.get_args(kind) == (float,):
+    if kind == "list[float]":
         if type(value) is not list or len(value) > MAX_LIST:
             raise bad(f"must be a list of at most {MAX_LIST} numbers")
         if not all(type(v) in (int, float) and math.isfinite(v) for v in value):
             raise bad("must contain only finite numbers")
         return [float(v) for v in value]
-    if typing.get_origin(kind) is list and typing.get_args(kind) == (str,):
+    if kind == "list[str]":
         if type(value) is not list or len(value) > MAX_LIST:
             raise bad(f"must be a list of at most {MAX_LIST} strings")
         if not all(type(v) is str and len(v) <= MAX_STRING for v in value):
             raise bad(f"must contain only strings of at most {MAX_STRING} characters")
         return value
-    if kind is dict:
-        if type(value) is not dict:
-            raise bad("must be a map")
-        return value
-    raise TypeError(f"unsupported field annotation {kind!r}")  # a bug in a message class
+    if type(value) is not dict:  # kind == "dict"
+        raise bad("must be a map")
+    return value
 
 
 def request_id_of(header: dict[str, Any]) -> int:

@@ -6,6 +6,7 @@ shard can check it without a shared table, and no connection can act for another
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import secrets
@@ -13,6 +14,7 @@ import secrets
 from common.errors import ErrorCode, ProtocolError
 
 TOKEN_CHARS = 32
+SIGNED_KEPT = 4096  # tokens remembered: every request checks one, so none is signed twice
 
 
 def new_key() -> str:
@@ -30,9 +32,16 @@ class TokenBook:
     def __init__(self, key: str) -> None:
         self.key = key
         self._key = bytes.fromhex(key)
+        self._signed: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     def _sign(self, text: str) -> str:
-        return hmac.new(self._key, text.encode(), hashlib.sha256).hexdigest()[:TOKEN_CHARS]
+        token = self._signed.get(text)
+        if token is None:
+            token = hmac.new(self._key, text.encode(), hashlib.sha256).hexdigest()[:TOKEN_CHARS]
+            self._signed[text] = token
+            if len(self._signed) > SIGNED_KEPT:
+                self._signed.popitem(last=False)
+        return token
 
     def token(self, worker_id: int) -> str:
         """The token of ``worker_id``."""

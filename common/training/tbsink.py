@@ -18,6 +18,8 @@ log = logging.getLogger(__name__)
 SUBDIR = "tensorboard"
 EVENTS = frozenset({"eval", "round", "push"})
 INTERVAL_S = 0.5
+HANDOFF_S = 0.5  # wall seconds a round or push event may wait before the writer gets it
+HANDOFF_MAX = 256  # events handed to the writer at once at most
 SCORES = ("oa", "aa", "kappa", "loss")
 _TAG_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
 
@@ -73,10 +75,14 @@ class TensorBoardSink:
     """Turns run-log events into TensorBoard scalars under ``RUN_DIR/tensorboard``.
 
     Call it with each event (``RunLog`` does); it only queues the event, so the caller (the
-    server's event loop) never waits for a file write. A thread of its own converts and writes
-    them; ``close()`` drains the queue and flushes. TensorBoard's writer checksums every record
-    in pure Python, so scalars are packed: one record per evaluation, and one per
-    ``interval_s`` of run time for rounds and pushes (hundreds per second in small runs):
+    server's event loop) never waits for a file write. Events are handed over in batches (an
+    evaluation at once; rounds and pushes with the first event ``HANDOFF_S`` of wall time after
+    the oldest waiting one, or once ``HANDOFF_MAX`` wait, and at ``close()``), so the writer
+    thread does not wake, and contend for the interpreter, on every round. A thread of its
+    own converts and writes them; ``close()`` drains the queue and flushes. TensorBoard's
+    writer checksums every record in pure Python, so scalars are packed: one record per
+    evaluation, and one per ``interval_s`` of run time for rounds and pushes (hundreds per
+    second in small runs):
 
     - ``eval/{oa,aa,kappa,loss}`` per evaluation (step: samples seen);
     - ``round/{seconds,idle_share}`` (means over the interval), ``round/count`` (rounds in
@@ -91,7 +97,8 @@ class TensorBoardSink:
     Args:
         run_dir: the run directory; event files go to ``run_dir/tensorboard``.
         fresh: remove event files left there by an earlier run (a new run, not a resume).
-        max_queue: events kept waiting at most; further ones are dropped and counted.
+        max_queue: batches kept waiting at most; further ones are dropped (their events
+            counted).
         interval_s: run-clock seconds gathered into one round or push record.
     """
 
@@ -114,7 +121,9 @@ class TensorBoardSink:
         self._summary = Summary
         self.interval_s = interval_s
         self._window: _Window | None = None
-        self._queue: queue.Queue[Mapping[str, Any] | None] = queue.Queue(max_queue)
+        self._queue: queue.Queue[list[Mapping[str, Any]] | None] = queue.Queue(max_queue)
+        self._batch: list[Mapping[str, Any]] = []
+        self._batch_since = 0.0
         self._wall0 = time.time()
         self._samples: dict[str, int] = {}
         self.dropped = 0
@@ -130,18 +139,34 @@ class TensorBoardSink:
         """Queue ``record`` if it carries scalars; never blocks."""
         if self._closed or record.get("event") not in EVENTS:
             return
+        now = time.monotonic()
+        if not self._batch:
+            self._batch_since = now
+        self._batch.append(record)
+        if (
+            record.get("event") == "eval"
+            or len(self._batch) >= HANDOFF_MAX
+            or now - self._batch_since >= HANDOFF_S
+        ):
+            self._hand_off()
+
+    def _hand_off(self) -> None:
+        batch, self._batch = self._batch, []
+        if not batch:
+            return
         try:
-            self._queue.put_nowait(record)
+            self._queue.put_nowait(batch)
         except queue.Full:
             if not self.dropped:
                 log.warning("TensorBoard writer is behind; dropping events")
-            self.dropped += 1
+            self.dropped += len(batch)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Write what is queued, flush and close the event file (bounded by ``timeout_s``)."""
         if self._closed:
             return
         self._closed = True
+        self._hand_off()
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -159,11 +184,12 @@ class TensorBoardSink:
 
     def _run(self) -> None:
         try:
-            while (record := self._queue.get()) is not None:
-                try:
-                    self._write(record)
-                except Exception:  # one odd record must not end the sink
-                    log.exception("TensorBoard: cannot write %s", record.get("event"))
+            while (batch := self._queue.get()) is not None:
+                for record in batch:
+                    try:
+                        self._write(record)
+                    except Exception:  # one odd record must not end the sink
+                        log.exception("TensorBoard: cannot write %s", record.get("event"))
             self._flush_window()
         finally:
             try:

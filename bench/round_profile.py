@@ -1,0 +1,239 @@
+"""Where a weighted-sync round's time goes: sampled stacks of a real server and worker.
+
+Starts ``pserver start`` (hsi-cnn on Jasper Ridge, weighted-sync, 64-sample rounds, evaluation
+only at the end) and one ``worker join`` on 127.0.0.1, lets them warm up, then samples both
+processes' main threads with py-spy (wall clock: idle time included) and sorts every sample
+into a stage of the round. A stage's share of its thread's samples times the median round time
+gives its milliseconds per round. Needs ``pip install py-spy`` (not a project dependency) and
+the rights to attach to child processes (root, or ptrace_scope 0).
+
+With ``--baseline DIR`` (another checkout, e.g. ``git worktree add /tmp/base main``) the same
+is measured with that code first and both columns are printed side by side. Each process's CPU
+time per round (all its threads, from /proc) is printed too: unlike wall-clock shares it does
+not grow when other processes compete for the cores.
+
+Usage: python bench/round_profile.py [--seconds 8] [--rate 400] [--jasper DIR] [--baseline DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from common.data.convert.hsi import prepare_hsi  # noqa: E402
+
+# (stage, markers): a sample belongs to the first stage with a marker in its stack, markers
+# tried innermost frame first. Order matters: more specific stages come first.
+WORKER_STAGES = [
+    ("push: encode + send chunks", ("OverlappedPush._send", "StoreClient.send_chunk")),
+    ("backward", ("Tensor.backward",)),
+    ("forward + loss", ("Worker._compute",)),
+    ("fused params: receive + decode", ("StoreClient.collect",)),
+    ("load params into the model", ("Worker._ensure_params",)),
+    ("data hand-off (prefetched batch)", ("Worker._batch",)),
+    ("wait for the server's reply", ("Poller.poll",)),
+    ("push request: encode + parse reply", ("Connection.request",)),
+]
+SERVER_STAGES = [
+    ("idle (event loop waits)", ("EpollSelector.select",)),
+    ("data requests (prefetch)", ("Handlers.data",)),
+    ("stage gradient chunk: decode + checks", ("StoreService.on_gradient_chunk",)),
+    ("accumulate + optimizer step + checks", ("SliceStore.prepare",)),
+    ("snapshot/publish + reply params", ("StoreService.commit",)),
+    ("book the round (metrics, ledger)", ("ParameterServer._book",)),
+    ("plan + task reply", ("ParameterServer.plan", "ParameterServer.release")),
+    ("push request checks", ("Handlers.push",)),
+    ("receive + decode requests", ("Endpoint.receive_loop",)),
+]
+
+
+def classify(
+    path: Path, stages: list[tuple[str, tuple[str, ...]]]
+) -> tuple[collections.Counter[str], int]:
+    """Samples per stage of the main thread in a py-spy raw (collapsed) file."""
+    counts: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        frames = stack.split(";")
+        if not frames[0].startswith(("<module>", "_run_module_as_main")):
+            continue  # another thread
+        total += int(n)
+        names = [f.split(" (")[0] for f in reversed(frames)]
+        stage = next(
+            (s for name in names for s, marks in stages if name in marks), "other (Python glue)"
+        )
+        counts[stage] += int(n)
+    return counts, total
+
+
+def wait_rounds(metrics: Path, count: int, timeout_s: float) -> list[dict]:
+    """Round events once at least ``count`` were written."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if metrics.exists():
+            rounds = [json.loads(x) for x in metrics.read_text().splitlines() if '"round"' in x]
+            if len(rounds) >= count:
+                return rounds
+        time.sleep(0.2)
+    raise TimeoutError(f"fewer than {count} rounds within {timeout_s:g} s")
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a process has used so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def profile(tree: Path, dataset: Path, tmp: Path, seconds: int, rate: int) -> dict[str, Any]:
+    """Run a server and one worker with the code in ``tree``; sample both for ``seconds``.
+
+    Returns:
+        ``round_ms`` (median), per process ``{stage: ms per round}`` and ``cpu_ms`` per round.
+    """
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    run_dir = tmp / f"run-{tree.name}"
+    steps = 200 + seconds * 400  # more than the window can use at 2.5 ms a round
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pserver.cli",
+            "start",
+            "--bind",
+            "tcp://127.0.0.1:0",
+            "--dataset",
+            str(dataset),
+            "--model",
+            "hsi-cnn",
+            "--mode",
+            "weighted-sync",
+            "--workers",
+            "1",
+            "--global-batch",
+            "64",
+            "--eval-every",
+            "1000000",
+            "--max-steps",
+            str(steps),
+            "--run-dir",
+            str(run_dir),
+        ],
+        cwd=tree,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    worker = None
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 60
+        while '"start"' not in (metrics.read_text() if metrics.exists() else ""):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the server did not start within 60 s")
+            time.sleep(0.1)
+        start = [json.loads(x) for x in metrics.read_text().splitlines() if '"start"' in x]
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "join", "--server", start[-1]["address"]],
+            cwd=tree,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        before = len(wait_rounds(metrics, 100, 120))
+        procs = {"server": server, "worker": worker}
+        cpu0 = {name: cpu_s(proc.pid) for name, proc in procs.items()}
+        spies = [
+            subprocess.Popen(
+                [
+                    spy,
+                    "record",
+                    "--idle",
+                    "-p",
+                    str(proc.pid),
+                    "-r",
+                    str(rate),
+                    "-d",
+                    str(seconds),
+                    "-f",
+                    "raw",
+                    "-o",
+                    str(tmp / f"{name}.raw"),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for name, proc in procs.items()
+        ]
+        for spy_proc in spies:
+            spy_proc.wait(timeout=seconds + 60)
+        cpu = {name: cpu_s(proc.pid) - cpu0[name] for name, proc in procs.items()}
+        rounds = wait_rounds(metrics, before + 1, 10)[before:]
+        done = len(wait_rounds(metrics, 0, 1)) - before
+    finally:
+        for proc in (worker, server):
+            if proc is not None:
+                proc.kill()
+                proc.wait(timeout=30)
+    result: dict[str, Any] = {
+        "round_ms": statistics.median(r["round_s"] for r in rounds) * 1e3,
+        "cpu_ms": {name: c / max(done, 1) * 1e3 for name, c in cpu.items()},
+    }
+    for name, stages in (("worker", WORKER_STAGES), ("server", SERVER_STAGES)):
+        counts, total = classify(tmp / f"{name}.raw", stages)
+        order = [s for s, _ in stages] + ["other (Python glue)"]
+        result[name] = {s: counts[s] / max(total, 1) * result["round_ms"] for s in order}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=int, default=8)
+    parser.add_argument("--rate", type=int, default=400)
+    parser.add_argument("--jasper", type=Path, default=ROOT.parent / "shared/datasets/jasper_ridge")
+    parser.add_argument("--baseline", type=Path, default=None, help="another checkout to compare")
+    args = parser.parse_args()
+    trees = {"this": ROOT}
+    if args.baseline is not None:
+        trees = {"baseline": args.baseline.resolve(), **trees}
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        dataset = tmp / "jasper.h5"
+        prepare_hsi(
+            str(args.jasper / "JasperRidge.mat"),
+            str(args.jasper / "JasperRidge_gt.mat"),
+            dataset,
+            patch=5,
+            train_fraction=0.1,
+            seed=0,
+        )
+        results = {
+            name: profile(tree, dataset, tmp, args.seconds, args.rate)
+            for name, tree in trees.items()
+        }
+    names = list(results)
+    print("ms per round" + "".join(f"{n:>10s}" for n in names))
+    print(f"{'median round':42s}" + "".join(f"{results[n]['round_ms']:10.2f}" for n in names))
+    for proc in ("worker", "server"):
+        print(
+            f"{proc + ' CPU time (all threads)':42s}"
+            + "".join(f"{results[n]['cpu_ms'][proc]:10.2f}" for n in names)
+        )
+        print(f"{proc} main thread, wall clock:")
+        for stage in results[names[0]][proc]:
+            print(f"  {stage:40s}" + "".join(f"{results[n][proc][stage]:10.2f}" for n in names))
+
+
+if __name__ == "__main__":
+    main()
