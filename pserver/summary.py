@@ -28,6 +28,7 @@ def build_summary(ps: ParameterServer) -> dict[str, Any]:
         time_to_target_s=run.time_to_target,
         workers=ps.roster.summaries(),
         staleness=ps.policy.staleness(),
+        idle_share=ps.policy.idle_share(),
         finish_reason=run.finish_reason,
         global_batch=cfg.global_batch,
         per_class=per_class_of(run.evals, ps.meta.class_names),

@@ -4,6 +4,7 @@ and error replies. The message catalogue is in ``messages`` and ``shard_messages
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -30,12 +31,13 @@ class Message:
         """Encode this message as frames tagged with ``request_id``."""
         body: dict[str, Any] = {}
         tensors: list[np.ndarray] = []
+        optional = _optional(type(self))
         for name, kind in _schema(type(self)):
             value = getattr(self, name)
             if kind is np.ndarray:
                 tensors.append(value)
-            else:
-                body[name] = value
+            elif value is not None or name not in optional:
+                body[name] = value  # an unset optional field stays off the wire (old peers)
         return encode_frames(
             {"type": self.TYPE, "id": request_id, "status": "ok", "body": body}, tensors
         )
@@ -62,6 +64,9 @@ class Message:
                 values[name] = next(arrays)
                 continue
             if name not in body:
+                if name in _optional(cls):
+                    values[name] = None
+                    continue
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE}: missing field {name!r}")
             values[name] = _check(cls.TYPE, name, kind, body[name])
         extra = set(body) - set(values)
@@ -80,6 +85,13 @@ def _schema(cls: type) -> list[tuple[str, Any]]:
         hints = typing.get_type_hints(cls)
         _SCHEMAS[cls] = [(f.name, hints[f.name]) for f in dataclasses.fields(cls)]
     return _SCHEMAS[cls]
+
+
+@functools.cache
+def _optional(cls: type) -> frozenset[str]:
+    """Fields that default to None: they may be absent on the wire (added after version 2's
+    first release, so that peers without them keep working)."""
+    return frozenset(f.name for f in dataclasses.fields(cls) if f.default is None)
 
 
 def _check(mtype: str, name: str, kind: Any, value: Any) -> Any:
