@@ -4,7 +4,6 @@ and error replies. The message catalogue is in ``messages`` and ``shard_messages
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import types
 import typing
@@ -87,11 +86,15 @@ def _schema(cls: type) -> list[tuple[str, Any]]:
     return _SCHEMAS[cls]
 
 
-@functools.cache
+_OPTIONAL: dict[type, frozenset[str]] = {}
+
+
 def _optional(cls: type) -> frozenset[str]:
     """Fields that default to None: they may be absent on the wire (added after version 2's
     first release, so that peers without them keep working)."""
-    return frozenset(f.name for f in dataclasses.fields(cls) if f.default is None)
+    if cls not in _OPTIONAL:
+        _OPTIONAL[cls] = frozenset(f.name for f in dataclasses.fields(cls) if f.default is None)
+    return _OPTIONAL[cls]
 
 
 def _check(mtype: str, name: str, kind: Any, value: Any) -> Any:
