@@ -1,0 +1,114 @@
+"""Idle time at the round barrier: weighted-sync with the model planner, equal-sync, and
+weighted-sync with the speed planner, side by side on Jasper Ridge.
+
+hsi-cnn, 5x5 patches, 10 % train, three workers with slowdowns 1, 2, 4, 10 epochs (cosine lr
+0.05), the same seed in every run; the three configurations are interleaved within each repeat.
+Idle share = sum over rounds and workers of the time a worker waited for the round's last push,
+over the sum of their round times (summary.json ``idle_share``). Target: weighted-sync (model
+planner) idle share <= 0.10 with OA >= 0.88.
+
+Prints one row per run, then medians over repeats and ``idle_share_<config>=X.XXX`` lines.
+
+Usage: python bench/idle_share.py [--repeats 1] [--epochs 10] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from common.logsetup import setup_logging  # noqa: E402
+from launch.demo import prepare_dataset  # noqa: E402
+from launch.local import LocalCluster, run_local  # noqa: E402
+from launch.table import format_table  # noqa: E402
+
+SLOWDOWNS = (1.0, 2.0, 4.0)
+CONFIGS = (  # name, mode, planner
+    ("weighted-sync/model", "weighted-sync", "model"),
+    ("equal-sync", "equal-sync", "model"),
+    ("weighted-sync/speed", "weighted-sync", "speed"),
+)
+
+
+def run_one(dataset: Path, out: Path, mode: str, planner: str, epochs: int) -> dict[str, Any]:
+    """One local run; returns its summary."""
+    cluster = LocalCluster(
+        dataset=dataset,
+        model="hsi-cnn",
+        mode=mode,
+        slowdowns=SLOWDOWNS,
+        run_dir=out,
+        server_options=(
+            "--epochs",
+            str(epochs),
+            "--lr",
+            "0.05",
+            "--lr-schedule",
+            "cosine",
+            "--planner",
+            planner,
+            "--overwrite",
+        ),
+    )
+    return run_local(cluster)
+
+
+def shares(summary: dict[str, Any]) -> str:
+    """Share of samples per worker, by slowdown."""
+    total = sum(w["samples"] for w in summary["workers"]) or 1
+    by = sorted(summary["workers"], key=lambda w: w["slowdown"])
+    return " ".join(f"x{w['slowdown']:g}:{w['samples'] / total:.3f}" for w in by)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every configuration, print the table and the medians."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=1, help="runs per configuration")
+    parser.add_argument("--epochs", type=int, default=10, help="epochs per run")
+    parser.add_argument("--shared", type=Path, default=ROOT.parent / "shared")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs/bench/idle_share")
+    args = parser.parse_args(argv)
+    setup_logging("WARNING")
+    dataset = prepare_dataset(args.shared, args.out)
+    rows = []
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in CONFIGS}
+    for repeat in range(args.repeats):
+        for name, mode, planner in CONFIGS:
+            run_dir = args.out / f"{name.replace('/', '-')}-{repeat}"
+            summary = run_one(dataset, run_dir, mode, planner, args.epochs)
+            results[name].append(summary)
+            final = summary.get("final") or {}
+            rows.append(
+                [
+                    name,
+                    repeat,
+                    summary["idle_share"],
+                    final.get("oa"),
+                    summary["train_time_s"],
+                    summary["steps"],
+                    shares(summary),
+                ]
+            )
+    headers = ["config", "repeat", "idle share", "OA", "train s", "rounds", "sample shares"]
+    print(format_table(headers, rows))
+    print()
+    for name, summaries in results.items():
+        idle = statistics.median(s["idle_share"] for s in summaries)
+        oa = statistics.median((s.get("final") or {}).get("oa", 0.0) for s in summaries)
+        train = statistics.median(s["train_time_s"] for s in summaries)
+        print(f"idle_share_{name}={idle:.3f} oa_{name}={oa:.4f} train_s_{name}={train:.2f}")
+    base = statistics.median(s["train_time_s"] for s in results["equal-sync"])
+    for name in ("weighted-sync/model", "weighted-sync/speed"):
+        mine = statistics.median(s["train_time_s"] for s in results[name])
+        print(f"train_time_ratio_equal-sync_over_{name}={base / mine:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
