@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 
+import numpy as np
 import pytest
 
-from common.errors import ProtocolError
-from common.protocol.messages import WORKER_REQUESTS, TaskRequest, parse_message
+from common.errors import ErrorCode, ProtocolError
+from common.protocol.messages import (
+    WORKER_REQUESTS,
+    JoinReply,
+    JoinRequest,
+    LeaveRequest,
+    TaskReply,
+    TaskRequest,
+    parse_message,
+)
 from common.protocol.wire import encode_frames
 from common.training.perfmodel import Fit, PerfModel, robust_line
 from common.training.planner import plan_batches, plan_by_model
+from tests.live import AsyncClient, Member, clients, live_server
 
 ABSURD = [float("nan"), float("inf"), -float("inf"), -1.0, 1e308, True, "1", None]
 
@@ -217,3 +228,65 @@ def test_task_request_calibration_fields_are_optional_and_validated() -> None:
     header = {**header, "body": body}
     with pytest.raises(ProtocolError, match="calibration_s"):
         parse_message(encode_frames(header), WORKER_REQUESTS)
+
+
+# --- a live server plans on the calibration its workers send --------------------------------
+
+
+async def _join_calibrated(
+    client: AsyncClient, name: str, batches: list[int], seconds: list[float]
+) -> tuple[Member, TaskReply]:
+    join = await client.request(JoinRequest(name=name, device="cpu", slowdown=1.0, threads=1))
+    assert isinstance(join, JoinReply)
+    task = await client.request(
+        TaskRequest(
+            worker_id=join.worker_id,
+            token=join.token,
+            speed=100.0,  # equal speeds: the speed planner would split 15 / 15
+            calibration_batches=batches,
+            calibration_s=seconds,
+        )
+    )
+    assert isinstance(task, TaskReply) and task.action == "train"
+    return Member(join), task
+
+
+async def test_live_server_plans_on_calibration_and_measures_the_barrier(small_hsi) -> None:
+    async with (
+        live_server(small_hsi, mode="weighted-sync", workers=2, global_batch=30) as ps,
+        clients(ps.address, 3) as (a, b, hostile),
+    ):
+        join = await hostile.request(JoinRequest(name="h", device="cpu", slowdown=1, threads=1))
+        assert isinstance(join, JoinReply)
+        for batches, seconds in (([8, 32], [0.01]), ([8] * 17, [0.01] * 17)):
+            bad = TaskRequest(
+                worker_id=join.worker_id,
+                token=join.token,
+                speed=1.0,
+                calibration_batches=batches,
+                calibration_s=seconds,
+            )
+            assert (await hostile.expect_error(bad)).code == ErrorCode.BAD_FIELD
+        await hostile.request(LeaveRequest(worker_id=join.worker_id, token=join.token, reason=""))
+        # a: t = 1 ms * b; b: t = 10 ms + 1 ms * b. T = (30 + 10) / 2000 s: 20 and 10 samples.
+        (member_a, task_a), (member_b, task_b) = await asyncio.gather(
+            _join_calibrated(a, "a", [8, 32, 8], [0.008, 0.032, 0.008]),
+            _join_calibrated(b, "b", [8, 32, 10**9], [0.018, 0.042, 1e308]),
+        )
+        assert [len(task_a.indices), len(task_b.indices)] == [20, 10]
+        summary = {w["name"]: w for w in ps.roster.summaries()}
+        assert summary["b"]["model"] == {  # the absurd third pair was ignored
+            "alpha_s": pytest.approx(0.01),
+            "beta_s_per_sample": pytest.approx(0.001),
+            "transfer_s": 0.0,
+        }
+        zeros = np.zeros(ps.state_size, dtype=np.float32)
+        await asyncio.gather(a.push(member_a, task_a, zeros), b.push(member_b, task_b, zeros))
+        timing = ps.policy.last_timing
+        assert set(timing.workers) == {member_a.worker_id, member_b.worker_id}
+        for part in timing.workers.values():
+            assert part.predicted_s == pytest.approx(0.02)
+            assert part.actual_s + part.idle_s + timing.step_s == pytest.approx(timing.round_s)
+        assert min(p.idle_s for p in timing.workers.values()) == 0.0  # the last push waits not
+        assert 0 <= ps.policy.idle_share() < 1
+        assert all(w["idle_s"] >= 0 for w in ps.roster.summaries())
