@@ -22,6 +22,7 @@ from common.protocol.messages import (
 from common.protocol.wire import encode_frames
 from common.training.perfmodel import Fit, PerfModel, robust_line
 from common.training.planner import plan_batches, plan_by_model
+from pserver.policies.weighted_sync import WeightedSync
 from tests.live import AsyncClient, Member, clients, live_server
 
 ABSURD = [float("nan"), float("inf"), -float("inf"), -1.0, 1e308, True, "1", None]
@@ -282,11 +283,14 @@ async def test_live_server_plans_on_calibration_and_measures_the_barrier(small_h
         }
         zeros = np.zeros(ps.state_size, dtype=np.float32)
         await asyncio.gather(a.push(member_a, task_a, zeros), b.push(member_b, task_b, zeros))
-        timing = ps.policy.last_timing
+        policy = ps.policy
+        assert isinstance(policy, WeightedSync) and policy.last_timing is not None
+        timing = policy.last_timing
         assert set(timing.workers) == {member_a.worker_id, member_b.worker_id}
         for part in timing.workers.values():
             assert part.predicted_s == pytest.approx(0.02)
             assert part.actual_s + part.idle_s + timing.step_s == pytest.approx(timing.round_s)
         assert min(p.idle_s for p in timing.workers.values()) == 0.0  # the last push waits not
-        assert 0 <= ps.policy.idle_share() < 1
-        assert all(w["idle_s"] >= 0 for w in ps.roster.summaries())
+        share = policy.idle_share()
+        assert share is not None and 0 <= share < 1
+        assert all(float(w["idle_s"]) >= 0 for w in ps.roster.summaries())  # type: ignore[arg-type]
