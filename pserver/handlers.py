@@ -226,8 +226,8 @@ class Handlers:
         worker.speed = msg.speed
         worker.compute_s, worker.transfer_s = msg.compute_s, msg.transfer_s
         worker.perf.add_compute(task.size, msg.compute_s)
-        if not ps.config.is_sync:  # sync rounds measure it at the server when they close
-            worker.perf.add_transfer(msg.transfer_s)
+        if not ps.config.is_sync and worker.released_at:  # sync: measured when rounds close
+            worker.perf.add_transfer(time.monotonic() - worker.released_at - msg.compute_s)
         worker.waiter = Waiter(request.identity, request.request_id)
         if clip != 1.0:
             ps.clip[task.task_id] = clip

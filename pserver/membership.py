@@ -93,6 +93,7 @@ class WorkerInfo:
     compute_s: float = 0.0
     transfer_s: float = 0.0
     idle_s: float = 0.0  # waiting at sync barriers, summed over rounds
+    released_at: float = 0.0  # monotonic time its last task was sent
     perf: PerfModel = dataclasses.field(default_factory=PerfModel)
     active: bool = True
     ready: bool = False

@@ -26,7 +26,10 @@ def build_summary(ps: ParameterServer) -> dict[str, Any]:
         evals=run.evals,
         target_oa=cfg.target_oa,
         time_to_target_s=run.time_to_target,
-        workers=ps.roster.summaries(),
+        workers=[
+            w if cfg.is_sync else {**w, "idle_s": None}  # no barrier in async mode
+            for w in ps.roster.summaries()
+        ],
         staleness=ps.policy.staleness(),
         idle_share=ps.policy.idle_share(),
         finish_reason=run.finish_reason,

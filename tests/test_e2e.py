@@ -135,3 +135,10 @@ def test_demo_runs_every_mode_and_prints_a_results_table(tmp_path: Path) -> None
         row = next(line for line in table if line.startswith(mode))
         assert float(row.split()[4]) > 0.5  # OA column
     assert "epoch 2 version" in out  # progress lines were shown
+    plan = out[out.index("Each worker's share") :].splitlines()
+    for mode in ("weighted-sync", "equal-sync", "async"):
+        rows = [line.split() for line in plan if line.startswith(mode)]
+        assert len(rows) == 3  # one per worker: slowdown, share, idle s, alpha, beta, transfer
+        assert sum(float(r[2]) for r in rows) == pytest.approx(1.0, abs=0.01)
+        assert all(float(r[4]) >= 0 and float(r[5]) > 0 for r in rows)
+    assert "differ from slowdown ratios" in out  # the legend
