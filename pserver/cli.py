@@ -81,7 +81,8 @@ def main() -> None:
     "planner",
     type=click.Choice(PLANNERS),
     help="weighted-sync: plan local batches so predicted round times are equal on fitted "
-    "per-worker models (fixed cost, per-sample cost, transfer time), or in proportion to speed.",
+    "per-worker models (model: fixed cost, per-sample cost and transfer time; compute: the "
+    "same without transfer time), or in proportion to speed.",
 )
 @_opt("workers", type=int, help="Workers to wait for before training starts.")
 @_opt("global_batch", type=int, help="Global batch B per update.")

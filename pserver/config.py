@@ -14,7 +14,7 @@ from common.protocol.base import MAX_INDICES
 from common.protocol.wire import WIRE_DTYPES
 
 MODES = ("weighted-sync", "equal-sync", "async")
-PLANNERS = ("model", "speed")
+PLANNERS = ("model", "compute", "speed")
 STALENESS = ("inverse", "poly", "hinge", "exp", "constant")
 OPTIMIZERS = ("sgd", "adam")
 SCHEDULES = ("constant", "cosine", "step")

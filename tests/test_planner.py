@@ -6,6 +6,7 @@ import asyncio
 import math
 import random
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,7 +27,10 @@ from common.protocol.messages import (
 from common.protocol.wire import decode_frames, encode_frames
 from common.training.perfmodel import Fit, PerfModel, robust_line
 from common.training.planner import plan_batches, plan_by_model
-from pserver.policies.weighted_sync import WeightedSync
+from pserver.config import ServerConfig
+from pserver.membership import TaskFactory, WorkerInfo
+from pserver.policies.weighted_sync import PROBE_EVERY, WeightedSync
+from pserver.sampler import EpochSampler
 from tests.live import AsyncClient, Member, clients, live_server
 from worker.config import WorkerConfig
 from worker.loop import Worker
@@ -353,3 +357,41 @@ def test_worker_drops_calibration_for_a_server_that_predates_it() -> None:
         router.close(linger=0)
         worker.context.term()
         ctx.term()
+
+
+# --- the weighted-sync policy with each planner ----------------------------------------------
+
+
+def _policy(planner: str) -> tuple[WeightedSync, list[WorkerInfo]]:
+    config = ServerConfig(
+        dataset=Path("unused.h5"), model="hsi-cnn", planner=planner, global_batch=64, epochs=50
+    )
+    policy = WeightedSync(config, EpochSampler(640, 0, 50), TaskFactory(np.arange(640)))
+    workers = []
+    for wid, transfer in ((1, 0.0), (2, 0.02)):  # same compute; worker 2 on a slow link
+        worker = WorkerInfo(wid, f"w{wid}", "cpu", 1.0, 1, 0.0, speed=100.0 * wid)
+        worker.perf.seed([8, 32], [0.002 + 0.008, 0.002 + 0.032])
+        worker.perf.add_transfer(transfer)
+        workers.append(worker)
+    return policy, workers
+
+
+@pytest.mark.parametrize(
+    ("planner", "sizes"),
+    [("model", {1: 42, 2: 22}), ("compute", {1: 32, 2: 32}), ("speed", {1: 21, 2: 43})],
+)
+def test_weighted_sync_plans_with_the_chosen_planner(planner: str, sizes: dict) -> None:
+    policy, workers = _policy(planner)
+    assert policy.batch_sizes(workers, 64) == sizes
+
+
+def test_weighted_sync_falls_back_to_speed_and_reprobes_a_worker_at_zero() -> None:
+    policy, (fast, slow) = _policy("model")
+    fresh = WorkerInfo(3, "w3", "cpu", 1.0, 1, 0.0, speed=200.0)  # no calibration, no push
+    assert policy.batch_sizes([fast, fresh], 60) == plan_batches({1: 100.0, 3: 200.0}, 60)
+    slow.perf.add_transfer(0.5)
+    slow.perf.add_transfer(0.5)  # now 0.5 s per round on the wire: it cannot contribute
+    plans = [policy.batch_sizes([fast, slow], 64) for _ in range(PROBE_EVERY + 2)]
+    assert plans[0] == {1: 64}
+    probes = [i for i, plan in enumerate(plans) if plan.get(2)]
+    assert probes == [PROBE_EVERY] and plans[PROBE_EVERY] == {1: 63, 2: 1}

@@ -3,6 +3,8 @@ weighted by batch share."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from common.training.planner import plan_batches, plan_by_model
 from pserver.membership import WorkerInfo
 from pserver.policies.sync_rounds import SyncRounds
@@ -11,8 +13,9 @@ PROBE_EVERY = 20  # rounds after which a worker planned at 0 samples gets one sa
 
 
 class WeightedSync(SyncRounds):
-    """b_i equalising predicted round times (``--planner model``) or proportional to speed
-    (``--planner speed``, and until every worker has a fitted model), with sum B;
+    """b_i equalising predicted round times (``--planner model``; ``compute`` leaves out
+    transfer time) or proportional to speed (``--planner speed``, and until every worker has
+    a fitted model), with sum B;
     g = sum_i (b_i / B) g_i, one global-batch step."""
 
     name = "weighted-sync"
@@ -28,6 +31,8 @@ class WeightedSync(SyncRounds):
         fits = {w.worker_id: w.perf.fit() for w in workers}
         if any(f is None for f in fits.values()):
             return plan_batches(speeds, total)
+        if self.config.planner == "compute":  # the same model without transfer time
+            fits = {w: dataclasses.replace(f, transfer_s=0.0) for w, f in fits.items() if f}
         probe = [w for w, n in self.idle_rounds.items() if n >= PROBE_EVERY and w in fits]
         sizes = plan_by_model(fits, total, probe)  # type: ignore[arg-type]
         if sizes is None:
