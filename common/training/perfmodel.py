@@ -15,6 +15,8 @@ import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 MAX_SECONDS = 1e5  # a step or transfer beyond a day is a broken clock, not a measurement
 MAX_BATCH = 1 << 24
 WINDOW = 32  # recent pushes (and rounds) the fit follows
@@ -23,6 +25,7 @@ HUBER_K = 1.345  # residuals beyond this many robust sigmas are down-weighted
 IRLS_STEPS = 8
 MIN_SPREAD = 0.05  # batch sizes must spread this much (relative) to show a slope
 MIN_BETA = 1e-9  # seconds per sample: a slope below this is no slope
+TOLERANCE = 1e-6  # relative change at which the reweighting has converged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,25 +73,27 @@ def _batch(value: object) -> int | None:
     return int(value)
 
 
-def _median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+def _scale(residuals: np.ndarray, floor: float) -> float:
+    """Robust sigma of residuals: 1.4826 times their median absolute value."""
+    return max(1.4826 * float(np.median(np.abs(residuals))), floor)
 
 
-def _huber_weights(residuals: Sequence[float], floor: float) -> list[float]:
-    """Huber weights for residuals, scaled by their median absolute deviation."""
-    sigma = max(1.4826 * _median([abs(r) for r in residuals]), floor)
-    return [min(1.0, HUBER_K * sigma / abs(r)) if r else 1.0 for r in residuals]
+def _huber_weights(residuals: np.ndarray, sigma: float) -> np.ndarray:
+    """Huber weights: 1 within ``HUBER_K`` sigmas, falling as 1/|r| beyond."""
+    return np.minimum(1.0, HUBER_K * sigma / np.maximum(np.abs(residuals), 1e-300))
 
 
 def robust_location(values: Sequence[float]) -> float:
     """Huber M-estimate of the centre of ``values`` (which must not be empty)."""
-    centre = _median(values)
-    floor = 1e-6 * abs(centre) + 1e-12
+    xs = np.asarray(values, dtype=np.float64)
+    centre = float(np.median(xs))
+    sigma = _scale(xs - centre, 1e-6 * abs(centre) + 1e-12)
     for _ in range(IRLS_STEPS):
-        weights = _huber_weights([v - centre for v in values], floor)
-        centre = math.fsum(w * v for w, v in zip(weights, values, strict=True)) / math.fsum(weights)
+        weights = _huber_weights(xs - centre, sigma)
+        updated = float(weights @ xs / weights.sum())
+        if abs(updated - centre) <= TOLERANCE * abs(centre) + 1e-12:
+            return updated
+        centre = updated
     return centre
 
 
@@ -100,27 +105,37 @@ def robust_line(points: Sequence[tuple[int, float]]) -> tuple[float, float] | No
         through the origin), or None when the batch sizes do not spread enough to show a
         slope, or the slope is not positive.
     """
-    bs = [float(b) for b, _ in points]
-    ts = [t for _, t in points]
-    if len(points) < 2 or max(bs) - min(bs) < MIN_SPREAD * max(bs):
+    if len(points) < 2:
         return None
-    weights = [1.0] * len(points)
-    floor = 1e-6 * _median(ts) + 1e-12
-    alpha = beta = 0.0
+    data = np.asarray(points, dtype=np.float64)
+    bs, ts = data[:, 0], data[:, 1]
+    if bs.max() - bs.min() < MIN_SPREAD * bs.max():
+        return None
+    # Start from the Theil-Sen line (median of pairwise slopes): robust, so the residual
+    # scale taken from it holds for every reweighting step.
+    db, dt = bs[:, None] - bs[None, :], ts[:, None] - ts[None, :]
+    distinct = db > 0
+    beta = float(np.median(dt[distinct] / db[distinct]))
+    alpha = float(np.median(ts - beta * bs))
+    sigma = _scale(ts - alpha - beta * bs, 1e-6 * float(np.median(ts)) + 1e-12)
+    weights = _huber_weights(ts - alpha - beta * bs, sigma)
     for _ in range(IRLS_STEPS):
-        sw = math.fsum(weights)
-        mb = math.fsum(w * b for w, b in zip(weights, bs, strict=True)) / sw
-        mt = math.fsum(w * t for w, t in zip(weights, ts, strict=True)) / sw
-        sbb = math.fsum(w * (b - mb) ** 2 for w, b in zip(weights, bs, strict=True))
+        sw = weights.sum()
+        mb, mt = weights @ bs / sw, weights @ ts / sw
+        sbb = weights @ (bs - mb) ** 2
         if sbb <= 0:  # the weights left a single batch size
             return None
-        sbt = math.fsum(w * (b - mb) * (t - mt) for w, b, t in zip(weights, bs, ts, strict=True))
-        beta = sbt / sbb
-        alpha = mt - beta * mb
-        weights = _huber_weights([t - alpha - beta * b for b, t in zip(bs, ts, strict=True)], floor)
+        new_beta = float(weights @ ((bs - mb) * (ts - mt)) / sbb)
+        new_alpha = float(mt - new_beta * mb)
+        done = abs(new_beta - beta) <= TOLERANCE * abs(new_beta) and abs(
+            new_alpha - alpha
+        ) <= TOLERANCE * (abs(new_alpha) + abs(new_beta) * mb)
+        alpha, beta = new_alpha, new_beta
+        if done:
+            break
+        weights = _huber_weights(ts - alpha - beta * bs, sigma)
     if alpha < 0:  # fixed cost cannot be negative: the best line through the origin
-        sbb = math.fsum(w * b * b for w, b in zip(weights, bs, strict=True))
-        beta = math.fsum(w * b * t for w, b, t in zip(weights, bs, ts, strict=True)) / sbb
+        beta = float(weights @ (bs * ts) / (weights @ (bs * bs)))
         alpha = 0.0
     if not (math.isfinite(alpha) and math.isfinite(beta)) or beta < MIN_BETA:
         return None
