@@ -8,7 +8,9 @@ over the sum of their round times (summary.json ``idle_share``); "systematic idl
 a steady imbalance explains (see ``systematic_idle``), the rest is round-to-round noise.
 Target: weighted-sync (model planner) idle share <= 0.10 with OA >= 0.88.
 
-Prints one row per run, then medians over repeats and ``idle_share_<config>=X.XXX`` lines.
+Prints one row per run, then medians over repeats (``idle_share_<config>=X.XXX`` lines) and the
+training time of equal-sync and of the speed planner over the model planner's, paired by
+repeat.
 
 Usage: python bench/idle_share.py [--repeats 1] [--epochs 10] [--out DIR]
 """
@@ -65,8 +67,9 @@ def systematic_idle(run_dir: Path) -> float | None:
     """The idle share a steady imbalance would cause, without round-to-round noise.
 
     Per worker, the median over rounds of (its actual time - the round's mean actual time)
-    is its bias; the share is sum_i (max bias - bias_i) / (N * median round time). A plan
-    that balances the workers has a small one even on a noisy machine; equal-sync's is large.
+    is its bias; each round then counts sum over its workers of (the largest bias among them
+    - bias_i), over (its workers * the median round time). A plan that balances the workers
+    has a small one even on a noisy machine; equal-sync's is large.
     """
     rounds = [
         e
@@ -80,9 +83,14 @@ def systematic_idle(run_dir: Path) -> float | None:
             deviations.setdefault(w["worker"], []).append(w["actual_s"] - mean)
     if not deviations:
         return None
-    bias = [statistics.median(d) for d in deviations.values()]
+    bias = {name: statistics.median(d) for name, d in deviations.items()}
     typical = statistics.median(e["round_s"] for e in rounds)
-    return sum(max(bias) - b for b in bias) / (len(bias) * typical)
+    steady = slots = 0.0
+    for event in rounds:
+        mine = [bias[w["worker"]] for w in event["workers"]]
+        steady += sum(max(mine) - b for b in mine)
+        slots += len(mine) * typical
+    return steady / slots
 
 
 def shares(summary: dict[str, Any]) -> str:
@@ -144,10 +152,15 @@ def main(argv: list[str] | None = None) -> int:
             f"idle_share_{name}={idle:.3f} systematic_idle_{name}={steady:.3f} "
             f"oa_{name}={oa:.4f} train_s_{name}={train:.2f}"
         )
-    base = statistics.median(s["train_time_s"] for s in results["equal-sync"])
-    for name in ("weighted-sync/model", "weighted-sync/speed"):
-        mine = statistics.median(s["train_time_s"] for s in results[name])
-        print(f"train_time_ratio_equal-sync_over_{name}={base / mine:.2f}")
+    model = results["weighted-sync/model"]
+    for base in ("equal-sync", "weighted-sync/speed"):  # paired: runs of the same repeat
+        ratios = [
+            b["train_time_s"] / m["train_time_s"] for b, m in zip(results[base], model, strict=True)
+        ]
+        print(
+            f"train_time_ratio_{base}_over_model={statistics.median(ratios):.2f} "
+            f"(per repeat: {', '.join(f'{r:.2f}' for r in ratios)})"
+        )
     return 0
 
 
