@@ -53,12 +53,19 @@ def book(ps: ParameterServer, update: Update, tau: int) -> None:
     _after_step(ps)
 
 
-def account_round(worker: WorkerInfo, part: WorkerTiming | None) -> dict[str, Any]:
-    """Feed a worker's round timing to its model and idle total; its ``round`` event fields."""
+def account_round(worker: WorkerInfo, part: WorkerTiming | None, round_id: int) -> dict[str, Any]:
+    """Feed a worker's round timing to its model and idle total; its ``round`` event fields.
+
+    Its time outside compute feeds the model only when it also took part in the previous
+    round: after a gap (its first round, a re-probe) its data could not be prefetched and its
+    first parameters were pulled, which a steady round does not pay.
+    """
     if part is None:
         return {}
     worker.idle_s += part.idle_s
-    worker.perf.add_transfer(part.transfer_s)
+    if worker.last_round == round_id - 1:
+        worker.perf.add_transfer(part.transfer_s)
+    worker.last_round = round_id
     fields = {
         k: round(getattr(part, k), 6) for k in ("compute_s", "transfer_s", "actual_s", "idle_s")
     }
@@ -75,7 +82,8 @@ def _log_update(
     if ps.config.is_sync:
         timing = ps.policy.last_timing  # type: ignore[attr-defined]
         for (worker, _, _), entry in zip(update.entries, workers, strict=True):
-            entry.update(account_round(worker, timing.workers.get(worker.worker_id)))
+            part = timing.workers.get(worker.worker_id)
+            entry.update(account_round(worker, part, update.round_id))
         ps.log.event(
             "round",
             round=update.round_id,

@@ -94,6 +94,7 @@ class WorkerInfo:
     transfer_s: float = 0.0
     idle_s: float = 0.0  # waiting at sync barriers, summed over rounds
     released_at: float = 0.0  # monotonic time its last task was sent
+    last_round: int = -1  # the last sync round it pushed in
     perf: PerfModel = dataclasses.field(default_factory=PerfModel)
     active: bool = True
     ready: bool = False
