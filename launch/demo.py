@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             for w in sorted(summary["workers"], key=lambda w: w["slowdown"])
         )
         plans.extend(
-            [mode, f"x{w['slowdown']:g}", f"{100 * w['samples'] / total:.1f} %", *model_cells(w)]
+            [mode, f"x{w['slowdown']:g}", f"{w['samples'] / total:.3f}", *model_cells(w)]
             for w in sorted(summary["workers"], key=lambda w: w["slowdown"])
         )
         rows.append(
