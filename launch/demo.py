@@ -10,7 +10,15 @@ from typing import Any
 from common.logsetup import setup_logging
 from launch.local import LocalCluster, run_local
 from launch.progress import RunProgress
-from launch.table import format_table, legend, score, seconds
+from launch.table import (
+    MODEL_COLUMNS,
+    PLAN_LEGEND,
+    format_table,
+    legend,
+    model_cells,
+    score,
+    seconds,
+)
 
 MODES = ("weighted-sync", "equal-sync", "async")
 SLOWDOWNS = (1.0, 2.0, 4.0)
@@ -23,9 +31,11 @@ TABLE_LEGEND = (
     "updates: model versions applied; train s: training wall time without start-up and "
     "evaluations; OA, AA, kappa: final test overall accuracy, mean per-class accuracy and "
     "Cohen's kappa; share by slowdown: the part of all training samples each worker computed "
-    "(x4 is four times slower than x1): weighted-sync gives each a share proportional to its "
-    "speed (about 4:2:1), equal-sync the same to all and lets fast ones wait, async what each "
-    "finishes."
+    "(x4 is four times slower than x1): weighted-sync gives each the share that makes the "
+    "workers' predicted round times equal (less than 4:2:1 for slow workers, whose fixed "
+    "costs per round count too), equal-sync the same to all and lets fast ones wait, async "
+    "what each finishes; idle share: the workers' time waiting at the round barrier over "
+    "their round time (sync modes)."
 )
 
 
@@ -95,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     dataset = prepare_dataset(args.shared, args.out)
     print(legend(PROGRESS_LEGEND))
     rows = []
+    plans: list[list[Any]] = []
     for mode in MODES:
         print(f"\n== {mode}: 3 workers with slowdowns {', '.join(f'{s:g}' for s in SLOWDOWNS)}")
         cluster = LocalCluster(
@@ -120,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
             f"x{w['slowdown']:g} {100 * w['samples'] / total:.0f}%"
             for w in sorted(summary["workers"], key=lambda w: w["slowdown"])
         )
+        plans.extend(
+            [mode, f"x{w['slowdown']:g}", f"{w['samples'] / total:.3f}", *model_cells(w)]
+            for w in sorted(summary["workers"], key=lambda w: w["slowdown"])
+        )
         rows.append(
             [
                 mode,
@@ -129,18 +144,35 @@ def main(argv: list[str] | None = None) -> int:
                 score(final.get("oa")),
                 score(final.get("aa")),
                 score(final.get("kappa")),
+                summary.get("idle_share"),
                 shares,
             ]
         )
     print("\nResults:")
     print(
         format_table(
-            ["mode", "epochs", "updates", "train s", "OA", "AA", "kappa", "share by slowdown"],
+            [
+                "mode",
+                "epochs",
+                "updates",
+                "train s",
+                "OA",
+                "AA",
+                "kappa",
+                "idle share",
+                "share by slowdown",
+            ],
             rows,
         )
     )
     print(legend(TABLE_LEGEND))
-    print(f"\nRun directories with metrics.jsonl, summary.json and the logs (cluster.log): {args.out}/<mode>")
+    print("\nEach worker's share and fitted model (round time = alpha + beta*b + transfer):")
+    print(format_table(["mode", "slowdown", "share", *MODEL_COLUMNS], plans))
+    print(legend(PLAN_LEGEND))
+    print(
+        "\nRun directories (metrics.jsonl, summary.json, the logs in cluster.log): "
+        f"{args.out}/<mode>"
+    )
     return 0
 
 

@@ -17,6 +17,7 @@ RESULT_COLUMNS = (
     "final OA",
     "final AA",
     "final kappa",
+    "idle share",
 )
 SPEEDUP_COLUMNS = (
     "mode",
@@ -51,7 +52,8 @@ def aggregate(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
     Returns:
         mode -> ``{"runs", "failed", "reached", "epoch_time_s", "time_to_target_s", "oa",
-        "aa", "kappa"}``, each quantity a (min, median, max) tuple or None.
+        "aa", "kappa", "idle_share"}``, each quantity a (min, median, max) tuple or None
+        (idle share: sync modes only).
     """
     out: dict[str, dict[str, Any]] = {}
     for mode in data["settings"]["modes"]:
@@ -65,6 +67,7 @@ def aggregate(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "epoch_time_s": spread([r["epoch_time_s"] for r in ok]),
             "time_to_target_s": spread([r["time_to_target_s"] for r in ok]),
             **{k: spread([f.get(k) for f in finals]) for k in ("oa", "aa", "kappa")},
+            "idle_share": spread([r["summary"].get("idle_share") for r in ok]),
         }
     return out
 
@@ -103,6 +106,7 @@ def render_markdown(data: dict[str, Any]) -> str:
                 _cell(s["oa"], 4),
                 _cell(s["aa"], 4),
                 _cell(s["kappa"], 4),
+                _cell(s["idle_share"], 3),
             ]
         )
     speedups = []
@@ -129,7 +133,8 @@ def render_markdown(data: dict[str, Any]) -> str:
         f"- target OA: {target if target is not None else 'none'}",
         "",
         "Each cell is min / median / max over repeats. Epoch time = train_time_s / epochs "
-        "(start-up and blocking evaluation excluded); " + target_source(data),
+        "(start-up and blocking evaluation excluded); " + target_source(data) + " Idle share = "
+        "the workers' time waiting at the round barrier over their round time (sync modes).",
         "",
         "## Results",
         "",

@@ -75,6 +75,7 @@ def summary_tables(summary: dict[str, Any]) -> str:
             "best OA",
             "to target s",
             "staleness mean/max",
+            "idle share",
         ],
         [
             [
@@ -88,12 +89,13 @@ def summary_tables(summary: dict[str, Any]) -> str:
                 score(summary.get("best_oa")),
                 seconds(summary.get("time_to_target_s")),
                 f"{staleness['mean']:.2f}/{staleness['max']}" if staleness else "-",
+                summary.get("idle_share"),
             ]
         ],
     )
     total = sum(w["samples"] for w in summary["workers"]) or 1
     workers = format_table(
-        ["worker", "slowdown", "speed (samples/s)", "samples", "share", "pushes"],
+        ["worker", "slowdown", "speed (samples/s)", "samples", "share", "pushes", *MODEL_COLUMNS],
         [
             [
                 w["name"],
@@ -102,8 +104,40 @@ def summary_tables(summary: dict[str, Any]) -> str:
                 w["samples"],
                 f"{100 * w['samples'] / total:.1f} %",
                 w["pushes"],
+                *model_cells(w),
             ]
             for w in summary["workers"]
         ],
     )
-    return f"{run}\n{legend(RUN_LEGEND)}\n\n{workers}\n{legend(WORKER_LEGEND)}"
+    plan = PLAN_LEGEND if summary["mode"] == "weighted-sync" else MODEL_LEGEND
+    return f"{run}\n{legend(RUN_LEGEND)}\n\n{workers}\n{legend(WORKER_LEGEND + ' ' + plan)}"
+
+
+MODEL_COLUMNS = ("idle s", "alpha ms", "beta ms/sample", "transfer ms")
+MODEL_LEGEND = (
+    "idle s: time spent waiting at the round barrier (sync modes); alpha, beta, transfer: "
+    "the worker's fitted round time alpha + beta*b + transfer (fixed compute cost, compute per "
+    "sample, time outside compute), on which weighted-sync plans its batches."
+)
+PLAN_LEGEND = MODEL_LEGEND + (
+    " The planner equalises these predicted times, so fixed costs (alpha, transfer) make "
+    "shares differ from slowdown ratios: slow workers get less than 1/slowdown, and none if "
+    "one sample would outlast the round."
+)
+
+
+def model_cells(worker: dict[str, Any]) -> list[Any]:
+    """A worker's idle seconds and fitted model (in ms), for a table."""
+    model = worker.get("model") or {}
+
+    def ms(key: str, digits: int) -> str:
+        value = model.get(key)
+        return "-" if value is None else f"{1000 * value:.{digits}f}"
+
+    idle = worker.get("idle_s")
+    return [
+        "-" if idle is None else f"{idle:.2f}",
+        ms("alpha_s", 2),
+        ms("beta_s_per_sample", 4),
+        ms("transfer_s", 2),
+    ]

@@ -11,7 +11,9 @@ import numpy as np
 
 from common.errors import ErrorCode, ProtocolError
 from pserver.evaluation import VersionInfo
+from pserver.membership import WorkerInfo
 from pserver.policies import Update
+from pserver.policies.sync_rounds import WorkerTiming
 
 if TYPE_CHECKING:
     from pserver.server import ParameterServer
@@ -51,18 +53,44 @@ def book(ps: ParameterServer, update: Update, tau: int) -> None:
     _after_step(ps)
 
 
+def account_round(worker: WorkerInfo, part: WorkerTiming | None, round_id: int) -> dict[str, Any]:
+    """Feed a worker's round timing to its model and idle total; its ``round`` event fields.
+
+    Its time outside compute feeds the model only when it also took part in the previous
+    round: after a gap (its first round, a re-probe) its data could not be prefetched and its
+    first parameters were pulled, which a steady round does not pay.
+    """
+    if part is None:
+        return {}
+    worker.idle_s += part.idle_s
+    if worker.last_round == round_id - 1:
+        worker.perf.add_transfer(part.transfer_s)
+    worker.last_round = round_id
+    fields = {
+        k: round(getattr(part, k), 6) for k in ("compute_s", "transfer_s", "actual_s", "idle_s")
+    }
+    if part.predicted_s is not None:
+        fields["predicted_s"] = round(part.predicted_s, 6)
+    return fields
+
+
 def _log_update(
     ps: ParameterServer, update: Update, tau: int, epoch: int, workers: list[dict[str, Any]]
 ) -> None:
     """A ``round`` event (sync modes) or a ``push`` event (async) in ``metrics.jsonl``."""
     version = ps.updater.version
     if ps.config.is_sync:
+        timing = ps.policy.last_timing  # type: ignore[attr-defined]
+        for (worker, _, _), entry in zip(update.entries, workers, strict=True):
+            part = timing.workers.get(worker.worker_id)
+            entry.update(account_round(worker, part, update.round_id))
         ps.log.event(
             "round",
             round=update.round_id,
             epoch=epoch,
             version=version,
-            round_s=round(ps.policy.round_times[-1], 6),  # type: ignore[attr-defined]
+            round_s=round(timing.round_s, 6),
+            step_s=round(timing.step_s, 6),
             workers=workers,
         )
         return

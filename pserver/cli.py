@@ -26,7 +26,15 @@ from common.protocol.client import Connection
 from common.protocol.messages import StatusReply, StatusRequest
 from common.protocol.security import generate, load_client_keys
 from common.protocol.wire import WIRE_DTYPES
-from pserver.config import MODES, OPTIMIZERS, SCHEDULES, STALENESS, ServerConfig, ShardConfig
+from pserver.config import (
+    MODES,
+    OPTIMIZERS,
+    PLANNERS,
+    SCHEDULES,
+    STALENESS,
+    ServerConfig,
+    ShardConfig,
+)
 from pserver.data_cli import data_group
 from pserver.model_cli import COMMANDS as MODEL_COMMANDS
 from pserver.snapshot_cli import evaluate_snapshots_cmd
@@ -69,6 +77,13 @@ def main() -> None:
     help="Built-in model (hsi-cnn, hsi-3dcnn, scene-cnn, resnet18) or package.module:factory.",
 )
 @_opt("mode", type=click.Choice(MODES), help="How pushes are combined.")
+@_opt(
+    "planner",
+    type=click.Choice(PLANNERS),
+    help="weighted-sync: plan local batches so predicted round times are equal on fitted "
+    "per-worker models (model: fixed cost, per-sample cost and transfer time; compute: the "
+    "same without transfer time), or in proportion to speed.",
+)
 @_opt("workers", type=int, help="Workers to wait for before training starts.")
 @_opt("global_batch", type=int, help="Global batch B per update.")
 @_opt("optimizer", type=click.Choice(OPTIMIZERS), help="Server-side optimizer.")

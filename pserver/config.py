@@ -14,6 +14,7 @@ from common.protocol.base import MAX_INDICES
 from common.protocol.wire import WIRE_DTYPES
 
 MODES = ("weighted-sync", "equal-sync", "async")
+PLANNERS = ("model", "compute", "speed")
 STALENESS = ("inverse", "poly", "hinge", "exp", "constant")
 OPTIMIZERS = ("sgd", "adam")
 SCHEDULES = ("constant", "cosine", "step")
@@ -78,6 +79,7 @@ class ServerConfig:
     dataset: Path
     model: str
     mode: str = "weighted-sync"
+    planner: str = "model"
     bind: str = "tcp://127.0.0.1:5555"
     workers: int = 1
     global_batch: int = 64
@@ -138,6 +140,10 @@ class ServerConfig:
             ConfigError: a value is out of range; the message quotes it.
         """
         need(self.mode in MODES, f"--mode {self.mode!r} is not one of {', '.join(MODES)}")
+        need(
+            self.planner in PLANNERS,
+            f"--planner {self.planner!r} is not one of {', '.join(PLANNERS)}",
+        )
         need(
             self.staleness in STALENESS,
             f"--staleness {self.staleness!r} is not one of {', '.join(STALENESS)}",

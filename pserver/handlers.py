@@ -34,6 +34,7 @@ from common.protocol.messages import (
     TaskRequest,
 )
 from common.protocol.shard_messages import ShardHello
+from common.training.perfmodel import MAX_CALIBRATION
 from pserver.membership import Task, Waiter, WorkerInfo
 from pserver.shards import register_shard
 from pserver.store.stores import LocalStores
@@ -162,7 +163,10 @@ class Handlers:
         ps = self.server
         worker = ps.roster.member(msg.worker_id, msg.token, request.user_id)
         _check_speed(msg.speed)
+        _check_calibration(msg)
         worker.speed = msg.speed
+        if msg.calibration_batches:
+            worker.perf.seed(msg.calibration_batches, msg.calibration_s or [])
         worker.waiter = Waiter(request.identity, request.request_id)
         if not worker.ready:
             worker.ready = True
@@ -221,6 +225,9 @@ class Handlers:
         worker.tasks.popleft()
         worker.speed = msg.speed
         worker.compute_s, worker.transfer_s = msg.compute_s, msg.transfer_s
+        worker.perf.add_compute(task.size, msg.compute_s)
+        if not ps.config.is_sync and worker.released_at:  # sync: measured when rounds close
+            worker.perf.add_transfer(time.monotonic() - worker.released_at - msg.compute_s)
         worker.waiter = Waiter(request.identity, request.request_id)
         if clip != 1.0:
             ps.clip[task.task_id] = clip
@@ -314,4 +321,17 @@ def _check_speed(speed: float) -> None:
     if not (math.isfinite(speed) and MIN_SPEED <= speed <= MAX_SPEED):
         raise ProtocolError(
             ErrorCode.BAD_FIELD, f"speed must be in [{MIN_SPEED:g}, {MAX_SPEED:g}], got {speed}"
+        )
+
+
+def _check_calibration(msg: TaskRequest) -> None:
+    batches, seconds = msg.calibration_batches, msg.calibration_s
+    if (batches is None) != (seconds is None) or len(batches or []) != len(seconds or []):
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD, "calibration_batches and calibration_s must pair up"
+        )
+    if len(batches or []) > MAX_CALIBRATION:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD,
+            f"at most {MAX_CALIBRATION} calibration pairs, got {len(batches or [])}",
         )

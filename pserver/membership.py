@@ -13,6 +13,7 @@ import numpy as np
 
 from common.errors import ErrorCode, ProtocolError
 from common.protocol.tokens import TokenBook
+from common.training.perfmodel import PerfModel
 
 MAX_NAME = 64
 MAX_HISTORY = 1024  # departed names remembered; beyond that their counters are pooled
@@ -91,17 +92,24 @@ class WorkerInfo:
     refused: int = 0
     compute_s: float = 0.0
     transfer_s: float = 0.0
+    idle_s: float = 0.0  # waiting at sync barriers, summed over rounds
+    released_at: float = 0.0  # monotonic time its last task was sent
+    last_round: int = -1  # the last sync round it pushed in
+    perf: PerfModel = dataclasses.field(default_factory=PerfModel)
     active: bool = True
     ready: bool = False
 
     def summary(self) -> dict[str, object]:
         """The per-worker entry of ``summary.json`` and ``pserver status``."""
+        fit = self.perf.fit()
         return {
             "name": self.name,
             "device": self.device,
             "slowdown": self.slowdown,
             "speed": round(self.speed, 3),
             **{c: getattr(self, c) for c in COUNTERS},
+            "idle_s": round(self.idle_s, 4),
+            "model": None if fit is None else fit.as_dict(),
             "active": self.active,
         }
 
@@ -155,6 +163,7 @@ class Roster:
         if past is not None:  # the same worker before it rejoined or the server restarted
             for counter in COUNTERS:
                 setattr(worker, counter, int(past.get(counter, 0)))  # type: ignore[call-overload]
+            worker.idle_s = float(past.get("idle_s", 0.0))  # type: ignore[arg-type]
         self._next_id += 1
         self.workers[worker.worker_id] = worker
         self.touch(worker)

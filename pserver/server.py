@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from typing import Any
 
 import numpy as np
@@ -244,6 +245,7 @@ class ParameterServer:
                 continue
             hint = self.policy.prefetch_hint(worker)
             worker.waiter = None
+            worker.released_at = time.monotonic()
             self.endpoint.reply(
                 waiter.identity,
                 waiter.request_id,

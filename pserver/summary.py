@@ -26,8 +26,12 @@ def build_summary(ps: ParameterServer) -> dict[str, Any]:
         evals=run.evals,
         target_oa=cfg.target_oa,
         time_to_target_s=run.time_to_target,
-        workers=ps.roster.summaries(),
+        workers=[
+            w if cfg.is_sync else {**w, "idle_s": None}  # no barrier in async mode
+            for w in ps.roster.summaries()
+        ],
         staleness=ps.policy.staleness(),
+        idle_share=ps.policy.idle_share(),
         finish_reason=run.finish_reason,
         global_batch=cfg.global_batch,
         per_class=per_class_of(run.evals, ps.meta.class_names),

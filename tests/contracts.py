@@ -17,5 +17,6 @@ SUMMARY_KEYS = {
     "time_to_target_s",
     "workers",
     "staleness",
+    "idle_share",
 }
 EVAL_KEYS = {"event", "t", "version", "epoch", "samples", "oa", "aa", "kappa", "loss"}

@@ -85,10 +85,13 @@ def test_compare_two_modes_writes_the_report(tmp_path: Path) -> None:
     results = _table(markdown, "## Results")
     assert results[0] == list(RESULT_COLUMNS)
     assert [row[0] for row in results[1:]] == ["equal-sync", "ddp"]
+    idle = RESULT_COLUMNS.index("idle share")
     for row in results[1:]:
         assert len(row) == len(RESULT_COLUMNS) and row[1] == "1"
-        for cell in row[2:]:
+        for cell in row[2:idle] + row[idle + 1 :]:
             assert len(cell.split(" / ")) == 3, cell  # min / median / max
+    assert len(results[1][idle].split(" / ")) == 3  # equal-sync measures its barrier
+    assert results[2][idle] == "-"  # DDP's barrier is inside its all-reduce: not measured
     assert _table(markdown, "## Per-class accuracy")[0][0] == "mode"
     speedups = _table(markdown, "## Speed-up")
     assert speedups[0] == list(SPEEDUP_COLUMNS)
@@ -97,8 +100,10 @@ def test_compare_two_modes_writes_the_report(tmp_path: Path) -> None:
     assert png.startswith(PNG_SIGNATURE) and len(png) > 1000
 
 
-def _fake_run(mode: str, repeat: int, epoch_s: float, oa: float, target_s: float | None) -> dict:
-    summary = {"final": {"oa": oa, "aa": oa - 0.1, "kappa": oa - 0.2}}
+def _fake_run(
+    mode: str, repeat: int, epoch_s: float, oa: float, target_s: float | None, idle: float | None
+) -> dict:
+    summary = {"final": {"oa": oa, "aa": oa - 0.1, "kappa": oa - 0.2}, "idle_share": idle}
     return {
         "mode": mode,
         "repeat": repeat,
@@ -130,10 +135,10 @@ def test_aggregate_and_speedups_by_hand() -> None:
             },
         },
         "runs": [
-            _fake_run("weighted-sync", 1, 1.0, 0.90, 2.0),
-            _fake_run("weighted-sync", 2, 3.0, 0.80, None),
-            _fake_run("weighted-sync", 3, 2.0, 0.85, 4.0),
-            _fake_run("ddp", 1, 4.0, 0.88, 6.0),
+            _fake_run("weighted-sync", 1, 1.0, 0.90, 2.0, 0.05),
+            _fake_run("weighted-sync", 2, 3.0, 0.80, None, 0.2),
+            _fake_run("weighted-sync", 3, 2.0, 0.85, 4.0, 0.1),
+            _fake_run("ddp", 1, 4.0, 0.88, 6.0, None),
             {"mode": "ddp", "repeat": 2, "error": "rank 1 exited with code 1"},
         ],
     }
@@ -143,11 +148,14 @@ def test_aggregate_and_speedups_by_hand() -> None:
     assert stats["weighted-sync"]["reached"] == 2 and stats["weighted-sync"]["runs"] == 3
     assert stats["weighted-sync"]["oa"] == pytest.approx((0.80, 0.85, 0.90))
     assert stats["ddp"]["runs"] == 1 and stats["ddp"]["failed"] == 1
+    assert stats["weighted-sync"]["idle_share"] == (0.05, 0.1, 0.2)
+    assert stats["ddp"]["idle_share"] is None
     assert speedup(stats, "weighted-sync", "ddp", "epoch_time_s") == pytest.approx(2.0)
     assert speedup(stats, "weighted-sync", "ddp", "time_to_target_s") == pytest.approx(2.0)
     assert speedup(stats, "weighted-sync", "equal-sync", "epoch_time_s") is None
     markdown = render_markdown(data)
     assert "(2/3 reached)" in markdown and "1 (1 failed)" in markdown
+    assert "| 0.050 / 0.100 / 0.200 |" in markdown
 
 
 def test_time_to_target_takes_the_first_crossing() -> None:

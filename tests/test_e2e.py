@@ -57,11 +57,20 @@ def test_jasper_ridge_three_heterogeneous_workers(
     assert all(
         {"name", "slowdown", "speed", "samples", "pushes"} <= set(w) for w in summary["workers"]
     )
+    for w in summary["workers"]:  # the fitted model of each worker (docs/outputs.md)
+        assert set(w["model"]) == {"alpha_s", "beta_s_per_sample", "transfer_s"}
+        assert w["model"]["beta_s_per_sample"] > 0 and w["model"]["alpha_s"] >= 0
     if mode == "weighted-sync":
         assert summary["staleness"] is None
         assert by_slowdown[1.0]["samples"] >= 2.5 * by_slowdown[4.0]["samples"]
+        assert 0 <= summary["idle_share"] < 1
+        assert all(w["idle_s"] >= 0 for w in summary["workers"])
+        # slower workers pay the emulated slowdown per sample too
+        beta = {f: by_slowdown[f]["model"]["beta_s_per_sample"] for f in by_slowdown}
+        assert beta[1.0] < beta[4.0]
     else:
         assert summary["staleness"]["max"] >= 1 and summary["staleness"]["mean"] > 0
+        assert summary["idle_share"] is None
 
     events = _events(run_dir)
     assert all({"event", "t"} <= set(e) for e in events)
@@ -86,7 +95,18 @@ def test_jasper_ridge_three_heterogeneous_workers(
     if mode == "async":
         assert all({"worker", "batch", "speed", "staleness"} <= set(e) for e in per_update)
     else:
-        assert all({"worker", "batch", "speed"} <= set(w) for e in per_update for w in e["workers"])
+        timed = {"worker", "batch", "speed", "compute_s", "transfer_s", "actual_s", "idle_s"}
+        assert all(timed <= set(w) for e in per_update for w in e["workers"])
+        idle = sum(w["idle_s"] for e in per_update for w in e["workers"])
+        busy = sum(e["round_s"] * len(e["workers"]) for e in per_update)
+        assert summary["idle_share"] == pytest.approx(idle / busy, abs=2e-3)
+        for e in per_update:  # round = actual + idle + the server's step, for each worker
+            for w in e["workers"]:
+                assert w["actual_s"] == pytest.approx(w["compute_s"] + w["transfer_s"], abs=2e-6)
+                total = w["actual_s"] + w["idle_s"] + e["step_s"]
+                assert total == pytest.approx(e["round_s"], abs=1e-5)
+        planned = [w for e in per_update[5:] for w in e["workers"]]
+        assert all("predicted_s" in w for w in planned)  # calibrated: every plan has a model
 
 
 @pytest.mark.e2e
@@ -115,3 +135,10 @@ def test_demo_runs_every_mode_and_prints_a_results_table(tmp_path: Path) -> None
         row = next(line for line in table if line.startswith(mode))
         assert float(row.split()[4]) > 0.5  # OA column
     assert "epoch 2 version" in out  # progress lines were shown
+    plan = out[out.index("Each worker's share") :].splitlines()
+    for mode in ("weighted-sync", "equal-sync", "async"):
+        rows = [line.split() for line in plan if line.startswith(mode)]
+        assert len(rows) == 3  # one per worker: slowdown, share, idle s, alpha, beta, transfer
+        assert sum(float(r[2]) for r in rows) == pytest.approx(1.0, abs=0.01)
+        assert all(float(r[4]) >= 0 and float(r[5]) > 0 for r in rows)
+    assert "differ from slowdown ratios" in " ".join(out.split())  # the legend

@@ -23,7 +23,10 @@ from pserver.store.stores import RemoteStores
 from tests.live import AsyncClient, Member, clients, live_server, live_sharded
 
 ROUNDS = 5
-SETTINGS = dict(global_batch=30, chunk_mb=0.02, epochs=50, momentum=0.9, weight_decay=1e-4)
+# The speed planner: the model planner follows measured round times, which no script repeats.
+SETTINGS = dict(
+    global_batch=30, chunk_mb=0.02, epochs=50, momentum=0.9, weight_decay=1e-4, planner="speed"
+)
 
 
 def _gradient(task: TaskReply, size: int, num_params: int) -> np.ndarray:

@@ -49,6 +49,7 @@ RETRY_CODES = (ErrorCode.STALE, ErrorCode.NON_FINITE, ErrorCode.INCOMPLETE, Erro
 REJOIN_CODES = (ErrorCode.UNKNOWN_WORKER, ErrorCode.BUSY)
 # A task whose loss is NaN this many times in a row is given up: the worker leaves.
 MAX_NAN_TRIES = 3
+CALIBRATION_STEPS = 3  # timed steps at each of the two calibration batch sizes
 
 
 @dataclass
@@ -106,6 +107,7 @@ class Worker:
         self._overlapped = False  # the last step's push was armed during backward
         self.overlap: OverlappedPush | None = None
         self.augmenter: Augmenter | None = None
+        self._calibration: list[tuple[int, float]] = []  # (batch, compute s) of calibration
 
     def run(self) -> WorkerStats:
         """Join and train until the server says stop, rejoining if the server is lost.
@@ -230,7 +232,7 @@ class Worker:
             if self.speed.speed == 0.0:
                 self._calibrate(spec)
             self._loaded_version = -1
-            reply = self._request_task()
+            reply = self._request_task(calibration=True)
             while reply.action == "train":
                 reply = self._step(reply, prefetcher)
         finally:
@@ -304,16 +306,22 @@ class Worker:
         return reply
 
     def _calibrate(self, spec: JoinReply) -> None:
-        """Time a few steps on random data so the first plan already follows speeds."""
+        """Time steps on random data at two batch sizes, so the first plan already follows
+        speeds and the server's model of this worker has a slope (fixed vs per-sample cost)."""
         assert self.flat is not None
-        batch = self.config.calibration_batch
+        large = self.config.calibration_batch
         size = spec.input_size
-        x = torch.randn(batch, spec.in_channels, size, size, device=self.device)
-        y = torch.randint(0, spec.num_classes, (batch,), device=self.device)
         state = self.flat.state.clone()
-        for _ in range(3):
-            self._compute(x, y)
+        pairs: list[tuple[int, float]] = []
+        for batch in (max(large // 4, 1), large):
+            x = torch.randn(batch, spec.in_channels, size, size, device=self.device)
+            y = torch.randint(0, spec.num_classes, (batch,), device=self.device)
+            for _ in range(CALIBRATION_STEPS):
+                begin = self.stats.compute_s
+                self._compute(x, y)
+                pairs.append((batch, self.stats.compute_s - begin))
         self.flat.state.copy_(state)  # calibration must not leave BatchNorm statistics
+        self._calibration = pairs[1:]  # the very first step pays one-off warm-up costs
         log.info("calibrated: %.1f samples/s", self.speed.speed)
 
     def _compute(self, x: torch.Tensor, y: torch.Tensor, task: TaskReply | None = None) -> float:
@@ -353,12 +361,26 @@ class Worker:
         self.flat.push_into(self._host_grad)
         self.stores.push(task.task_id, task.push_token, task.version, self._host_grad)
 
-    def _request_task(self) -> TaskReply:
+    def _request_task(self, calibration: bool = False) -> TaskReply:
+        """Ask for the next task; with ``calibration`` (a session's first request), send the
+        calibration pairs along."""
         assert self.conn is not None
-        return self.conn.request(
-            TaskRequest(worker_id=self.worker_id, token=self.token, speed=self.speed.speed),
-            expect=TaskReply,
+        pairs = self._calibration if calibration else []
+        request = TaskRequest(
+            worker_id=self.worker_id,
+            token=self.token,
+            speed=self.speed.speed,
+            calibration_batches=[b for b, _ in pairs] or None,
+            calibration_s=[s for _, s in pairs] or None,
         )
+        try:
+            return self.conn.request(request, expect=TaskReply)
+        except RemoteError as exc:
+            if not pairs or exc.code != ErrorCode.BAD_FIELD or "unknown fields" not in str(exc):
+                raise
+            log.info("the server takes no calibration pairs (an older version); not sending them")
+            plain = TaskRequest(worker_id=self.worker_id, token=self.token, speed=self.speed.speed)
+            return self.conn.request(plain, expect=TaskReply)
 
     def _ensure_params(self, task: TaskReply) -> None:
         """Make sure the parameters of ``task.version`` (or newer) are loaded."""

@@ -30,12 +30,13 @@ class Message:
         """Encode this message as frames tagged with ``request_id``."""
         body: dict[str, Any] = {}
         tensors: list[np.ndarray] = []
+        optional = _optional(type(self))
         for name, _, _, kind in _schema(type(self)):
             value = getattr(self, name)
             if kind == "tensor":
                 tensors.append(value)
-            else:
-                body[name] = value
+            elif value is not None or name not in optional:
+                body[name] = value  # an unset optional field stays off the wire (old peers)
         return encode_frames(
             {"type": self.TYPE, "id": request_id, "status": "ok", "body": body}, tensors
         )
@@ -63,6 +64,9 @@ class Message:
                 values[name] = next(arrays)
                 continue
             if name not in body:
+                if name in _optional(cls):
+                    values[name] = None
+                    continue
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE}: missing field {name!r}")
             values[name] = _check(cls.TYPE, name, optional, kind, body[name])
         extra = set(body) - set(values)
@@ -85,6 +89,17 @@ def _schema(cls: type) -> list[tuple[str, Any, bool, str]]:
             (f.name, hints[f.name], *_resolve(hints[f.name])) for f in dataclasses.fields(cls)
         ]
     return _SCHEMAS[cls]
+
+
+_OPTIONAL: dict[type, frozenset[str]] = {}
+
+
+def _optional(cls: type) -> frozenset[str]:
+    """Fields that default to None: they may be absent on the wire (added after version 2's
+    first release, so that peers without them keep working)."""
+    if cls not in _OPTIONAL:
+        _OPTIONAL[cls] = frozenset(f.name for f in dataclasses.fields(cls) if f.default is None)
+    return _OPTIONAL[cls]
 
 
 def _resolve(kind: Any) -> tuple[bool, str]:

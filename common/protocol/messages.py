@@ -65,12 +65,19 @@ class JoinRequest(Message):
 @dataclasses.dataclass(frozen=True)
 class TaskRequest(Message):
     """A worker asks for its next task, reporting its speed in samples/s: first after joining
-    and calibrating, then to re-pull after a rejected push."""
+    and calibrating, then to re-pull after a rejected push.
+
+    Optional: ``calibration_batches`` and ``calibration_s``, the batch sizes and compute
+    seconds of the calibration steps (equal lengths, at most 16), which seed the server's
+    performance model of the worker; absent when the worker did not calibrate.
+    """
 
     TYPE: ClassVar[str] = "task_request"
     worker_id: int
     token: str
     speed: float
+    calibration_batches: list[int] | None = None
+    calibration_s: list[float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

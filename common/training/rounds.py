@@ -50,7 +50,8 @@ def breakdown(event: Mapping[str, Any]) -> list[WorkerRound]:
     """Split a ``round`` event into each worker's compute, transfer and idle time.
 
     Uses the best fields present per worker: compute from ``emulated_s`` (compute with the
-    emulated slowdown, as DDP records it), else ``actual_s``, else ``compute_s``, else
+    emulated slowdown, as DDP records it), else ``compute_s``, else ``actual_s`` (compute
+    and transfer, as the server measures it) minus ``transfer_s``, else
     estimated as batch / speed (the whole round when the speed is unknown too); transfer
     from ``transfer_s``; idle from ``idle_s``, else derived as ``round_s`` minus compute and
     transfer (never below 0).
@@ -78,18 +79,17 @@ def breakdown(event: Mapping[str, Any]) -> list[WorkerRound]:
     for entry in usable:
         batch = int(_number(entry, "batch") or 0)
         speed = _number(entry, "speed") or 0.0
+        transfer = _number(entry, "transfer_s")
         compute = next(
-            (
-                v
-                for k in ("emulated_s", "actual_s", "compute_s")
-                if (v := _number(entry, k)) is not None
-            ),
+            (v for k in ("emulated_s", "compute_s") if (v := _number(entry, k)) is not None),
             None,
         )
+        actual = _number(entry, "actual_s")
+        if compute is None and actual is not None:
+            compute = max(actual - (transfer or 0.0), 0.0)
         estimated = compute is None
         if compute is None:  # no timing: batch / speed; no speed either: busy all round
             compute = min(batch / speed, round_s) if speed > 0 else (round_s if batch else 0.0)
-        transfer = _number(entry, "transfer_s")
         idle = _number(entry, "idle_s")
         derived = idle is None
         if idle is None:

@@ -110,6 +110,10 @@ class ModePolicy(abc.ABC):
     def restore(self, state: dict[str, object]) -> None:  # noqa: B027 - optional hook
         """Load what ``state`` returned."""
 
+    def idle_share(self) -> float | None:
+        """Share of worker round time spent waiting at the barrier (None in async mode)."""
+        return None
+
     def staleness(self) -> dict[str, float] | None:
         """Mean and max staleness of applied pushes (None in sync modes)."""
         return None

@@ -28,6 +28,8 @@ class Round:
     received: dict[int, tuple[WorkerInfo, Task]] = dataclasses.field(default_factory=dict)
     started: float = 0.0
     closing: bool = False
+    predicted: dict[int, float] = dataclasses.field(default_factory=dict)
+    accepted: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -45,6 +47,34 @@ class Round:
         return Update(entries, buffer_scale=1.0, round_id=self.round_id)
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkerTiming:
+    """One worker's part of a closed round, as the server measured it.
+
+    Attributes:
+        compute_s: compute time the worker reported (emulated slowdown included).
+        actual_s: from the round's start to its push being accepted (compute and transfer).
+        transfer_s: ``actual_s`` minus compute: parameters and gradient on the wire, data.
+        idle_s: from its push being accepted to the round's last push (waiting for others).
+        predicted_s: the planner's prediction of ``actual_s``, None without a fitted model.
+    """
+
+    compute_s: float
+    actual_s: float
+    transfer_s: float
+    idle_s: float
+    predicted_s: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundTiming:
+    """A closed round: ``round_s = actual_s + idle_s + step_s`` for every worker in it."""
+
+    round_s: float
+    step_s: float
+    workers: dict[int, WorkerTiming]
+
+
 class SyncRounds(ModePolicy):
     """Shared machinery of the synchronous modes; subclasses choose sizes and weights.
 
@@ -58,6 +88,9 @@ class SyncRounds(ModePolicy):
         self.rounds: collections.deque[Round] = collections.deque()
         self.next_round_id = 1
         self.round_times: list[float] = []
+        self.last_timing: RoundTiming | None = None
+        self.idle_total = 0.0
+        self.worker_round_total = 0.0
 
     @abc.abstractmethod
     def batch_sizes(self, workers: list[WorkerInfo], total: int) -> dict[int, int]:
@@ -82,7 +115,13 @@ class SyncRounds(ModePolicy):
                     tasks[worker.worker_id] = task
                     made.append((worker, task))
                     offset += n
-            self.rounds.append(Round(self.next_round_id, epoch, tasks, self.weights(sizes)))
+            fits = {w.worker_id: w.perf.fit() for w in ready}
+            predicted = {
+                w: fit.predict(n) for w, n in sizes.items() if (fit := fits.get(w)) is not None
+            }
+            self.rounds.append(
+                Round(self.next_round_id, epoch, tasks, self.weights(sizes), predicted=predicted)
+            )
             self.next_round_id += 1
         if self.rounds and not self.rounds[0].started:
             self.rounds[0].started = time.monotonic()
@@ -104,6 +143,7 @@ class SyncRounds(ModePolicy):
     def accept(self, worker: WorkerInfo, task: Task, push: PushRequest) -> Update | None:
         current = self.rounds[0]
         current.received[worker.worker_id] = (worker, task)
+        current.accepted[worker.worker_id] = (time.monotonic(), push.compute_s)
         return self._close_if_complete()
 
     def leave(self, worker: WorkerInfo, dropped: list[Task]) -> Update | None:
@@ -130,7 +170,17 @@ class SyncRounds(ModePolicy):
 
     def applied(self, update: Update, tau: int) -> None:
         done = self._finish(update)
-        self.round_times.append(time.monotonic() - done.started)
+        now = time.monotonic()
+        self.round_times.append(now - done.started)
+        self.last_timing = _timing(done, now)
+        self.idle_total += sum(w.idle_s for w in self.last_timing.workers.values())
+        self.worker_round_total += len(self.last_timing.workers) * self.last_timing.round_s
+
+    def idle_share(self) -> float | None:
+        """Sum of idle time over sum of worker round time, over every applied round."""
+        if self.worker_round_total <= 0:
+            return None
+        return min(self.idle_total / self.worker_round_total, 1.0)
 
     def refused(self, update: Update) -> None:
         self._finish(update)
@@ -150,3 +200,19 @@ class SyncRounds(ModePolicy):
             "round_s_median": float(np.median(times)),
             "round_s_mean": float(times.mean()),
         }
+
+
+def _timing(done: Round, now: float) -> RoundTiming:
+    """How long each worker of a closed round computed, transferred and waited."""
+    last = max((t for t, _ in done.accepted.values()), default=now)
+    workers = {}
+    for wid, (at, compute) in done.accepted.items():
+        actual = max(at - done.started, 0.0)
+        workers[wid] = WorkerTiming(
+            compute_s=compute,
+            actual_s=actual,
+            transfer_s=max(actual - compute, 0.0),
+            idle_s=last - at,
+            predicted_s=done.predicted.get(wid),
+        )
+    return RoundTiming(round_s=now - done.started, step_s=max(now - last, 0.0), workers=workers)

@@ -1,0 +1,168 @@
+"""Idle time at the round barrier: weighted-sync with the model planner, equal-sync, and
+weighted-sync with the speed planner, side by side on Jasper Ridge.
+
+hsi-cnn, 5x5 patches, 10 % train, three workers with slowdowns 1, 2, 4, 10 epochs (cosine lr
+0.05), the same seed in every run; the three configurations are interleaved within each repeat.
+Idle share = sum over rounds and workers of the time a worker waited for the round's last push,
+over the sum of their round times (summary.json ``idle_share``); "systematic idle" is the part
+a steady imbalance explains (see ``systematic_idle``), the rest is round-to-round noise.
+Target: weighted-sync (model planner) idle share <= 0.10 with OA >= 0.88.
+
+Prints one row per run, then medians over repeats (``idle_share_<config>=X.XXX`` lines) and the
+training time of equal-sync and of the speed planner over the model planner's, paired by
+repeat.
+
+Usage: python bench/idle_share.py [--repeats 1] [--epochs 10] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from common.logsetup import setup_logging  # noqa: E402
+from launch.demo import prepare_dataset  # noqa: E402
+from launch.local import LocalCluster, run_local  # noqa: E402
+from launch.table import format_table  # noqa: E402
+
+SLOWDOWNS = (1.0, 2.0, 4.0)
+CONFIGS = (  # name, mode, planner
+    ("weighted-sync/model", "weighted-sync", "model"),
+    ("equal-sync", "equal-sync", "model"),
+    ("weighted-sync/speed", "weighted-sync", "speed"),
+)
+
+
+def run_one(dataset: Path, out: Path, mode: str, planner: str, epochs: int) -> dict[str, Any]:
+    """One local run; returns its summary."""
+    cluster = LocalCluster(
+        dataset=dataset,
+        model="hsi-cnn",
+        mode=mode,
+        slowdowns=SLOWDOWNS,
+        run_dir=out,
+        server_options=(
+            "--epochs",
+            str(epochs),
+            "--lr",
+            "0.05",
+            "--lr-schedule",
+            "cosine",
+            "--planner",
+            planner,
+            "--overwrite",
+        ),
+    )
+    return run_local(cluster)
+
+
+def systematic_idle(run_dir: Path) -> float | None:
+    """The idle share a steady imbalance would cause, without round-to-round noise.
+
+    Per worker, the median over rounds of (its actual time - the round's mean actual time)
+    is its bias; each round then counts sum over its workers of (the largest bias among them
+    - bias_i), over (its workers * the median round time). A plan that balances the workers
+    has a small one even on a noisy machine; equal-sync's is large.
+    """
+    rounds = [
+        e
+        for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if e["event"] == "round" and len(e["workers"]) > 1
+    ]
+    deviations: dict[str, list[float]] = {}
+    for event in rounds:
+        mean = statistics.fmean(w["actual_s"] for w in event["workers"])
+        for w in event["workers"]:
+            deviations.setdefault(w["worker"], []).append(w["actual_s"] - mean)
+    if not deviations:
+        return None
+    bias = {name: statistics.median(d) for name, d in deviations.items()}
+    typical = statistics.median(e["round_s"] for e in rounds)
+    steady = slots = 0.0
+    for event in rounds:
+        mine = [bias[w["worker"]] for w in event["workers"]]
+        steady += sum(max(mine) - b for b in mine)
+        slots += len(mine) * typical
+    return steady / slots
+
+
+def shares(summary: dict[str, Any]) -> str:
+    """Share of samples per worker, by slowdown."""
+    total = sum(w["samples"] for w in summary["workers"]) or 1
+    by = sorted(summary["workers"], key=lambda w: w["slowdown"])
+    return " ".join(f"x{w['slowdown']:g}:{w['samples'] / total:.3f}" for w in by)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every configuration, print the table and the medians."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=1, help="runs per configuration")
+    parser.add_argument("--epochs", type=int, default=10, help="epochs per run")
+    parser.add_argument("--shared", type=Path, default=ROOT.parent / "shared")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs/bench/idle_share")
+    args = parser.parse_args(argv)
+    setup_logging("WARNING")
+    dataset = prepare_dataset(args.shared, args.out)
+    rows = []
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in CONFIGS}
+    for repeat in range(args.repeats):
+        for name, mode, planner in CONFIGS:
+            run_dir = args.out / f"{name.replace('/', '-')}-{repeat}"
+            summary = run_one(dataset, run_dir, mode, planner, args.epochs)
+            summary["systematic_idle"] = systematic_idle(run_dir)
+            results[name].append(summary)
+            final = summary.get("final") or {}
+            rows.append(
+                [
+                    name,
+                    repeat,
+                    summary["idle_share"],
+                    summary["systematic_idle"],
+                    final.get("oa"),
+                    summary["train_time_s"],
+                    summary["steps"],
+                    shares(summary),
+                ]
+            )
+    headers = [
+        "config",
+        "repeat",
+        "idle share",
+        "systematic idle",
+        "OA",
+        "train s",
+        "rounds",
+        "sample shares",
+    ]
+    print(format_table(headers, rows))
+    print()
+    for name, summaries in results.items():
+        idle = statistics.median(s["idle_share"] for s in summaries)
+        steady = statistics.median(s["systematic_idle"] or 0.0 for s in summaries)
+        oa = statistics.median((s.get("final") or {}).get("oa", 0.0) for s in summaries)
+        train = statistics.median(s["train_time_s"] for s in summaries)
+        print(
+            f"idle_share_{name}={idle:.3f} systematic_idle_{name}={steady:.3f} "
+            f"oa_{name}={oa:.4f} train_s_{name}={train:.2f}"
+        )
+    model = results["weighted-sync/model"]
+    for base in ("equal-sync", "weighted-sync/speed"):  # paired: runs of the same repeat
+        ratios = [
+            b["train_time_s"] / m["train_time_s"] for b, m in zip(results[base], model, strict=True)
+        ]
+        print(
+            f"train_time_ratio_{base}_over_model={statistics.median(ratios):.2f} "
+            f"(per repeat: {', '.join(f'{r:.2f}' for r in ratios)})"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

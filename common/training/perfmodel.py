@@ -1,0 +1,209 @@
+"""Per-worker performance model t(b) = alpha + beta*b + c, fitted online and robustly.
+
+``alpha`` is the fixed compute cost of a step, ``beta`` the compute cost per sample and ``c``
+the time per round the worker spends outside compute (parameters and gradient on the wire,
+data hand-off). Compute pairs ``(batch, seconds)`` come from calibration at join (kept) and
+from accepted pushes (a recent window); transfer times from the rounds. Both are fitted by
+Huber-weighted least squares, so a few outliers (a stalled step, a GC pause) barely move the
+fit. Absurd input (not finite, not positive, beyond ``MAX_SECONDS``) is ignored.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+MAX_SECONDS = 1e5  # a step or transfer beyond a day is a broken clock, not a measurement
+MAX_BATCH = 1 << 24
+WINDOW = 32  # recent pushes (and rounds) the fit follows
+MAX_CALIBRATION = 16
+HUBER_K = 1.345  # residuals beyond this many robust sigmas are down-weighted
+IRLS_STEPS = 8
+MIN_SPREAD = 0.05  # batch sizes must spread this much (relative) to show a slope
+MIN_BETA = 1e-9  # seconds per sample: a slope below this is no slope
+TOLERANCE = 1e-6  # relative change at which the reweighting has converged
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """A fitted model: predicted round time ``alpha_s + beta_s_per_sample * b + transfer_s``.
+
+    Attributes:
+        alpha_s: fixed compute cost per step (>= 0).
+        beta_s_per_sample: compute cost per sample (> 0).
+        transfer_s: time per round outside compute (>= 0).
+        proportional: no slope could be fitted (one batch size so far): ``alpha_s`` is 0 and
+            ``beta_s_per_sample`` is the mean seconds per sample.
+    """
+
+    alpha_s: float
+    beta_s_per_sample: float
+    transfer_s: float
+    proportional: bool = False
+
+    def predict(self, batch: int) -> float:
+        """Predicted round time (compute and transfer) for ``batch`` samples."""
+        return self.alpha_s + self.beta_s_per_sample * batch + self.transfer_s
+
+    def as_dict(self) -> dict[str, float]:
+        """The ``model`` entry of a worker in ``summary.json``."""
+        return {
+            "alpha_s": round(self.alpha_s, 6),
+            "beta_s_per_sample": round(self.beta_s_per_sample, 9),
+            "transfer_s": round(self.transfer_s, 6),
+        }
+
+
+def _seconds(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) and 0 <= value <= MAX_SECONDS else None
+
+
+def _batch(value: object) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not math.isfinite(value) or value != int(value) or not 1 <= value <= MAX_BATCH:
+        return None
+    return int(value)
+
+
+def _scale(residuals: np.ndarray, floor: float) -> float:
+    """Robust sigma of residuals: 1.4826 times their median absolute value."""
+    return max(1.4826 * float(np.median(np.abs(residuals))), floor)
+
+
+def _huber_weights(residuals: np.ndarray, sigma: float) -> np.ndarray:
+    """Huber weights: 1 within ``HUBER_K`` sigmas, falling as 1/|r| beyond."""
+    return np.minimum(1.0, HUBER_K * sigma / np.maximum(np.abs(residuals), 1e-300))
+
+
+def robust_location(values: Sequence[float]) -> float:
+    """Huber M-estimate of the centre of ``values`` (which must not be empty)."""
+    xs = np.asarray(values, dtype=np.float64)
+    centre = float(np.median(xs))
+    sigma = _scale(xs - centre, 1e-6 * abs(centre) + 1e-12)
+    for _ in range(IRLS_STEPS):
+        weights = _huber_weights(xs - centre, sigma)
+        updated = float(weights @ xs / weights.sum())
+        if abs(updated - centre) <= TOLERANCE * abs(centre) + 1e-12:
+            return updated
+        centre = updated
+    return centre
+
+
+def robust_line(points: Sequence[tuple[int, float]]) -> tuple[float, float] | None:
+    """Huber-weighted least-squares line ``t = alpha + beta * b`` through ``points``.
+
+    Returns:
+        ``(alpha, beta)`` with alpha >= 0 and beta > 0 (a negative intercept is refitted
+        through the origin), or None when the batch sizes do not spread enough to show a
+        slope, or the slope is not positive.
+    """
+    if len(points) < 2:
+        return None
+    data = np.asarray(points, dtype=np.float64)
+    bs, ts = data[:, 0], data[:, 1]
+    if bs.max() - bs.min() < MIN_SPREAD * bs.max():
+        return None
+    # Start from the Theil-Sen line (median of pairwise slopes): robust, so the residual
+    # scale taken from it holds for every reweighting step.
+    db, dt = bs[:, None] - bs[None, :], ts[:, None] - ts[None, :]
+    distinct = db > 0
+    beta = float(np.median(dt[distinct] / db[distinct]))
+    alpha = float(np.median(ts - beta * bs))
+    sigma = _scale(ts - alpha - beta * bs, 1e-6 * float(np.median(ts)) + 1e-12)
+    weights = _huber_weights(ts - alpha - beta * bs, sigma)
+    for _ in range(IRLS_STEPS):
+        sw = weights.sum()
+        mb, mt = weights @ bs / sw, weights @ ts / sw
+        sbb = weights @ (bs - mb) ** 2
+        if sbb <= 0:  # the weights left a single batch size
+            return None
+        new_beta = float(weights @ ((bs - mb) * (ts - mt)) / sbb)
+        new_alpha = float(mt - new_beta * mb)
+        done = abs(new_beta - beta) <= TOLERANCE * abs(new_beta) and abs(
+            new_alpha - alpha
+        ) <= TOLERANCE * (abs(new_alpha) + abs(new_beta) * mb)
+        alpha, beta = new_alpha, new_beta
+        if done:
+            break
+        weights = _huber_weights(ts - alpha - beta * bs, sigma)
+    if alpha < 0:  # fixed cost cannot be negative: the best line through the origin
+        beta = float(weights @ (bs * ts) / (weights @ (bs * bs)))
+        alpha = 0.0
+    if not (math.isfinite(alpha) and math.isfinite(beta)) or beta < MIN_BETA:
+        return None
+    return alpha, beta
+
+
+class PerfModel:
+    """One worker's model, refitted on demand after new measurements.
+
+    Args:
+        window: recent pushes (and transfer times) the fit follows.
+    """
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self.calibration: list[tuple[int, float]] = []
+        self.compute: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+        self.transfer: collections.deque[float] = collections.deque(maxlen=window)
+        self._fit: Fit | None = None
+        self._dirty = False
+
+    def seed(self, batches: Iterable[object], seconds: Iterable[object]) -> int:
+        """Calibration pairs from join: kept for good (they carry the slope).
+
+        Returns:
+            How many pairs were usable (absurd ones are skipped).
+        """
+        pairs = [
+            (b, s)
+            for b, s in ((_batch(b), _seconds(s)) for b, s in zip(batches, seconds, strict=False))
+            if b is not None and s is not None and s > 0
+        ]
+        self.calibration = pairs[:MAX_CALIBRATION]
+        self._dirty = True
+        return len(self.calibration)
+
+    def add_compute(self, batch: object, seconds: object) -> bool:
+        """One accepted push: its batch and compute seconds. Returns whether it was usable."""
+        b, s = _batch(batch), _seconds(seconds)
+        if b is None or s is None or s <= 0:
+            return False
+        self.compute.append((b, s))
+        self._dirty = True
+        return True
+
+    def add_transfer(self, seconds: object) -> bool:
+        """One round's time outside compute. Returns whether it was usable."""
+        s = _seconds(seconds)
+        if s is None:
+            return False
+        self.transfer.append(s)
+        self._dirty = True
+        return True
+
+    def fit(self) -> Fit | None:
+        """The current fit, or None before any compute measurement."""
+        if self._dirty:
+            self._fit = self._refit()
+            self._dirty = False
+        return self._fit
+
+    def _refit(self) -> Fit | None:
+        points = [*self.calibration, *self.compute]
+        if not points:
+            return None
+        transfer = robust_location(list(self.transfer)) if self.transfer else 0.0
+        line = robust_line(points)
+        if line is None:  # one batch size: assume time proportional to the batch
+            per_sample = robust_location([t / b for b, t in points])
+            return Fit(0.0, max(per_sample, MIN_BETA), max(transfer, 0.0), proportional=True)
+        alpha, beta = line
+        return Fit(alpha, beta, max(transfer, 0.0))
