@@ -1,4 +1,6 @@
-"""The worker: join, calibrate, then compute gradients on the tasks the server hands out."""
+"""The worker: join, calibrate, then compute gradients on the tasks the server hands out,
+rejoining a lost server. The model itself (compute, calibration, parameter and gradient
+buffers) is the ``Replica`` of ``worker.replica``."""
 
 from __future__ import annotations
 
@@ -6,13 +8,10 @@ import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import zmq
-from torch import nn
 
 from common.errors import ErrorCode, ModelError, NetworkTimeout, PSError, RemoteError, ServerLost
 from common.protocol.client import Connection
@@ -26,18 +25,17 @@ from common.protocol.messages import (
     TaskRequest,
 )
 from common.protocol.security import load_client_keys
-from common.training.device import ComputeTimer, host_buffer, resolve_device
-from common.training.flat import FlatModel
-from common.training.models import BUILTIN, build_model
+from common.training.device import ComputeTimer, resolve_device
+from common.training.models import BUILTIN
 from common.training.slowdown import SlowdownSchedule
 from common.training.speed import SpeedMeter
 from worker.augment import Augmenter
 from worker.config import WorkerConfig
 from worker.heartbeat import TRAINING_ENDED, Heartbeat
 from worker.local_data import open_local_copy
-from worker.overlap import OverlappedPush
 from worker.params import StoreClient
 from worker.prefetch import AheadReader, Prefetcher, sample_codec
+from worker.replica import Replica, WorkerStats
 
 log = logging.getLogger(__name__)
 
@@ -49,19 +47,6 @@ RETRY_CODES = (ErrorCode.STALE, ErrorCode.NON_FINITE, ErrorCode.INCOMPLETE, Erro
 REJOIN_CODES = (ErrorCode.UNKNOWN_WORKER, ErrorCode.BUSY)
 # A task whose loss is NaN this many times in a row is given up: the worker leaves.
 MAX_NAN_TRIES = 3
-CALIBRATION_STEPS = 3  # timed steps at each of the two calibration batch sizes
-
-
-@dataclass
-class WorkerStats:
-    """What a worker did, reported when it exits."""
-
-    steps: int = 0
-    samples: int = 0
-    compute_s: float = 0.0
-    data_wait_s: float = 0.0
-    wall_s: float = 0.0
-    rejected: int = 0
 
 
 class NonFiniteLoss(PSError):
@@ -99,14 +84,7 @@ class Worker:
         self.sessions = 0
         self._joined = False
         self._ever_joined = False
-        self.model: nn.Module | None = None
-        self.flat: FlatModel | None = None
-        self._host_state: torch.Tensor | None = None
-        self._host_grad: torch.Tensor | None = None
-        self._loaded_version = -1
-        self._overlapped = False  # the last step's push was armed during backward
-        self.overlap: OverlappedPush | None = None
-        self.augmenter: Augmenter | None = None
+        self.replica: Replica | None = None
         self._calibration: list[tuple[int, float]] = []  # (batch, compute s) of calibration
 
     def run(self) -> WorkerStats:
@@ -221,17 +199,15 @@ class Worker:
                 self.curve,
                 abort,
             )
-            if self.config.overlap and len(self.stores.chunks) > 1:
-                # With one chunk there is nothing to overlap: it is complete only when
-                # backward ends, and it goes out with the push request.
-                assert self.flat is not None and self._host_grad is not None
-                self.overlap = OverlappedPush(self.flat, self.stores, self._host_grad)
+            replica = self.replica
+            assert replica is not None
+            if self.config.overlap:
+                replica.overlap_with(self.stores)
             prefetcher = self._open_data(spec, abort)
             if self.config.augment:
-                self.augmenter = Augmenter(spec.seed, noise=self.config.augment_noise)
+                replica.augmenter = Augmenter(spec.seed, noise=self.config.augment_noise)
             if self.speed.speed == 0.0:
-                self._calibrate(spec)
-            self._loaded_version = -1
+                self._calibration = replica.calibrate(spec, self.config.calibration_batch)
             reply = self._request_task(calibration=True)
             while reply.action == "train":
                 reply = self._step(reply, prefetcher)
@@ -281,18 +257,9 @@ class Worker:
         )
         self._check_model_allowed(reply.model)
         self.worker_id, self.token = reply.worker_id, reply.token
-        model = build_model(reply.model, reply.in_channels, reply.num_classes, reply.input_size)
-        self.model = model.to(self.device).train()
-        self.flat = FlatModel(self.model)
-        if self.flat.size != reply.state_size or self.flat.num_params != reply.num_params:
-            raise RemoteError(
-                ErrorCode.BAD_TENSOR,
-                f"model {reply.model} has {self.flat.size} values here but "
-                f"{reply.state_size} on the server",
-            )
-        self._host_state = host_buffer(self.flat.size, self.device)
-        self._host_grad = host_buffer(self.flat.size, self.device)
-        self.overlap = None
+        self.replica = Replica(
+            reply, self.device, self.timer, self.slowdown, self.speed, self.stats
+        )
         log.info(
             "joined %s as worker %d (%s, model %s, %d store%s, %s wire)",
             self.config.server,
@@ -304,62 +271,6 @@ class Worker:
             reply.wire_dtype,
         )
         return reply
-
-    def _calibrate(self, spec: JoinReply) -> None:
-        """Time steps on random data at two batch sizes, so the first plan already follows
-        speeds and the server's model of this worker has a slope (fixed vs per-sample cost)."""
-        assert self.flat is not None
-        large = self.config.calibration_batch
-        size = spec.input_size
-        state = self.flat.state.clone()
-        pairs: list[tuple[int, float]] = []
-        for batch in (max(large // 4, 1), large):
-            x = torch.randn(batch, spec.in_channels, size, size, device=self.device)
-            y = torch.randint(0, spec.num_classes, (batch,), device=self.device)
-            for _ in range(CALIBRATION_STEPS):
-                begin = self.stats.compute_s
-                self._compute(x, y)
-                pairs.append((batch, self.stats.compute_s - begin))
-        self.flat.state.copy_(state)  # calibration must not leave BatchNorm statistics
-        self._calibration = pairs[1:]  # the very first step pays one-off warm-up costs
-        log.info("calibrated: %.1f samples/s", self.speed.speed)
-
-    def _compute(self, x: torch.Tensor, y: torch.Tensor, task: TaskReply | None = None) -> float:
-        """Forward and backward on one batch, then the emulated slowdown; returns the loss.
-
-        With ``task``, gradient chunks are pushed while backward runs (on an emulated slow
-        device only after its emulated step, as its slowdown is a sleep after compute); the
-        rest go with the push request (``_finish_push``). A loss that is not finite skips
-        backward and pushes nothing.
-        """
-        assert self.model is not None and self.flat is not None
-        self.timer.start()
-        self.flat.zero_grad()
-        loss = nn.functional.cross_entropy(self.model(x), y)
-        value = float(loss.detach())
-        overlap = task is not None and self.overlap is not None
-        overlap = overlap and self.slowdown.factor(self.stats.steps) == 1
-        if math.isfinite(value):
-            if overlap:
-                assert self.overlap is not None and task is not None
-                self.overlap.arm(task.task_id, task.push_token, task.version)
-            loss.backward()
-        emulated = self.slowdown.emulate(self.stats.steps, self.timer.stop())
-        self.speed.update(len(y), emulated)
-        self.stats.compute_s += emulated
-        self._overlapped = overlap
-        return value
-
-    def _finish_push(self, task: TaskReply, overlapped: bool) -> None:
-        """Send what backward did not already push, right before the push request: chunks
-        and request then reach the server together and wake it once, not twice."""
-        assert self.flat is not None and self.stores is not None and self._host_grad is not None
-        if overlapped:
-            assert self.overlap is not None
-            self.overlap.finish()
-            return
-        self.flat.push_into(self._host_grad)
-        self.stores.push(task.task_id, task.push_token, task.version, self._host_grad)
 
     def _request_task(self, calibration: bool = False) -> TaskReply:
         """Ask for the next task; with ``calibration`` (a session's first request), send the
@@ -382,43 +293,19 @@ class Worker:
             plain = TaskRequest(worker_id=self.worker_id, token=self.token, speed=self.speed.speed)
             return self.conn.request(plain, expect=TaskReply)
 
-    def _ensure_params(self, task: TaskReply) -> None:
-        """Make sure the parameters of ``task.version`` (or newer) are loaded."""
-        assert self.stores is not None and self._host_state is not None
-        if self._loaded_version < task.version:
-            self.stores.pull(task.version)
-            self._loaded_version = self.stores.collect(
-                self._host_state, self.config.reply_timeout_s
-            )
-        assert self.flat is not None
-        self.flat.load(self._host_state)
-
-    def _batch(self, task: TaskReply, prefetcher: AheadReader) -> tuple[torch.Tensor, torch.Tensor]:
-        x_np, y_np = prefetcher.get(task.indices)
-        prefetcher.start(task.prefetch)
-        pin = self.device.type == "cuda"
-        x = torch.from_numpy(np.ascontiguousarray(x_np))
-        y = torch.from_numpy(np.ascontiguousarray(y_np))
-        if pin:
-            x, y = x.pin_memory(), y.pin_memory()
-        x = x.to(self.device, non_blocking=pin)
-        y = y.to(self.device, non_blocking=pin)
-        if self.augmenter is not None:
-            x = self.augmenter(x, step_key=task.task_id)
-        return x, y
-
     def _step(self, task: TaskReply, prefetcher: AheadReader) -> TaskReply:
         """Train on one task and push; returns the next task (or stop)."""
-        assert self.flat is not None and self.stores is not None and self._host_grad is not None
-        x, y = self._batch(task, prefetcher)
+        replica, stores = self.replica, self.stores
+        assert replica is not None and stores is not None
+        x, y = replica.batch(task, prefetcher)
         for attempt in range(1, MAX_NAN_TRIES + 1):
-            self._ensure_params(task)
+            replica.ensure_params(task, stores, self.config.reply_timeout_s)
             begin = self.stats.compute_s
-            loss = self._compute(x, y, task)
+            loss = replica.compute(x, y, task)
             if math.isfinite(loss):
                 break
             log.warning("loss is %s on task %d (try %d)", loss, task.task_id, attempt)
-            self._loaded_version = -1  # pull the parameters again before retrying
+            replica.loaded_version = -1  # pull the parameters again before retrying
             if attempt == MAX_NAN_TRIES:
                 raise NonFiniteLoss(
                     f"the loss stayed {loss} on task {task.task_id} after {attempt} tries; "
@@ -444,10 +331,10 @@ class Worker:
             batch_size=len(task.indices),
             speed=self.speed.speed,
             compute_s=self.stats.compute_s - begin,
-            transfer_s=self.stores.transfer_s,
+            transfer_s=stores.transfer_s,
             loss=loss,
         )
-        self._finish_push(task, self._overlapped)
+        replica.finish_push(task, stores)
         try:
             reply = self.conn.request(push, expect=TaskReply)
         except RemoteError as exc:
@@ -456,24 +343,23 @@ class Worker:
                 raise
             self.stats.rejected += 1
             log.info("push rejected (%s); pulling fresh parameters", exc)
-            self._loaded_version = -1
+            replica.loaded_version = -1
             return self._request_task()
         if reply.action == "train":
             try:
-                assert self._host_state is not None
-                self._loaded_version = self.stores.collect(
-                    self._host_state, self.config.reply_timeout_s
+                replica.loaded_version = stores.collect(
+                    replica.host_state, self.config.reply_timeout_s
                 )
             except RemoteError as exc:
                 log.info("fused parameters refused (%s); pulling them", exc)
-                self._loaded_version = -1
+                replica.loaded_version = -1
         return reply
 
     def _drain(self) -> None:
         """Read the (error) answers to a rejected push's chunks, so none is left pending."""
-        assert self.stores is not None and self._host_grad is not None
+        assert self.stores is not None and self.replica is not None
         with contextlib.suppress(RemoteError, NetworkTimeout):
-            self.stores.collect(self._host_grad, min(self.config.reply_timeout_s, 30.0))
+            self.stores.collect(self.replica.host_grad, min(self.config.reply_timeout_s, 30.0))
 
     def _leave(self, reason: str) -> None:
         if not self._joined:
