@@ -7,24 +7,29 @@ one's wait grows the other's: the step time feeds back without bound. So a step 
 
 1. forward and backward under ``ddp_model.no_sync()`` (no communication), timed with a
    device synchronisation on both ends: the compute time t;
-2. ``SlowdownSchedule.emulate``: sleep (F-1)·t, so this rank looks F times slower;
+2. ``SlowdownSchedule.pause``: sleep (F-1)·t̂, so this rank looks F times slower, where t̂ is
+   this rank's compute time for its local batch size calibrated before training (the median
+   of untimed passes, ``warm_up``). A fixed t̂ keeps the noise of each step's t (a busy core,
+   a cache evicted during the sleep) out of the sleep, which would otherwise multiply it by
+   F-1 on the slowest rank and so on every rank's step;
 3. one flat ``all_reduce`` (SUM) of ``[gradients, buffer changes, tail]``, then division by the
    number of ranks that had samples: the plain mean of the ranks' mean gradients, exactly
    what equal-sync computes; the tail carries each rank's compute and emulated time and its
    loss, so rank 0 learns every rank's speed without another collective.
 
-Only steps 1-2 are ever scaled, so a rank's emulated time is F·t whatever the others do, and the
-step time is max_r(F_r·t_r) plus the all-reduce. Float buffers (BatchNorm running statistics)
-are averaged the same way, as the parameter server averages their changes; integer buffers stay
-local, as they do on parameter-server workers.
+Only steps 1-2 are ever scaled, so a rank's emulated time is t + (F-1)·t̂ whatever the others
+do, and the step time is max_r(t_r + (F_r-1)·t̂_r) plus the all-reduce. Float buffers
+(BatchNorm running statistics) are averaged the same way, as the parameter server averages
+their changes; integer buffers stay local, as they do on parameter-server workers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -33,6 +38,7 @@ from common.training.slowdown import SlowdownSchedule
 from worker.device import synchronize
 
 AllReduce = Callable[[torch.Tensor], None]
+CALIBRATION_PASSES = 12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +48,7 @@ class StepResult:
     Attributes:
         loss: mean training loss over the ranks that had samples, weighted by their samples.
         compute_s: per rank, the measured compute time t_r.
-        emulated_s: per rank, the emulated compute time F_r·t_r.
+        emulated_s: per rank, the emulated compute time t_r + (F_r-1)·t̂_r.
         active: how many ranks had samples.
     """
 
@@ -83,6 +89,7 @@ class ComputeOnlyStep:
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
         self.num_params = sum(p.numel() for p in self.params)
         self.num_buffers = sum(b.numel() for b in self.buffers)
+        self.calibrated: dict[int, float] = {}
 
     def _no_sync(self) -> contextlib.AbstractContextManager[object]:
         no_sync = getattr(self.forward, "no_sync", None)
@@ -99,24 +106,42 @@ class ComputeOnlyStep:
         synchronize(self.device)
         return float(loss.detach()), time.perf_counter() - start
 
-    def warm_up(self, x: torch.Tensor, y: torch.Tensor, repeats: int = 2) -> None:
-        """Untimed forward/backward passes (as workers calibrate before training starts).
+    def warm_up(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        repeats: int = 2,
+        sizes: Iterable[int] = (),
+        passes: int = CALIBRATION_PASSES,
+    ) -> dict[int, float]:
+        """Untimed passes, then calibrate the compute time t̂ of each local batch size.
 
         Leaves parameters, buffers and gradients as they were; nothing is communicated.
 
         Args:
-            x, y: a batch of the local batch's shape (random data will do).
-            repeats: how many passes.
+            x, y: a batch at least as large as the largest size (random data will do).
+            repeats: how many passes before calibrating.
+            sizes: the local batch sizes the rank will train on (sizes above ``len(y)`` or
+                below 1 are skipped; a size never calibrated sleeps on its measured t).
+            passes: timed passes per size; t̂ is their median.
+
+        Returns:
+            ``self.calibrated``: local batch size -> t̂ in seconds.
         """
         before = self._flat(self.buffers)
         for _ in range(repeats):
             self._compute(x, y)
+        for size in sorted(set(sizes)):
+            if 1 <= size <= len(y):
+                times = [self._compute(x[:size], y[:size])[1] for _ in range(max(passes, 1))]
+                self.calibrated[size] = statistics.median(times)
         self.model.zero_grad(set_to_none=False)
         with torch.no_grad():
             offset = 0
             for buf in self.buffers:
                 buf.copy_(before[offset : offset + buf.numel()].view_as(buf))
                 offset += buf.numel()
+        return self.calibrated
 
     def run(self, step: int, x: torch.Tensor, y: torch.Tensor) -> StepResult:
         """Compute this rank's gradients on ``(x, y)`` and average them over the ranks.
@@ -135,7 +160,10 @@ class ComputeOnlyStep:
         before = self._flat(self.buffers)
         samples = len(y)
         loss, compute = self._compute(x, y) if samples else (0.0, 0.0)
-        emulated = self.schedule.emulate(step, compute) if samples else 0.0
+        emulated = 0.0
+        if samples:
+            basis = self.calibrated.get(samples, compute)
+            emulated = compute + self.schedule.pause(step, basis)
         # [gradients (p), buffer changes (b), active, loss sum, samples, t_r (w), F_r·t_r (w)]
         flat = torch.zeros(p + b + 3 + 2 * w, device=self.device)
         head = p + b
