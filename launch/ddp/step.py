@@ -8,10 +8,10 @@ one's wait grows the other's: the step time feeds back without bound. So a step 
 1. forward and backward under ``ddp_model.no_sync()`` (no communication), timed with a
    device synchronisation on both ends: the compute time t;
 2. ``SlowdownSchedule.pause``: sleep (F-1)·t̂, so this rank looks F times slower, where t̂ is
-   this rank's compute time for its local batch size calibrated before training (the median
-   of untimed passes, ``warm_up``). A fixed t̂ keeps the noise of each step's t (a busy core,
-   a cache evicted during the sleep) out of the sleep, which would otherwise multiply it by
-   F-1 on the slowest rank and so on every rank's step;
+   this rank's compute time for its local batch size calibrated before training (the lower
+   quartile of passes before the clock starts, ``warm_up``). A fixed t̂ keeps the noise of
+   each step's t (a busy core, a cache evicted during the sleep) out of the sleep, which
+   would otherwise multiply it by F-1 on the slowest rank and so on every rank's step;
 3. one flat ``all_reduce`` (SUM) of ``[gradients, buffer changes, tail]``, then division by the
    number of ranks that had samples: the plain mean of the ranks' mean gradients, exactly
    what equal-sync computes; the tail carries each rank's compute and emulated time and its
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import statistics
 import time
 from collections.abc import Callable, Iterable
 
@@ -38,7 +37,18 @@ from common.training.slowdown import SlowdownSchedule
 from worker.device import synchronize
 
 AllReduce = Callable[[torch.Tensor], None]
-CALIBRATION_PASSES = 12
+CALIBRATION_PASSES = 16
+
+
+def calibrated_time(times: list[float]) -> float:
+    """The compute time t̂ that passes ``times`` calibrate: their lower quartile.
+
+    A core shared with other processes only ever adds time to a pass, so a low quantile
+    estimates the device's own compute time and stays put when a few passes were disturbed;
+    the median moves with the machine's load and the sleep would multiply that by F-1.
+    """
+    ordered = sorted(times)
+    return ordered[(len(ordered) - 1) // 4]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +133,7 @@ class ComputeOnlyStep:
             repeats: how many passes before calibrating.
             sizes: the local batch sizes the rank will train on (sizes above ``len(y)`` or
                 below 1 are skipped; a size never calibrated sleeps on its measured t).
-            passes: timed passes per size; t̂ is their median.
+            passes: timed passes per size; t̂ is their lower quartile (``calibrated_time``).
 
         Returns:
             ``self.calibrated``: local batch size -> t̂ in seconds.
@@ -134,7 +144,7 @@ class ComputeOnlyStep:
         for size in sorted(set(sizes)):
             if 1 <= size <= len(y):
                 times = [self._compute(x[:size], y[:size])[1] for _ in range(max(passes, 1))]
-                self.calibrated[size] = statistics.median(times)
+                self.calibrated[size] = calibrated_time(times)
         self.model.zero_grad(set_to_none=False)
         with torch.no_grad():
             offset = 0
