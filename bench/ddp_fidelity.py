@@ -6,8 +6,8 @@ B split equally over the ranks, slowdowns 1,2,4, one torch thread per rank, gloo
 - ``plain``: the reference written here: one process per rank, the training split held in
   memory as tensors, ``DistributedDataParallel`` with its own bucketed all-reduce in backward,
   no metrics. A rank with slowdown F sleeps (F-1)·t after each step, t its compute time for
-  that local batch size, calibrated before training (lower quartile of passes before the
-  clock starts, as ``pslaunch ddp`` calibrates).
+  that local batch size, calibrated before training (the fastest of several passes before
+  the clock starts, as ``pslaunch ddp`` calibrates).
 - ``pslaunch``: ``launch.ddp.run_ddp`` on the same job (what ``pslaunch ddp`` runs); its
   ``train_time_s`` excludes start-up and its per-epoch evaluations.
 
@@ -91,8 +91,8 @@ def local_slices(count: int, batch: int, world: int, rank: int) -> list[tuple[in
 def calibrate(
     ddp: nn.parallel.DistributedDataParallel, x: torch.Tensor, y: torch.Tensor, sizes: set[int]
 ) -> dict[int, float]:
-    """Forward/backward seconds per local batch size, without communication: the lower
-    quartile of the passes (the rule of ``launch.ddp.step.calibrated_time``)."""
+    """Forward/backward seconds per local batch size, without communication: the fastest
+    pass (the rule of ``launch.ddp.step.calibrated_time``)."""
     state = {k: v.clone() for k, v in ddp.module.state_dict().items()}
     times = {}
     for size in sorted(sizes):
@@ -102,8 +102,7 @@ def calibrate(
             with ddp.no_sync():
                 nn.functional.cross_entropy(ddp(x[:size]), y[:size]).backward()
             samples.append(time.perf_counter() - start)
-        samples = sorted(samples[2:])
-        times[size] = samples[(len(samples) - 1) // 4]
+        times[size] = min(samples[2:])
     ddp.module.load_state_dict(state)
     ddp.module.zero_grad(set_to_none=True)
     return times
