@@ -11,9 +11,12 @@ B split equally over the ranks, slowdowns 1,2,4, one torch thread per rank, gloo
 - ``pslaunch``: ``launch.ddp.run_ddp`` on the same job (what ``pslaunch ddp`` runs); its
   ``train_time_s`` excludes start-up and its per-epoch evaluations.
 
-Both run interleaved within each repeat (the order alternates). The last line is
-``ratio_pslaunch_vs_plain=X.XX``: the median over repeats of pslaunch's training time over the
-plain loop's in the same repeat (1.00: as fast; the target is <= 1.10).
+Both run interleaved within each repeat (the order alternates). The last lines give
+``ratio_pslaunch_vs_plain=X.XXX``: the median over repeats of pslaunch's training time over the
+plain loop's in the same repeat (1.00: as fast; the target is <= 1.10). On a shared machine a
+burst of load lengthens whichever run it hits, so ``ratio_step_pslaunch_vs_plain`` also
+compares the median step time (rank 0, from one step's end to the next) of each run, which a
+burst barely moves.
 
 Usage: python bench/ddp_fidelity.py [--repeats 3] [--epochs 10] [--slowdowns 1,2,4]
 """
@@ -140,6 +143,7 @@ def plain_rank(args: argparse.Namespace) -> None:
     pause = {size: (args.factors[rank] - 1) * s for size, s in compute.items()}
     dist.barrier()
     begin = time.perf_counter()
+    ends = [begin]
     for epoch in range(1, args.epochs + 1):
         perm = torch.from_numpy(np.random.default_rng(args.seed + epoch).permutation(count))
         for a, b in slices:
@@ -149,15 +153,21 @@ def plain_rank(args: argparse.Namespace) -> None:
             optimizer.step()
             if pause[b - a] > 0:
                 time.sleep(pause[b - a])
+            ends.append(time.perf_counter())
     dist.barrier()
     train_s = time.perf_counter() - begin
     if rank == 0:
-        Path(args.result).write_text(json.dumps({"train_s": train_s, "compute_s": compute}))
+        step_s = statistics.median(np.diff(ends).tolist())
+        result = {"train_s": train_s, "step_s": step_s, "compute_s": compute}
+        Path(args.result).write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
-def run_plain(data: Path, factors: list[float], args: argparse.Namespace, out: Path) -> float:
-    """Run the reference loop once; return its training seconds."""
+Timing = tuple[float, float]  # (training seconds, median seconds from one step's end to the next)
+
+
+def run_plain(data: Path, factors: list[float], args: argparse.Namespace, out: Path) -> Timing:
+    """Run the reference loop once; return its timing."""
     store = dist.TCPStore(
         "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=120), wait_for_workers=False
     )
@@ -184,11 +194,14 @@ def run_plain(data: Path, factors: list[float], args: argparse.Namespace, out: P
         del store
     if any(codes):
         raise RuntimeError(f"plain DDP ranks exited with {codes}")
-    return float(json.loads(result.read_text())["train_s"])
+    record = json.loads(result.read_text())
+    return float(record["train_s"]), float(record["step_s"])
 
 
-def run_pslaunch(data: Path, factors: list[float], args: argparse.Namespace, out: Path) -> float:
-    """Run ``pslaunch ddp`` on the same job once; return its ``train_time_s``."""
+def run_pslaunch(data: Path, factors: list[float], args: argparse.Namespace, out: Path) -> Timing:
+    """Run ``pslaunch ddp`` on the same job once; return its ``train_time_s`` and the median
+    interval between its round events (an interval spanning an evaluation is one of ten
+    per epoch's fifteen or so and leaves the median alone)."""
     config = DDPConfig(
         dataset=data,
         model="hsi-cnn",
@@ -197,7 +210,11 @@ def run_pslaunch(data: Path, factors: list[float], args: argparse.Namespace, out
         train=job(args),
         run_timeout_s=TIMEOUT_S,
     )
-    return float(run_ddp(config)["train_time_s"])
+    summary = run_ddp(config)
+    with (config.run_dir / "metrics.jsonl").open(encoding="utf-8") as f:
+        events = [json.loads(line) for line in f]
+    ends = [e["t"] for e in events if e["event"] in ("train_start", "round")]
+    return float(summary["train_time_s"]), statistics.median(np.diff(ends).tolist())
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -233,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     data = dataset(args.out)
     runners = {"plain": run_plain, "pslaunch": run_pslaunch}
-    times: dict[str, list[float]] = {name: [] for name in runners}
+    times: dict[str, list[Timing]] = {name: [] for name in runners}
     print(
         f"hsi-cnn, Jasper Ridge 5x5, 10 % train, B={args.global_batch}, {args.epochs} epochs, "
         f"slowdowns {args.slowdowns}, 1 thread per rank, gloo"
@@ -242,16 +259,24 @@ def main(argv: list[str] | None = None) -> int:
         order = list(runners) if rep % 2 == 0 else list(reversed(runners))
         for name in order:
             times[name].append(runners[name](data, args.factors, args, args.out))
-        ratio = times["pslaunch"][-1] / times["plain"][-1]
+        (plain_s, plain_step), (ps_s, ps_step) = times["plain"][-1], times["pslaunch"][-1]
         print(
-            f"repeat {rep}: plain {times['plain'][-1]:.2f} s, "
-            f"pslaunch ddp {times['pslaunch'][-1]:.2f} s, ratio {ratio:.3f}",
+            f"repeat {rep}: train s plain {plain_s:.2f} / pslaunch ddp {ps_s:.2f} "
+            f"(ratio {ps_s / plain_s:.3f}); median step ms plain {1000 * plain_step:.2f} / "
+            f"pslaunch ddp {1000 * ps_step:.2f} (ratio {ps_step / plain_step:.3f})",
             flush=True,
         )
-    ratios = [p / q for p, q in zip(times["pslaunch"], times["plain"], strict=True)]
-    for name, values in times.items():
-        print(f"train_s_{name}_median={statistics.median(values):.2f}")
-    print(f"ratio_pslaunch_vs_plain={statistics.median(ratios):.2f}")
+    for index, label in ((0, "train_s"), (1, "step_ms")):
+        scale = 1.0 if index == 0 else 1000.0
+        for name, values in times.items():
+            print(
+                f"{label}_{name}_median={scale * statistics.median(v[index] for v in values):.2f}"
+            )
+    for index, label in ((0, ""), (1, "step_")):
+        ratios = [
+            p[index] / q[index] for p, q in zip(times["pslaunch"], times["plain"], strict=True)
+        ]
+        print(f"ratio_{label}pslaunch_vs_plain={statistics.median(ratios):.3f}")
     return 0
 
 
