@@ -102,8 +102,9 @@ def calibrate(
         samples = []
         for _ in range(CALIBRATION_PASSES):
             start = time.perf_counter()
-            with ddp.no_sync():
-                nn.functional.cross_entropy(ddp(x[:size]), y[:size]).backward()
+            # The bare module: DDP's forward broadcasts buffers, a collective, and ranks
+            # calibrate one at a time.
+            nn.functional.cross_entropy(ddp.module(x[:size]), y[:size]).backward()
             samples.append(time.perf_counter() - start)
         times[size] = min(samples[2:])
     ddp.module.load_state_dict(state)
@@ -139,7 +140,11 @@ def plain_rank(args: argparse.Namespace) -> None:
     )
     count = len(train_idx)
     slices = local_slices(count, args.global_batch, world, rank)
-    compute = calibrate(ddp, x_all, y_all, {b - a for a, b in slices})
+    compute: dict[int, float] = {}
+    for turn in range(world):  # one rank at a time, as pslaunch ddp calibrates
+        if turn == rank:
+            compute = calibrate(ddp, x_all, y_all, {b - a for a, b in slices})
+        dist.barrier()
     pause = {size: (args.factors[rank] - 1) * s for size, s in compute.items()}
     dist.barrier()
     begin = time.perf_counter()

@@ -162,7 +162,8 @@ class RankTrainer:
 
     def _warm_up(self) -> None:
         """Load the data cache, run untimed passes and calibrate the compute time of each
-        local batch size this rank will see, so start-up stays off the clock."""
+        local batch size this rank will see (ranks take turns), so start-up stays off the
+        clock."""
         self.reader.read(self.reader.train_indices[:1])
         meta = self.reader.meta
         count, batch = len(self.reader.train_indices), self.config.train.global_batch
@@ -173,7 +174,11 @@ class RankTrainer:
         gen = torch.Generator().manual_seed(self.rank)
         x = torch.randn(local, *meta.shape, generator=gen).to(self.device)
         y = torch.randint(0, meta.num_classes, (local,), generator=gen).to(self.device)
-        calibrated = self.step_fn.warm_up(x, y, sizes=sizes)
+        calibrated: dict[int, float] = {}
+        for turn in range(self.world_size):
+            if turn == self.rank:
+                calibrated = self.step_fn.warm_up(x, y, sizes=sizes)
+            self.collective.barrier()  # one rank at a time: the others do not share its cores
         log.info(
             "calibrated compute per local batch: %s",
             ", ".join(f"{b}: {1000 * t:.2f} ms" for b, t in sorted(calibrated.items())),

@@ -9,9 +9,10 @@ one's wait grows the other's: the step time feeds back without bound. So a step 
    device synchronisation on both ends: the compute time t;
 2. ``SlowdownSchedule.pause``: sleep (F-1)·t̂, so this rank looks F times slower, where t̂ is
    this rank's compute time for its local batch size calibrated before training (the fastest
-   of several passes before the clock starts, ``warm_up``). A fixed t̂ keeps the noise of
-   each step's t (a busy core, a cache evicted during the sleep) out of the sleep, which
-   would otherwise multiply it by F-1 on the slowest rank and so on every rank's step;
+   of several passes before the clock starts, ``warm_up``; ranks take turns). A fixed t̂
+   keeps the noise of each step's t (a busy core, a cache evicted during the sleep) out of
+   the sleep, which would otherwise multiply it by F-1 on the slowest rank and so on every
+   rank's step;
 3. one flat ``all_reduce`` (SUM) of ``[gradients, buffer changes, tail]``, then division by the
    number of ranks that had samples: the plain mean of the ranks' mean gradients, exactly
    what equal-sync computes; the tail carries each rank's compute and emulated time and its
