@@ -52,7 +52,15 @@ class SlowdownSchedule:
         Returns:
             The emulated compute time F·compute_s.
         """
-        factor = self.factor(step)
-        if factor > 1:
-            time.sleep((factor - 1) * compute_s)
-        return factor * compute_s
+        return compute_s + self.pause(step, compute_s)
+
+    def pause(self, step: int, basis_s: float) -> float:
+        """Sleep (F-1)·basis_s for this step's factor F (basis_s: a compute time).
+
+        Returns:
+            The seconds slept, (F-1)·basis_s.
+        """
+        wait = (self.factor(step) - 1) * basis_s
+        if wait > 0:
+            time.sleep(wait)
+        return wait

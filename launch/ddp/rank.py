@@ -155,21 +155,39 @@ class RankTrainer:
             self.recorder.finish(reason, epoch, self.steps, self.samples)
         self.collective.barrier()  # leave together: a rank exiting early breaks gloo's teardown
 
+    def _local_share(self, batch: int) -> tuple[int, int]:
+        """This rank's ``(offset, size)`` in a global batch of ``batch`` samples."""
+        sizes = plan_equal(list(range(self.world_size)), batch)
+        return sum(sizes.get(r, 0) for r in range(self.rank)), sizes.get(self.rank, 0)
+
     def _warm_up(self) -> None:
-        """Load the data cache and run untimed passes, so start-up stays off the clock."""
+        """Load the data cache, run untimed passes and calibrate the compute time of each
+        local batch size this rank will see (ranks take turns), so start-up stays off the
+        clock."""
         self.reader.read(self.reader.train_indices[:1])
         meta = self.reader.meta
-        local = max(self.config.train.global_batch // self.world_size, 1)
+        count, batch = len(self.reader.train_indices), self.config.train.global_batch
+        sizes = {self._local_share(min(batch, count))[1]}
+        if count % batch:
+            sizes.add(self._local_share(count % batch)[1])
+        local = max(max(sizes), 1)
         gen = torch.Generator().manual_seed(self.rank)
         x = torch.randn(local, *meta.shape, generator=gen).to(self.device)
         y = torch.randint(0, meta.num_classes, (local,), generator=gen).to(self.device)
-        self.step_fn.warm_up(x, y)
+        calibrated: dict[int, float] = {}
+        for turn in range(self.world_size):
+            if turn == self.rank:
+                calibrated = self.step_fn.warm_up(x, y, sizes=sizes)
+            self.collective.barrier()  # one rank at a time: the others do not share its cores
+        log.info(
+            "calibrated compute per local batch: %s",
+            ", ".join(f"{b}: {1000 * t:.2f} ms" for b, t in sorted(calibrated.items())),
+        )
 
     def _step(self, epoch: int, indices: np.ndarray) -> None:
         begin = time.perf_counter()
-        sizes = plan_equal(list(range(self.world_size)), len(indices))
-        offset = sum(sizes.get(r, 0) for r in range(self.rank))
-        mine = indices[offset : offset + sizes.get(self.rank, 0)]
+        offset, size = self._local_share(len(indices))
+        mine = indices[offset : offset + size]
         x_np, y_np = self.reader.read(mine)
         x = torch.from_numpy(np.ascontiguousarray(x_np)).to(self.device)
         y = torch.from_numpy(np.ascontiguousarray(y_np)).to(self.device)
@@ -183,6 +201,7 @@ class RankTrainer:
         self.steps += 1
         self.samples += len(indices)
         if self.recorder is not None:
+            sizes = plan_equal(list(range(self.world_size)), len(indices))
             batches = [sizes.get(r, 0) for r in range(self.world_size)]
             self.recorder.round(epoch, self.steps, batches, result, time.perf_counter() - begin)
             self.recorder.snapshot(epoch, self.steps, self.samples)

@@ -7,16 +7,21 @@ one's wait grows the other's: the step time feeds back without bound. So a step 
 
 1. forward and backward under ``ddp_model.no_sync()`` (no communication), timed with a
    device synchronisation on both ends: the compute time t;
-2. ``SlowdownSchedule.emulate``: sleep (F-1)·t, so this rank looks F times slower;
+2. ``SlowdownSchedule.pause``: sleep (F-1)·t̂, so this rank looks F times slower, where t̂ is
+   this rank's compute time for its local batch size calibrated before training (the fastest
+   of several passes before the clock starts, ``warm_up``; ranks take turns). A fixed t̂
+   keeps the noise of each step's t (a busy core, a cache evicted during the sleep) out of
+   the sleep, which would otherwise multiply it by F-1 on the slowest rank and so on every
+   rank's step;
 3. one flat ``all_reduce`` (SUM) of ``[gradients, buffer changes, tail]``, then division by the
    number of ranks that had samples: the plain mean of the ranks' mean gradients, exactly
    what equal-sync computes; the tail carries each rank's compute and emulated time and its
    loss, so rank 0 learns every rank's speed without another collective.
 
-Only steps 1-2 are ever scaled, so a rank's emulated time is F·t whatever the others do, and the
-step time is max_r(F_r·t_r) plus the all-reduce. Float buffers (BatchNorm running statistics)
-are averaged the same way, as the parameter server averages their changes; integer buffers stay
-local, as they do on parameter-server workers.
+Only steps 1-2 are ever scaled, so a rank's emulated time is t + (F-1)·t̂ whatever the others
+do, and the step time is max_r(t_r + (F_r-1)·t̂_r) plus the all-reduce. Float buffers
+(BatchNorm running statistics) are averaged the same way, as the parameter server averages
+their changes; integer buffers stay local, as they do on parameter-server workers.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -33,6 +38,19 @@ from common.training.device import synchronize
 from common.training.slowdown import SlowdownSchedule
 
 AllReduce = Callable[[torch.Tensor], None]
+CALIBRATION_PASSES = 16
+CALIBRATION_BUDGET_S = 2.0  # per batch size: a large model calibrates on fewer passes
+
+
+def calibrated_time(times: list[float]) -> float:
+    """The compute time t̂ that passes ``times`` calibrate: the fastest.
+
+    A core shared with other processes (other ranks, other jobs) only ever adds time to a
+    pass, so the fastest pass estimates the device's own compute time and stays put under
+    load, where a median or a quartile moves with the machine's load and the sleep would
+    multiply that by F-1.
+    """
+    return min(times)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +60,7 @@ class StepResult:
     Attributes:
         loss: mean training loss over the ranks that had samples, weighted by their samples.
         compute_s: per rank, the measured compute time t_r.
-        emulated_s: per rank, the emulated compute time F_r·t_r.
+        emulated_s: per rank, the emulated compute time t_r + (F_r-1)·t̂_r.
         active: how many ranks had samples.
     """
 
@@ -79,10 +97,24 @@ class ComputeOnlyStep:
         self.device = device
         self.schedule = schedule
         self.all_reduce = all_reduce
-        self.params = list(model.parameters())
+        self.params = [q for q in model.parameters() if q.requires_grad]
         self.buffers = [b for b in model.buffers() if b.is_floating_point()]
-        self.num_params = sum(p.numel() for p in self.params)
+        self.num_params = sum(q.numel() for q in self.params)
         self.num_buffers = sum(b.numel() for b in self.buffers)
+        self.calibrated: dict[int, float] = {}
+        # [gradients (p), buffer changes (b), active, loss sum, samples, t_r (w), F_r·t_r (w)]:
+        # what one all-reduce sums. The gradients are views into it (backward accumulates
+        # there), so a step copies no gradient before or after its all-reduce.
+        self.flat = torch.zeros(self.num_params + self.num_buffers + 3 + 2 * world_size)
+        self.flat = self.flat.to(device)
+        with torch.no_grad():
+            offset = 0
+            for q in self.params:
+                view = self.flat[offset : offset + q.numel()].view_as(q)
+                if q.grad is not None:
+                    view.copy_(q.grad)
+                q.grad = view
+                offset += q.numel()
 
     def _no_sync(self) -> contextlib.AbstractContextManager[object]:
         no_sync = getattr(self.forward, "no_sync", None)
@@ -99,24 +131,47 @@ class ComputeOnlyStep:
         synchronize(self.device)
         return float(loss.detach()), time.perf_counter() - start
 
-    def warm_up(self, x: torch.Tensor, y: torch.Tensor, repeats: int = 2) -> None:
-        """Untimed forward/backward passes (as workers calibrate before training starts).
+    def warm_up(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        repeats: int = 2,
+        sizes: Iterable[int] = (),
+        passes: int = CALIBRATION_PASSES,
+    ) -> dict[int, float]:
+        """Untimed passes, then calibrate the compute time t̂ of each local batch size.
 
         Leaves parameters, buffers and gradients as they were; nothing is communicated.
 
         Args:
-            x, y: a batch of the local batch's shape (random data will do).
-            repeats: how many passes.
+            x, y: a batch at least as large as the largest size (random data will do).
+            repeats: how many passes before calibrating.
+            sizes: the local batch sizes the rank will train on (sizes above ``len(y)`` or
+                below 1 are skipped; a size never calibrated sleeps on its measured t).
+            passes: timed passes per size (fewer once a size has taken
+                ``CALIBRATION_BUDGET_S``, at least 3); t̂ is the fastest (``calibrated_time``).
+
+        Returns:
+            ``self.calibrated``: local batch size -> t̂ in seconds.
         """
         before = self._flat(self.buffers)
         for _ in range(repeats):
             self._compute(x, y)
+        for size in sorted(set(sizes)):
+            if 1 <= size <= len(y):
+                times: list[float] = []
+                while len(times) < max(passes, 1) and (
+                    len(times) < 3 or sum(times) < CALIBRATION_BUDGET_S
+                ):
+                    times.append(self._compute(x[:size], y[:size])[1])
+                self.calibrated[size] = calibrated_time(times)
         self.model.zero_grad(set_to_none=False)
         with torch.no_grad():
             offset = 0
             for buf in self.buffers:
                 buf.copy_(before[offset : offset + buf.numel()].view_as(buf))
                 offset += buf.numel()
+        return self.calibrated
 
     def run(self, step: int, x: torch.Tensor, y: torch.Tensor) -> StepResult:
         """Compute this rank's gradients on ``(x, y)`` and average them over the ranks.
@@ -132,33 +187,28 @@ class ComputeOnlyStep:
             The step's loss and per-rank timings.
         """
         p, b, w = self.num_params, self.num_buffers, self.world_size
+        head = p + b
+        flat = self.flat
         before = self._flat(self.buffers)
         samples = len(y)
-        loss, compute = self._compute(x, y) if samples else (0.0, 0.0)
-        emulated = self.schedule.emulate(step, compute) if samples else 0.0
-        # [gradients (p), buffer changes (b), active, loss sum, samples, t_r (w), F_r·t_r (w)]
-        flat = torch.zeros(p + b + 3 + 2 * w, device=self.device)
-        head = p + b
+        loss, compute, emulated = 0.0, 0.0, 0.0
         if samples:
-            flat[:p] = self._flat([_grad(q) for q in self.params])
-            flat[p:head] = self._flat(self.buffers) - before
+            loss, compute = self._compute(x, y)  # zeroes, then fills, flat[:p]
+            basis = self.calibrated.get(samples, compute)
+            emulated = compute + self.schedule.pause(step, basis)
+        else:
+            flat[:p].zero_()
+        flat[p:].zero_()
+        if samples:
+            torch.sub(self._flat(self.buffers), before, out=flat[p:head])
             flat[head : head + 3] = torch.tensor([1.0, loss * samples, float(samples)])
         flat[head + 3 + self.rank] = compute
         flat[head + 3 + w + self.rank] = emulated
         if w > 1:
             self.all_reduce(flat)
         active, loss_sum, total, *times = flat[head:].tolist()
-        scale = 1.0 / max(active, 1.0)
-        flat[:head].mul_(scale)
+        flat[:head].mul_(1.0 / max(active, 1.0))  # the gradients' mean, in place
         with torch.no_grad():
-            offset = 0
-            for q in self.params:
-                grad = flat[offset : offset + q.numel()].view_as(q)
-                if q.grad is None:
-                    q.grad = grad.clone()
-                else:
-                    q.grad.copy_(grad)
-                offset += q.numel()
             new_buffers = before + flat[p:head]
             offset = 0
             for buf in self.buffers:
@@ -175,7 +225,3 @@ class ComputeOnlyStep:
         if not tensors:
             return torch.zeros(0, device=self.device)
         return torch.cat([t.detach().reshape(-1).float() for t in tensors])
-
-
-def _grad(param: torch.Tensor) -> torch.Tensor:
-    return param.grad if param.grad is not None else torch.zeros_like(param)

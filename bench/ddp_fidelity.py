@@ -1,0 +1,289 @@
+"""Is ``pslaunch ddp`` as fast as a plain DistributedDataParallel loop on the same job?
+
+The job: hsi-cnn on Jasper Ridge (5x5 patches, 10 % of each class for training), global batch
+B split equally over the ranks, slowdowns 1,2,4, one torch thread per rank, gloo on loopback.
+
+- ``plain``: the reference written here: one process per rank, the training split held in
+  memory as tensors, ``DistributedDataParallel`` with its own bucketed all-reduce in backward,
+  no metrics. A rank with slowdown F sleeps (F-1)·t after each step, t its compute time for
+  that local batch size, calibrated before training (the fastest of several passes before
+  the clock starts, as ``pslaunch ddp`` calibrates).
+- ``pslaunch``: ``launch.ddp.run_ddp`` on the same job (what ``pslaunch ddp`` runs); its
+  ``train_time_s`` excludes start-up and its per-epoch evaluations.
+
+Both run interleaved within each repeat (the order alternates). The last lines give
+``ratio_pslaunch_vs_plain=X.XXX``: the median over repeats of pslaunch's training time over the
+plain loop's in the same repeat (1.00: as fast; the target is <= 1.10). On a shared machine a
+burst of load lengthens whichever run it hits, so ``ratio_step_pslaunch_vs_plain`` also
+compares the median step time (rank 0, from one step's end to the next) of each run, which a
+burst barely moves.
+
+Usage: python bench/ddp_fidelity.py [--repeats 3] [--epochs 10] [--slowdowns 1,2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+from common.data.convert.hsi import prepare_hsi  # noqa: E402
+from common.data.dataset import DatasetReader  # noqa: E402
+from common.logsetup import setup_logging  # noqa: E402
+from common.training.models import build_model  # noqa: E402
+from common.training.planner import plan_equal  # noqa: E402
+from launch.ddp.launcher import DDPConfig, run_ddp  # noqa: E402
+from launch.settings import TrainSettings  # noqa: E402
+
+JASPER = ROOT.parent / "shared/datasets/jasper_ridge"
+CALIBRATION_PASSES = 16
+TIMEOUT_S = 900.0
+
+
+def dataset(out: Path) -> Path:
+    """Jasper Ridge in 5x5 patches, 10 % of each class for training (random split, seed 0)."""
+    path = out / "jasper_p5_tf10.h5"
+    if not path.exists():
+        prepare_hsi(
+            str(JASPER / "JasperRidge.mat"),
+            str(JASPER / "JasperRidge_gt.mat"),
+            path,
+            patch=5,
+            train_fraction=0.1,
+            split="random",
+            seed=0,
+        )
+    return path
+
+
+def job(args: argparse.Namespace) -> TrainSettings:
+    """The training settings both loops use: SGD with the server's defaults, constant lr."""
+    return TrainSettings(
+        epochs=args.epochs,
+        global_batch=args.global_batch,
+        optimizer="sgd",
+        lr_schedule="constant",
+        seed=args.seed,
+    )
+
+
+def local_slices(count: int, batch: int, world: int, rank: int) -> list[tuple[int, int]]:
+    """Per step of an epoch, this rank's ``[start, stop)`` in the epoch's permutation."""
+    out = []
+    for start in range(0, count, batch):
+        sizes = plan_equal(list(range(world)), min(batch, count - start))
+        offset = start + sum(sizes.get(r, 0) for r in range(rank))
+        out.append((offset, offset + sizes.get(rank, 0)))
+    return out
+
+
+def calibrate(
+    ddp: nn.parallel.DistributedDataParallel, x: torch.Tensor, y: torch.Tensor, sizes: set[int]
+) -> dict[int, float]:
+    """Forward/backward seconds per local batch size, without communication: the fastest
+    pass (the rule of ``launch.ddp.step.calibrated_time``)."""
+    state = {k: v.clone() for k, v in ddp.module.state_dict().items()}
+    times = {}
+    for size in sorted(sizes):
+        samples = []
+        for _ in range(CALIBRATION_PASSES):
+            start = time.perf_counter()
+            # The bare module: DDP's forward broadcasts buffers, a collective, and ranks
+            # calibrate one at a time.
+            nn.functional.cross_entropy(ddp.module(x[:size]), y[:size]).backward()
+            samples.append(time.perf_counter() - start)
+        times[size] = min(samples[2:])
+    ddp.module.load_state_dict(state)
+    ddp.module.zero_grad(set_to_none=True)
+    return times
+
+
+def plain_rank(args: argparse.Namespace) -> None:
+    """One rank of the reference loop; rank 0 writes ``{"train_s": ...}`` to ``args.result``."""
+    rank, world = args.rank, len(args.factors)
+    torch.set_num_threads(1)
+    store = dist.TCPStore(
+        "127.0.0.1", args.store_port, None, False, timeout=datetime.timedelta(seconds=120)
+    )
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    )
+    with DatasetReader(args.dataset) as reader:
+        train_idx = reader.train_indices
+        x_np, y_np = reader.read(train_idx)
+        meta = reader.meta
+    x_all, y_all = torch.from_numpy(x_np), torch.from_numpy(y_np)
+    torch.manual_seed(args.seed)
+    model = build_model("hsi-cnn", meta.shape[0], meta.num_classes, meta.shape[1])
+    ddp = nn.parallel.DistributedDataParallel(model)
+    t = job(args)
+    optimizer = torch.optim.SGD(
+        model.parameters(),
+        lr=t.lr,
+        momentum=t.momentum,
+        nesterov=t.nesterov,
+        weight_decay=t.weight_decay,
+    )
+    count = len(train_idx)
+    slices = local_slices(count, args.global_batch, world, rank)
+    compute: dict[int, float] = {}
+    for turn in range(world):  # one rank at a time, as pslaunch ddp calibrates
+        if turn == rank:
+            compute = calibrate(ddp, x_all, y_all, {b - a for a, b in slices})
+        dist.barrier()
+    pause = {size: (args.factors[rank] - 1) * s for size, s in compute.items()}
+    dist.barrier()
+    begin = time.perf_counter()
+    ends = [begin]
+    for epoch in range(1, args.epochs + 1):
+        perm = torch.from_numpy(np.random.default_rng(args.seed + epoch).permutation(count))
+        for a, b in slices:
+            mine = perm[a:b]
+            optimizer.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(ddp(x_all[mine]), y_all[mine]).backward()
+            optimizer.step()
+            if pause[b - a] > 0:
+                time.sleep(pause[b - a])
+            ends.append(time.perf_counter())
+    dist.barrier()
+    train_s = time.perf_counter() - begin
+    if rank == 0:
+        step_s = statistics.median(np.diff(ends).tolist())
+        result = {"train_s": train_s, "step_s": step_s, "compute_s": compute}
+        Path(args.result).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+Timing = tuple[float, float]  # (training seconds, median seconds from one step's end to the next)
+
+
+def run_plain(data: Path, factors: list[float], args: argparse.Namespace, out: Path) -> Timing:
+    """Run the reference loop once; return its timing."""
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=120), wait_for_workers=False
+    )
+    result = out / "plain.json"
+    result.unlink(missing_ok=True)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    common = [
+        *("--dataset", str(data), "--slowdowns", ",".join(f"{f:g}" for f in factors)),
+        *("--epochs", str(args.epochs), "--global-batch", str(args.global_batch)),
+        *("--store-port", str(store.port), "--result", str(result), "--seed", str(args.seed)),
+    ]
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "--plain-rank", str(r), *common], env=env)
+        for r in range(len(factors))
+    ]
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        codes = [p.wait(timeout=max(deadline - time.monotonic(), 1.0)) for p in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+        del store
+    if any(codes):
+        raise RuntimeError(f"plain DDP ranks exited with {codes}")
+    record = json.loads(result.read_text())
+    return float(record["train_s"]), float(record["step_s"])
+
+
+def run_pslaunch(data: Path, factors: list[float], args: argparse.Namespace, out: Path) -> Timing:
+    """Run ``pslaunch ddp`` on the same job once; return its ``train_time_s`` and the median
+    interval between its round events (an interval spanning an evaluation is one of ten
+    per epoch's fifteen or so and leaves the median alone)."""
+    config = DDPConfig(
+        dataset=data,
+        model="hsi-cnn",
+        slowdowns=tuple(factors),
+        run_dir=out / "pslaunch",
+        train=job(args),
+        run_timeout_s=TIMEOUT_S,
+    )
+    summary = run_ddp(config)
+    with (config.run_dir / "metrics.jsonl").open(encoding="utf-8") as f:
+        events = [json.loads(line) for line in f]
+    ends = [e["t"] for e in events if e["event"] in ("train_start", "round")]
+    return float(summary["train_time_s"]), statistics.median(np.diff(ends).tolist())
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3, help="repeats (default 3)")
+    parser.add_argument("--epochs", type=int, default=10, help="epochs per run (default 10)")
+    parser.add_argument("--slowdowns", default="1,2,4", help="rank slowdowns (default 1,2,4)")
+    parser.add_argument("--global-batch", type=int, default=64, help="global batch (default 64)")
+    parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "runs/bench/ddp_fidelity", help="output directory"
+    )
+    parser.add_argument("--plain-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--store-port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--dataset", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.factors = [float(f) for f in args.slowdowns.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both loops interleaved over repeats; print each time and the paired ratios."""
+    args = parse(argv)
+    if args.plain_rank is not None:
+        args.rank = args.plain_rank
+        plain_rank(args)
+        return 0
+    setup_logging("WARNING")
+    if not (JASPER / "JasperRidge.mat").exists():
+        print(f"Jasper Ridge not found in {JASPER}")
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = dataset(args.out)
+    runners = {"plain": run_plain, "pslaunch": run_pslaunch}
+    times: dict[str, list[Timing]] = {name: [] for name in runners}
+    print(
+        f"hsi-cnn, Jasper Ridge 5x5, 10 % train, B={args.global_batch}, {args.epochs} epochs, "
+        f"slowdowns {args.slowdowns}, 1 thread per rank, gloo"
+    )
+    for rep in range(args.repeats):
+        order = list(runners) if rep % 2 == 0 else list(reversed(runners))
+        for name in order:
+            times[name].append(runners[name](data, args.factors, args, args.out))
+        (plain_s, plain_step), (ps_s, ps_step) = times["plain"][-1], times["pslaunch"][-1]
+        print(
+            f"repeat {rep}: train s plain {plain_s:.2f} / pslaunch ddp {ps_s:.2f} "
+            f"(ratio {ps_s / plain_s:.3f}); median step ms plain {1000 * plain_step:.2f} / "
+            f"pslaunch ddp {1000 * ps_step:.2f} (ratio {ps_step / plain_step:.3f})",
+            flush=True,
+        )
+    for index, label in ((0, "train_s"), (1, "step_ms")):
+        scale = 1.0 if index == 0 else 1000.0
+        for name, values in times.items():
+            print(
+                f"{label}_{name}_median={scale * statistics.median(v[index] for v in values):.2f}"
+            )
+    for index, label in ((0, ""), (1, "step_")):
+        ratios = [
+            p[index] / q[index] for p, q in zip(times["pslaunch"], times["plain"], strict=True)
+        ]
+        print(f"ratio_{label}pslaunch_vs_plain={statistics.median(ratios):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
