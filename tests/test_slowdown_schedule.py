@@ -52,13 +52,16 @@ def test_parse_schedules_rejects(text: str, message: str) -> None:
 
 def _share(record: dict, worker: str) -> float:
     batches = {w["worker"]: w["batch"] for w in record["workers"]}
-    return batches[worker] / sum(batches.values())
+    return batches.get(worker, 0) / sum(batches.values())
 
 
 @pytest.mark.e2e
-def test_weighted_sync_plan_follows_a_changed_speed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("planner", ["speed", "model"])
+def test_weighted_sync_plan_follows_a_changed_speed(tmp_path: Path, planner: str) -> None:
     """Two equal workers; from its step 12 the second is 5x slower, and its batch share drops
-    from about 1/2 to about 1/6 (both compute in proportion to their new speeds)."""
+    from about 1/2 to about 1/6 with the speed plan (both compute in proportion to their new
+    speeds); the model plan may leave it out of rounds altogether (share 0), as the fast
+    worker alone then finishes first."""
     data = tmp_path / "scenes.h5"
     synth_scenes(data, samples=160, bands=8, size=32, classes=4, seed=3)
     run_dir = tmp_path / "run"
@@ -82,6 +85,7 @@ def test_weighted_sync_plan_follows_a_changed_speed(tmp_path: Path) -> None:
             "48",
             "--run-dir",
             str(run_dir),
+            f"--server-opt=--planner={planner}",
         ],
     )
     assert result.exit_code == 0, result.output
@@ -89,7 +93,10 @@ def test_weighted_sync_plan_follows_a_changed_speed(tmp_path: Path) -> None:
     rounds = [e for e in events if e["event"] == "round"]
     assert len(rounds) == 36
     assert all({"worker", "batch", "speed"} <= set(w) for r in rounds for w in r["workers"])
-    assert all(len(r["workers"]) == 2 for r in rounds)
+    names = [{w["worker"] for w in r["workers"]} for r in rounds]
+    if planner == "speed":  # every worker gets at least one sample of every round
+        assert all(len(n) == 2 for n in names)
+    assert all("w0-x1" in n for n in names)
     before = rounds[2:CHANGE_STEP]  # the worker's steps 0..11 are rounds 1..12
     after = rounds[CHANGE_STEP + 8 :]  # time for the speed average and the planned rounds
     share_before = statistics.median(_share(r, "w1-x1") for r in before)
@@ -102,5 +109,7 @@ def test_weighted_sync_plan_follows_a_changed_speed(tmp_path: Path) -> None:
             w["speed"] for r in records for w in r["workers"] if w["worker"] == name
         )
 
+    if planner == "model" and not any("w1-x1" in n for n in names[CHANGE_STEP + 8 :]):
+        return  # left out since its slowdown: nothing more to measure
     slowed = speed(before, "w1-x1") / speed(after, "w1-x1")
     assert slowed > 2.5, slowed  # the server saw the worker become about 5x slower
