@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -85,34 +86,31 @@ def test_the_only_worker_failing_ends_the_run_with_its_error(
     assert (tmp_path / "summary.json").exists()
 
 
-def _start_pslaunch(dataset: Path, run_dir: Path) -> subprocess.Popen[str]:
-    """``pslaunch local`` as a user starts it, in its own process group (like a terminal)."""
+def _start_pslaunch(*args: str) -> subprocess.Popen[str]:
+    """``pslaunch ARGS`` as a user starts it, in its own process group (like a terminal)."""
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "launch.cli",
-            "local",
-            "--dataset",
-            str(dataset),
-            "--model",
-            "hsi-cnn",
-            "--mode",
-            "async",
-            "--slowdowns",
-            "1,2",
-            "--epochs",
-            "1000",
-            "--run-dir",
-            str(run_dir),
-            "--server-opt=--shutdown-timeout=30",
-        ],
+        [sys.executable, "-m", "launch.cli", *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
         start_new_session=True,
     )
+
+
+def _interrupt(launcher: subprocess.Popen[str], send: Callable[[], None], mark: str) -> None:
+    """Call ``send`` (a signal to the launcher), then check that it exits 130 saying it was
+    interrupted and that no process it started is left; killed with its group if it hangs."""
+    try:
+        send()
+        _, err = launcher.communicate(timeout=WAIT_S)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate()
+    assert launcher.returncode == 130, err
+    assert "interrupted" in err
+    assert _processes_marked(mark) == []
 
 
 def _wait_for_training(run_dir: Path, launcher: subprocess.Popen[str]) -> None:
@@ -134,22 +132,22 @@ def test_a_stopped_launch_stops_every_child_and_keeps_the_summary(
     small_hsi: Path, tmp_path: Path, mark: str, signum: int, target: str
 ) -> None:
     run_dir = tmp_path / "run"
-    launcher = _start_pslaunch(small_hsi, run_dir)
+    launcher = _start_pslaunch(
+        *("local", "--dataset", str(small_hsi), "--model", "hsi-cnn", "--mode", "async"),
+        *("--slowdowns", "1,2", "--epochs", "1000", "--run-dir", str(run_dir)),
+        "--server-opt=--shutdown-timeout=30",
+    )
     try:
         _wait_for_training(run_dir, launcher)
         assert len(_processes_marked(mark)) == 4  # pslaunch, its server and 2 workers
-        if target == "launcher":
-            launcher.send_signal(signum)
-        else:
-            os.killpg(launcher.pid, signum)  # what Ctrl-C does: the whole foreground group
-        _, err = launcher.communicate(timeout=WAIT_S)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.communicate()
-    assert launcher.returncode == 130, err
-    assert "interrupted" in err
-    assert _processes_marked(mark) == []
+    except BaseException:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.communicate()
+        raise
+    if target == "launcher":
+        _interrupt(launcher, lambda: launcher.send_signal(signum), mark)
+    else:  # what Ctrl-C does: the whole foreground group
+        _interrupt(launcher, lambda: os.killpg(launcher.pid, signum), mark)
     summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
     assert summary["finish_reason"] == "stopped" and summary["steps"] > 0
 
@@ -178,36 +176,13 @@ def test_a_failing_ddp_rank_stops_the_others_with_its_error(
 def test_sigterm_to_pslaunch_ddp_stops_every_rank(
     small_hsi: Path, tmp_path: Path, mark: str
 ) -> None:
-    run_dir = tmp_path / "run"
-    command = ["ddp", "--dataset", str(small_hsi), "--model", "hsi-cnn", "--slowdowns", "1,2"]
-    launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "launch.cli",
-            *command,
-            "--epochs",
-            "1000",
-            "--run-dir",
-            str(run_dir),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,
+    launcher = _start_pslaunch(
+        *("ddp", "--dataset", str(small_hsi), "--model", "hsi-cnn", "--slowdowns", "1,2"),
+        *("--epochs", "1000", "--run-dir", str(tmp_path / "run")),
     )
-    try:
-        deadline = time.monotonic() + WAIT_S
-        while len(_processes_marked(mark)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.2)  # pslaunch and its 2 ranks
-        assert len(_processes_marked(mark)) == 3
-        launcher.send_signal(signal.SIGTERM)
-        _, err = launcher.communicate(timeout=WAIT_S)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.communicate()
-    assert launcher.returncode == 130, err
-    assert "interrupted" in err
-    assert _processes_marked(mark) == []
+    deadline = time.monotonic() + WAIT_S
+    while len(_processes_marked(mark)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)  # pslaunch and its 2 ranks
+    ranks_up = len(_processes_marked(mark)) == 3
+    _interrupt(launcher, lambda: launcher.send_signal(signal.SIGTERM), mark)
+    assert ranks_up
