@@ -41,7 +41,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from common.data.convert.hsi import prepare_hsi  # noqa: E402
+from bench.jasper import JASPER_DIR, jasper_p5  # noqa: E402
 from common.data.dataset import DatasetReader  # noqa: E402
 from common.logsetup import setup_logging  # noqa: E402
 from common.training.models import build_model  # noqa: E402
@@ -49,25 +49,8 @@ from common.training.planner import plan_equal  # noqa: E402
 from launch.ddp.launcher import DDPConfig, run_ddp  # noqa: E402
 from launch.settings import TrainSettings  # noqa: E402
 
-JASPER = ROOT.parent / "shared/datasets/jasper_ridge"
 CALIBRATION_PASSES = 16
 TIMEOUT_S = 900.0
-
-
-def dataset(out: Path) -> Path:
-    """Jasper Ridge in 5x5 patches, 10 % of each class for training (random split, seed 0)."""
-    path = out / "jasper_p5_tf10.h5"
-    if not path.exists():
-        prepare_hsi(
-            str(JASPER / "JasperRidge.mat"),
-            str(JASPER / "JasperRidge_gt.mat"),
-            path,
-            patch=5,
-            train_fraction=0.1,
-            split="random",
-            seed=0,
-        )
-    return path
 
 
 def job(args: argparse.Namespace) -> TrainSettings:
@@ -249,11 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         plain_rank(args)
         return 0
     setup_logging("WARNING")
-    if not (JASPER / "JasperRidge.mat").exists():
-        print(f"Jasper Ridge not found in {JASPER}")
+    if not (JASPER_DIR / "JasperRidge.mat").exists():
+        print(f"Jasper Ridge not found in {JASPER_DIR}")
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    data = dataset(args.out)
+    data = jasper_p5(args.out)
     runners = {"plain": run_plain, "pslaunch": run_pslaunch}
     times: dict[str, list[Timing]] = {name: [] for name in runners}
     print(

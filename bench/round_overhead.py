@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from common.data.convert.hsi import prepare_hsi  # noqa: E402
+from bench.jasper import JASPER_DIR, jasper_p5  # noqa: E402
 from common.data.dataset import DatasetReader  # noqa: E402
 from common.training.models import build_model  # noqa: E402
 from launch.local import LocalCluster, run_local  # noqa: E402
@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", default="1,3", help="worker counts, comma-separated")
-    parser.add_argument("--jasper", type=Path, default=ROOT.parent / "shared/datasets/jasper_ridge")
+    parser.add_argument("--jasper", type=Path, default=JASPER_DIR)
     parser.add_argument("--baseline", type=Path, default=None, help="another checkout to compare")
     args = parser.parse_args()
     counts = [int(n) for n in args.workers.split(",")]
@@ -153,16 +153,7 @@ def main() -> None:
     if args.baseline is not None:
         trees["baseline"] = args.baseline.resolve()
     with tempfile.TemporaryDirectory() as tmp:
-        dataset = Path(tmp) / "jasper_p5.h5"
-        prepare_hsi(
-            str(args.jasper / "JasperRidge.mat"),
-            str(args.jasper / "JasperRidge_gt.mat"),
-            dataset,
-            patch=5,
-            train_fraction=0.1,
-            split="random",
-            seed=0,
-        )
+        dataset = jasper_p5(Path(tmp), args.jasper)
         local: list[tuple[float, float]] = []
         ps: dict[tuple[str, int], list[tuple[float, float, float]]] = {
             (t, n): [] for t in trees for n in counts

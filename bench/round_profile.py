@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.data.convert.hsi import prepare_hsi  # noqa: E402
+from bench.jasper import JASPER_DIR, jasper_p5  # noqa: E402
 
 # (stage, markers): a sample belongs to the first stage with a marker in its stack, markers
 # tried innermost frame first. Order matters: more specific stages come first.
@@ -201,7 +201,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=int, default=8)
     parser.add_argument("--rate", type=int, default=400)
-    parser.add_argument("--jasper", type=Path, default=ROOT.parent / "shared/datasets/jasper_ridge")
+    parser.add_argument("--jasper", type=Path, default=JASPER_DIR)
     parser.add_argument("--baseline", type=Path, default=None, help="another checkout to compare")
     args = parser.parse_args()
     trees = {"this": ROOT}
@@ -209,15 +209,7 @@ def main() -> None:
         trees = {"baseline": args.baseline.resolve(), **trees}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        dataset = tmp / "jasper.h5"
-        prepare_hsi(
-            str(args.jasper / "JasperRidge.mat"),
-            str(args.jasper / "JasperRidge_gt.mat"),
-            dataset,
-            patch=5,
-            train_fraction=0.1,
-            seed=0,
-        )
+        dataset = jasper_p5(tmp, args.jasper)
         results = {
             name: profile(tree, dataset, tmp, args.seconds, args.rate)
             for name, tree in trees.items()
