@@ -13,7 +13,7 @@ from common.errors import ErrorCode, ProtocolError
 from pserver.evaluation import VersionInfo
 from pserver.membership import WorkerInfo
 from pserver.policies import Update
-from pserver.policies.sync_rounds import WorkerTiming
+from pserver.policies.sync_rounds import RoundTiming, WorkerTiming
 
 if TYPE_CHECKING:
     from pserver.server import ParameterServer
@@ -33,13 +33,18 @@ def book(ps: ParameterServer, update: Update, tau: int) -> None:
     ps.policy.applied(update, tau)
     now = ps.log.now()
     epoch = update.entries[0][1].epoch if update.entries else 0
+    timing = ps.policy.last_timing if ps.config.is_sync else None  # type: ignore[attr-defined]
     workers = []
     for worker, task, _ in update.entries:
         ps.clip.pop(task.task_id, None)
         worker.pushing = None
         ps.roster.credit(worker, task.size)
-        workers.append({"worker": worker.name, "batch": task.size, "speed": round(worker.speed, 3)})
-    _log_update(ps, update, tau, epoch, workers)
+        entry = {"worker": worker.name, "batch": task.size, "speed": round(worker.speed, 3)}
+        if timing is not None:
+            part = timing.workers.get(worker.worker_id)
+            entry.update(account_round(worker, part, update.round_id))
+        workers.append(entry)
+    _log_update(ps, update, tau, epoch, workers, timing)
     ps.evaluations.made(
         version, VersionInfo(epoch, ps.updater.samples_applied, now, ps.run.train_time(now))
     )
@@ -75,15 +80,17 @@ def account_round(worker: WorkerInfo, part: WorkerTiming | None, round_id: int) 
 
 
 def _log_update(
-    ps: ParameterServer, update: Update, tau: int, epoch: int, workers: list[dict[str, Any]]
+    ps: ParameterServer,
+    update: Update,
+    tau: int,
+    epoch: int,
+    workers: list[dict[str, Any]],
+    timing: RoundTiming | None,
 ) -> None:
-    """A ``round`` event (sync modes) or a ``push`` event (async) in ``metrics.jsonl``."""
+    """A ``round`` event (sync modes, with the round's ``timing``) or a ``push`` event (async)
+    in ``metrics.jsonl``."""
     version = ps.updater.version
-    if ps.config.is_sync:
-        timing = ps.policy.last_timing  # type: ignore[attr-defined]
-        for (worker, _, _), entry in zip(update.entries, workers, strict=True):
-            part = timing.workers.get(worker.worker_id)
-            entry.update(account_round(worker, part, update.round_id))
+    if timing is not None:
         ps.log.event(
             "round",
             round=update.round_id,
