@@ -45,7 +45,7 @@ CONTEXT = {"auto_envvar_prefix": "PSERVER", "show_default": True}
 def _opt(name: str, cls: type = ServerConfig, **kwargs: Any) -> Callable[[Any], Any]:
     """A click option whose default comes from the config dataclass field ``name``."""
     flag = kwargs.pop("flag", "--" + name.removesuffix("_s").replace("_", "-"))
-    return click.option(flag, name, default=default(cls, name), show_envvar=True, **kwargs)
+    return click.option(flag, name, default=default(cls, name), **kwargs)
 
 
 def _path(**kwargs: Any) -> click.Path:
@@ -66,14 +66,12 @@ def main() -> None:
 @click.option(
     "--dataset",
     required=True,
-    show_envvar=True,
     type=_path(exists=True, dir_okay=False),
     help="HDF5 dataset made by 'pserver data'.",
 )
 @click.option(
     "--model",
     required=True,
-    show_envvar=True,
     help="Built-in model (hsi-cnn, hsi-3dcnn, scene-cnn, resnet18) or package.module:factory.",
 )
 @_opt("mode", type=click.Choice(MODES), help="How pushes are combined.")
@@ -216,7 +214,7 @@ def main() -> None:
     "http_bind",
     help="Address the status page binds (0.0.0.0 exposes it to the network).",
 )
-@click.option("--log-level", default="INFO", show_envvar=True, help="Logging level.")
+@click.option("--log-level", default="INFO", help="Logging level.")
 def start(log_level: str, **options: Any) -> None:
     """Start a parameter server (the coordinator) and serve until training ends."""
     setup_logging(log_level, "pserver ")
@@ -263,7 +261,6 @@ async def _serve(config: ServerConfig) -> tuple[dict[str, Any], str, int]:
 @click.option(
     "--coordinator",
     required=True,
-    show_envvar=True,
     help="The coordinator's endpoint (its 'pserver start --bind').",
 )
 @_opt("bind", ShardConfig, help="Endpoint this shard listens on (port 0 picks a free port).")
@@ -293,7 +290,7 @@ async def _serve(config: ServerConfig) -> tuple[dict[str, Any], str, int]:
     help="Directory of worker public keys allowed to connect (the coordinator's).",
 )
 @_opt("torch_threads", ShardConfig, type=int, help="Torch threads for updates.")
-@click.option("--log-level", default="INFO", show_envvar=True, help="Logging level.")
+@click.option("--log-level", default="INFO", help="Logging level.")
 def shard(log_level: str, **options: Any) -> None:
     """Serve one parameter shard for a coordinator started with --shards K."""
     setup_logging(log_level, "shard ")
@@ -309,24 +306,18 @@ def shard(log_level: str, **options: Any) -> None:
 
 
 @main.command()
-@click.option(
-    "--server", required=True, show_envvar=True, help="Server endpoint, e.g. tcp://HOST:5555."
-)
-@click.option(
-    "--timeout", default=5.0, type=float, show_envvar=True, help="Seconds to wait for the reply."
-)
+@click.option("--server", required=True, help="Server endpoint, e.g. tcp://HOST:5555.")
+@click.option("--timeout", default=5.0, type=float, help="Seconds to wait for the reply.")
 @click.option(
     "--curve-server-key",
     type=_path(exists=True, dir_okay=False),
     default=None,
-    show_envvar=True,
     help="The server's public key file, for a server started with --curve-secret.",
 )
 @click.option(
     "--curve-secret",
     type=_path(exists=True, dir_okay=False),
     default=None,
-    show_envvar=True,
     help="This client's secret key file (its public key must be authorized).",
 )
 def status(

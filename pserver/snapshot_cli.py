@@ -15,19 +15,17 @@ from common.errors import PSError
     "--target-oa",
     type=float,
     default=None,
-    show_envvar=True,
     help="Report the first version reaching this test OA (default: the run's --target-oa).",
 )
 @click.option(
     "--dataset",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    show_envvar=True,
     help="The run's dataset file (default: the one RUN_DIR/snapshots/run.json names).",
 )
-@click.option("--batch", type=int, default=512, show_envvar=True, help="Evaluation batch size.")
-@click.option("--threads", type=int, default=1, show_envvar=True, help="Torch CPU threads.")
-@click.option("--progress/--no-progress", default=True, show_envvar=True, help="Progress bar.")
+@click.option("--batch", type=int, default=512, help="Evaluation batch size.")
+@click.option("--threads", type=int, default=1, help="Torch CPU threads.")
+@click.option("--progress/--no-progress", default=True, help="Progress bar.")
 def evaluate_snapshots_cmd(
     run_dir: Path,
     target_oa: float | None,

@@ -6,7 +6,6 @@ Every option can also be set by an environment variable such as ``WORKER_JOIN_SE
 
 from __future__ import annotations
 
-import functools
 import socket
 import sys
 
@@ -18,8 +17,6 @@ from common.errors import PSError
 from common.logsetup import setup_logging
 from worker.config import WorkerConfig
 
-option = functools.partial(click.option, show_envvar=True)
-
 
 @click.group(context_settings={"auto_envvar_prefix": "WORKER", "show_default": True})
 def main() -> None:
@@ -27,28 +24,30 @@ def main() -> None:
 
 
 @main.command()
-@option("--server", required=True, help="Server endpoint, e.g. tcp://HOST:5555.")
-@option("--device", default=default(WorkerConfig, "device"), help="cpu, cuda or cuda:N.")
-@option(
+@click.option("--server", required=True, help="Server endpoint, e.g. tcp://HOST:5555.")
+@click.option("--device", default=default(WorkerConfig, "device"), help="cpu, cuda or cuda:N.")
+@click.option(
     "--slowdown",
     default=default(WorkerConfig, "slowdown"),
     type=float,
     help="Emulate a device F times slower: after t s of compute, wait (F-1)*t s.",
 )
-@option(
+@click.option(
     "--slowdown-schedule",
     default="",
     help="Change the slowdown during training: STEP:F[,STEP:F...], e.g. 200:3 makes the worker "
     "3x slower from its 200th step on.",
 )
-@option(
+@click.option(
     "--name",
     default=socket.gethostname,
     show_default="this host's name",
     help="Worker name in logs and metrics.",
 )
-@option("--threads", default=default(WorkerConfig, "threads"), type=int, help="Torch CPU threads.")
-@option(
+@click.option(
+    "--threads", default=default(WorkerConfig, "threads"), type=int, help="Torch CPU threads."
+)
+@click.option(
     "--connect-timeout",
     "connect_timeout_s",
     default=default(WorkerConfig, "connect_timeout_s"),
@@ -56,7 +55,7 @@ def main() -> None:
     help="Give up when the server cannot be reached (or keeps answering 'busy') for this many "
     "seconds at start.",
 )
-@option(
+@click.option(
     "--allow-model",
     "allow_model",
     multiple=True,
@@ -64,40 +63,40 @@ def main() -> None:
     help="Let the server make this worker import and build this user model (built-in models "
     "need no permission; repeat for several).",
 )
-@option(
+@click.option(
     "--reply-timeout",
     "reply_timeout_s",
     default=default(WorkerConfig, "reply_timeout_s"),
     type=float,
     help="Seconds to wait for a task (sync rounds wait for the slowest worker).",
 )
-@option(
+@click.option(
     "--data-timeout",
     "data_timeout_s",
     default=default(WorkerConfig, "data_timeout_s"),
     type=float,
     help="Seconds to wait for a data reply.",
 )
-@option(
+@click.option(
     "--rejoin-timeout",
     "rejoin_timeout_s",
     default=default(WorkerConfig, "rejoin_timeout_s"),
     type=float,
     help="Keep trying to rejoin a lost or restarted server for this many seconds.",
 )
-@option(
+@click.option(
     "--curve-server-key",
     default=None,
     type=click.Path(exists=True, dir_okay=False),
     help="The server's public key file (server.key), for a server using CURVE.",
 )
-@option(
+@click.option(
     "--curve-secret",
     default=None,
     type=click.Path(exists=True, dir_okay=False),
     help="This worker's secret key file (worker.key_secret); its public key must be authorized.",
 )
-@option(
+@click.option(
     "--data",
     default=None,
     metavar="PATH",
@@ -105,20 +104,20 @@ def main() -> None:
     help="Read samples from this local or shared copy of the dataset instead of pulling them "
     "from the server; its fingerprint must match the server's.",
 )
-@option(
+@click.option(
     "--cache-mb",
     default=default(WorkerConfig, "cache_mb"),
     type=int,
     help="Keep up to this many MiB of samples pulled from the server, so later epochs do not "
     "pull them again (0: keep none; not used with --data).",
 )
-@option(
+@click.option(
     "--augment/--no-augment",
     default=False,
     help="Augment training batches with random flips and 90-degree rotations, reproducibly "
     "per task.",
 )
-@option(
+@click.option(
     "--augment-noise",
     default=default(WorkerConfig, "augment_noise"),
     type=float,
@@ -126,13 +125,13 @@ def main() -> None:
     help="With --augment: add a Gaussian offset per sample and band with this standard "
     "deviation (the data have unit variance per band); 0 disables it.",
 )
-@option(
+@click.option(
     "--log-every",
     default=default(WorkerConfig, "log_every"),
     type=int,
     help="Log progress every N steps.",
 )
-@option("--log-level", default="INFO", help="Logging level.")
+@click.option("--log-level", default="INFO", help="Logging level.")
 def join(log_level: str, **options: object) -> None:
     """Join a server and train until training ends."""
     name = str(options["name"])
