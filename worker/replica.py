@@ -66,13 +66,8 @@ class Replica:
         speed: SpeedMeter,
         stats: WorkerStats,
     ) -> None:
-        self.device, self.timer, self.slowdown, self.speed, self.stats = (
-            device,
-            timer,
-            slowdown,
-            speed,
-            stats,
-        )
+        self.device, self.timer, self.slowdown = device, timer, slowdown
+        self.speed, self.stats = speed, stats
         model = build_model(spec.model, spec.in_channels, spec.num_classes, spec.input_size)
         self.model: nn.Module = model.to(device).train()
         self.flat = FlatModel(self.model)
