@@ -156,6 +156,10 @@ class LiveView:
                 ],
             }
         )
+        planned = {part.worker for part in parts}
+        for name, totals in self.workers.items():
+            if name not in planned and totals.round_s > 0:
+                totals.batch_share = 0.0  # in earlier rounds, planned at 0 in this one (or gone)
         for part in parts:
             totals = self._worker(part.worker)
             totals.batch_share = round(part.share, 4)

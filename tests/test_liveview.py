@@ -107,6 +107,16 @@ def test_live_view_idle_totals_over_rounds() -> None:
     assert totals["fast"]["batch_share"] == 0.75
 
 
+def test_a_worker_left_out_of_the_latest_round_has_no_batch_share() -> None:
+    """The model planner may plan a worker at 0: its share is 0, not that of its last round."""
+    view = LiveView()
+    both = [{"worker": "fast", "batch": 30, "speed": 60.0}, {"worker": "slow", "batch": 10}]
+    for workers in (both, both[:1]):
+        view({"event": "round", "t": 1.0, "round_s": 1.0, "workers": workers})
+    totals = view.snapshot()["workers"]
+    assert totals["fast"]["batch_share"] == 1.0 and totals["slow"]["batch_share"] == 0.0
+
+
 def test_metrics_escape_labels_and_skip_missing_values() -> None:
     status = {
         "mode": "async",
