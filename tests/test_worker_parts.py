@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from common.errors import ConfigError, DeviceError
-from common.training.device import resolve_device
+from common.training.device import ComputeTimer, resolve_device
 from common.training.models import build_model
 from common.training.slowdown import SlowdownSchedule
 from common.training.speed import SpeedMeter
@@ -52,13 +52,32 @@ def test_slowdown_schedule_factors_and_emulated_time() -> None:
     schedule = SlowdownSchedule(2.0, "10:3,20:1")
     assert [schedule.factor(s) for s in (0, 9, 10, 19, 20, 99)] == [2, 2, 3, 3, 1, 1]
     begin = time.perf_counter()
-    assert schedule.emulate(0, 0.02) == pytest.approx(0.04)
-    assert time.perf_counter() - begin >= 0.02  # it waited (F-1)*t
+    assert schedule.emulate(0, 0.03, 0.02) == pytest.approx(0.05)  # wall t + (F-1)*compute
+    assert time.perf_counter() - begin >= 0.02  # it waited (F-1)*compute
     assert SlowdownSchedule(4.0, "0:1").factor(0) == 1  # an explicit step-0 entry wins
     assert SlowdownSchedule(1.0, "5:3,5:2").factor(5) == 2  # so does the later of two
     for bad in ("x", "10", "10:0.5"):
         with pytest.raises(ConfigError):
             SlowdownSchedule(1.0, bad)
+
+
+def test_compute_time_leaves_out_time_off_the_cpu() -> None:
+    # A CPU step's compute is its thread's CPU time: time spent off the core (here a sleep;
+    # on a shared machine, other processes running) is wall time, never scaled by a slowdown.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        timer = ComputeTimer(torch.device("cpu"))
+        timer.start()
+        cpu_begin, give_up = time.thread_time(), time.perf_counter() + 5.0
+        while time.thread_time() - cpu_begin < 0.02 and time.perf_counter() < give_up:
+            pass
+        time.sleep(0.05)
+        spent = timer.stop()
+    finally:
+        torch.set_num_threads(threads)
+    assert spent.wall_s >= 0.07
+    assert 0.02 <= spent.compute_s <= 0.045  # the 0.05 s asleep is not compute
 
 
 class _RecordingStores:

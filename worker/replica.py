@@ -130,7 +130,7 @@ class Replica:
                 assert self.overlap is not None and task is not None
                 self.overlap.arm(task.task_id, task.push_token, task.version)
             loss.backward()
-        emulated = self.slowdown.emulate(self.stats.steps, self.timer.stop())
+        emulated = self.slowdown.emulate(self.stats.steps, *self.timer.stop())
         self.speed.update(len(y), emulated)
         self.stats.compute_s += emulated
         self.overlapped = overlap

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -46,9 +47,23 @@ def host_buffer(
     return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
 
 
+class StepTime(NamedTuple):
+    """One step's compute, as measured by ``ComputeTimer``.
+
+    Attributes:
+        wall_s: wall-clock seconds the step took (CUDA: event time).
+        compute_s: seconds of compute: the calling thread's CPU time on a CPU running torch on
+            one thread (time the thread spent preempted by other processes is not compute), the
+            wall clock with more threads, the event time on CUDA.
+    """
+
+    wall_s: float
+    compute_s: float
+
+
 class ComputeTimer:
     """Times one step's compute: CUDA events on a GPU (queued with the kernels, read after
-    the end event completes), the wall clock on a CPU.
+    the end event completes), the wall clock and the thread's CPU time on a CPU.
 
     Args:
         device: the device the step runs on.
@@ -57,6 +72,7 @@ class ComputeTimer:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self._begin = 0.0
+        self._begin_cpu = 0.0
         if self.cuda:
             self._start = torch.cuda.Event(enable_timing=True)
             self._end = torch.cuda.Event(enable_timing=True)
@@ -67,11 +83,16 @@ class ComputeTimer:
             self._start.record()
         else:
             self._begin = time.perf_counter()
+            self._begin_cpu = time.thread_time()
 
-    def stop(self) -> float:
-        """Mark the end of the step; returns its compute time in seconds."""
+    def stop(self) -> StepTime:
+        """Mark the end of the step; returns its wall and compute time."""
         if self.cuda:
             self._end.record()
             self._end.synchronize()
-            return self._start.elapsed_time(self._end) / 1000.0
-        return time.perf_counter() - self._begin
+            elapsed = self._start.elapsed_time(self._end) / 1000.0
+            return StepTime(elapsed, elapsed)
+        wall = time.perf_counter() - self._begin
+        if torch.get_num_threads() > 1:  # other threads compute too: the calling one's CPU
+            return StepTime(wall, wall)  # time would miss their share
+        return StepTime(wall, min(time.thread_time() - self._begin_cpu, wall))

@@ -3,6 +3,7 @@
 Shared by parameter-server workers and DDP ranks so both follow the same rule. Only compute
 time counts: time spent communicating or waiting on other processes is never scaled, since in
 DDP the backward pass contains the all-reduce and scaling it would feed back without bound.
+Nor is time preempted by other processes: workers measure t as CPU time (``ComputeTimer``).
 """
 
 from __future__ import annotations
@@ -46,13 +47,13 @@ class SlowdownSchedule:
         """The factor in force at local step ``step``."""
         return self._factors[bisect.bisect_right(self._steps, step) - 1]
 
-    def emulate(self, step: int, compute_s: float) -> float:
-        """Sleep (F-1)·compute_s for this step's factor F.
+    def emulate(self, step: int, wall_s: float, compute_s: float) -> float:
+        """Sleep (F-1)·compute_s for this step's factor F, after a step of ``wall_s``.
 
         Returns:
-            The emulated compute time F·compute_s.
+            The emulated step time wall_s + (F-1)·compute_s.
         """
-        return compute_s + self.pause(step, compute_s)
+        return wall_s + self.pause(step, compute_s)
 
     def pause(self, step: int, basis_s: float) -> float:
         """Sleep (F-1)·basis_s for this step's factor F (basis_s: a compute time).

@@ -195,7 +195,7 @@ class ComputeOnlyStep:
         if samples:
             loss, compute = self._compute(x, y)  # zeroes, then fills, flat[:p]
             basis = self.calibrated.get(samples, compute)
-            emulated = compute + self.schedule.pause(step, basis)
+            emulated = self.schedule.emulate(step, compute, basis)
         else:
             flat[:p].zero_()
         flat[p:].zero_()
