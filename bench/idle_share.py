@@ -2,7 +2,10 @@
 weighted-sync with the speed planner, side by side on Jasper Ridge.
 
 hsi-cnn, 5x5 patches, 10 % train, three workers with slowdowns 1, 2, 4, 10 epochs (cosine lr
-0.05), the same seed in every run; the three configurations are interleaved within each repeat.
+0.05), the same seed in every run; the configurations are interleaved within each repeat. The
+server evaluates only at the end (``--eval-every 0``): on a cluster it evaluates on its own host,
+while here an in-run evaluation takes one of the two cores the workers share; the last
+configuration shows weighted-sync with per-epoch evaluations beside the others.
 Idle share = sum over rounds and workers of the time a worker waited for the round's last push,
 over the sum of their round times (summary.json ``idle_share``); "systematic idle" is the part
 a steady imbalance explains (see ``systematic_idle``), the rest is round-to-round noise.
@@ -33,14 +36,17 @@ from launch.local import LocalCluster, run_local  # noqa: E402
 from launch.table import format_table  # noqa: E402
 
 SLOWDOWNS = (1.0, 2.0, 4.0)
-CONFIGS = (  # name, mode, planner
-    ("weighted-sync/model", "weighted-sync", "model"),
-    ("equal-sync", "equal-sync", "model"),
-    ("weighted-sync/speed", "weighted-sync", "speed"),
+CONFIGS = (  # name, mode, planner, epochs between in-run evaluations (0: only the final one)
+    ("weighted-sync/model", "weighted-sync", "model", 0),
+    ("equal-sync", "equal-sync", "model", 0),
+    ("weighted-sync/speed", "weighted-sync", "speed", 0),
+    ("weighted-sync/model+evals", "weighted-sync", "model", 1),
 )
 
 
-def run_one(dataset: Path, out: Path, mode: str, planner: str, epochs: int) -> dict[str, Any]:
+def run_one(
+    dataset: Path, out: Path, mode: str, planner: str, epochs: int, eval_every: int
+) -> dict[str, Any]:
     """One local run; returns its summary."""
     cluster = LocalCluster(
         dataset=dataset,
@@ -57,6 +63,8 @@ def run_one(dataset: Path, out: Path, mode: str, planner: str, epochs: int) -> d
             "cosine",
             "--planner",
             planner,
+            "--eval-every",
+            str(eval_every),
             "--overwrite",
         ),
     )
@@ -111,11 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("WARNING")
     dataset = prepare_dataset(args.shared, args.out)
     rows = []
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in CONFIGS}
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in CONFIGS}
     for repeat in range(args.repeats):
-        for name, mode, planner in CONFIGS:
-            run_dir = args.out / f"{name.replace('/', '-')}-{repeat}"
-            summary = run_one(dataset, run_dir, mode, planner, args.epochs)
+        for name, mode, planner, eval_every in CONFIGS:
+            run_dir = args.out / f"{name.replace('/', '-').replace('+', '-')}-{repeat}"
+            summary = run_one(dataset, run_dir, mode, planner, args.epochs, eval_every)
             summary["systematic_idle"] = systematic_idle(run_dir)
             results[name].append(summary)
             final = summary.get("final") or {}
@@ -153,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             f"oa_{name}={oa:.4f} train_s_{name}={train:.2f}"
         )
     model = results["weighted-sync/model"]
-    for base in ("equal-sync", "weighted-sync/speed"):  # paired: runs of the same repeat
+    for base in ("equal-sync", "weighted-sync/speed", "weighted-sync/model+evals"):  # paired
         ratios = [
             b["train_time_s"] / m["train_time_s"] for b, m in zip(results[base], model, strict=True)
         ]

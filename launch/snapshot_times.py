@@ -28,10 +28,14 @@ def interval(mode: str, every: int, workers: int) -> int:
 
 
 def server_options(mode: str, every: int | None, workers: int) -> list[str]:
-    """``pserver start`` options that save the snapshots (none when ``every`` is None)."""
+    """``pserver start`` options that save the snapshots (none when ``every`` is None).
+
+    With snapshots the server evaluates only at the end: the curve comes from the snapshots,
+    and in-run evaluations would only take cores from the workers of the same machine.
+    """
     if every is None:
         return []
-    return ["--snapshot-every-updates", str(interval(mode, every, workers))]
+    return ["--snapshot-every-updates", str(interval(mode, every, workers)), "--eval-every", "0"]
 
 
 def score_run(

@@ -48,11 +48,11 @@ def book(ps: ParameterServer, update: Update, tau: int) -> None:
     ps.evaluations.made(
         version, VersionInfo(epoch, ps.updater.samples_applied, now, ps.run.train_time(now))
     )
-    every = ps.config.eval_every_updates
+    every, every_epochs = ps.config.eval_every_updates, ps.config.eval_every
     wanted = every is not None and version % every == 0
     for _, task, _ in update.entries:
         done = _epoch_done(ps, task.epoch, task.positions)
-        wanted = wanted or (done is not None and done % ps.config.eval_every == 0)
+        wanted = wanted or (done is not None and every_epochs > 0 and done % every_epochs == 0)
     if wanted:
         ps.evaluations.request()
     _after_step(ps)

@@ -114,7 +114,11 @@ def main() -> None:
 )
 @_opt("seed", type=int, help="Seed for initialisation and shuffling.")
 @_opt("cache_mb", type=int, help="Keep the sample array in memory when it is at most this large.")
-@_opt("eval_every", type=int, help="Evaluate every this many epochs (and always at the end).")
+@_opt(
+    "eval_every",
+    type=int,
+    help="Evaluate every this many epochs (and always at the end; 0: only at the end).",
+)
 @_opt(
     "eval_every_updates",
     type=int,

@@ -204,7 +204,7 @@ class ServerConfig:
             f"--dead-after ({self.dead_after_s}) must exceed --heartbeat ({self.heartbeat_s})",
         )
         need(self.torch_threads >= 1, f"--torch-threads must be >= 1, got {self.torch_threads}")
-        need(self.eval_every >= 1, f"--eval-every must be >= 1, got {self.eval_every}")
+        need(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
         need(self.cache_mb >= 0, f"--cache-mb must be >= 0, got {self.cache_mb}")
         for name in ("shutdown_timeout_s", "stage_timeout_s", "shard_timeout_s"):
             value = getattr(self, name)

@@ -274,6 +274,21 @@ async def test_a_stale_push_racing_a_leave_is_booked_once(small_hsi) -> None:
         assert len(epochs) == 2 and all(e["exactly_once"] for e in epochs)
 
 
+async def test_eval_every_zero_evaluates_only_at_the_end(small_hsi) -> None:
+    async with (
+        live_server(small_hsi, mode="async", workers=1, global_batch=8, epochs=3, eval_every=0)
+        as ps,
+        clients(ps.address, 1) as (client,),
+    ):  # fmt: skip
+        member, task = await client.join("fast")
+        while task.action == "train":
+            task = await client.push(member, task, _gradient(ps, 1e-4))
+        await _wait(lambda: bool(ps.run.evals), 60)
+    evals = [e for e in ps.log.events if e["event"] == "eval"]
+    assert len([e for e in ps.log.events if e["event"] == "epoch"]) == 3
+    assert len(evals) == 1 and evals[0]["version"] == ps.updater.version
+
+
 async def test_evaluations_keep_up_by_skipping_superseded_versions(small_hsi) -> None:
     async with (
         live_server(
