@@ -198,6 +198,7 @@ class RankTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = t.lr * factor
         self.optimizer.step()
+        self.step_fn.sleep()
         self.steps += 1
         self.samples += len(indices)
         if self.recorder is not None:

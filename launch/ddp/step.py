@@ -7,21 +7,25 @@ one's wait grows the other's: the step time feeds back without bound. So a step 
 
 1. forward and backward under ``ddp_model.no_sync()`` (no communication), timed with a
    device synchronisation on both ends: the compute time t;
-2. ``SlowdownSchedule.pause``: sleep (F-1)·t̂, so this rank looks F times slower, where t̂ is
-   this rank's compute time for its local batch size calibrated before training (the fastest
-   of several passes before the clock starts, ``warm_up``; ranks take turns). A fixed t̂
-   keeps the noise of each step's t (a busy core, a cache evicted during the sleep) out of
-   the sleep, which would otherwise multiply it by F-1 on the slowest rank and so on every
-   rank's step;
-3. one flat ``all_reduce`` (SUM) of ``[gradients, buffer changes, tail]``, then division by the
+2. one flat ``all_reduce`` (SUM) of ``[gradients, buffer changes, tail]``, then division by the
    number of ranks that had samples: the plain mean of the ranks' mean gradients, exactly
    what equal-sync computes; the tail carries each rank's compute and emulated time and its
-   loss, so rank 0 learns every rank's speed without another collective.
+   loss, so rank 0 learns every rank's speed without another collective;
+3. after the optimizer step, ``sleep``: (F-1)·t̂, so this rank looks F times slower, where t̂
+   is this rank's compute time for its local batch size calibrated before training (the
+   fastest of several passes before the clock starts, ``warm_up``; ranks take turns). A fixed
+   t̂ keeps the noise of each step's t (a busy core, a cache evicted during the sleep) out of
+   the sleep, which would otherwise multiply it by F-1 on the slowest rank and so on every
+   rank's step. The sleep comes after the step, as in a plain DDP loop whose slow ranks
+   sleep after each step: the faster ranks then compute while a slow one sleeps and the
+   slow one computes while they wait, where sleeping before the all-reduce made every rank
+   compute at once and, on a machine whose ranks share cores, slowed the compute on the
+   critical path (pslaunch ddp took 1.12-1.19x the plain loop's step time that way).
 
-Only steps 1-2 are ever scaled, so a rank's emulated time is t + (F-1)·t̂ whatever the others
-do, and the step time is max_r(t_r + (F_r-1)·t̂_r) plus the all-reduce. Float buffers
-(BatchNorm running statistics) are averaged the same way, as the parameter server averages
-their changes; integer buffers stay local, as they do on parameter-server workers.
+Only the compute and the sleep are ever scaled, so a rank's emulated time is t + (F-1)·t̂
+whatever the others do, and the step time is max_r(t_r + (F_r-1)·t̂_r) plus the all-reduce.
+Float buffers (BatchNorm running statistics) are averaged the same way, as the parameter server
+averages their changes; integer buffers stay local, as they do on parameter-server workers.
 """
 
 from __future__ import annotations
@@ -71,7 +75,8 @@ class StepResult:
 
 
 class ComputeOnlyStep:
-    """Forward/backward without communication, emulated slowdown, then one flat all-reduce.
+    """Forward/backward without communication, then one flat all-reduce; the emulated slowdown
+    is slept by ``sleep``, which the caller calls after its optimizer step.
 
     Args:
         model: the module whose parameters and buffers are trained (not the DDP wrapper).
@@ -102,6 +107,7 @@ class ComputeOnlyStep:
         self.num_params = sum(q.numel() for q in self.params)
         self.num_buffers = sum(b.numel() for b in self.buffers)
         self.calibrated: dict[int, float] = {}
+        self._pause_s = 0.0  # the last step's emulated slowdown, slept by ``sleep``
         # [gradients (p), buffer changes (b), active, loss sum, samples, t_r (w), F_r·t_r (w)]:
         # what one all-reduce sums. The gradients are views into it (backward accumulates
         # there), so a step copies no gradient before or after its all-reduce.
@@ -192,10 +198,11 @@ class ComputeOnlyStep:
         before = self._flat(self.buffers)
         samples = len(y)
         loss, compute, emulated = 0.0, 0.0, 0.0
+        self._pause_s = 0.0
         if samples:
             loss, compute = self._compute(x, y)  # zeroes, then fills, flat[:p]
-            basis = self.calibrated.get(samples, compute)
-            emulated = self.schedule.emulate(step, compute, basis)
+            self._pause_s = self.schedule.wait_s(step, self.calibrated.get(samples, compute))
+            emulated = compute + self._pause_s
         else:
             flat[:p].zero_()
         flat[p:].zero_()
@@ -220,6 +227,13 @@ class ComputeOnlyStep:
             emulated_s=tuple(times[w:]),
             active=round(active),
         )
+
+    def sleep(self) -> None:
+        """The emulated slowdown of the last ``run``: sleep (F-1)·t̂ (call after the
+        optimizer step)."""
+        if self._pause_s > 0:
+            time.sleep(self._pause_s)
+        self._pause_s = 0.0
 
     def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         if not tensors:
