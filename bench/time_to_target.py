@@ -8,17 +8,25 @@ regime trains on 50 % of each class: evaluating the 90 % test split of an 11x11 
 more than an epoch of training, and the server evaluates beside its workers on the same cores.
 
 Workers have slowdowns 1,1,2,4; ``single`` is one process with slowdown 1 and the whole global
-batch (``--workers 1``). Modes run interleaved within each repeat, with the
-same seed and samples. Time to target is the training time at which the first snapshot at or
-above the target was produced: every run keeps a snapshot every ``--snapshot-every`` updates
-(async: that many times the worker count in pushes), scored after the run on the whole test
-split (start-up excluded; DDP's blocking evaluation excluded). ``--snapshot-every 0`` goes back
-to the first per-epoch evaluation at or above the target.
+batch (``--workers 1``). Modes run interleaved within each repeat, with the same seed and
+samples; repeat r uses seed ``--seed`` + r - 1 (``--same-seed``: all repeats use ``--seed``).
+DDP, equal-sync and single follow the same trajectory in every repeat of one seed, so with one
+seed their time to target samples only timing noise, while weighted-sync and async (whose plans
+follow the measured speeds) draw a new trajectory each time; on a plateau near the target, when
+it is first crossed depends on the trajectory, which varying the seed samples for every mode.
+
+Time to target is the training time at which the first snapshot at or above the target was
+produced: every run keeps a snapshot every ``--snapshot-every`` updates (async: that many times
+the worker count in pushes), scored after the run on the whole test split (start-up excluded;
+DDP's blocking evaluation excluded). ``--snapshot-every 0`` goes back to the first per-epoch
+evaluation at or above the target. Each repeat writes its compare.json and report to
+``<out>/<regime>/repeat<r>-seed<s>/``.
 
 The last lines are ``ratio_<regime>_<quantity>_<mode>_vs_ddp=X.XX``: the median over repeats of
 the paired ratio (DDP's time / the mode's time in the same repeat; > 1: the mode is faster).
 
 Usage: python bench/time_to_target.py [--repeats 1] [--regimes small,heavy] [--snapshot-every 2]
+       [--seed 0] [--same-seed]
 """
 
 from __future__ import annotations
@@ -99,18 +107,23 @@ def run_regime(name: str, args: argparse.Namespace) -> list[str]:
     patch, fraction, batch, schedule, epochs, target = REGIMES[name]
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
-    config = CompareConfig(
-        dataset=dataset(args.out, patch, fraction),
-        model="hsi-cnn",
-        modes=MODES,
-        slowdowns=tuple(float(s) for s in args.slowdowns.split(",")),
-        out=out,
-        train=TrainSettings(epochs=epochs, global_batch=batch, lr_schedule=schedule),
-        repeats=args.repeats,
-        target_oa=target,
-        snapshot_every=args.snapshot_every or None,
+    runs = []
+    seeds = (
+        [args.seed] * args.repeats if args.same_seed else range(args.seed, args.seed + args.repeats)
     )
-    runs = run_compare(config, show_progress=sys.stderr.isatty())["runs"]
+    for repeat, seed in enumerate(seeds, start=1):
+        config = CompareConfig(
+            dataset=dataset(args.out, patch, fraction),
+            model="hsi-cnn",
+            modes=MODES,
+            slowdowns=tuple(float(s) for s in args.slowdowns.split(",")),
+            out=out / f"repeat{repeat}-seed{seed}",
+            train=TrainSettings(epochs=epochs, global_batch=batch, lr_schedule=schedule, seed=seed),
+            target_oa=target,
+            snapshot_every=args.snapshot_every or None,
+        )
+        for run in run_compare(config, show_progress=sys.stderr.isatty())["runs"]:
+            runs.append({**run, "repeat": repeat})
     rows = []
     for mode in MODES:
         mine = [r for r in runs if r["mode"] == mode and "error" not in r]
@@ -131,7 +144,12 @@ def run_regime(name: str, args: argparse.Namespace) -> list[str]:
         f"\n== {name}: hsi-cnn, Jasper Ridge {patch}x{patch} patches, {fraction:.0%} train, "
         f"B={batch}, {schedule} lr, {epochs} epochs, target OA {target}, "
         f"slowdowns {args.slowdowns}, {args.repeats} repeats "
-        "(min / median / max); time to target from "
+        + (
+            f"(seed {args.seed}) "
+            if args.same_seed
+            else f"(seeds {args.seed}-{args.seed + args.repeats - 1}) "
+        )
+        + "(min / median / max); time to target from "
         + (f"snapshots every {args.snapshot_every} updates" if args.snapshot_every else "epochs")
     )
     headers = ["mode", "runs", "epoch time s", "time to target s", "final OA", "AA", "kappa"]
@@ -163,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=2,
         help="updates between snapshots for time to target (0: per-epoch evaluations; default 2)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the first repeat (default 0)")
+    parser.add_argument(
+        "--same-seed", action="store_true", help="every repeat uses --seed (default: seed + r - 1)"
     )
     parser.add_argument(
         "--out", type=Path, default=ROOT / "runs/bench/time_to_target", help="output directory"
