@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.data.convert.hsi import prepare_hsi  # noqa: E402
+from bench.jasper import JASPER_DIR, jasper_p5  # noqa: E402
 from common.errors import PSError  # noqa: E402
 from common.logsetup import setup_logging  # noqa: E402
 from launch.compare import run_record  # noqa: E402
@@ -32,7 +32,6 @@ from launch.local import LocalCluster, run_local  # noqa: E402
 from launch.settings import TrainSettings  # noqa: E402
 from launch.table import format_table  # noqa: E402
 
-JASPER = ROOT.parent / "shared/datasets/jasper_ridge"
 FUNCTIONS = ("inverse", "poly", "hinge", "exp", "constant")
 
 
@@ -78,15 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     setup_logging("WARNING")
-    if not (JASPER / "JasperRidge.mat").exists():
-        print(f"Jasper Ridge not found in {JASPER}")
+    if not (JASPER_DIR / "JasperRidge.mat").exists():
+        print(f"Jasper Ridge not found in {JASPER_DIR}")
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    data = args.out / "jasper_p5.h5"
-    if not data.exists():
-        prepare_hsi(
-            str(JASPER / "JasperRidge.mat"), str(JASPER / "JasperRidge_gt.mat"), data, patch=5
-        )
+    data = jasper_p5(args.out)
     train = TrainSettings(epochs=args.epochs).validate()
     slowdowns = tuple(float(s) for s in args.slowdowns.split(","))
     table = variants([int(k) for k in args.bounds.split(",") if k.strip()])

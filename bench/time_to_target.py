@@ -40,14 +40,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.data.convert.hsi import prepare_hsi  # noqa: E402
+from bench.jasper import JASPER_DIR, jasper  # noqa: E402
 from common.logsetup import setup_logging  # noqa: E402
 from launch.compare import CompareConfig, run_compare  # noqa: E402
 from launch.settings import TrainSettings  # noqa: E402
 from launch.table import format_table  # noqa: E402
 
 MODES = ("weighted-sync", "equal-sync", "async", "ddp", "single")
-JASPER = ROOT.parent / "shared/datasets/jasper_ridge"
 REGIMES = {
     # name: (patch, train fraction, global batch, lr schedule, epochs, target OA)
     "small": (5, 0.1, 64, "constant", 6, 0.90),
@@ -86,37 +85,21 @@ def step_compute_ms(run: dict) -> float:
     return 1000 * statistics.median(times) if times else float("nan")
 
 
-def dataset(out: Path, patch: int, train_fraction: float) -> Path:
-    """Jasper Ridge in ``patch`` x ``patch`` patches with a random stratified split."""
-    path = out / f"jasper_p{patch}_tf{round(100 * train_fraction)}.h5"
-    if not path.exists():
-        prepare_hsi(
-            str(JASPER / "JasperRidge.mat"),
-            str(JASPER / "JasperRidge_gt.mat"),
-            path,
-            patch=patch,
-            train_fraction=train_fraction,
-            split="random",
-            seed=0,
-        )
-    return path
-
-
 def run_regime(name: str, args: argparse.Namespace) -> list[str]:
     """Compare every mode in one regime; print its table; return its ratio lines."""
     patch, fraction, batch, schedule, epochs, target = REGIMES[name]
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
+    data = jasper(args.out, patch, fraction)
+    slowdowns = tuple(float(s) for s in args.slowdowns.split(","))
+    seeds = [args.seed + (0 if args.same_seed else r) for r in range(args.repeats)]
     runs = []
-    seeds = (
-        [args.seed] * args.repeats if args.same_seed else range(args.seed, args.seed + args.repeats)
-    )
     for repeat, seed in enumerate(seeds, start=1):
         config = CompareConfig(
-            dataset=dataset(args.out, patch, fraction),
+            dataset=data,
             model="hsi-cnn",
             modes=MODES,
-            slowdowns=tuple(float(s) for s in args.slowdowns.split(",")),
+            slowdowns=slowdowns,
             out=out / f"repeat{repeat}-seed{seed}",
             train=TrainSettings(epochs=epochs, global_batch=batch, lr_schedule=schedule, seed=seed),
             target_oa=target,
@@ -144,12 +127,7 @@ def run_regime(name: str, args: argparse.Namespace) -> list[str]:
         f"\n== {name}: hsi-cnn, Jasper Ridge {patch}x{patch} patches, {fraction:.0%} train, "
         f"B={batch}, {schedule} lr, {epochs} epochs, target OA {target}, "
         f"slowdowns {args.slowdowns}, {args.repeats} repeats "
-        + (
-            f"(seed {args.seed}) "
-            if args.same_seed
-            else f"(seeds {args.seed}-{args.seed + args.repeats - 1}) "
-        )
-        + "(min / median / max); time to target from "
+        + f"(seeds {seeds[0]}-{seeds[-1]}) (min / median / max); time to target from "
         + (f"snapshots every {args.snapshot_every} updates" if args.snapshot_every else "epochs")
     )
     headers = ["mode", "runs", "epoch time s", "time to target s", "final OA", "AA", "kappa"]
@@ -191,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     setup_logging("WARNING")
-    if not (JASPER / "JasperRidge.mat").exists():
-        print(f"Jasper Ridge not found in {JASPER}")
+    if not (JASPER_DIR / "JasperRidge.mat").exists():
+        print(f"Jasper Ridge not found in {JASPER_DIR}")
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     lines = []
