@@ -1,5 +1,6 @@
-"""Idle time at the round barrier: weighted-sync with the model planner, equal-sync, and
-weighted-sync with the speed planner, side by side on Jasper Ridge.
+"""Idle time at the round barrier: weighted-sync with the model planner, equal-sync,
+weighted-sync with the speed planner and with the model planner on predictions alone
+(``--no-plan-spread``), side by side on Jasper Ridge.
 
 hsi-cnn, 5x5 patches, 10 % train, three workers with slowdowns 1, 2, 4, 10 epochs (cosine lr
 0.05), the same seed in every run; the configurations are interleaved within each repeat. The
@@ -12,8 +13,7 @@ a steady imbalance explains (see ``systematic_idle``), the rest is round-to-roun
 Target: weighted-sync (model planner) idle share <= 0.10 with OA >= 0.88.
 
 Prints one row per run, then medians over repeats (``idle_share_<config>=X.XXX`` lines) and the
-training time of equal-sync and of the speed planner over the model planner's, paired by
-repeat.
+training time of every other configuration over the model planner's, paired by repeat.
 
 Usage: python bench/idle_share.py [--repeats 1] [--epochs 10] [--out DIR]
 """
@@ -36,18 +36,19 @@ from launch.local import LocalCluster, run_local  # noqa: E402
 from launch.table import format_table  # noqa: E402
 
 SLOWDOWNS = (1.0, 2.0, 4.0)
-CONFIGS = (  # name, mode, planner, epochs between in-run evaluations (0: only the final one)
-    ("weighted-sync/model", "weighted-sync", "model", 0),
-    ("equal-sync", "equal-sync", "model", 0),
-    ("weighted-sync/speed", "weighted-sync", "speed", 0),
-    ("weighted-sync/model+evals", "weighted-sync", "model", 1),
+CONFIGS = (  # name, mode, further server options
+    ("weighted-sync/model", "weighted-sync", ()),
+    ("equal-sync", "equal-sync", ()),
+    ("weighted-sync/speed", "weighted-sync", ("--planner", "speed")),
+    ("weighted-sync/model-no-spread", "weighted-sync", ("--no-plan-spread",)),
+    ("weighted-sync/model+evals", "weighted-sync", ("--eval-every", "1")),
 )
 
 
 def run_one(
-    dataset: Path, out: Path, mode: str, planner: str, epochs: int, eval_every: int
+    dataset: Path, out: Path, mode: str, options: tuple[str, ...], epochs: int
 ) -> dict[str, Any]:
-    """One local run; returns its summary."""
+    """One local run (evaluating at the end unless ``options`` say otherwise); its summary."""
     cluster = LocalCluster(
         dataset=dataset,
         model="hsi-cnn",
@@ -61,11 +62,10 @@ def run_one(
             "0.05",
             "--lr-schedule",
             "cosine",
-            "--planner",
-            planner,
             "--eval-every",
-            str(eval_every),
+            "0",
             "--overwrite",
+            *options,
         ),
     )
     return run_local(cluster)
@@ -121,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in CONFIGS}
     for repeat in range(args.repeats):
-        for name, mode, planner, eval_every in CONFIGS:
+        for name, mode, options in CONFIGS:
             run_dir = args.out / f"{name.replace('/', '-').replace('+', '-')}-{repeat}"
-            summary = run_one(dataset, run_dir, mode, planner, args.epochs, eval_every)
+            summary = run_one(dataset, run_dir, mode, options, args.epochs)
             summary["systematic_idle"] = systematic_idle(run_dir)
             results[name].append(summary)
             final = summary.get("final") or {}
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             f"oa_{name}={oa:.4f} train_s_{name}={train:.2f}"
         )
     model = results["weighted-sync/model"]
-    for base in ("equal-sync", "weighted-sync/speed", "weighted-sync/model+evals"):  # paired
+    for base in (name for name, *_ in CONFIGS[1:]):  # paired by repeat
         ratios = [
             b["train_time_s"] / m["train_time_s"] for b, m in zip(results[base], model, strict=True)
         ]

@@ -82,6 +82,12 @@ def main() -> None:
     "per-worker models (model: fixed cost, per-sample cost and transfer time; compute: the "
     "same without transfer time), or in proportion to speed.",
 )
+@_opt(
+    "plan_spread",
+    flag="--plan-spread/--no-plan-spread",
+    help="With --planner model: leave out a worker whose share shortens the predicted round "
+    "less than the expected wait its scatter adds at the barrier (measured round by round).",
+)
 @_opt("workers", type=int, help="Workers to wait for before training starts.")
 @_opt("global_batch", type=int, help="Global batch B per update.")
 @_opt("optimizer", type=click.Choice(OPTIMIZERS), help="Server-side optimizer.")

@@ -80,6 +80,7 @@ class ServerConfig:
     model: str
     mode: str = "weighted-sync"
     planner: str = "model"
+    plan_spread: bool = True
     bind: str = "tcp://127.0.0.1:5555"
     workers: int = 1
     global_batch: int = 64

@@ -19,14 +19,21 @@ from common.protocol.messages import (
     JoinReply,
     JoinRequest,
     LeaveRequest,
+    PushRequest,
     TaskReply,
     TaskRequest,
     error_frames,
     parse_message,
 )
 from common.protocol.wire import decode_frames, encode_frames
-from common.training.perfmodel import Fit, PerfModel, robust_line
-from common.training.planner import plan_batches, plan_by_model
+from common.training.perfmodel import Fit, PerfModel, RoundSpread, robust_line
+from common.training.planner import (
+    expected_max_deviate,
+    expected_round_s,
+    plan_batches,
+    plan_by_model,
+)
+from pserver.booking import account_round
 from pserver.config import ServerConfig
 from pserver.membership import TaskFactory, WorkerInfo
 from pserver.policies.weighted_sync import PROBE_EVERY, WeightedSync
@@ -219,6 +226,49 @@ def test_absurd_and_zero_inputs() -> None:
     assert plan_by_model(fits, 100_000) == {1: 100_000}
 
 
+def test_expected_max_of_standard_normals() -> None:
+    assert expected_max_deviate(1) == 0.0
+    assert expected_max_deviate(2) == pytest.approx(1 / math.sqrt(math.pi), abs=1e-4)
+    assert expected_max_deviate(3) == pytest.approx(1.5 / math.sqrt(math.pi), abs=1e-4)
+    assert expected_max_deviate(4) == pytest.approx(1.0294, abs=1e-4)
+
+
+def test_a_spread_drops_a_member_that_adds_more_wait_than_it_saves() -> None:
+    # Two workers at 1 ms per sample, one at 4 ms: T = 64 / 2.25 = 28.4 ms continuous; the
+    # integers give 29 / 28 / 7 samples (29, 28 and 28 ms). Without worker 3 it is 32 / 32.
+    fits = {1: Fit(0.0, 0.001, 0.0), 2: Fit(0.0, 0.001, 0.0), 3: Fit(0.0, 0.004, 0.0)}
+    three, two = {1: 29, 2: 28, 3: 7}, {1: 32, 2: 32}
+    assert plan_by_model(fits, 64) == three
+    # Expected: 29 ms + 0.8463 s vs 32 ms + 0.5642 s: worker 3 costs more above s = 10.6 ms.
+    assert plan_by_model(fits, 64, spread_s=0.010) == three
+    assert expected_round_s(fits, three, 0.010) == pytest.approx(0.029 + 0.010 * 0.8463, abs=1e-5)
+    assert plan_by_model(fits, 64, spread_s=0.011) == two
+    # One worker alone (64 ms) only beats 32 ms + 0.5642 s beyond s = 56.7 ms.
+    assert plan_by_model(fits, 64, spread_s=0.056) == two
+    assert plan_by_model(fits, 64, spread_s=0.058) == {1: 64}
+    # A dropped worker is still probed; absurd spreads plan on predictions alone.
+    assert plan_by_model(fits, 64, probe=[3], spread_s=0.011) == {1: 32, 2: 31, 3: 1}
+    for absurd in (math.nan, math.inf, -0.01, 1e308):
+        assert plan_by_model(fits, 64, spread_s=absurd) == three
+
+
+def test_round_spread_measures_scatter_between_members() -> None:
+    spread = RoundSpread(horizon=20, min_rounds=4)
+    for i in range(3):  # members 1 ms either side of the round's mean, alternating
+        spread.add_round([0.011, 0.009][:: 1 - 2 * (i % 2)], [0.010, 0.010])
+    assert spread.sigma_s() == 0.0  # fewer than min_rounds measured rounds
+    spread.add_round([0.016, 0.014], [0.010, 0.010])  # both 5 ms late: the shared part cancels
+    expected = 1.4826 * math.sqrt(2) * 0.001  # deviations +-sqrt(2) ms (n = 2)
+    assert spread.sigma_s() == pytest.approx(expected, rel=1e-9)
+    for bad in ABSURD:
+        spread.add_round([bad, 0.011], [0.010, bad])  # type: ignore[list-item]
+        spread.add_round([0.011], [0.010])  # one member: no deviation
+    assert spread.sigma_s() == pytest.approx(expected, rel=1e-9)
+    for _ in range(20):  # the horizon passes without a round of two members
+        spread.add_round([0.011], [0.010])
+    assert spread.sigma_s() == 0.0 and not spread.recent
+
+
 # --- the protocol fields that seed the model -------------------------------------------------
 
 
@@ -362,9 +412,14 @@ def test_worker_drops_calibration_for_a_server_that_predates_it() -> None:
 # --- the weighted-sync policy with each planner ----------------------------------------------
 
 
-def _policy(planner: str) -> tuple[WeightedSync, list[WorkerInfo]]:
+def _policy(planner: str, plan_spread: bool = True) -> tuple[WeightedSync, list[WorkerInfo]]:
     config = ServerConfig(
-        dataset=Path("unused.h5"), model="hsi-cnn", planner=planner, global_batch=64, epochs=50
+        dataset=Path("unused.h5"),
+        model="hsi-cnn",
+        planner=planner,
+        plan_spread=plan_spread,
+        global_batch=64,
+        epochs=50,
     )
     policy = WeightedSync(config, EpochSampler(640, 0, 50), TaskFactory(np.arange(640)))
     workers = []
@@ -395,3 +450,37 @@ def test_weighted_sync_falls_back_to_speed_and_reprobes_a_worker_at_zero() -> No
     assert plans[0] == {1: 64}
     probes = [i for i, plan in enumerate(plans) if plan.get(2)]
     assert probes == [PROBE_EVERY] and plans[PROBE_EVERY] == {1: 63, 2: 1}
+
+
+@pytest.mark.parametrize("plan_spread", [True, False])
+def test_weighted_sync_weighs_the_measured_spread_when_asked(plan_spread: bool) -> None:
+    policy, workers = _policy("model", plan_spread)
+    for _ in range(8):  # members 30 ms either side of the round's mean, round after round
+        policy.spread.add_round([0.074, 0.014], [0.044, 0.044])
+    # spread 1.4826 * sqrt(2) * 30 ms = 63 ms: 42 / 22 samples are expected to end at
+    # 44 ms + 0.5642 * 63 ms = 79 ms, worker 1 alone at 2 + 64 = 66 ms.
+    assert policy.batch_sizes(workers, 64) == ({1: 64} if plan_spread else {1: 42, 2: 22})
+    assert ("round_spread_s" in policy.summary()) == plan_spread
+
+
+def test_weighted_sync_measures_the_spread_on_members_of_consecutive_rounds() -> None:
+    policy, workers = _policy("model")
+    for round_id in (1, 2, 3):
+        for worker, task in policy.plan(workers):  # this round's tasks and the next one's
+            worker.tasks.append(task)
+        update = None
+        for worker in workers:  # the server's order: accept each push, then book the step
+            task = policy.runnable(worker)
+            assert task is not None
+            push = PushRequest(
+                worker.worker_id, "tok", task.task_id, 0, task.size, 1.0, 0.01, 0.0, 1.0
+            )
+            update = policy.accept(worker, task, push) or update
+        assert update is not None
+        policy.applied(update, 0)
+        for worker, task, _ in update.entries:
+            worker.tasks.remove(task)
+            account_round(worker, policy.last_timing.workers.get(worker.worker_id), round_id)
+        # round 1 is every member's first (no prefetch): only rounds 2 and 3 are measured
+        assert [r for r, _ in policy.spread.recent] == list(range(2, round_id + 1))
+        assert all(len(devs) == 2 for _, devs in policy.spread.recent)

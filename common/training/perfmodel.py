@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 
@@ -207,3 +208,55 @@ class PerfModel:
             return Fit(0.0, max(per_sample, MIN_BETA), max(transfer, 0.0), proportional=True)
         alpha, beta = line
         return Fit(alpha, beta, max(transfer, 0.0))
+
+
+class RoundSpread:
+    """How much workers' round times scatter around their predictions *relative to each
+    other* within a round: what makes members wait at the barrier under a balanced plan.
+
+    Each round of n >= 2 members with predictions gives n deviations of a member's residual
+    (actual - predicted) from the round's mean residual, scaled by sqrt(n / (n - 1)) so they
+    estimate one member's spread; a delay every member shares (the server was busy) cancels.
+    The spread is the robust sigma of the deviations of the last ``horizon`` rounds, and 0
+    while fewer than ``min_rounds`` of those had two members or more: a plan that left one
+    member for long goes back to predictions alone and measures the spread again.
+
+    Args:
+        horizon: rounds (counted with ``add_round``) whose deviations count.
+        min_rounds: measured rounds within the horizon needed for a spread.
+    """
+
+    def __init__(self, horizon: int = 4 * WINDOW, min_rounds: int = 8) -> None:
+        self.horizon = horizon
+        self.min_rounds = min_rounds
+        self.round = 0
+        self.recent: collections.deque[tuple[int, list[float]]] = collections.deque()
+        self._sigma = 0.0
+
+    def add_round(self, actual_s: Sequence[float], predicted_s: Sequence[float]) -> None:
+        """One closed round: its members' actual and predicted times (absurd pairs skipped);
+        a round with fewer than two usable members only advances the horizon."""
+        self.round += 1
+        while self.recent and self.recent[0][0] <= self.round - self.horizon:
+            self.recent.popleft()
+        residuals = [
+            a - p
+            for a, p in zip(map(_seconds, actual_s), map(_seconds, predicted_s), strict=True)
+            if a is not None and p is not None
+        ]
+        n = len(residuals)
+        if n >= 2:
+            mean = math.fsum(residuals) / n
+            scale = math.sqrt(n / (n - 1))
+            self.recent.append((self.round, [(r - mean) * scale for r in residuals]))
+        self._sigma = self._measure()
+
+    def sigma_s(self) -> float:
+        """The current spread (one standard deviation, seconds), or 0 (see the class)."""
+        return self._sigma
+
+    def _measure(self) -> float:
+        if len(self.recent) < self.min_rounds:
+            return 0.0
+        d = np.fromiter(itertools.chain.from_iterable(v for _, v in self.recent), np.float64)
+        return _scale(d - float(np.median(d)), 0.0)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from common.training.perfmodel import RoundSpread
 from common.training.planner import plan_batches, plan_by_model
 from pserver.membership import WorkerInfo
+from pserver.policies.base import Update
 from pserver.policies.sync_rounds import SyncRounds
 
 PROBE_EVERY = 20  # rounds after which a worker planned at 0 samples gets one sample again
@@ -16,13 +18,16 @@ class WeightedSync(SyncRounds):
     """b_i equalising predicted round times (``--planner model``; ``compute`` leaves out
     transfer time) or proportional to speed (``--planner speed``, and until every worker has
     a fitted model), with sum B;
-    g = sum_i (b_i / B) g_i, one global-batch step."""
+    g = sum_i (b_i / B) g_i, one global-batch step. The model planner also weighs the measured
+    spread of round times (``--plan-spread``): a worker that adds more wait than it saves sits
+    out."""
 
     name = "weighted-sync"
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         self.idle_rounds: dict[int, int] = {}  # worker id -> rounds planned at 0 in a row
+        self.spread = RoundSpread()
 
     def batch_sizes(self, workers: list[WorkerInfo], total: int) -> dict[int, int]:
         speeds = {w.worker_id: w.speed for w in workers}
@@ -34,11 +39,35 @@ class WeightedSync(SyncRounds):
         if self.config.planner == "compute":  # the same model without transfer time
             fits = {w: dataclasses.replace(f, transfer_s=0.0) for w, f in fits.items() if f}
         probe = [w for w, n in self.idle_rounds.items() if n >= PROBE_EVERY and w in fits]
-        sizes = plan_by_model(fits, total, probe)  # type: ignore[arg-type]
+        spread = self.spread.sigma_s() if self.uses_spread else 0.0
+        sizes = plan_by_model(fits, total, probe, spread)  # type: ignore[arg-type]
         if sizes is None:
             return plan_batches(speeds, total)
         self.idle_rounds = {w: self.idle_rounds.get(w, 0) + 1 for w in fits if not sizes.get(w)}
         return sizes
+
+    @property
+    def uses_spread(self) -> bool:
+        """Whether plans weigh the spread of round times (the model planner, if asked)."""
+        return self.config.planner == "model" and self.config.plan_spread
+
+    def applied(self, update: Update, tau: int) -> None:
+        super().applied(update, tau)
+        timing = self.last_timing
+        if timing is None:
+            return
+        steady = [  # members of the previous round too: a first round (a probe) pays extra
+            part
+            for worker, _, _ in update.entries
+            if worker.last_round == update.round_id - 1
+            and (part := timing.workers.get(worker.worker_id)) is not None
+            and part.predicted_s is not None
+        ]
+        self.spread.add_round([t.actual_s for t in steady], [t.predicted_s or 0.0 for t in steady])
+
+    def summary(self) -> dict[str, object]:
+        spread = {"round_spread_s": round(self.spread.sigma_s(), 6)} if self.uses_spread else {}
+        return {**super().summary(), **spread}
 
     def weights(self, sizes: dict[int, int]) -> dict[int, float]:
         total = sum(sizes.values())
