@@ -124,7 +124,7 @@ PLAN_LEGEND = MODEL_LEGEND + (
     "shares differ from slowdown ratios: slow workers get less than 1/slowdown, and none if "
     "one sample would outlast the round, or if their share would shorten the round less than "
     "the wait they add: round times scatter around the predictions (summary.json "
-    "round_spread_s), and each member of a round is one more chance that it ends late. A "
+    "details.round_spread_s), and each member of a round is one more chance that it ends late. A "
     "worker left out gets one sample now and then to keep its model fresh."
 )
 
