@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import random
 import threading
@@ -36,7 +37,7 @@ from common.training.planner import (
 from pserver.booking import account_round
 from pserver.config import ServerConfig
 from pserver.membership import TaskFactory, WorkerInfo
-from pserver.policies.weighted_sync import PROBE_EVERY, WeightedSync
+from pserver.policies.weighted_sync import PROBE_EVERY, PROBE_EVERY_MAX, WeightedSync
 from pserver.sampler import EpochSampler
 from tests.live import AsyncClient, Member, clients, live_server
 from worker.config import WorkerConfig
@@ -446,10 +447,19 @@ def test_weighted_sync_falls_back_to_speed_and_reprobes_a_worker_at_zero() -> No
     assert policy.batch_sizes([fast, fresh], 60) == plan_batches({1: 100.0, 3: 200.0}, 60)
     slow.perf.add_transfer(0.5)
     slow.perf.add_transfer(0.5)  # now 0.5 s per round on the wire: it cannot contribute
-    plans = [policy.batch_sizes([fast, slow], 64) for _ in range(PROBE_EVERY + 2)]
+    plans = [policy.batch_sizes([fast, slow], 64) for _ in range(1000)]
     assert plans[0] == {1: 64}
     probes = [i for i, plan in enumerate(plans) if plan.get(2)]
-    assert probes == [PROBE_EVERY] and plans[PROBE_EVERY] == {1: 63, 2: 1}
+    assert plans[PROBE_EVERY] == {1: 63, 2: 1}
+    # each probe that leaves it at 0 doubles the wait for the next one, up to PROBE_EVERY_MAX
+    waits = [b - a - 1 for a, b in itertools.pairwise([-1, *probes])]
+    assert waits == [20, 40, 80, 160, 320, 320] and PROBE_EVERY_MAX == 320
+    slow.perf.transfer.clear()  # its link recovers (as a probe would measure): it is back
+    slow.perf.add_transfer(0.0)
+    plans = [policy.batch_sizes([fast, slow], 64) for _ in range(PROBE_EVERY_MAX + 1)]
+    back = next(i for i, plan in enumerate(plans) if plan.get(2))
+    assert all(plan.get(2, 0) > 1 for plan in plans[back:])
+    assert slow.worker_id not in policy.probe_after  # a later loss starts again at 20 rounds
 
 
 @pytest.mark.parametrize("plan_spread", [True, False])
