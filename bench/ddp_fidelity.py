@@ -41,7 +41,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.jasper import JASPER_DIR, jasper_p5  # noqa: E402
+from bench.jasper import JASPER_DIR, jasper  # noqa: E402
 from common.data.dataset import DatasetReader  # noqa: E402
 from common.logsetup import setup_logging  # noqa: E402
 from common.training.models import build_model  # noqa: E402
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Jasper Ridge not found in {JASPER_DIR}")
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    data = jasper_p5(args.out)
+    data = jasper(args.out)
     runners = {"plain": run_plain, "pslaunch": run_pslaunch}
     times: dict[str, list[Timing]] = {name: [] for name in runners}
     print(

@@ -26,8 +26,3 @@ def jasper(
             seed=0,
         )
     return path
-
-
-def jasper_p5(out: Path, jasper_dir: Path = JASPER_DIR) -> Path:
-    """``out/jasper_p5_tf10.h5``: 5x5 patches, 10 % of each class for training."""
-    return jasper(out, jasper_dir=jasper_dir)

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.jasper import JASPER_DIR, jasper_p5  # noqa: E402
+from bench.jasper import JASPER_DIR, jasper  # noqa: E402
 from common.data.dataset import DatasetReader  # noqa: E402
 from common.training.models import build_model  # noqa: E402
 from launch.local import LocalCluster, run_local  # noqa: E402
@@ -153,7 +153,7 @@ def main() -> None:
     if args.baseline is not None:
         trees["baseline"] = args.baseline.resolve()
     with tempfile.TemporaryDirectory() as tmp:
-        dataset = jasper_p5(Path(tmp), args.jasper)
+        dataset = jasper(Path(tmp), jasper_dir=args.jasper)
         local: list[tuple[float, float]] = []
         ps: dict[tuple[str, int], list[tuple[float, float, float]]] = {
             (t, n): [] for t in trees for n in counts

@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.jasper import JASPER_DIR, jasper_p5  # noqa: E402
+from bench.jasper import JASPER_DIR, jasper  # noqa: E402
 
 # (stage, markers): a sample belongs to the first stage with a marker in its stack, markers
 # tried innermost frame first. Order matters: more specific stages come first.
@@ -209,7 +209,7 @@ def main() -> None:
         trees = {"baseline": args.baseline.resolve(), **trees}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        dataset = jasper_p5(tmp, args.jasper)
+        dataset = jasper(tmp, jasper_dir=args.jasper)
         results = {
             name: profile(tree, dataset, tmp, args.seconds, args.rate)
             for name, tree in trees.items()

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.jasper import JASPER_DIR, jasper_p5  # noqa: E402
+from bench.jasper import JASPER_DIR, jasper  # noqa: E402
 from common.errors import PSError  # noqa: E402
 from common.logsetup import setup_logging  # noqa: E402
 from launch.compare import run_record  # noqa: E402
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Jasper Ridge not found in {JASPER_DIR}")
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    data = jasper_p5(args.out)
+    data = jasper(args.out)
     train = TrainSettings(epochs=args.epochs).validate()
     slowdowns = tuple(float(s) for s in args.slowdowns.split(","))
     table = variants([int(k) for k in args.bounds.split(",") if k.strip()])

@@ -61,14 +61,13 @@ def book(ps: ParameterServer, update: Update, tau: int) -> None:
 def account_round(worker: WorkerInfo, part: WorkerTiming | None, round_id: int) -> dict[str, Any]:
     """Feed a worker's round timing to its model and idle total; its ``round`` event fields.
 
-    Its time outside compute feeds the model only when it also took part in the previous
-    round: after a gap (its first round, a re-probe) its data could not be prefetched and its
-    first parameters were pulled, which a steady round does not pay.
+    Its time outside compute feeds the model only in a steady round
+    (``WorkerInfo.steady_in``).
     """
     if part is None:
         return {}
     worker.idle_s += part.idle_s
-    if worker.last_round == round_id - 1:
+    if worker.steady_in(round_id):
         worker.perf.add_transfer(part.transfer_s)
     worker.last_round = round_id
     fields = {

@@ -99,6 +99,12 @@ class WorkerInfo:
     active: bool = True
     ready: bool = False
 
+    def steady_in(self, round_id: int) -> bool:
+        """Whether it pushed in the round before ``round_id``: otherwise (its first round, a
+        re-probe) it could not prefetch its data and pulled its parameters, which a steady
+        round does not pay, so that round's timing does not describe it."""
+        return self.last_round == round_id - 1
+
     def summary(self) -> dict[str, object]:
         """The per-worker entry of ``summary.json`` and ``pserver status``."""
         fit = self.perf.fit()

@@ -66,10 +66,10 @@ class WeightedSync(SyncRounds):
         timing = self.last_timing
         if timing is None:
             return
-        steady = [  # members of the previous round too: a first round (a probe) pays extra
+        steady = [
             part
             for worker, _, _ in update.entries
-            if worker.last_round == update.round_id - 1
+            if worker.steady_in(update.round_id)
             and (part := timing.workers.get(worker.worker_id)) is not None
             and part.predicted_s is not None
         ]
