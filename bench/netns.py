@@ -28,36 +28,17 @@ from types import TracebackType
 from typing import IO
 
 from common.errors import ConfigError, PSError
+from launch.cluster.spec import rate_bits
 
 log = logging.getLogger(__name__)
 
 COMMAND_TIMEOUT_S = 15.0
-RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
-UNITS = {"bit": 1, "kbit": 1_000, "mbit": 1_000_000, "gbit": 1_000_000_000}
 PREFIX = re.compile(r"^[a-z][a-z0-9]{1,5}$")
 LOCK_DIR = Path("/run/lock")
 
 
 class NetnsError(PSError):
     """Building, using or removing the emulated hosts failed."""
-
-
-def rate_bits(rate: str) -> int:
-    """Parse a tc rate such as ``1gbit`` or ``100mbit``.
-
-    Args:
-        rate: a number followed by bit, kbit, mbit or gbit (decimal units, as tc reads them).
-
-    Returns:
-        The rate in bits per second.
-
-    Raises:
-        ConfigError: the text is not such a rate, or it is zero.
-    """
-    match = RATE.match(rate.strip().lower())
-    if not match or float(match.group(1)) <= 0:
-        raise ConfigError(f"a link rate looks like 1gbit or 100mbit, got {rate!r}")
-    return int(float(match.group(1)) * UNITS[match.group(2)])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,10 +16,11 @@ sys.path.insert(0, str(ROOT))
 from bench.mh_jobs import _rounds  # noqa: E402
 from bench.mh_report import table  # noqa: E402
 from bench.mh_setup import BenchConfig, Variant, missing_features  # noqa: E402
-from bench.netns import NetConfig, Network, available, namespaces, rate_bits  # noqa: E402
+from bench.netns import NetConfig, Network, available, namespaces  # noqa: E402
 from bench.netprobe import measure_rate  # noqa: E402
 from bench.procs import Child  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
+from launch.cluster.spec import rate_bits  # noqa: E402
 
 PREFIX = "mht"  # not the bench's "mh-": a bench run at the same time is left alone
 

@@ -1,0 +1,1 @@
+"""Emulated heterogeneous clusters on one machine: a CPU budget and a link per node."""
