@@ -107,8 +107,7 @@ VARIANTS = (
         requires=SHARDED,
         requires_commands=SHARD_CMD,
     ),
-    # The planner variants use the planner branch's `--planner model|compute|speed` (issue 10);
-    # they show as not available until that option is on main.
+    # The planner variants compare `pserver start --planner model|compute|speed`.
     Variant(
         "ps-k1-compute-plan",
         "one server, batches planned on compute alone (--planner compute); local copy",

@@ -7,7 +7,7 @@ into a stage of the round. A stage's share of its thread's samples times the med
 gives its milliseconds per round. Needs ``pip install py-spy`` (not a project dependency) and
 the rights to attach to child processes (root, or ptrace_scope 0).
 
-With ``--baseline DIR`` (another checkout, e.g. ``git worktree add /tmp/base main``) the same
+With ``--baseline DIR`` (another checkout, e.g. ``git worktree add ../baseline main``) the same
 is measured with that code first and both columns are printed side by side. Each process's CPU
 time per round (all its threads, from /proc) is printed too: unlike wall-clock shares it does
 not grow when other processes compete for the cores.
@@ -40,10 +40,10 @@ from bench.jasper import JASPER_DIR, jasper  # noqa: E402
 WORKER_STAGES = [
     ("push: encode + send chunks", ("OverlappedPush._send", "StoreClient.send_chunk")),
     ("backward", ("Tensor.backward",)),
-    ("forward + loss", ("Worker._compute",)),
+    ("forward + loss", ("Replica.compute",)),
     ("fused params: receive + decode", ("StoreClient.collect",)),
-    ("load params into the model", ("Worker._ensure_params",)),
-    ("data hand-off (prefetched batch)", ("Worker._batch",)),
+    ("load params into the model", ("Replica.ensure_params",)),
+    ("data hand-off (prefetched batch)", ("Replica.batch",)),
     ("wait for the server's reply", ("Poller.poll",)),
     ("push request: encode + parse reply", ("Connection.request",)),
 ]
@@ -53,7 +53,7 @@ SERVER_STAGES = [
     ("stage gradient chunk: decode + checks", ("StoreService.on_gradient_chunk",)),
     ("accumulate + optimizer step + checks", ("SliceStore.prepare",)),
     ("snapshot/publish + reply params", ("StoreService.commit",)),
-    ("book the round (metrics, ledger)", ("ParameterServer._book",)),
+    ("book the round (metrics, ledger)", ("book",)),
     ("plan + task reply", ("ParameterServer.plan", "ParameterServer.release")),
     ("push request checks", ("Handlers.push",)),
     ("receive + decode requests", ("Endpoint.receive_loop",)),

@@ -226,7 +226,7 @@ def start_offset(metrics: Path) -> EventsMark:
 
 
 def new_start_address(metrics: Path, mark: EventsMark | int) -> str | None:
-    """The address of the last ``start`` event written after ``mark`` (GUIDE §7), or None
+    """The address of the last ``start`` event written after ``mark``, or None
     while there is none (a resumed run's file holds earlier servers' events before it).
 
     Args:

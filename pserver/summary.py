@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 
 def build_summary(ps: ParameterServer) -> dict[str, Any]:
-    """The run summary of GUIDE section 3, plus mode-specific extras under ``details``."""
+    """The run summary (docs/run-files.md), plus mode-specific extras under ``details``."""
     cfg, run = ps.config, ps.run
     now = ps.log.now()
     return run_summary(

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from common.training.evaluator import EVAL_KEYS
+from common.training.summary import SUMMARY_KEYS
 from launch.local import LocalCluster, run_local
-from tests.contracts import EVAL_KEYS, SUMMARY_KEYS
 
 EPOCHS = 10
 
@@ -45,7 +46,7 @@ def test_jasper_ridge_three_heterogeneous_workers(
     )
     summary = run_local(cluster)
 
-    assert SUMMARY_KEYS <= set(summary)
+    assert tuple(summary) == SUMMARY_KEYS
     assert summary["worker_exit_codes"] == [0, 0, 0]
     assert summary["final"]["oa"] >= 0.85, summary["final"]
     assert set(summary["final"]) == {"oa", "aa", "kappa", "loss"}
@@ -82,7 +83,7 @@ def test_jasper_ridge_three_heterogeneous_workers(
     assert evals[-1]["version"] == summary["steps"]
     assert evals[-1]["test_samples"] == test_count  # the final evaluation: whole test split
     assert [e["t"] for e in events] == sorted(e["t"] for e in events)  # in time order
-    assert all(EVAL_KEYS <= set(e) for e in evals)
+    assert all(set(EVAL_KEYS) <= set(e) for e in evals)
     epochs = [e for e in events if e["event"] == "epoch"]
     assert len(epochs) == EPOCHS
     assert all(e["exactly_once"] and e["samples"] == train_count for e in epochs)

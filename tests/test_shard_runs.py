@@ -109,7 +109,7 @@ def _final_oa(dataset: Path, run_dir: Path, wire: str, seed: int) -> float:
 def test_bf16_on_the_wire_costs_less_than_a_point_of_accuracy(
     jasper_h5: Path, tmp_path: Path
 ) -> None:
-    """GUIDE section 7: fixed seeds, the median of three runs each."""
+    """Accuracy compared with fixed seeds, the median of three runs each."""
     oa = {
         wire: statistics.median(
             _final_oa(jasper_h5, tmp_path / f"{wire}-{seed}", wire, seed) for seed in (0, 1, 2)

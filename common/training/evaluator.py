@@ -16,8 +16,12 @@ from common.data.dataset import DatasetReader
 from common.training.flat import FlatLayout
 from common.training.metrics import Scores, confusion_matrix, scores_from_confusion
 from common.training.runlog import RunLog
+from common.training.summary import SCORE_KEYS
 
 log = logging.getLogger("pserver.server")
+
+# The fields every ``eval`` event carries at least (docs/run-files.md).
+EVAL_KEYS = ("event", "t", "version", "epoch", "samples", *SCORE_KEYS)
 
 
 class Evaluator:
@@ -84,7 +88,7 @@ def record_evaluation(
     t: float | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """Log the ``eval`` event of GUIDE section 3 and the matching progress line.
+    """Log the ``eval`` event (docs/run-files.md) and the matching progress line.
 
     The event also carries the per-class ``accuracy`` and ``support`` and the ``confusion``
     matrix, from which the summary's ``per_class`` is built.
@@ -106,10 +110,7 @@ def record_evaluation(
         version=version,
         epoch=epoch,
         samples=samples,
-        oa=scores.oa,
-        aa=scores.aa,
-        kappa=scores.kappa,
-        loss=scores.loss,
+        **{key: getattr(scores, key) for key in SCORE_KEYS},
         eval_s=round(eval_s, 4),
         accuracy=list(scores.accuracy),
         support=list(scores.support),

@@ -1,4 +1,4 @@
-"""The run directory's ``metrics.jsonl`` and ``summary.json`` (GUIDE section 3)."""
+"""The run directory's ``metrics.jsonl`` and ``summary.json`` (docs/run-files.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The one schema of ``summary.json`` (GUIDE section 3), for the server and the DDP baseline."""
+"""The one schema of ``summary.json`` (docs/run-files.md), for the server and the DDP baseline."""
 
 from __future__ import annotations
 
@@ -6,6 +6,28 @@ from collections.abc import Sequence
 from typing import Any
 
 SCORE_KEYS = ("oa", "aa", "kappa", "loss")
+# Every key of ``summary.json``, in the order it is written (docs/run-files.md).
+SUMMARY_KEYS = (
+    "mode",
+    "model",
+    "dataset",
+    "wall_time_s",
+    "train_time_s",
+    "steps",
+    "epochs",
+    "samples_seen",
+    "final",
+    "best_oa",
+    "target_oa",
+    "time_to_target_s",
+    "workers",
+    "staleness",
+    "idle_share",
+    "per_class",
+    "finish_reason",
+    "global_batch",
+    "details",
+)
 
 
 def scores_of(record: dict[str, Any] | None) -> dict[str, float] | None:
@@ -80,10 +102,10 @@ def run_summary(
         details: mode-specific extras.
 
     Returns:
-        The summary map, JSON-able.
+        The summary map, JSON-able, with exactly the keys of ``SUMMARY_KEYS`` in that order.
     """
     final = max(evals, key=lambda r: r["version"]) if evals else None
-    return {
+    summary = {
         "mode": mode,
         "model": model,
         "dataset": dataset,
@@ -104,3 +126,6 @@ def run_summary(
         "global_batch": global_batch,
         "details": details or {},
     }
+    if tuple(summary) != SUMMARY_KEYS:  # one schema: this map and SUMMARY_KEYS change together
+        raise RuntimeError(f"summary keys {tuple(summary)} differ from {SUMMARY_KEYS}")
+    return summary

@@ -4,7 +4,7 @@ The launcher starts one process per rank (``python -m launch.ddp.rank``) on 127.
 the rendezvous: a ``TCPStore`` bound to port 0 in this process (the kernel picks a free port,
 so there is no probe-then-bind race), whose port the ranks are given. Rank 0 evaluates after
 every epoch and writes ``metrics.jsonl`` and ``summary.json`` in the run directory, in the
-format the parameter server writes (GUIDE section 3). See ``launch.ddp.step`` for how the
+format the parameter server writes (docs/run-files.md). See ``launch.ddp.step`` for how the
 emulated slowdown scales compute time only.
 """
 

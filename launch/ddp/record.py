@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class RunRecorder:
-    """Writes what the parameter server writes, in the same format (GUIDE section 3).
+    """Writes what the parameter server writes, in the same format (docs/run-files.md).
 
     Evaluation blocks training here (the other ranks wait for rank 0), so its time is kept
     out of the training clock: ``train_time_s`` and ``time_to_target_s`` exclude it, and every

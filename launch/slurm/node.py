@@ -30,7 +30,7 @@ def wait_for_address(metrics: Path, offset: int, pid: int, timeout_s: float) -> 
     """Wait until the server started by this job writes its ``start`` event; return its address.
 
     Only events written after byte ``offset`` (the file's size before the server started)
-    count, so an earlier attempt's ``start`` event is never taken (GUIDE section 7). The file
+    count, so an earlier attempt's ``start`` event is never taken. The file
     is re-read every 0.2 s: there is no portable file-change notification in the standard
     library.
 

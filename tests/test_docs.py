@@ -1,0 +1,169 @@
+"""The documentation stands alone and stays true to the code.
+
+README, docs, docstrings, comments and test names cite no document outside the repository and
+no development history; the command reference lists every command and option; the stage
+markers of the round profiler name functions that exist.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import selectors
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from bench import round_profile
+from common import cli_doc
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE_DIRS = ("pserver", "worker", "common", "launch", "bench", "tests")
+TEXT_FILES = ("README.md", "CHANGELOG.md")
+
+# What a reader outside the project's development cannot follow: a brief they do not have, its
+# section signs, issue numbers, branches, commits, merges, sessions, scratch checkouts.
+EXTERNAL_REFERENCES = re.compile(
+    r"GUIDE"
+    r"|§"
+    r"|\bissues? #?\d"
+    r"|\bPR #?\d"
+    r"|planner merge"
+    r"|not yet on `?main"
+    r"|on `main`"
+    r"|\bthis branch\b|\bthe branch's\b|\b\w+ branch's\b"
+    r"|\bcommit `?[0-9a-f]{7,40}\b"
+    r"|`[0-9a-f]{7,12}`"
+    r"|/tmp/base\b"
+    r"|\bthe session's\b|\bthis session\b",
+    re.IGNORECASE,
+)
+
+
+def external_references(text: str) -> list[str]:
+    """``"line N: text"`` for every line of ``text`` that cites something outside the repo."""
+    return [
+        f"line {n}: {line.strip()[:120]}"
+        for n, line in enumerate(text.splitlines(), 1)
+        if EXTERNAL_REFERENCES.search(line)
+    ]
+
+
+def checked_files() -> list[Path]:
+    """README, CHANGELOG, every Markdown file under docs/ and every Python file of the code."""
+    files = [ROOT / name for name in TEXT_FILES if (ROOT / name).exists()]
+    files += sorted((ROOT / "docs").rglob("*.md"))
+    for folder in SOURCE_DIRS:
+        files += sorted((ROOT / folder).rglob("*.py"))
+    return [f for f in files if f.resolve() != Path(__file__).resolve()]
+
+
+def test_no_references_outside_the_repository() -> None:
+    found = {
+        str(path.relative_to(ROOT)): hits
+        for path in checked_files()
+        if (hits := external_references(path.read_text(encoding="utf-8")))
+    }
+    assert not found, f"references outside the repository or to its history: {found}"
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        "The run files are those of GUIDE §3.",
+        "see section §7",
+        "added in issue 10 item 5",
+        "measured on `main` after the planner merge",
+        "the --planner option is not yet on main",
+        "before (`318779a`) and after",
+        "python bench/round_profile.py --baseline /tmp/base",
+        "the planner branch's first version",
+    ],
+)
+def test_a_planted_reference_is_found(planted: str) -> None:
+    text = f"A clean first line.\n{planted}\nA clean last line.\n"
+    assert external_references(text) == [f"line 2: {planted}"]
+
+
+@pytest.mark.parametrize(
+    "clean",
+    [
+        "replies to one peer not yet on the wire",
+        "Workers run in their own sessions",
+        "the last BatchNorm of every residual branch starts at zero",
+        "seed 20261121 and token 0123456789abcdef",
+    ],
+)
+def test_ordinary_words_are_not_references(clean: str) -> None:
+    assert external_references(clean) == []
+
+
+def _code_names() -> tuple[set[str], set[str]]:
+    """``Class.method`` and top-level function names defined in the project's packages."""
+    methods: set[str] = set()
+    functions: set[str] = set()
+    for folder in ("pserver", "worker", "common", "launch"):
+        for path in (ROOT / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            for node in tree.body:
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    functions.add(node.name)
+                elif isinstance(node, ast.ClassDef):
+                    methods.update(
+                        f"{node.name}.{item.name}"
+                        for item in node.body
+                        if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+                    )
+    return methods, functions
+
+
+# Markers of the profiler that name frames of libraries, not of the project.
+LIBRARY_CLASSES = {
+    "Tensor": torch.Tensor,
+    "EpollSelector": selectors.EpollSelector,
+    "Poller": zmq.Poller,
+}
+
+
+def test_profile_markers_name_functions_that_exist() -> None:
+    methods, functions = _code_names()
+    missing = []
+    for stage, markers in [*round_profile.WORKER_STAGES, *round_profile.SERVER_STAGES]:
+        for marker in markers:
+            owner, _, name = marker.rpartition(".")
+            if owner in LIBRARY_CLASSES:
+                found = callable(getattr(LIBRARY_CLASSES[owner], name, None))
+            else:
+                found = marker in (methods if owner else functions)
+            if not found:
+                missing.append(f"{stage}: {marker}")
+    assert not missing, f"bench/round_profile.py names functions that do not exist: {missing}"
+
+
+def _sections(text: str) -> dict[str, str]:
+    """The generated reference's sections by command path."""
+    parts = re.split(r"^### `([^`]+)`$", text, flags=re.MULTILINE)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def _names(flag: str, section: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", section) is not None
+
+
+def test_cli_reference_lists_every_command_and_option() -> None:
+    text = cli_doc.CLI_DOC.read_text(encoding="utf-8")
+    assert cli_doc.MARKER in text
+    sections = _sections(text.partition(cli_doc.MARKER)[2])
+    commands = {ctx.command_path: command for ctx, command in cli_doc.all_commands()}
+    missing = sorted(set(commands) - set(sections))
+    assert not missing, f"docs/cli.md lacks {missing}: run python -m common.cli_doc"
+    stale = {
+        path: flags
+        for path, command in commands.items()
+        if (flags := [f for f in cli_doc.option_flags(command) if not _names(f, sections[path])])
+    }
+    assert not stale, f"docs/cli.md lacks options {stale}: run python -m common.cli_doc"
+    for path in commands:  # each command is also named in the hand-written overview
+        assert f"| `{path}` |" in text.partition(cli_doc.MARKER)[0], path
