@@ -46,7 +46,7 @@ def test_jasper_ridge_three_heterogeneous_workers(
     )
     summary = run_local(cluster)
 
-    assert tuple(summary) == SUMMARY_KEYS
+    assert tuple(summary)[: len(SUMMARY_KEYS)] == SUMMARY_KEYS
     assert summary["worker_exit_codes"] == [0, 0, 0]
     assert summary["final"]["oa"] >= 0.85, summary["final"]
     assert set(summary["final"]) == {"oa", "aa", "kappa", "loss"}
