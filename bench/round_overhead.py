@@ -10,7 +10,7 @@ one after the other in this one invocation:
   (weighted-sync, evaluation only at the end), the server's round times from metrics.jsonl;
 - ``ps 3 workers`` (unless ``--workers 1``): the same with three workers of equal speed.
 
-With ``--baseline DIR`` (another checkout of the project, e.g. ``git worktree add /tmp/base
+With ``--baseline DIR`` (another checkout of the project, e.g. ``git worktree add ../baseline
 main``) every PS run is also made with that code, right after this code's (the order flips
 every repeat), so a change is measured side by side on the same noisy machine.
 

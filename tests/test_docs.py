@@ -18,6 +18,7 @@ import zmq
 
 from bench import round_profile
 from common import cli_doc
+from common.training.summary import SUMMARY_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("pserver", "worker", "common", "launch", "bench", "tests")
@@ -167,3 +168,27 @@ def test_cli_reference_lists_every_command_and_option() -> None:
     assert not stale, f"docs/cli.md lacks options {stale}: run python -m common.cli_doc"
     for path in commands:  # each command is also named in the hand-written overview
         assert f"| `{path}` |" in text.partition(cli_doc.MARKER)[0], path
+
+
+RUN_FILES = ROOT / "docs" / "run-files.md"
+EVENT_CALL = re.compile(r"\.event\(\s*\"(\w+)\"")
+
+
+def written_events() -> set[str]:
+    """Every ``metrics.jsonl`` event name the server, workers, DDP baseline and launchers log."""
+    names: set[str] = set()
+    for folder in ("pserver", "worker", "common", "launch"):
+        for path in (ROOT / folder).rglob("*.py"):
+            names.update(EVENT_CALL.findall(path.read_text(encoding="utf-8")))
+    return names
+
+
+def test_run_files_doc_describes_every_event_and_summary_key() -> None:
+    text = RUN_FILES.read_text(encoding="utf-8")
+    events = written_events()
+    assert {"start", "eval", "round", "push", "finish"} <= events  # the scan finds the calls
+    undocumented = sorted(e for e in events if f"### `{e}`" not in text)
+    assert not undocumented, f"docs/run-files.md lacks events {undocumented}"
+    summary_part = text.partition("## summary.json")[2].partition("\n## ")[0]
+    missing = [k for k in SUMMARY_KEYS if f"`{k}`" not in summary_part]
+    assert not missing, f"docs/run-files.md lacks summary keys {missing}"
