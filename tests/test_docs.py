@@ -192,3 +192,37 @@ def test_run_files_doc_describes_every_event_and_summary_key() -> None:
     summary_part = text.partition("## summary.json")[2].partition("\n## ")[0]
     missing = [k for k in SUMMARY_KEYS if f"`{k}`" not in summary_part]
     assert not missing, f"docs/run-files.md lacks summary keys {missing}"
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings."""
+    anchors = set()
+    fenced = False
+    for line in text.splitlines():
+        fenced = fenced != line.startswith("```")
+        if line.startswith("#") and not fenced:
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+def test_links_between_documents_resolve() -> None:
+    broken = []
+    for page in [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in LINK.findall(page.read_text(encoding="utf-8")):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.name}: {target}")
+            elif (
+                anchor
+                and file.suffix == ".md"
+                and anchor not in heading_anchors(file.read_text(encoding="utf-8"))
+            ):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, f"links to missing files or headings: {broken}"
