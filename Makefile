@@ -11,7 +11,7 @@ SHARED ?= ../shared
 JASPER := $(SHARED)/datasets/jasper_ridge
 DEMO_DIR ?= runs/demo
 
-.PHONY: setup test lint demo bench clean ci-deps slurm-testbed slurm-testbed-down
+.PHONY: setup test lint cli-doc demo bench clean ci-deps slurm-testbed slurm-testbed-down
 
 setup: $(STAMP)
 
@@ -47,6 +47,11 @@ test: setup
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m launch.cli_doc --check
+
+# docs/cli.md's option tables, regenerated from the commands.
+cli-doc: setup
+	$(PY) -m launch.cli_doc
 
 demo: setup
 	$(PY) -m launch.demo --shared $(SHARED) --out $(DEMO_DIR) --overwrite

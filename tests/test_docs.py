@@ -17,8 +17,8 @@ import torch
 import zmq
 
 from bench import round_profile
-from common import cli_doc
 from common.training.summary import SUMMARY_KEYS
+from launch import cli_doc
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("pserver", "worker", "common", "launch", "bench", "tests")
@@ -159,13 +159,13 @@ def test_cli_reference_lists_every_command_and_option() -> None:
     sections = _sections(text.partition(cli_doc.MARKER)[2])
     commands = {ctx.command_path: command for ctx, command in cli_doc.all_commands()}
     missing = sorted(set(commands) - set(sections))
-    assert not missing, f"docs/cli.md lacks {missing}: run python -m common.cli_doc"
+    assert not missing, f"docs/cli.md lacks {missing}: run python -m launch.cli_doc"
     stale = {
         path: flags
         for path, command in commands.items()
         if (flags := [f for f in cli_doc.option_flags(command) if not _names(f, sections[path])])
     }
-    assert not stale, f"docs/cli.md lacks options {stale}: run python -m common.cli_doc"
+    assert not stale, f"docs/cli.md lacks options {stale}: run python -m launch.cli_doc"
     for path in commands:  # each command is also named in the hand-written overview
         assert f"| `{path}` |" in text.partition(cli_doc.MARKER)[0], path
 

@@ -1,9 +1,9 @@
 """The option reference of docs/cli.md, generated from the click commands themselves.
 
-``python -m common.cli_doc`` rewrites the part of docs/cli.md below ``MARKER`` with one section
+``python -m launch.cli_doc`` rewrites the part of docs/cli.md below ``MARKER`` with one section
 per command: its first help line and a table of its options exactly as ``--help`` shows them
 (metavar, help, default, environment variable). The text above the marker is written by hand.
-``python -m common.cli_doc --check`` exits non-zero when the file differs from the code.
+``python -m launch.cli_doc --check`` exits non-zero when the file differs from the code.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-MARKER = "<!-- Generated below by `python -m common.cli_doc`: edit the commands, not this part. -->"
+MARKER = "<!-- Generated below by `python -m launch.cli_doc`: edit the commands, not this part. -->"
 CLI_DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 
 
@@ -103,7 +103,7 @@ def main(argv: list[str]) -> int:
     wanted = expected(current)
     if "--check" in argv:
         if current != wanted:
-            print(f"{CLI_DOC} is out of date: run python -m common.cli_doc", file=sys.stderr)
+            print(f"{CLI_DOC} is out of date: run python -m launch.cli_doc", file=sys.stderr)
             return 1
         return 0
     CLI_DOC.write_text(wanted, encoding="utf-8")
