@@ -34,9 +34,9 @@ EXTERNAL_REFERENCES = re.compile(
     r"|planner merge"
     r"|not yet on `?main"
     r"|on `main`"
-    r"|\bthis branch\b|\bthe branch's\b|\b\w+ branch's\b"
+    r"|\bthis branch\b|\bthe branch's\b|\bplanner branch"
     r"|\bcommit `?[0-9a-f]{7,40}\b"
-    r"|`[0-9a-f]{7,12}`"
+    r"|`(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,10}`"  # a short commit hash
     r"|/tmp/base\b"
     r"|\bthe session's\b|\bthis session\b",
     re.IGNORECASE,
@@ -94,7 +94,9 @@ def test_a_planted_reference_is_found(planted: str) -> None:
         "replies to one peer not yet on the wire",
         "Workers run in their own sessions",
         "the last BatchNorm of every residual branch starts at zero",
+        "each residual branch's last BatchNorm",
         "seed 20261121 and token 0123456789abcdef",
+        "fingerprint `00789d2752a1`, checksum `1234567`",
     ],
 )
 def test_ordinary_words_are_not_references(clean: str) -> None:
