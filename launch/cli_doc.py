@@ -39,12 +39,9 @@ def walk_commands(
         yield ctx, command
 
 
-def command_paths() -> list[str]:
-    """``"pserver start"``, ``"pserver data prepare hsi"``, …: every runnable command."""
-    return [ctx.command_path for ctx, _ in all_commands()]
-
-
 def all_commands() -> Iterator[tuple[click.Context, click.Command]]:
+    """Every runnable command of the three programs (``pserver start``, ``pserver data
+    prepare hsi``, …), each with a context whose ``command_path`` names it."""
     for name, root in programs():
         yield from walk_commands(root, click.Context(root, info_name=name, **root.context_settings))
 
@@ -98,7 +95,14 @@ def expected(current: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """Rewrite docs/cli.md, or with ``--check`` report whether it is current."""
+    """Rewrite docs/cli.md, or with ``--check`` report whether it is current.
+
+    Args:
+        argv: the command-line arguments (``--check`` or nothing).
+
+    Returns:
+        The exit status: 1 when ``--check`` finds the file out of date, else 0.
+    """
     current = CLI_DOC.read_text(encoding="utf-8")
     wanted = expected(current)
     if "--check" in argv:
