@@ -58,7 +58,7 @@ def test_jasper_ridge_three_heterogeneous_workers(
     assert all(
         {"name", "slowdown", "speed", "samples", "pushes"} <= set(w) for w in summary["workers"]
     )
-    for w in summary["workers"]:  # the fitted model of each worker (docs/outputs.md)
+    for w in summary["workers"]:  # the fitted model of each worker (docs/run-files.md)
         assert set(w["model"]) == {"alpha_s", "beta_s_per_sample", "transfer_s"}
         assert w["model"]["beta_s_per_sample"] > 0 and w["model"]["alpha_s"] >= 0
     if mode == "weighted-sync":
