@@ -34,3 +34,9 @@ def staleness_function(kind: str, a: float = 0.5, b: float = 4.0) -> Callable[[i
     if kind == "constant":
         return lambda tau: 1.0
     raise ConfigError(f"unknown staleness function {kind!r}")
+
+
+def too_stale(tau: int, limit: int | None) -> bool:
+    """Whether a push ``tau`` versions old is refused under ``--max-staleness`` ``limit``
+    (None: no bound); a refused worker re-pulls and recomputes the same samples."""
+    return limit is not None and tau > limit

@@ -7,7 +7,7 @@ from common.protocol.messages import PushRequest
 from common.training.planner import plan_batches
 from pserver.membership import Task, WorkerInfo
 from pserver.policies.base import Assignment, ModePolicy, Update
-from pserver.staleness import staleness_function
+from pserver.staleness import staleness_function, too_stale
 
 QUEUE_DEPTH = 2  # the task being computed and the one being prefetched
 
@@ -54,7 +54,7 @@ class AsyncPolicy(ModePolicy):
         limit = self.config.max_staleness
 
         def lr_scale(tau: int) -> float:
-            if limit is not None and tau > limit:
+            if too_stale(tau, limit):
                 self.rejected += 1
                 worker.rejected += 1
                 raise ProtocolError(

@@ -7,12 +7,12 @@ import dataclasses
 
 from common.training.perfmodel import RoundSpread
 from common.training.planner import plan_batches, plan_by_model
+from common.training.probes import PROBE_EVERY, PROBE_EVERY_MAX, ProbeSchedule
 from pserver.membership import WorkerInfo
 from pserver.policies.base import Update
 from pserver.policies.sync_rounds import SyncRounds
 
-PROBE_EVERY = 20  # rounds after which a worker planned at 0 samples gets one sample again
-PROBE_EVERY_MAX = 320  # the wait doubles after each probe that left it at 0, up to this
+__all__ = ["PROBE_EVERY", "PROBE_EVERY_MAX", "WeightedSync"]
 
 
 class WeightedSync(SyncRounds):
@@ -27,8 +27,7 @@ class WeightedSync(SyncRounds):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
-        self.idle_rounds: dict[int, int] = {}  # worker id -> rounds planned at 0 in a row
-        self.probe_after: dict[int, int] = {}  # worker id -> rounds at 0 before its next probe
+        self.probes = ProbeSchedule()
         self.spread = RoundSpread()
 
     def batch_sizes(self, workers: list[WorkerInfo], total: int) -> dict[int, int]:
@@ -40,21 +39,18 @@ class WeightedSync(SyncRounds):
             return plan_batches(speeds, total)
         if self.config.planner == "compute":  # the same model without transfer time
             fits = {w: dataclasses.replace(f, transfer_s=0.0) for w, f in fits.items() if f}
-        probe = [w for w, n in self.idle_rounds.items() if n >= self._probe_after(w) and w in fits]
+        probe = self.probes.due(fits)
         spread = self.spread.sigma_s() if self.uses_spread else 0.0
         sizes = plan_by_model(fits, total, probe, spread)  # type: ignore[arg-type]
         if sizes is None:
             return plan_batches(speeds, total)
-        self.idle_rounds = {w: self.idle_rounds.get(w, 0) + 1 for w in fits if not sizes.get(w)}
-        for w in fits:
-            if w in probe:  # if the probe brings it back, the next plan resets the wait
-                self.probe_after[w] = min(2 * self._probe_after(w), PROBE_EVERY_MAX)
-            elif sizes.get(w):
-                self.probe_after.pop(w, None)
+        self.probes.planned(fits, sizes, probe)
         return sizes
 
-    def _probe_after(self, worker_id: int) -> int:
-        return self.probe_after.get(worker_id, PROBE_EVERY)
+    @property
+    def probe_after(self) -> dict[int, int]:
+        """Worker id -> rounds at 0 before its next probe (workers that lost a probe)."""
+        return self.probes.probe_after
 
     @property
     def uses_spread(self) -> bool:

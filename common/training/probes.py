@@ -1,0 +1,46 @@
+"""When a worker the model planner left at 0 samples gets one sample again (a probe).
+
+A worker planned at 0 is probed after ``PROBE_EVERY`` rounds at 0; each probe that leaves it at
+0 doubles the wait for the next, up to ``PROBE_EVERY_MAX`` (a worker that stays slow, such as
+one behind a 100 Mbit/s link, costs fewer slow rounds). Planned in again, its wait is back to
+``PROBE_EVERY``. The server's weighted-sync policy and the cluster simulator both plan with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+PROBE_EVERY = 20  # rounds after which a worker planned at 0 samples gets one sample again
+PROBE_EVERY_MAX = 320  # the wait doubles after each probe that left it at 0, up to this
+
+
+class ProbeSchedule:
+    """The probe back-off of a set of workers, advanced once per plan."""
+
+    def __init__(self) -> None:
+        self.idle_rounds: dict[int, int] = {}  # worker id -> rounds planned at 0 in a row
+        self.probe_after: dict[int, int] = {}  # worker id -> rounds at 0 before its next probe
+
+    def due(self, workers: Collection[int]) -> list[int]:
+        """The workers among ``workers`` to give a probe sample in the next plan."""
+        return [w for w, n in self.idle_rounds.items() if n >= self._wait(w) and w in workers]
+
+    def planned(
+        self, workers: Collection[int], sizes: Mapping[int, int], probe: Collection[int]
+    ) -> None:
+        """Advance the schedule after a plan.
+
+        Args:
+            workers: every worker the plan considered.
+            sizes: the plan (worker id -> batch; ids at 0 may be omitted).
+            probe: the workers ``due`` returned for this plan.
+        """
+        self.idle_rounds = {w: self.idle_rounds.get(w, 0) + 1 for w in workers if not sizes.get(w)}
+        for w in workers:
+            if w in probe:  # if the probe brings it back, the next plan resets the wait
+                self.probe_after[w] = min(2 * self._wait(w), PROBE_EVERY_MAX)
+            elif sizes.get(w):
+                self.probe_after.pop(w, None)
+
+    def _wait(self, worker_id: int) -> int:
+        return self.probe_after.get(worker_id, PROBE_EVERY)
