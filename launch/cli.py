@@ -28,6 +28,7 @@ from launch.ddp.launcher import BACKENDS, DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
 from launch.progress import RunProgress
 from launch.settings import TrainSettings
+from launch.simulate.cli import simulate
 from launch.slurm.cli import slurm
 from launch.slurm.jobs import LAUNCHERS, SlurmRuns
 from launch.table import summary_tables
@@ -260,6 +261,7 @@ def _run(runner: Callable[[Any], dict[str, Any]], config: Any) -> dict[str, Any]
 
 
 main.add_command(slurm)
+main.add_command(simulate)
 show_envvars(main)  # PSLAUNCH_<COMMAND>_<OPTION>, e.g. PSLAUNCH_LOCAL_WORKERS
 
 if __name__ == "__main__":

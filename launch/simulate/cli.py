@@ -1,0 +1,179 @@
+"""``pslaunch simulate``: predict round and epoch times of every mode on a cluster this machine
+cannot hold, from a spec file or calibrated on real runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from common.errors import ConfigError
+from launch.simulate.engine import SIM_MODES
+from launch.simulate.fromrun import cluster_from_runs
+from launch.simulate.report import LEGEND, document, table, write
+from launch.simulate.spec import WIRE_BYTES, Cluster, cluster_from_spec, read_spec_file
+from launch.simulate.sweep import AXES, parse_sweep, run_grid
+from pserver.config import STALENESS
+
+
+def _modes(text: str) -> list[str]:
+    modes = list(SIM_MODES) if text == "all" else [m.strip() for m in text.split(",")]
+    bad = [m for m in modes if m not in SIM_MODES]
+    if bad or not modes:
+        raise click.BadParameter(f"choose from {', '.join(SIM_MODES)} or all, got {text!r}")
+    return modes
+
+
+@click.command()
+@click.option(
+    "--spec",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="Cluster spec, YAML or JSON (docs/scale.md shows the keys).",
+)
+@click.option(
+    "--from",
+    "from_runs",
+    multiple=True,
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    help="Run directory to calibrate on (repeatable): the first parameter-server run "
+    "gives each worker's fitted model, the server's step time and the spread of "
+    "round times; a DDP run gives the all-reduce time per step.",
+)
+@click.option(
+    "--mode",
+    "modes",
+    default="all",
+    help="Mode, a comma-separated list, or all: " + ", ".join(SIM_MODES) + ".",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Nodes (default: as given); groups keep their ratios, run workers repeat.",
+)
+@click.option(
+    "--shards",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Parameter shards K (default: the spec's or the run's).",
+)
+@click.option(
+    "--colocated/--dedicated-shards",
+    default=None,
+    help="Shards on worker hosts, or on their own server hosts (default: the "
+    "spec's; runs: dedicated).",
+)
+@click.option(
+    "--wire-dtype",
+    type=click.Choice(list(WIRE_BYTES)),
+    default=None,
+    help="Wire dtype of parameters and gradients (default: the spec's or the run's).",
+)
+@click.option(
+    "--global-batch",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Global batch B (default: the spec's or the run's).",
+)
+@click.option(
+    "--samples",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Training samples per epoch (default: the spec's or the run's).",
+)
+@click.option(
+    "--staleness",
+    type=click.Choice(STALENESS),
+    default=None,
+    help="Async staleness function (default: the spec's, else inverse).",
+)
+@click.option(
+    "--max-staleness",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Async staleness bound (default: the spec's, else none).",
+)
+@click.option("--epochs", type=click.IntRange(min=1), default=1, help="Epochs to simulate.")
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Simulate at most this many rounds (async: pushes per worker) and "
+    "extrapolate the epoch time.",
+)
+@click.option(
+    "--plan-spread/--no-plan-spread",
+    default=True,
+    help="Weighted-sync weighs the spread of round times, as the server does.",
+)
+@click.option(
+    "--sweep",
+    multiple=True,
+    help="Grid axes, e.g. 'workers=8,16,32 shards=1,2,4' (repeatable); axes: "
+    + ", ".join(AXES)
+    + ".",
+)
+@click.option("--seed", type=int, default=0, help="Seed of node speeds and jitter.")
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Write simulate.json (and plots for sweeps over workers or shards) here.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+def simulate(
+    spec: Path | None,
+    from_runs: tuple[Path, ...],
+    modes: str,
+    workers: int | None,
+    sweep: tuple[str, ...],
+    epochs: int,
+    rounds: int | None,
+    plan_spread: bool,
+    seed: int,
+    out: Path | None,
+    as_json: bool,
+    **overrides: Any,
+) -> None:
+    """Simulate training rounds on a cluster: round and epoch time, idle share, bytes per
+    link and staleness of each mode, planned by the server's own planner."""
+    try:
+        if (spec is None) == (not from_runs):
+            raise ConfigError("give exactly one of --spec FILE or --from RUN_DIR")
+        if spec is not None:
+            cluster = cluster_from_spec(read_spec_file(spec), seed=seed)
+            source = str(spec)
+        else:
+            cluster = cluster_from_runs(from_runs)
+            source = ", ".join(str(p) for p in from_runs)
+        cluster = _override(cluster, workers, overrides)
+        axes = parse_sweep(sweep) or {}
+        rows = run_grid(
+            cluster,
+            _modes(modes),
+            axes,
+            epochs=epochs,
+            max_rounds=rounds,
+            seed=seed,
+            plan_spread=plan_spread,
+        )
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps(document(cluster, rows, source), indent=1))
+    else:
+        click.echo(table(rows))
+        click.echo(LEGEND)
+    if out is not None:
+        for path in write(out, cluster, rows, source):
+            click.echo(f"wrote {path}", err=True)
+
+
+def _override(cluster: Cluster, workers: int | None, overrides: dict[str, Any]) -> Cluster:
+    if workers is not None:
+        cluster = cluster.with_workers(workers)
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return dataclasses.replace(cluster, **given) if given else cluster

@@ -1,0 +1,187 @@
+"""The cost model: what moving a model over links, summing pushes and stepping shards takes.
+
+Links are full duplex with a rate and a one-way latency. A sharded parameter server splits the
+model into K byte-balanced pieces; shard s sits on node s (co-located) or on its own server
+host. A synchronous round is: every member pulls the K pieces (each shard's egress sends one
+piece per remote member), computes, then pushes K pieces; each shard takes pieces first come,
+first served at its ingress rate (or its decode rate, if slower), and steps its piece once the
+last is in. A piece between a node and the shard on that node does not touch a link.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from launch.simulate.spec import FP32_BYTES, MB, Cluster, Node
+
+
+def ring_allreduce_s(nbytes: float, n: int, bytes_per_s: float, latency_s: float = 0.0) -> float:
+    """Time of a ring all-reduce: 2(n-1) steps, each moving ``nbytes / n`` over the slowest link.
+
+    Args:
+        nbytes: bytes reduced.
+        n: ranks.
+        bytes_per_s: the slowest link's rate.
+        latency_s: one-way latency per step.
+
+    Returns:
+        2(n-1)/n * nbytes / bytes_per_s + 2(n-1) * latency_s (0 for one rank).
+    """
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bytes_per_s + 2 * (n - 1) * latency_s
+
+
+def ddp_step_s(cluster: Cluster, compute_s: np.ndarray) -> tuple[float, float]:
+    """A DDP step: buckets all-reduced in turn as the slowest rank's backward produces them.
+
+    Torch DDP fills ``ddp_bucket_mb`` buckets during the backward pass and starts each one's
+    all-reduce when every rank has produced it, so communication overlaps the backward pass
+    except for what the last buckets need after it ends.
+
+    Args:
+        cluster: the cluster (its slowest link and latency set the ring's pace).
+        compute_s: each rank's compute time for the step.
+
+    Returns:
+        (step time, the part of it spent on communication after the compute ended).
+    """
+    slowest = float(compute_s.max())
+    n = len(compute_s)
+    nbytes = cluster.wire_bytes
+    if cluster.ddp_allreduce_s is not None:  # measured on the cluster itself
+        return slowest + cluster.ddp_allreduce_s, cluster.ddp_allreduce_s
+    rate = min(node.link_bytes_s for node in cluster.nodes[:n])
+    latency = max(node.latency_s for node in cluster.nodes[:n])
+    buckets = max(1, math.ceil(nbytes / (cluster.ddp_bucket_mb * MB)))
+    backward = slowest * cluster.backward_share
+    forward = slowest - backward
+    end = 0.0
+    for j in range(buckets):
+        size = min(cluster.ddp_bucket_mb * MB, nbytes - j * cluster.ddp_bucket_mb * MB)
+        ready = forward + backward * (j + 1) / buckets
+        end = max(end, ready) + ring_allreduce_s(size, n, rate, latency)
+    return max(end, slowest), max(end - slowest, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundTimes:
+    """One simulated synchronous round.
+
+    Attributes:
+        accepted_s: per member, from the round's start to its push being in on every shard.
+        round_s: from the start to the end of the shards' steps.
+        worker_bytes: per member, bytes its host's link carried (both directions, all roles).
+        shard_bytes: per shard, bytes its host's link carried for it.
+    """
+
+    accepted_s: np.ndarray
+    round_s: float
+    worker_bytes: np.ndarray
+    shard_bytes: np.ndarray
+
+
+class ShardedRound:
+    """Times a synchronous round of a sharded parameter server over the cluster's links.
+
+    Args:
+        cluster: the cluster.
+        members: indices into ``cluster.nodes`` of the round's members.
+    """
+
+    def __init__(self, cluster: Cluster, members: np.ndarray) -> None:
+        nodes = cluster.nodes
+        k = cluster.shards
+        self.piece = cluster.wire_bytes / k
+        self.members = members
+        m = len(members)
+        rate = np.array([nodes[i].link_bytes_s for i in members])
+        lat = np.array([nodes[i].latency_s for i in members])
+        if cluster.colocated:
+            shard_rate = np.array([nodes[s].link_bytes_s for s in range(k)])
+            shard_lat = np.array([nodes[s].latency_s for s in range(k)])
+            local = members[None, :] == np.arange(k)[:, None]  # (k, m): piece stays on host
+        else:
+            shard_rate = np.full(k, cluster.server_link_bytes_s)
+            shard_lat = np.full(k, cluster.server_latency_s)
+            local = np.zeros((k, m), dtype=bool)
+        self.remote = ~local
+        remote_pieces = self.remote.sum(axis=0)  # per member
+        self.member_bytes = remote_pieces * self.piece  # each way
+        # a shard's egress sends one piece to each remote member: the pull ends when it has
+        pull_egress = self.remote.sum(axis=1) * self.piece / shard_rate
+        self.pull_s = (
+            np.maximum(self.member_bytes / rate, pull_egress.max()) + lat + shard_lat.max()
+        )
+        self.lat = lat
+        self.send_s = self.member_bytes / rate + lat  # a member's pieces leave in parallel
+        decode = cluster.server.decode_s_per_byte * self.piece
+        self.cost = np.maximum(np.where(self.remote, self.piece / shard_rate[:, None], 0.0), decode)
+        self.step_s = cluster.server.step_s + cluster.server.step_s_per_byte * (
+            cluster.model_params * FP32_BYTES / k
+        )
+        shard_bytes = 2 * self.remote.sum(axis=1) * self.piece
+        self.shard_bytes = shard_bytes
+        worker_bytes = 2 * self.member_bytes
+        if cluster.colocated:  # a host that holds a shard also carries its traffic
+            hosts = {int(n): j for j, n in enumerate(members)}
+            for s in range(k):
+                if s in hosts:
+                    worker_bytes[hosts[s]] += shard_bytes[s]
+        self.worker_bytes = worker_bytes
+
+    def times(self, compute_s: np.ndarray, transfer_s: np.ndarray) -> RoundTimes:
+        """Time a round in which member j computes ``compute_s[j]``.
+
+        Args:
+            compute_s: per member compute time.
+            transfer_s: per member measured time outside compute (NaN: use the link model).
+
+        Returns:
+            The round's times.
+        """
+        measured = ~np.isnan(transfer_s)
+        ready = self.pull_s + compute_s  # (m,)
+        arrive = ready + self.lat  # pieces stream in from here, at the slower end's rate
+        order = np.argsort(arrive, kind="stable")
+        cost = self.cost[:, order]  # (k, m) in arrival order
+        cum = np.cumsum(cost, axis=1)
+        # first come, first served: done_j = max(done_{j-1}, arrive_j) + cost_j
+        done_sorted = cum + np.maximum.accumulate(arrive[order][None, :] - (cum - cost), axis=1)
+        done = np.empty_like(done_sorted)
+        done[:, order] = done_sorted
+        accepted = np.maximum(done.max(axis=0), ready + self.send_s)
+        accepted = np.where(measured, compute_s + np.nan_to_num(transfer_s), accepted)
+        return RoundTimes(
+            accepted_s=accepted,
+            round_s=float(accepted.max()) + self.step_s,
+            worker_bytes=self.worker_bytes,
+            shard_bytes=self.shard_bytes,
+        )
+
+
+def push_cost_s(cluster: Cluster) -> float:
+    """Server time to take in and apply one async push (the K shards work in parallel)."""
+    piece = cluster.wire_bytes / cluster.shards
+    rate = (
+        min(n.link_bytes_s for n in cluster.nodes[: cluster.shards])
+        if cluster.colocated
+        else cluster.server_link_bytes_s
+    )
+    server = cluster.server
+    take_in = max(piece / rate, server.decode_s_per_byte * piece)
+    return (
+        take_in
+        + server.step_s
+        + server.step_s_per_byte * cluster.model_params * FP32_BYTES / (cluster.shards)
+    )
+
+
+def one_way_s(cluster: Cluster, node: Node) -> float:
+    """Async: one direction of a node's parameter or gradient transfer, without contention."""
+    if node.transfer_s is not None:
+        return node.transfer_s / 2
+    return cluster.wire_bytes / node.link_bytes_s + node.latency_s + cluster.server_latency_s

@@ -1,0 +1,381 @@
+"""The simulation loops: synchronous rounds (weighted-sync, equal-sync), async pushes in event
+order, and DDP steps, each planned and scaled by the server's own planner and staleness code.
+
+Weighted-sync plans every round with ``plan_by_model`` on each node's model (its transfer time
+the one it took in its last round), weighs the spread of round times that ``RoundSpread``
+measures from the simulated rounds, and re-probes workers planned at 0 on the server's
+``ProbeSchedule``. Async gives each worker the server's speed-proportional batch, applies
+pushes first come, first served, and refuses those that ``too_stale`` refuses (the worker
+re-pulls and recomputes the same samples); the learning-rate factor of each push comes from
+``staleness_function``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import math
+from typing import Any
+
+import numpy as np
+
+from common.training.perfmodel import Fit, RoundSpread
+from common.training.planner import plan_batches, plan_by_model, plan_equal
+from common.training.probes import ProbeSchedule
+from launch.simulate.costs import (
+    ShardedRound,
+    ddp_step_s,
+    one_way_s,
+    push_cost_s,
+    ring_allreduce_s,
+)
+from launch.simulate.spec import FP32_BYTES, Cluster
+from pserver.staleness import staleness_function, too_stale
+
+SIM_MODES = ("weighted-sync", "equal-sync", "async", "ddp")
+MIN_COMPUTE_SHARE = 0.2  # jitter never makes a step shorter than this share of its mean
+
+
+@dataclasses.dataclass
+class ModeResult:
+    """What a simulation of one mode on one cluster predicts.
+
+    Attributes:
+        mode: the mode.
+        workers: nodes in the cluster.
+        shards: parameter shards (1 for DDP).
+        rounds: rounds (async: pushes) simulated.
+        round_s: mean time of a round (async: time to apply one global batch of samples).
+        epoch_s: time of one epoch.
+        extrapolated: the epoch time comes from fewer rounds than an epoch has.
+        idle_share: share of member round time spent waiting at the barrier (sync, DDP).
+        comm_s: mean part of a round after the slowest member's compute (sync, DDP).
+        members: mean members per round (weighted-sync may leave slow workers out).
+        worker_link_bytes: mean per round of the busiest worker host's link (both ways;
+            async: per push).
+        server_link_bytes: mean per round of the busiest shard host's traffic (both ways;
+            async: per global batch of samples applied).
+        ring_s: a ring all-reduce of the model over the slowest link (reference).
+        staleness: async: mean, max and histogram {tau: pushes} of applied pushes.
+        rejected: async: pushes refused as too stale.
+        lr_factor_mean: async: mean (b_i / B) * f(tau) of applied pushes.
+    """
+
+    mode: str
+    workers: int
+    shards: int
+    rounds: int
+    round_s: float
+    epoch_s: float
+    extrapolated: bool
+    idle_share: float | None = None
+    comm_s: float | None = None
+    members: float | None = None
+    worker_link_bytes: float = 0.0
+    server_link_bytes: float = 0.0
+    ring_s: float = 0.0
+    staleness: dict[str, Any] | None = None
+    rejected: int = 0
+    lr_factor_mean: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able form (floats rounded)."""
+        out: dict[str, Any] = {}
+        for key, value in dataclasses.asdict(self).items():
+            out[key] = round(value, 9) if isinstance(value, float) else value
+        return out
+
+
+def round_sizes(cluster: Cluster, epochs: int, max_rounds: int | None) -> tuple[list[int], int]:
+    """The global batch of every round to simulate and the rounds in one epoch.
+
+    An epoch of S samples takes ceil(S / B) rounds, the last one with what is left.
+    """
+    per_epoch = math.ceil(cluster.samples / cluster.global_batch)
+    tail = cluster.samples - (per_epoch - 1) * cluster.global_batch
+    one = [cluster.global_batch] * (per_epoch - 1) + [tail]
+    sizes = one * epochs
+    if max_rounds is not None:
+        sizes = sizes[:max_rounds]
+    return sizes, per_epoch
+
+
+class Jitter:
+    """Compute times with the nodes' round-to-round scatter, from one seeded generator."""
+
+    def __init__(self, cluster: Cluster, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.rel = np.array([n.jitter for n in cluster.nodes])
+        self.abs = np.array([n.jitter_s for n in cluster.nodes])
+        self.alpha = np.array([n.alpha_s for n in cluster.nodes])
+        self.beta = np.array([n.beta_s for n in cluster.nodes])
+        self.any = bool(self.rel.any() or self.abs.any())
+
+    def compute(self, idx: np.ndarray, batch: np.ndarray) -> np.ndarray:
+        """Compute time of nodes ``idx`` on batches ``batch`` (one draw each)."""
+        mean = self.alpha[idx] + self.beta[idx] * batch
+        if not self.any:
+            return mean
+        z = self.rng.standard_normal(len(idx))
+        noisy = mean * (1 + self.rel[idx] * z) + self.abs[idx] * z
+        return np.maximum(noisy, MIN_COMPUTE_SHARE * mean)
+
+
+def simulate(
+    cluster: Cluster,
+    mode: str,
+    epochs: int = 1,
+    max_rounds: int | None = None,
+    seed: int = 0,
+    plan_spread: bool = True,
+) -> ModeResult:
+    """Simulate ``mode`` on ``cluster``.
+
+    Args:
+        cluster: the cluster.
+        mode: one of ``SIM_MODES``.
+        epochs: epochs to simulate.
+        max_rounds: simulate at most this many rounds (async: this many pushes per worker)
+            and extrapolate the epoch time from them.
+        seed: seeds the jitter of compute times.
+        plan_spread: weighted-sync weighs the measured spread of round times (the server's
+            ``--plan-spread``).
+
+    Returns:
+        The prediction.
+
+    Raises:
+        ValueError: unknown mode.
+    """
+    if mode in ("weighted-sync", "equal-sync"):
+        return _sync(cluster, mode, epochs, max_rounds, seed, plan_spread)
+    if mode == "async":
+        return _async(cluster, epochs, max_rounds, seed)
+    if mode == "ddp":
+        return _ddp(cluster, epochs, max_rounds, seed)
+    raise ValueError(f"unknown mode {mode!r}; choose from {SIM_MODES}")
+
+
+def _ring_s(cluster: Cluster) -> float:
+    rate = min(n.link_bytes_s for n in cluster.nodes)
+    latency = max(n.latency_s for n in cluster.nodes)
+    return ring_allreduce_s(cluster.wire_bytes, len(cluster.nodes), rate, latency)
+
+
+def _epoch_s(times: list[float], per_epoch: int, epochs: int) -> tuple[float, bool]:
+    if len(times) >= per_epoch * epochs:
+        return math.fsum(times) / epochs, False
+    return math.fsum(times) / len(times) * per_epoch, True
+
+
+class _Planner:
+    """Weighted-sync's or equal-sync's plan for each round, as the server's policies make it."""
+
+    def __init__(self, cluster: Cluster, mode: str, plan_spread: bool) -> None:
+        self.mode = mode
+        self.nodes = cluster.nodes
+        self.transfer = {
+            i: n.transfer_s for i, n in enumerate(cluster.nodes) if n.transfer_s is not None
+        }
+        self.probes = ProbeSchedule()
+        self.spread = RoundSpread()
+        self.plan_spread = plan_spread
+
+    def fits(self) -> dict[int, Fit]:
+        return {
+            i: Fit(n.alpha_s, n.beta_s, self.transfer.get(i, 0.0)) for i, n in enumerate(self.nodes)
+        }
+
+    def plan(self, total: int) -> dict[int, int]:
+        ids = list(range(len(self.nodes)))
+        if self.mode == "equal-sync":
+            return plan_equal(ids, total)
+        fits = self.fits()
+        probe = self.probes.due(fits)
+        spread = self.spread.sigma_s() if self.plan_spread else 0.0
+        sizes = plan_by_model(fits, total, probe, spread)
+        if sizes is None:  # as the server: an unusable model falls back to speeds
+            sizes = plan_batches({i: 1.0 / n.beta_s for i, n in enumerate(self.nodes)}, total)
+        self.probes.planned(fits, sizes, probe)
+        return sizes
+
+    def closed(
+        self, members: np.ndarray, batch: np.ndarray, compute: np.ndarray, actual: np.ndarray
+    ) -> None:
+        """Feed a closed round back: transfer times of link-model nodes, and the spread."""
+        if self.mode != "weighted-sync":
+            return
+        fits = self.fits()
+        predicted = [fits[int(i)].predict(int(b)) for i, b in zip(members, batch, strict=True)]
+        self.spread.add_round(actual.tolist(), predicted)
+        for i, c, a in zip(members.tolist(), compute.tolist(), actual.tolist(), strict=True):
+            if self.nodes[i].transfer_s is None:
+                self.transfer[i] = max(a - c, 0.0)
+
+
+def _sync(
+    cluster: Cluster, mode: str, epochs: int, max_rounds: int | None, seed: int, plan_spread: bool
+) -> ModeResult:
+    sizes, per_epoch = round_sizes(cluster, epochs, max_rounds)
+    jitter = Jitter(cluster, seed)
+    planner = _Planner(cluster, mode, plan_spread)
+    transfer = np.array([np.nan if n.transfer_s is None else n.transfer_s for n in cluster.nodes])
+    rounds: dict[tuple[int, ...], ShardedRound] = {}
+
+    def layout(members: np.ndarray) -> ShardedRound:
+        key = tuple(members.tolist())
+        if key not in rounds:
+            rounds.clear()  # plans change rarely: keep the current layout only
+            rounds[key] = ShardedRound(cluster, members)
+        return rounds[key]
+
+    everyone = np.arange(len(cluster.nodes))
+    if mode == "weighted-sync":  # the transfer the planner starts from: an equal round's
+        plan = plan_equal(everyone.tolist(), cluster.global_batch)
+        members = np.array(sorted(plan))
+        batch = np.array([plan[int(i)] for i in members])
+        dry = layout(members).times(
+            jitter.alpha[members] + jitter.beta[members] * batch, transfer[members]
+        )
+        compute = jitter.alpha[members] + jitter.beta[members] * batch
+        for i, a, c in zip(
+            members.tolist(), dry.accepted_s.tolist(), compute.tolist(), strict=True
+        ):
+            planner.transfer.setdefault(i, max(a - c, 0.0))
+    times: list[float] = []
+    idle = busy = comm = members_sum = worker_bytes = server_bytes = 0.0
+    for total in sizes:
+        plan = planner.plan(total)
+        members = np.array(sorted(plan))
+        batch = np.array([plan[int(i)] for i in members])
+        compute = jitter.compute(members, batch)
+        timed = layout(members).times(compute, transfer[members])
+        planner.closed(members, batch, compute, timed.accepted_s)
+        last = float(timed.accepted_s.max())
+        times.append(timed.round_s)
+        idle += float((last - timed.accepted_s).sum())
+        busy += float(timed.accepted_s.sum()) + float((last - timed.accepted_s).sum())
+        comm += timed.round_s - float(compute.max())
+        members_sum += len(members)
+        worker_bytes += float(timed.worker_bytes.max())
+        server_bytes += float(timed.shard_bytes.max())
+    n = len(times)
+    epoch_s, extrapolated = _epoch_s(times, per_epoch, epochs)
+    return ModeResult(
+        mode=mode,
+        workers=len(cluster.nodes),
+        shards=cluster.shards,
+        rounds=n,
+        round_s=math.fsum(times) / n,
+        epoch_s=epoch_s,
+        extrapolated=extrapolated,
+        idle_share=idle / busy if busy > 0 else 0.0,
+        comm_s=comm / n,
+        members=members_sum / n,
+        worker_link_bytes=worker_bytes / n,
+        server_link_bytes=server_bytes / n,
+        ring_s=_ring_s(cluster),
+    )
+
+
+def _ddp(cluster: Cluster, epochs: int, max_rounds: int | None, seed: int) -> ModeResult:
+    sizes, per_epoch = round_sizes(cluster, epochs, max_rounds)
+    jitter = Jitter(cluster, seed)
+    ids = list(range(len(cluster.nodes)))
+    optimizer_s = cluster.server.step_s + cluster.server.step_s_per_byte * (
+        cluster.model_params * FP32_BYTES
+    )
+    n_ranks = len(ids)
+    ring_bytes = 2 * 2 * (n_ranks - 1) / n_ranks * cluster.wire_bytes  # both directions
+    times: list[float] = []
+    idle = busy = comm = 0.0
+    for total in sizes:
+        plan = plan_equal(ids, total)
+        members = np.array(sorted(plan))
+        compute = jitter.compute(members, np.array([plan[int(i)] for i in members]))
+        step, after = ddp_step_s(cluster, compute)
+        times.append(step + optimizer_s)
+        idle += float((compute.max() - compute).sum())
+        busy += float(compute.max()) * len(members)
+        comm += after + optimizer_s
+    n = len(times)
+    epoch_s, extrapolated = _epoch_s(times, per_epoch, epochs)
+    return ModeResult(
+        mode="ddp",
+        workers=n_ranks,
+        shards=1,
+        rounds=n,
+        round_s=math.fsum(times) / n,
+        epoch_s=epoch_s,
+        extrapolated=extrapolated,
+        idle_share=idle / busy if busy > 0 else 0.0,
+        comm_s=comm / n,
+        members=float(n_ranks),
+        worker_link_bytes=ring_bytes,
+        ring_s=_ring_s(cluster),
+    )
+
+
+def _async(cluster: Cluster, epochs: int, max_rounds: int | None, seed: int) -> ModeResult:
+    nodes = cluster.nodes
+    n = len(nodes)
+    jitter = Jitter(cluster, seed)
+    ref = max(1, cluster.global_batch // n)
+    speeds = {i: ref / node.compute_s(ref) for i, node in enumerate(nodes)}
+    plan = plan_batches(speeds, cluster.global_batch)
+    batch = np.array([plan.get(i, 1) for i in range(n)])  # as the server: at least one each
+    one_way = np.array([one_way_s(cluster, node) for node in nodes])
+    cost = push_cost_s(cluster)
+    f = staleness_function(cluster.staleness)
+    target = cluster.samples * epochs
+    pushes_cap = None if max_rounds is None else max_rounds * n
+    based_on = np.zeros(n, dtype=np.int64)
+    idx = np.arange(n)
+    first = one_way + jitter.compute(idx, batch) + one_way  # pull, compute, push
+    heap = [(float(t), i) for i, t in enumerate(first)]
+    heapq.heapify(heap)
+    server_free = 0.0
+    version = applied = rejected = 0
+    taus: collections.Counter[int] = collections.Counter()
+    lr_sum = 0.0
+    end = 0.0
+    while heap and applied < target and (pushes_cap is None or version + rejected < pushes_cap):
+        arrive, i = heapq.heappop(heap)
+        start = max(server_free, arrive)
+        server_free = end = start + cost
+        tau = version - int(based_on[i])
+        if too_stale(tau, cluster.max_staleness):
+            rejected += 1
+        else:
+            version += 1
+            applied += int(batch[i])
+            taus[tau] += 1
+            lr_sum += batch[i] / cluster.global_batch * f(tau)
+        based_on[i] = version  # the reply (or the re-pull) carries the current parameters
+        step = float(jitter.compute(idx[i : i + 1], batch[i : i + 1])[0])
+        heapq.heappush(heap, (end + one_way[i] + step + one_way[i], i))
+    per_batch = end / max(applied, 1) * cluster.global_batch
+    whole = applied >= target
+    epoch_s = end / epochs if whole else end / max(applied, 1) * cluster.samples
+    pushes_per_batch = version / max(applied, 1) * cluster.global_batch
+    mean_tau = sum(t * c for t, c in taus.items()) / max(version, 1)
+    return ModeResult(
+        mode="async",
+        workers=n,
+        shards=cluster.shards,
+        rounds=version + rejected,
+        round_s=per_batch,
+        epoch_s=epoch_s,
+        extrapolated=not whole,
+        worker_link_bytes=2 * cluster.wire_bytes,  # per push: parameters in, gradient out
+        server_link_bytes=2 * cluster.wire_bytes / cluster.shards * pushes_per_batch,
+        ring_s=_ring_s(cluster),
+        staleness={
+            "mean": mean_tau,
+            "max": max(taus, default=0),
+            "histogram": {str(t): c for t, c in sorted(taus.items())},
+        },
+        rejected=rejected,
+        lr_factor_mean=lr_sum / max(version, 1),
+    )

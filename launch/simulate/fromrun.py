@@ -1,0 +1,193 @@
+"""A simulated cluster fitted from real runs: each worker's model, the server's costs and the
+spread of round times from a parameter-server run, the all-reduce time from a DDP run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from common.errors import ConfigError
+from common.training.perfmodel import PerfModel, RoundSpread, robust_line
+from launch.simulate.spec import Cluster, Node, ServerCosts
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFiles:
+    """What a run directory holds that the simulator reads."""
+
+    path: Path
+    start: dict[str, Any]
+    rounds: list[dict[str, Any]]
+    summary: dict[str, Any]
+
+    @property
+    def mode(self) -> str:
+        """The run's mode (``ddp`` for the DDP baseline)."""
+        return str(self.start.get("mode", ""))
+
+
+def read_run(path: Path) -> RunFiles:
+    """Read the last ``start`` event, the ``round`` events and ``summary.json`` of a run.
+
+    Raises:
+        ConfigError: the directory lacks ``metrics.jsonl`` or ``summary.json``, or they do not
+            parse.
+    """
+    try:
+        lines = (path / "metrics.jsonl").read_text().splitlines()
+        summary = json.loads((path / "summary.json").read_text())
+        records = [json.loads(line) for line in lines if line.strip()]
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path} is not a finished run directory: {exc}") from exc
+    starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
+    if not starts:
+        raise ConfigError(f"{path}/metrics.jsonl has no start event")
+    records = records[starts[-1] :]
+    rounds = [r for r in records if r.get("event") == "round"]
+    return RunFiles(path, records[0], rounds, summary)
+
+
+def _median(values: Sequence[float], what: str, path: Path) -> float:
+    if not values:
+        raise ConfigError(f"{path}: no {what} to measure")
+    return float(statistics.median(values))
+
+
+def _global_batch(run: RunFiles) -> int:
+    totals = [sum(int(w.get("batch", 0)) for w in r.get("workers", [])) for r in run.rounds]
+    return max(totals, default=0)
+
+
+def _worker_node(name: str, parts: list[dict[str, Any]], sigma: float) -> Node | None:
+    """A worker's node from its round records: compute ``alpha + beta * b`` by the robust
+    line through (batch, compute_s), shifted so its mean residual is 0, and its mean time
+    outside compute (an epoch is a sum of rounds: means, not medians, add up to it)."""
+    points = [(int(p["batch"]), float(p["compute_s"])) for p in parts if p.get("batch")]
+    line = robust_line(points)
+    if line is None:
+        if not points:
+            return None
+        line = (0.0, statistics.fmean(t / b for b, t in points))
+    alpha, beta = line
+    shift = statistics.fmean(t - alpha - beta * b for b, t in points)
+    return Node(
+        name=name,
+        alpha_s=max(alpha + shift, 0.0),
+        beta_s=beta,
+        transfer_s=statistics.fmean(float(p["transfer_s"]) for p in parts),
+        jitter_s=sigma,
+    )
+
+
+def ps_nodes(run: RunFiles) -> tuple[list[Node], float]:
+    """Nodes calibrated on every round of a parameter-server run (each worker's compute model
+    and its time outside compute, measured rather than modelled), and the spread of round
+    times (the robust sigma ``RoundSpread`` measures over the run); a run without round
+    events (async) gives the fitted models of ``summary.json``.
+
+    Raises:
+        ConfigError: no worker has a fitted model.
+    """
+    spread = RoundSpread(horizon=max(len(run.rounds), 1))
+    by_worker: dict[str, list[dict[str, Any]]] = {}
+    for record in run.rounds:
+        parts = [w for w in record.get("workers", []) if "predicted_s" in w and "actual_s" in w]
+        spread.add_round([w["actual_s"] for w in parts], [w["predicted_s"] for w in parts])
+        for w in record.get("workers", []):
+            if "compute_s" in w and "transfer_s" in w:
+                by_worker.setdefault(str(w["worker"]), []).append(w)
+    sigma = spread.sigma_s()
+    nodes = [
+        node
+        for name, parts in by_worker.items()
+        if (node := _worker_node(name, parts, sigma)) is not None
+    ]
+    if not nodes:
+        nodes = [
+            Node(
+                name=str(w["name"]),
+                alpha_s=float(w["model"]["alpha_s"]),
+                beta_s=float(w["model"]["beta_s_per_sample"]),
+                transfer_s=float(w["model"]["transfer_s"]),
+            )
+            for w in run.summary.get("workers", [])
+            if isinstance(w.get("model"), dict)
+        ]
+    if not nodes:
+        raise ConfigError(f"{run.path}: no worker has a fitted model")
+    return sorted(nodes, key=lambda n: n.name), sigma
+
+
+def ddp_nodes(run: RunFiles) -> tuple[list[Node], float]:
+    """Nodes fitted from a DDP run's per-rank compute times, and its all-reduce time per step
+    (median of the step time minus the slowest rank's compute).
+
+    Raises:
+        ConfigError: the run recorded no steps.
+    """
+    models: dict[str, PerfModel] = {}
+    overhead = []
+    for record in run.rounds:
+        ranks = record.get("workers", [])
+        for rank in ranks:
+            models.setdefault(str(rank["worker"]), PerfModel()).add_compute(
+                rank["batch"], rank["emulated_s"]
+            )
+        slowest = max((float(r["emulated_s"]) for r in ranks), default=0.0)
+        overhead.append(float(record["round_s"]) - slowest)
+    allreduce = max(_median(overhead, "DDP steps", run.path), 0.0)
+    nodes = []
+    for name, model in models.items():
+        fit = model.fit()
+        if fit is not None:
+            nodes.append(Node(name=name, alpha_s=fit.alpha_s, beta_s=fit.beta_s_per_sample))
+    return nodes, allreduce
+
+
+def cluster_from_runs(paths: Sequence[Path]) -> Cluster:
+    """A cluster calibrated on run directories: the nodes, server costs and spread of the
+    first parameter-server run; the all-reduce time of the first DDP run (its nodes too when
+    no parameter-server run is given).
+
+    Args:
+        paths: run directories (``pslaunch local`` or ``pslaunch ddp``).
+
+    Returns:
+        The cluster, with the run's model size, training samples, global batch, shards and
+        wire dtype.
+
+    Raises:
+        ConfigError: no usable run, or a run directory cannot be read.
+    """
+    runs = [read_run(p) for p in paths]
+    ps = next((r for r in runs if r.mode != "ddp"), None)
+    ddp = next((r for r in runs if r.mode == "ddp"), None)
+    base = ps or ddp
+    if base is None:
+        raise ConfigError("--from needs at least one run directory")
+    allreduce = None
+    if ps is not None:
+        nodes, _ = ps_nodes(ps)
+        steps = [float(r["step_s"]) for r in ps.rounds if "step_s" in r]
+        step = statistics.fmean(steps) if steps else 0.0
+    else:
+        step = 0.0
+    if ddp is not None:
+        ddp_fitted, allreduce = ddp_nodes(ddp)
+        if ps is None:
+            nodes = ddp_fitted
+    return Cluster(
+        nodes=tuple(nodes),
+        model_params=int(base.start["state_size"]),
+        global_batch=_global_batch(base) or 64,
+        samples=int(base.start["train"]),
+        wire_dtype=str(base.start.get("wire_dtype", "fp32")),
+        shards=int(base.start.get("shards", 1)),
+        colocated=False,
+        server=ServerCosts(step_s=step),
+        ddp_allreduce_s=allreduce,
+    )

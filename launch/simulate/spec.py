@@ -1,0 +1,279 @@
+"""The simulated cluster: nodes, links, shards and server costs, read from a YAML or JSON spec.
+
+A spec lists groups of nodes with a count each and their cost model (a step takes
+``fixed_ms + per_sample_ms * b`` of compute), optionally drawn from a lognormal distribution
+of speeds, and the links, model, batch and server costs they share::
+
+    model_params: 11.7e6          # or model_mb (fp32 megabytes)
+    global_batch: 1024
+    samples: 100000               # training samples per epoch
+    wire_dtype: fp32              # fp32 | bf16 | fp16
+    shards: 4
+    colocated: true               # shards on worker hosts (false: on dedicated server hosts)
+    link: {gbit: 10, latency_ms: 0.05}
+    server: {gbit: 10, step_ms: 1.0, step_ms_per_mb: 0.3, decode_ms_per_mb: 0.2}
+    groups:
+      - {name: A100, count: 8, per_sample_ms: 0.9, fixed_ms: 4}
+      - {name: T4, count: 24, per_sample_ms: 6.0, fixed_ms: 8, lognormal_sigma: 0.1}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from common.errors import ConfigError
+from common.training.planner import plan_batches
+
+WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+FP32_BYTES = 4
+MB = 1_000_000
+GBIT = 1e9 / 8  # bytes per second in one Gbit/s
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """One worker host.
+
+    Attributes:
+        name: the node's label (its group's name and an index).
+        alpha_s: fixed compute cost of a step (seconds).
+        beta_s: compute cost per sample (seconds).
+        link_bytes_s: its link's rate in each direction (bytes per second).
+        latency_s: one-way latency of its link (seconds).
+        jitter: relative standard deviation of its compute time from round to round.
+        jitter_s: absolute standard deviation added to its round time (seconds).
+        transfer_s: measured time per round outside compute; when given it replaces the link
+            model for this node (a node fitted from a real run).
+    """
+
+    name: str
+    alpha_s: float
+    beta_s: float
+    link_bytes_s: float = 10 * GBIT
+    latency_s: float = 50e-6
+    jitter: float = 0.0
+    jitter_s: float = 0.0
+    transfer_s: float | None = None
+
+    def compute_s(self, batch: int) -> float:
+        """Compute time of a step of ``batch`` samples (no jitter)."""
+        return self.alpha_s + self.beta_s * batch if batch > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerCosts:
+    """Server-side costs of a parameter shard.
+
+    Attributes:
+        step_s: fixed cost of one optimizer step (seconds).
+        step_s_per_byte: optimizer cost per byte of fp32 state the shard holds.
+        decode_s_per_byte: cost of decoding and summing one push per wire byte.
+    """
+
+    step_s: float = 0.0
+    step_s_per_byte: float = 0.0
+    decode_s_per_byte: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """Everything a simulation needs besides the mode.
+
+    Attributes:
+        nodes: the worker hosts.
+        model_params: parameters in the model (fp32 master weights on the shards).
+        global_batch: B, samples per synchronous round.
+        samples: training samples per epoch.
+        wire_dtype: dtype of parameters and gradients on the wire.
+        shards: K, parameter shards.
+        colocated: shards run on worker hosts (shard s on node s); otherwise on their own
+            server hosts with ``server_link_bytes_s``.
+        server_link_bytes_s: a dedicated server host's link rate (bytes per second).
+        server_latency_s: a dedicated server host's one-way latency.
+        server: the shards' costs.
+        staleness: the async staleness function (``pserver start --staleness``).
+        max_staleness: the async staleness bound (None: no bound).
+        ddp_bucket_mb: DDP's gradient bucket size (torch's default 25 MB).
+        ddp_allreduce_s: measured all-reduce time per DDP step; replaces the ring model.
+        backward_share: share of a step's compute spent in the backward pass (DDP overlaps
+            its all-reduce with it).
+    """
+
+    nodes: tuple[Node, ...]
+    model_params: int
+    global_batch: int
+    samples: int
+    wire_dtype: str = "fp32"
+    shards: int = 1
+    colocated: bool = True
+    server_link_bytes_s: float = 10 * GBIT
+    server_latency_s: float = 50e-6
+    server: ServerCosts = ServerCosts()
+    staleness: str = "inverse"
+    max_staleness: int | None = None
+    ddp_bucket_mb: float = 25.0
+    ddp_allreduce_s: float | None = None
+    backward_share: float = 2.0 / 3.0
+
+    def __post_init__(self) -> None:
+        _check(len(self.nodes) >= 1, "a cluster needs at least one node")
+        _check(self.model_params >= 1, f"model_params must be >= 1, got {self.model_params}")
+        _check(self.global_batch >= 1, f"global_batch must be >= 1, got {self.global_batch}")
+        _check(self.samples >= 1, f"samples must be >= 1, got {self.samples}")
+        _check(self.wire_dtype in WIRE_BYTES, f"wire_dtype must be one of {list(WIRE_BYTES)}")
+        _check(self.shards >= 1, f"shards must be >= 1, got {self.shards}")
+        _check(
+            not self.colocated or self.shards <= len(self.nodes),
+            f"{self.shards} co-located shards need as many nodes, got {len(self.nodes)}",
+        )
+        _check(self.ddp_bucket_mb > 0, f"ddp_bucket_mb must be > 0, got {self.ddp_bucket_mb}")
+        _check(0 <= self.backward_share <= 1, "backward_share must be in [0, 1]")
+        for node in self.nodes:
+            _check(
+                node.alpha_s >= 0 and node.beta_s > 0 and node.link_bytes_s > 0,
+                f"node {node.name}: needs fixed >= 0, per-sample > 0 and a link > 0",
+            )
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes of the model on the wire (parameters or gradient)."""
+        return self.model_params * WIRE_BYTES[self.wire_dtype]
+
+    def with_workers(self, n: int) -> Cluster:
+        """The same cluster with ``n`` nodes: groups keep their ratios (nodes are taken from
+        each group in turn, repeating when ``n`` exceeds the nodes given)."""
+        _check(n >= 1, f"workers must be >= 1, got {n}")
+        groups: dict[str, list[Node]] = {}
+        for node in self.nodes:
+            groups.setdefault(node.name.rsplit("#", 1)[0], []).append(node)
+        counts = plan_batches({i: float(len(g)) for i, g in enumerate(groups.values())}, n)
+        nodes = [
+            dataclasses.replace(group[j % len(group)], name=f"{name}#{j}")
+            for i, (name, group) in enumerate(groups.items())
+            for j in range(counts.get(i, 0))
+        ]
+        shards = min(self.shards, n) if self.colocated else self.shards
+        return dataclasses.replace(self, nodes=tuple(nodes), shards=shards)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _number(spec: Mapping[str, Any], key: str, default: float | None = None) -> float:
+    value = spec.get(key, default)
+    if isinstance(value, str):  # YAML 1.1 reads 11.7e6 (no sign in the exponent) as text
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _mapping(value: object, what: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{what} must be a mapping, got {value!r}")
+    return value
+
+
+def read_spec_file(path: Path) -> Mapping[str, Any]:
+    """The mapping in a YAML (``.yaml``/``.yml``) or JSON file.
+
+    Raises:
+        ConfigError: the file is missing, unreadable or not a mapping.
+    """
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read cluster spec {path}: {exc}") from exc
+    return _mapping(data, f"cluster spec {path}")
+
+
+def cluster_from_spec(spec: Mapping[str, Any], seed: int = 0) -> Cluster:
+    """Build a cluster from a spec mapping (see the module docstring).
+
+    Args:
+        spec: the parsed spec.
+        seed: seeds the lognormal speeds of groups that have ``lognormal_sigma``.
+
+    Returns:
+        The cluster.
+
+    Raises:
+        ConfigError: a missing or invalid value (the message names it).
+    """
+    known = {
+        "model_params", "model_mb", "global_batch", "samples", "wire_dtype", "shards",
+        "colocated", "link", "server", "groups", "staleness", "max_staleness",
+        "ddp_bucket_mb", "backward_share",
+    }  # fmt: skip
+    unknown = set(spec) - known
+    _check(not unknown, f"unknown cluster spec keys {sorted(unknown)}; known: {sorted(known)}")
+    if "model_params" in spec:
+        params = int(_number(spec, "model_params"))
+    else:
+        params = int(_number(spec, "model_mb") * MB / FP32_BYTES)
+    link = _mapping(spec.get("link", {}), "link")
+    server = _mapping(spec.get("server", {}), "server")
+    groups = spec.get("groups")
+    _check(isinstance(groups, Sequence) and len(groups) > 0, "groups must be a non-empty list")
+    rng = np.random.default_rng(seed)
+    nodes = [node for group in groups for node in _group_nodes(_mapping(group, "group"), link, rng)]
+    max_staleness = spec.get("max_staleness")
+    return Cluster(
+        nodes=tuple(nodes),
+        model_params=params,
+        global_batch=int(_number(spec, "global_batch")),
+        samples=int(_number(spec, "samples")),
+        wire_dtype=str(spec.get("wire_dtype", "fp32")),
+        shards=int(_number(spec, "shards", 1)),
+        colocated=bool(spec.get("colocated", True)),
+        server_link_bytes_s=_number(server, "gbit", _number(link, "gbit", 10)) * GBIT,
+        server_latency_s=_number(server, "latency_ms", _number(link, "latency_ms", 0.05)) / 1e3,
+        server=ServerCosts(
+            step_s=_number(server, "step_ms", 0.0) / 1e3,
+            step_s_per_byte=_number(server, "step_ms_per_mb", 0.0) / 1e3 / MB,
+            decode_s_per_byte=_number(server, "decode_ms_per_mb", 0.0) / 1e3 / MB,
+        ),
+        staleness=str(spec.get("staleness", "inverse")),
+        max_staleness=None if max_staleness is None else int(max_staleness),
+        ddp_bucket_mb=_number(spec, "ddp_bucket_mb", 25.0),
+        backward_share=_number(spec, "backward_share", 2.0 / 3.0),
+    )
+
+
+def _group_nodes(
+    group: Mapping[str, Any], link: Mapping[str, Any], rng: np.random.Generator
+) -> list[Node]:
+    name = str(group.get("name", "node"))
+    count = int(_number(group, "count", 1))
+    _check(count >= 1, f"group {name}: count must be >= 1, got {count}")
+    per_sample = _number(group, "per_sample_ms") / 1e3
+    fixed = _number(group, "fixed_ms", 0.0) / 1e3
+    sigma = _number(group, "lognormal_sigma", 0.0)
+    _check(sigma >= 0, f"group {name}: lognormal_sigma must be >= 0, got {sigma}")
+    factors = rng.lognormal(0.0, sigma, count) if sigma > 0 else np.ones(count)
+    gbit = _number(group, "gbit", _number(link, "gbit", 10))
+    latency = _number(group, "latency_ms", _number(link, "latency_ms", 0.05)) / 1e3
+    return [
+        Node(
+            name=f"{name}#{i}",
+            alpha_s=fixed * float(f),
+            beta_s=per_sample * float(f),
+            link_bytes_s=gbit * GBIT,
+            latency_s=latency,
+            jitter=_number(group, "jitter", 0.0),
+        )
+        for i, f in enumerate(factors)
+    ]
