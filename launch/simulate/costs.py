@@ -4,8 +4,9 @@ Links are full duplex with a rate and a one-way latency. A sharded parameter ser
 model into K byte-balanced pieces; shard s sits on node s (co-located) or on its own server
 host. A synchronous round is: every member pulls the K pieces (each shard's egress sends one
 piece per remote member), computes, then pushes K pieces; each shard takes pieces first come,
-first served at its ingress rate (or its decode rate, if slower), and steps its piece once the
-last is in. A piece between a node and the shard on that node does not touch a link.
+first served at its ingress rate (or its decode rate, if slower; pieces that arrive together
+share the link and finish together), and steps its piece once the last is in. A piece between
+a node and the shard on that node does not touch a link.
 """
 
 from __future__ import annotations
@@ -151,6 +152,11 @@ class ShardedRound:
         cum = np.cumsum(cost, axis=1)
         # first come, first served: done_j = max(done_{j-1}, arrive_j) + cost_j
         done_sorted = cum + np.maximum.accumulate(arrive[order][None, :] - (cum - cost), axis=1)
+        # pieces that arrive together share the link fairly and finish together
+        arrived = arrive[order]
+        starts = np.flatnonzero(np.r_[True, np.diff(arrived) > 1e-12 * (1 + arrived[1:])])
+        group_end = np.maximum.reduceat(done_sorted, starts, axis=1)
+        done_sorted = np.repeat(group_end, np.diff(np.r_[starts, len(arrived)]), axis=1)
         done = np.empty_like(done_sorted)
         done[:, order] = done_sorted
         accepted = np.maximum(done.max(axis=0), ready + self.send_s)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
-from common.training.perfmodel import PerfModel, RoundSpread, robust_line
+from common.training.perfmodel import RoundSpread, robust_line
 from launch.simulate.spec import Cluster, Node, ServerCosts
 
 
@@ -51,12 +52,6 @@ def read_run(path: Path) -> RunFiles:
     return RunFiles(path, records[0], rounds, summary)
 
 
-def _median(values: Sequence[float], what: str, path: Path) -> float:
-    if not values:
-        raise ConfigError(f"{path}: no {what} to measure")
-    return float(statistics.median(values))
-
-
 def _global_batch(run: RunFiles) -> int:
     totals = [sum(int(w.get("batch", 0)) for w in r.get("workers", [])) for r in run.rounds]
     return max(totals, default=0)
@@ -71,7 +66,7 @@ def _worker_node(name: str, parts: list[dict[str, Any]], sigma: float) -> Node |
     if line is None:
         if not points:
             return None
-        line = (0.0, statistics.fmean(t / b for b, t in points))
+        line = (0.0, math.fsum(t for _, t in points) / sum(b for b, _ in points))
     alpha, beta = line
     shift = statistics.fmean(t - alpha - beta * b for b, t in points)
     return Node(
@@ -123,29 +118,30 @@ def ps_nodes(run: RunFiles) -> tuple[list[Node], float]:
 
 
 def ddp_nodes(run: RunFiles) -> tuple[list[Node], float]:
-    """Nodes fitted from a DDP run's per-rank compute times, and its all-reduce time per step
-    (median of the step time minus the slowest rank's compute).
+    """Nodes calibrated on a DDP run's per-rank compute times (slowdown included), and its
+    mean all-reduce time per step (the step time minus the slowest rank's compute).
 
     Raises:
         ConfigError: the run recorded no steps.
     """
-    models: dict[str, PerfModel] = {}
+    if not run.rounds:
+        raise ConfigError(f"{run.path}: no DDP steps to measure")
+    by_rank: dict[str, list[dict[str, Any]]] = {}
     overhead = []
     for record in run.rounds:
         ranks = record.get("workers", [])
         for rank in ranks:
-            models.setdefault(str(rank["worker"]), PerfModel()).add_compute(
-                rank["batch"], rank["emulated_s"]
+            by_rank.setdefault(str(rank["worker"]), []).append(
+                {"batch": rank["batch"], "compute_s": rank["emulated_s"], "transfer_s": 0.0}
             )
         slowest = max((float(r["emulated_s"]) for r in ranks), default=0.0)
         overhead.append(float(record["round_s"]) - slowest)
-    allreduce = max(_median(overhead, "DDP steps", run.path), 0.0)
-    nodes = []
-    for name, model in models.items():
-        fit = model.fit()
-        if fit is not None:
-            nodes.append(Node(name=name, alpha_s=fit.alpha_s, beta_s=fit.beta_s_per_sample))
-    return nodes, allreduce
+    nodes = [
+        dataclasses.replace(node, transfer_s=None)
+        for name, parts in by_rank.items()
+        if (node := _worker_node(name, parts, 0.0)) is not None
+    ]
+    return sorted(nodes, key=lambda n: n.name), max(statistics.fmean(overhead), 0.0)
 
 
 def cluster_from_runs(paths: Sequence[Path]) -> Cluster:

@@ -20,7 +20,8 @@ LEGEND = (
     "barrier; comm s: round time after the slowest member's compute; members: mean workers "
     "per round; worker MB / server MB: per round, the busiest worker host's and shard host's "
     "link, both directions (async: worker per push); ring s: a ring all-reduce of the model "
-    "over the slowest link; tau: async staleness mean/max (refused pushes)."
+    "over the slowest link; comm/ring: comm s over ring s; tau: async staleness mean/max "
+    "(refused pushes)."
 )
 
 
@@ -45,7 +46,7 @@ def table(rows: Sequence[Row]) -> str:
     """A fixed-width table, one line per (grid point, mode)."""
     axes = [k for k in (rows[0][0] if rows else {}) if k != "mode"]
     head = [*axes, "mode", "round s", "epoch s", "idle", "comm s", "members", "worker MB",
-            "server MB", "ring s", "tau"]  # fmt: skip
+            "server MB", "ring s", "comm/ring", "tau"]  # fmt: skip
     lines = [head]
     for point, r in rows:
         tau = "-"
@@ -63,6 +64,7 @@ def table(rows: Sequence[Row]) -> str:
                 f"{r.worker_link_bytes / MB:.4g}",
                 f"{r.server_link_bytes / MB:.4g}",
                 f"{r.ring_s:.4g}",
+                "-" if r.comm_s is None or r.ring_s <= 0 else f"{r.comm_s / r.ring_s:.2f}",
                 tau,
             ]
         )

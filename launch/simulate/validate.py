@@ -2,12 +2,12 @@
 launch.simulate.validate --out DIR``.
 
 Measures, back to back and interleaved over ``--repeats``, Jasper Ridge runs of weighted-sync,
-equal-sync, async (``pslaunch local``) and DDP (``pslaunch ddp``) with the same slowdowns, plus
-two calibration runs: weighted-sync (each worker's fitted model, the server's step time and
-the spread of round times) and DDP with equal slowdowns (the all-reduce time per step). Every
-prediction comes from the calibration runs only, never from the run it is compared with:
-the epoch time of each measured configuration is predicted with ``pslaunch simulate --from``
-the calibration runs, and compared with the median measured train time per epoch. Writes
+equal-sync, async (``pslaunch local``) and DDP (``pslaunch ddp``) with the same slowdowns, after
+three calibration runs: weighted-sync (each worker's compute model and time outside compute,
+the server's step time, the spread of round times), DDP with the same slowdowns, and DDP with
+equal slowdowns (its all-reduce time per step). Every prediction comes from calibration runs
+only, never from the runs it is compared with (``PREDICTIONS`` says which), and is compared
+with the median measured train time per epoch. Writes
 ``DIR/validate.json`` and prints the table (Markdown) that docs/scale.md keeps.
 """
 
@@ -73,19 +73,24 @@ def measure(setup: Setup) -> dict[str, Any]:
     """The calibration runs, then every mode ``repeats`` times, interleaved.
 
     Returns:
-        ``{"calibration": {"ps": DIR, "ddp": DIR}, "runs": {mode: [DIR, ...]}}``.
+        ``{"calibration": {name: DIR}, "runs": {mode: [DIR, ...]}}`` with calibration runs
+        ``ps`` (weighted-sync), ``ddp`` (DDP, the same slowdowns) and ``ddp_equal`` (DDP with
+        ``calibration_ddp_slowdowns``).
     """
+    calibration = {
+        "ps": ("weighted-sync", setup.slowdowns, setup.out / "calibration-weighted-sync"),
+        "ddp": ("ddp", setup.slowdowns, setup.out / "calibration-ddp"),
+        "ddp_equal": ("ddp", setup.calibration_ddp_slowdowns, setup.out / "calibration-ddp-equal"),
+    }
+    for mode, slowdowns, run_dir in calibration.values():
+        _pslaunch(setup, mode, slowdowns, run_dir)
     runs: dict[str, list[str]] = {m: [] for m in MODES}
-    ps_cal = setup.out / "calibration-weighted-sync"
-    ddp_cal = setup.out / "calibration-ddp"
-    _pslaunch(setup, "weighted-sync", setup.slowdowns, ps_cal)
-    _pslaunch(setup, "ddp", setup.calibration_ddp_slowdowns, ddp_cal)
     for repeat in range(setup.repeats):
         for mode in MODES:
             run_dir = setup.out / f"{mode}-{repeat}"
             _pslaunch(setup, mode, setup.slowdowns, run_dir)
             runs[mode].append(str(run_dir))
-    return {"calibration": {"ps": str(ps_cal), "ddp": str(ddp_cal)}, "runs": runs}
+    return {"calibration": {k: str(v[2]) for k, v in calibration.items()}, "runs": runs}
 
 
 def _measured_epoch_s(run_dir: Path) -> float:
@@ -93,14 +98,22 @@ def _measured_epoch_s(run_dir: Path) -> float:
     return float(summary["train_time_s"]) / max(int(summary["epochs"]), 1)
 
 
+# (mode, calibration runs, what the prediction tests)
+PREDICTIONS = (
+    ("weighted-sync", ("ps",), "another run of the same configuration"),
+    ("equal-sync", ("ps",), "another mode"),
+    ("async", ("ps",), "another mode"),
+    ("ddp", ("ddp",), "another run of the same configuration"),
+    ("ddp", ("ps", "ddp_equal"), "PS compute, all-reduce at other slowdowns"),
+)
+
+
 def predict(setup: Setup, measured: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per mode: the epoch time predicted from the calibration runs against the
-    median (and range) measured over the repeats."""
-    ps_cal = Path(measured["calibration"]["ps"])
-    ddp_cal = Path(measured["calibration"]["ddp"])
+    """One row per prediction: the epoch time predicted from calibration runs only, against
+    the median (and range) measured over the repeats."""
     rows = []
-    for mode in MODES:
-        sources = [ps_cal, ddp_cal] if mode == "ddp" else [ps_cal]
+    for mode, names, what in PREDICTIONS:
+        sources = [Path(measured["calibration"][name]) for name in names]
         cluster = cluster_from_runs(sources)
         predicted = simulate(cluster, mode, epochs=setup.epochs).epoch_s
         times = [_measured_epoch_s(Path(d)) for d in measured["runs"][mode]]
@@ -111,6 +124,7 @@ def predict(setup: Setup, measured: dict[str, Any]) -> list[dict[str, Any]]:
                 "mode": mode,
                 "slowdowns": setup.slowdowns,
                 "calibrated_on": [p.name for p in sources],
+                "predicts": what,
                 "predicted_epoch_s": round(predicted, 4),
                 "measured_epoch_s": round(median, 4),
                 "measured_min_s": round(min(times), 4),
@@ -125,13 +139,14 @@ def predict(setup: Setup, measured: dict[str, Any]) -> list[dict[str, Any]]:
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The validation table as docs/scale.md keeps it."""
     lines = [
-        "| mode | slowdowns | calibrated on | predicted epoch s | measured epoch s (median; "
-        "min-max) | error | within 15 % |",
+        "| mode | slowdowns | calibrated on (predicts from) | predicted epoch s | measured epoch s "
+        "(median; min-max) | error | within 15 % |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['mode']} | {r['slowdowns']} | {' + '.join(r['calibrated_on'])} | "
+            f"| {r['mode']} | {r['slowdowns']} | "
+            f"{' + '.join(r['calibrated_on'])} ({r['predicts']}) | "
             f"{r['predicted_epoch_s']:.3f} | {r['measured_epoch_s']:.3f} "
             f"({r['measured_min_s']:.3f}-{r['measured_max_s']:.3f}) | {100 * r['error']:+.1f} % | "
             f"{'yes' if r['within_15pct'] else 'no'} |"

@@ -1,0 +1,198 @@
+"""The cluster simulator against closed forms, and its spec, run-dir and command-line inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from common.errors import ConfigError
+from launch.cli import main
+from launch.simulate.costs import ring_allreduce_s
+from launch.simulate.engine import simulate
+from launch.simulate.fromrun import cluster_from_runs
+from launch.simulate.spec import GBIT, Cluster, Node, ServerCosts, cluster_from_spec
+
+MODEL = 25_000_000  # parameters: 100 MB in fp32
+
+
+def _cluster(nodes: list[Node], **kw: object) -> Cluster:
+    args: dict[str, object] = {
+        "nodes": tuple(nodes),
+        "model_params": MODEL,
+        "global_batch": 256,
+        "samples": 256 * 20,
+    }
+    args.update(kw)
+    return Cluster(**args)  # type: ignore[arg-type]
+
+
+def _node(name: str, beta_ms: float, gbit: float = 10.0, **kw: object) -> Node:
+    return Node(name, alpha_s=0.002, beta_s=beta_ms / 1e3, link_bytes_s=gbit * GBIT, **kw)
+
+
+def test_equal_workers_weighted_sync_is_equal_sync() -> None:
+    # shards on their own hosts: every worker moves the same bytes (co-located shards would
+    # make their hosts faster, and weighted-sync would rightly give those more samples)
+    cluster = _cluster([_node(f"gpu#{i}", 1.0) for i in range(4)], shards=2, colocated=False)
+    weighted = simulate(cluster, "weighted-sync")
+    equal = simulate(cluster, "equal-sync")
+    assert weighted.round_s == pytest.approx(equal.round_s, rel=0.01)
+    assert weighted.epoch_s == pytest.approx(equal.epoch_s, rel=0.01)
+    assert weighted.members == equal.members == 4
+
+
+def test_one_straggler_sets_the_equal_sync_round() -> None:
+    fast = [Node(f"fast#{i}", 0.001, 0.0005, transfer_s=0.01) for i in range(3)]
+    slow = Node("slow#0", 0.004, 0.004, transfer_s=0.02)
+    cluster = _cluster([*fast, slow], server=ServerCosts(step_s=0.003))
+    result = simulate(cluster, "equal-sync")
+    slowest = 0.004 + 0.004 * 64 + 0.02 + 0.003  # B/N = 64 samples each
+    assert result.round_s == pytest.approx(slowest, rel=0.01)
+    fast_busy = 0.001 + 0.0005 * 64 + 0.01
+    waits = 3 * (slowest - 0.003 - fast_busy)
+    assert result.idle_share == pytest.approx(waits / (4 * (slowest - 0.003)), rel=0.01)
+    # weighted-sync moves samples off the straggler: the round is much shorter
+    assert simulate(cluster, "weighted-sync").round_s < 0.5 * result.round_s
+
+
+@pytest.mark.parametrize(("n", "bucket_mb"), [(2, 1000.0), (8, 1000.0), (8, 25.0), (64, 7.0)])
+def test_ddp_ring_allreduce_matches_the_closed_form(n: int, bucket_mb: float) -> None:
+    nodes = [Node(f"gpu#{i}", 0.0, 1e-12, link_bytes_s=GBIT, latency_s=0.0) for i in range(n)]
+    cluster = _cluster(nodes, ddp_bucket_mb=bucket_mb)
+    ring = 2 * (n - 1) / n * MODEL * 4 / GBIT
+    assert ring_allreduce_s(MODEL * 4, n, GBIT) == pytest.approx(ring, rel=1e-9)
+    assert simulate(cluster, "ddp").round_s == pytest.approx(ring, rel=0.01)
+    bf16 = dataclasses.replace(cluster, wire_dtype="bf16")
+    assert simulate(bf16, "ddp").round_s == pytest.approx(ring / 2, rel=0.01)
+
+
+@pytest.mark.parametrize("n", [2, 4, 16])
+def test_one_colocated_shard_per_host_moves_what_the_ring_moves(n: int) -> None:
+    nodes = [Node(f"gpu#{i}", 0.0, 1e-12, link_bytes_s=GBIT, latency_s=0.0) for i in range(n)]
+    ring = 2 * (n - 1) / n * MODEL * 4 / GBIT
+    full = simulate(_cluster(nodes, shards=n, colocated=True), "equal-sync")
+    assert full.round_s == pytest.approx(ring, rel=0.01)
+    one = simulate(
+        _cluster(nodes, shards=1, colocated=False, server_link_bytes_s=GBIT), "equal-sync"
+    )
+    assert one.round_s == pytest.approx(2 * n * MODEL * 4 / GBIT, rel=0.01)  # all through one link
+
+
+def test_async_staleness_and_the_bound() -> None:
+    nodes = [Node(f"n#{i}", 0.001, 0.001, transfer_s=0.002) for i in range(4)]
+    free = simulate(_cluster(nodes), "async")
+    assert free.staleness is not None and free.rejected == 0
+    assert free.staleness["mean"] == pytest.approx(3.0, abs=0.1)  # N - 1 others in between
+    pushes = free.staleness["histogram"]  # lr factor (b/B) / (tau + 1), b = 64 for all
+    lr = sum(c * 64 / 256 / (int(tau) + 1) for tau, c in pushes.items()) / sum(pushes.values())
+    assert free.lr_factor_mean == pytest.approx(lr, rel=1e-9)
+    bounded = simulate(_cluster(nodes, max_staleness=1), "async")
+    assert bounded.rejected > 0
+    assert bounded.staleness is not None and bounded.staleness["max"] <= 1
+    assert bounded.epoch_s > free.epoch_s  # refused pushes are computed again
+
+
+def test_weighted_sync_probes_a_worker_it_left_out() -> None:
+    fast = [Node(f"fast#{i}", 0.001, 0.0005, transfer_s=0.005) for i in range(2)]
+    hopeless = Node("slow#0", 0.5, 0.01, transfer_s=0.005)  # one sample outlasts the round
+    result = simulate(_cluster([*fast, hopeless]), "weighted-sync", epochs=3)
+    assert result.rounds == 60
+    # rounds 21 and 62 (waits of 20 and 40) have the probe: 2 of 60 rounds with 3 members
+    assert result.members == pytest.approx(2 + 1 / 60)
+
+
+SPEC = {
+    "model_mb": 100,
+    "global_batch": 512,
+    "samples": 51200,
+    "shards": 2,
+    "link": {"gbit": 10, "latency_ms": 0.05},
+    "server": {"step_ms": 1, "step_ms_per_mb": 0.5, "decode_ms_per_mb": 0.1},
+    "groups": [
+        {"name": "A100", "count": 1, "per_sample_ms": 1.0, "fixed_ms": 4},
+        {"name": "T4", "count": 3, "per_sample_ms": 6.0, "lognormal_sigma": 0.1},
+    ],
+}
+
+
+def test_spec_files_in_yaml_and_json_agree(tmp_path: Path) -> None:
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(SPEC))
+    (tmp_path / "c.json").write_text(json.dumps(SPEC))
+    runner = CliRunner()
+    out = [
+        runner.invoke(main, ["simulate", "--spec", str(tmp_path / f"c.{ext}"), "--json"])
+        for ext in ("yaml", "json")
+    ]
+    assert [r.exit_code for r in out] == [0, 0], [r.output for r in out]
+    assert json.loads(out[0].output)["results"] == json.loads(out[1].output)["results"]
+    cluster = cluster_from_spec(SPEC)
+    assert [n.name for n in cluster.with_workers(8).nodes].count("A100#0") == 1
+    assert sum(n.name.startswith("T4") for n in cluster.with_workers(8).nodes) == 6
+    with pytest.raises(ConfigError, match="unknown cluster spec keys"):
+        cluster_from_spec({**SPEC, "shard": 2})
+
+
+def test_sweep_writes_the_table_json_and_plots(tmp_path: Path) -> None:
+    (tmp_path / "c.json").write_text(json.dumps(SPEC))
+    result = CliRunner().invoke(
+        main,
+        ["simulate", "--spec", str(tmp_path / "c.json"), "--mode", "weighted-sync,ddp",
+         "--sweep", "workers=4,8 shards=1,2", "--out", str(tmp_path / "out")],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    doc = json.loads((tmp_path / "out/simulate.json").read_text())
+    points = [(r["point"]["workers"], r["point"].get("shards"), r["mode"]) for r in doc["results"]]
+    assert points == [(4, 1, "weighted-sync"), (4, 1, "ddp"), (4, 2, "weighted-sync"),
+                      (8, 1, "weighted-sync"), (8, 1, "ddp"), (8, 2, "weighted-sync")]  # fmt: skip
+    assert (tmp_path / "out/epoch_vs_workers.png").stat().st_size > 1000
+    assert (tmp_path / "out/epoch_vs_shards.png").stat().st_size > 1000
+    bad = CliRunner().invoke(
+        main, ["simulate", "--spec", str(tmp_path / "c.json"), "--sweep", "x=1"]
+    )
+    assert bad.exit_code != 0 and "AXIS" in bad.output
+
+
+def _write_run(path: Path, mode: str, rounds: list[dict], summary: dict) -> Path:
+    path.mkdir()
+    start = {"event": "start", "t": 0.0, "mode": mode, "state_size": 1000, "train": 640}
+    start.update({"shards": 1, "wire_dtype": "fp32"} if mode != "ddp" else {"world_size": 2})
+    lines = [start, *({"event": "round", "t": 1.0, **r} for r in rounds)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+def test_from_run_dirs_calibrates_on_the_recorded_rounds(tmp_path: Path) -> None:
+    rounds = []
+    for i in range(40):
+        b0, b1 = 40 + i % 5, 24 - i % 5  # batch sizes spread: the line has a slope
+        parts = [("w0", b0, 0.002 + 0.001 * b0, 0.010), ("w1", b1, 0.004 + 0.002 * b1, 0.020)]
+        rounds.append(
+            {"round": i + 1, "round_s": 0.08, "step_s": 0.005,
+             "workers": [{"worker": w, "batch": b, "compute_s": c, "transfer_s": t,
+                          "actual_s": c + t, "predicted_s": c + t} for w, b, c, t in parts]}
+        )  # fmt: skip
+    ps = _write_run(tmp_path / "ps", "weighted-sync", rounds, {"workers": []})
+    ddp_rounds = [
+        {"round": i + 1, "round_s": 0.2 + 0.03,
+         "workers": [{"worker": "r0", "batch": 32, "emulated_s": 0.1},
+                     {"worker": "r1", "batch": 32, "emulated_s": 0.2}]}
+        for i in range(10)
+    ]  # fmt: skip
+    ddp = _write_run(tmp_path / "ddp", "ddp", ddp_rounds, {"workers": []})
+    cluster = cluster_from_runs([ps, ddp])
+    w0, w1 = cluster.nodes
+    assert (w0.alpha_s, w0.beta_s, w0.transfer_s) == pytest.approx((0.002, 0.001, 0.010))
+    assert (w1.alpha_s, w1.beta_s, w1.transfer_s) == pytest.approx((0.004, 0.002, 0.020))
+    assert cluster.global_batch == 64 and cluster.samples == 640
+    assert cluster.ddp_allreduce_s == pytest.approx(0.03)
+    # equal-sync: 32 samples each; the slower worker ends the round, then the step
+    equal = simulate(cluster, "equal-sync")
+    assert equal.round_s == pytest.approx(0.004 + 0.002 * 32 + 0.020 + 0.005, rel=0.01)
+    ddp_result = simulate(cluster, "ddp")
+    assert ddp_result.round_s == pytest.approx(0.004 + 0.002 * 32 + 0.03, rel=0.01)
