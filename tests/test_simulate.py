@@ -31,8 +31,8 @@ def _cluster(nodes: list[Node], **kw: object) -> Cluster:
     return Cluster(**args)  # type: ignore[arg-type]
 
 
-def _node(name: str, beta_ms: float, gbit: float = 10.0, **kw: object) -> Node:
-    return Node(name, alpha_s=0.002, beta_s=beta_ms / 1e3, link_bytes_s=gbit * GBIT, **kw)
+def _node(name: str, beta_ms: float, gbit: float = 10.0) -> Node:
+    return Node(name, alpha_s=0.002, beta_s=beta_ms / 1e3, link_bytes_s=gbit * GBIT)
 
 
 def test_equal_workers_weighted_sync_is_equal_sync() -> None:

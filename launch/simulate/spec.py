@@ -227,7 +227,8 @@ def cluster_from_spec(spec: Mapping[str, Any], seed: int = 0) -> Cluster:
     link = _mapping(spec.get("link", {}), "link")
     server = _mapping(spec.get("server", {}), "server")
     groups = spec.get("groups")
-    _check(isinstance(groups, Sequence) and len(groups) > 0, "groups must be a non-empty list")
+    if not isinstance(groups, Sequence) or isinstance(groups, str) or not groups:
+        raise ConfigError(f"groups must be a non-empty list, got {groups!r}")
     rng = np.random.default_rng(seed)
     nodes = [node for group in groups for node in _group_nodes(_mapping(group, "group"), link, rng)]
     max_staleness = spec.get("max_staleness")
