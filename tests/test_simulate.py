@@ -16,6 +16,7 @@ from launch.simulate.costs import ring_allreduce_s
 from launch.simulate.engine import simulate
 from launch.simulate.fromrun import cluster_from_runs
 from launch.simulate.spec import GBIT, Cluster, Node, ServerCosts, cluster_from_spec
+from launch.simulate.validate import Setup, markdown, predict
 
 MODEL = 25_000_000  # parameters: 100 MB in fp32
 
@@ -196,3 +197,45 @@ def test_from_run_dirs_calibrates_on_the_recorded_rounds(tmp_path: Path) -> None
     assert equal.round_s == pytest.approx(0.004 + 0.002 * 32 + 0.020 + 0.005, rel=0.01)
     ddp_result = simulate(cluster, "ddp")
     assert ddp_result.round_s == pytest.approx(0.004 + 0.002 * 32 + 0.03, rel=0.01)
+
+
+def test_validation_compares_each_prediction_with_the_run_next_to_it(tmp_path: Path) -> None:
+    rounds = [
+        {"round": i + 1, "round_s": 0.1, "step_s": 0.004,
+         "workers": [{"worker": w, "batch": 32, "compute_s": c, "transfer_s": 0.01,
+                      "actual_s": c + 0.01, "predicted_s": c + 0.01}
+                     for w, c in (("w0", 0.02), ("w1", 0.05))]}
+        for i in range(10)
+    ]  # fmt: skip
+    ddp_rounds = [
+        {"round": i + 1, "round_s": 0.06,
+         "workers": [{"worker": "r0", "batch": 32, "emulated_s": 0.02},
+                     {"worker": "r1", "batch": 32, "emulated_s": 0.05}]}
+        for i in range(10)
+    ]  # fmt: skip
+    calibration = {
+        "ps": _write_run(tmp_path / "cal-ps", "weighted-sync", rounds, {}),
+        "ddp": _write_run(tmp_path / "cal-ddp", "ddp", ddp_rounds, {}),
+        "ddp_equal": _write_run(tmp_path / "cal-ddp1", "ddp", ddp_rounds, {}),
+    }
+    measured_s = {"weighted-sync": 0.5, "equal-sync": 0.7, "async": 0.6, "ddp": 0.6}
+    runs = {}
+    for mode, seconds in measured_s.items():
+        runs[mode] = tmp_path / mode
+        runs[mode].mkdir()
+        (runs[mode] / "summary.json").write_text(json.dumps({"train_time_s": seconds, "epochs": 1}))
+    measured = {
+        "repeats": [
+            {"calibration": {k: str(v) for k, v in calibration.items()},
+             "runs": {k: str(v) for k, v in runs.items()}}
+        ]
+    }  # fmt: skip
+    setup = Setup(tmp_path, tmp_path / "x.h5", "hsi-cnn", "1,2", "1,1", 1, 64, 1)
+    rows = predict(setup, measured)
+    assert [r["mode"] for r in rows] == ["weighted-sync", "equal-sync", "async", "ddp", "ddp"]
+    equal = rows[1]  # 640 samples = 10 rounds of 0.05 + 0.01 + 0.004 s
+    assert equal["predicted_epoch_s"] == [pytest.approx(0.64)]
+    assert equal["error"] == pytest.approx(0.64 / 0.7 - 1, abs=1e-4)
+    assert equal["within_15pct"] is True
+    assert rows[3]["predicted_epoch_s"] == [pytest.approx(0.6)]  # 10 steps of 0.06 s
+    assert "| equal-sync | ps (another mode) | 0.640 / 0.700 | -8.6 % |" in markdown(rows)

@@ -235,10 +235,8 @@ def _sync(
         plan = plan_equal(everyone.tolist(), cluster.global_batch)
         members = np.array(sorted(plan))
         batch = np.array([plan[int(i)] for i in members])
-        dry = layout(members).times(
-            jitter.alpha[members] + jitter.beta[members] * batch, transfer[members]
-        )
         compute = jitter.alpha[members] + jitter.beta[members] * batch
+        dry = layout(members).times(compute, transfer[members])
         for i, a, c in zip(
             members.tolist(), dry.accepted_s.tolist(), compute.tolist(), strict=True
         ):
@@ -353,7 +351,7 @@ def _async(cluster: Cluster, epochs: int, max_rounds: int | None, seed: int) -> 
             version += 1
             applied += int(batch[i])
             taus[tau] += 1
-            lr_sum += batch[i] / cluster.global_batch * f(tau)
+            lr_sum += float(batch[i]) / cluster.global_batch * f(tau)
         based_on[i] = version  # the reply (or the re-pull) carries the current parameters
         step = float(jitter.compute(idx[i : i + 1], batch[i : i + 1])[0])
         heapq.heappush(heap, (end + one_way[i] + step + one_way[i], i))
