@@ -37,6 +37,7 @@ def _modes(text: str) -> list[str]:
     "--from",
     "from_runs",
     multiple=True,
+    envvar="PSLAUNCH_SIMULATE_FROM",
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     help="Run directory to calibrate on (repeatable): the first parameter-server run "
     "gives each worker's fitted model, the server's step time and the spread of "
@@ -44,7 +45,6 @@ def _modes(text: str) -> list[str]:
 )
 @click.option(
     "--mode",
-    "modes",
     default="all",
     help="Mode, a comma-separated list, or all: " + ", ".join(SIM_MODES) + ".",
 )
@@ -123,11 +123,17 @@ def _modes(text: str) -> list[str]:
     default=None,
     help="Write simulate.json (and plots for sweeps over workers or shards) here.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of the table.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    envvar="PSLAUNCH_SIMULATE_JSON",
+    help="Print JSON instead of the table.",
+)
 def simulate(
     spec: Path | None,
     from_runs: tuple[Path, ...],
-    modes: str,
+    mode: str,
     workers: int | None,
     sweep: tuple[str, ...],
     epochs: int,
@@ -153,7 +159,7 @@ def simulate(
         axes = parse_sweep(sweep) or {}
         rows = run_grid(
             cluster,
-            _modes(modes),
+            _modes(mode),
             axes,
             epochs=epochs,
             max_rounds=rounds,
