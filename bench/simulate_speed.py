@@ -1,8 +1,9 @@
 """How long the cluster simulator takes: 100 rounds of 1024 workers with 16 shards, per mode.
 
 The cluster: a ResNet-50-sized model (25.6 M parameters, fp32 on the wire), 10 Gbit/s links,
-A100, V100 and T4 nodes in a 1:1:2 ratio (docs/scale.md gives their per-sample times), a
-global batch of 32 per worker, shards co-located on worker hosts. Weighted-sync is timed twice:
+three node groups in a 1:1:2 ratio at 0.75, 1.7 and 4.8 ms per sample (5 ms per step; the T4-like
+group's speeds drawn lognormal with sigma 0.05), a global batch of 32 per worker, shards
+co-located on worker hosts. Weighted-sync is timed twice:
 with nodes whose step times scatter by 5 % from round to round (the planner then weighs the
 measured spread and drops stragglers, which costs it a re-plan per dropped worker) and with
 steady nodes. Prints one line per case and ``simulate_<case>_s=X.XX`` lines.
