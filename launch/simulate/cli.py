@@ -35,9 +35,7 @@ def _modes(text: str) -> list[str]:
 )
 @click.option(
     "--from",
-    "from_runs",
     multiple=True,
-    envvar="PSLAUNCH_SIMULATE_FROM",
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     help="Run directory to calibrate on (repeatable): the first parameter-server run "
     "gives each worker's fitted model, the server's step time and the spread of "
@@ -125,14 +123,11 @@ def _modes(text: str) -> list[str]:
 )
 @click.option(
     "--json",
-    "as_json",
     is_flag=True,
-    envvar="PSLAUNCH_SIMULATE_JSON",
     help="Print JSON instead of the table.",
 )
 def simulate(
     spec: Path | None,
-    from_runs: tuple[Path, ...],
     mode: str,
     workers: int | None,
     sweep: tuple[str, ...],
@@ -141,11 +136,12 @@ def simulate(
     plan_spread: bool,
     seed: int,
     out: Path | None,
-    as_json: bool,
     **overrides: Any,
 ) -> None:
     """Simulate training rounds on a cluster: round and epoch time, idle share, bytes per
     link and staleness of each mode, planned by the server's own planner."""
+    from_runs: tuple[Path, ...] = overrides.pop("from")  # a Python keyword: not a parameter
+    as_json: bool = overrides.pop("json")
     try:
         if (spec is None) == (not from_runs):
             raise ConfigError("give exactly one of --spec FILE or --from RUN_DIR")
