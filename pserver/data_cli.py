@@ -102,6 +102,35 @@ def prepare_group() -> None:
     "cube's integers (uint8/uint16/int16), normalised by the reader and the workers.",
 )
 @click.option(
+    "--shape",
+    default=None,
+    show_default=True,
+    help="ROWS,COLS of a .mat cube stored as a bands x pixels matrix (pixels in column-major "
+    "order); default: the file's nRow/nCol.",
+)
+@click.option(
+    "--bands-first",
+    is_flag=True,
+    default=False,
+    show_default=True,
+    help="The .mat cube is (bands, rows, cols), or its matrix is bands x pixels.",
+)
+@click.option(
+    "--gt-abundance",
+    is_flag=True,
+    default=False,
+    show_default=True,
+    help="--gt holds abundance maps (end-members x pixels, key A by default, as Jasper Ridge, "
+    "Samson and Urban ship them): each pixel gets its most abundant end-member.",
+)
+@click.option(
+    "--min-abundance",
+    default=0.5,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0),
+    help="With --gt-abundance: pixels whose largest abundance is below this are unlabelled.",
+)
+@click.option(
     "--progress/--no-progress", default=True, show_default=True, help="Show progress bars."
 )
 def prepare_hsi_cmd(
@@ -114,10 +143,23 @@ def prepare_hsi_cmd(
     seed: int,
     classes: str | None,
     x_dtype: str,
+    shape: str | None,
+    bands_first: bool,
+    gt_abundance: bool,
+    min_abundance: float,
     progress: bool,
 ) -> None:
-    """Cut P x P patches around every labelled pixel of a cube and class map."""
+    """Cut P x P patches around every labelled pixel of a cube and class map.
+
+    The cube may also be a bands x pixels matrix with nRow/nCol, as unmixing scenes ship.
+    """
     from common.data.convert.hsi import prepare_hsi
+    from common.data.convert.layout import parse_shape
+
+    try:
+        scene_shape = parse_shape(shape) if shape is not None else None
+    except DatasetError as exc:
+        raise click.BadParameter(str(exc), param_hint="--shape") from exc
 
     meta = _run(
         prepare_hsi,
@@ -131,7 +173,13 @@ def prepare_hsi_cmd(
         class_names=_names(classes),
         x_dtype=x_dtype,
         progress=progress,
+        shape=scene_shape,
+        bands_first=bands_first,
+        gt_abundance=gt_abundance,
+        min_abundance=min_abundance,
     )
+    click.echo(f"cube layout: {meta.attrs.get('layout')}")
+    click.echo(f"ground truth: {meta.attrs.get('gt_layout')}")
     click.echo(_summary(meta))
 
 

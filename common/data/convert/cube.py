@@ -173,7 +173,10 @@ def open_cube(spec: str) -> Cube:
 
         array = load_mat_array(spec)
         if array.ndim != 3:
-            raise DatasetError(f"cube {spec!r} must be (rows, cols, bands), got {array.shape}")
+            raise DatasetError(
+                f"cube {spec!r} must be (rows, cols, bands), got {array.shape}; a bands x "
+                "pixels matrix needs nRow/nCol in the file or --shape ROWS,COLS"
+            )
         return ArrayCube(array, spec)
     if fmt == "geotiff":
         from common.data.convert.geotiff import GeoTiffCube
@@ -218,7 +221,9 @@ def load_labels(spec: str) -> tuple[np.ndarray, list[str] | None, GeoRef | None]
     if labels.ndim != 2:
         raise DatasetError(f"ground truth {spec!r} must be (rows, cols), got {labels.shape}")
     if labels.dtype.kind == "f" and not np.all(np.mod(labels, 1) == 0):
-        raise DatasetError(f"ground truth {spec!r} has non-integer labels")
+        raise DatasetError(
+            f"ground truth {spec!r} has non-integer labels; for abundance maps add --gt-abundance"
+        )
     if labels.size and labels.min() < 0:
         raise DatasetError(f"ground truth {spec!r} has negative label {labels.min()}")
     return labels.astype(np.int64), names, georef

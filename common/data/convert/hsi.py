@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from common.data.codec import RAW_DTYPES
-from common.data.convert.cube import ArrayCube, Cube, load_labels, open_cube
+from common.data.convert.cube import ArrayCube, Cube, load_labels, open_cube, source_format
+from common.data.convert.layout import DEFAULT_MIN_ABUNDANCE, abundance_labels, load_scene
 from common.data.convert.patches import iter_bands, rows_per_band
 from common.data.dataset import DatasetMeta, DatasetReader
 from common.data.splits import disjoint_split, stratified_split, take_stratified
@@ -184,6 +186,23 @@ def _stored_dtype(cube: np.ndarray | Cube, x_dtype: str) -> str:
     return np.dtype(cube.dtype).name
 
 
+@contextmanager
+def _open_scene(
+    spec: str, shape: tuple[int, int] | None, bands_first: bool
+) -> Iterator[tuple[Cube, str]]:
+    """Open the cube and describe its layout; .mat files may be in any distributed layout."""
+    if source_format(spec)[0] == "mat":
+        array, layout = load_scene(spec, shape, bands_first)
+        with ArrayCube(array, spec) as cube:
+            yield cube, layout.description
+        return
+    if shape is not None or bands_first:
+        raise DatasetError(f"--shape and --bands-first apply to .mat cubes, not to {spec!r}")
+    with open_cube(spec) as cube:
+        r, c, b = cube.shape
+        yield cube, f"rows x cols x bands ({r} x {c} x {b})"
+
+
 def prepare_hsi(
     cube_spec: str,
     gt_spec: str,
@@ -195,8 +214,16 @@ def prepare_hsi(
     class_names: Sequence[str] | None = None,
     x_dtype: str = "float32",
     progress: bool = False,
+    shape: tuple[int, int] | None = None,
+    bands_first: bool = False,
+    gt_abundance: bool = False,
+    min_abundance: float = DEFAULT_MIN_ABUNDANCE,
 ) -> DatasetMeta:
     """Prepare a patch dataset from a hyperspectral cube and a ground-truth map.
+
+    A .mat cube may also be (bands, rows, cols) (``bands_first``) or a bands x pixels matrix
+    with ``nRow``/``nCol`` in the file or ``shape`` given, as unmixing scenes are distributed
+    (see ``common.data.convert.layout``); the layout read is stored in the ``layout`` attribute.
 
     Args:
         cube_spec: the (rows, cols, bands) cube: ``FILE.mat[:KEY]`` (loaded whole), an ENVI
@@ -214,6 +241,12 @@ def prepare_hsi(
         x_dtype: how samples are stored: ``float32`` or ``float16`` (normalised), or ``raw``
             (the cube's integers, normalised on read; half the bytes of float32 for uint16).
         progress: show progress bars on stderr.
+        shape: (rows, cols) of a bands x pixels .mat matrix (overrides nRow/nCol).
+        bands_first: a .mat cube is (bands, rows, cols), or its matrix is bands x pixels.
+        gt_abundance: ``gt_spec`` holds abundances (end-members x pixels or (rows, cols,
+            end-members)); each pixel is labelled with its most abundant end-member.
+        min_abundance: with ``gt_abundance``, pixels whose largest abundance is below this
+            are unlabelled.
 
     Returns:
         The written dataset's metadata.
@@ -228,13 +261,19 @@ def prepare_hsi(
         raise DatasetError(f"train_fraction must be in (0, 1), got {train_fraction!r}")
     if split not in SPLITS:
         raise DatasetError(f"split must be one of {SPLITS}, got {split!r}")
-    with open_cube(cube_spec) as cube:
-        gt, names, gt_georef = load_labels(gt_spec)
+    with _open_scene(cube_spec, shape, bands_first) as (cube, layout):
         rows, cols, _ = cube.shape
+        if gt_abundance:
+            gt, names, gt_layout = abundance_labels(gt_spec, (rows, cols), min_abundance)
+            gt_georef = None
+        else:
+            gt, names, gt_georef = load_labels(gt_spec)
+            gt_layout = "class map (rows x cols)"
         if gt.shape != (rows, cols):
             raise DatasetError(
                 f"ground truth {gt_spec!r} is {gt.shape[0]}x{gt.shape[1]} but cube "
                 f"{cube_spec!r} is {rows}x{cols} (rows x cols)"
+                + ("; for abundance maps add --gt-abundance" if gt.shape[1] == rows * cols else "")
             )
         if gt_georef is not None and cube.georef is not None and gt_georef != cube.georef:
             log.warning(
@@ -261,6 +300,7 @@ def prepare_hsi(
             split=split,
             seed=seed,
             source=f"prepare hsi --cube {cube_spec} --gt {gt_spec}",
+            extra_attrs={"layout": layout, "gt_layout": gt_layout},
             x_dtype=x_dtype,
             progress=progress,
         )
