@@ -33,6 +33,17 @@ def _summary(meta: DatasetMeta) -> str:
     )
 
 
+def _echo_split(meta: DatasetMeta, requested: float, patch: int | None, split: str) -> None:
+    """Print the realised per-class split beside the request, then one line per warning."""
+    from common.data.split_report import class_splits, split_table, split_warnings
+
+    rows = class_splits(meta)
+    for line in split_table(rows, requested, split):
+        click.echo(line)
+    for line in split_warnings(rows, requested, patch, split):
+        click.secho(f"warning: {line}", fg="yellow", err=True)
+
+
 def _names(text: str | None) -> list[str] | None:
     """Split a comma-separated --classes value; None when not given."""
     if text is None:
@@ -181,6 +192,7 @@ def prepare_hsi_cmd(
     click.echo(f"cube layout: {meta.attrs.get('layout')}")
     click.echo(f"ground truth: {meta.attrs.get('gt_layout')}")
     click.echo(_summary(meta))
+    _echo_split(meta, train_fraction, patch, split)
 
 
 @prepare_group.command("folder")
@@ -225,6 +237,7 @@ def prepare_folder_cmd(
         progress=progress,
     )
     click.echo(_summary(meta))
+    _echo_split(meta, train_fraction, None, "random")
 
 
 @prepare_group.command("torch")

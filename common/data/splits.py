@@ -76,10 +76,11 @@ def disjoint_split(
     """Split pixels by spatial tiles so that no test patch shares a pixel with a training patch.
 
     The image is cut into square tiles of ``block`` pixels (default ``max(2 * patch, 8)``).
-    Tiles are visited in a seeded random order and a tile joins the training set while it holds
-    a class still short of ``train_fraction`` of its pixels. Test pixels are the labelled pixels
-    at Chebyshev distance >= ``patch`` from every training pixel; pixels in the guard band
-    between are in neither split.
+    Tiles are visited in a seeded random order; each gives the training set its pixels of the
+    classes still short of ``round(train_fraction * n)`` (at least 1), up to that target, so
+    every class reaches its requested count exactly. Test pixels are the labelled pixels at
+    Chebyshev distance >= ``patch`` from every training pixel; pixels in the guard band
+    between (including a tile's pixels that training did not take) are in neither split.
 
     Args:
         coords: (N, 2) row and column of each labelled pixel.
@@ -103,17 +104,21 @@ def disjoint_split(
         raise DatasetError(f"block must be >= 1, got {block}")
     rows, cols = image_shape
     k = int(y.max()) + 1
-    target = np.maximum(1, np.round(train_fraction * np.bincount(y, minlength=k)))
+    short = np.maximum(1, np.round(train_fraction * np.bincount(y, minlength=k))).astype(np.int64)
     tile = (coords[:, 0] // block) * (-(-cols // block)) + coords[:, 1] // block
-    have = np.zeros(k, dtype=np.int64)
+    order = np.argsort(tile, kind="stable")  # pixels grouped by tile, row-major within
+    bounds = [*np.searchsorted(tile[order], np.unique(tile), side="left").tolist(), y.size]
     train_mask = np.zeros(y.size, dtype=bool)
     rng = np.random.default_rng(seed)
-    for t in rng.permutation(np.unique(tile)):
-        members = tile == t
-        counts = np.bincount(y[members], minlength=k)
-        if np.any((counts > 0) & (have < target)):
-            train_mask |= members
-            have += counts
+    for t in rng.permutation(len(bounds) - 1):
+        members = order[bounds[t] : bounds[t + 1]]
+        for c in np.unique(y[members]):
+            if short[c] > 0:
+                take = members[y[members] == c][: short[c]]
+                train_mask[take] = True
+                short[c] -= take.size
+        if not short.any():
+            break
     grid = np.zeros((rows, cols), dtype=bool)
     grid[coords[train_mask, 0], coords[train_mask, 1]] = True
     near = binary_dilation(grid, structure=np.ones((2 * patch - 1, 2 * patch - 1), dtype=bool))

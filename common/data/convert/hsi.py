@@ -95,7 +95,8 @@ def write_patch_dataset(
         progress: show a progress bar per pass over the cube (rows read) on stderr.
 
     Returns:
-        The written dataset's metadata.
+        The written dataset's metadata; ``common.data.split_report`` turns it into the per-class
+        table and warnings (a class without test samples, a realised fraction off the request).
 
     Raises:
         DatasetError: an argument is invalid or no pixel is labelled.
@@ -126,6 +127,7 @@ def write_patch_dataset(
     if max_samples is not None and max_samples < y.size:
         keep = take_stratified(y, max_samples, np.random.default_rng([seed, 1]))
         coords, y = coords[keep], y[keep]
+    labelled = np.bincount(y, minlength=k)
     if split == "random":
         train, test = stratified_split(y, train_fraction, seed, k)
     else:
@@ -135,8 +137,6 @@ def write_patch_dataset(
         remap[keep] = np.arange(keep.size)
         log.info("disjoint split: %d pixels in the guard band are left out", y.size - keep.size)
         coords, y, train, test = coords[keep], y[keep], remap[train], remap[test]
-    for c in np.flatnonzero(np.bincount(y[test], minlength=k) == 0):
-        log.warning("class %d (%s) has no test samples", c, class_names[int(c)])
     mean, std = _train_statistics(cube, coords[train], progress)
     stored = _stored_dtype(cube, x_dtype)
     normalise_now = stored not in RAW_DTYPES
@@ -146,6 +146,7 @@ def write_patch_dataset(
         "train_fraction": float(train_fraction),
         "seed": int(seed),
         "image_shape": [int(rows), int(cols)],
+        "labelled_per_class": [int(n) for n in labelled],
         **(extra_attrs or {}),
     }
     # Pixels are in row-major order, so one top-to-bottom pass over bands of rows writes them
