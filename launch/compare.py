@@ -21,7 +21,7 @@ from tqdm import tqdm
 from common.errors import ConfigError, PSError
 from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
-from launch.progress import RunProgress
+from launch.progress import RunProgress, eval_label
 from launch.settings import TrainSettings
 from launch.slurm.config import SlurmJob
 from launch.slurm.jobs import LAUNCHERS, SlurmRuns, run_job
@@ -230,7 +230,7 @@ class RunStatus(RunProgress):
     def feed(self, record: dict[str, Any]) -> None:
         super().feed(record)
         if record.get("event") == "eval" and self.oa is not None:
-            self.show(f"epoch {record.get('epoch')} OA {self.oa:.4f}")
+            self.show(f"{eval_label(record)} OA {self.oa:.4f}")
 
 
 def eval_curve(run_dir: Path) -> list[dict[str, float]]:

@@ -9,7 +9,7 @@ from typing import Any
 
 from common.logsetup import setup_logging
 from launch.local import LocalCluster, run_local
-from launch.progress import RunProgress
+from launch.progress import RunProgress, eval_label
 from launch.table import (
     MODEL_COLUMNS,
     PLAN_LEGEND,
@@ -52,8 +52,7 @@ class EvaluationLines(RunProgress):
             names = {"oa": "OA", "aa": "AA", "kappa": "kappa", "loss": "loss"}
             scores = " ".join(f"{name} {record.get(key, 0):.4f}" for key, name in names.items())
             print(
-                f"  {self.mode:13s} epoch {record.get('epoch')} version {record.get('version')}: "
-                f"{scores}",
+                f"  {self.mode:13s} {eval_label(record)}: {scores}",
                 flush=True,
             )
 

@@ -22,6 +22,20 @@ from launch.procs import EventsMark
 POLL_S = 0.5  # how often the file is read for new events
 
 
+def eval_label(record: dict[str, Any]) -> str:
+    """How an eval event is named for the user: its version and the epochs done at it.
+
+    Several evaluations may fall in one epoch (``--eval-every-updates``, or a late evaluation
+    scoring a version made after the epoch's end), so the version identifies them;
+    ``epochs_done`` (samples applied / training samples) places them, e.g. ``version 230
+    (epoch 2.00)``. Events without it (the DDP baseline) show their epoch.
+    """
+    done = record.get("epochs_done")
+    if isinstance(done, int | float):
+        return f"version {record.get('version')} (epoch {done:.2f})"
+    return f"epoch {record.get('epoch')} version {record.get('version')}"
+
+
 class RunProgress:
     """The progress of one run, shown on a tqdm bar.
 
@@ -67,6 +81,8 @@ class RunProgress:
             else:
                 batch = _int(record.get("batch"))
             self.samples += batch
+            if self.steps == 0:  # the rate (and ETA) starts with training, not start-up
+                self.bar.reset(total=self.bar.total)
             self.steps += 1
             self.version = _int(record.get("version")) or self.version
             self.epoch = _int(record.get("epoch")) or self.epoch

@@ -134,8 +134,9 @@ def main() -> None:
 @_opt(
     "eval_samples",
     type=int,
-    help="In-run evaluations use a fixed stratified subset of this many test samples; the "
-    "final evaluation always uses the whole test split.",
+    help="In-run evaluations use a fixed stratified subset of this many test samples (default: "
+    "the whole split until an evaluation is skipped, then a subset that fits); the final "
+    "evaluation always uses the whole test split.",
 )
 @_opt(
     "shutdown_timeout_s",

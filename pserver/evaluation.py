@@ -2,11 +2,13 @@
 
 Evaluations run on their own low-priority thread and always take the newest published
 version: when training produces versions faster than they can be scored, the superseded ones
-are skipped (and counted) instead of queueing up. ``--eval-samples N`` scores in-run
-evaluations on a fixed stratified subset of the test split; the final evaluation always uses
-the whole test split. Eval events are logged when the score is known (so ``metrics.jsonl`` stays
-in time order) and carry when their version was made: ``version_t`` on the run clock and
-``train_t`` on the training clock.
+are skipped (and counted) instead of queueing up; the first skip is a warning. ``--eval-samples
+N`` scores in-run evaluations on a fixed stratified subset of the test split; without it they
+score the whole test split until one is skipped, then a subset sized to fit between two
+requests (``auto_subset_size``). The final evaluation always uses the whole test split. Eval
+events are logged when the score is known (so ``metrics.jsonl`` stays in time order) and carry
+when their version was made: ``version_t`` on the run clock and ``train_t`` on the training
+clock, and ``epochs_done`` (samples applied / training samples) to place mid-epoch ones.
 """
 
 from __future__ import annotations
@@ -30,6 +32,23 @@ log = logging.getLogger(__name__)
 # The newest published state: (version, state, release-when-done).
 Fetch = Callable[[], Awaitable[tuple[int, np.ndarray, Callable[[], None]]]]
 HISTORY = 4096
+MIN_AUTO_SUBSET = 1000  # test samples an automatic subset keeps at least (OA +-1 % at 0.9)
+AUTO_SHARE = 0.5  # of the time between two requests an automatic subset may take
+
+
+def auto_subset_size(rate: float, interval_s: float, test_size: int) -> int:
+    """The in-run subset an evaluation can score in ``AUTO_SHARE`` of the request interval.
+
+    Args:
+        rate: test samples scored per second (measured).
+        interval_s: seconds between two evaluation requests.
+        test_size: samples in the test split.
+
+    Returns:
+        A size in [min(MIN_AUTO_SUBSET, test_size), test_size].
+    """
+    fits = int(rate * interval_s * AUTO_SHARE)
+    return max(min(MIN_AUTO_SUBSET, test_size), min(fits, test_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,15 +83,16 @@ class EvalScheduler:
         on_record: Callable[[dict[str, Any]], None],
     ) -> None:
         self.evaluator, self.log, self.fetch, self.on_record = evaluator, run_log, fetch, on_record
-        reader = evaluator.reader
-        test = reader.test_indices
+        self.seed, self.auto = seed, subset_size is None
         self.subset: np.ndarray | None = None
-        if subset_size is not None and subset_size < len(test):
-            labels = reader.labels[test]
-            picked = take_stratified(labels, subset_size, np.random.default_rng(seed))
-            self.subset = test[picked]
+        if subset_size is not None:
+            self._use_subset(subset_size)
+        self.train_size = max(1, len(evaluator.reader.train_indices))
         self.versions: collections.OrderedDict[int, VersionInfo] = collections.OrderedDict()
         self.skipped = 0
+        self._rate: float | None = None  # test samples scored per second, last evaluation
+        self._requested_at: float | None = None
+        self._skip_interval: float | None = None  # set at the first skip until the subset fits
         self._wanted = False
         self._last: dict[str, Any] | None = None
         self._runner: asyncio.Task[None] | None = None
@@ -86,11 +106,25 @@ class EvalScheduler:
         while len(self.versions) > HISTORY:
             self.versions.popitem(last=False)
 
+    def _use_subset(self, size: int) -> None:
+        """Score in-run evaluations on a fixed stratified subset of ``size`` test samples."""
+        reader = self.evaluator.reader
+        test = reader.test_indices
+        if size < len(test):
+            labels = reader.labels[test]
+            picked = take_stratified(labels, size, np.random.default_rng(self.seed))
+            self.subset = test[picked]
+
     def request(self) -> None:
         """Score the newest version soon; a request while one runs is merged into the next."""
+        now = asyncio.get_running_loop().time()
+        interval = None if self._requested_at is None else now - self._requested_at
+        self._requested_at = now
         if self._runner is not None and not self._runner.done():
             if self._wanted:
                 self.skipped += 1
+                if self.skipped == 1:
+                    self._first_skip(interval)
             self._wanted = True
             return
         self._wanted = True
@@ -103,6 +137,38 @@ class EvalScheduler:
                 await self._evaluate(self.subset, final=False)
             except Exception:
                 log.exception("evaluation failed")
+
+    def _first_skip(self, interval: float | None) -> None:
+        """Warn once; without --eval-samples, move in-run evaluations to a subset that fits
+        (sized when the running evaluation has measured the scoring rate)."""
+        if self.auto and interval is not None:
+            self._skip_interval = interval
+            if self._rate is not None:
+                self._fit_subset()
+            return
+        scored = len(self.evaluator.reader.test_indices if self.subset is None else self.subset)
+        log.warning(
+            "an evaluation was skipped: scoring %d test samples takes longer than training "
+            "between two evaluations, so the accuracy curve gets fewer points; a smaller "
+            "--eval-samples N (a fixed stratified subset; the final evaluation scores all) or "
+            "a larger --eval-every gives one per request",
+            scored,
+        )
+
+    def _fit_subset(self) -> None:
+        """Choose the automatic subset from the measured rate and the interval of the skip."""
+        test_size = len(self.evaluator.reader.test_indices)
+        assert self._rate is not None and self._skip_interval is not None
+        self._use_subset(auto_subset_size(self._rate, self._skip_interval, test_size))
+        self._skip_interval = None
+        log.warning(
+            "an evaluation was skipped: scoring %d test samples takes longer than training "
+            "between two evaluations; in-run evaluations now score a fixed stratified subset of "
+            "%d so each gets its point (--eval-samples N sets the size; the final evaluation "
+            "scores all)",
+            test_size,
+            test_size if self.subset is None else len(self.subset),
+        )
 
     async def final(self, version: int) -> dict[str, Any] | None:
         """Wait for a running evaluation, then score the final ``version`` on the whole test
@@ -123,6 +189,11 @@ class EvalScheduler:
             scores = await loop.run_in_executor(self._pool, self.evaluator.evaluate, state, indices)
         finally:
             release()
+        eval_s = loop.time() - begin
+        scored = len(self.evaluator.reader.test_indices if indices is None else indices)
+        self._rate = scored / max(eval_s, 1e-6)
+        if self._skip_interval is not None and not final:
+            self._fit_subset()
         info = self.versions.get(version, VersionInfo(0, 0, self.log.now(), 0.0))
         record = record_evaluation(
             self.log,
@@ -130,10 +201,11 @@ class EvalScheduler:
             version=version,
             epoch=info.epoch,
             samples=info.samples,
-            eval_s=loop.time() - begin,
+            eval_s=eval_s,
             version_t=round(info.version_t, 6),
             train_t=round(info.train_t, 6),
-            test_samples=len(self.evaluator.reader.test_indices if indices is None else indices),
+            epochs_done=round(info.samples / self.train_size, 3),
+            test_samples=scored,
             final=final,
         )
         self._last = record

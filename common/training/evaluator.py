@@ -117,10 +117,11 @@ def record_evaluation(
         confusion=[list(row) for row in scores.confusion],
         **extra,
     )
+    done = extra.get("epochs_done")
     log.info(
-        "epoch %d version %d: OA %.4f AA %.4f kappa %.4f loss %.4f",
-        epoch,
+        "version %d (epoch %s): OA %.4f AA %.4f kappa %.4f loss %.4f",
         version,
+        f"{done:.2f}" if isinstance(done, float) else epoch,
         scores.oa,
         scores.aa,
         scores.kappa,

@@ -1,0 +1,81 @@
+"""In-run evaluations: a warning at the first skip, a subset that fits, labels that place them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+import pytest
+
+from launch.progress import eval_label
+from pserver.evaluation import MIN_AUTO_SUBSET, auto_subset_size
+from tests.live import clients, live_server
+
+
+def test_auto_subset_fits_half_the_interval() -> None:
+    # 4000 samples/s, a request every 1.5 s: half of it scores 3000 samples
+    assert auto_subset_size(4000.0, 1.5, 8675) == 3000
+    assert auto_subset_size(4000.0, 10.0, 8675) == 8675  # never more than the split
+    assert auto_subset_size(10.0, 1.0, 8675) == MIN_AUTO_SUBSET  # never below the floor
+    assert auto_subset_size(10.0, 1.0, 400) == 400
+
+
+def test_eval_label_names_the_version_and_the_epochs_done() -> None:
+    assert (
+        eval_label({"version": 230, "epoch": 1, "epochs_done": 1.5}) == "version 230 (epoch 1.50)"
+    )
+    assert eval_label({"version": 7, "epoch": 2}) == "epoch 2 version 7"
+
+
+async def test_first_skipped_evaluation_warns_with_the_remedy(
+    small_hsi, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="pserver.evaluation")
+    async with (
+        live_server(
+            small_hsi, mode="async", workers=1, global_batch=4, epochs=3, eval_every_updates=1
+        ) as ps,
+        clients(ps.address, 1) as (client,),
+    ):  # fmt: skip
+        member, task = await client.join("fast")
+        while task.action == "train":  # an update per push, far faster than an evaluation
+            task = await client.push(member, task, np.full(ps.state_size, 1e-4, dtype=np.float32))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while not (ps.run.evals and ps.run.evals[-1].get("final")):
+            assert loop.time() < deadline, "no final evaluation"
+            await asyncio.sleep(0.01)
+    assert ps.evaluations.skipped > 0
+    warnings = [r.getMessage() for r in caplog.records if "was skipped" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # once, at the first skip
+    assert "--eval-samples" in warnings[0]
+    evals = [e for e in ps.log.events if e["event"] == "eval"]
+    assert evals[-1]["epochs_done"] == pytest.approx(3.0)
+    done = [e["epochs_done"] for e in evals]
+    assert done == sorted(done) and len(set(done)) == len(done)  # each places its version
+
+
+@pytest.mark.realdata
+async def test_skipping_moves_in_run_evaluations_to_a_subset(jasper_h5) -> None:
+    async with (
+        live_server(
+            jasper_h5, mode="async", workers=1, global_batch=4, epochs=3, eval_every_updates=1,
+            shutdown_timeout_s=60.0,
+        ) as ps,
+        clients(ps.address, 1) as (client,),
+    ):  # fmt: skip
+        member, task = await client.join("fast")
+        while task.action == "train":
+            task = await client.push(member, task, np.full(ps.state_size, 1e-4, dtype=np.float32))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while not (ps.run.evals and ps.run.evals[-1].get("final")):
+            assert loop.time() < deadline, "no final evaluation"
+            await asyncio.sleep(0.01)
+    evals = [e for e in ps.log.events if e["event"] == "eval"]
+    full = len(ps.reader.test_indices)
+    assert ps.evaluations.skipped > 0 and evals[0]["test_samples"] == full
+    assert [e["test_samples"] for e in evals[1:-1]] == [MIN_AUTO_SUBSET] * (len(evals) - 2)
+    assert len(evals) > 2  # in-run evaluations after the first skip score the subset
+    assert evals[-1]["test_samples"] == full  # the final evaluation scores all
