@@ -81,12 +81,15 @@ class RunProgress:
             else:
                 batch = _int(record.get("batch"))
             self.samples += batch
-            if self.steps == 0:  # the rate (and ETA) starts with training, not start-up
+            amount = 1 if self.by_steps else batch
+            if self.steps == 0:  # the rate (and ETA) starts after the first update, not start-up
                 self.bar.reset(total=self.bar.total)
+                self.bar.initial = self.bar.n = self.bar.last_print_n = amount
+            else:
+                self.bar.update(amount)
             self.steps += 1
             self.version = _int(record.get("version")) or self.version
             self.epoch = _int(record.get("epoch")) or self.epoch
-            self.bar.update(1 if self.by_steps else batch)
         elif kind == "eval" and isinstance(record.get("oa"), int | float):
             self.oa = float(record["oa"])
         else:

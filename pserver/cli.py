@@ -135,7 +135,7 @@ def main() -> None:
     "eval_samples",
     type=int,
     help="In-run evaluations use a fixed stratified subset of this many test samples (default: "
-    "the whole split until an evaluation is skipped, then a subset that fits); the final "
+    "the whole split until evaluations fall behind, then a subset that fits); the final "
     "evaluation always uses the whole test split.",
 )
 @_opt(

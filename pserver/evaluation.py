@@ -2,13 +2,14 @@
 
 Evaluations run on their own low-priority thread and always take the newest published
 version: when training produces versions faster than they can be scored, the superseded ones
-are skipped (and counted) instead of queueing up; the first skip is a warning. ``--eval-samples
-N`` scores in-run evaluations on a fixed stratified subset of the test split; without it they
-score the whole test split until one is skipped, then a subset sized to fit between two
-requests (``auto_subset_size``). The final evaluation always uses the whole test split. Eval
-events are logged when the score is known (so ``metrics.jsonl`` stays in time order) and carry
-when their version was made: ``version_t`` on the run clock and ``train_t`` on the training
-clock, and ``epochs_done`` (samples applied / training samples) to place mid-epoch ones.
+are skipped (and counted) instead of queueing up; the first time they fall behind is a
+warning. ``--eval-samples N`` scores in-run evaluations on a fixed stratified subset of the
+test split; without it they score the whole test split until they fall behind, then a subset
+sized to fit between two requests (``auto_subset_size``). The final evaluation always uses
+the whole test split. Eval events are logged when the score is known (so ``metrics.jsonl``
+stays in time order) and carry when their version was made: ``version_t`` on the run clock,
+``train_t`` on the training clock, and ``epochs_done`` (samples applied / training samples),
+which places mid-epoch ones.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ class EvalScheduler:
         self.skipped = 0
         self._rate: float | None = None  # test samples scored per second, last evaluation
         self._requested_at: float | None = None
-        self._skip_interval: float | None = None  # set at the first skip until the subset fits
+        self._skip_interval: float | None = None  # set when first behind, until the subset fits
+        self._fell_behind = False
         self._wanted = False
         self._last: dict[str, Any] | None = None
         self._runner: asyncio.Task[None] | None = None
@@ -121,10 +123,11 @@ class EvalScheduler:
         interval = None if self._requested_at is None else now - self._requested_at
         self._requested_at = now
         if self._runner is not None and not self._runner.done():
+            if not self._fell_behind:
+                self._fell_behind = True
+                self._first_late(interval)
             if self._wanted:
                 self.skipped += 1
-                if self.skipped == 1:
-                    self._first_skip(interval)
             self._wanted = True
             return
         self._wanted = True
@@ -138,9 +141,10 @@ class EvalScheduler:
             except Exception:
                 log.exception("evaluation failed")
 
-    def _first_skip(self, interval: float | None) -> None:
-        """Warn once; without --eval-samples, move in-run evaluations to a subset that fits
-        (sized when the running evaluation has measured the scoring rate)."""
+    def _first_late(self, interval: float | None) -> None:
+        """The first request that finds an evaluation still running (its version will not be
+        scored: a newer one will): warn once; without --eval-samples, move in-run evaluations
+        to a subset that fits (sized when the running evaluation has measured the rate)."""
         if self.auto and interval is not None:
             self._skip_interval = interval
             if self._rate is not None:
@@ -148,8 +152,9 @@ class EvalScheduler:
             return
         scored = len(self.evaluator.reader.test_indices if self.subset is None else self.subset)
         log.warning(
-            "an evaluation was skipped: scoring %d test samples takes longer than training "
-            "between two evaluations, so the accuracy curve gets fewer points; a smaller "
+            "evaluations fell behind training: scoring %d test samples takes longer than "
+            "training between two evaluations, so versions are skipped and the accuracy curve "
+            "gets fewer points; a smaller "
             "--eval-samples N (a fixed stratified subset; the final evaluation scores all) or "
             "a larger --eval-every gives one per request",
             scored,
@@ -162,10 +167,10 @@ class EvalScheduler:
         self._use_subset(auto_subset_size(self._rate, self._skip_interval, test_size))
         self._skip_interval = None
         log.warning(
-            "an evaluation was skipped: scoring %d test samples takes longer than training "
-            "between two evaluations; in-run evaluations now score a fixed stratified subset of "
-            "%d so each gets its point (--eval-samples N sets the size; the final evaluation "
-            "scores all)",
+            "evaluations fell behind training: scoring %d test samples takes longer than "
+            "training between two evaluations; in-run evaluations now score a fixed stratified "
+            "subset of %d so each gets its point (--eval-samples N sets the size; the final "
+            "evaluation scores all)",
             test_size,
             test_size if self.subset is None else len(self.subset),
         )

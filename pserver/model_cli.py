@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import numpy as np
 
 from common.errors import PSError
 
@@ -85,11 +86,14 @@ def _print_scores(report: dict[str, Any]) -> None:
 def _predict_cube(model: Any, options: dict[str, Any]) -> None:
     from common.data.convert.cube import load_labels, open_cube
     from pserver.outputs.maps import write_geotiff, write_npy, write_png
+    from pserver.outputs.palette import ground_truth_colours, resolve_palette
     from pserver.outputs.predict import check_scene, predict_scene, score_map, scores_report
+    from pserver.outputs.scene_views import composite, parse_bands, predict_probabilities
 
     out: Path = options["out"]
     if out.suffix.lower() != ".png":
         raise click.BadParameter(f"the map is a PNG file, got {str(out)!r}", param_hint="--out")
+    names = model.class_names
     with open_cube(options["cube"]) as cube:
         check_scene(model, cube)
         gt = load_labels(options["gt"])[0] if options["gt"] else None
@@ -98,15 +102,47 @@ def _predict_cube(model: Any, options: dict[str, Any]) -> None:
                 f"ground truth {options['gt']!r} is {gt.shape[0]}x{gt.shape[1]} but cube "
                 f"{options['cube']!r} is {cube.shape[0]}x{cube.shape[1]} (rows x cols)"
             )
-        classes = predict_scene(model, cube, options["batch"], options["progress"])
+        test_mask, gt = _test_pixels(model, options, cube.shape[:2], gt)
+        rgb = None
+        if options["rgb_bands"]:
+            rgb = composite(cube, parse_bands(options["rgb_bands"], cube.shape[2]))
+        proba = None
+        if options["proba"]:
+            proba = predict_probabilities(model, cube, options["batch"], options["progress"])
+            classes = proba.argmax(axis=2).astype(np.uint8 if len(names) <= 256 else np.uint16)
+        else:
+            classes = predict_scene(model, cube, options["batch"], options["progress"])
         georef = cube.georef
-    names = model.class_names
-    report = scores_report(score_map(classes, gt, len(names)), names) if gt is not None else None
+    from_gt = ground_truth_colours(options["gt"]) if options["gt"] else None
+    palette, where = resolve_palette(options["palette"], names, from_gt)
+    scored_gt = gt if gt is None or test_mask is None else np.where(test_mask, gt, 0)
+    report = None
+    if scored_gt is not None:
+        report = scores_report(score_map(classes, scored_gt, len(names)), names)
     title = f"{Path(options['cube']).name}: {model.meta['model']}"
     if report is not None:
-        title += f", OA {report['oa']:.3f} on {report['labelled']} labelled pixels"
-    write_png(out, classes, names, gt, title)
-    click.echo(f"wrote {out}: {classes.shape[0]}x{classes.shape[1]} map of {len(names)} classes")
+        title += f", OA {report['oa']:.3f} on " + _scored_wording(report["labelled"], test_mask)
+    write_png(
+        out,
+        classes,
+        names,
+        gt,
+        title,
+        palette=palette,
+        scored=test_mask,
+        rgb=rgb,
+        confidence=None if proba is None else proba.max(axis=2),
+    )
+    click.echo(
+        f"wrote {out}: {classes.shape[0]}x{classes.shape[1]} map of {len(names)} classes "
+        f"(colours: {where})"
+    )
+    if proba is not None:
+        write_npy(options["proba"], proba)
+        click.echo(
+            f"wrote {options['proba']}: {'x'.join(map(str, proba.shape))} float32 class "
+            "probabilities (softmax)"
+        )
     if options["npy"]:
         write_npy(options["npy"], classes)
         click.echo(f"wrote {options['npy']}: class indices 0..{len(names) - 1}")
@@ -115,12 +151,41 @@ def _predict_cube(model: Any, options: dict[str, Any]) -> None:
             click.echo(
                 "note: the cube has no georeferencing; the GeoTIFF has none either", err=True
             )
-        write_geotiff(options["geotiff"], classes, georef, names)
+        write_geotiff(options["geotiff"], classes, georef, names, palette)
         click.echo(f"wrote {options['geotiff']}: classes 1..{len(names)}, 0 = no data")
     if report is not None:
+        click.echo(f"scored: {_scored_wording(report['labelled'], test_mask)}")
         _print_scores(report)
         if options["metrics"]:
+            report["scored"] = "test" if test_mask is not None else "labelled"
             options["metrics"].write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
+def _scored_wording(count: int, test_mask: np.ndarray | None) -> str:
+    """Which pixels a map's scores count, in words for its title and the terminal."""
+    if test_mask is None:
+        return f"all {count} labelled pixels (training pixels included)"
+    return f"{count} test pixels (training and guard-band pixels not scored)"
+
+
+def _test_pixels(
+    model: Any, options: dict[str, Any], shape: tuple[int, int], gt: np.ndarray | None
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """With --test-only: the test pixels of the model's dataset (or --dataset), and the ground
+    truth (the dataset's labels when --gt is not given)."""
+    from pserver.outputs.scene_views import dataset_pixels
+
+    if not options["test_only"]:
+        return None, gt
+    trained_on = model.meta.get("dataset") or {}
+    path = options["dataset"] or trained_on.get("path")
+    if not path or not Path(path).is_file():
+        raise click.UsageError(
+            f"--test-only needs the dataset the model was trained on; {path!r} is not found "
+            "from here: pass --dataset DATA.h5"
+        )
+    mask, labels = dataset_pixels(path, shape, trained_on.get("fingerprint"))
+    return mask, gt if gt is not None else labels
 
 
 @click.command("predict")
@@ -170,7 +235,41 @@ def _predict_cube(model: Any, options: dict[str, Any]) -> None:
     "--metrics",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="With --gt: also write the scores as JSON here.",
+    help="With --gt or --test-only: also write the scores as JSON here.",
+)
+@click.option(
+    "--palette",
+    default="auto",
+    help="Class colours: auto (the --gt file's own colours if it has them, else colourblind), "
+    "colourblind (Okabe-Ito; a class named water in blue), tab20, #rrggbb,... in class order, "
+    "or name=#rrggbb,... for some classes.",
+)
+@click.option(
+    "--test-only",
+    is_flag=True,
+    default=False,
+    help="Score only the test pixels of the model's dataset (or --dataset); the ground truth "
+    "is the dataset's labels unless --gt is given.",
+)
+@click.option(
+    "--dataset",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="With --test-only: the prepared dataset whose test pixels are scored (default: the "
+    "one the model was trained on, as recorded in the model file).",
+)
+@click.option(
+    "--rgb-bands",
+    default=None,
+    help="R,G,B: 0-based band indices of the cube drawn as a composite panel (2-98 percentile "
+    "stretch), e.g. 29,19,9 for a true-colour view of a 198-band AVIRIS cube.",
+)
+@click.option(
+    "--proba",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also save per-class probabilities (rows x cols x K float32 softmax) as .npy, and draw "
+    "the largest as a confidence panel.",
 )
 @click.option(
     "--batch",
@@ -188,10 +287,14 @@ def predict_cmd(model: Path, cube: str | None, images: Path | None, **options: A
 
     if (cube is None) == (images is None):
         raise click.UsageError("give exactly one of --cube FILE or --images DIR")
-    if options["metrics"] and not options["gt"]:
-        raise click.UsageError("--metrics needs --gt")
-    if images is not None and any(options[k] for k in ("npy", "geotiff", "gt")):
-        raise click.UsageError("--npy, --geotiff and --gt apply to --cube only")
+    if options["metrics"] and not (options["gt"] or options["test_only"]):
+        raise click.UsageError("--metrics needs --gt or --test-only")
+    cube_only = ("npy", "geotiff", "gt", "test_only", "rgb_bands", "proba", "dataset")
+    if images is not None and any(options[k] for k in cube_only):
+        raise click.UsageError(
+            "--npy, --geotiff, --gt, --test-only, --dataset, --rgb-bands and --proba apply to "
+            "--cube only"
+        )
     try:
         device = resolve_device(options["device"])
         net = load_model(model, device)

@@ -2,86 +2,98 @@
 
 from __future__ import annotations
 
-import colorsys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from common.data.convert.cube import GeoRef
 from common.errors import DatasetError
-
-# A fixed colour per class index, so maps of the same classes always look alike. No greys or
-# black: black marks unlabelled pixels.
-PALETTE = (
-    (31, 119, 180),
-    (44, 160, 44),
-    (214, 39, 40),
-    (255, 187, 20),
-    (148, 103, 189),
-    (23, 190, 207),
-    (140, 86, 75),
-    (227, 119, 194),
-    (188, 189, 34),
-    (255, 127, 14),
-    (174, 199, 232),
-    (152, 223, 138),
-    (255, 152, 150),
-    (197, 176, 213),
-    (158, 218, 229),
-    (196, 156, 148),
-    (247, 182, 210),
-    (219, 219, 141),
-    (255, 204, 153),
-    (0, 92, 49),
+from pserver.outputs.palette import (
+    COLOURBLIND,
+    CORRECT_CANDIDATES,
+    TAB20,
+    UNLABELLED,
+    WRONG_CANDIDATES,
+    distinct,
+    extend,
+    resolve_palette,
 )
-UNLABELLED = (0, 0, 0)
-CORRECT = (205, 205, 205)
-WRONG = (220, 40, 40)
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+PALETTE = TAB20  # the colours of maps drawn before palettes could be chosen (``--palette tab20``)
+NOT_SCORED_CANDIDATES = ((95, 95, 95), (130, 130, 130), (60, 60, 60))
 MAX_SIDE = 2000  # pixels of the longest side drawn in the PNG; larger maps are subsampled
+PANEL_IN = 4.2  # inches of a panel's longer side
+WIDE = 1.6  # scenes with cols / rows above this stack their panels vertically
 
 
-def colours(num_classes: int) -> list[tuple[int, int, int]]:
-    """The RGB colour (0-255) of each class: ``PALETTE``, then evenly spread hues.
+def colours(num_classes: int, names: Sequence[str] | None = None) -> list[tuple[int, int, int]]:
+    """The default RGB colour (0-255) of each class: colour-blind-safe, water in blue.
 
     Args:
         num_classes: K.
+        names: the class names (for the water rule); None: no names.
 
     Returns:
-        K colours; the same K always gives the same list.
+        K colours; the same inputs always give the same list.
     """
-    out = list(PALETTE[:num_classes])
-    golden = 0.618033988749895
-    for k in range(len(out), num_classes):
-        hue = (k * golden) % 1.0
-        light = 0.45 if k % 2 else 0.6
-        r, g, b = colorsys.hls_to_rgb(hue, light, 0.75)
-        out.append((round(r * 255), round(g * 255), round(b * 255)))
-    return out
+    if names is None:
+        return extend(COLOURBLIND, num_classes)
+    return resolve_palette("auto", names)[0]
 
 
 def _rgb(index_map: np.ndarray, table: Sequence[tuple[int, int, int]]) -> np.ndarray:
     return np.asarray(table, dtype=np.uint8)[index_map]
 
 
-def write_png(
-    path: Path,
+def _layout(rows: int, cols: int, panels: int) -> tuple[int, int, float, float]:
+    """Grid (nrows, ncols) and figure size in inches for ``panels`` images of rows x cols.
+
+    Narrow and square scenes sit side by side; wide ones (cols / rows > ``WIDE``) are stacked.
+    """
+    ratio = cols / rows
+    if ratio > WIDE:
+        width = 9.0
+        return panels, 1, width, panels * (width / ratio + 0.35)
+    height = PANEL_IN
+    panel_w = max(height * ratio, 1.6)
+    return 1, panels, max(panel_w * panels + 0.3 * panels, 6.0), height
+
+
+def map_figure(
     classes: np.ndarray,
     class_names: Sequence[str],
     gt: np.ndarray | None = None,
     title: str = "",
-) -> None:
-    """Draw the class map with a legend of class names and colours.
-
-    With ``gt`` three panels: the prediction for every pixel, the ground truth (unlabelled
-    pixels in black) and where they agree (correct, wrong, unlabelled).
+    *,
+    palette: Sequence[tuple[int, int, int]] | None = None,
+    scored: np.ndarray | None = None,
+    rgb: np.ndarray | None = None,
+    confidence: np.ndarray | None = None,
+) -> Figure:
+    """Build the map figure: panels side by side (narrow scenes) or stacked (wide ones), and
+    one legend below them that constrained layout keeps inside the figure.
 
     Args:
-        path: the PNG to write.
         classes: (rows, cols) predicted class indices.
         class_names: K names.
-        gt: (rows, cols) ground truth, 0 = unlabelled and k + 1 = class k; optional.
-        title: a line above the panels.
+        gt: (rows, cols) ground truth, 0 = unlabelled and k + 1 = class k; adds the ground
+            truth and agreement panels.
+        title: a line above the panels (wrapped to the figure's width).
+        palette: K RGB colours (default ``colours(K, class_names)``).
+        scored: (rows, cols) bool, the labelled pixels that were scored (e.g. the test split);
+            the agreement panel marks the other labelled pixels "not scored". None: all.
+        rgb: (rows, cols, 3) floats in [0, 1]: a composite panel drawn first.
+        confidence: (rows, cols) floats in [0, 1]: the largest class probability, drawn last
+            with a colour bar.
+
+    Returns:
+        The matplotlib figure (close it when done).
     """
     import matplotlib
 
@@ -91,52 +103,88 @@ def write_png(
 
     step = max(1, -(-max(classes.shape) // MAX_SIDE))
     shown = classes[::step, ::step]
-    table = colours(len(class_names))
-    panels = [("prediction (every pixel)", _rgb(shown, table))]
-    unlabelled = []
+    table = list(palette) if palette is not None else colours(len(class_names), class_names)
+    panels: list[tuple[str, np.ndarray]] = []
+    if rgb is not None:
+        panels.append(("composite", rgb[::step, ::step]))
+    panels.append(("prediction (every pixel)", _rgb(shown, table)))
+    extra: list[Patch] = []
     if gt is not None:
         g = gt[::step, ::step]
+        correct = distinct(CORRECT_CANDIDATES, [*table, UNLABELLED])
+        wrong = distinct(WRONG_CANDIDATES, [*table, UNLABELLED, correct])
         panels.append(("ground truth", _rgb(g, [UNLABELLED, *table])))
         agree = np.where(g == 0, 0, np.where(g - 1 == shown, 1, 2))
-        panels.append(("agreement", _rgb(agree, [UNLABELLED, CORRECT, WRONG])))
-        unlabelled = [Patch(color=_colour(UNLABELLED, 255), label="unlabelled")]
-    rows, cols = shown.shape
-    side = 4.2
-    aspect = min(max(cols / rows, 0.4), 2.5)
-    width = max(side * aspect * len(panels) + 0.6, 5.5)
-    fig, axes = plt.subplots(1, len(panels), figsize=(width, side + 1.5), squeeze=False)
-    for axis, (name, image) in zip(axes[0], panels, strict=True):
-        axis.imshow(image, interpolation="nearest")
-        axis.set_title(name)
-        axis.set_xticks([])
-        axis.set_yticks([])
+        agreement = [UNLABELLED, correct, wrong]
+        extra = [
+            Patch(color=_colour(UNLABELLED, 255), label="unlabelled"),
+            Patch(color=_colour(correct, 255), label="correct"),
+            Patch(color=_colour(wrong, 255), label="wrong"),
+        ]
+        if scored is not None:
+            grey = distinct(NOT_SCORED_CANDIDATES, [*table, *agreement])
+            agree = np.where((g > 0) & ~scored[::step, ::step], 3, agree)
+            agreement.append(grey)
+            extra.append(Patch(color=_colour(grey, 255), label="not scored"))
+        panels.append(("agreement", _rgb(agree, agreement)))
+    if confidence is not None:
+        panels.append(("confidence (max probability)", confidence[::step, ::step]))
+    nrows, ncols, width, height = _layout(shown.shape[0], shown.shape[1], len(panels))
     handles = [
         Patch(color=_colour(c, 255), label=f"{k}: {n}")
         for k, (c, n) in enumerate(zip(table, class_names, strict=True))
     ]
-    fig.legend(
-        handles=handles + unlabelled,
-        loc="lower center",
-        ncol=min(len(handles) + len(unlabelled), 6),
-        frameon=False,
-        title="classes",
+    entries = handles + extra
+    label_in = 0.35 + 0.085 * max(len(str(h.get_label())) for h in entries)
+    legend_cols = max(1, min(len(entries), int((width - 0.3) / label_in)))
+    legend_rows = -(-len(entries) // legend_cols)
+    lines = textwrap.wrap(title, max(20, int(width * 11))) if title else []
+    fig = plt.figure(
+        figsize=(width, height + 0.3 * legend_rows + 0.6 + 0.25 * len(lines)), layout="constrained"
     )
-    if gt is not None:
-        axes[0][-1].legend(
-            handles=[
-                Patch(color=_colour(CORRECT, 255), label="correct"),
-                Patch(color=_colour(WRONG, 255), label="wrong"),
-                Patch(color=_colour(UNLABELLED, 255), label="unlabelled"),
-            ],
-            loc="upper center",
-            bbox_to_anchor=(0.5, -0.02),
-            ncol=3,
-            frameon=False,
-        )
-    if title:
-        fig.suptitle(title)
-    fig.subplots_adjust(left=0.03, right=0.97, bottom=0.2, top=0.84 if title else 0.9, wspace=0.06)
-    fig.savefig(path, dpi=110)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for axis, (name, image) in zip(axes, panels, strict=True):
+        if image.ndim == 2:  # the confidence map
+            shown_conf = axis.imshow(image, interpolation="nearest", vmin=0.0, vmax=1.0)
+            fig.colorbar(shown_conf, ax=axis, shrink=0.8)
+        else:
+            axis.imshow(image, interpolation="nearest")
+        axis.set_title(name, fontsize=10)
+        axis.set_xticks([])
+        axis.set_yticks([])
+    fig.legend(
+        handles=entries, loc="outside lower center", ncol=legend_cols, frameon=False, fontsize=9
+    )
+    if lines:
+        fig.suptitle("\n".join(lines), fontsize=11)
+    return fig
+
+
+def write_png(
+    path: Path,
+    classes: np.ndarray,
+    class_names: Sequence[str],
+    gt: np.ndarray | None = None,
+    title: str = "",
+    **options: Any,
+) -> None:
+    """Draw the class map with a legend of class names and colours (see ``map_figure``).
+
+    With ``gt`` three panels: the prediction for every pixel, the ground truth (unlabelled
+    pixels in black) and where they agree, in colours no class uses.
+
+    Args:
+        path: the PNG to write.
+        classes: (rows, cols) predicted class indices.
+        class_names: K names.
+        gt: (rows, cols) ground truth, 0 = unlabelled and k + 1 = class k; optional.
+        title: a line above the panels.
+        options: ``palette``, ``scored``, ``rgb``, ``confidence`` of ``map_figure``.
+    """
+    import matplotlib.pyplot as plt
+
+    fig = map_figure(classes, class_names, gt, title, **options)
+    fig.savefig(path, dpi=110, metadata={"Title": title, "Software": "rs-pserver"})
     plt.close(fig)
 
 
@@ -146,7 +194,11 @@ def write_npy(path: Path, classes: np.ndarray) -> None:
 
 
 def write_geotiff(
-    path: Path, classes: np.ndarray, georef: GeoRef | None, class_names: Sequence[str]
+    path: Path,
+    classes: np.ndarray,
+    georef: GeoRef | None,
+    class_names: Sequence[str],
+    palette: Sequence[tuple[int, int, int]] | None = None,
 ) -> None:
     """Write the map as a single-band GeoTIFF with the input's georeferencing.
 
@@ -160,7 +212,8 @@ def write_geotiff(
 
     if classes.ndim != 2:
         raise DatasetError(f"a class map is (rows, cols), got {classes.shape}")
-    write_class_geotiff(path, classes, georef, class_names, colours(len(class_names)))
+    table = list(palette) if palette is not None else colours(len(class_names), class_names)
+    write_class_geotiff(path, classes, georef, class_names, table)
 
 
 def _colour(rgb: tuple[int, int, int] | np.ndarray, scale: int) -> tuple[float, float, float]:
