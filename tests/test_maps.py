@@ -98,7 +98,8 @@ def test_ground_truth_colours_from_mat_and_envi(tmp_path: Path) -> None:
     (tmp_path / "c.hdr").write_text(
         "ENVI\nsamples = 3\nlines = 3\nbands = 1\ndata type = 1\nfile type = ENVI Classification\n"
         "classes = 3\nclass lookup = { 0, 0, 0, 10, 20, 30, 200, 100, 0 }\n"
-        "class names = { Unclassified, a, b }\ninterleave = bsq\nbyte order = 0\nheader offset = 0\n"
+        "class names = { Unclassified, a, b }\ninterleave = bsq\nbyte order = 0\n"
+        "header offset = 0\n"
     )
     gt.tofile(tmp_path / "c")
     assert ground_truth_colours(str(tmp_path / "c")) == [(10, 20, 30), (200, 100, 0)]
@@ -162,7 +163,7 @@ def test_predict_scores_test_pixels_and_draws_composite_and_confidence(
     from pserver.cli import main
     from tests.runs import train
 
-    train(jasper_h5, tmp_path / "run", "hsi-cnn", epochs=1, workers=1)
+    summary = train(jasper_h5, tmp_path / "run", "hsi-cnn", epochs=1, workers=1)
     model = tmp_path / "model.pt"
     runner = CliRunner()
     res = runner.invoke(main, ["export", str(tmp_path / "run"), "--out", str(model)])
@@ -193,7 +194,10 @@ def test_predict_scores_test_pixels_and_draws_composite_and_confidence(
     wording = f"{tests} test pixels (training and guard-band pixels not scored)"
     assert f"scored: {wording}" in res.output
     assert wording in Image.open(out).text["Title"]
-    assert json.loads((tmp_path / "s.json").read_text())["labelled"] == tests
+    scores = json.loads((tmp_path / "s.json").read_text())
+    assert scores["labelled"] == tests and scores["scored"] == "test"
+    # the map's test pixels are the server's test split: the same OA as its final evaluation
+    assert scores["oa"] == pytest.approx(summary["final"]["oa"], abs=1e-6)
     proba = np.load(tmp_path / "p.npy")
     classes = np.load(tmp_path / "m.npy")
     assert proba.shape == (100, 100, 4) and proba.dtype == np.float32
