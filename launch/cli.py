@@ -31,7 +31,7 @@ from launch.settings import TrainSettings
 from launch.simulate.cli import simulate
 from launch.slurm.cli import slurm
 from launch.slurm.jobs import LAUNCHERS, SlurmRuns
-from launch.table import summary_tables
+from launch.table import files_written, summary_tables
 from pserver.config import MODES
 
 
@@ -74,6 +74,7 @@ def local(progress: bool, **params: Any) -> None:
     bar = RunProgress(train.epochs, train.max_steps, enabled=progress)
     summary = _run(lambda c: run_local(c, progress=bar), cluster)
     click.echo(summary_tables(summary))
+    click.echo(f"summary: {cluster.run_dir / 'summary.json'}")
 
 
 def local_cluster(
@@ -244,6 +245,7 @@ def compare(
     )
     data = _run(lambda c: run_compare(c, show_progress=progress), config)
     click.echo((config.out / "report.md").read_text(encoding="utf-8"))
+    click.echo(files_written(config.out, data.get("report") or {}))
     failed = [f"{r['mode']} #{r['repeat']}" for r in data["runs"] if "error" in r]
     if failed:
         raise click.ClickException(f"runs failed: {', '.join(failed)}; see their cluster.log")

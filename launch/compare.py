@@ -205,8 +205,11 @@ class CompareConfig:
 
     def settings(self) -> dict[str, Any]:
         """The settings as JSON-ready data."""
+        from launch.setup_info import collect_setup
+
         data = dataclasses.asdict(self)
         data["dataset"], data["out"] = str(self.dataset), str(self.out)
+        data["setup"] = collect_setup()
         return data
 
 

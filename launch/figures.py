@@ -17,6 +17,7 @@ import numpy as np
 from matplotlib.patches import Patch
 
 from common.training.rounds import breakdown
+from launch.setup_info import natural_key
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,7 @@ def _draw_timeline(axis: Any, rounds: list[dict[str, Any]], title: str) -> set[s
         for part in breakdown(event):
             if part.worker not in names:
                 names.append(part.worker)
+    names.sort(key=natural_key)
     t0 = min(e["t"] - e["round_s"] for e in rounds)
     notes = set()
     for event in rounds:

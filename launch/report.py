@@ -13,6 +13,7 @@ RESULT_COLUMNS = (
     "mode",
     "runs",
     "epoch time s",
+    "throughput samples/s",
     "time to target s",
     "final OA",
     "final AA",
@@ -41,6 +42,8 @@ def _cell(stats: tuple[float, float, float] | None, digits: int, reached: str = 
         return "-" if not reached else f"- {reached}"
     lo, mid, hi = stats
     text = f"{lo:.{digits}f} / {mid:.{digits}f} / {hi:.{digits}f}"
+    if f"{lo:.{digits}f}" == f"{hi:.{digits}f}":  # one repeat, or repeats that agree
+        text = f"{mid:.{digits}f}"
     return f"{text} {reached}" if reached else text
 
 
@@ -65,11 +68,49 @@ def aggregate(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "failed": len(runs) - len(ok),
             "reached": sum(r["time_to_target_s"] is not None for r in ok),
             "epoch_time_s": spread([r["epoch_time_s"] for r in ok]),
+            "throughput": spread([throughput(r["summary"]) for r in ok]),
             "time_to_target_s": spread([r["time_to_target_s"] for r in ok]),
             **{k: spread([f.get(k) for f in finals]) for k in ("oa", "aa", "kappa")},
             "idle_share": spread([r["summary"].get("idle_share") for r in ok]),
         }
     return out
+
+
+def throughput(summary: dict[str, Any]) -> float | None:
+    """Training samples per second of training time (``samples_seen / train_time_s``)."""
+    samples, seconds = summary.get("samples_seen"), summary.get("train_time_s")
+    if not isinstance(samples, int | float) or not isinstance(seconds, int | float):
+        return None
+    return samples / seconds if seconds > 0 else None
+
+
+def filled_columns(
+    headers: Sequence[str], rows: list[list[str]], keep: int = 1
+) -> tuple[list[str], list[list[str]]]:
+    """Drop the columns (after the first ``keep``) that no row fills (every cell ``-``)."""
+    used = [i for i in range(len(headers)) if i < keep or any(r[i] != "-" for r in rows)]
+    return [headers[i] for i in used], [[r[i] for i in used] for r in rows]
+
+
+def speedup_section(stats: dict[str, dict[str, Any]], target: float | None) -> list[str]:
+    """The speed-up table, with a column only for baselines that ran (and time to target only
+    with a target); a sentence instead when no baseline ran."""
+    columns = []
+    for key, name in (("epoch_time_s", "epoch time"), ("time_to_target_s", "time to target")):
+        for base in ("ddp", "equal-sync"):
+            if base in stats and (key == "epoch_time_s" or target is not None):
+                columns.append((key, base, f"{name} vs {base}"))
+    heading = "## Speed-up (median of the baseline / median of the mode; > 1 is faster)"
+    if not columns:
+        return [heading, "", "No baseline ran (ddp or equal-sync), so there is no speed-up.", ""]
+    rows = []
+    for mode in stats:
+        row = [mode]
+        for key, base, _ in columns:
+            value = speedup(stats, mode, base, key)
+            row.append("-" if value is None else f"{value:.2f}x")
+        rows.append(row)
+    return [heading, "", _table(["mode", *(c[2] for c in columns)], rows), ""]
 
 
 def speedup(stats: dict[str, dict[str, Any]], mode: str, base: str, key: str) -> float | None:
@@ -102,6 +143,7 @@ def render_markdown(data: dict[str, Any]) -> str:
                 mode,
                 runs,
                 _cell(s["epoch_time_s"], 3),
+                _cell(s["throughput"], 0),
                 _cell(s["time_to_target_s"], 2, reached) if target is not None else "-",
                 _cell(s["oa"], 4),
                 _cell(s["aa"], 4),
@@ -109,14 +151,11 @@ def render_markdown(data: dict[str, Any]) -> str:
                 _cell(s["idle_share"], 3),
             ]
         )
-    speedups = []
-    for mode in stats:
-        row = [mode]
-        for key in ("epoch_time_s", "time_to_target_s"):
-            for base in ("ddp", "equal-sync"):
-                value = speedup(stats, mode, base, key)
-                row.append("-" if value is None else f"{value:.2f}x")
-        speedups.append(row)
+    headers, results = filled_columns(RESULT_COLUMNS, results, keep=2)
+    limits = [f"epochs {train['epochs']}"] if train.get("epochs") is not None else []
+    if train.get("max_steps") is not None:
+        limits.append(f"max steps {train['max_steps']}")
+    repeats = settings["repeats"]
     lines = [
         "# Comparison of training modes",
         "",
@@ -128,27 +167,48 @@ def render_markdown(data: dict[str, Any]) -> str:
             else ""
         ),
         f"- global batch {train['global_batch']}, {train['optimizer']} lr {train['lr']} "
-        f"({train['lr_schedule']}), epochs {train['epochs']}, max steps {train['max_steps']}, "
-        f"seed {train['seed']}, repeats {settings['repeats']}",
+        f"({train['lr_schedule']}), {', '.join(limits)}, seed {train['seed']}, "
+        f"repeats {repeats}",
         f"- target OA: {target if target is not None else 'none'}",
         "",
-        "Each cell is min / median / max over repeats. Epoch time = train_time_s / epochs "
-        "(start-up and blocking evaluation excluded); " + target_source(data) + " Idle share = "
-        "the workers' time waiting at the round barrier over their round time (sync modes).",
+        *setup_section(data),
+        (
+            "Each cell is min / median / max over repeats (one value where they agree). "
+            if repeats > 1
+            else "One repeat per mode. "
+        )
+        + "Epoch time = train_time_s / epochs (start-up and blocking evaluation excluded); "
+        "throughput = training samples / train_time_s; " + target_source(data) + " Idle share = "
+        "the workers' time waiting at the round barrier over their round time (sync modes). "
+        "Columns no run could fill are left out.",
         "",
         "## Results",
         "",
-        _table(RESULT_COLUMNS, results),
+        _table(headers, results),
         "",
-        "## Speed-up (median of the baseline / median of the mode; > 1 is faster)",
-        "",
-        _table(SPEEDUP_COLUMNS, speedups),
-        "",
+        *speedup_section(stats, target),
         *per_class_section(data),
         "![OA against training time and samples seen](report.png)",
         "",
     ]
     return "\n".join(lines)
+
+
+def setup_section(data: dict[str, Any]) -> list[str]:
+    """The setup block: machine, torch, workers' devices and the emulated cluster.
+
+    The cluster comes from ``settings.cluster`` when a launcher records the emulated
+    cluster there as a dict (nodes, CPU budgets, links); it is printed key by key.
+    """
+    from launch.setup_info import setup_lines, worker_devices
+
+    settings = data["settings"]
+    cluster = settings.get("cluster")
+    devices = worker_devices([r["run_dir"] for r in data["runs"] if r.get("run_dir")])
+    lines = setup_lines(
+        settings.get("setup"), devices, cluster if isinstance(cluster, dict) else None
+    )
+    return ["## Setup", "", *lines, ""] if lines else []
 
 
 def target_source(data: dict[str, Any]) -> str:

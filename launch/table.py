@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+from launch.setup_info import natural_key
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -106,7 +109,7 @@ def summary_tables(summary: dict[str, Any]) -> str:
                 w["pushes"],
                 *model_cells(w),
             ]
-            for w in summary["workers"]
+            for w in sorted(summary["workers"], key=lambda w: natural_key(w["name"]))
         ],
     )
     plan = PLAN_LEGEND if summary["mode"] == "weighted-sync" else MODEL_LEGEND
@@ -144,3 +147,20 @@ def model_cells(worker: dict[str, Any]) -> list[Any]:
         ms("beta_s_per_sample", 4),
         ms("transfer_s", 2),
     ]
+
+
+def files_written(out: Path, report: dict[str, str]) -> str:
+    """The lines that end a comparison: where its files are.
+
+    Args:
+        out: the comparison's folder.
+        report: ``write_report``'s paths (name -> path).
+
+    Returns:
+        One ``name: path`` line per file, ``compare.json`` and the run folders first.
+    """
+    lines = [f"results: {out / 'compare.json'}", f"runs: {out / 'runs'}/<mode>-<repeat>"]
+    names = {"markdown": "report", "png": "figure", "svg": "figure (svg)"}
+    for key, path in report.items():
+        lines.append(f"{names.get(key, key.replace('_', ' '))}: {path}")
+    return "\n".join(lines)

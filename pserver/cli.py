@@ -226,7 +226,14 @@ def main() -> None:
     help="Address the status page binds (0.0.0.0 exposes it to the network).",
 )
 @click.option("--log-level", default="INFO", help="Logging level.")
-def start(log_level: str, **options: Any) -> None:
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    default=False,
+    help="End by printing the whole summary as JSON instead of the results tables.",
+)
+def start(log_level: str, as_json: bool, **options: Any) -> None:
     """Start a parameter server (the coordinator) and serve until training ends."""
     setup_logging(log_level, "pserver ")
     try:
@@ -234,12 +241,30 @@ def start(log_level: str, **options: Any) -> None:
         summary, error, interrupted = asyncio.run(_serve(config))
     except PSError as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo(json.dumps(summary, indent=2))
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        _echo_results(summary, config.run_dir)
     if error:
         raise click.ClickException(error)
     if interrupted:
         click.echo("pserver: interrupted; checkpoint and summary written", err=True)
         sys.exit(128 + interrupted)
+
+
+def _echo_results(summary: dict[str, Any], run_dir: Path | None) -> None:
+    """The same short tables as ``pslaunch local``, and where the summary is."""
+    from launch.table import summary_tables
+
+    try:
+        click.echo(summary_tables(summary))
+    except (KeyError, TypeError):  # a run that ended before training: nothing to tabulate
+        click.echo(json.dumps(summary, indent=2))
+    where = run_dir / "summary.json" if run_dir is not None else None
+    if where is not None and where.is_file():
+        click.echo(f"summary: {where}")
+    else:
+        click.echo("summary: not written (no --run-dir); --json prints it here")
 
 
 def _on_signals(stop: Callable[[], None]) -> list[int]:

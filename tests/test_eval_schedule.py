@@ -79,3 +79,14 @@ async def test_skipping_moves_in_run_evaluations_to_a_subset(jasper_h5) -> None:
     assert [e["test_samples"] for e in evals[1:-1]] == [MIN_AUTO_SUBSET] * (len(evals) - 2)
     assert len(evals) > 2  # in-run evaluations after the first skip score the subset
     assert evals[-1]["test_samples"] == full  # the final evaluation scores all
+
+
+def test_the_final_evaluation_wins_over_a_subset_one_of_the_same_version() -> None:
+    from common.training.summary import final_eval, per_class_of
+
+    subset = {"version": 9, "oa": 0.5, "accuracy": [0.5], "support": [10], "confusion": [[5]]}
+    final = {"version": 9, "oa": 0.9, "accuracy": [0.9], "support": [99], "confusion": [[89]]}
+    assert final_eval([subset, {**final, "final": True}])["oa"] == 0.9
+    assert final_eval([{**final, "final": True}, subset])["oa"] == 0.9
+    assert per_class_of([subset, {**final, "final": True}], ["a"])["support"] == [99]
+    assert final_eval([]) is None

@@ -139,7 +139,7 @@ def test_resume_checks_the_seed_falls_back_and_finishes_a_finished_run(
     common = ("pserver.cli", "start", "--dataset", str(small_hsi), "--model", "hsi-cnn")
     common += ("--bind", "tcp://127.0.0.1:0", "--run-dir", str(tmp_path), "--resume", *QUICK)
     _one_line_error(_run(*common, "--seed", "7"), "--seed was 0, now 7")
-    finished = _run(*common)  # the run had ended: no waiting for workers
+    finished = _run(*common, "--json")  # the run had ended: no waiting for workers
     assert finished.returncode == 0, finished.stderr
     assert "had already ended" in finished.stderr
     assert json.loads(finished.stdout)["finish_reason"] == "epochs"

@@ -38,6 +38,14 @@ def scores_of(record: dict[str, Any] | None) -> dict[str, float] | None:
     return {k: record[k] for k in SCORE_KEYS}
 
 
+def final_eval(evals: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The final evaluation: the highest version, and of that version the one marked ``final``
+    (on the whole test split) over an in-run one on a subset."""
+    if not evals:
+        return None
+    return max(evals, key=lambda r: (r["version"], bool(r.get("final"))))
+
+
 def per_class_of(evals: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str, Any] | None:
     """The ``per_class`` map of the final evaluation (the highest version).
 
@@ -49,7 +57,7 @@ def per_class_of(evals: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[
         ``{"names", "accuracy", "support", "confusion"}``, or None without an evaluation
         that carries per-class results.
     """
-    final = max(evals, key=lambda r: r["version"]) if evals else None
+    final = final_eval(evals)
     if final is None or "accuracy" not in final:
         return None
     return {
@@ -105,7 +113,7 @@ def run_summary(
     Returns:
         The summary map, JSON-able; its keys are ``SUMMARY_KEYS`` in that order.
     """
-    final = max(evals, key=lambda r: r["version"]) if evals else None
+    final = final_eval(evals)
     summary = {
         "mode": mode,
         "model": model,

@@ -1,0 +1,144 @@
+"""Reports fit for a paper: a setup block, throughput, only fillable tables, sorted rows, paths."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pytest
+
+from launch.figures import _draw_timeline
+from launch.report import render_markdown
+from launch.setup_info import collect_setup, natural_key, setup_lines, worker_devices
+from launch.table import files_written, summary_tables
+from tests.cluster import start_server, start_worker
+
+
+def _run(mode: str, oa: float, run_dir: Path | None = None) -> dict:
+    summary = {
+        "final": {"oa": oa, "aa": oa - 0.1, "kappa": oa - 0.2},
+        "idle_share": None,
+        "samples_seen": 1200,
+        "train_time_s": 4.0,
+    }
+    run = {
+        "mode": mode,
+        "repeat": 1,
+        "epoch_time_s": 2.0,
+        "time_to_target_s": None,
+        "curve": [],
+        "summary": summary,
+    }
+    if run_dir is not None:
+        run["run_dir"] = str(run_dir)
+    return run
+
+
+def _data(modes: list[str], runs: list[dict], **settings: object) -> dict:
+    base = {
+        "modes": modes,
+        "target_oa": None,
+        "slowdowns": [1.0, 2.0],
+        "slowdown_schedules": [],
+        "dataset": "d.h5",
+        "model": "hsi-cnn",
+        "repeats": 1,
+        "train": {
+            "global_batch": 64,
+            "optimizer": "sgd",
+            "lr": 0.05,
+            "lr_schedule": "cosine",
+            "epochs": 2,
+            "max_steps": None,
+            "seed": 0,
+        },
+    }
+    return {"settings": {**base, **settings}, "runs": runs}
+
+
+def test_one_repeat_without_baselines_fills_only_what_it_can(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    joins = [
+        {"event": "join", "t": 0.1, "worker": "w10-x2", "device": "cpu", "slowdown": 2},
+        {"event": "join", "t": 0.2, "worker": "w2-x1", "device": "cuda:0", "slowdown": 1},
+    ]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in joins))
+    setup = {"host": "n1", "cpu": "Some CPU", "cpus": 2, "gpus": [], "torch": "2.x",
+             "python": "3.12", "os": "Linux"}  # fmt: skip
+    cluster = {"preset": "small-lab", "nodes": [{"cpus": 0.4, "link": "1gbit"}]}
+    data = _data(
+        ["weighted-sync", "async"],
+        [_run("weighted-sync", 0.851, run_dir), _run("async", 0.84)],
+        setup=setup,
+        cluster=cluster,
+    )
+    markdown = render_markdown(data)
+    assert "0.851 / 0.851 / 0.851" not in markdown and "| 0.8510 |" in markdown
+    assert "max steps" not in markdown and "epochs 2" in markdown
+    assert "No baseline ran (ddp or equal-sync)" in markdown
+    header = next(line for line in markdown.splitlines() if line.startswith("| mode | runs"))
+    assert "throughput samples/s" in header and "| 300 |" in markdown  # 1200 samples / 4 s
+    assert "time to target" not in header and "idle share" not in header  # nothing to fill
+    assert "- host: `n1` (Linux); CPU: Some CPU, 2 logical CPUs usable; GPUs: none" in markdown
+    assert "- workers' devices: cuda:0: w2-x1; cpu: w10-x2" in markdown
+    assert "  - preset: small-lab" in markdown and "cpus 0.4, link 1gbit" in markdown
+
+
+def test_setup_and_devices_helpers(tmp_path: Path) -> None:
+    setup = collect_setup()
+    assert setup["cpus"] >= 1 and setup["torch"] and setup["cpu"]
+    assert sorted(["w10", "w2", "w1"], key=natural_key) == ["w1", "w2", "w10"]
+    assert worker_devices([tmp_path / "missing"]) == {}
+    lines = setup_lines(setup, {}, None)
+    assert any("emulated cluster: none" in line for line in lines)
+    assert setup_lines(None, {}, None) == []
+    text = files_written(tmp_path, {"markdown": str(tmp_path / "report.md")})
+    assert text.splitlines() == [
+        f"results: {tmp_path / 'compare.json'}",
+        f"runs: {tmp_path / 'runs'}/<mode>-<repeat>",
+        f"report: {tmp_path / 'report.md'}",
+    ]
+
+
+def test_timeline_and_worker_rows_are_sorted_by_name() -> None:
+    def part(name: str) -> dict:
+        return {"worker": name, "batch": 8, "compute_s": 0.01, "idle_s": 0.0,
+                "transfer_s": 0.001, "actual_s": 0.011}  # fmt: skip
+
+    rounds = [{"t": 1.0, "round_s": 0.02, "round": 1,
+               "workers": [part("w10-x4"), part("w2-x2"), part("w1-x1")]}]  # fmt: skip
+    fig, axis = plt.subplots()
+    try:
+        _draw_timeline(axis, rounds, "t")
+        assert [t.get_text() for t in axis.get_yticklabels()] == ["w1-x1", "w2-x2", "w10-x4"]
+    finally:
+        plt.close(fig)
+    workers = [
+        {"name": n, "slowdown": 1.0, "speed": 10.0, "samples": 5, "pushes": 1}
+        for n in ("w10-x1", "w2-x1")
+    ]
+    summary = {"mode": "async", "epochs": 1, "steps": 2, "train_time_s": 1.0,
+               "final": {}, "workers": workers}  # fmt: skip
+    table = summary_tables(summary)
+    assert table.index("w2-x1") < table.index("w10-x1")
+
+
+@pytest.mark.e2e
+def test_hand_started_server_ends_with_the_tables_and_the_summary_path(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    quick = ("--epochs", "1", "--global-batch", "16", "--shutdown-timeout", "20")
+    server, address = start_server(small_hsi, tmp_path, *quick)
+    worker = start_worker(address, "w0")
+    try:
+        line = server.wait_for("summary: ", 120)
+        assert server.wait() == 0 and worker.wait() == 0
+        out = "".join(server.seen)
+    finally:
+        server.kill()
+        worker.kill()
+    assert line.strip() == f"summary: {tmp_path / 'summary.json'}"
+    assert "mode " in out and "train s" in out and "worker " in out
+    assert '"workers": [' not in out  # not the JSON summary
