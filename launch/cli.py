@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from common.cli_env import show_envvars
+from common.cli_help import FullHelpGroup
 from common.errors import ConfigError, PSError
 from common.logsetup import setup_logging
 from launch.cli_options import (
@@ -35,7 +36,9 @@ from launch.table import files_written, summary_tables
 from pserver.config import MODES
 
 
-@click.group(context_settings={"auto_envvar_prefix": "PSLAUNCH", "show_default": True})
+@click.group(
+    cls=FullHelpGroup, context_settings={"auto_envvar_prefix": "PSLAUNCH", "show_default": True}
+)
 def main() -> None:
     """Launch local parameter-server clusters."""
 

@@ -213,12 +213,18 @@ def build_workers(
 ) -> tuple[tuple[float, ...], tuple[str, ...], tuple[str, ...]]:
     """Per-worker slowdowns, slowdown schedules and devices from the cluster options.
 
+    Without ``--workers`` there is one worker per ``--slowdowns`` entry, or per ``--devices``
+    entry when only the devices are listed.
+
     Raises:
         click.BadParameter: an option is malformed or the counts disagree.
     """
+    device_list = tuple(d.strip() for d in devices.split(",") if d.strip())
+    if workers is None and len(device_list) > 1 and "," not in slowdowns.strip(", "):
+        workers = len(device_list)
     try:
         factors = parse_slowdowns(slowdowns, workers)
         changes = parse_schedules(schedules, factors)
     except ConfigError as exc:
         raise click.BadParameter(str(exc)) from exc
-    return factors, changes, tuple(d.strip() for d in devices.split(",") if d.strip())
+    return factors, changes, device_list

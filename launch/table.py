@@ -113,9 +113,17 @@ def summary_tables(summary: dict[str, Any]) -> str:
         ],
     )
     plan = PLAN_LEGEND if summary["mode"] == "weighted-sync" else MODEL_LEGEND
+    if summary["mode"] == "async":
+        plan += ASYNC_SPEED_NOTE
     return f"{run}\n{legend(RUN_LEGEND)}\n\n{workers}\n{legend(WORKER_LEGEND + ' ' + plan)}"
 
 
+ASYNC_SPEED_NOTE = (
+    " Speeds count compute time only (not the slowdown's sleep), measured while every process "
+    "shares the same cores: a slow worker often computes while the others sleep or wait, so "
+    "its speed can read higher than a faster worker's; its samples and pushes show the "
+    "slowdown."
+)
 MODEL_COLUMNS = ("idle s", "alpha ms", "beta ms/sample", "transfer ms")
 MODEL_LEGEND = (
     "idle s: time spent waiting at the round barrier (sync modes); alpha, beta, transfer: "

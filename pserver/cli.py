@@ -19,6 +19,7 @@ from typing import Any
 import click
 
 from common.cli_env import show_envvars
+from common.cli_help import FullHelpGroup
 from common.config import default
 from common.errors import PSError
 from common.logsetup import setup_logging
@@ -52,7 +53,7 @@ def _path(**kwargs: Any) -> click.Path:
     return click.Path(path_type=Path, **kwargs)
 
 
-@click.group(context_settings=CONTEXT)
+@click.group(cls=FullHelpGroup, context_settings=CONTEXT)
 def main() -> None:
     """Parameter server for heterogeneous distributed training on remote-sensing data."""
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from common.cli_help import FullHelpGroup
 from common.data.dataset import DatasetMeta, describe
 from common.errors import DatasetError
 
@@ -54,12 +55,12 @@ def _names(text: str | None) -> list[str] | None:
     return names
 
 
-@click.group("data")
+@click.group("data", cls=FullHelpGroup)
 def data_group() -> None:
     """Prepare, synthesise and inspect HDF5 datasets."""
 
 
-@data_group.group("prepare")
+@data_group.group("prepare", cls=FullHelpGroup)
 def prepare_group() -> None:
     """Build a dataset file from source data."""
 

@@ -49,7 +49,9 @@ async def shutdown(ps: ParameterServer) -> None:
 async def _wind_down(ps: ParameterServer, deadline: float) -> None:
     async with ps.updater.lock:  # an update being published completes first
         await at_end(ps)  # the final snapshot (--snapshot-every-updates)
-    if not ps.stores_lost:
+    if ps.updater.version == 0:
+        log.info("stopped before the first update: no checkpoint and no final evaluation")
+    elif not ps.stores_lost:
         if ps.config.run_dir is not None and not await ps.save_checkpoint():
             ps.run.error = ps.run.error or "the final checkpoint could not be written"
         await ps.evaluations.final(ps.updater.version)

@@ -198,8 +198,14 @@ class Endpoint:
         self.send(identity, frames, lease, nbytes if nbytes > 1 << 16 else 0)
 
     def reply_error(self, identity: bytes, request_id: int, code: ErrorCode, text: str) -> None:
-        """Send an error reply (and log it, rate-limited per code)."""
-        self._errors.warning(code.name, "rejected request %d: %s: %s", request_id, code.name, text)
+        """Send an error reply (and log it, rate-limited per code; SHUTTING_DOWN, the expected
+        answer to requests that arrive while any run ends, only at debug level)."""
+        if code == ErrorCode.SHUTTING_DOWN:
+            log.debug("rejected request %d: %s: %s", request_id, code.name, text)
+        else:
+            self._errors.warning(
+                code.name, "rejected request %d: %s: %s", request_id, code.name, text
+            )
         self.send(identity, error_frames(request_id, code, text))
 
     async def receive_loop(self, dispatch: Dispatch) -> None:

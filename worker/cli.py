@@ -12,13 +12,17 @@ import sys
 import click
 
 from common.cli_env import show_envvars
+from common.cli_help import FullHelpGroup
 from common.config import default
 from common.errors import PSError
 from common.logsetup import setup_logging
 from worker.config import WorkerConfig
+from worker.resolve import check_server_host
 
 
-@click.group(context_settings={"auto_envvar_prefix": "WORKER", "show_default": True})
+@click.group(
+    cls=FullHelpGroup, context_settings={"auto_envvar_prefix": "WORKER", "show_default": True}
+)
 def main() -> None:
     """Training worker for the remote-sensing parameter server."""
 
@@ -139,6 +143,7 @@ def join(log_level: str, **options: object) -> None:
     try:
         options["allow_model"] = tuple(options["allow_model"])  # type: ignore[arg-type]
         config = WorkerConfig(**options)  # type: ignore[arg-type]
+        check_server_host(config.server)  # a typo fails now, not after --connect-timeout
         from worker.loop import Worker  # torch import only when training
 
         stats = Worker(config).run()

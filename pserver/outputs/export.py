@@ -99,9 +99,27 @@ class ExportConfig:
             raise ConfigError(f"format must be one of {FORMATS}, got {self.format!r}")
         if not self.run_dir.is_dir():
             raise ConfigError(f"run directory {str(self.run_dir)!r} does not exist")
+        comparison_runs(self.run_dir)
         if not self.out.parent.is_dir():
             raise ConfigError(f"output folder {str(self.out.parent)!r} does not exist")
         return self
+
+
+def comparison_runs(folder: Path) -> None:
+    """Refuse a ``pslaunch compare`` folder, naming the run folders it holds.
+
+    Raises:
+        ConfigError: ``folder`` holds ``compare.json`` but no run of its own.
+    """
+    if not (folder / "compare.json").is_file() or (folder / "summary.json").is_file():
+        return
+    runs = sorted(p.name for p in (folder / "runs").glob("*-*") if p.is_dir())
+    shown = ", ".join(f"runs/{name}" for name in runs[:8]) + (", ..." if len(runs) > 8 else "")
+    raise ConfigError(
+        f"{str(folder)!r} is a comparison folder; export one of its runs: "
+        f"pserver export {folder / 'runs' / (runs[0] if runs else '<mode>-<repeat>')} ... "
+        f"(runs: {shown or 'none yet'})"
+    )
 
 
 def _run_record(run_dir: Path) -> dict[str, Any]:
