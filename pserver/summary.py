@@ -63,7 +63,8 @@ def status_of(ps: ParameterServer) -> dict[str, Any]:
         "mode": ps.config.mode,
         "model": ps.config.model,
         "version": ps.updater.version,
-        "epoch": ps.sampler.epoch,
+        "epoch": ps.sampler.epoch if ps.started else 0,  # the epoch under way; 0: not started
+        "epochs_done": run.epochs_done,
         "steps": ps.updater.steps,
         "samples_seen": ps.updater.samples_applied,
         "training": ps.started and not ps.finished,

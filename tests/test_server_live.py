@@ -167,7 +167,8 @@ async def test_status_command_reports_mode_version_and_workers(small_hsi) -> Non
         assert proc.returncode == 0
         status = json.loads(out)
         assert status["mode"] == "weighted-sync" and status["version"] == 0
-        assert status["epoch"] == 1 and status["waiting_for"] == 2  # none calibrated yet
+        assert status["epoch"] == 0 and status["epochs_done"] == 0  # training has not started
+        assert status["waiting_for"] == 2  # none calibrated yet
         assert [w["name"] for w in status["workers"]] == ["slow-node"]
         assert {"speed", "samples"} <= set(status["workers"][0])
         assert status["workers"][0]["ready"] is False
