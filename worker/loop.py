@@ -133,7 +133,8 @@ class Worker:
             self.stats.wall_s = time.perf_counter() - begin
             self.context.term()
         log.info(
-            "worker %s done: %d steps, %d samples, data wait %.1f%% of wall time",
+            "worker %s stopped by the server (training ended or the server was stopped; its "
+            "summary says which): %d steps, %d samples, data wait %.1f%% of wall time",
             self.config.name,
             self.stats.steps,
             self.stats.samples,
