@@ -130,5 +130,5 @@ def _plain(value: Any) -> str:
     if isinstance(value, dict):
         return ", ".join(f"{k} {_plain(v)}" for k, v in value.items())
     if isinstance(value, list | tuple):
-        return ", ".join(_plain(v) for v in value)
+        return "; ".join(_plain(v) for v in value)
     return str(value)
