@@ -220,6 +220,8 @@ def abundance_labels(
     from common.data.convert.matfile import load_class_names
 
     path, key = split_spec(spec)
+    if path.suffix.lower() != ".mat":
+        raise DatasetError(f"--gt-abundance reads abundances from a .mat file, got {spec!r}")
     key = _data_key(path, key, prefer=(ABUNDANCE_KEY,))
     array = load_mat_array(_spec(path, key)).astype(np.float64)
     if array.ndim == 2:
