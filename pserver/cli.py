@@ -229,13 +229,13 @@ def main() -> None:
 @click.option("--log-level", default="INFO", help="Logging level.")
 @click.option(
     "--json",
-    "as_json",
     is_flag=True,
     default=False,
     help="End by printing the whole summary as JSON instead of the results tables.",
 )
-def start(log_level: str, as_json: bool, **options: Any) -> None:
+def start(log_level: str, **options: Any) -> None:
     """Start a parameter server (the coordinator) and serve until training ends."""
+    as_json = options.pop("json")
     setup_logging(log_level, "pserver ")
     try:
         config = ServerConfig(**options)

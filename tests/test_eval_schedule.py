@@ -60,14 +60,17 @@ async def test_evaluations_falling_behind_warn_once_with_the_remedy(
 async def test_skipping_moves_in_run_evaluations_to_a_subset(jasper_h5) -> None:
     async with (
         live_server(
-            jasper_h5, mode="async", workers=1, global_batch=4, epochs=3, eval_every_updates=1,
+            jasper_h5, mode="async", workers=1, global_batch=4, epochs=20, eval_every_updates=1,
             shutdown_timeout_s=60.0,
         ) as ps,
         clients(ps.address, 1) as (client,),
     ):  # fmt: skip
         member, task = await client.join("fast")
-        while task.action == "train":
-            task = await client.push(member, task, np.full(ps.state_size, 1e-4, dtype=np.float32))
+        gradient = np.full(ps.state_size, 1e-4, dtype=np.float32)
+        while task.action == "train":  # an update per push, far faster than an evaluation
+            task = await client.push(member, task, gradient)
+            if any(e["test_samples"] == MIN_AUTO_SUBSET for e in ps.run.evals):
+                ps.request_stop()  # one in-run evaluation on the subset is enough
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 60
         while not (ps.run.evals and ps.run.evals[-1].get("final")):
@@ -76,8 +79,8 @@ async def test_skipping_moves_in_run_evaluations_to_a_subset(jasper_h5) -> None:
     evals = [e for e in ps.log.events if e["event"] == "eval"]
     full = len(ps.reader.test_indices)
     assert ps.evaluations.skipped > 0 and evals[0]["test_samples"] == full
+    assert len(evals) > 2  # in-run evaluations after the first fell behind score the subset
     assert [e["test_samples"] for e in evals[1:-1]] == [MIN_AUTO_SUBSET] * (len(evals) - 2)
-    assert len(evals) > 2  # in-run evaluations after the first skip score the subset
     assert evals[-1]["test_samples"] == full  # the final evaluation scores all
 
 
