@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.mh_setup import BenchConfig, Variant
-from bench.netns import Network
 from bench.procs import Child, ChildError, python
+from launch.cluster.netns import Network
 
 log = logging.getLogger(__name__)
 

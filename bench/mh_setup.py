@@ -12,9 +12,9 @@ import re
 import subprocess
 from pathlib import Path
 
-from bench.netns import rate_bits
 from bench.procs import ROOT, python
 from common.errors import ConfigError
+from launch.cluster.spec import rate_bits
 
 HELP_TIMEOUT_S = 60.0
 

@@ -40,11 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.mh_jobs import run_gloo, run_ps
 from bench.mh_report import legend, table
 from bench.mh_setup import DEFAULT_VARIANTS, VARIANTS, BenchConfig, missing_features
-from bench.netns import NetConfig, Network, available, rate_bits
 from bench.netprobe import measure_rate
 from bench.procs import ROOT, ChildError, python
 from common.errors import PSError
 from common.logsetup import setup_logging
+from launch.cluster.netns import NetConfig, Network, available
+from launch.cluster.spec import rate_bits
 
 log = logging.getLogger("multihost")
 SYNTH_TIMEOUT_S = 300.0

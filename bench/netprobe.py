@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.netns import Host
 from bench.procs import Child, ChildError, python
+from launch.cluster.netns import Host
 
 SOCKET_TIMEOUT_S = 30.0
 CHUNK = 1 << 20

@@ -16,10 +16,10 @@ sys.path.insert(0, str(ROOT))
 from bench.mh_jobs import _rounds  # noqa: E402
 from bench.mh_report import table  # noqa: E402
 from bench.mh_setup import BenchConfig, Variant, missing_features  # noqa: E402
-from bench.netns import NetConfig, Network, available, namespaces  # noqa: E402
 from bench.netprobe import measure_rate  # noqa: E402
 from bench.procs import Child  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
+from launch.cluster.netns import NetConfig, Network, available, namespaces  # noqa: E402
 from launch.cluster.spec import rate_bits  # noqa: E402
 
 PREFIX = "mht"  # not the bench's "mh-": a bench run at the same time is left alone
@@ -94,7 +94,7 @@ def test_rates_and_config_validation() -> None:
         with pytest.raises(ConfigError, match="rate"):
             rate_bits(bad)
     with pytest.raises(ConfigError, match="prefix"):
-        NetConfig(rates=("1gbit", "1gbit"), prefix="xx").validate()
+        NetConfig(rates=("1gbit", "1gbit"), prefix="Bad-prefix").validate()
     with pytest.raises(ConfigError, match="subnet"):
         NetConfig(rates=("1gbit", "1gbit"), subnet="8.8.8").validate()
     with pytest.raises(ConfigError, match="hosts"):
