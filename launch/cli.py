@@ -15,9 +15,11 @@ from common.errors import ConfigError, PSError
 from common.logsetup import setup_logging
 from launch.cli_options import (
     async_options,
+    build_links,
     build_train,
     build_workers,
     cluster_options,
+    link_options,
     progress_option,
     run_options,
     server_mode_args,
@@ -63,6 +65,7 @@ def main() -> None:
     help="Parameter shards: K > 1 starts K 'pserver shard' processes beside the server, each "
     "holding 1/K of the state; 1 keeps the parameters in the server.",
 )
+@link_options
 def local(progress: bool, **params: Any) -> None:
     """Run a server, its shards and N local workers with the given slowdowns, then print the
     summary."""
@@ -90,6 +93,9 @@ def local_cluster(
     max_staleness: int | None,
     threads: int,
     server_opt: tuple[str, ...],
+    links: str | None = None,
+    server_link: str | None = None,
+    link_delay: str | None = None,
     **options: Any,
 ) -> tuple[LocalCluster, TrainSettings]:
     """The validated cluster and training settings of ``pslaunch local``'s options (but
@@ -110,6 +116,7 @@ def local_cluster(
         devices=device_list,
         slowdown_schedules=schedules,
         worker_options=("--threads", str(threads)),
+        nodes=build_links(len(factors), links, server_link, link_delay),
         **options,
     )
     try:
@@ -144,6 +151,7 @@ def local_cluster(
     "evaluate-snapshots' (off by default).",
 )
 @progress_option
+@link_options
 def ddp(
     workers: int | None,
     slowdowns: str,
@@ -151,6 +159,9 @@ def ddp(
     devices: str,
     target_oa: float | None,
     progress: bool,
+    links: str | None,
+    server_link: str | None,
+    link_delay: str | None,
     **options: Any,
 ) -> None:
     """Run the torch.distributed DDP baseline (one process per rank) and print the summary.
@@ -167,6 +178,7 @@ def ddp(
         slowdowns=factors,
         slowdown_schedules=schedules,
         devices=device_list,
+        nodes=build_links(len(factors), links, server_link, link_delay),
         **options,
     )
     click.echo(
@@ -217,6 +229,7 @@ def ddp(
     default=86400.0,
     help="Seconds to wait for one Slurm job, queueing included; then it is cancelled.",
 )
+@link_options
 def compare(
     workers: int | None,
     slowdowns: str,
@@ -228,6 +241,9 @@ def compare(
     partition: str | None,
     time: str,
     wait_timeout: float,
+    links: str | None,
+    server_link: str | None,
+    link_delay: str | None,
     **options: Any,
 ) -> None:
     """Run every mode REPEATS times on the same data, seeds and slowdowns; write a report."""
@@ -244,6 +260,7 @@ def compare(
         devices=device_list,
         server_options=server_opt,
         slurm=SlurmRuns(partition=partition, time=time, wait_timeout_s=wait_timeout),
+        nodes=build_links(len(factors), links, server_link, link_delay),
         **options,
     )
     data = _run(lambda c: run_compare(c, show_progress=progress), config)

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import click
 
 from common.errors import ConfigError
+from launch.cluster.spec import ClusterSpec, parse_cluster
 from launch.settings import TrainSettings, server_default
 from launch.slowdowns import SCHEDULES_HELP, parse_schedules, parse_slowdowns
 from pserver.config import OPTIMIZERS, SCHEDULES, STALENESS
@@ -69,6 +70,46 @@ def cluster_options(func: F) -> F:
             ),
         ],
     )
+
+
+def link_options(func: F) -> F:
+    """--links, --server-link and --link-delay: a host and a capped link per node (root)."""
+    return _apply(
+        func,
+        [
+            click.option(
+                "--links",
+                default=None,
+                help="A tc rate per worker (or DDP rank), e.g. 1gbit,1gbit,100mbit, or one for "
+                "all: each runs on its own emulated host (a network namespace) whose link is "
+                "capped both ways at that rate; needs root.",
+            ),
+            click.option(
+                "--server-link",
+                default=None,
+                help="The server's link rate (default: the fastest worker link).",
+            ),
+            click.option(
+                "--link-delay",
+                default=None,
+                help="One-way delay on every link, e.g. 2ms (needs the kernel's netem qdisc).",
+            ),
+        ],
+    )
+
+
+def build_links(
+    workers: int, links: str | None, server_link: str | None, link_delay: str | None
+) -> ClusterSpec | None:
+    """The emulated cluster of the link options (None when no link is given).
+
+    Raises:
+        click.BadParameter: a value is malformed or the counts disagree.
+    """
+    try:
+        return parse_cluster(workers, links=links, server_link=server_link, link_delay=link_delay)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from exc
 
 
 def train_options(func: F) -> F:

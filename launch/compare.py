@@ -19,6 +19,7 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from common.errors import ConfigError, PSError
+from launch.cluster.spec import ClusterSpec
 from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
 from launch.progress import RunProgress, eval_label
@@ -60,6 +61,8 @@ class CompareConfig:
         slurm: how runs become Slurm jobs (``launcher="slurm"`` only).
         snapshot_every: snapshot every N updates and take time to target from the snapshots
             (``launch.snapshot_times``); None: from the per-epoch evaluations.
+        nodes: the emulated cluster every run of every mode runs on (DDP rank i on worker
+            i's node); None: all processes on this machine's loopback.
     """
 
     dataset: Path
@@ -79,6 +82,7 @@ class CompareConfig:
     launcher: str = "local"
     slurm: SlurmRuns = dataclasses.field(default_factory=SlurmRuns)
     snapshot_every: int | None = None
+    nodes: ClusterSpec | None = None
 
     def validate(self) -> CompareConfig:
         """Check every field.
@@ -129,6 +133,8 @@ class CompareConfig:
         """Refuse what Slurm runs do not support; build one job of each kind as a check."""
         if any(self.slowdown_schedules):
             raise ConfigError("--slowdown-schedules is not supported with --launcher slurm")
+        if self.nodes is not None and self.nodes.links:
+            raise ConfigError("--links emulates hosts on this machine: use --launcher local")
         if set(self.devices) != {"cpu"}:
             raise ConfigError(
                 f"--devices {','.join(self.devices)!r}: with --launcher slurm workers run on "
@@ -160,6 +166,7 @@ class CompareConfig:
             devices=self.devices,
             slowdown_schedules=self.slowdown_schedules,
             worker_options=("--threads", str(self.threads)),
+            nodes=self.nodes,
         )
 
     def ddp(self, mode: str, run_dir: Path) -> DDPConfig:
@@ -185,6 +192,7 @@ class CompareConfig:
             devices=self.devices,
             threads=self.threads,
             snapshot_every_steps=self.snapshot_every,
+            nodes=self.nodes,
         )
 
     def slurm_job(self, mode: str, run_dir: Path) -> SlurmJob:

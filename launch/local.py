@@ -1,5 +1,5 @@
 """A local cluster: one server process, K parameter shard processes and N worker processes on
-127.0.0.1."""
+127.0.0.1, or each on its own emulated host and link (``launch.cluster.netns``)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError, PSError
+from launch.cluster.netns import Host, Placement, cluster_hosts
+from launch.cluster.spec import ClusterSpec
 from launch.procs import (
     Child,
     Children,
@@ -49,6 +51,8 @@ class LocalCluster:
             (which becomes their coordinator), 1 keeps the parameters in the server.
         startup_timeout_s: how long the server may take to start listening.
         run_timeout_s: how long the whole run may take before it is stopped.
+        nodes: the emulated cluster; with links, the server, every worker and every shard
+            run on their own hosts (None: all on 127.0.0.1).
     """
 
     dataset: Path
@@ -63,6 +67,7 @@ class LocalCluster:
     shards: int = 1
     startup_timeout_s: float = 120.0
     run_timeout_s: float = 3600.0
+    nodes: ClusterSpec | None = None
 
     def validate(self) -> LocalCluster:
         """Check the worker list.
@@ -88,6 +93,11 @@ class LocalCluster:
             raise ConfigError(f"--shards must be >= 1, got {self.shards}")
         if any(o == "--shards" or o.startswith("--shards=") for o in self.server_options):
             raise ConfigError("give the shard count as pslaunch's --shards, which starts them")
+        if self.nodes is not None and len(self.nodes.workers) != len(self.slowdowns):
+            raise ConfigError(
+                f"the emulated cluster has {len(self.nodes.workers)} worker nodes for "
+                f"{len(self.slowdowns)} workers"
+            )
         return self
 
 
@@ -125,22 +135,18 @@ def run_local(
     children = Children(sink, {**os.environ, "PYTHONUNBUFFERED": "1"})
     server: Child | None = None
     marks: list[EventsMark] = []
+    hosts_scope = contextlib.ExitStack()  # closed after the children have been stopped
     try:
         with signals_interrupt():
+            hosts = hosts_scope.enter_context(cluster_hosts(cluster.nodes))
             metrics = cluster.run_dir / "metrics.jsonl"
             mark = start_offset(metrics)
             marks.append(mark)
-            server = children.start("server", _server_command(cluster), stderr_only=True)
+            server = children.start("server", _server_command(cluster, hosts), stderr_only=True)
             with _following(progress, metrics, mark):
                 address = wait_for_address(server, metrics, mark, cluster.startup_timeout_s)
-                shards = [
-                    children.start(name, _python_module("pserver.cli", "shard", *args))
-                    for name, args in _shard_commands(cluster, address)
-                ]
-                workers = [
-                    children.start(name, _python_module("worker.cli", "join", *args))
-                    for name, args in _worker_commands(cluster, address)
-                ]
+                shards = [children.start(n, c) for n, c in _shards(cluster, address, hosts)]
+                workers = [children.start(n, c) for n, c in _workers(cluster, address, hosts)]
                 code = children.wait(server, cluster.run_timeout_s, lambda: _check(workers, shards))
             if code == 0:
                 children.wait_all(ENDING_S)  # workers and shards end when the server does
@@ -155,6 +161,7 @@ def run_local(
             mark.close()
         if own_log is not None:
             own_log.close()
+        hosts_scope.close()
     if code != 0:
         raise PSError(f"{server.failure()}; see the log")
     failed = [w.code for w in workers]
@@ -180,12 +187,23 @@ def _following(
     return progress.follow(metrics, mark) if progress is not None else contextlib.nullcontext()
 
 
-def _server_command(cluster: LocalCluster) -> list[str]:
-    return _python_module(
+def _on(host: Host | None, argv: list[str]) -> list[str]:
+    """``argv`` as run on ``host`` (None: on this machine)."""
+    return argv if host is None else host.argv(argv)
+
+
+def _bind(host: Host | None) -> str:
+    """An endpoint on ``host``'s address (None: 127.0.0.1), port picked by the kernel."""
+    return f"tcp://{'127.0.0.1' if host is None else host.address}:0"
+
+
+def _server_command(cluster: LocalCluster, hosts: Placement | None = None) -> list[str]:
+    host = None if hosts is None else hosts.server
+    argv = _python_module(
         "pserver.cli",
         "start",
         "--bind",
-        "tcp://127.0.0.1:0",
+        _bind(host),
         "--dataset",
         str(cluster.dataset),
         "--model",
@@ -199,23 +217,28 @@ def _server_command(cluster: LocalCluster) -> list[str]:
         *(("--shards", str(cluster.shards)) if cluster.shards > 1 else ()),
         *cluster.server_options,
     )
+    return _on(host, argv)
 
 
-def _shard_commands(cluster: LocalCluster, address: str) -> list[tuple[str, list[str]]]:
-    """(name, ``pserver shard`` arguments) per shard; none unless ``shards`` > 1."""
+def _shards(
+    cluster: LocalCluster, address: str, hosts: Placement | None
+) -> list[tuple[str, list[str]]]:
+    """(name, ``pserver shard`` command line) per shard; none unless ``shards`` > 1. With
+    hosts, shard i runs beside worker i mod N, bound to that host's address."""
     if cluster.shards < 2:
         return []
-    return [
-        (
-            f"shard{i}",
-            ["--coordinator", address, "--bind", "tcp://127.0.0.1:0", "--name", f"shard{i}"],
-        )
-        for i in range(cluster.shards)
-    ]
+    commands = []
+    for i in range(cluster.shards):
+        host = None if hosts is None else hosts.shard(i)
+        args = ["--coordinator", address, "--bind", _bind(host), "--name", f"shard{i}"]
+        commands.append((f"shard{i}", _on(host, _python_module("pserver.cli", "shard", *args))))
+    return commands
 
 
-def _worker_commands(cluster: LocalCluster, address: str) -> list[tuple[str, list[str]]]:
-    """(name, ``worker join`` arguments) per worker."""
+def _workers(
+    cluster: LocalCluster, address: str, hosts: Placement | None
+) -> list[tuple[str, list[str]]]:
+    """(name, ``worker join`` command line) per worker, each on its host when there are hosts."""
     commands = []
     for i, slowdown in enumerate(cluster.slowdowns):
         device = cluster.devices[i if len(cluster.devices) > 1 else 0]
@@ -225,7 +248,8 @@ def _worker_commands(cluster: LocalCluster, address: str) -> list[tuple[str, lis
         args += ["--name", name, "--slowdown-schedule", schedule]
         if ":" in cluster.model:  # a user model: the worker must be allowed to import it
             args += ["--allow-model", cluster.model]
-        commands.append((name, [*args, *cluster.worker_options]))
+        argv = _python_module("worker.cli", "join", *args, *cluster.worker_options)
+        commands.append((name, _on(None if hosts is None else hosts.workers[i], argv)))
     return commands
 
 

@@ -251,16 +251,16 @@ class Network:
         reason = available()
         if reason:
             raise NetnsError(reason)
-        with _signals_held():
-            self._acquire()
-            try:
+        try:  # a signal held back while building is raised at the block's end: close then
+            with _signals_held():
+                self._acquire()
                 stale = remove(self.config.prefix)
                 if stale:
                     log.warning("removed a stale layout from an earlier run: %s", ", ".join(stale))
                 self._build()
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __exit__(
@@ -373,10 +373,6 @@ class Placement:
     def shard(self, index: int) -> Host:
         """The host of shard ``index``: co-located with worker ``index`` mod N."""
         return self.workers[index % len(self.workers)]
-
-    def bind(self, host: Host) -> str:
-        """A ZeroMQ endpoint on ``host``'s address with a port the kernel picks."""
-        return f"tcp://{host.address}:0"
 
 
 def launch_config(spec: ClusterSpec, pid: int | None = None) -> NetConfig:

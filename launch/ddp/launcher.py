@@ -2,10 +2,12 @@
 
 The launcher starts one process per rank (``python -m launch.ddp.rank``) on 127.0.0.1. It owns
 the rendezvous: a ``TCPStore`` bound to port 0 in this process (the kernel picks a free port,
-so there is no probe-then-bind race), whose port the ranks are given. Rank 0 evaluates after
-every epoch and writes ``metrics.jsonl`` and ``summary.json`` in the run directory, in the
-format the parameter server writes (docs/run-files.md). See ``launch.ddp.step`` for how the
-emulated slowdown scales compute time only.
+so there is no probe-then-bind race), whose port the ranks are given. With emulated links
+(``launch.cluster.netns``) rank i runs on worker i's host and rank 0 hosts the store on its
+host's address (a fixed port: nothing else runs in a namespace the launcher built). Rank 0
+evaluates after every epoch and writes ``metrics.jsonl`` and ``summary.json`` in the run
+directory, in the format the parameter server writes (docs/run-files.md). See
+``launch.ddp.step`` for how the emulated slowdown scales compute time only.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any
 
 from common.errors import ConfigError, PSError
 from common.training.slowdown import SlowdownSchedule
+from launch.cluster.netns import HOST_INTERFACE, cluster_hosts
+from launch.cluster.spec import ClusterSpec, NodeSpec
 from launch.procs import (
     Children,
     EventsMark,
@@ -37,6 +41,7 @@ from launch.settings import TrainSettings, server_default
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "gloo", "nccl")
+HOSTED_STORE_PORT = 29500  # rank 0's store on its emulated host
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +66,8 @@ class DDPConfig:
         snapshot_every_steps: rank 0 saves every N-th step's state to ``run_dir/snapshots``
             for ``pserver evaluate-snapshots`` (None: off).
         snapshot_limit: snapshots kept at most (``pserver start --snapshot-limit``).
+        nodes: the emulated cluster; with links, every rank runs on its own host (the host
+            of the worker it stands for) and link (None: all on 127.0.0.1).
     """
 
     dataset: Path
@@ -79,6 +86,7 @@ class DDPConfig:
     run_timeout_s: float = 3600.0
     snapshot_every_steps: int | None = None
     snapshot_limit: int = server_default("snapshot_limit")
+    nodes: ClusterSpec | None = None
 
     @property
     def world_size(self) -> int:
@@ -149,6 +157,11 @@ class DDPConfig:
             raise ConfigError(f"--snapshot-limit must be >= 2, got {self.snapshot_limit}")
         if not self.dataset.is_file():
             raise ConfigError(f"--dataset {str(self.dataset)!r} does not exist")
+        if self.nodes is not None and len(self.nodes.workers) != self.world_size:
+            raise ConfigError(
+                f"the emulated cluster has {len(self.nodes.workers)} worker nodes for "
+                f"{self.world_size} ranks"
+            )
         return self
 
     def to_json(self) -> str:
@@ -170,6 +183,14 @@ class DDPConfig:
             data["train"] = TrainSettings(**data["train"])
             for key in ("slowdowns", "slowdown_schedules", "devices"):
                 data[key] = tuple(data[key])
+            if data.get("nodes") is not None:
+                nodes = data["nodes"]
+                data["nodes"] = ClusterSpec(
+                    workers=tuple(NodeSpec(**n) for n in nodes["workers"]),
+                    server=NodeSpec(**nodes["server"]),
+                    link_delay=nodes["link_delay"],
+                    name=nodes["name"],
+                )
             return cls(**data)
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"not a DDP configuration: {exc}") from exc
@@ -184,9 +205,11 @@ def _loopback_interface() -> str | None:
     return None
 
 
-def _rank_env() -> dict[str, str]:
+def _rank_env(links: bool = False) -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if "GLOO_SOCKET_IFNAME" not in env:
+    if links:
+        env["GLOO_SOCKET_IFNAME"] = HOST_INTERFACE  # every host's one link
+    elif "GLOO_SOCKET_IFNAME" not in env:
         loopback = _loopback_interface()
         if loopback:
             env["GLOO_SOCKET_IFNAME"] = loopback  # all ranks are on 127.0.0.1
@@ -228,16 +251,26 @@ def run_ddp(
     sink = log_stream
     store = None
     rendezvous: list[str] = []
-    if config.world_size > 1:
-        timeout = datetime.timedelta(seconds=config.startup_timeout_s)
-        store = TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
-        rendezvous = ["--store", f"127.0.0.1:{store.port}"]
-    children = Children(sink, _rank_env())
+    children = Children(sink, _rank_env(config.nodes is not None and config.nodes.links))
+    hosts_scope = contextlib.ExitStack()  # closed after the ranks have been stopped
     try:
         with signals_interrupt():
+            hosts = hosts_scope.enter_context(cluster_hosts(config.nodes))
+            if hosts is not None and config.world_size > 1:
+                address = f"{hosts.workers[0].address}:{HOSTED_STORE_PORT}"
+                rendezvous = ["--store", address, "--host-store"]
+            elif config.world_size > 1:
+                timeout = datetime.timedelta(seconds=config.startup_timeout_s)
+                store = TCPStore(
+                    "127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False
+                )
+                rendezvous = ["--store", f"127.0.0.1:{store.port}"]
             for rank in range(config.world_size):
                 cmd = [sys.executable, "-m", "launch.ddp.rank", "--config", str(config_path)]
-                children.start(config.rank_name(rank), [*cmd, "--rank", str(rank), *rendezvous])
+                cmd += ["--rank", str(rank), *rendezvous]
+                children.start(
+                    config.rank_name(rank), cmd if hosts is None else hosts.workers[rank].argv(cmd)
+                )
             mark = EventsMark(metrics)  # no file: rank 0's events start at byte 0
             watch = (
                 progress.follow(metrics, mark) if progress is not None else contextlib.nullcontext()
@@ -253,6 +286,7 @@ def run_ddp(
         if own_log is not None:
             own_log.close()
         del store  # closes the rendezvous
+        hosts_scope.close()
     summary_path = config.run_dir / "summary.json"
     if not summary_path.exists():
         raise PSError(f"rank 0 wrote no {summary_path}")

@@ -215,25 +215,31 @@ class RankTrainer:
         del self.step_fn  # holds the DistributedDataParallel wrapper
 
 
-def run_rank(config: DDPConfig, rank: int, store_address: str | None) -> None:
+def run_rank(
+    config: DDPConfig, rank: int, store_address: str | None, host_store: bool = False
+) -> None:
     """Join the process group (when there are several ranks), train, and leave.
 
     Args:
         config: the run's configuration.
         rank: this process's rank.
         store_address: ``HOST:PORT`` of the launcher's TCPStore (None for a single rank).
+        host_store: rank 0 binds the store at ``store_address`` itself (the launcher cannot
+            reach the ranks' emulated hosts).
     """
     device = resolve_device(config.device_of(rank))
     if config.world_size > 1:
         if store_address is None:
             raise SystemExit("--store is required when there are several ranks")
         host, _, port = store_address.rpartition(":")
+        master = host_store and rank == 0
         store = dist.TCPStore(
             host,
             int(port),
-            None,
-            False,
+            config.world_size if master else None,
+            master,
             timeout=datetime.timedelta(seconds=config.startup_timeout_s),
+            wait_for_workers=False,
         )
         dist.init_process_group(
             config.resolved_backend(),
@@ -261,11 +267,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", type=Path, required=True, help="ddp_config.json")
     parser.add_argument("--rank", type=int, required=True, help="this process's rank")
     parser.add_argument("--store", default=None, help="HOST:PORT of the rendezvous store")
+    parser.add_argument("--host-store", action="store_true", help="rank 0 binds the store")
     args = parser.parse_args(argv)
     config = DDPConfig.from_json(args.config.read_text(encoding="utf-8"))
     setup_logging("INFO", f"ddp[{args.rank}] ")
     faulthandler.enable()  # a crash in torch's C++ code still shows where Python was
-    run_rank(config, args.rank, args.store)
+    run_rank(config, args.rank, args.store, args.host_store)
     if config.world_size > 1:
         # Everything is closed and the process group destroyed, yet in about one run in
         # fifteen a torch/gloo thread aborts the interpreter's final C++ teardown ("terminate
