@@ -217,7 +217,10 @@ def _rank_env(links: bool = False) -> dict[str, str]:
 
 
 def run_ddp(
-    config: DDPConfig, log_stream: TextSink | None = None, progress: RunProgress | None = None
+    config: DDPConfig,
+    log_stream: TextSink | None = None,
+    progress: RunProgress | None = None,
+    rank_module: str = "launch.ddp.rank",
 ) -> dict[str, Any]:
     """Run every rank to completion and return rank 0's summary.
 
@@ -228,6 +231,8 @@ def run_ddp(
         config: what to run.
         log_stream: where the ranks' logs go (default: ``run_dir/cluster.log``).
         progress: a progress bar fed from rank 0's events (none by default).
+        rank_module: the module each rank runs (``python -m``); another one must take
+            ``launch.ddp.rank``'s arguments (a bench wraps it to change one thing).
 
     Returns:
         The parsed ``summary.json``.
@@ -266,7 +271,7 @@ def run_ddp(
                 )
                 rendezvous = ["--store", f"127.0.0.1:{store.port}"]
             for rank in range(config.world_size):
-                cmd = [sys.executable, "-m", "launch.ddp.rank", "--config", str(config_path)]
+                cmd = [sys.executable, "-m", rank_module, "--config", str(config_path)]
                 cmd += ["--rank", str(rank), *rendezvous]
                 children.start(
                     config.rank_name(rank), cmd if hosts is None else hosts.workers[rank].argv(cmd)

@@ -1,0 +1,227 @@
+"""Multi-host training end to end: weighted-sync against DDP on the same emulated hosts and links.
+
+Every run goes through the launcher on one emulated cluster (``--links``: the server on its own
+host, each worker or DDP rank on its own, every link capped both ways): weighted-sync with
+``--wire-dtype bf16`` and one parameter shard on each worker host (``ws-bf16``), DDP with
+fp32 gradients (``ddp-fp32``) and DDP with PyTorch's bf16 compression hook (``ddp-bf16``,
+``bench/mh_ddp_bf16.py``). The runs alternate within each repeat, with the same seed, data
+(synthetic 3-band scenes) and model (``resnet18``, 11.2 M parameters). Slow nodes are
+emulated with ``--slowdowns``.
+
+Printed per mode: the epoch time (training time / epochs) and the final OA, min / median / max
+over repeats; per mode, from the round records, the slowest node's compute per step and the
+rest of the step (DDP: the all-reduce not hidden behind backward; weighted-sync: the push,
+the pull and the round's coordination), medians. The last lines are
+``ratio_epoch_<ddp mode>_vs_ws=X.XX`` (medians of DDP's epoch time / weighted-sync's) and
+``oa_diff_<ddp mode>_vs_ws=X.XXXX``. Needs root (prints why and exits 0 otherwise).
+
+Usage: python bench/mh_train.py [--workers 3] [--links 1gbit] [--slowdowns 1,1,2]
+       [--global-batch 24] [--epochs 3] [--repeats 2] [--samples 750] [--out runs/mh_train]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from common.errors import PSError  # noqa: E402
+from common.logsetup import setup_logging  # noqa: E402
+from launch.cluster.netns import available  # noqa: E402
+from launch.cluster.spec import ClusterSpec, parse_cluster  # noqa: E402
+from launch.ddp.launcher import DDPConfig, run_ddp  # noqa: E402
+from launch.local import LocalCluster, run_local  # noqa: E402
+from launch.settings import TrainSettings  # noqa: E402
+from launch.slowdowns import parse_slowdowns  # noqa: E402
+
+log = logging.getLogger("mh_train")
+MODES = ("ws-bf16", "ddp-fp32", "ddp-bf16")
+SYNTH_TIMEOUT_S = 300.0
+RUN_TIMEOUT_S = 1800.0
+
+
+def make_dataset(out: Path, samples: int, size: int) -> Path:
+    """Synthetic 3-band scenes through the user-facing ``pserver data synth``."""
+    path = out / f"scenes-{size}px-{samples}.h5"
+    if not path.exists():
+        argv = [sys.executable, "-m", "pserver.cli", "data", "synth", "--kind", "scenes"]
+        argv += ["--out", str(path), "--samples", str(samples), "--bands", "3"]
+        argv += ["--size", str(size), "--classes", "10", "--seed", "0"]
+        subprocess.run(argv, check=True, timeout=SYNTH_TIMEOUT_S, cwd=ROOT, capture_output=True)
+    return path
+
+
+def run_mode(
+    mode: str,
+    args: argparse.Namespace,
+    dataset: Path,
+    spec: ClusterSpec,
+    slowdowns: tuple[float, ...],
+    seed: int,
+    run_dir: Path,
+) -> dict[str, Any]:
+    """One run of ``mode`` through the launcher; its summary."""
+    train = TrainSettings(epochs=args.epochs, global_batch=args.global_batch, seed=seed)
+    if mode == "ws-bf16":
+        cluster = LocalCluster(
+            dataset=dataset,
+            model=args.model,
+            mode="weighted-sync",
+            slowdowns=slowdowns,
+            run_dir=run_dir,
+            server_options=(*train.server_args(), "--wire-dtype", "bf16"),
+            worker_options=("--threads", "1"),
+            shards=len(slowdowns),
+            run_timeout_s=RUN_TIMEOUT_S,
+            nodes=spec,
+        )
+        return run_local(cluster)
+    config = DDPConfig(
+        dataset=dataset,
+        model=args.model,
+        slowdowns=slowdowns,
+        run_dir=run_dir,
+        train=train,
+        run_timeout_s=RUN_TIMEOUT_S,
+        nodes=spec,
+    )
+    module = "bench.mh_ddp_bf16" if mode == "ddp-bf16" else "launch.ddp.rank"
+    return run_ddp(config, rank_module=module)
+
+
+def step_split(run_dir: Path) -> tuple[float, float]:
+    """Medians over the run's rounds of the slowest node's compute and of the rest of the
+    round (DDP's emulated compute counts its slowdown; a PS worker's compute_s does)."""
+    compute, rest = [], []
+    for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+        event = json.loads(line)
+        if event.get("event") != "round":
+            continue
+        key = "emulated_s" if "emulated_s" in event["workers"][0] else "compute_s"
+        slowest = max(float(w.get(key) or 0.0) for w in event["workers"])
+        compute.append(slowest)
+        rest.append(float(event["round_s"]) - slowest)
+    return statistics.median(compute), statistics.median(rest)
+
+
+def spread(values: list[float], digits: int = 3) -> str:
+    """``min / median / max``."""
+    return " / ".join(
+        f"{v:.{digits}f}" for v in (min(values), statistics.median(values), max(values))
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every mode ``--repeats`` times, print the table and the ratios; exit code 0 when
+    every run finished (or the bench cannot run here)."""
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=fmt)
+    p.add_argument("--workers", type=int, default=3, help="worker hosts (DDP ranks)")
+    p.add_argument("--links", default="1gbit", help="every node's link rate (tc units)")
+    p.add_argument("--slowdowns", default="1,1,2", help="slowdown per worker (and rank)")
+    p.add_argument("--model", default="resnet18", help="model for every run")
+    p.add_argument("--size", type=int, default=32, help="image side of the synthetic scenes")
+    p.add_argument("--samples", type=int, default=750, help="scenes (80 %% train)")
+    p.add_argument("--global-batch", type=int, default=24, help="global batch B")
+    p.add_argument("--epochs", type=int, default=3, help="epochs per run")
+    p.add_argument("--repeats", type=int, default=2, help="interleaved repeats (seed = repeat)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"among {', '.join(MODES)}")
+    p.add_argument("--out", type=Path, default=ROOT / "runs/mh_train", help="output directory")
+    args = p.parse_args(argv)
+    setup_logging("INFO", "mh_train ")
+    reason = available()
+    if reason:
+        print(f"skipped: {reason} (the bench builds network namespaces)")
+        return 0
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    modes = tuple(m for m in args.modes.split(",") if m)
+    slowdowns = parse_slowdowns(args.slowdowns, args.workers)
+    spec = parse_cluster(args.workers, links=args.links)
+    assert spec is not None
+    args.out.mkdir(parents=True, exist_ok=True)
+    dataset = make_dataset(args.out, args.samples, args.size)
+    out = args.out / time.strftime("%Y%m%d-%H%M%S")
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    failures: list[str] = []
+    started = time.monotonic()
+    for repeat in range(args.repeats):
+        for mode in modes:
+            run_dir = out / f"{mode}-r{repeat}"
+            try:
+                summary = run_mode(mode, args, dataset, spec, slowdowns, repeat, run_dir)
+            except PSError as exc:
+                failures.append(f"{mode} r{repeat}: {exc}")
+                log.error("%s r%d failed: %s", mode, repeat, exc)
+                continue
+            compute, rest = step_split(run_dir)
+            record = {
+                "epoch_time_s": summary["train_time_s"] / summary["epochs"],
+                "oa": summary["final"]["oa"],
+                "slowest_compute_s": compute,
+                "rest_of_step_s": rest,
+                "batches": {w["name"]: w["samples"] for w in summary["workers"]},
+                "run_dir": str(run_dir),
+            }
+            runs[mode].append(record)
+            log.info("%s r%d: %s", mode, repeat, json.dumps(record))
+    print(
+        f"multi-host training: {args.workers} worker hosts + server host, links {args.links}, "
+        f"slowdowns {args.slowdowns}, {args.model}, scenes {args.size}px x {args.samples}, "
+        f"B={args.global_batch}, {args.epochs} epochs, {args.repeats} repeats, "
+        f"{time.monotonic() - started:.0f} s"
+    )
+    print(
+        "mode | epoch time s (min / median / max) | final OA | slowest compute per step s | "
+        "rest of step s"
+    )
+    for mode, records in runs.items():
+        if records:
+            print(
+                f"{mode} | {spread([r['epoch_time_s'] for r in records], 2)} | "
+                f"{spread([r['oa'] for r in records], 4)} | "
+                f"{statistics.median(r['slowest_compute_s'] for r in records):.3f} | "
+                f"{statistics.median(r['rest_of_step_s'] for r in records):.3f}"
+            )
+    figures = {}
+    if runs.get("ws-bf16"):
+        ws_epoch = statistics.median(r["epoch_time_s"] for r in runs["ws-bf16"])
+        ws_oa = statistics.median(r["oa"] for r in runs["ws-bf16"])
+        for mode in ("ddp-fp32", "ddp-bf16"):
+            if runs.get(mode):
+                epoch = statistics.median(r["epoch_time_s"] for r in runs[mode])
+                oa = statistics.median(r["oa"] for r in runs[mode])
+                figures[mode] = {"ratio_epoch": epoch / ws_epoch, "oa_diff": ws_oa - oa}
+                print(f"ratio_epoch_{mode.replace('-', '_')}_vs_ws={epoch / ws_epoch:.2f}")
+                print(f"oa_diff_{mode.replace('-', '_')}_vs_ws={ws_oa - oa:+.4f}")
+    for line in failures:
+        print(f"failed: {line}")
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "runs": runs,
+                "figures": figures,
+                "failures": failures,
+            },
+            indent=2,
+        ),
+        encoding="utf-8",
+    )
+    print(f"results: {out / 'results.json'}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
