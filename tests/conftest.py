@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: real Jasper Ridge data and the Slurm testbed (skipped when absent)."""
+"""Shared pytest fixtures: real Jasper Ridge data, the Slurm testbed and network namespaces
+(skipped when absent)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,19 @@ def small_hsi(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("synth") / "small_hsi.h5"
     synth_hsi(out, bands=16, size=24, classes=4, train_fraction=0.3, seed=1)
     return out
+
+
+@pytest.fixture
+def netns_ok() -> None:
+    """Skips without root or iproute2; fails instead when REQUIRE_NETNS=1."""
+    from launch.cluster.netns import available
+
+    reason = available()
+    if reason is None:
+        return
+    if os.environ.get("REQUIRE_NETNS") == "1":
+        pytest.fail(f"{reason} (REQUIRE_NETNS=1 requires it)")
+    pytest.skip(reason)
 
 
 TESTBED = Path(__file__).resolve().parents[1] / "launch/slurm/testbed.sh"

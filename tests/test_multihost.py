@@ -25,17 +25,6 @@ from launch.cluster.spec import rate_bits  # noqa: E402
 PREFIX = "mht"  # not the bench's "mh-": a bench run at the same time is left alone
 
 
-@pytest.fixture
-def netns_ok() -> None:
-    """Skips without root or iproute2; fails instead when REQUIRE_NETNS=1."""
-    reason = available()
-    if reason is None:
-        return
-    if os.environ.get("REQUIRE_NETNS") == "1":
-        pytest.fail(f"{reason} (REQUIRE_NETNS=1 requires it)")
-    pytest.skip(reason)
-
-
 def _all_mh() -> set[str]:
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10)
     return {line.split()[0] for line in listing.stdout.splitlines() if line.startswith("mh")}
