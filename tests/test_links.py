@@ -190,3 +190,25 @@ def test_no_links_builds_nothing() -> None:
         assert hosts is None
     with cluster_hosts(None) as hosts:
         assert hosts is None
+
+
+def test_the_link_options_reach_every_launcher(small_hsi: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from launch.cli import local_cluster
+    from launch.cli import main as pslaunch
+
+    args = ["--dataset", str(small_hsi), "--model", "hsi-cnn", "--run-dir", "r"]
+    args += ["--slowdowns", "1,2,2", "--links", "1gbit,1gbit,100mbit", "--epochs", "1"]
+    ctx = pslaunch.commands["local"].make_context("local", args)
+    ctx.params.pop("progress")
+    cluster, _ = local_cluster(**ctx.params)
+    assert cluster.nodes is not None
+    assert [n.link for n in cluster.nodes.workers] == ["1gbit", "1gbit", "100mbit"]
+    assert cluster.nodes.server.link == "1gbit"  # the fastest worker link
+    base = ["--dataset", str(small_hsi), "--model", "hsi-cnn", "--epochs", "1"]
+    base += ["--slowdowns", "1,2", "--links", "1gbit,1gbit,1gbit"]
+    for command, out in (("ddp", "--run-dir"), ("compare", "--out"), ("local", "--run-dir")):
+        result = CliRunner().invoke(pslaunch, [command, *base, out, str(tmp_path / command)])
+        assert result.exit_code == 2, result.output
+        assert "--links '1gbit,1gbit,1gbit' has 3 entries for 2 workers" in result.output
