@@ -45,7 +45,7 @@ def _cluster(dataset: Path, run_dir: Path, **changes: object) -> LocalCluster:
         "mode": "weighted-sync",
         "slowdowns": (1.0, 2.0),
         "run_dir": run_dir,
-        "server_options": ("--epochs", "2", "--shutdown-timeout", "30"),
+        "server_options": ("--epochs", "1", "--shutdown-timeout", "30"),
         "startup_timeout_s": WAIT_S,
         "run_timeout_s": WAIT_S,
         "nodes": parse_cluster(2, links="100mbit"),
@@ -73,7 +73,7 @@ def test_pslaunch_local_trains_across_hosts(
 ) -> None:
     before = _links()
     summary = run_local(_cluster(small_hsi, tmp_path, shards=2))
-    assert summary["epochs"] == 2 and summary["worker_exit_codes"] == [0, 0]
+    assert summary["epochs"] == 1 and summary["worker_exit_codes"] == [0, 0]
     assert summary["shard_exit_codes"] == [0, 0]
     assert all(w["samples"] > 0 for w in summary["workers"])
     events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
