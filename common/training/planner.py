@@ -76,13 +76,13 @@ def _usable(fit: Fit) -> bool:
     )
 
 
-def _finish_time(fits: Mapping[int, Fit], workers: Collection[int], total: float) -> float:
-    """T with sum over ``workers`` of (T - fixed_i) / beta_i == ``total``."""
-    inverse = math.fsum(1.0 / fits[w].beta_s_per_sample for w in workers)
-    lifted = math.fsum(
-        (fits[w].alpha_s + fits[w].transfer_s) / fits[w].beta_s_per_sample for w in workers
-    )
-    return (total + lifted) / inverse
+@functools.cache
+def _normal_grid() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The grid ``expected_max_deviate`` integrates on: x, the standard normal's density up
+    to its constant, and its distribution function."""
+    x = np.linspace(-9.0, 9.0, 3601)
+    cdf = 0.5 * (1.0 + np.array([math.erf(v / math.sqrt(2.0)) for v in x]))
+    return x, np.exp(-0.5 * x * x), cdf
 
 
 @functools.cache
@@ -91,9 +91,8 @@ def expected_max_deviate(n: int) -> float:
     for 3, 1.029 for 4."""
     if n <= 1:
         return 0.0
-    x = np.linspace(-9.0, 9.0, 3601)
-    cdf = 0.5 * (1.0 + np.array([math.erf(v / math.sqrt(2.0)) for v in x]))
-    density = n * np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi) * cdf ** (n - 1)
+    x, bell, cdf = _normal_grid()
+    density = n * bell / math.sqrt(2.0 * math.pi) * cdf ** (n - 1)
     return float(np.sum(x * density) * (x[1] - x[0]))
 
 
@@ -132,9 +131,11 @@ def plan_by_model(
         return None
     if total <= 0 or not fits:
         return {}
-    sizes = _equal_finish(fits, total)
+    models = _Models(fits)
+    members, batch = models.equal_finish(np.arange(len(models.ids)), total)
     if math.isfinite(spread_s) and 0 < spread_s <= MAX_SECONDS:
-        sizes = _without_stragglers(fits, total, sizes, spread_s)
+        members, batch = models.without_stragglers(members, batch, total, spread_s)
+    sizes = dict(zip(models.ids[members].tolist(), batch.tolist(), strict=True))
     for w in sorted(probe):
         if w in fits and not sizes.get(w):
             donor = max(sizes, key=lambda v: (sizes[v] > 1, fits[v].predict(sizes[v]), v))
@@ -144,62 +145,174 @@ def plan_by_model(
     return sizes
 
 
-def _without_stragglers(
-    fits: Mapping[int, Fit], total: int, sizes: dict[int, int], spread_s: float
-) -> dict[int, int]:
-    """Drop the member with the smallest batch (the slower on a tie) while the plan without
-    it has a lower ``expected_round_s``."""
-    expected = expected_round_s(fits, sizes, spread_s)
-    while len(sizes) > 1:
-        smallest = min(sizes, key=lambda w: (sizes[w], -fits[w].predict(1), -w))
-        fewer = _equal_finish({w: fits[w] for w in sizes if w != smallest}, total)
-        sooner = expected_round_s(fits, fewer, spread_s)
-        if sooner >= expected:
-            break
-        sizes, expected = fewer, sooner
-    return sizes
+# Sums of floats are kept exactly, as integers in units of the smallest subnormal (2**-1074),
+# and rounded once (int / int is correctly rounded, as ``math.fsum`` is): the sum over a set
+# is then the same float whether summed at once or kept while members are taken out.
+_EXACT_SHIFT = 1074
+_EXACT_UNIT = 1 << _EXACT_SHIFT
 
 
-def _equal_finish(fits: Mapping[int, Fit], total: int) -> dict[int, int]:
-    """``plan_by_model`` without spread or probes, for usable ``fits`` and ``total`` > 0."""
+def _exact(values: np.ndarray) -> list[int]:
+    """Finite floats as integers in units of 2**-1074."""
+    exact = []
+    for v in values.tolist():
+        numerator, denominator = v.as_integer_ratio()
+        exact.append(numerator << (_EXACT_SHIFT - denominator.bit_length() + 1))
+    return exact
 
-    def one(w: int) -> float:
-        return fits[w].predict(1)
 
-    if total < len(fits):  # not enough for everyone: one each to the quickest
-        return {w: 1 for w in sorted(fits, key=lambda w: (one(w), w))[:total]}
-    active = set(fits)
-    fixed: dict[int, int] = {}
-    left = total
-    while active:
-        finish = _finish_time(fits, active, left)
-        short = [w for w in active if fits[w].predict(1) > finish]  # share below one sample
-        if not short:
-            break
-        worst = max(short, key=lambda w: (one(w), w))
-        active.discard(worst)
-        if not active:  # the last worker planned continuously takes the rest
-            active.add(worst)
-            break
-        if one(worst) <= _finish_time(fits, active, left):
-            fixed[worst] = 1  # one sample keeps it within the others' round
-            left -= 1
-    sizes = dict(fixed)
-    if active:
-        finish = _finish_time(fits, active, left)
-        for w in active:
-            fit = fits[w]
-            share = (finish - fit.alpha_s - fit.transfer_s) / fit.beta_s_per_sample
-            sizes[w] = max(1, min(left, math.floor(share + 1e-9)))
-    over = sum(sizes.values()) - total
-    while over > 0:  # rounding guard: only reached through float noise
-        largest = max(sizes, key=lambda w: (fits[w].predict(sizes[w]), w))
-        sizes[largest] -= 1
-        over -= 1
-    heap = [(fits[w].predict(n + 1), w) for w, n in sizes.items()]
-    heapq.heapify(heap)
-    for _ in range(total - sum(sizes.values())):
-        _, w = heapq.heappop(heap)
-        sizes[w] += 1
-        heapq.heappush(heap, (fits[w].predict(sizes[w] + 1), w))
-    return {w: n for w, n in sizes.items() if n > 0}
+# Candidates per member for the samples left after flooring; a member whose every candidate is
+# taken (not seen in practice: flooring leaves less than one sample per member) falls back to
+# handing them out one at a time.
+_EXTRA_CANDIDATES = 3
+
+
+class _Models:
+    """Usable fits as arrays, in the order of their one-sample time (then id), so that
+    water-filling drops members from the end and a set of members is an ascending array of
+    positions. Every time is computed by the same floating-point operations as ``Fit.predict``
+    and sums are exact (``_exact``): plans do not depend on the order of ``fits``."""
+
+    def __init__(self, fits: Mapping[int, Fit]) -> None:
+        terms = np.array(
+            [(f.alpha_s, f.beta_s_per_sample, f.transfer_s) for f in fits.values()],
+            dtype=np.float64,
+        ).reshape(-1, 3)
+        one = terms[:, 0] + terms[:, 1] * 1.0 + terms[:, 2]  # Fit.predict(1)
+        ids = np.array(list(fits), dtype=np.int64)
+        order = np.lexsort((ids, one))
+        self.ids = ids[order]
+        self.alpha, self.beta, self.transfer = (terms[order, i] for i in range(3))
+        self.one = one[order]
+        self.inverse = 1.0 / self.beta
+        self.lifted = (self.alpha + self.transfer) / self.beta
+        self._exact: tuple[list[int], list[int]] | None = None
+
+    def predict(self, members: np.ndarray, batch: np.ndarray) -> np.ndarray:
+        """``Fit.predict`` of each member (positions) for its batch."""
+        return self.alpha[members] + self.beta[members] * batch + self.transfer[members]
+
+    def finish_s(self, members: np.ndarray, total: float, sums: tuple[int, int] | None) -> float:
+        """T with sum over ``members`` of (T - fixed_i) / beta_i == ``total``, from their
+        ``sums`` when given (the same float as summing now)."""
+        if sums is not None:
+            inverse, lifted = sums
+            return (total + lifted / _EXACT_UNIT) / (inverse / _EXACT_UNIT)
+        inverse_sum = math.fsum(self.inverse[members].tolist())
+        return (total + math.fsum(self.lifted[members].tolist())) / inverse_sum
+
+    def sums(self, members: np.ndarray) -> tuple[int, int]:
+        """The exact sums over ``members`` of 1 / beta_i and fixed_i / beta_i (``_exact``)."""
+        if self._exact is None:
+            self._exact = _exact(self.inverse), _exact(self.lifted)
+        inverse, lifted = self._exact
+        picked = members.tolist()
+        return sum(inverse[p] for p in picked), sum(lifted[p] for p in picked)
+
+    def without(self, sums: tuple[int, int], position: int) -> tuple[int, int]:
+        """``sums`` less one member's terms."""
+        assert self._exact is not None  # sums() built them
+        inverse, lifted = self._exact
+        return sums[0] - inverse[position], sums[1] - lifted[position]
+
+    def expected_round_s(self, members: np.ndarray, batch: np.ndarray, spread_s: float) -> float:
+        """``expected_round_s`` of a plan."""
+        latest = float(self.predict(members, batch).max())
+        return latest + spread_s * expected_max_deviate(len(members))
+
+    def without_stragglers(
+        self, members: np.ndarray, batch: np.ndarray, total: int, spread_s: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Drop the member with the smallest batch (the slower on a tie) while the plan
+        without it has a lower ``expected_round_s``."""
+        expected = self.expected_round_s(members, batch, spread_s)
+        sums = None  # exact sums over members: built once a member is dropped
+        while len(members) > 1:
+            # the smallest batch; on a tie the larger one-sample time (then id): the last
+            smallest = int(np.flatnonzero(batch == batch.min())[-1])
+            rest = None if sums is None else self.without(sums, int(members[smallest]))
+            fewer, fewer_batch = self.equal_finish(np.delete(members, smallest), total, rest)
+            sooner = self.expected_round_s(fewer, fewer_batch, spread_s)
+            if sooner >= expected:
+                break
+            if rest is None or len(fewer) < len(members) - 1:  # others left out too
+                rest = self.sums(fewer)
+            members, batch, expected, sums = fewer, fewer_batch, sooner, rest
+        return members, batch
+
+    def equal_finish(
+        self, members: np.ndarray, total: int, sums: tuple[int, int] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The plan without spread or probes over ``members`` (ascending positions, at least
+        one; ``sums``: their ``sums`` when known) for ``total`` > 0: positions with a batch
+        > 0, ascending, and their batches."""
+        if total < len(members):  # not enough for everyone: one each to the quickest
+            return members[:total], np.ones(total, dtype=np.int64)
+        active = len(members)  # members[:active] are planned continuously
+        ones: list[int] = []  # positions that keep one sample
+        left = total
+        finish = self.finish_s(members, left, sums)
+        while self.one[members[active - 1]] > finish:  # the slowest's share is below one
+            worst = int(members[active - 1])
+            if active == 1:  # the last worker planned continuously takes the rest
+                break
+            active -= 1
+            sums = self.without(self.sums(members) if sums is None else sums, worst)
+            finish = self.finish_s(members, left, sums)
+            if self.one[worst] <= finish:  # one sample keeps it within the others' round
+                ones.append(worst)
+                left -= 1
+                finish = self.finish_s(members, left, sums)
+        planned = members[:active]
+        share = (finish - self.alpha[planned] - self.transfer[planned]) / self.beta[planned]
+        floored = np.clip(np.floor(share + 1e-9), 1, max(left, 1)).astype(np.int64)
+        positions = np.concatenate([planned, np.array(ones, dtype=np.int64)])
+        batch = np.concatenate([floored, np.ones(len(ones), dtype=np.int64)])
+        order = np.argsort(positions, kind="stable")
+        positions, batch = positions[order], batch[order]
+        for _ in range(int(batch.sum()) - total):  # rounding guard: only through float noise
+            batch[self._latest(positions, batch)] -= 1
+        batch = self._hand_out(positions, batch, total - int(batch.sum()))
+        kept = batch > 0
+        return positions[kept], batch[kept]
+
+    def _latest(self, positions: np.ndarray, batch: np.ndarray) -> int:
+        """Index of the member predicted to finish last (the larger id on a tie)."""
+        times = self.predict(positions, batch)
+        tied = np.flatnonzero(times == times.max())
+        return int(tied[np.argmax(self.ids[positions[tied]])])
+
+    def _hand_out(self, positions: np.ndarray, batch: np.ndarray, extra: int) -> np.ndarray:
+        """Give ``extra`` samples one at a time to the member that would then finish first
+        (the smaller id on a tie)."""
+        if extra <= 0:
+            return batch
+        steps = np.arange(1, _EXTRA_CANDIDATES + 1)
+        after = batch[:, None] + steps[None, :]  # (members, candidates)
+        times = self.predict(positions[:, None], after).ravel()
+        if extra <= len(times):
+            owner = np.repeat(np.arange(len(positions)), len(steps))
+            # the ``extra`` smallest (time, id): every time below the extra-th, then its ties
+            kth = np.partition(times, extra - 1)[extra - 1]
+            below = np.flatnonzero(times < kth)
+            tied = np.flatnonzero(times == kth)
+            tied = tied[np.argsort(self.ids[positions][owner[tied]], kind="stable")]
+            chosen = np.concatenate([below, tied[: extra - len(below)]])
+            taken = np.bincount(owner[chosen], minlength=len(positions))
+            if taken.max() < len(steps):
+                return batch + taken
+        heap = [
+            (float(t), int(self.ids[p]), j)
+            for j, (p, t) in enumerate(
+                zip(positions, self.predict(positions, batch + 1), strict=True)
+            )
+        ]
+        heapq.heapify(heap)
+        batch = batch.copy()
+        for _ in range(extra):
+            _, w, j = heapq.heappop(heap)
+            batch[j] += 1
+            heapq.heappush(
+                heap, (float(self.predict(positions[j : j + 1], batch[j : j + 1] + 1)[0]), w, j)
+            )
+        return batch

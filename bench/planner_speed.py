@@ -1,0 +1,97 @@
+"""How long one call of the model planner takes at 4, 64 and 1024 workers: the planner against
+the step-by-step reference (re-plan after every dropped member, as its rules read; the one in
+tests/test_planner_reference.py), side by side in one run.
+
+The cluster is the one of bench/simulate_speed.py: three node groups in a 1 : 1 : 2 ratio at
+0.75, 1.7 and 4.8 ms per sample, 5 ms per step (the third group's speeds lognormal with sigma
+0.05), a global batch of 32 per worker. Three cases per size: ``steady`` (20-25 ms outside
+compute, no spread: nobody is left out), ``spread`` (a spread as large as the predicted round:
+the spread rule drops members one by one) and ``links`` (0.5-10 s outside compute, as behind
+shared slow links: water-filling leaves most workers out one by one). Checks that both give
+the same plan; prints the median time per call of each over ``--repeats`` interleaved calls,
+their ratio, and ``planner_<n>_<case>_ms=`` / ``reference_<n>_<case>_ms=`` lines.
+
+Usage: python bench/planner_speed.py [--workers 4,64,1024] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.training.perfmodel import Fit
+from common.training.planner import plan_by_model
+from tests.test_planner_reference import reference_plan
+
+PER_SAMPLE_S = (0.00075, 0.0017, 0.0048, 0.0048)  # groups in a 1 : 1 : 2 ratio
+FIXED_S = 0.005
+BATCH_PER_WORKER = 32
+SPREAD_SHARE = 1.0
+CASES = ("steady", "spread", "links")
+
+
+def cluster(n: int, case: str, seed: int = 0) -> tuple[dict[int, Fit], float]:
+    """The bench's ``n`` workers for a case, and the spread to plan with."""
+    rng = random.Random(seed)
+    outside = (0.5, 10.0) if case == "links" else (0.020, 0.025)
+    fits = {}
+    for w in range(n):
+        beta = PER_SAMPLE_S[w % len(PER_SAMPLE_S)]
+        if w % len(PER_SAMPLE_S) >= 2:
+            beta *= rng.lognormvariate(0.0, 0.05)
+        fits[w] = Fit(FIXED_S, beta, rng.uniform(*outside))
+    predicted = max(f.predict(BATCH_PER_WORKER) for f in fits.values())
+    return fits, SPREAD_SHARE * predicted if case == "spread" else 0.0
+
+
+Planner = Callable[[dict[int, Fit], int, tuple[int, ...], float], dict[int, int] | None]
+
+
+def _time_call(
+    plan: Planner, fits: dict[int, Fit], total: int, spread: float
+) -> tuple[float, dict[int, int] | None]:
+    began = time.perf_counter()
+    result = plan(fits, total, (), spread)
+    return time.perf_counter() - began, result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Time both planners per cluster size and case; print the table and the figures."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--workers", default="4,64,1024")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    print(f"{'workers':>7} {'case':>6} {'members':>7} {'reference ms':>12} "
+          f"{'planner ms':>10} {'ratio':>7}")  # fmt: skip
+    for n in (int(v) for v in args.workers.split(",")):
+        total = BATCH_PER_WORKER * n
+        for case in CASES:
+            fits, spread = cluster(n, case)
+            ours, theirs = [], []
+            plan: dict[int, int] | None = None
+            for _ in range(args.repeats):  # interleaved: the same load for both
+                took_ref, expected = _time_call(reference_plan, fits, total, spread)
+                took, plan = _time_call(plan_by_model, fits, total, spread)
+                if plan != expected:
+                    raise SystemExit(f"{n} workers, {case}: the plans differ")
+                theirs.append(took_ref)
+                ours.append(took)
+            ref_ms = 1e3 * statistics.median(theirs)
+            our_ms = 1e3 * statistics.median(ours)
+            members = len(plan or {})
+            print(f"{n:7d} {case:>6} {members:7d} {ref_ms:12.2f} {our_ms:10.2f} "
+                  f"{ref_ms / our_ms:6.1f}x")  # fmt: skip
+            print(f"reference_{n}_{case}_ms={ref_ms:.3f}")
+            print(f"planner_{n}_{case}_ms={our_ms:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
