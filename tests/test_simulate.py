@@ -85,7 +85,7 @@ def test_one_colocated_shard_per_host_moves_what_the_ring_moves(n: int) -> None:
 
 
 def test_async_staleness_and_the_bound() -> None:
-    nodes = [Node(f"n#{i}", 0.001, 0.001, transfer_s=0.002) for i in range(4)]
+    nodes = [Node(f"n#{i}", 0.001, 0.001, push_s=0.002) for i in range(4)]
     free = simulate(_cluster(nodes), "async")
     assert free.staleness is not None and free.rejected == 0
     assert free.staleness["mean"] == pytest.approx(3.0, abs=0.1)  # N - 1 others in between
@@ -197,6 +197,24 @@ def test_from_run_dirs_calibrates_on_the_recorded_rounds(tmp_path: Path) -> None
     assert equal.round_s == pytest.approx(0.004 + 0.002 * 32 + 0.020 + 0.005, rel=0.01)
     ddp_result = simulate(cluster, "ddp")
     assert ddp_result.round_s == pytest.approx(0.004 + 0.002 * 32 + 0.03, rel=0.01)
+
+
+def test_async_pushes_cost_what_a_push_costs_not_a_sync_rounds_wait(tmp_path: Path) -> None:
+    # In 1 round of 5 the worker is served first (4 ms outside compute); otherwise it also
+    # waits for the round's other members (30 ms).
+    rounds = [
+        {"round": i + 1, "round_s": 0.1, "step_s": 0.0,
+         "workers": [{"worker": "w0", "batch": 64, "compute_s": 0.066,
+                      "transfer_s": 0.004 if i % 5 == 0 else 0.030}]}
+        for i in range(40)
+    ]  # fmt: skip
+    node = cluster_from_runs([_write_run(tmp_path / "ps", "weighted-sync", rounds, {})]).nodes[0]
+    assert node.transfer_s == pytest.approx(0.2 * 0.004 + 0.8 * 0.030)  # sync: the mean
+    assert node.push_s == pytest.approx(0.004)  # async: a push served at once
+    # one worker alone: an epoch is 10 pushes of compute plus the push's own transfer
+    alone = _cluster([node], model_params=1000, global_batch=64, samples=640)
+    result = simulate(alone, "async", epochs=1)
+    assert result.epoch_s == pytest.approx(10 * (0.066 + 0.004), rel=0.01)
 
 
 def test_validation_compares_each_prediction_with_the_run_next_to_it(tmp_path: Path) -> None:

@@ -188,6 +188,6 @@ def push_cost_s(cluster: Cluster) -> float:
 
 def one_way_s(cluster: Cluster, node: Node) -> float:
     """Async: one direction of a node's parameter or gradient transfer, without contention."""
-    if node.transfer_s is not None:
-        return node.transfer_s / 2
+    if node.push_s is not None:
+        return node.push_s / 2
     return cluster.wire_bytes / node.link_bytes_s + node.latency_s + cluster.server_latency_s

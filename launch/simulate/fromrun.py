@@ -11,9 +11,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from common.errors import ConfigError
 from common.training.perfmodel import RoundSpread, robust_line
 from launch.simulate.spec import Cluster, Node, ServerCosts
+
+# An async push waits for nobody, but a member of a sync round has its time outside compute
+# stretched by the round's turnaround (the step, every member's reply and pull at once): the
+# rounds in which a worker was served first, a low quantile of that time, show what its pull
+# and push cost on their own.
+PUSH_QUANTILE = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +68,8 @@ def _global_batch(run: RunFiles) -> int:
 def _worker_node(name: str, parts: list[dict[str, Any]], sigma: float) -> Node | None:
     """A worker's node from its round records: compute ``alpha + beta * b`` by the robust
     line through (batch, compute_s), shifted so its mean residual is 0, and its mean time
-    outside compute (an epoch is a sum of rounds: means, not medians, add up to it)."""
+    outside compute (an epoch is a sum of rounds: means, not medians, add up to it) and, for
+    async pushes, the ``PUSH_QUANTILE`` of that time (see there)."""
     points = [(int(p["batch"]), float(p["compute_s"])) for p in parts if p.get("batch")]
     line = robust_line(points)
     if line is None:
@@ -69,12 +78,14 @@ def _worker_node(name: str, parts: list[dict[str, Any]], sigma: float) -> Node |
         line = (0.0, math.fsum(t for _, t in points) / sum(b for b, _ in points))
     alpha, beta = line
     shift = statistics.fmean(t - alpha - beta * b for b, t in points)
+    outside = [float(p["transfer_s"]) for p in parts]
     return Node(
         name=name,
         alpha_s=max(alpha + shift, 0.0),
         beta_s=beta,
-        transfer_s=statistics.fmean(float(p["transfer_s"]) for p in parts),
+        transfer_s=statistics.fmean(outside),
         jitter_s=sigma,
+        push_s=float(np.quantile(outside, PUSH_QUANTILE)),
     )
 
 

@@ -53,6 +53,9 @@ class Node:
         jitter_s: absolute standard deviation added to its round time (seconds).
         transfer_s: measured time per round outside compute; when given it replaces the link
             model for this node (a node fitted from a real run).
+        push_s: measured time of one async push outside compute (parameters and gradient on
+            the wire, without waiting for other workers); when given it replaces the link model
+            for async pushes.
     """
 
     name: str
@@ -63,6 +66,7 @@ class Node:
     jitter: float = 0.0
     jitter_s: float = 0.0
     transfer_s: float | None = None
+    push_s: float | None = None
 
     def compute_s(self, batch: int) -> float:
         """Compute time of a step of ``batch`` samples (no jitter)."""
