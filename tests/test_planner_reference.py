@@ -15,18 +15,7 @@ from collections.abc import Collection, Mapping
 import pytest
 
 from common.training.perfmodel import MAX_SECONDS, Fit
-from common.training.planner import expected_max_deviate, plan_by_model
-
-
-def _usable(fit: Fit) -> bool:
-    fixed = fit.alpha_s + fit.transfer_s
-    return (
-        all(math.isfinite(v) for v in (fit.alpha_s, fit.beta_s_per_sample, fit.transfer_s))
-        and fit.alpha_s >= 0
-        and fit.transfer_s >= 0
-        and fixed <= MAX_SECONDS
-        and 0 < fit.beta_s_per_sample <= MAX_SECONDS
-    )
+from common.training.planner import _usable, expected_max_deviate, plan_by_model
 
 
 def _finish_time(fits: Mapping[int, Fit], workers: Collection[int], total: float) -> float:
