@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -235,6 +236,55 @@ def test_cli_writes_the_script_without_submitting(tmp_path: Path) -> None:
         [*args, "--epochs", "2", "--het", "a:workers=2", "--slowdowns", "1,2"],
     )
     assert mixed.exit_code != 0 and "per component" in mixed.output
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--partition", "gpu\ntouch /tmp/pwned"),
+        ("--worker-opt", "--data=/a\ntouch /tmp/pwned"),
+        ("--server-opt", "--checkpoint-every=5\rtouch /tmp/pwned"),
+        ("--sbatch-opt", "--account=a\x00b"),
+        ("--python", "/usr/bin/python3\x1b"),
+    ],
+)
+def test_control_characters_are_refused_naming_the_option(
+    tmp_path: Path, option: str, value: str
+) -> None:
+    data = tmp_path / "data.h5"
+    data.write_bytes(b"")
+    run_dir = tmp_path / "run"
+    args = ["slurm", "--dataset", str(data), "--model", "hsi-cnn", "--run-dir", str(run_dir)]
+    result = CliRunner().invoke(main, [*args, "--epochs", "2", option, value])
+    assert result.exit_code != 0
+    assert f"Error: {option} " in result.output and "control characters" in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert not (run_dir / "job.sbatch").exists()
+
+
+def test_a_newline_in_the_dataset_path_is_refused(tmp_path: Path) -> None:
+    data = tmp_path / "data\nid\n.h5"
+    data.write_bytes(b"")
+    args = ["slurm", "--dataset", str(data), "--model", "hsi-cnn", "--epochs", "2"]
+    result = CliRunner().invoke(main, [*args, "--run-dir", str(tmp_path / "run")])
+    assert result.exit_code != 0 and "Error: --dataset " in result.output
+    assert "control characters" in result.output
+    with pytest.raises(ConfigError, match="--dataset"):
+        _job(tmp_path, dataset=data)
+    with pytest.raises(ConfigError, match="--model"):
+        _job(tmp_path, model="pkg.mod:f\nid", mode="ddp")
+
+
+def test_script_comments_and_values_cannot_start_a_shell_line(tmp_path: Path) -> None:
+    """Quotes and $() stay inside their quotes; the command in the header comment stays one
+    comment line whatever it holds."""
+    job = _job(tmp_path, worker_options=("--name=$(id)'\"",), partition="p$(id)")
+    text = render(job, "pslaunch slurm --x 'a\nid'\r\x00", "s")
+    assert _bash_syntax_ok(text, tmp_path)
+    lines = text.splitlines()
+    assert all(not line.startswith("id") for line in lines)
+    assert "#   pslaunch slurm --x 'a\\nid'\\r\\x00" in lines
+    assert "    " + shlex.quote("--name=$(id)'\"") in lines
 
 
 # --- helpers run inside the job ------------------------------------------------------------

@@ -15,7 +15,31 @@ from launch.slurm.groups import Group, ServerPlace
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+@,=:-]+$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 DDP = "ddp"
+
+
+def escape_control(text: str) -> str:
+    """``text`` with every control character written as an escape (``\\n``), for a comment."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+def refuse_control(option: str, value: str) -> None:
+    """Refuse a value with a control character (newline, carriage return, NUL, tab, ...):
+    in a job script it would end a comment or an ``#SBATCH`` line and start a shell line.
+
+    Args:
+        option: the option the value came from, named in the error.
+        value: the value.
+
+    Raises:
+        ConfigError: ``value`` holds a control character.
+    """
+    if _CONTROL.search(value):
+        raise ConfigError(
+            f"{option} {value!r}: control characters (newline, carriage return, NUL, tab, ...) "
+            "cannot go into a job script"
+        )
 
 
 def time_limit_s(text: str) -> int:
@@ -115,6 +139,8 @@ class SlurmJob:
         """
         if not self.groups:
             raise ConfigError("the job has no workers")
+        for option, value in self._texts():
+            refuse_control(option, value)
         for group in self.groups:
             group.validate()
         if self.shards == 1:
@@ -157,6 +183,35 @@ class SlurmJob:
                 "quotes or shell characters"
             )
         return self
+
+    def _texts(self) -> list[tuple[str, str]]:
+        """Every text that goes into the job script, with the option it came from."""
+        texts = [
+            ("--dataset", str(self.dataset)),
+            ("--run-dir", str(self.run_dir)),
+            ("--model", self.model),
+            ("--mode", self.mode),
+            ("--partition", self.partition or ""),
+            ("--time", self.time),
+            ("--python", self.python),
+            ("--job-name", self.job_name),
+        ]
+        texts += [("--sbatch-opt", option) for option in self.sbatch_options]
+        texts += [("--server-opt", option) for option in self.server_options]
+        texts += [("--worker-opt", option) for option in self.worker_options]
+        for group in self.groups:
+            texts += [("--het", group.name), ("--partition", group.partition or "")]
+            texts.append(("--het", group.constraint or ""))
+        if self.server is not None:
+            texts += [
+                ("--het", self.server.partition or ""),
+                ("--het", self.server.constraint or ""),
+            ]
+        flag = "--server-opt"
+        for arg in self.train.server_args():
+            flag = arg if arg.startswith("--") else flag
+            texts.append((flag, arg))
+        return texts
 
     def _validate_ddp(self) -> None:
         """Refuse what a DDP job cannot do: no server, no shards, no checkpoint to resume."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 
-from launch.slurm.config import SlurmJob
+from launch.slurm.config import SlurmJob, escape_control
 from launch.slurm.script import placement, resources, wrap
 
 RANKS_LOG = "ranks-$SLURM_JOB_ID.log"
@@ -90,7 +90,7 @@ def render_ddp(job: SlurmJob, command: str, script: str) -> str:
     step = ["srun", *resources(group), "--kill-on-bad-exit=1", "--label"]
     return _TEMPLATE.format(
         script=script,
-        command=command,
+        command=escape_control(command),
         ranks=group.workers,
         sbatch="\n".join(_sbatch_lines(job)),
         python=shlex.quote(job.python),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Iterable
 
-from launch.slurm.config import SlurmJob
+from launch.slurm.config import SlurmJob, escape_control
 from launch.slurm.groups import Group
 
 STEP_LOG = "workers-$SLURM_JOB_ID.$ATTEMPT.log"
@@ -345,7 +345,7 @@ def render(job: SlurmJob, command: str, script: str, worker_extra: tuple[str, ..
         layout = f"one srun step, one task per worker, {job.workers} tasks"
     head = _HEADER.format(
         script=script,
-        command=command,
+        command=escape_control(command),
         layout=layout,
         before=job.signal_before_s,
         requeue=";\n# after the time-limit warning the job is requeued and resumes"
