@@ -159,7 +159,7 @@ def run(raw_endpoint: str, ps_endpoint: str, args: argparse.Namespace) -> None:
         join.chunk_elems,
         join.wire_dtype,
         join.worker_id,
-        join.token,
+        join.store_token,
     )
     task = ps.request(
         TaskRequest(worker_id=join.worker_id, token=join.token, speed=1000.0), expect=TaskReply

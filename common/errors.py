@@ -22,6 +22,7 @@ class ErrorCode(IntEnum):
     INCOMPLETE = 12  # not every chunk of the push's gradient reached its store in time
     REFUSED = 13  # the gradient or the update it makes was refused (outlier, invalid state)
     BUSY = 14  # too much of this peer's data is in flight; retry later
+    UNAUTHORIZED = 15  # a shard's hello does not prove the run's shard secret
 
 
 class PSError(Exception):

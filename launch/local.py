@@ -8,12 +8,15 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError, PSError
+from common.protocol.security import write_shard_secret
 from launch.cluster.netns import Host, Placement, cluster_hosts
 from launch.cluster.spec import ClusterSpec
 from launch.procs import (
@@ -132,6 +135,8 @@ def run_local(
     if log_stream is None:
         log_stream = own_log = (cluster.run_dir / "cluster.log").open("w", encoding="utf-8")
     sink = log_stream
+    secret_dir = Path(tempfile.mkdtemp(prefix="pslaunch-")) if cluster.shards > 1 else None
+    secret = None if secret_dir is None else write_shard_secret(secret_dir / "shard.secret")
     children = Children(sink, {**os.environ, "PYTHONUNBUFFERED": "1"})
     server: Child | None = None
     marks: list[EventsMark] = []
@@ -142,10 +147,13 @@ def run_local(
             metrics = cluster.run_dir / "metrics.jsonl"
             mark = start_offset(metrics)
             marks.append(mark)
-            server = children.start("server", _server_command(cluster, hosts), stderr_only=True)
+            server = children.start(
+                "server", _server_command(cluster, secret, hosts), stderr_only=True
+            )
             with _following(progress, metrics, mark):
                 address = wait_for_address(server, metrics, mark, cluster.startup_timeout_s)
-                shards = [children.start(n, c) for n, c in _shards(cluster, address, hosts)]
+                shard_commands = _shards(cluster, address, hosts, secret)
+                shards = [children.start(n, c) for n, c in shard_commands]
                 workers = [children.start(n, c) for n, c in _workers(cluster, address, hosts)]
                 code = children.wait(server, cluster.run_timeout_s, lambda: _check(workers, shards))
             if code == 0:
@@ -157,6 +165,8 @@ def run_local(
         raise
     finally:
         children.close()
+        if secret_dir is not None:
+            shutil.rmtree(secret_dir, ignore_errors=True)
         for mark in marks:
             mark.close()
         if own_log is not None:
@@ -197,7 +207,9 @@ def _bind(host: Host | None) -> str:
     return f"tcp://{'127.0.0.1' if host is None else host.address}:0"
 
 
-def _server_command(cluster: LocalCluster, hosts: Placement | None = None) -> list[str]:
+def _server_command(
+    cluster: LocalCluster, secret: Path | None, hosts: Placement | None = None
+) -> list[str]:
     host = None if hosts is None else hosts.server
     argv = _python_module(
         "pserver.cli",
@@ -215,22 +227,25 @@ def _server_command(cluster: LocalCluster, hosts: Placement | None = None) -> li
         "--run-dir",
         str(cluster.run_dir),
         *(("--shards", str(cluster.shards)) if cluster.shards > 1 else ()),
+        *(("--shard-secret-file", str(secret)) if secret is not None else ()),
         *cluster.server_options,
     )
     return _on(host, argv)
 
 
 def _shards(
-    cluster: LocalCluster, address: str, hosts: Placement | None
+    cluster: LocalCluster, address: str, hosts: Placement | None, secret: Path | None
 ) -> list[tuple[str, list[str]]]:
     """(name, ``pserver shard`` command line) per shard; none unless ``shards`` > 1. With
-    hosts, shard i runs beside worker i mod N, bound to that host's address."""
-    if cluster.shards < 2:
+    hosts, shard i runs beside worker i mod N, bound to that host's address. Each proves
+    ``secret`` to the coordinator."""
+    if cluster.shards < 2 or secret is None:
         return []
     commands = []
     for i in range(cluster.shards):
         host = None if hosts is None else hosts.shard(i)
         args = ["--coordinator", address, "--bind", _bind(host), "--name", f"shard{i}"]
+        args += ["--secret-file", str(secret)]
         commands.append((f"shard{i}", _on(host, _python_module("pserver.cli", "shard", *args))))
     return commands
 

@@ -192,6 +192,13 @@ def main() -> None:
     "the coordinator and waits for K 'pserver shard' servers, each holding 1/K of the state.",
 )
 @_opt(
+    "shard_secret_file",
+    type=_path(exists=True, dir_okay=False),
+    help="With --shards K: a file of at least 16 secret bytes that every 'pserver shard "
+    "--secret-file' also reads; only shards that prove it may register (default with CURVE: "
+    "a secret derived from --curve-secret).",
+)
+@_opt(
     "wire_dtype",
     type=click.Choice(WIRE_DTYPES),
     help="Format of gradients and parameters on the wire (master weights stay fp32).",
@@ -325,6 +332,13 @@ async def _serve(config: ServerConfig) -> tuple[dict[str, Any], str, int]:
     ShardConfig,
     type=_path(exists=True, file_okay=False),
     help="Directory of worker public keys allowed to connect (the coordinator's).",
+)
+@_opt(
+    "secret_file",
+    ShardConfig,
+    type=_path(exists=True, dir_okay=False),
+    help="The coordinator's --shard-secret-file, proved at registration (default with "
+    "--curve-secret: a secret derived from it).",
 )
 @_opt("torch_threads", ShardConfig, type=int, help="Torch threads for updates.")
 @click.option("--log-level", default="INFO", help="Logging level.")

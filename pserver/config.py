@@ -118,6 +118,7 @@ class ServerConfig:
     resume: bool = False
     dead_after_s: float = 5.0
     shards: int = 1
+    shard_secret_file: Path | None = None
     wire_dtype: str = "fp32"
     chunk_mb: float = 4.0
     max_grad_norm: float | None = None
@@ -216,6 +217,12 @@ class ServerConfig:
         )
         need(1 <= self.shards <= 256, f"--shards must be in [1, 256], got {self.shards}")
         need(
+            self.shards == 1 or self.shard_secret_file is not None or self.curve_secret is not None,
+            f"--shards {self.shards} needs a secret the shards prove: --shard-secret-file FILE "
+            "(the same file as each 'pserver shard --secret-file'; make one with "
+            "'head -c 32 /dev/urandom > FILE') or CURVE keys",
+        )
+        need(
             self.wire_dtype in WIRE_DTYPES,
             f"--wire-dtype {self.wire_dtype!r} is not one of {', '.join(WIRE_DTYPES)}",
         )
@@ -261,6 +268,7 @@ class ShardConfig:
     connect_timeout_s: float = 60.0
     curve_secret: Path | None = None
     authorized_keys: Path | None = None
+    secret_file: Path | None = None
     torch_threads: int = 1
 
     def __post_init__(self) -> None:
@@ -281,6 +289,11 @@ class ShardConfig:
         need(
             (self.curve_secret is None) == (self.authorized_keys is None),
             "--curve-secret and --authorized-keys go together",
+        )
+        need(
+            self.secret_file is not None or self.curve_secret is not None,
+            "a shard needs the secret it proves to the coordinator: --secret-file FILE (the "
+            "coordinator's --shard-secret-file) or CURVE keys",
         )
         need(self.torch_threads >= 1, f"--torch-threads must be >= 1, got {self.torch_threads}")
 

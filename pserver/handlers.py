@@ -118,6 +118,7 @@ class Handlers:
             JoinReply(
                 worker_id=worker.worker_id,
                 token=ps.tokens.token(worker.worker_id),
+                store_token=ps.store_tokens.token(worker.worker_id),
                 mode=ps.config.mode,
                 model=ps.config.model,
                 in_channels=channels,

@@ -23,6 +23,7 @@ from common.data.dataset import DatasetReader
 from common.errors import ErrorCode, ProtocolError, PSError, ShardLost
 from common.protocol.chunks import chunk_elems_for
 from common.protocol.messages import STORE_REQUESTS, WORKER_REQUESTS, TaskReply
+from common.protocol.security import shard_secret
 from common.protocol.shard_messages import ShardHello
 from common.protocol.tokens import TokenBook, new_key
 from common.training.evaluator import Evaluator
@@ -85,7 +86,13 @@ class ParameterServer:
         self.tasks = TaskFactory(self.reader.train_indices)
         self.policy = POLICIES[config.mode](config, self.sampler, self.tasks)
         self.tokens = TokenBook(new_key())
+        self.store_tokens = self.tokens.derive("store")  # what the stores (and shards) check
         self.shard_key = new_key()
+        self.shard_secret = (
+            shard_secret(config.shard_secret_file, config.curve_secret)
+            if config.shards > 1
+            else None
+        )
         self.server_id = secrets.token_hex(8)
         self.roster = Roster(config.dead_after_s, self._on_dead, self.tokens, config.max_workers)
         self.owner = TaskOwner()
@@ -98,6 +105,7 @@ class ParameterServer:
             self.owner,
             config.curve_secret,
             config.authorized_keys,
+            allow_own_key=config.shards > 1,  # shards hold the server's key pair
         )
         self.guard = GradientGuard(config.max_grad_norm, config.outlier_factor)
         self.clip: dict[int, float] = {}
@@ -252,7 +260,7 @@ class ParameterServer:
                 TaskReply(
                     action="train",
                     task_id=task.task_id,
-                    push_token=self.tokens.push_token(worker.worker_id, task.task_id),
+                    push_token=self.store_tokens.push_token(worker.worker_id, task.task_id),
                     version=self.updater.version,
                     epoch=task.epoch,
                     indices=task.indices,

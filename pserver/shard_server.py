@@ -24,7 +24,7 @@ from common.errors import (
 from common.protocol.aclient import AsyncConnection
 from common.protocol.base import Message
 from common.protocol.messages import STORE_REQUESTS, GradientChunk, PullRequest
-from common.protocol.security import server_as_client
+from common.protocol.security import hello_proof, server_as_client, shard_secret
 from common.protocol.shard_messages import (
     CONTROL_REPLIES,
     CONTROL_REQUESTS,
@@ -75,6 +75,7 @@ class ShardServer:
             config.authorized_keys,
             allow_own_key=True,
         )
+        self.secret = shard_secret(config.secret_file, config.curve_secret)
         self.service: StoreService | None = None
         self.key = ""
         self.index = -1
@@ -121,7 +122,11 @@ class ShardServer:
             try:
                 left = max(deadline - time.monotonic(), 0.1)
                 return await connection.request(
-                    ShardHello(address=address, name=cfg.name[:64]),
+                    ShardHello(
+                        address=address,
+                        name=cfg.name[:64],
+                        proof=hello_proof(self.secret, address, cfg.name[:64]),
+                    ),
                     min(left, 10.0),
                     ShardWelcome,
                 )
@@ -158,7 +163,7 @@ class ShardServer:
         else:
             optimizer.steps = welcome.optimizer_steps
         self.service = StoreService(
-            store, welcome.wire_dtype, TokenBook(welcome.token_key), self.endpoint, 600.0
+            store, welcome.wire_dtype, TokenBook(welcome.store_token_key), self.endpoint, 600.0
         )
 
     async def _watch(self) -> None:

@@ -1,4 +1,5 @@
-"""The coordinator's side of parameter shards: a shard says hello and is given its range."""
+"""The coordinator's side of parameter shards: a shard says hello, proves it holds the run's
+shard secret, and is given its range."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 
 from common.errors import ErrorCode, ProtocolError
 from common.protocol.aclient import AsyncConnection
-from common.protocol.security import server_as_client
+from common.protocol.security import check_hello_proof, server_as_client
 from common.protocol.shard_messages import CONTROL_REPLIES, ShardHello, ShardWelcome
 from pserver.config import ENDPOINT_SCHEMES
 from pserver.store.stores import RemoteStores, ShardLink
@@ -25,11 +26,19 @@ async def register_shard(ps: ParameterServer, request: Request, msg: ShardHello)
     """Give a shard server the next free range of the state and connect to it.
 
     Raises:
-        ProtocolError: the run has no shards, all ranges are taken, or the address is bad.
+        ProtocolError: the run has no shards, the hello does not prove the shard secret, all
+            ranges are taken, or the address is bad.
     """
     stores = ps.stores
-    if not isinstance(stores, RemoteStores):
+    if not isinstance(stores, RemoteStores) or ps.shard_secret is None:
         raise ProtocolError(ErrorCode.BAD_FIELD, "this server was not started with --shards K > 1")
+    if not check_hello_proof(ps.shard_secret, msg.address, msg.name, msg.proof):
+        log.warning("refused a shard hello from %r: it does not prove the shard secret", msg.name)
+        raise ProtocolError(
+            ErrorCode.UNAUTHORIZED,
+            "shard_hello does not prove the run's shard secret (give the coordinator's "
+            "--shard-secret-file as --secret-file, or its CURVE key)",
+        )
     if len(stores.links) >= stores.expected or ps.finished:
         raise ProtocolError(
             ErrorCode.BAD_FIELD, f"all {stores.expected} shards are registered already"
@@ -51,7 +60,7 @@ async def register_shard(ps: ParameterServer, request: Request, msg: ShardHello)
     welcome = ShardWelcome(
         index=index,
         key=ps.shard_key,
-        token_key=ps.tokens.key,
+        store_token_key=ps.store_tokens.key,
         lo=lo,
         hi=hi,
         num_params=ps.num_params,

@@ -7,6 +7,7 @@ import os
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -14,6 +15,27 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 LINE_TIMEOUT_S = 180.0
+_SECRETS: list[Path] = []
+
+
+def shard_secret() -> Path:
+    """This test process's shard secret file (made once), for servers with --shards and their
+    shards."""
+    if not _SECRETS:
+        from common.protocol.security import write_shard_secret
+
+        directory = Path(tempfile.mkdtemp(prefix="test-shards-"))
+        _SECRETS.append(write_shard_secret(directory / "shard.secret"))
+    return _SECRETS[0]
+
+
+def _with_secret(options: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    """``options`` plus ``flag shard_secret()`` unless they give a secret or CURVE keys."""
+    if any(
+        o.startswith(("--shard-secret-file", "--secret-file", "--curve-secret")) for o in options
+    ):
+        return options
+    return (*options, flag, str(shard_secret()))
 
 
 class Proc:
@@ -106,7 +128,7 @@ def start_server(
             "hsi-cnn",
             "--run-dir",
             str(run_dir),
-            *options,
+            *(_with_secret(options, "--shard-secret-file") if "--shards" in options else options),
         ],
         "server",
     )
@@ -157,7 +179,7 @@ def start_shard(coordinator: str, name: str, *options: str) -> Proc:
             "tcp://127.0.0.1:0",
             "--name",
             name,
-            *options,
+            *_with_secret(options, "--secret-file"),
         ],
         name,
     )

@@ -230,12 +230,18 @@ async def live_sharded(dataset: Path, shards: int, **options: Any) -> AsyncItera
     """A started coordinator with ``shards`` shard servers, all on this event loop."""
     from pserver.config import ShardConfig
     from pserver.shard_server import ShardServer
+    from tests.cluster import shard_secret
 
     servers: list[ShardServer] = []
     running: list[asyncio.Task[str]] = []
+    options.setdefault("shard_secret_file", shard_secret())
     try:
         async with live_server(dataset, shards=shards, **options) as ps:
-            config = ShardConfig(coordinator=ps.address, bind="tcp://127.0.0.1:0")
+            config = ShardConfig(
+                coordinator=ps.address,
+                bind="tcp://127.0.0.1:0",
+                secret_file=options["shard_secret_file"],
+            )
             servers = [ShardServer(config) for _ in range(shards)]
             running = [asyncio.create_task(s.run()) for s in servers]
             await asyncio.wait_for(ps.stores.ready.wait(), 30)

@@ -26,7 +26,7 @@ from common.protocol.messages import (
     error_frames,
     parse_message,
 )
-from common.protocol.wire import decode_frames, encode_frames
+from common.protocol.wire import PROTOCOL_VERSION, decode_frames, encode_frames
 from common.training.perfmodel import Fit, PerfModel, RoundSpread, robust_line
 from common.training.planner import (
     expected_max_deviate,
@@ -283,7 +283,7 @@ def test_task_request_calibration_fields_are_optional_and_validated() -> None:
     )
     assert parse_message(seeded.to_wire(6), WORKER_REQUESTS)[0] == seeded
     body = {"worker_id": 1, "token": "t", "speed": 10.0, "calibration_s": [float("nan")]}
-    header = {"v": 2, "type": "task_request", "id": 7, "status": "ok", "body": body}
+    header = {"v": PROTOCOL_VERSION, "type": "task_request", "id": 7, "status": "ok", "body": body}
     with pytest.raises(ProtocolError, match="finite"):
         parse_message(encode_frames(header), WORKER_REQUESTS)
     body = {**body, "calibration_s": "fast"}

@@ -95,6 +95,7 @@ EXAMPLES = [
     JoinReply(
         worker_id=3,
         token=TOKEN,
+        store_token=TOKEN,
         mode="async",
         model="hsi-cnn",
         in_channels=198,
@@ -131,11 +132,11 @@ EXAMPLES = [
     StatusReply(status={"mode": "async", "version": 4}),
     HeartbeatReply(server_id="5f3a", finished=False),
     LeaveReply(),
-    ShardHello(address="tcp://10.0.0.2:7000", name="node-2"),
+    ShardHello(address="tcp://10.0.0.2:7000", name="node-2", proof="ab" * 32),
     ShardWelcome(
         index=1,
         key=TOKEN,
-        token_key=TOKEN,
+        store_token_key=TOKEN,
         lo=4,
         hi=10,
         num_params=8,

@@ -11,9 +11,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from common.errors import ErrorCode, RemoteError
 from common.protocol.messages import REPLIES, StatusReply, StatusRequest, parse_message
-from common.protocol.security import generate, is_loopback
-from tests.cluster import start_server, start_worker, summary
+from common.protocol.security import generate, hello_proof, is_loopback, load_client_keys
+from common.protocol.shard_messages import CONTROL_REPLIES, ShardHello
+from tests.cluster import events, start_server, start_shard, start_worker, summary
 from tests.live import live_server
 
 NO_REPLY_S = 1.5
@@ -122,3 +124,67 @@ def test_clear_text_warning_only_off_loopback() -> None:
     assert is_loopback("tcp://localhost:1") and is_loopback("ipc:///tmp/x")
     assert not is_loopback("tcp://0.0.0.0:5555") and not is_loopback("tcp://*:5555")
     assert not is_loopback("tcp://10.1.2.3:5555")
+
+
+@pytest.mark.e2e
+def test_shards_register_and_train_over_curve(small_hsi: Path, tmp_path: Path, keys) -> None:
+    """Set up as docs/operations.md says: shards take the server's two CURVE options and
+    prove a secret derived from the server key; nothing else is needed."""
+    curve = ("--curve-secret", str(keys["server_secret"]))
+    curve += ("--authorized-keys", str(keys["authorized_keys"]))
+    run_dir = tmp_path / "run"
+    server, address = start_server(
+        small_hsi, run_dir, "--epochs", "1", "--shards", "2", "--chunk-mb", "0.05", *curve
+    )
+    shards = [start_shard(address, f"shard{i}", *curve) for i in range(2)]
+    worker = start_worker(
+        address,
+        "trusted",
+        1.0,
+        "--curve-server-key",
+        str(keys["server"]),
+        "--curve-secret",
+        str(keys["worker_secret"]),
+    )
+    try:
+        assert server.wait(90) == 0, "".join(server.seen[-30:])
+        assert worker.wait(30) == 0 and all(s.wait(30) == 0 for s in shards)
+    finally:
+        for proc in (server, worker, *shards):
+            proc.kill()
+    registered = [e for e in events(run_dir) if e["event"] == "shard"]
+    assert sorted(e["index"] for e in registered) == [0, 1]
+    result = summary(run_dir)
+    assert result["details"]["shards"] == 2 and result["epochs"] == 1
+
+
+async def test_a_worker_key_cannot_register_a_shard(small_hsi: Path, keys) -> None:
+    """Under CURVE the worker key reaches the coordinator, but a hello must prove the secret
+    derived from the server key, which workers do not hold."""
+    async with live_server(
+        small_hsi,
+        shards=2,
+        curve_secret=keys["server_secret"],
+        authorized_keys=keys["authorized_keys"],
+    ) as ps:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        load_client_keys(keys["server"], keys["worker_secret"]).apply(sock)
+        sock.connect(ps.address)
+        try:
+            worker_secret = zmq.auth.load_certificate(keys["worker_secret"])[1]
+            assert worker_secret is not None
+            for secret in (worker_secret, b"guess" * 4):
+                address = "tcp://127.0.0.1:5999"
+                proof = hello_proof(secret, address, "mallory")
+                hello = ShardHello(address=address, name="mallory", proof=proof)
+                await sock.send_multipart(hello.to_wire(1))
+                frames = await asyncio.wait_for(sock.recv_multipart(), 10)
+                with pytest.raises(RemoteError) as refused:
+                    parse_message(frames, CONTROL_REPLIES)
+                assert refused.value.code == ErrorCode.UNAUTHORIZED
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+        assert ps.stores.links == []

@@ -4,21 +4,34 @@ shards (two-phase publish, sums in worker order); shards refuse hostile input un
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
 
 import msgpack
 import numpy as np
 import pytest
 import torch
 
-from common.errors import ErrorCode, RemoteError
+from common.errors import ErrorCode, ProtocolError, RemoteError
 from common.protocol.messages import (
+    HeartbeatRequest,
     JoinReply,
     JoinRequest,
     PullRequest,
     TaskReply,
     TaskRequest,
 )
-from common.protocol.shard_messages import ApplyRequest, CaptureRequest, CommitRequest
+from common.protocol.security import hello_proof, write_shard_secret
+from common.protocol.shard_messages import (
+    ApplyRequest,
+    CaptureRequest,
+    CommitRequest,
+    ShardHello,
+)
+from common.protocol.wire import PROTOCOL_VERSION, encode_frames
+from pserver.config import ShardConfig
+from pserver.shard_server import ShardServer
 from pserver.store.stores import RemoteStores
 from tests.live import AsyncClient, Member, clients, live_server, live_sharded
 
@@ -104,7 +117,11 @@ async def test_a_shard_refuses_hostile_input_and_keeps_its_slice(small_hsi) -> N
         async with clients(link.address, 1) as (attacker,):
             for frames in (
                 [b"\x00garbage"],
-                [msgpack.packb({"v": 2, "type": "apply_request", "id": 3, "body": {}})],
+                [
+                    msgpack.packb(
+                        {"v": PROTOCOL_VERSION, "type": "apply_request", "id": 3, "body": {}}
+                    )
+                ],
             ):
                 reply = msgpack.unpackb((await attacker.send_raw(frames))[0])
                 assert reply["status"] == "error"
@@ -136,3 +153,94 @@ async def test_a_shard_refuses_hostile_input_and_keeps_its_slice(small_hsi) -> N
         after = await ps.stores.capture(with_slots=True)
         assert after.version == before.version == 0
         assert np.array_equal(after.state, before.state)
+
+
+# --- who may register as a shard, and what a shard may hand back ------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _shards(ps, count: int, **options: Any) -> AsyncIterator[list[ShardServer]]:
+    """``count`` shard servers registered with ``ps`` on this event loop."""
+    servers = [
+        ShardServer(ShardConfig(coordinator=ps.address, bind="tcp://127.0.0.1:0", **options))
+        for _ in range(count)
+    ]
+    running = [asyncio.create_task(s.run()) for s in servers]
+    try:
+        await asyncio.wait_for(ps.stores.ready.wait(), 30)
+        yield servers
+    finally:
+        for server in servers:
+            server.request_stop()
+        await asyncio.wait_for(asyncio.gather(*running, return_exceptions=True), 30)
+        for server in servers:
+            await server.close()
+
+
+async def test_a_shard_hello_without_the_secret_is_refused_and_changes_nothing(
+    small_hsi, tmp_path
+) -> None:
+    secret = write_shard_secret(tmp_path / "shard.secret")
+    other = write_shard_secret(tmp_path / "other.secret").read_bytes()
+    options = dict(SETTINGS, mode="async", shards=2, shard_secret_file=secret)
+    async with live_server(small_hsi, **options) as ps, clients(ps.address, 1) as (caller,):
+        address = "tcp://127.0.0.1:5999"
+        body = {"address": address, "name": "mallory"}  # a hello that proves nothing
+        frames = encode_frames({"type": "shard_hello", "id": 1, "status": "ok", "body": body}, [])
+        assert msgpack.unpackb((await caller.send_raw(frames))[0])["status"] == "error"
+        for proof in (
+            "",
+            "0" * 64,
+            hello_proof(other, address, "mallory"),  # another secret
+            hello_proof(secret.read_bytes(), "tcp://127.0.0.1:6000", "mallory"),  # replayed
+        ):
+            hello = ShardHello(address=address, name="mallory", proof=proof)
+            assert (await caller.expect_error(hello)).code == ErrorCode.UNAUTHORIZED
+        assert ps.stores.links == [] and not ps.stores.ready.is_set()
+        async with _shards(ps, 2, secret_file=secret) as servers:
+            assert [link.index for link in ps.stores.links] == [0, 1]  # no range was taken
+            member, _ = await caller.join("honest")
+            shard_book = servers[0].service.tokens
+            assert shard_book.key != ps.tokens.key  # shards never get the token key
+            forged = HeartbeatRequest(
+                worker_id=member.worker_id, token=shard_book.token(member.worker_id)
+            )
+            assert (await caller.expect_error(forged)).code == ErrorCode.UNKNOWN_WORKER
+            await caller.request(HeartbeatRequest(worker_id=member.worker_id, token=member.token))
+
+
+HOSTILE_STATES = [
+    (lambda state, rows: (state.astype(np.float64), rows), ErrorCode.BAD_TENSOR),
+    (lambda state, rows: (state[:-1], rows), ErrorCode.BAD_TENSOR),
+    (lambda state, rows: (state, rows[:-1]), ErrorCode.BAD_TENSOR),
+    (lambda state, rows: (np.full_like(state, np.nan), rows), ErrorCode.NON_FINITE),
+    (lambda state, rows: (state, np.full_like(rows, np.inf)), ErrorCode.NON_FINITE),
+]
+
+
+async def test_a_state_a_shard_hands_back_is_checked_before_a_checkpoint(
+    small_hsi, tmp_path
+) -> None:
+    secret = write_shard_secret(tmp_path / "shard.secret")
+    run_dir = tmp_path / "run"
+    options = dict(SETTINGS, mode="async", shards=2, shard_secret_file=secret, run_dir=run_dir)
+    async with (
+        live_server(small_hsi, **options) as ps,
+        _shards(ps, 2, secret_file=secret) as servers,
+    ):
+        assert await ps.save_checkpoint()  # an honest capture is written
+        written = sorted((run_dir / "checkpoints").glob("ckpt-*.npz"))
+        service = servers[1].service
+        honest = service.capture
+        for change, code in HOSTILE_STATES:
+
+            async def hostile(with_slots: bool, change=change):
+                version, steps, slots, state, rows = await honest(with_slots)
+                return version, steps, slots, *change(state, rows.reshape(-1))
+
+            service.capture = hostile  # type: ignore[method-assign]
+            with pytest.raises(ProtocolError) as refused:
+                await ps.stores.capture(with_slots=True)
+            assert refused.value.code == code and "shard 1" in str(refused.value)
+            assert not await ps.save_checkpoint()
+        assert sorted((run_dir / "checkpoints").glob("ckpt-*.npz")) == written

@@ -196,7 +196,7 @@ class Worker:
                 spec.chunk_elems,
                 spec.wire_dtype,
                 spec.worker_id,
-                spec.token,
+                spec.store_token,
                 self.curve,
                 abort,
             )

@@ -33,7 +33,8 @@ class StoreClient:
         coordinator: the coordinator's endpoint.
         chunk_elems: elements per chunk.
         wire: the run's wire format.
-        worker_id, token: this worker's membership.
+        worker_id: this worker's id.
+        token: its store token (``JoinReply.store_token``).
         curve: CURVE keys (stores use the coordinator's key pair).
         abort: an ``inproc://`` endpoint whose messages end every wait with ``ServerLost``.
     """

@@ -1,7 +1,8 @@
 """The messages between workers and the coordinator or a parameter store (docs/protocol.md).
 
-Every request from a member carries its ``worker_id`` and the secret ``token`` it got at join,
-so no connection can act for another worker.
+Every request from a member carries its ``worker_id`` and a secret it got at join (``token``
+for the coordinator, ``store_token`` for pulls from a parameter store), so no connection can act
+for another worker.
 """
 
 from __future__ import annotations
@@ -175,14 +176,17 @@ class PullRequest(Message):
 class JoinReply(Message):
     """Membership granted: what to build, how the run is set up, and where parameters live.
 
-    ``shard_addresses[k]`` serves state elements ``shard_bounds[k]`` to ``shard_bounds[k + 1]``;
-    an empty address means the coordinator itself. Samples travel in ``sample_dtype``; when
-    ``norm_mean``/``norm_std`` are not empty the worker normalises them per band.
+    ``token`` goes with every request to the coordinator, ``store_token`` with every pull from a
+    parameter store. ``shard_addresses[k]`` serves state elements ``shard_bounds[k]`` to
+    ``shard_bounds[k + 1]``; an empty address means the coordinator itself. Samples travel in
+    ``sample_dtype``; when ``norm_mean``/``norm_std`` are not empty the worker normalises them
+    per band.
     """
 
     TYPE: ClassVar[str] = "join_reply"
     worker_id: int
     token: str
+    store_token: str
     mode: str
     model: str
     in_channels: int

@@ -1,9 +1,15 @@
-"""CURVE encryption and authentication for the server and worker sockets (ZeroMQ certificates)."""
+"""CURVE encryption and authentication for the server and worker sockets (ZeroMQ certificates),
+and the secret a parameter shard proves to its coordinator."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import ipaddress
+import logging
+import os
+import secrets
 import shutil
 from pathlib import Path
 
@@ -13,6 +19,10 @@ import zmq.auth
 from common.errors import ConfigError
 
 AUTHORIZED_DIR = "authorized_keys"
+SHARD_SECRET_MIN_BYTES = 16
+_CURVE_SHARD_SECRET = b"rs-pserver shard secret"
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,3 +135,79 @@ def is_loopback(endpoint: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False  # a host name or interface name, or "*"
+
+
+def shard_secret(secret_file: Path | None, curve_secret: Path | None) -> bytes:
+    """The secret that parameter shards prove to their coordinator.
+
+    It is the content of ``secret_file`` (the same file for the coordinator and every shard),
+    else derived from the CURVE server secret key that both hold.
+
+    Args:
+        secret_file: ``--shard-secret-file`` / ``pserver shard --secret-file``, or None.
+        curve_secret: the server's CURVE ``.key_secret`` file, or None.
+
+    Returns:
+        The secret (at least 16 bytes).
+
+    Raises:
+        ConfigError: neither is given, the file cannot be read or holds too few bytes.
+    """
+    if secret_file is not None:
+        try:
+            secret = secret_file.read_bytes()
+            mode = secret_file.stat().st_mode
+        except OSError as exc:
+            raise ConfigError(f"cannot read the shard secret {str(secret_file)!r}: {exc}") from None
+        if len(secret.strip()) < SHARD_SECRET_MIN_BYTES:
+            raise ConfigError(
+                f"the shard secret {str(secret_file)!r} holds fewer than "
+                f"{SHARD_SECRET_MIN_BYTES} bytes; make one with: head -c 32 /dev/urandom > FILE"
+            )
+        if mode & 0o077:
+            log.warning("the shard secret %s is readable by others: chmod 600 it", secret_file)
+        return secret
+    if curve_secret is not None:
+        _, key = load_server_secret(curve_secret)
+        return hmac.new(key, _CURVE_SHARD_SECRET, hashlib.sha256).digest()
+    raise ConfigError(
+        "parameter shards need a secret shared with the coordinator: give the same "
+        "--shard-secret-file (pserver start) and --secret-file (pserver shard), or CURVE keys"
+    )
+
+
+def hello_proof(secret: bytes, address: str, name: str) -> str:
+    """What a shard's hello carries to show it holds ``secret`` (an HMAC of its address and name).
+
+    Args:
+        secret: the shard secret.
+        address, name: the hello's fields.
+
+    Returns:
+        The proof (hex).
+    """
+    text = f"shard_hello\0{address}\0{name}".encode()
+    return hmac.new(secret, text, hashlib.sha256).hexdigest()
+
+
+def check_hello_proof(secret: bytes, address: str, name: str, proof: str) -> bool:
+    """Whether ``proof`` shows that the sender of a hello holds ``secret``."""
+    return proof.isascii() and hmac.compare_digest(hello_proof(secret, address, name), proof)
+
+
+def write_shard_secret(path: Path) -> Path:
+    """Write a fresh shard secret (32 random bytes) to a new file only its owner can read.
+
+    Args:
+        path: where; it must not exist yet (a file or link planted there is refused).
+
+    Returns:
+        ``path``.
+
+    Raises:
+        OSError: ``path`` exists or cannot be created.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(secrets.token_bytes(32))
+    return path

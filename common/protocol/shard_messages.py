@@ -1,6 +1,7 @@
 """Messages between the coordinator and its parameter shards (docs/protocol.md, "Shards").
 
-A shard says hello to the coordinator and is given its range of the flat state; from then on
+A shard says hello to the coordinator, proving it holds the run's shard secret, and is given its
+range of the flat state; from then on
 the coordinator drives it with requests that carry the run's shard ``key``: is a task's
 gradient complete (``staged``), compute an update (``apply``), publish or discard it
 (``commit``), forget tasks (``drop``), hand over its state (``capture``), are you alive
@@ -19,23 +20,26 @@ from common.protocol.base import Message
 
 @dataclasses.dataclass(frozen=True)
 class ShardHello(Message):
-    """A shard server offers itself; ``address`` is where workers and the coordinator reach it."""
+    """A shard server offers itself; ``address`` is where workers and the coordinator reach it.
+    ``proof`` shows that it holds the run's shard secret (``security.hello_proof``)."""
 
     TYPE: ClassVar[str] = "shard_hello"
     address: str
     name: str
+    proof: str
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardWelcome(Message):
     """The shard's assignment: state elements ``[lo, hi)`` with the optimizer settings, the
-    initial state slice and (after a resume) the optimizer slots over its parameter part. The
-    shard exits when the coordinator stays silent for ``dead_after_s``."""
+    initial state slice and (after a resume) the optimizer slots over its parameter part;
+    ``store_token_key`` checks the workers' store and push tokens (never their coordinator
+    tokens). The shard exits when the coordinator stays silent for ``dead_after_s``."""
 
     TYPE: ClassVar[str] = "shard_welcome"
     index: int
     key: str
-    token_key: str
+    store_token_key: str
     lo: int
     hi: int
     num_params: int

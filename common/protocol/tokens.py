@@ -1,7 +1,10 @@
-"""Worker tokens: the secret a worker gets at join and shows in every later request.
+"""Worker tokens: the secrets a worker gets at join and shows in every later request.
 
-A token is an HMAC of the worker id under the run's token key, so the coordinator and every
-shard can check it without a shared table, and no connection can act for another worker.
+A token is an HMAC of the worker id under a key, so it is checked without a shared table and
+no connection can act for another worker. The coordinator's key signs the tokens it checks
+(membership, tasks, data); a key derived from it (``derive("store")``) signs the tokens the
+parameter stores check (pulls, and per-task push tokens). Shards get only the derived key:
+a shard can neither forge a token the coordinator accepts nor recover the coordinator's key.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ class TokenBook:
     """Issues and checks worker tokens under one key.
 
     Args:
-        key: the run's token key (hex), shared by the coordinator and its shards.
+        key: the key (hex).
     """
 
     def __init__(self, key: str) -> None:
@@ -42,6 +45,12 @@ class TokenBook:
             if len(self._signed) > SIGNED_KEPT:
                 self._signed.popitem(last=False)
         return token
+
+    def derive(self, purpose: str) -> TokenBook:
+        """A book under a key derived from this one for ``purpose``; its holder cannot
+        recover this book's key."""
+        derived = hmac.new(self._key, f"derive:{purpose}".encode(), hashlib.sha256).hexdigest()
+        return TokenBook(derived)
 
     def token(self, worker_id: int) -> str:
         """The token of ``worker_id``."""

@@ -30,7 +30,11 @@ def build_stores(ps: ParameterServer) -> LocalStores | RemoteStores:
     cfg, initial = ps.config, ps.initial
     if cfg.shards > 1:
         return RemoteStores(
-            shard_bounds(ps.state_size, cfg.shards), ps.shard_key, cfg.shard_timeout_s
+            shard_bounds(ps.state_size, cfg.shards),
+            ps.shard_key,
+            cfg.shard_timeout_s,
+            ps.num_params,
+            make_optimizer(cfg).slots,
         )
     store = SliceStore(
         0,
@@ -47,5 +51,5 @@ def build_stores(ps: ParameterServer) -> LocalStores | RemoteStores:
             initial.slots, torch.from_numpy(initial.slot_state), initial.optimizer_steps
         )
     return LocalStores(
-        StoreService(store, cfg.wire_dtype, ps.tokens, ps.endpoint, cfg.stage_timeout_s)
+        StoreService(store, cfg.wire_dtype, ps.store_tokens, ps.endpoint, cfg.stage_timeout_s)
     )

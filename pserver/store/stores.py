@@ -154,12 +154,23 @@ class RemoteStores:
         bounds: K + 1 range boundaries.
         key: the shard key control requests carry.
         timeout_s: how long a shard may take to answer a control request.
+        num_params: the parameters at the start of the state (the optimizer slots cover them).
+        slots: the optimizer's slot names.
     """
 
-    def __init__(self, bounds: list[int], key: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        bounds: list[int],
+        key: str,
+        timeout_s: float,
+        num_params: int,
+        slots: Sequence[str],
+    ) -> None:
         self.bounds = bounds
         self.key = key
         self.timeout_s = timeout_s
+        self.num_params = num_params
+        self.slots = list(slots)
         self.links: list[ShardLink] = []
         self.ready = asyncio.Event()
         self.health: dict[int, dict[str, Any]] = {}
@@ -259,9 +270,14 @@ class RemoteStores:
             [s.connection.request(request, self.timeout_s * 4, StateReply) for s in self.links],
             "capture",
         )
+        for link, reply in zip(self.links, replies, strict=True):
+            self._check_state(link, reply, with_slots)
         versions = {r.version for r in replies}
         if len(versions) != 1:
             raise ShardLost(f"shards are at different versions {sorted(versions)}")
+        steps = {r.optimizer_steps for r in replies}
+        if len(steps) != 1:
+            raise ShardLost(f"shards are at different optimizer steps {sorted(steps)}")
         state = np.concatenate([r.state for r in replies])
         slots = replies[0].slots
         rows = (
@@ -272,6 +288,44 @@ class RemoteStores:
         return CapturedState(
             replies[0].version, replies[0].optimizer_steps, list(slots), state, rows
         )
+
+    def _check_state(self, link: ShardLink, reply: StateReply, with_slots: bool) -> None:
+        """Refuse a state slice that is not what ``link`` holds, as a push would be refused:
+        float32, its range's length, finite, with this optimizer's slots over its parameters.
+
+        Raises:
+            ProtocolError: BAD_TENSOR, BAD_FIELD or NON_FINITE, naming the shard.
+        """
+        split = min(max(self.num_params - link.lo, 0), link.hi - link.lo)
+        slots = self.slots if with_slots else []
+        problems = [
+            (
+                reply.state.dtype != np.float32 or reply.state.shape != (link.hi - link.lo,),
+                ErrorCode.BAD_TENSOR,
+                f"a state of {reply.state.dtype} {reply.state.shape}, not float32 "
+                f"({link.hi - link.lo},)",
+            ),
+            (list(reply.slots) != slots, ErrorCode.BAD_FIELD, f"slots {reply.slots[:4]}"),
+            (
+                reply.slot_state.dtype != np.float32
+                or reply.slot_state.shape != (len(slots) * split,),
+                ErrorCode.BAD_TENSOR,
+                f"optimizer slots of {reply.slot_state.dtype} {reply.slot_state.shape}, not "
+                f"float32 ({len(slots) * split},)",
+            ),
+            (
+                reply.version < 0 or reply.optimizer_steps < 0,
+                ErrorCode.BAD_FIELD,
+                "a negative count",
+            ),
+        ]
+        for bad, code, what in problems:
+            if bad:
+                raise ProtocolError(code, f"{link.describe()} handed back {what}")
+        if not (np.isfinite(reply.state).all() and np.isfinite(reply.slot_state).all()):
+            raise ProtocolError(
+                ErrorCode.NON_FINITE, f"{link.describe()} handed back a state that is not finite"
+            )
 
     async def ping(self) -> list[int]:
         """Every shard's version (raises ``ShardLost`` naming a shard that did not answer)."""
