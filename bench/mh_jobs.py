@@ -11,6 +11,7 @@ from typing import Any
 
 from bench.mh_setup import BenchConfig, Variant
 from bench.procs import Child, ChildError, python
+from common.protocol.security import write_shard_secret
 from launch.cluster.netns import Network
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,9 @@ def run_ps(
         ChildError: a process failed, or the run outlived ``cfg.job_timeout``.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
+    secret = run_dir / "shard.secret"
+    secret.unlink(missing_ok=True)
+    write_shard_secret(secret)  # proved by the shards (started only when the variant has some)
     server_host, workers = net.hosts[0], net.hosts[1:]
     n = len(workers)
     children: list[Child] = []
@@ -140,6 +144,8 @@ def run_ps(
                     "120",
                     "--run-dir",
                     str(run_dir),
+                    "--shard-secret-file",
+                    str(secret),
                     *variant.server_options(net.config.rates),
                 )
             ),
@@ -157,6 +163,8 @@ def run_ps(
                 endpoint,
                 "--bind",
                 f"tcp://{host.address}:0",
+                "--secret-file",
+                str(secret),
             )
             shards.append(
                 Child(f"shard@{host.netns}", host.argv(argv), run_dir / f"shard{index}.log")

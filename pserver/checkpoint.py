@@ -11,11 +11,9 @@ random-number state, the evaluations and each worker's counters.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
-import os
 import re
 import time
 import zipfile
@@ -26,6 +24,7 @@ import numpy as np
 import torch
 
 from common.errors import ConfigError
+from common.safefile import run_bounded, write_atomic
 from pserver.sampler import EpochLedger, EpochSampler
 from pserver.store.stores import CapturedState
 
@@ -112,19 +111,13 @@ def write(directory: Path, checkpoint: Checkpoint) -> Path:
         OSError: the file could not be written (no temporary file is left behind).
     """
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"ckpt-{checkpoint.version:010d}.npz"
-    tmp = directory / f".{path.name}.tmp"
     document = json.dumps({"format": FORMAT, **checkpoint.meta}).encode()
-    try:
-        with tmp.open("wb") as handle:
-            arrays = {"meta": np.frombuffer(document, dtype=np.uint8), **checkpoint.arrays}
-            np.savez(handle, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as bool
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    arrays = {"meta": np.frombuffer(document, dtype=np.uint8), **checkpoint.arrays}
+    path = write_atomic(
+        directory / f"ckpt-{checkpoint.version:010d}.npz",
+        lambda handle: np.savez(handle, **arrays),  # type: ignore[arg-type]  # stub: **kwds bool
+        sync=True,
+    )
     for old in sorted(p for p in directory.iterdir() if NAME.match(p.name))[:-KEEP]:
         old.unlink()
     return path
@@ -223,7 +216,7 @@ async def save(ps: ParameterServer) -> Path:
         The checkpoint's path.
 
     Raises:
-        OSError: it could not be written.
+        OSError: it could not be written (``WriteTimeout``: not within ``--write-timeout``).
         ShardLost: a shard did not hand over its state.
     """
     assert ps.config.run_dir is not None
@@ -251,8 +244,9 @@ async def save(ps: ParameterServer) -> Path:
         **sampler_arrays,
     }
     directory = ps.config.run_dir / "checkpoints"
-    loop = asyncio.get_running_loop()
-    path = await loop.run_in_executor(None, write, directory, Checkpoint(arrays, meta))
+    what = f"the checkpoint of version {captured.version}"
+    saved = Checkpoint(arrays, meta)
+    path = await run_bounded(lambda: write(directory, saved), ps.config.write_timeout_s, what)
     ps.log.event(
         "checkpoint",
         version=captured.version,

@@ -146,6 +146,12 @@ def main() -> None:
     "evaluation, stopping workers, summary).",
 )
 @_opt(
+    "write_timeout_s",
+    type=float,
+    help="Seconds one checkpoint or snapshot write may take; a write still stuck then (a "
+    "stalled disk) is abandoned and reported, and the run goes on or ends without it.",
+)
+@_opt(
     "checkpoint_every",
     type=int,
     help="Write a checkpoint to RUN_DIR/checkpoints every this many updates (one is always "

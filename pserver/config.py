@@ -107,6 +107,7 @@ class ServerConfig:
     eval_every_updates: int | None = None
     eval_samples: int | None = None
     shutdown_timeout_s: float = 120.0
+    write_timeout_s: float = 60.0
     data_threads: int = 2
     torch_threads: int = 1
     heartbeat_s: float = 1.0
@@ -208,7 +209,7 @@ class ServerConfig:
         need(self.torch_threads >= 1, f"--torch-threads must be >= 1, got {self.torch_threads}")
         need(self.eval_every >= 0, f"--eval-every must be >= 0, got {self.eval_every}")
         need(self.cache_mb >= 0, f"--cache-mb must be >= 0, got {self.cache_mb}")
-        for name in ("shutdown_timeout_s", "stage_timeout_s", "shard_timeout_s"):
+        for name in ("shutdown_timeout_s", "write_timeout_s", "stage_timeout_s", "shard_timeout_s"):
             value = getattr(self, name)
             need(value > 0, f"--{_flag(name)} must be > 0, got {value}")
         need(

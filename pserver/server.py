@@ -210,7 +210,7 @@ class ParameterServer:
             self._flusher.cancel()
         await self.evaluations.close()
         if self.snapshots is not None:
-            self.snapshots.close()
+            self.snapshots.close(1.0)  # drained (or abandoned) within the shutdown budget
         await self.owner.cancel_all()
         await self.stores.close("the server closed")
         self.roster.close()

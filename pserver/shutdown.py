@@ -8,6 +8,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from common.errors import ShardLost
+from common.safefile import run_bounded
 from pserver.snapshot_hooks import at_end
 from pserver.store.stores import RemoteStores
 from pserver.summary import build_summary
@@ -36,8 +37,10 @@ async def shutdown(ps: ParameterServer) -> None:
         log.exception("shutdown failed")
         ps.run.error = ps.run.error or f"shutdown failed: {type(exc).__name__}: {exc}"
     finally:
+        left = max(deadline - asyncio.get_running_loop().time(), SUMMARY_RESERVE_S)
+        summary = build_summary(ps)
         try:
-            ps.log.write_summary(build_summary(ps))
+            await run_bounded(lambda: ps.log.write_summary(summary), left, "summary.json")
         except OSError as exc:
             ps.run.error = ps.run.error or f"cannot write summary.json: {exc}"
             log.error("%s", ps.run.error)

@@ -65,4 +65,4 @@ async def at_end(ps: ParameterServer) -> None:
     """Save the final version and wait for every queued write (under the updater's lock)."""
     if ps.snapshots is not None:
         await take(ps, final=True)
-        await ps.snapshots.drain()
+        await ps.snapshots.drain(ps.config.write_timeout_s)

@@ -17,7 +17,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import re
 import zipfile
 from collections.abc import Awaitable, Callable
@@ -27,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from common.errors import ConfigError
+from common.safefile import WriteThread, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -67,22 +67,17 @@ def path_for(directory: Path, version: int) -> Path:
 
 
 def write(directory: Path, state: np.ndarray, meta: SnapshotMeta) -> Path:
-    """Write one snapshot atomically (temporary name, then rename).
+    """Write one snapshot atomically (a new temporary file, then rename).
 
     Raises:
         OSError: it could not be written (no temporary file is left behind).
     """
-    path = path_for(directory, meta.version)
-    tmp = directory / f".{path.name}.tmp"
     document = np.frombuffer(json.dumps(meta.to_json()).encode(), dtype=np.uint8)
-    try:
-        with tmp.open("wb") as handle:
-            np.savez(handle, state=np.asarray(state, dtype=np.float32), meta=document)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    state = np.asarray(state, dtype=np.float32)
+    return write_atomic(
+        path_for(directory, meta.version),
+        lambda handle: np.savez(handle, state=state, meta=document),
+    )
 
 
 def list_snapshots(directory: Path) -> list[tuple[int, Path]]:
@@ -178,9 +173,8 @@ def read(path: Path, state_size: int, with_state: bool = True) -> tuple[Snapshot
 
 def write_run_file(directory: Path, info: dict[str, Any]) -> None:
     """Write ``run.json`` (model, dataset, fingerprint, state size, interval)."""
-    tmp = directory / f".{RUN_FILE}.tmp"
-    tmp.write_text(json.dumps({"format": FORMAT, **info}, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, directory / RUN_FILE)
+    text = (json.dumps({"format": FORMAT, **info}, indent=2) + "\n").encode()
+    write_atomic(directory / RUN_FILE, lambda handle: handle.write(text))
 
 
 def read_run_file(directory: Path) -> dict[str, Any]:
@@ -253,7 +247,7 @@ class SnapshotWriter:
         self.written = 0
         self.failed = 0
         self._pending: set[asyncio.Future[None]] = set()
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshots")
+        self._thread = WriteThread("snapshots")
         write_run_file(self.directory, {**info, "every": self.every})
 
     def due(self, version: int) -> bool:
@@ -284,7 +278,7 @@ class SnapshotWriter:
         """Queue ``state`` to be saved as ``meta.version`` by the write thread (which calls
         ``release`` once it is saved); call from one thread only."""
         self.versions.append(meta.version)
-        future = self._pool.submit(self._save, state, meta, release)
+        future = self._thread.submit(lambda: self._save(state, meta, release))
         self._thin()
         return future
 
@@ -310,7 +304,7 @@ class SnapshotWriter:
         dropped = [v for v in kept if v % self.every]
         self.versions = [v for v in self.versions if v not in dropped]
         info = {**self.info, "every": self.every}
-        self._pool.submit(self._delete, dropped, info)
+        self._thread.submit(lambda: self._delete(dropped, info))
         log.info("snapshot limit %d reached: now every %d updates", self.limit, self.every)
 
     def _delete(self, versions: list[int], info: dict[str, Any]) -> None:
@@ -321,11 +315,24 @@ class SnapshotWriter:
         except OSError as exc:
             log.error("thinning the snapshots failed: %s", exc)
 
-    async def drain(self) -> None:
-        """Wait until every queued write is done."""
-        if self._pending:
-            await asyncio.gather(*self._pending, return_exceptions=True)
+    async def drain(self, timeout_s: float) -> None:
+        """Wait until every queued write is done, for at most ``timeout_s``; writes still
+        running then are abandoned (and said so)."""
+        if not self._pending:
+            return
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*self._pending, return_exceptions=True), timeout_s
+            )
+        except TimeoutError:
+            log.error(
+                "abandoned %d snapshot writes still running after %g s (a stuck disk?)",
+                len(self._pending),
+                timeout_s,
+            )
 
-    def close(self) -> None:
-        """Stop the write thread (after the queued writes)."""
-        self._pool.shutdown(wait=True)
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop the write thread after the queued writes, waiting at most ``timeout_s``
+        (None: however long they take)."""
+        if not self._thread.close(timeout_s):
+            log.error("abandoned the snapshot write thread: still writing after %g s", timeout_s)

@@ -41,7 +41,7 @@ def _with_secret(options: tuple[str, ...], flag: str) -> tuple[str, ...]:
 class Proc:
     """A child process whose merged output is read line by line on a thread."""
 
-    def __init__(self, args: list[str], name: str) -> None:
+    def __init__(self, args: list[str], name: str, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.popen = subprocess.Popen(
             [sys.executable, "-m", *args],
@@ -49,7 +49,7 @@ class Proc:
             stderr=subprocess.STDOUT,
             text=True,
             cwd=ROOT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
         )
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.seen: list[str] = []

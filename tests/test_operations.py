@@ -90,6 +90,81 @@ def test_a_full_disk_ends_the_run_with_a_clear_error_and_no_leftovers(
         assert leftovers == []
 
 
+def test_fifos_and_links_at_temporary_names_neither_hang_nor_are_written_through(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    run_dir, victim = tmp_path / "run", tmp_path / "victim"
+    victim.write_text("keep")
+    server, address = start_server(
+        small_hsi,
+        run_dir,
+        *("--mode", "equal-sync", "--workers", "1", "--max-steps", "6", "--global-batch", "16"),
+        *("--snapshot-every-updates", "3", "--eval-every", "0", "--shutdown-timeout", "20"),
+    )
+    (run_dir / "checkpoints").mkdir()
+    os.mkfifo(run_dir / "checkpoints" / ".ckpt-0000000006.npz.tmp")
+    os.mkfifo(run_dir / "snapshots" / ".snap-0000000003.npz.tmp")
+    (run_dir / "snapshots" / ".snap-0000000006.npz.tmp").symlink_to(victim)
+    (run_dir / ".summary.json.tmp").symlink_to(victim)
+    worker = start_worker(address, "w")
+    try:
+        assert server.wait(timeout=90) == 0, "".join(server.seen[-30:])
+        assert worker.wait(timeout=30) == 0
+    finally:
+        server.kill()
+        worker.kill()
+    assert victim.read_text() == "keep"
+    assert summary(run_dir)["steps"] == 6
+    assert (run_dir / "checkpoints" / "ckpt-0000000006.npz").stat().st_size > 0
+    snaps = sorted(p.name for p in (run_dir / "snapshots").glob("snap-*.npz"))
+    assert snaps == ["snap-0000000003.npz", "snap-0000000006.npz"]
+    assert list(run_dir.rglob("*.tmp")) == []
+
+
+STUCK_CHECKPOINTS = """\
+import threading
+
+import pserver.checkpoint
+
+
+def _stuck(*args, **kwargs):
+    threading.Event().wait()
+
+
+pserver.checkpoint.write = _stuck
+"""
+
+
+def test_sigterm_ends_a_server_whose_checkpoint_write_is_stuck(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    """The checkpoint write never returns (a stalled file system, which cannot be made here:
+    a ``sitecustomize`` makes the server's write block forever); SIGTERM still ends the server
+    within --shutdown-timeout, with a summary and the abandoned write named."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(STUCK_CHECKPOINTS)
+    run_dir = tmp_path / "run"
+    args = ["pserver.cli", "start", "--bind", "tcp://127.0.0.1:0", "--dataset", str(small_hsi)]
+    args += ["--model", "hsi-cnn", "--run-dir", str(run_dir), "--shutdown-timeout", "8"]
+    args += ["--write-timeout", "300", "--epochs", "3"]
+    env = {**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}", "PYTHONUNBUFFERED": "1"}
+    server = Proc(args, "server", env)
+    try:
+        server.wait_for("listening on")
+        begin = time.monotonic()
+        server.popen.send_signal(signal.SIGTERM)
+        server.wait(timeout=40)
+        took = time.monotonic() - begin
+    finally:
+        server.kill()
+    err = "".join(server.seen)
+    assert server.popen.returncode != 0 and "Error: shutdown did not finish" in err, err
+    assert took < 8 + 5, (took, err)
+    assert "abandoned a stuck write" in err and "checkpoint of version 0" in err, err
+    assert (run_dir / "summary.json").is_file()
+
+
 def test_an_unwritable_metrics_log_does_not_stop_training(small_hsi: Path, tmp_path: Path) -> None:
     with small_disk(tmp_path / "disk", 512) as disk:
         run_dir = disk / "run"

@@ -415,6 +415,8 @@ def test_script_with_shards(tmp_path: Path) -> None:
     assert "--shards 2\n" in text
     assert "srun --overlap --ntasks=2 --cpus-per-task=1 --distribution=cyclic" in text
     assert "launch.slurm.node shard --name-prefix shard --" in text
+    assert 'SECRET_ARGS=(--shard-secret-file "$SHARD_SECRET")' in text
+    assert '--secret-file "$SHARD_SECRET" --connect-timeout' in text
     _, groups = parse_het("a:workers=2;b:workers=2,shards=2")
     het = render(_job(tmp_path, groups=groups, het=True), "c", "s")
     assert _bash_syntax_ok(het, tmp_path)
@@ -423,6 +425,31 @@ def test_script_with_shards(tmp_path: Path) -> None:
     none = render(_job(tmp_path), "c", "s")
     assert "--shards 2" not in none and "launch.slurm.node shard" not in none
     assert "SHARD_PIDS=()" in none  # the end of the script waits on an empty list
+    assert "SECRET_ARGS=()" in none and "--shard-secret-file" not in none
+
+
+def test_the_job_writes_a_fresh_private_shard_secret(tmp_path: Path) -> None:
+    """The script's own lines: 32 bytes only the user can read, never through a file or
+    link already at that name."""
+    job = _job(tmp_path, groups=(Group("workers", (1.0, 2.0), nodes=2, shards=2),))
+    text = render(job, "c", "s")
+    begin = text.index("SHARD_SECRET=$RUN_DIR")
+    block = text[begin : text.index("\n", text.index("SECRET_ARGS=", begin))]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = {"RUN_DIR": str(run_dir), "SLURM_JOB_ID": "7", "ATTEMPT": "0", "PATH": "/usr/bin:/bin"}
+    script = block + '\necho "${SECRET_ARGS[@]}"'
+    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True)
+    secret = run_dir / "shard-7.0.secret"
+    assert done.returncode == 0 and done.stdout.split() == ["--shard-secret-file", str(secret)]
+    assert secret.stat().st_size == 32 and secret.stat().st_mode & 0o077 == 0
+    planted = run_dir / "shard-7.1.secret"
+    planted.symlink_to(tmp_path / "elsewhere")
+    again = subprocess.run(
+        ["bash", "-c", script], env={**env, "ATTEMPT": "1"}, text=True, capture_output=True
+    )
+    assert again.returncode == 1 and "cannot write the shard secret" in again.stderr
+    assert not (tmp_path / "elsewhere").exists()
 
 
 def test_shard_command() -> None:

@@ -391,3 +391,45 @@ def test_ddp_and_compare_refuse_a_bad_interval(small_hsi: Path, tmp_path: Path) 
     options = compare.cluster("async", tmp_path).server_options
     assert options[options.index("--snapshot-every-updates") + 1] == "15"
     assert compare.ddp("ddp", tmp_path).snapshot_every_steps == 5
+
+
+# --- writes that never return ----------------------------------------------------------------
+
+
+async def test_a_stuck_write_is_abandoned_and_the_server_still_ends_in_time(
+    small_hsi: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that never returns (a stalled file system, which cannot be made here: the
+    write functions block instead) costs --write-timeout, and the end of the run stays
+    within --shutdown-timeout, saying what was abandoned."""
+    import threading
+
+    from pserver import checkpoint
+    from tests.live import live_server
+
+    stalled = threading.Event()
+
+    def stuck(*args: Any, **kwargs: Any) -> Any:
+        stalled.wait(60)
+        raise OSError("released by the test")
+
+    monkeypatch.setattr(checkpoint, "write", stuck)
+    monkeypatch.setattr(snap, "write", stuck)
+    run_dir = tmp_path / "run"
+    options = dict(run_dir=run_dir, write_timeout_s=1.0, shutdown_timeout_s=6.0)
+    try:
+        async with live_server(small_hsi, snapshot_every_updates=1, **options) as ps:
+            begin = asyncio.get_running_loop().time()
+            assert not await asyncio.wait_for(ps.save_checkpoint(), 10)
+            assert asyncio.get_running_loop().time() - begin < 5
+            failed = [e for e in ps.log.events if e["event"] == "checkpoint_failed"]
+            assert "did not finish within 1 s" in failed[0]["error"]
+            ps.snapshots.submit(snap.SnapshotMeta(1, 0, 0, 0.0), np.zeros(4, np.float32))
+            begin = asyncio.get_running_loop().time()
+            ps.request_stop()
+            await asyncio.wait_for(ps.done.wait(), 10)
+            assert asyncio.get_running_loop().time() - begin < 6.0 + 1.0
+            assert "final checkpoint could not be written" in ps.run.error
+        assert json.loads((run_dir / "summary.json").read_text())["steps"] == 0
+    finally:
+        stalled.set()

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
+
+from common.safefile import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -105,22 +106,15 @@ class RunLog:
             pass
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        """Write ``summary.json`` via a temporary file and rename.
+        """Write ``summary.json`` via a new temporary file and rename.
 
         Raises:
             OSError: the file cannot be written (the temporary file is removed).
         """
         if self.run_dir is None:
             return
-        tmp = self.run_dir / "summary.json.tmp"
-        try:
-            tmp.write_text(
-                json.dumps(_finite(summary), indent=2, allow_nan=False) + "\n", encoding="utf-8"
-            )
-            os.replace(tmp, self.run_dir / "summary.json")
-        except OSError:
-            tmp.unlink(missing_ok=True)
-            raise
+        text = (json.dumps(_finite(summary), indent=2, allow_nan=False) + "\n").encode()
+        write_atomic(self.run_dir / "summary.json", lambda handle: handle.write(text))
 
     def close(self) -> None:
         """Close the sinks (TensorBoard flushes), then flush and close ``metrics.jsonl``."""

@@ -64,12 +64,13 @@ if [[ $RESUME == 1 ]] \\
     RESUME_ARGS=(--resume)
 fi
 SERVER_LOG=$RUN_DIR/server-$SLURM_JOB_ID.$ATTEMPT.log
-# Only "start" events written after this offset are this attempt's server's.
+{secret}# Only "start" events written after this offset are this attempt's server's.
 EVENTS_OFFSET=$(stat -c %s "$RUN_DIR/metrics.jsonl" 2>/dev/null || echo 0)
 echo "job $SLURM_JOB_ID (attempt $ATTEMPT): server on $FIRST_NODE, log $SERVER_LOG"
 echo "job: {nodes}"
 "$PY" -m pserver.cli start --bind "tcp://$SERVER_HOST:$SERVER_PORT" --dataset "$DATASET" \\
-    --run-dir "$RUN_DIR" "${{SERVER_ARGS[@]}}" "${{RESUME_ARGS[@]}}" >"$SERVER_LOG" 2>&1 &
+    --run-dir "$RUN_DIR" "${{SERVER_ARGS[@]}}" "${{RESUME_ARGS[@]}}" "${{SECRET_ARGS[@]}}" \\
+    >"$SERVER_LOG" 2>&1 &
 SERVER_PID=$!
 
 # A TERM to this script alone (Slurm's time-limit warning, or 'scancel --batch') goes on to
@@ -125,6 +126,7 @@ wait_for() {{
 wait_for "$SERVER_PID"
 SERVER_RC=$?
 echo "job: the server exited with code $SERVER_RC"
+[[ -n $SHARD_SECRET ]] && rm -f "$SHARD_SECRET"
 # The workers (and shards) were told to stop; Slurm ends any step still running when this
 # script exits.
 for pid in "${{STEP_PIDS[@]}}"; do
@@ -300,10 +302,27 @@ def _shards(job: SlurmJob) -> str:
             wrap(["srun", *options], "") + " \\",
             f'    "$PY" -m launch.slurm.node shard --name-prefix {prefix} -- '
             '--coordinator "$ADDRESS" \\',
-            '    --connect-timeout "$STARTUP_TIMEOUT" >>"$SHARDS_LOG" 2>&1 &',
+            '    --secret-file "$SHARD_SECRET" --connect-timeout "$STARTUP_TIMEOUT" '
+            '>>"$SHARDS_LOG" 2>&1 &',
             "SHARD_PIDS+=($!)",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _secret(job: SlurmJob) -> str:
+    """A fresh shard secret for this attempt, readable by the job's user alone (none without
+    shards): the shards prove it to the server when they register."""
+    if job.shards < 2:
+        return "SHARD_SECRET=\nSECRET_ARGS=()\n"
+    return (
+        "# The secret the shards prove to the server: new for every attempt, for this user only.\n"
+        "SHARD_SECRET=$RUN_DIR/shard-$SLURM_JOB_ID.$ATTEMPT.secret\n"
+        'if ! (set -C && umask 077 && head -c 32 /dev/urandom >"$SHARD_SECRET"); then\n'
+        '    echo "job: cannot write the shard secret $SHARD_SECRET" >&2\n'
+        "    exit 1\n"
+        "fi\n"
+        'SECRET_ARGS=(--shard-secret-file "$SHARD_SECRET")\n'
+    )
 
 
 def server_args(job: SlurmJob) -> tuple[str, ...]:
@@ -366,6 +385,7 @@ def render(job: SlurmJob, command: str, script: str, worker_extra: tuple[str, ..
         layout=layout,
         nodes=_nodes_line(job),
         shards=_shards(job),
+        secret=_secret(job),
         step_log=STEP_LOG,
         steps=steps,
     )
