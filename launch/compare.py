@@ -364,7 +364,8 @@ def _run_one(config: CompareConfig, mode: str, repeat: int, bar: tqdm) -> dict[s
     every = config.snapshot_every if config.launcher == "local" or mode in MODES else None
     if every is not None:  # Slurm DDP jobs keep no snapshots: their per-epoch evaluations count
         status.show("scoring snapshots")
-    scored = score_run(run_dir, config.target_oa, every, config.threads)
+    user_model = (config.model,) if ":" in config.model else ()  # the model compare was given
+    scored = score_run(run_dir, config.target_oa, every, config.threads, user_model)
     return {**run_record(mode, repeat, run_dir, summary, config.target_oa), **scored}
 
 

@@ -39,7 +39,11 @@ def server_options(mode: str, every: int | None, workers: int) -> list[str]:
 
 
 def score_run(
-    run_dir: Path, target: float | None, every: int | None, threads: int = 1
+    run_dir: Path,
+    target: float | None,
+    every: int | None,
+    threads: int = 1,
+    allow_model: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Score a finished run's snapshots; the fields they add to its compare.json entry.
 
@@ -48,6 +52,7 @@ def score_run(
         target: the target OA (None: no time to target).
         every: the compare's ``--snapshot-every`` (None: snapshots are off; nothing is done).
         threads: torch threads for the evaluation.
+        allow_model: the user model the runs were given (``package.module:factory``), if any.
 
     Returns:
         ``{"time_to_target_source": "evaluations"}`` when snapshots are off or could not be
@@ -57,7 +62,9 @@ def score_run(
     """
     if every is None:
         return {"time_to_target_source": SOURCE_EVALUATIONS}
-    config = SnapshotEvalConfig(run_dir, target_oa=target, threads=threads, progress=False)
+    config = SnapshotEvalConfig(
+        run_dir, target_oa=target, threads=threads, progress=False, allow_model=allow_model
+    )
     try:
         result = evaluate_snapshots(config)
     except PSError as exc:

@@ -17,6 +17,18 @@ log = logging.getLogger(__name__)
 IMAGE_BATCH = 64  # whole images are much larger than pixel patches
 
 
+def allow_model_option(what: str) -> Any:
+    """``--allow-model package.module:factory`` (repeatable): a user model ``what`` may name."""
+    return click.option(
+        "--allow-model",
+        "allow_model",
+        multiple=True,
+        metavar="package.module:factory",
+        help=f"Build this user model when {what} names it (building imports its module; "
+        "built-in models need no permission; repeat for several).",
+    )
+
+
 def _fail(exc: Exception) -> click.ClickException:
     return click.ClickException(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
 
@@ -48,14 +60,25 @@ def _fail(exc: Exception) -> click.ClickException:
     help="program: torch.export program with the normalisation built in, loads with "
     "torch.export.load alone; state-dict: weights for torch.load(weights_only=True).",
 )
+@allow_model_option("the run")
 def export_cmd(
-    run_dir: Path, out: Path, checkpoint: Path | None, dataset: Path | None, format: str
+    run_dir: Path,
+    out: Path,
+    checkpoint: Path | None,
+    dataset: Path | None,
+    format: str,
+    allow_model: tuple[str, ...],
 ) -> None:
     """Export a run's model: raw (unnormalised) C x P x P samples in, class logits out."""
     from pserver.outputs.export import ExportConfig, export
 
     config = ExportConfig(
-        run_dir=run_dir, out=out, checkpoint=checkpoint, dataset=dataset, format=format
+        run_dir=run_dir,
+        out=out,
+        checkpoint=checkpoint,
+        dataset=dataset,
+        format=format,
+        allow_model=allow_model,
     )
     try:
         meta = export(config)
@@ -279,7 +302,14 @@ def _test_pixels(
 )
 @click.option("--device", default="cpu", help="cpu, cuda or cuda:N.")
 @click.option("--progress/--no-progress", default=True, help="Show a progress bar on stderr.")
-def predict_cmd(model: Path, cube: str | None, images: Path | None, **options: Any) -> None:
+@allow_model_option("the model file")
+def predict_cmd(
+    model: Path,
+    cube: str | None,
+    images: Path | None,
+    allow_model: tuple[str, ...],
+    **options: Any,
+) -> None:
     """Classify every pixel of a scene (--cube) or every image of a folder (--images)."""
     from common.training.device import resolve_device
     from pserver.outputs.images import predict_images
@@ -297,7 +327,7 @@ def predict_cmd(model: Path, cube: str | None, images: Path | None, **options: A
         )
     try:
         device = resolve_device(options["device"])
-        net = load_model(model, device)
+        net = load_model(model, device, allow_model)
         if cube is not None:
             _predict_cube(net, {**options, "cube": cube})
             return

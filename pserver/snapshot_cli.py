@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from common.errors import PSError
+from pserver.model_cli import allow_model_option
 
 
 @click.command("evaluate-snapshots")
@@ -26,6 +27,7 @@ from common.errors import PSError
 @click.option("--batch", type=int, default=512, help="Evaluation batch size.")
 @click.option("--threads", type=int, default=1, help="Torch CPU threads.")
 @click.option("--progress/--no-progress", default=True, help="Progress bar.")
+@allow_model_option("RUN_DIR/snapshots/run.json")
 def evaluate_snapshots_cmd(
     run_dir: Path,
     target_oa: float | None,
@@ -33,6 +35,7 @@ def evaluate_snapshots_cmd(
     batch: int,
     threads: int,
     progress: bool,
+    allow_model: tuple[str, ...],
 ) -> None:
     """Score every snapshot in RUN_DIR/snapshots on the whole test split after training.
 
@@ -42,7 +45,9 @@ def evaluate_snapshots_cmd(
     from pserver.snapshot_eval import SnapshotEvalConfig, describe, evaluate_snapshots
 
     try:
-        config = SnapshotEvalConfig(run_dir, dataset, target_oa, batch, threads, progress)
+        config = SnapshotEvalConfig(
+            run_dir, dataset, target_oa, batch, threads, progress, allow_model
+        )
         result = evaluate_snapshots(config)
     except PSError as exc:
         raise click.ClickException(str(exc).strip().splitlines()[0]) from exc

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from common.data.dataset import DatasetReader
 from common.errors import ConfigError
 from common.training.evaluator import Evaluator
-from common.training.models import build_model
+from common.training.models import build_model, check_allowed
 from pserver import snapshots as snap
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,8 @@ class SnapshotEvalConfig:
         batch: evaluation batch size.
         threads: torch CPU threads.
         progress: show a progress bar on stderr.
+        allow_model: user models (``package.module:factory``) ``snapshots/run.json`` may name;
+            any other is refused, since building it imports its module.
     """
 
     run_dir: Path
@@ -48,6 +50,7 @@ class SnapshotEvalConfig:
     batch: int = 512
     threads: int = 1
     progress: bool = True
+    allow_model: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.target_oa is not None and not 0 < self.target_oa <= 1:
@@ -110,6 +113,7 @@ def evaluate_snapshots(config: SnapshotEvalConfig) -> dict[str, Any]:
     if not found:
         raise snap.SnapshotError(f"no snapshot files in {directory}")
     size = info["state_size"]
+    check_allowed(info["model"], config.allow_model, f"{directory / snap.RUN_FILE}")
     metas = [snap.read(path, size, with_state=False)[0] for _, path in found]
     target = config.target_oa if config.target_oa is not None else _run_target(config.run_dir)
     torch.set_num_threads(config.threads)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import zmq
 
-from common.errors import ErrorCode, ModelError, NetworkTimeout, PSError, RemoteError, ServerLost
+from common.errors import ErrorCode, NetworkTimeout, PSError, RemoteError, ServerLost
 from common.protocol.client import Connection
 from common.protocol.messages import (
     JoinReply,
@@ -26,7 +26,7 @@ from common.protocol.messages import (
 )
 from common.protocol.security import load_client_keys
 from common.training.device import ComputeTimer, resolve_device
-from common.training.models import BUILTIN
+from common.training.models import check_allowed
 from common.training.slowdown import SlowdownSchedule
 from common.training.speed import SpeedMeter
 from worker.augment import Augmenter
@@ -236,14 +236,6 @@ class Worker:
             )
         return open_local_copy(self.config.data, spec.dataset_fingerprint)
 
-    def _check_model_allowed(self, model: str) -> None:
-        if model in BUILTIN or model in self.config.allow_model:
-            return
-        raise ModelError(
-            f"the server asks for model {model!r}, which would import code on this worker; "
-            f"start the worker with --allow-model {model} if you trust it"
-        )
-
     def _join(self) -> JoinReply:
         assert self.conn is not None
         reply = self.conn.request(
@@ -256,7 +248,7 @@ class Worker:
             timeout_s=self.config.connect_timeout_s,
             expect=JoinReply,
         )
-        self._check_model_allowed(reply.model)
+        check_allowed(reply.model, self.config.allow_model, "the server")
         self.worker_id, self.token = reply.worker_id, reply.token
         self.replica = Replica(
             reply, self.device, self.timer, self.slowdown, self.speed, self.stats

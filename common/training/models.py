@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -187,6 +187,26 @@ BUILTIN: dict[str, Callable[[int, int, int], nn.Module]] = {
     "resnet18": resnet18,
     "hsi-3dcnn": hsi_3dcnn,
 }
+
+
+def check_allowed(name: str, allowed: Sequence[str], source: str) -> None:
+    """Refuse a user model that ``source`` (a server, a file) names unless it is allowed:
+    building it imports and runs its module.
+
+    Args:
+        name: the model name.
+        allowed: the ``package.module:factory`` names given with ``--allow-model``.
+        source: who names the model, for the message (e.g. "the server", "model file X").
+
+    Raises:
+        ModelError: ``name`` is neither built in nor allowed.
+    """
+    if name in BUILTIN or name in allowed:
+        return
+    raise ModelError(
+        f"{source} names model {name!r}, which would import code here; "
+        f"give --allow-model {name} if you trust it"
+    )
 
 
 def build_model(name: str, in_channels: int, num_classes: int, input_size: int) -> nn.Module:

@@ -27,7 +27,7 @@ from torch import nn
 from common.data.dataset import DatasetReader
 from common.errors import ConfigError, DatasetError, ModelError
 from common.training.flat import FlatLayout
-from common.training.models import build_model
+from common.training.models import build_model, check_allowed
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,8 @@ class ExportConfig:
         dataset: the run's dataset file (default: the one named in the run's summary or log).
         format: ``program`` (torch.export, loads with ``torch.export.load``) or ``state-dict``
             (``torch.load(weights_only=True)``, for users who rebuild the model themselves).
+        allow_model: user models (``package.module:factory``) the run's files may name; any
+            other is refused, since building it imports its module.
     """
 
     run_dir: Path
@@ -88,6 +90,7 @@ class ExportConfig:
     checkpoint: Path | None = None
     dataset: Path | None = None
     format: str = "program"
+    allow_model: tuple[str, ...] = ()
 
     def validate(self) -> ExportConfig:
         """Check the paths and the format.
@@ -223,13 +226,14 @@ def build_classifier(config: ExportConfig) -> tuple[RawInput, dict[str, Any]]:
     Raises:
         ConfigError: no checkpoint, no dataset, or they do not belong together.
         DatasetError: the dataset file is invalid or lacks normalisation statistics.
-        ModelError: the model cannot be built.
+        ModelError: the model cannot be built, or is a user model not in ``allow_model``.
     """
     ckpt_path, state, ckpt_meta = _checkpoint(config)
     record = _run_record(config.run_dir)
     name = (record["summary"] or {}).get("model") or ckpt_meta.get("model")
     if not name:
         raise ConfigError(f"cannot tell the model of run {str(config.run_dir)!r}")
+    check_allowed(name, config.allow_model, f"run {str(config.run_dir)!r}")
     with DatasetReader(_dataset_path(config, record), cache_bytes=0) as reader:
         meta = reader.meta
         trained_on = ckpt_meta.get("fingerprint")

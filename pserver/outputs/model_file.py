@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import zipfile
 from dataclasses import dataclass
@@ -14,11 +13,24 @@ import torch
 from torch import nn
 
 from common.errors import ModelError
-from pserver.outputs.export import MAGIC, META_FILE, RawInput, quiet_torch
+from pserver.outputs.export import MAGIC, RawInput, quiet_torch
+from pserver.outputs.program_weights import read_program
 
 log = logging.getLogger(__name__)
 
-_REQUIRED = ("kind", "bands", "height", "width", "class_names", "num_classes", "model")
+MAX_SIZE = 1 << 16  # bands, patch sides and classes a model file may claim
+
+_REQUIRED = (
+    "kind",
+    "bands",
+    "height",
+    "width",
+    "class_names",
+    "num_classes",
+    "model",
+    "norm_mean",
+    "norm_std",
+)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -78,27 +90,55 @@ def _check_meta(path: Path, meta: Any) -> dict[str, Any]:
     missing = [k for k in _REQUIRED if k not in meta]
     if missing:
         raise ModelError(f"model metadata of {str(path)!r} lacks {missing}")
+    sizes = [meta[k] for k in ("bands", "height", "width", "num_classes")]
+    if not all(type(v) is int and 1 <= v <= MAX_SIZE for v in sizes):
+        raise ModelError(f"model metadata of {str(path)!r} has absurd sizes {sizes}")
+    for key in ("norm_mean", "norm_std"):
+        values = meta[key]
+        if not isinstance(values, list) or len(values) != meta["bands"]:
+            raise ModelError(f"model metadata of {str(path)!r}: {key} does not fit its bands")
+        if not all(type(v) in (int, float) and np.isfinite(v) for v in values):
+            raise ModelError(f"model metadata of {str(path)!r}: {key} is not finite")
+    if not isinstance(meta["model"], str):
+        raise ModelError(f"model metadata of {str(path)!r} names no model")
     return meta
 
 
-def _load_program(path: Path, device: torch.device) -> tuple[nn.Module, dict[str, Any]]:
-    extra = {META_FILE: ""}
-    with quiet_torch():
-        with path.open("rb") as handle:  # a file object: torch warns about non-.pt2 paths
-            program = torch.export.load(handle, extra_files=extra)
-        if device.type != "cpu":
-            from torch.export.passes import move_to_device_pass
+def _rebuild(
+    path: Path,
+    meta: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    allow_model: tuple[str, ...],
+    device: torch.device,
+) -> nn.Module:
+    """The model ``meta`` names (built in, or allowed), with the normalisation in front and
+    ``weights`` (a ``RawInput`` state dict: normalisation buffers and network) loaded."""
+    from common.training.models import build_model, check_allowed
 
-            program = move_to_device_pass(program, device)
-    if not extra[META_FILE]:
-        raise ModelError(f"{str(path)!r} is an exported program without 'pserver export' metadata")
-    meta = _check_meta(path, json.loads(extra[META_FILE]))
-    return program.module(), meta
+    check_allowed(meta["model"], allow_model, f"model file {str(path)!r}")
+    network = build_model(meta["model"], meta["bands"], meta["num_classes"], meta["height"])
+    bands = int(meta["bands"])
+    module = RawInput(network, np.zeros(bands), np.ones(bands))
+    try:
+        module.load_state_dict(weights)
+    except (KeyError, RuntimeError) as exc:
+        raise ModelError(
+            f"weights in {str(path)!r} do not fit {meta['model']!r}: {_first_line(exc)}"
+        ) from exc
+    return module.eval().to(device)
 
 
-def _load_state_dict(path: Path, device: torch.device) -> tuple[nn.Module, dict[str, Any]]:
-    from common.training.models import build_model
+def _load_program(
+    path: Path, device: torch.device, allow_model: tuple[str, ...]
+) -> tuple[nn.Module, dict[str, Any]]:
+    meta, weights = read_program(path)
+    meta = _check_meta(path, meta)
+    return _rebuild(path, meta, weights, allow_model, device), meta
 
+
+def _load_state_dict(
+    path: Path, device: torch.device, allow_model: tuple[str, ...]
+) -> tuple[nn.Module, dict[str, Any]]:
     try:
         with quiet_torch():
             saved = torch.load(path, map_location="cpu", weights_only=True)
@@ -107,31 +147,39 @@ def _load_state_dict(path: Path, device: torch.device) -> tuple[nn.Module, dict[
             f"{str(path)!r} is not a model file written by 'pserver export': {_first_line(exc)}"
         ) from exc
     meta = _check_meta(path, saved.get("meta") if isinstance(saved, dict) else None)
-    network = build_model(meta["model"], meta["bands"], meta["num_classes"], meta["height"])
-    try:
-        network.load_state_dict(saved["state_dict"])
-    except (KeyError, RuntimeError) as exc:
-        raise ModelError(f"weights in {str(path)!r} do not fit {meta['model']!r}: {exc}") from exc
-    module = RawInput(network, np.asarray(meta["norm_mean"]), np.asarray(meta["norm_std"]))
-    return module.eval().to(device), meta
+    state = saved.get("state_dict")
+    if not isinstance(state, dict):
+        raise ModelError(f"{str(path)!r} holds no weights")
+    bands = int(meta["bands"])
+    mean = torch.as_tensor(np.asarray(meta["norm_mean"], dtype=np.float32)).reshape(1, bands, 1, 1)
+    std = torch.as_tensor(np.asarray(meta["norm_std"], dtype=np.float32)).reshape(1, bands, 1, 1)
+    weights = {"mean": mean, "std": std, **{f"network.{k}": v for k, v in state.items()}}
+    return _rebuild(path, meta, weights, allow_model, device), meta
 
 
-def load_model(path: str | Path, device: torch.device | None = None) -> LoadedModel:
-    """Load a file written by ``pserver export`` (either format).
+def load_model(
+    path: str | Path, device: torch.device | None = None, allow_model: tuple[str, ...] = ()
+) -> LoadedModel:
+    """Load a file written by ``pserver export`` (either format) without running code it holds.
 
-    A ``program`` file is read with ``torch.export.load``; a ``state-dict`` file with
-    ``torch.load(weights_only=True)`` and the model rebuilt by name (user models must be
-    importable then).
+    Nothing in the file is unpickled or executed: a ``program`` file's weights are read as
+    raw tensors (``program_weights``), a ``state-dict`` file with
+    ``torch.load(weights_only=True)``; the model is then rebuilt by the name in its metadata,
+    a built-in one, or a user model only if it is in ``allow_model`` (building it imports
+    its module).
 
     Args:
         path: the model file.
         device: where to run it (default CPU).
+        allow_model: user models (``package.module:factory``) the file may name.
 
     Returns:
         The loaded model.
 
     Raises:
-        ModelError: the file is missing or is not a model written by ``pserver export``.
+        ModelError: the file is missing, is not a model written by ``pserver export``, holds
+            something that is never loaded (pickled objects, compiled code), or names a user
+            model that is not allowed.
     """
     path = Path(path)
     device = device or torch.device("cpu")
@@ -142,14 +190,7 @@ def load_model(path: str | Path, device: torch.device | None = None) -> LoadedMo
     with zipfile.ZipFile(path) as archive:
         names = archive.namelist()
     if any(name.endswith("archive_format") for name in names):
-        try:
-            module, meta = _load_program(path, device)
-        except ModelError:
-            raise
-        except Exception as exc:  # torch.export raises many internal types on bad archives
-            raise ModelError(
-                f"cannot load exported program {str(path)!r}: {_first_line(exc)}"
-            ) from exc
+        module, meta = _load_program(path, device, allow_model)
     else:
-        module, meta = _load_state_dict(path, device)
+        module, meta = _load_state_dict(path, device, allow_model)
     return LoadedModel(path=path, meta=meta, module=module, device=device)
