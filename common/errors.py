@@ -78,6 +78,10 @@ class ServerLost(PSError):
     """The server stopped answering heartbeats or restarted; the worker should rejoin."""
 
 
+class RunFailed(PSError):
+    """The server ended the run because of a failure (a lost parameter shard)."""
+
+
 class DeviceError(PSError):
     """The requested compute device is not available."""
 

@@ -143,7 +143,11 @@ class Handlers:
 
     async def heartbeat(self, request: Request, msg: HeartbeatRequest) -> None:
         self.server.roster.member(msg.worker_id, msg.token, request.user_id)
-        reply = HeartbeatReply(server_id=self.server.server_id, finished=self.server.finished)
+        reply = HeartbeatReply(
+            server_id=self.server.server_id,
+            finished=self.server.finished,
+            failure=self.server.failure,
+        )
         self.server.endpoint.reply(request.identity, request.request_id, reply)
 
     async def leave(self, request: Request, msg: LeaveRequest) -> None:

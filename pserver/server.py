@@ -50,6 +50,8 @@ from pserver.updates import GradientGuard, Updater
 
 log = logging.getLogger(__name__)
 
+FAILED = "failed: "  # the finish reason of a run ended by ``fail``
+
 FLUSH_EVERY_S = 0.5
 
 
@@ -232,6 +234,12 @@ class ParameterServer:
         """Training has ended."""
         return self.run.finished
 
+    @property
+    def failure(self) -> str | None:
+        """The failure that ended training (``fail``), or None."""
+        reason = self.run.finish_reason or ""
+        return reason.removeprefix(FAILED) if reason.startswith(FAILED) else None
+
     def plan(self) -> None:
         """Queue whatever tasks the policy plans now."""
         if self.finished or not self.started:
@@ -284,6 +292,7 @@ class ParameterServer:
                     epoch=0,
                     indices=[],
                     prefetch=[],
+                    failure=self.failure,
                 ),
             )
         self.log.event("leave", worker=worker.name, reason="stop")
@@ -389,7 +398,7 @@ class ParameterServer:
         self.stores_lost = self.stores_lost or stores_lost
         if not self.run.error:
             self.run.error = reason
-        self.finish(f"failed: {reason}")
+        self.finish(f"{FAILED}{reason}")
 
     async def save_checkpoint(self) -> bool:
         """Write a checkpoint now (one at a time); a failure is logged and training goes on.

@@ -76,7 +76,11 @@ def test_a_killed_shard_ends_the_run_naming_it_and_a_resume_finishes(
         log = "".join(server.seen)
         assert f"at {victim} (state [" in log and "did not answer" in log, log
         assert "Traceback" not in log
-        assert [w.wait(timeout=60) for w in workers] == [0, 0]  # told training ended
+        for worker in workers:  # told the run failed
+            assert worker.wait(timeout=60) != 0
+            line = worker.expect("Error: ")
+            assert line.startswith("Error: the server stopped the run: shard ")
+            assert f" at {victim} (state [" in line
         assert shards[0].wait(timeout=30) == 0
     finally:
         _finish([server, *shards, *workers])
@@ -91,6 +95,30 @@ def test_a_killed_shard_ends_the_run_naming_it_and_a_resume_finishes(
     result = summary(tmp_path)
     assert result["epochs"] == 6 and result["final"]["oa"] >= 0.85
     _check_epochs(tmp_path, 6, 964)
+
+
+def test_workers_exit_non_zero_naming_the_shard_loss_that_stopped_the_run(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    args = ("--mode", "async", "--epochs", "200", "--shard-timeout", "2", "--heartbeat", "0.5")
+    server, shards, workers = _cluster(
+        small_hsi, tmp_path, 2, (1.0, 1.0), *args, "--dead-after", "3"
+    )
+    try:
+        for _ in workers:
+            server.wait_for("joined")
+        victim = shards[1].expect("serves state").split(" at ")[-1].strip()
+        shards[1].popen.send_signal(signal.SIGKILL)
+        assert server.wait(timeout=60) != 0
+        for worker in workers:
+            assert worker.wait(timeout=60) != 0
+            line = worker.expect("Error: ")
+            assert line.startswith("Error: the server stopped the run: shard ")
+            assert f" at {victim} (state [" in line and "did not answer" in line
+            assert "Traceback" not in "".join(worker.seen)
+        assert shards[0].wait(timeout=30) == 0
+    finally:
+        _finish([server, *shards, *workers])
 
 
 def _final_oa(dataset: Path, run_dir: Path, wire: str, seed: int) -> float:

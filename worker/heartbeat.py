@@ -15,6 +15,7 @@ from common.protocol.messages import HeartbeatReply, HeartbeatRequest
 log = logging.getLogger(__name__)
 
 TRAINING_ENDED = "training has ended"
+RUN_FAILED = "the server stopped the run: "  # followed by the failure
 # Heartbeats answered 'finished' before the worker gives up waiting for its own stop reply.
 ENDED_BEATS = 3
 
@@ -26,7 +27,8 @@ class Heartbeat:
     different server (a restart), it publishes the reason on ``abort`` (an ``inproc://`` PUB
     endpoint), which ends every wait of the worker's connections with ``ServerLost``. When the
     server says training has ended for a few beats in a row (the worker is stuck on something
-    that will never answer, such as a lost shard), it publishes ``TRAINING_ENDED``.
+    that will never answer, such as a lost shard), it publishes ``TRAINING_ENDED``, or
+    ``RUN_FAILED`` and the failure when one ended the run.
 
     Args:
         context: the worker's ZeroMQ context (inproc endpoints live in it).
@@ -79,7 +81,7 @@ class Heartbeat:
                     break
                 ended = ended + 1 if reply.finished else 0
                 if ended >= ENDED_BEATS:
-                    reason = TRAINING_ENDED
+                    reason = RUN_FAILED + reply.failure if reply.failure else TRAINING_ENDED
                     break
         finally:
             conn.close()

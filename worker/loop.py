@@ -13,7 +13,14 @@ from pathlib import Path
 import torch
 import zmq
 
-from common.errors import ErrorCode, NetworkTimeout, PSError, RemoteError, ServerLost
+from common.errors import (
+    ErrorCode,
+    NetworkTimeout,
+    PSError,
+    RemoteError,
+    RunFailed,
+    ServerLost,
+)
 from common.protocol.client import Connection
 from common.protocol.messages import (
     JoinReply,
@@ -31,7 +38,7 @@ from common.training.slowdown import SlowdownSchedule
 from common.training.speed import SpeedMeter
 from worker.augment import Augmenter
 from worker.config import WorkerConfig
-from worker.heartbeat import TRAINING_ENDED, Heartbeat
+from worker.heartbeat import RUN_FAILED, TRAINING_ENDED, Heartbeat
 from worker.local_data import open_local_copy
 from worker.params import StoreClient
 from worker.prefetch import AheadReader, Prefetcher, sample_codec
@@ -98,20 +105,26 @@ class Worker:
                 lost for longer than ``--rejoin-timeout``.
             RemoteError: the server refused the worker.
             ModelError: the server asks for a model this worker may not import.
+            RunFailed: the server ended the run because of a failure (a lost shard).
         """
         begin = time.perf_counter()
         lost_since: float | None = None
+        failure: str | None = None
         log.info("connecting to %s", self.config.server)
         try:
             while True:
                 try:
-                    self._session()
+                    failure = self._session()
                     break
                 except (ServerLost, NetworkTimeout, RemoteError) as exc:
                     now = time.monotonic()
                     if isinstance(exc, ServerLost) and str(exc) == TRAINING_ENDED:
                         log.info("the server ended training")
                         self._leave(TRAINING_ENDED)
+                        break
+                    if isinstance(exc, ServerLost) and str(exc).startswith(RUN_FAILED):
+                        failure = str(exc).removeprefix(RUN_FAILED)
+                        self._leave(str(exc))
                         break
                     if not self._ever_joined:
                         self._not_yet_joined(exc, time.perf_counter() - begin)
@@ -140,6 +153,8 @@ class Worker:
             self.stats.samples,
             100 * self.stats.data_wait_s / max(self.stats.wall_s, 1e-9),
         )
+        if failure:
+            raise RunFailed(f"{RUN_FAILED}{failure}")
         return self.stats
 
     def _not_yet_joined(self, exc: PSError, waited_s: float) -> None:
@@ -165,8 +180,12 @@ class Worker:
             self.config.server, timeout_s, self.context, abort=abort, curve=self.curve
         )
 
-    def _session(self) -> None:
-        """One membership: join, (calibrate), train until stop."""
+    def _session(self) -> str | None:
+        """One membership: join, (calibrate), train until stop.
+
+        Returns:
+            The failure that ended the run, when one did (the stop reply says so).
+        """
         self.conn = self._connect(self.config.reply_timeout_s)
         heartbeat: Heartbeat | None = None
         prefetcher: AheadReader | None = None
@@ -212,6 +231,7 @@ class Worker:
             reply = self._request_task(calibration=True)
             while reply.action == "train":
                 reply = self._step(reply, prefetcher)
+            return reply.failure
         finally:
             if heartbeat is not None:
                 heartbeat.stop()

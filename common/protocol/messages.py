@@ -211,7 +211,8 @@ class JoinReply(Message):
 @dataclasses.dataclass(frozen=True)
 class TaskReply(Message):
     """The next task: train on ``indices`` from parameters of version ``version`` (pulled from
-    the stores), and prefetch ``prefetch`` meanwhile; or ``action == "stop"``. The gradient's
+    the stores), and prefetch ``prefetch`` meanwhile; or ``action == "stop"``, with the
+    ``failure`` that ended the run when one did (the worker then exits non-zero). The gradient's
     chunks carry ``push_token``, which only this worker got for this task."""
 
     TYPE: ClassVar[str] = "task_reply"
@@ -222,6 +223,7 @@ class TaskReply(Message):
     epoch: int
     indices: list[int]
     prefetch: list[int]
+    failure: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,11 +258,13 @@ class StatusReply(Message):
 @dataclasses.dataclass(frozen=True)
 class HeartbeatReply(Message):
     """Acknowledges a heartbeat; a changed ``server_id`` means the server restarted, and
-    ``finished`` that training has ended (the worker stops whatever it waits for)."""
+    ``finished`` that training has ended (the worker stops whatever it waits for), because of
+    ``failure`` when one ended it."""
 
     TYPE: ClassVar[str] = "heartbeat_reply"
     server_id: str
     finished: bool
+    failure: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
