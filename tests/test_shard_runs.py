@@ -101,9 +101,7 @@ def test_workers_exit_non_zero_naming_the_shard_loss_that_stopped_the_run(
     small_hsi: Path, tmp_path: Path
 ) -> None:
     args = ("--mode", "async", "--epochs", "200", "--shard-timeout", "2", "--heartbeat", "0.5")
-    server, shards, workers = _cluster(
-        small_hsi, tmp_path, 2, (1.0, 1.0), *args, "--dead-after", "3"
-    )
+    server, shards, workers = _cluster(small_hsi, tmp_path, 2, (1.0,), *args, "--dead-after", "3")
     try:
         for _ in workers:
             server.wait_for("joined")
