@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from tqdm import tqdm
 
 from common.data.dataset import DatasetReader
 from common.errors import ConfigError
+from common.safefile import write_atomic
 from common.training.evaluator import Evaluator
 from common.training.models import build_model, check_allowed
 from pserver import snapshots as snap
@@ -144,9 +144,8 @@ def evaluate_snapshots(config: SnapshotEvalConfig) -> dict[str, Any]:
     finally:
         reader.close()
     out = config.run_dir / RESULTS
-    tmp = out.with_name(f".{RESULTS}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    os.replace(tmp, out)
+    text = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    write_atomic(out, lambda handle: handle.write(text))
     first = first_reaching(rows, target)
     return {"rows": rows, "target_oa": target, "first": first, "every": info["every"], "path": out}
 

@@ -244,3 +244,22 @@ async def test_a_state_a_shard_hands_back_is_checked_before_a_checkpoint(
             assert refused.value.code == code and "shard 1" in str(refused.value)
             assert not await ps.save_checkpoint()
         assert sorted((run_dir / "checkpoints").glob("ckpt-*.npz")) == written
+
+
+def test_shards_need_a_secret_of_their_own(small_hsi, tmp_path) -> None:
+    from common.errors import ConfigError
+    from common.protocol.security import shard_secret
+    from pserver.config import ServerConfig
+
+    with pytest.raises(ConfigError, match="--shard-secret-file"):
+        ServerConfig(dataset=small_hsi, model="hsi-cnn", shards=2, epochs=1)
+    with pytest.raises(ConfigError, match="--secret-file"):
+        ShardConfig(coordinator="tcp://127.0.0.1:5555")
+    short = tmp_path / "short.secret"
+    short.write_bytes(b"0123456789")
+    with pytest.raises(ConfigError, match="fewer than 16 bytes"):
+        shard_secret(short, None)
+    secret = write_shard_secret(tmp_path / "shard.secret")
+    assert secret.stat().st_mode & 0o077 == 0 and len(shard_secret(secret, None)) == 32
+    with pytest.raises(FileExistsError):
+        write_shard_secret(secret)  # never over (or through) what is already there

@@ -26,6 +26,7 @@ from torch import nn
 
 from common.data.dataset import DatasetReader
 from common.errors import ConfigError, DatasetError, ModelError
+from common.safefile import open_temporary
 from common.training.flat import FlatLayout
 from common.training.models import build_model, check_allowed
 
@@ -285,7 +286,8 @@ def export(config: ExportConfig) -> dict[str, Any]:
     try:
         if config.format == "state-dict":
             state = {k: v.detach().clone() for k, v in module.network.state_dict().items()}
-            torch.save({"format": MAGIC, "meta": meta, "state_dict": state}, tmp)
+            with open_temporary(tmp) as handle:
+                torch.save({"format": MAGIC, "meta": meta, "state_dict": state}, handle)
         else:
             example = torch.zeros((2, meta["bands"], meta["height"], meta["width"]))
             batch = torch.export.Dim("batch", min=1)
@@ -297,7 +299,7 @@ def export(config: ExportConfig) -> dict[str, Any]:
                         f"torch.export failed on model {meta['model']!r}: {exc}"
                     ) from exc
                 # A file object, not a path: torch warns about paths not ending in .pt2.
-                with tmp.open("wb") as handle:
+                with open_temporary(tmp) as handle:
                     torch.export.save(program, handle, extra_files={META_FILE: json.dumps(meta)})
         os.replace(tmp, config.out)
     finally:
