@@ -145,8 +145,10 @@ def main() -> None:
     help="Seconds the whole shutdown may take after training ends (final checkpoint, final "
     "evaluation, stopping workers, summary).",
 )
-@_opt(
-    "write_timeout_s",
+@click.option(
+    "--write-timeout",
+    "write_timeout",
+    default=default(ServerConfig, "write_timeout_s"),
     type=float,
     help="Seconds one checkpoint or snapshot write may take; a write still stuck then (a "
     "stalled disk) is abandoned and reported, and the run goes on or ends without it.",
@@ -251,6 +253,7 @@ def start(log_level: str, **options: Any) -> None:
     as_json = options.pop("json")
     setup_logging(log_level, "pserver ")
     try:
+        options["write_timeout_s"] = options.pop("write_timeout")
         config = ServerConfig(**options)
         summary, error, interrupted = asyncio.run(_serve(config))
     except PSError as exc:

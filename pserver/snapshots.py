@@ -315,9 +315,9 @@ class SnapshotWriter:
         except OSError as exc:
             log.error("thinning the snapshots failed: %s", exc)
 
-    async def drain(self, timeout_s: float) -> None:
-        """Wait until every queued write is done, for at most ``timeout_s``; writes still
-        running then are abandoned (and said so)."""
+    async def drain(self, timeout_s: float | None = None) -> None:
+        """Wait until every queued write is done, for at most ``timeout_s`` (None: however
+        long); writes still running then are abandoned (and said so)."""
         if not self._pending:
             return
         try:
