@@ -15,7 +15,7 @@ from common.errors import ErrorCode, RemoteError
 from common.protocol.messages import REPLIES, StatusReply, StatusRequest, parse_message
 from common.protocol.security import generate, hello_proof, is_loopback, load_client_keys
 from common.protocol.shard_messages import CONTROL_REPLIES, ShardHello
-from tests.cluster import events, start_server, start_shard, start_worker, summary
+from tests.cluster import Proc, events, start_server, start_shard, start_worker, summary
 from tests.live import live_server
 
 NO_REPLY_S = 1.5
@@ -57,6 +57,17 @@ async def _status_reply(
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+def _curve_worker(address: str, keys: dict[str, Path]) -> Proc:
+    """An authorized worker joining over CURVE."""
+    curve = (
+        "--curve-server-key",
+        str(keys["server"]),
+        "--curve-secret",
+        str(keys["worker_secret"]),
+    )
+    return start_worker(address, "trusted", 1.0, *curve)
 
 
 async def test_plain_and_unknown_clients_get_no_reply(small_hsi: Path, keys) -> None:
@@ -101,15 +112,7 @@ def test_an_authorized_worker_trains_over_curve(small_hsi: Path, tmp_path: Path,
         "--authorized-keys",
         str(keys["authorized_keys"]),
     )
-    worker = start_worker(
-        address,
-        "trusted",
-        1.0,
-        "--curve-server-key",
-        str(keys["server"]),
-        "--curve-secret",
-        str(keys["worker_secret"]),
-    )
+    worker = _curve_worker(address, keys)
     try:
         assert server.wait() == 0 and worker.wait() == 0
     finally:
@@ -137,15 +140,7 @@ def test_shards_register_and_train_over_curve(small_hsi: Path, tmp_path: Path, k
         small_hsi, run_dir, "--epochs", "1", "--shards", "2", "--chunk-mb", "0.05", *curve
     )
     shards = [start_shard(address, f"shard{i}", *curve) for i in range(2)]
-    worker = start_worker(
-        address,
-        "trusted",
-        1.0,
-        "--curve-server-key",
-        str(keys["server"]),
-        "--curve-secret",
-        str(keys["worker_secret"]),
-    )
+    worker = _curve_worker(address, keys)
     try:
         assert server.wait(90) == 0, "".join(server.seen[-30:])
         assert worker.wait(30) == 0 and all(s.wait(30) == 0 for s in shards)
