@@ -24,6 +24,7 @@ from launch.procs import (
     Children,
     EventsMark,
     TextSink,
+    joined_names,
     second_signal_kills,
     signals_interrupt,
     start_offset,
@@ -155,7 +156,9 @@ def run_local(
                 shard_commands = _shards(cluster, address, hosts, secret)
                 shards = [children.start(n, c) for n, c in shard_commands]
                 workers = [children.start(n, c) for n, c in _workers(cluster, address, hosts)]
-                code = children.wait(server, cluster.run_timeout_s, lambda: _check(workers, shards))
+                code = children.wait(
+                    server, cluster.run_timeout_s, lambda: _check(workers, shards, metrics, mark)
+                )
             if code == 0:
                 children.wait_all(ENDING_S)  # workers and shards end when the server does
             children.stop()  # any straggler is stopped
@@ -268,13 +271,18 @@ def _workers(
     return commands
 
 
-def _check(workers: list[Child], shards: list[Child]) -> None:
-    """Fail once every worker has exited and one of them failed, or a shard failed while the
-    server runs (the server would wait for them)."""
-    if workers and all(w.code is not None for w in workers):
-        failed = [w for w in workers if w.code != 0]
-        if failed:
-            raise PSError("; ".join(w.failure() for w in failed))
+def _check(workers: list[Child], shards: list[Child], metrics: Path, mark: EventsMark) -> None:
+    """Fail when a worker failed before it joined (the server would wait for it), once every
+    worker has exited and one of them failed, or when a shard failed while the server runs.
+
+    A worker that fails after joining has left the run, which goes on without it.
+    """
+    failed = [w for w in workers if w.code not in (None, 0)]
+    if failed:
+        joined = joined_names(metrics, mark)
+        never_joined = [w for w in failed if w.name not in joined]
+        if never_joined or all(w.code is not None for w in workers):
+            raise PSError("; ".join(w.failure() for w in never_joined or failed))
     failed = [s for s in shards if s.code not in (None, 0)]
     if failed:
         raise PSError("; ".join(s.failure() for s in failed))

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 from common.errors import PSError
 
@@ -225,9 +225,8 @@ def start_offset(metrics: Path) -> EventsMark:
     return EventsMark(metrics)
 
 
-def new_start_address(metrics: Path, mark: EventsMark | int) -> str | None:
-    """The address of the last ``start`` event written after ``mark``, or None
-    while there is none (a resumed run's file holds earlier servers' events before it).
+def new_events(metrics: Path, mark: EventsMark | int) -> list[dict[str, Any]]:
+    """The events written to ``metrics`` after ``mark`` (none while the file does not exist).
 
     Args:
         metrics: the run's ``metrics.jsonl``.
@@ -240,18 +239,41 @@ def new_start_address(metrics: Path, mark: EventsMark | int) -> str | None:
             f.seek(offset)
             lines = f.read().splitlines()
     except FileNotFoundError:
-        return None
-    address = None
+        return []
+    records = []
     for line in lines:
         try:
             record = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError):
             continue  # a line still being written
-        if isinstance(record, dict) and record.get("event") == "start":
-            value = record.get("address")
-            if isinstance(value, str) and value:
-                address = value
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def new_start_address(metrics: Path, mark: EventsMark | int) -> str | None:
+    """The address of the last ``start`` event written after ``mark``, or None while there is
+    none (a resumed run's file holds earlier servers' events before it).
+
+    Args:
+        metrics: the run's ``metrics.jsonl``.
+        mark: as for ``new_events``.
+    """
+    address = None
+    for record in new_events(metrics, mark):
+        value = record.get("address")
+        if record.get("event") == "start" and isinstance(value, str) and value:
+            address = value
     return address
+
+
+def joined_names(metrics: Path, mark: EventsMark | int) -> set[str]:
+    """The names of the workers that joined the server after ``mark`` (``join`` events)."""
+    return {
+        str(record.get("worker"))
+        for record in new_events(metrics, mark)
+        if record.get("event") == "join"
+    }
 
 
 def wait_for_address(server: Child, metrics: Path, mark: EventsMark, timeout_s: float) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from launch.settings import TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 WAIT_S = 120.0
-MARK = "PSLAUNCH_TEST_MARK"
+MARK = "RS_PSERVER_TEST_MARK"  # not a PSLAUNCH_* name: launchers pass those on to no child
 
 
 def _processes_marked(mark: str) -> list[int]:
@@ -84,6 +85,30 @@ def test_the_only_worker_failing_ends_the_run_with_its_error(
         run_local(cluster)
     assert _processes_marked(mark) == []
     assert (tmp_path / "summary.json").exists()
+
+
+def test_a_worker_failing_at_start_stops_the_launch_while_the_others_wait(
+    small_hsi: Path, tmp_path: Path, mark: str
+) -> None:
+    """``--devices cuda:0,cpu`` without CUDA: the CPU worker joins and waits for the other, the
+    server waits for both; the launch must stop with the failing worker's error instead."""
+    run_dir = tmp_path / "run"
+    launcher = _start_pslaunch(
+        *("local", "--dataset", str(small_hsi), "--model", "hsi-cnn", "--mode", "weighted-sync"),
+        *("--slowdowns", "1,1", "--devices", "cuda:0,cpu", "--epochs", "2"),
+        *("--run-dir", str(run_dir), "--no-progress"),
+    )
+    begin = time.monotonic()
+    try:
+        _, err = launcher.communicate(timeout=WAIT_S)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate()
+    assert time.monotonic() - begin < 30.0
+    assert launcher.returncode not in (0, None)
+    assert re.search(r"w0-x1 exited with code 1: .*CUDA", err), err
+    assert _processes_marked(mark) == []
 
 
 def _start_pslaunch(*args: str) -> subprocess.Popen[str]:
