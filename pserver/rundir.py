@@ -17,7 +17,8 @@ RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints", "snapshots", "snaps
 
 
 def prepare(config: ServerConfig) -> checkpoint.Checkpoint | None:
-    """Check ``--run-dir`` against ``--resume``/``--overwrite``.
+    """Check ``--run-dir`` against ``--resume``/``--overwrite`` without changing it (``clear``
+    replaces an earlier run once the server has started).
 
     Returns:
         The checkpoint to resume from, or None for a new run.
@@ -34,18 +35,31 @@ def prepare(config: ServerConfig) -> checkpoint.Checkpoint | None:
         log.warning("removed %d unfinished checkpoint files", removed)
     if config.resume:
         return checkpoint.read_newest(run_dir / "checkpoints")
-    present = [name for name in RUN_FILES if (run_dir / name).exists()]
+    present = _run_files(config)
     if present and not config.overwrite:
         raise ConfigError(
             f"--run-dir {run_dir} already holds a run ({', '.join(present)}); give --resume "
             "to continue it or --overwrite to replace it"
         )
+    return None
+
+
+def clear(config: ServerConfig) -> None:
+    """With ``--overwrite``, remove the earlier run's files (call once every input of the new
+    run has been checked and its sockets are bound, so a failed start keeps the old run)."""
+    if config.run_dir is None or config.resume or not config.overwrite:
+        return
+    present = _run_files(config)
     for name in present:
-        path = run_dir / name
+        path = config.run_dir / name
         if path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink()
     if present:
-        log.info("--overwrite: removed %s from %s", ", ".join(present), run_dir)
-    return None
+        log.info("--overwrite: removed %s from %s", ", ".join(present), config.run_dir)
+
+
+def _run_files(config: ServerConfig) -> list[str]:
+    assert config.run_dir is not None
+    return [name for name in RUN_FILES if (config.run_dir / name).exists()]

@@ -42,6 +42,7 @@ from pserver.sampler import EpochSampler
 from pserver.shutdown import shutdown, watch_shards
 from pserver.snapshot_hooks import take as take_snapshot
 from pserver.snapshot_hooks import writer_for
+from pserver.snapshots import SnapshotWriter
 from pserver.store.build import build_stores
 from pserver.store.stores import CapturedState, LocalStores, RemoteStores
 from pserver.summary import build_summary
@@ -71,7 +72,8 @@ class ParameterServer:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         resumed = rundir.prepare(config)
-        self.log = RunLog(config.run_dir, resume_at=resumed.meta["t"] if resumed else None)
+        resume_at = resumed.meta["t"] if resumed else None
+        self.log = RunLog(config.run_dir, resume_at=resume_at, open_now=False)  # see start()
         self.reader = DatasetReader(config.dataset, cache_bytes=config.cache_mb << 20)
         self.meta = meta = self.reader.meta
         torch.set_num_threads(config.torch_threads)
@@ -137,12 +139,15 @@ class ParameterServer:
             self._on_eval,
         )
         self.handlers = Handlers(self)
-        self.snapshots = writer_for(self, resumed is not None)  # --snapshot-every-updates
+        self.resumed = resumed is not None
+        self.snapshots: SnapshotWriter | None = None  # --snapshot-every-updates, see start()
 
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Bind the socket; ``self.address`` is then the endpoint workers connect to.
+        """Bind the socket, then write the run directory; ``self.address`` is then the endpoint
+        workers connect to. Nothing is written into the run directory before this point, so a
+        start that fails (a bad input, a port in use) leaves it as it was.
 
         Raises:
             ConfigError: the address (or the status page's port) cannot be bound.
@@ -152,6 +157,9 @@ class ParameterServer:
 
             self.http = await start_for_server(self)
         self.address = self.endpoint.bind()
+        rundir.clear(self.config)  # --overwrite
+        self.log.open()
+        self.snapshots = writer_for(self, self.resumed)
         warm = self.reader.train_indices[:1]
         self.owner.spawn(asyncio.get_running_loop().run_in_executor(None, self.reader.read, warm))
         self.log.event(

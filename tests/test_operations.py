@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from pserver.rundir import RUN_FILES
 from tests.cluster import ROOT, Proc, events, start_server, start_worker, summary
 
 pytestmark = pytest.mark.e2e
@@ -195,6 +197,36 @@ def test_a_run_dir_holding_a_run_is_refused_unless_overwrite(
         server.kill()
         worker.kill()
     assert summary(tmp_path)["epochs"] == 1
+
+
+def test_a_failed_start_leaves_the_run_dir_as_it_was(small_hsi: Path, tmp_path: Path) -> None:
+    """A port in use, a wrong model name or a dataset that is not HDF5: each start fails with
+    its error and writes nothing the corrected command would refuse; with ``--overwrite`` the
+    earlier run is kept."""
+    not_hdf5 = tmp_path / "cube.h5"
+    not_hdf5.write_text("not an HDF5 file\n")
+    run_dir = tmp_path / "run"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        starts = {
+            f"tcp://127.0.0.1:{port}": (small_hsi, "hsi-cnn"),
+            "tcp://127.0.0.1:0": (small_hsi, "no-such-model"),
+            "tcp://127.0.0.1:1": (not_hdf5, "hsi-cnn"),
+        }
+        for bind, (dataset, model) in starts.items():
+            args = ("pserver.cli", "start", "--dataset", str(dataset), "--model", model)
+            result = _run(*args, "--bind", bind, "--epochs", "1", "--run-dir", str(run_dir))
+            _one_line_error(result, "Error: ")
+            assert "already holds a run" not in result.stderr
+            assert [n for n in RUN_FILES if (run_dir / n).exists()] == [], result.stderr
+        run_dir.mkdir(exist_ok=True)
+        (run_dir / "metrics.jsonl").write_text('{"event": "start"}\n')
+        args = ("pserver.cli", "start", "--dataset", str(small_hsi), "--model", "hsi-cnn")
+        args += ("--bind", f"tcp://127.0.0.1:{port}", "--run-dir", str(run_dir), "--overwrite")
+        _one_line_error(_run(*args), "Error: ")
+    assert (run_dir / "metrics.jsonl").read_text() == '{"event": "start"}\n'
 
 
 def test_resume_checks_the_seed_falls_back_and_finishes_a_finished_run(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -20,47 +21,73 @@ IMMEDIATE = frozenset(
     {"start", "train_start", "eval", "epoch", "join", "leave", "checkpoint", "resume", "finish"}
 )
 Sink = Callable[[dict[str, Any]], None]
+RECENT_EVENTS = 2000  # events kept in memory (``RunLog.events``); the file holds them all
 
 
 class RunLog:
     """Appends timestamped events to ``metrics.jsonl`` and writes ``summary.json`` atomically.
 
     A failing write (full disk, removed directory) never raises into training: it is logged,
-    kept in ``error`` and further events stay in memory only; the server reports it at the end.
+    kept in ``error`` and further events are not written; the server reports it at the end.
     Every event is also handed to each sink (``add_sink``); a run directory gets a
-    TensorBoard sink (``common.training.tbsink``) unless ``tensorboard`` is False.
+    TensorBoard sink (``common.training.tbsink``) unless ``tensorboard`` is False. Memory
+    stays bounded however long the run: ``events`` holds the ``RECENT_EVENTS`` latest.
 
     Args:
         run_dir: the run directory, created if missing; None keeps events in memory only.
         resume_at: continue an earlier run's clock from this many seconds and append to its
             ``metrics.jsonl`` (None: a new run, a new file).
         tensorboard: write TensorBoard event files under ``run_dir/tensorboard``.
+        open_now: create the files now; False waits for ``open`` (events recorded until then
+            are written by it).
     """
 
     def __init__(
-        self, run_dir: Path | None, resume_at: float | None = None, tensorboard: bool = True
+        self,
+        run_dir: Path | None,
+        resume_at: float | None = None,
+        tensorboard: bool = True,
+        open_now: bool = True,
     ) -> None:
         self.started = time.monotonic() - (resume_at or 0.0)
         self.run_dir = run_dir
+        self._resumed, self._tensorboard = resume_at is not None, tensorboard
         self._file: IO[str] | None = None
-        self.events: list[dict[str, Any]] = []
+        self._unwritten: list[dict[str, Any]] | None = [] if run_dir is not None else None
+        self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_EVENTS)
         self.error = ""
         self._sinks: list[Sink] = []
         self._closers: list[Callable[[], None]] = []
-        if run_dir is not None:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            mode = "w" if resume_at is None else "a"
-            self._file = (run_dir / "metrics.jsonl").open(mode, encoding="utf-8")
-            if tensorboard:
-                from common.training.tbsink import TensorBoardSink
+        if open_now:
+            self.open()
 
-                try:
-                    board = TensorBoardSink(run_dir, fresh=resume_at is None)
-                except OSError as exc:  # e.g. a full disk: the run goes on without it
-                    log.error("TensorBoard files cannot be written (%s); going on without", exc)
-                else:
-                    board.set_clock(self.now())
-                    self.add_sink(board, board.close)
+    def open(self) -> None:
+        """Create the run directory's files (once; events recorded before are written then).
+
+        A server opens its log only once its inputs are checked and its sockets bound, so a
+        failed start leaves nothing in the run directory.
+        """
+        if self.run_dir is None or self._unwritten is None:
+            return
+        unwritten, self._unwritten = self._unwritten, None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        mode = "a" if self._resumed else "w"
+        self._file = (self.run_dir / "metrics.jsonl").open(mode, encoding="utf-8")
+        if self._tensorboard:
+            from common.training.tbsink import TensorBoardSink
+
+            try:
+                board = TensorBoardSink(self.run_dir, fresh=not self._resumed)
+            except OSError as exc:  # e.g. a full disk: the run goes on without it
+                log.error("TensorBoard files cannot be written (%s); going on without", exc)
+            else:
+                board.set_clock(self.now())
+                self.add_sink(board, board.close)
+                for record in unwritten:
+                    board(record)
+        for record in unwritten:
+            self._write(record)
+        self.flush()
 
     def add_sink(self, sink: Sink, close: Callable[[], None] | None = None) -> None:
         """Hand every later event to ``sink`` (it must not block); ``close`` runs on close."""
@@ -76,16 +103,22 @@ class RunLog:
         """Record one event; ``t`` defaults to now."""
         record = {"event": name, "t": round(self.now() if t is None else t, 6), **fields}
         self.events.append(record)
-        if self._file is not None:
-            try:
-                self._file.write(json.dumps(_finite(record), allow_nan=False) + "\n")
-                if name in IMMEDIATE:
-                    self._file.flush()
-            except (OSError, ValueError) as exc:
-                self._failed(exc)
+        if self._unwritten is not None:
+            self._unwritten.append(record)
+        self._write(record)
         for sink in self._sinks:
             sink(record)
         return record
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            return
+        try:
+            self._file.write(json.dumps(_finite(record), allow_nan=False) + "\n")
+            if record["event"] in IMMEDIATE:
+                self._file.flush()
+        except (OSError, ValueError) as exc:
+            self._failed(exc)
 
     def flush(self) -> None:
         """Write buffered events to disk."""

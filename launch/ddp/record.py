@@ -48,6 +48,7 @@ class RunRecorder:
         self.eval_total_s = 0.0
         self.train_start = 0.0
         self.time_to_target: float | None = None
+        self.epochs_done = 0
         meta = evaluator.reader.meta
         self.snapshots: SnapshotWriter | None = None
         if config.snapshot_every_steps is not None:
@@ -166,6 +167,7 @@ class RunRecorder:
         Returns:
             True when the target accuracy is now reached (training should stop).
         """
+        self.epochs_done = max(self.epochs_done, epoch)
         self.log.event(
             "epoch",
             epoch=epoch,
@@ -203,7 +205,6 @@ class RunRecorder:
         self, reason: str, version: int, samples: int, train_time: float
     ) -> dict[str, Any]:
         """The shared summary schema, for mode ``ddp``."""
-        completed = [r["epoch"] for r in self.log.events if r["event"] == "epoch"]
         times = np.array(self.round_times) if self.round_times else np.zeros(1)
         return run_summary(
             mode="ddp",
@@ -212,7 +213,7 @@ class RunRecorder:
             wall_time_s=self.log.now(),
             train_time_s=train_time,
             steps=version,
-            epochs=max(completed) if completed else 0,
+            epochs=self.epochs_done,
             samples_seen=samples,
             evals=self.evals,
             target_oa=self.config.train.target_oa,
