@@ -230,6 +230,12 @@ def ddp(
     help="Seconds to wait for one Slurm job, queueing included; then it is cancelled.",
 )
 @link_options
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace an earlier comparison in --out (the whole directory); without it, one is "
+    "refused.",
+)
 def compare(
     workers: int | None,
     slowdowns: str,

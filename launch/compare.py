@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 from pathlib import Path
 from typing import IO, Any
 
@@ -32,6 +33,8 @@ from pserver.config import MODES, STALENESS
 
 log = logging.getLogger(__name__)
 
+# What makes a directory hold a comparison (``--overwrite`` then replaces the whole directory).
+COMPARISON_FILES = ("compare.json", "report.md", "report.png", "runs")
 SINGLE = "single"
 COMPARE_MODES = (*MODES, "ddp", SINGLE)
 MODES_HELP = (
@@ -63,6 +66,8 @@ class CompareConfig:
             (``launch.snapshot_times``); None: from the per-epoch evaluations.
         nodes: the emulated cluster every run of every mode runs on (DDP rank i on worker
             i's node); None: all processes on this machine's loopback.
+        overwrite: replace an earlier comparison in ``out`` (the whole directory); without
+            it such a directory is refused.
     """
 
     dataset: Path
@@ -83,6 +88,7 @@ class CompareConfig:
     slurm: SlurmRuns = dataclasses.field(default_factory=SlurmRuns)
     snapshot_every: int | None = None
     nodes: ClusterSpec | None = None
+    overwrite: bool = False
 
     def validate(self) -> CompareConfig:
         """Check every field.
@@ -127,7 +133,17 @@ class CompareConfig:
             raise ConfigError(f"--launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
         if self.launcher == "slurm":
             self._validate_slurm()
+        earlier = self.earlier_comparison()
+        if earlier and not self.overwrite:
+            raise ConfigError(
+                f"--out {self.out} holds an earlier comparison ({', '.join(earlier)}); give "
+                "--overwrite to replace it or choose another directory"
+            )
         return self
+
+    def earlier_comparison(self) -> list[str]:
+        """The files of an earlier comparison in ``out`` (empty if it holds none)."""
+        return [name for name in COMPARISON_FILES if (self.out / name).exists()]
 
     def _validate_slurm(self) -> None:
         """Refuse what Slurm runs do not support; build one job of each kind as a check."""
@@ -329,6 +345,9 @@ def run_compare(config: CompareConfig, show_progress: bool = True) -> dict[str, 
     from launch.report import write_report  # matplotlib only when reporting
 
     config.validate()
+    if config.earlier_comparison():  # --overwrite: nothing of the earlier one may stay
+        log.info("compare: --overwrite: removing the earlier comparison in %s", config.out)
+        shutil.rmtree(config.out)
     config.out.mkdir(parents=True, exist_ok=True)
     data: dict[str, Any] = {"settings": config.settings(), "runs": []}
     data["initial"] = _initial_scores(config, show_progress)  # the curves' t = 0 point

@@ -129,7 +129,8 @@ def plot_curves(data: dict[str, Any], stem: Path) -> list[str]:
         axis.set_xlabel(xlabel)
         axis.set_ylabel("test OA")
         axis.grid(alpha=0.3)
-        axis.legend(loc="lower right", fontsize=8)
+        if axis.get_legend_handles_labels()[0]:  # every run failed: nothing to name
+            axis.legend(loc="lower right", fontsize=8)
     snapshots = any(r.get("snapshot_curve") for r in data["runs"])
     points = "points: snapshots scored after training; " if snapshots else ""
     start = (

@@ -117,6 +117,27 @@ def _fake_run(
     }
 
 
+@pytest.mark.e2e
+def test_an_earlier_comparison_is_refused_unless_overwrite_replaces_it_whole(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "cmp"
+    (out / "runs" / "async-1").mkdir(parents=True)
+    earlier = {name: f"earlier {name}" for name in ("compare.json", "report.md", "timeline.png")}
+    for name, text in earlier.items():
+        (out / name).write_text(text)
+    args = ["compare", "--dataset", str(small_hsi), "--model", "hsi-cnn", "--modes"]
+    args += ["equal-sync", "--slowdowns", "1", "--epochs", "1", "--no-progress", "--out", str(out)]
+    refused = CliRunner().invoke(main, args)
+    assert refused.exit_code == 1 and "holds an earlier comparison" in refused.output
+    assert {name: (out / name).read_text() for name in earlier} == earlier
+    # --overwrite: the run fails at once (no CUDA here), yet nothing of the earlier one stays.
+    replaced = CliRunner().invoke(main, [*args, "--overwrite", "--devices", "cuda:0"])
+    assert replaced.exit_code == 1 and "runs failed: equal-sync #1" in replaced.output
+    assert json.loads((out / "compare.json").read_text())["runs"][0]["error"]
+    assert not (out / "timeline.png").exists() and not (out / "runs" / "async-1").exists()
+
+
 def test_aggregate_and_speedups_by_hand() -> None:
     data = {
         "settings": {
