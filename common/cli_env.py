@@ -4,10 +4,13 @@ The names are click's ``auto_envvar_prefix`` names: the program (``PSERVER``, ``
 ``PSLAUNCH``), each subcommand, then the option, upper case with ``-`` as ``_``:
 ``pserver start --mode`` is ``PSERVER_START_MODE``, ``pserver data prepare hsi --cube`` is
 ``PSERVER_DATA_PREPARE_HSI_CUBE``, ``pslaunch local --workers`` is ``PSLAUNCH_LOCAL_WORKERS``.
-There are no short aliases (``PSERVER_MODE`` sets nothing).
+There are no short aliases (``PSERVER_MODE`` sets nothing). A variable applies only to the
+command it names: launchers start their children without any of them (``child_environment``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import click
 
@@ -43,3 +46,24 @@ def show_envvars(command: click.Command) -> None:
     """Make every option of ``command`` and its subcommands show its variable in ``--help``."""
     for _, option in walk_options(command):
         option.show_envvar = True
+
+
+PROGRAMS = ("PSERVER", "WORKER", "PSLAUNCH")
+
+
+def child_environment(environ: Mapping[str, str], **extra: str) -> dict[str, str]:
+    """The environment for a process a launcher starts: ``environ`` without any variable of
+    this scheme, so a variable set for one command (``PSERVER_START_OVERWRITE=1`` for a
+    ``pserver start``) cannot change the children of another; the launcher passes what it
+    means as options.
+
+    Args:
+        environ: the launcher's environment (``os.environ``).
+        extra: variables to set in the children.
+
+    Returns:
+        The children's environment.
+    """
+    prefixes = tuple(f"{program}_" for program in PROGRAMS)
+    kept = {name: value for name, value in environ.items() if not name.startswith(prefixes)}
+    return {**kept, **extra}

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from common.cli_env import child_environment
 from common.errors import ConfigError, PSError
 from common.protocol.security import write_shard_secret
 from launch.cluster.netns import Host, Placement, cluster_hosts
@@ -138,7 +139,7 @@ def run_local(
     sink = log_stream
     secret_dir = Path(tempfile.mkdtemp(prefix="pslaunch-")) if cluster.shards > 1 else None
     secret = None if secret_dir is None else write_shard_secret(secret_dir / "shard.secret")
-    children = Children(sink, {**os.environ, "PYTHONUNBUFFERED": "1"})
+    children = Children(sink, child_environment(os.environ, PYTHONUNBUFFERED="1"))
     server: Child | None = None
     marks: list[EventsMark] = []
     hosts_scope = contextlib.ExitStack()  # closed after the children have been stopped

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from common.cli_env import child_environment
 from common.errors import PSError
 from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
@@ -109,6 +110,35 @@ def test_a_worker_failing_at_start_stops_the_launch_while_the_others_wait(
     assert launcher.returncode not in (0, None)
     assert re.search(r"w0-x1 exited with code 1: .*CUDA", err), err
     assert _processes_marked(mark) == []
+
+
+def test_a_variable_for_pserver_start_does_not_reach_the_launchers_server(
+    small_hsi: Path, tmp_path: Path, mark: str
+) -> None:
+    """``PSERVER_START_OVERWRITE=1`` names ``pserver start``, not ``pslaunch local``: the
+    launcher's server must still refuse the earlier run instead of deleting it."""
+    earlier = {"metrics.jsonl": '{"event": "start"}\n', "summary.json": "{}"}
+    for name, text in earlier.items():
+        (tmp_path / name).write_text(text)
+    env = {**os.environ, "PSERVER_START_OVERWRITE": "1", "WORKER_JOIN_SLOWDOWN": "bogus"}
+    done = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "local", "--dataset", str(small_hsi), "--epochs", "1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=WAIT_S,
+        env={**env, "PSLAUNCH_LOCAL_MODEL": "hsi-cnn", "PSLAUNCH_LOCAL_RUN_DIR": str(tmp_path)},
+    )
+    assert done.returncode == 1 and "already holds a run" in done.stderr, done.stderr
+    assert {name: (tmp_path / name).read_text() for name in earlier} == earlier
+    assert _processes_marked(mark) == []
+
+
+def test_children_get_no_variable_of_the_option_scheme() -> None:
+    environ = {"PATH": "/bin", "PSERVER_START_MODE": "async", "WORKER_JOIN_NAME": "w"}
+    environ |= {"PSLAUNCH_LOCAL_WORKERS": "3", "RS_PSERVER_TEST_MARK": "m"}
+    env = child_environment(environ, PYTHONUNBUFFERED="1")
+    assert env == {"PATH": "/bin", "RS_PSERVER_TEST_MARK": "m", "PYTHONUNBUFFERED": "1"}
 
 
 def _start_pslaunch(*args: str) -> subprocess.Popen[str]:

@@ -478,3 +478,19 @@ def test_a_run_stopped_by_a_signal_goes_on_when_resumed() -> None:
     ended.load_meta({**meta, "finish_reason": "epochs"})
     assert not stopped.finished and stopped.epochs_done == 2
     assert ended.finished
+
+
+def test_the_job_drops_option_variables_of_the_submitting_shell(tmp_path: Path) -> None:
+    """sbatch exports the submitter's environment: ``PSERVER_START_OVERWRITE=1`` set there
+    must not make the job's server delete an earlier run."""
+    text = render(_job(tmp_path), "pslaunch slurm ...", "/x/job.sbatch")
+    block = re.search(r"^for NAME in \$\(compgen -e\).*?^done$", text, re.M | re.S)
+    assert block is not None, text
+    env = {"PATH": "/usr/bin:/bin", "PSERVER_START_OVERWRITE": "1", "WORKER_JOIN_NAME": "w"}
+    env |= {"PSLAUNCH_LOCAL_WORKERS": "3", "KEEP_ME": "1"}
+    done = subprocess.run(
+        ["bash", "-c", f"{block.group(0)}\nenv"], env=env, capture_output=True, text=True
+    )
+    names = {line.split("=", 1)[0] for line in done.stdout.splitlines()}
+    assert "KEEP_ME" in names and not {n for n in names if n.startswith(("PSERVER_", "WORKER_"))}
+    assert "PSLAUNCH_LOCAL_WORKERS" not in names

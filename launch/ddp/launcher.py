@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.cli_env import child_environment
 from common.errors import ConfigError, PSError
 from common.training.slowdown import SlowdownSchedule
 from launch.cluster.netns import HOST_INTERFACE, cluster_hosts
@@ -206,7 +207,7 @@ def _loopback_interface() -> str | None:
 
 
 def _rank_env(links: bool = False) -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = child_environment(os.environ, PYTHONUNBUFFERED="1")
     if links:
         env["GLOO_SOCKET_IFNAME"] = HOST_INTERFACE  # every host's one link
     elif "GLOO_SOCKET_IFNAME" not in env:

@@ -48,6 +48,11 @@ RESUME={resume}
 REQUEUE={requeue}
 
 export PYTHONUNBUFFERED=1
+# Options reach the commands below as arguments only: a PSERVER_*, WORKER_* or PSLAUNCH_*
+# variable of the submitting shell (sbatch exports its environment) must not change them.
+for NAME in $(compgen -e); do
+    case $NAME in PSERVER_* | WORKER_* | PSLAUNCH_*) unset "$NAME" ;; esac
+done
 ATTEMPT=${{SLURM_RESTART_COUNT:-0}}
 mkdir -p "$RUN_DIR"
 
