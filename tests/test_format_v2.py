@@ -3,6 +3,8 @@ float16), format-1 files still load, fingerprints cover the stored bytes."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import h5py
@@ -123,6 +125,28 @@ def test_raw_samples_without_their_statistics_are_refused_on_open(tmp_path: Path
         del f["norm_std"]
     with pytest.raises(DatasetError, match="norm_std is missing"):
         DatasetReader(out)
+
+
+def test_statistics_of_another_band_count_are_refused_on_open(tmp_path: Path) -> None:
+    """Else every worker fails on its first batch while the server waits for them."""
+    x, y = _raw()
+    out = tmp_path / "raw.h5"
+    _write(out, x, y, "uint16", norm_mean=np.zeros(3), norm_std=np.ones(3))
+    with h5py.File(out, "a") as f:
+        for name, value in (("norm_mean", 0.0), ("norm_std", 1.0)):
+            del f[name]
+            f[name] = np.full(SHAPE[0] + 1, value, dtype=np.float32)
+    with pytest.raises(DatasetError, match="hold 4 bands' statistics, /x has 3 bands"):
+        DatasetReader(out)
+    args = ["start", "--dataset", str(out), "--model", "scene-cnn", "--epochs", "1"]
+    started = subprocess.run(
+        [sys.executable, "-m", "pserver.cli", *args, "--bind", "tcp://127.0.0.1:0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert started.returncode != 0 and "Traceback" not in started.stderr
+    assert "/x has 3 bands" in started.stderr.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")

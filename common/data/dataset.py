@@ -158,6 +158,11 @@ class DatasetReader:
         self.codec = self._codec(
             x.dtype.name, bool(_decode_attr(f.attrs.get("normalise_on_read", 0)))
         )
+        if self.codec.mean is not None and self.codec.mean.shape != (x.shape[1],):
+            raise self._fail(
+                f"/norm_mean and /norm_std hold {self.codec.mean.shape[0]} bands' statistics, "
+                f"/x has {x.shape[1]} bands"
+            )
         self.meta = DatasetMeta(
             path=str(self.path),
             kind=kind,
