@@ -151,7 +151,7 @@ def read(path: Path) -> Checkpoint:
         with np.load(path, allow_pickle=False) as data:
             arrays = {key: data[key] for key in data.files}
         meta = json.loads(arrays.pop("meta").tobytes().decode())
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
+    except (OSError, ValueError, KeyError, EOFError, MemoryError, zipfile.BadZipFile) as exc:
         raise ConfigError(f"cannot read checkpoint {str(path)!r}: {exc}") from exc
     if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
         raise ConfigError(f"checkpoint {str(path)!r} has an unknown format")

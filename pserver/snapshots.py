@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from common.errors import ConfigError
+from common.regular_files import open_regular, read_npz
 from common.safefile import WriteThread, write_atomic
 
 log = logging.getLogger(__name__)
@@ -137,20 +138,13 @@ def read(path: Path, state_size: int, with_state: bool = True) -> tuple[Snapshot
         SnapshotError: the file is unreadable, has unexpected members or sizes, bad
             metadata, or a state that is not finite float32 of ``state_size`` values.
     """
+    limits = {"meta": MAX_META_BYTES, "state": state_size * 4}
+    largest = sum(limits.values()) + 4 * NPY_HEADER_BYTES  # and the archive's directory
     try:
-        with zipfile.ZipFile(path) as archive:
-            sizes = {info.filename: info.file_size for info in archive.infolist()}
-        if set(sizes) != {"state.npy", "meta.npy"}:
-            raise _bad(path, f"unexpected members {sorted(sizes)[:4]}")
-        if sizes["meta.npy"] > MAX_META_BYTES + NPY_HEADER_BYTES:
-            raise _bad(path, f"metadata of {sizes['meta.npy']} bytes")
-        if sizes["state.npy"] > state_size * 4 + NPY_HEADER_BYTES:
-            raise _bad(path, f"state of {sizes['state.npy']} bytes, the model has {state_size}")
-        with np.load(path, allow_pickle=False) as data:
-            raw = data["meta"]
-            state = data["state"] if with_state else np.zeros(0, dtype=np.float32)
-    except SnapshotError:
-        raise
+        arrays = read_npz(
+            path, largest, limits, frozenset() if with_state else frozenset({"state"})
+        )
+        raw, state = arrays["meta"], arrays["state"]
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
         raise _bad(path, str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
     if raw.dtype != np.uint8 or raw.ndim != 1:
@@ -185,9 +179,8 @@ def read_run_file(directory: Path) -> dict[str, Any]:
     """
     path = directory / RUN_FILE
     try:
-        if path.stat().st_size > MAX_META_BYTES:
-            raise SnapshotError(f"{path} is too large to be a snapshot index")
-        info = json.loads(path.read_text(encoding="utf-8"))
+        with open_regular(path, MAX_META_BYTES) as handle:
+            info = json.loads(handle.read().decode("utf-8"))
     except FileNotFoundError as exc:
         raise SnapshotError(
             f"no snapshots in {directory.parent} ({path} is missing): start the server "

@@ -181,3 +181,27 @@ def test_input_errors(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="cannot read GeoTIFF"):
         open_cube(str(tmp_path / "bad.tif"))
     assert not (tmp_path / "o.h5").exists()
+
+
+def _envi_header(path: Path, rows: int, cols: int, bands: int) -> None:
+    path.write_text(
+        f"ENVI\nsamples = {cols}\nlines = {rows}\nbands = {bands}\nheader offset = 0\n"
+        "file type = ENVI Standard\ndata type = 4\ninterleave = bsq\nbyte order = 0\n"
+    )
+
+
+@pytest.mark.parametrize(("rows", "cols", "bands"), [(10**6, 10**6, 16), (10, 10, 10**11)])
+def test_an_envi_header_larger_than_its_data_is_refused(
+    tmp_path: Path, rows: int, cols: int, bands: int
+) -> None:
+    """A damaged or hostile header would size a map or a window of terabytes."""
+    (tmp_path / "scene.img").write_bytes(bytes(4000))
+    _envi_header(tmp_path / "scene.hdr", rows, cols, bands)
+    needed = rows * cols * bands * 4
+    with pytest.raises(DatasetError, match=rf"\({needed} bytes\), but its data .* holds 4000"):
+        open_cube(str(tmp_path / "scene.hdr"))
+    with pytest.raises(DatasetError, match=rf"\({needed} bytes\), but its data .* holds 4000"):
+        load_labels(str(tmp_path / "scene.img"))
+    _envi_header(tmp_path / "scene.hdr", 10, 10, 10)  # exactly the data's size
+    with open_cube(str(tmp_path / "scene.hdr")) as cube:
+        assert cube.shape == (10, 10, 10)

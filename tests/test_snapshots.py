@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from numpy.lib import format as npy_format
 
 from common.errors import ConfigError
 from launch.local import LocalCluster, run_local
@@ -225,9 +228,52 @@ def test_damaged_snapshot_as_a_process(snap_run: dict[str, Any], tmp_path: Path)
     done = _evaluate(run_dir)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
-        f"Error: snapshot {victim.name} is damaged: Object arrays cannot be loaded when "
-        "allow_pickle=False"
+        f"Error: snapshot {victim.name} is damaged: state.npy: object arrays are not read "
+        "(they would unpickle)"
     ]
+
+
+def _npy_member(shape: tuple[int, ...], dtype: str, data: bytes) -> bytes:
+    """An ``.npy`` member whose header declares ``shape`` whatever ``data`` holds."""
+    header = io.BytesIO()
+    header_data = {"descr": np.dtype(dtype).str, "fortran_order": False, "shape": shape}
+    npy_format.write_array_header_1_0(header, header_data)
+    return header.getvalue() + data
+
+
+@pytest.mark.parametrize("member", ["meta", "state"])
+def test_absurd_dimensions_in_a_snapshot_are_refused_before_allocating(
+    snap_run: dict[str, Any], tmp_path: Path, member: str
+) -> None:
+    run_dir, victim, size = _damage_copy(snap_run, tmp_path)
+    members = {"meta": _npy_member((len(_meta()),), "u1", _meta().tobytes())}
+    members["state"] = _npy_member((size,), "f4", bytes(4 * size))
+    members[member] = _npy_member((1 << 33, 8), "f8", b"\0" * 64)  # 512 GiB
+    with zipfile.ZipFile(victim, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(f"{name}.npy", data)
+    result = CliRunner().invoke(main, ["evaluate-snapshots", str(run_dir), "--no-progress"])
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and f"{member}.npy declares (8589934592, 8)" in lines[0]
+
+
+@pytest.mark.parametrize("where", ["snapshot-fifo", "snapshot-dev-zero", "index-fifo"])
+def test_a_fifo_or_a_device_at_a_snapshot_name_is_refused_at_once(
+    snap_run: dict[str, Any], tmp_path: Path, where: str
+) -> None:
+    """Reading one would block or never end: evaluate-snapshots must refuse it, not hang."""
+    run_dir, victim, _ = _damage_copy(snap_run, tmp_path)
+    target = run_dir / "snapshots" / "run.json" if where == "index-fifo" else victim
+    target.unlink()
+    if where.endswith("fifo"):
+        os.mkfifo(target)
+    else:
+        target.symlink_to("/dev/zero")
+    command = [sys.executable, "-m", "pserver.cli", "evaluate-snapshots", str(run_dir)]
+    done = subprocess.run([*command, "--no-progress"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith("is not a regular file"), done.stderr
 
 
 def test_missing_index_and_other_dataset_are_refused(

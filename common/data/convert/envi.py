@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +32,31 @@ def _open(path: Path) -> Any:
 
     header, data = _header_and_data(path)
     try:
-        return envi.open(str(header), None if data is None else str(data))
+        with warnings.catch_warnings():  # absurd sizes overflow in numpy: refused below
+            warnings.simplefilter("ignore", RuntimeWarning)
+            image = envi.open(str(header), None if data is None else str(data))
     except Exception as exc:  # spectral raises its own types, IOError and ValueError
         raise DatasetError(f"cannot read ENVI file {str(path)!r}: {exc}") from exc
+    _check_size(image, path)
+    return image
+
+
+def _check_size(image: Any, path: Path) -> None:
+    """Refuse a header whose dimensions need more bytes than its data file holds (a damaged
+    or hostile header would otherwise size arrays of terabytes)."""
+    rows, cols, bands = (int(n) for n in image.shape)
+    itemsize = np.dtype(image.dtype).itemsize
+    needed = int(image.offset) + rows * cols * bands * itemsize
+    try:
+        held = os.stat(image.filename).st_size
+    except OSError as exc:
+        raise DatasetError(f"cannot read ENVI file {str(path)!r}: {exc}") from exc
+    if min(rows, cols, bands) < 1 or needed > held:
+        raise DatasetError(
+            f"ENVI header of {str(path)!r} describes {rows} x {cols} x {bands} "
+            f"{np.dtype(image.dtype).name} values ({needed} bytes), but its data file "
+            f"{str(image.filename)!r} holds {held} bytes"
+        )
 
 
 class EnviCube(Cube):
