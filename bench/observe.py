@@ -1,6 +1,7 @@
-"""Cost of watching a run: the TensorBoard sink per run-log event, the event-loop time of one
-status-page request with a full live view, and sync round time while the page is polled 10
-times a second (ten times the page's own rate), in one run.
+"""Cost of watching a run: the TensorBoard sink per run-log event, the server-loop time of one
+render of each status-page body with a full live view (the page serves cached bodies from its
+own thread; bench/status_pollers.py measures many pollers), and sync round time while the page
+is polled 10 times a second (ten times the page's own rate), in one run.
 
 Usage: python bench/observe.py [--events 20000] [--rounds 300] [--repeats 3]
 """
@@ -8,7 +9,6 @@ Usage: python bench/observe.py [--events 20000] [--rounds 300] [--repeats 3]
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import re
 import statistics
@@ -25,7 +25,7 @@ from common.data.convert.synth import synth_hsi
 from common.training.runlog import RunLog
 from launch.local import LocalCluster, run_local
 from pserver import liveview
-from pserver.statuspage import StatusPage
+from pserver.statuspage import BODIES, REFRESH_S, StatusPage
 
 WARMUP = 10
 URL = re.compile(r"status page on (\S+)")
@@ -63,7 +63,8 @@ def writer_cost(directory: Path, count: int) -> float:
 
 
 def request_costs(count: int) -> dict[str, float]:
-    """Event-loop seconds per request of each path, with the live view at its bounds."""
+    """Server-loop seconds per render of each body the page serves (at most one per
+    ``REFRESH_S`` and kind, however many requests), with the live view at its bounds."""
     workers = [
         {"id": i, "ready": True, "name": f"w{i}", "device": "cpu", "slowdown": 1.0 + i,
          "speed": 400.0, "samples": 10_000, "pushes": 600, "rejected": 0, "non_finite": 0,
@@ -83,21 +84,13 @@ def request_costs(count: int) -> dict[str, float]:
     for i in range(liveview.MAX_PUSHES):
         page.on_event({"event": "push", "t": i, "worker": "w1", "batch": 8, "staleness": 1})
 
-    async def measure() -> dict[str, float]:
-        costs = {}
-        for name, handler in (
-            ("/status.json", page._status),
-            ("/history.json", page._history),
-            ("/metrics", page._metrics),
-            ("/", page._index),
-        ):
-            begin = time.perf_counter()
-            for _ in range(count):
-                await handler(None)  # type: ignore[arg-type]
-            costs[name] = (time.perf_counter() - begin) / count
-        return costs
-
-    return asyncio.run(measure())
+    costs = {}
+    for name in BODIES:  # what the server's loop spends per refresh of each body
+        begin = time.perf_counter()
+        for _ in range(count):
+            page.render(name)
+        costs[name] = (time.perf_counter() - begin) / count
+    return costs
 
 
 class Poller:
@@ -181,7 +174,7 @@ def main() -> None:
         print(f"TensorBoard writer thread: {1e6 * written:.0f} us per 4-worker round event")
         costs = request_costs(300)
         print(
-            "event-loop time per request, live view full: "
+            f"server-loop time per render (at most 1 per {REFRESH_S} s and body), live view full: "
             + ", ".join(f"{path} {1e6 * cost:.0f} us" for path, cost in costs.items())
         )
         data = root / "hsi.h5"

@@ -1,4 +1,9 @@
-"""The read-only HTTP status page of ``pserver start --http``: the page, status.json, metrics."""
+"""The read-only HTTP status page of ``pserver start --http``: the page, status.json, metrics.
+
+The page is served by its own thread and event loop, from bodies the server's loop renders at
+most every ``REFRESH_S`` per kind (and only while someone asks), so pollers cost the training
+loop a bounded, small share however many there are; a request-rate cap bounds the page thread.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import hashlib
 import json
 import logging
 import re
+import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from importlib import resources
 from typing import Any
@@ -22,10 +29,14 @@ log = logging.getLogger(__name__)
 
 StatusProvider = Callable[[], Mapping[str, Any]]
 
-MAX_CONNECTIONS = 32
+MAX_CONNECTIONS = 256
 KEEPALIVE_S = 5.0
 SHUTDOWN_S = 2.0
+REFRESH_S = 0.5  # the server renders each kind of body at most this often
+FIRST_BODY_S = 10.0  # how long a request waits for the first body of its kind
+MAX_REQUESTS_S = 400.0  # requests per second served at most (more get 503)
 _BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+BODIES = ("status.json", "history.json", "metrics")
 
 
 def _page() -> tuple[bytes, str]:
@@ -48,6 +59,74 @@ def _page() -> tuple[bytes, str]:
     return html.encode("utf-8"), policy
 
 
+class _RequestBudget:
+    """A token bucket: ``rate`` requests per second, bursts up to one second's worth."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate, self.tokens, self.at = rate, rate, time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.rate, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+class _Bodies:
+    """The latest rendered body of each kind, shared by the server's loop (which renders them)
+    and the page's loop (which serves them).
+
+    Args:
+        render: makes the body of a kind (called on the server's loop only).
+    """
+
+    def __init__(self, render: Callable[[str], bytes]) -> None:
+        self.render = render
+        self._lock = threading.Lock()
+        self._bodies: dict[str, tuple[float, bytes]] = {}
+        self._wanted: set[str] = set()
+        self._owner: asyncio.AbstractEventLoop | None = None
+        self._page: asyncio.AbstractEventLoop | None = None
+        self._first: dict[str, asyncio.Event] = {}
+
+    def attach(self, owner: asyncio.AbstractEventLoop, page: asyncio.AbstractEventLoop) -> None:
+        """Render on ``owner`` (the server's loop), serve on ``page``."""
+        self._owner, self._page = owner, page
+        self._first = {name: asyncio.Event() for name in BODIES}  # made on the page's loop
+
+    async def get(self, name: str) -> bytes | None:
+        """The latest body of ``name`` (on the page's loop); asks for a new one when it is
+        older than ``REFRESH_S`` (one at a time per kind). None if the first one did not
+        come within ``FIRST_BODY_S``."""
+        assert self._owner is not None
+        with self._lock:
+            made = self._bodies.get(name)
+            stale = made is None or time.monotonic() - made[0] >= REFRESH_S
+            if stale and name not in self._wanted:
+                self._wanted.add(name)
+                self._owner.call_soon_threadsafe(self._refresh, name)
+        if made is not None:
+            return made[1]  # at most REFRESH_S old, or a newer one is on its way
+        try:
+            await asyncio.wait_for(self._first[name].wait(), FIRST_BODY_S)
+        except TimeoutError:
+            return None
+        with self._lock:
+            return self._bodies[name][1]
+
+    def _refresh(self, name: str) -> None:
+        """Render the body of ``name`` (on the server's loop)."""
+        body = self.render(name)
+        with self._lock:
+            self._bodies[name] = (time.monotonic(), body)
+            self._wanted.discard(name)
+        if self._page is not None and not self._page.is_closed():
+            self._page.call_soon_threadsafe(self._first[name].set)
+
+
 class _Refuse(asyncio.Protocol):
     """Answers a connection beyond the cap with 503 and closes it."""
 
@@ -58,15 +137,17 @@ class _Refuse(asyncio.Protocol):
 
 
 class StatusPage:
-    """Serves the live page, the status map and Prometheus metrics on the caller's event loop.
+    """Serves the live page, the status map and Prometheus metrics from a thread of its own.
 
     Read-only (GET and HEAD only) and bounded: at most ``MAX_CONNECTIONS`` open connections
-    (more get 503 at once), small header limits, no request body, idle keep-alive closed
-    after ``KEEPALIVE_S``. Every handler answers at once (nothing awaited) from bounded data,
-    the status map and a ``LiveView``, so no request can hold the event loop for long.
+    (more get 503 at once), at most ``MAX_REQUESTS_S`` requests a second (more get 503), small
+    header limits, no request body, idle keep-alive closed after ``KEEPALIVE_S``. The bodies
+    are rendered on the loop that started the page (the server's, which owns the status and
+    the ``LiveView``), each kind at most every ``REFRESH_S`` and only when asked for, so a
+    status.json is at most that old.
 
     Args:
-        status: returns what ``pserver status`` answers (called per request, on the loop).
+        status: returns what ``pserver status`` answers (called on the starting loop).
         events: the run log's events so far (replayed into the live view).
         clock: seconds since the run started.
         host: address to bind (``127.0.0.1`` unless told otherwise).
@@ -87,17 +168,29 @@ class StatusPage:
         self.host, self.port = host, port
         self.url = ""
         self._html, self._policy = _page()
+        self._bodies = _Bodies(self.render)
+        self._budget = _RequestBudget(MAX_REQUESTS_S)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
 
     def on_event(self, record: Mapping[str, Any]) -> None:
-        """Take a run-log event into the live view (a ``RunLog`` sink)."""
+        """Take a run-log event into the live view (a ``RunLog`` sink, on the server's loop)."""
         self.view(record)
+
+    def render(self, name: str) -> bytes:
+        """The body of ``name`` (one of ``BODIES``) now; what a refresh costs the caller."""
+        if name == "status.json":
+            return json.dumps(self.status(), default=str).encode("utf-8")  # as 'pserver status'
+        if name == "history.json":
+            return self.view.to_json(self.clock()).encode("utf-8")
+        return prometheus.render(self.status(), self.view.snapshot(with_evals=False)).encode()
 
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> str:
-        """Bind and serve in the background.
+        """Start the page's thread, bind and serve; bodies are rendered on this loop.
 
         Returns:
             The page's URL, e.g. ``http://127.0.0.1:8080/``.
@@ -105,7 +198,27 @@ class StatusPage:
         Raises:
             OSError: the address cannot be bound.
         """
-        app = web.Application(middlewares=[_headers], client_max_size=1024)
+        owner = asyncio.get_running_loop()
+        self._loop = loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=loop.run_forever, name="status-page", daemon=True)
+        self._thread.start()
+        try:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._serve(owner), loop))
+        except BaseException:
+            self._stop_thread()
+            raise
+        host = self.host
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"http://{shown}:{self.port}/"
+        if host not in ("127.0.0.1", "::1", "localhost"):
+            log.warning("status page bound to %s: anyone who reaches this host can read it", host)
+        return self.url
+
+    async def _serve(self, owner: asyncio.AbstractEventLoop) -> None:
+        """Set up the app and listen (on the page's loop)."""
+        assert self._loop is not None
+        self._bodies.attach(owner, self._loop)
+        app = web.Application(middlewares=[self._limit, _headers], client_max_size=1024)
         app.router.add_get("/", self._index)
         app.router.add_get("/status.json", self._status)
         app.router.add_get("/history.json", self._history)
@@ -123,18 +236,12 @@ class StatusPage:
         await self._runner.setup()
         try:
             self._listener = await asyncio.get_running_loop().create_server(
-                self._protocol, self.host, self.port, backlog=16
+                self._protocol, self.host, self.port, backlog=128
             )
         except OSError:
             await self._runner.cleanup()
             raise
-        host, port = self._listener.sockets[0].getsockname()[:2]
-        self.port = port
-        shown = f"[{host}]" if ":" in host else host
-        self.url = f"http://{shown}:{port}/"
-        if host not in ("127.0.0.1", "::1", "localhost"):
-            log.warning("status page bound to %s: anyone who reaches this host can read it", host)
-        return self.url
+        self.host, self.port = self._listener.sockets[0].getsockname()[:2]
 
     def _protocol(self) -> asyncio.BaseProtocol:
         """One protocol per accepted connection: aiohttp's, or a refusal beyond the cap."""
@@ -144,7 +251,17 @@ class StatusPage:
         return self._runner.server()
 
     async def close(self) -> None:
-        """Stop listening and close every connection (bounded by ``SHUTDOWN_S``)."""
+        """Stop listening, close every connection (bounded by ``SHUTDOWN_S``), end the thread."""
+        if self._loop is None:
+            return
+        future = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(future), 3 * SHUTDOWN_S)
+        except TimeoutError:
+            log.warning("status page: not closed after %.0f s; leaving it", 3 * SHUTDOWN_S)
+        self._stop_thread()
+
+    async def _shutdown(self) -> None:
         if self._listener is not None:
             self._listener.close()
         if self._runner is not None:
@@ -157,7 +274,25 @@ class StatusPage:
                 log.warning("status page: connections still open after %.0f s", SHUTDOWN_S)
             self._listener = None
 
-    # --- requests ----------------------------------------------------------------------------
+    def _stop_thread(self) -> None:
+        loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+        if loop is None or thread is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(SHUTDOWN_S)
+        if not thread.is_alive():
+            loop.close()
+
+    # --- requests (on the page's loop) -------------------------------------------------------
+
+    @web.middleware
+    async def _limit(
+        self, request: web.Request, handler: Callable[[web.Request], Any]
+    ) -> web.StreamResponse:
+        if not self._budget.take():
+            return web.Response(status=503, headers={"Retry-After": "1"})
+        response: web.StreamResponse = await handler(request)
+        return response
 
     async def _index(self, request: web.Request) -> web.Response:
         return web.Response(
@@ -167,19 +302,20 @@ class StatusPage:
             headers={"Content-Security-Policy": self._policy, "Referrer-Policy": "no-referrer"},
         )
 
+    async def _cached(self, name: str, content_type: str) -> web.Response:
+        body = await self._bodies.get(name)
+        if body is None:
+            return web.Response(status=503, headers={"Retry-After": "1"})
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
     async def _status(self, request: web.Request) -> web.Response:
-        return _json(self.status())  # as 'pserver status' prints it
+        return await self._cached("status.json", "application/json")
 
     async def _history(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=self.view.to_json(self.clock()).encode("utf-8"), content_type="application/json"
-        )
+        return await self._cached("history.json", "application/json")
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        text = prometheus.render(self.status(), self.view.snapshot(with_evals=False))
-        return web.Response(
-            body=text.encode("utf-8"), headers={"Content-Type": prometheus.CONTENT_TYPE}
-        )
+        return await self._cached("metrics", prometheus.CONTENT_TYPE)
 
 
 @web.middleware
@@ -190,12 +326,6 @@ async def _headers(
     response.headers["Cache-Control"] = "no-store"
     response.headers["X-Content-Type-Options"] = "nosniff"
     return response
-
-
-def _json(data: Mapping[str, Any]) -> web.Response:
-    return web.Response(
-        body=json.dumps(data, default=str).encode("utf-8"), content_type="application/json"
-    )
 
 
 async def start_for_server(server: Any) -> StatusPage:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -15,7 +18,7 @@ from common.errors import ConfigError
 from common.protocol.messages import JoinRequest, StatusReply, StatusRequest
 from pserver.cli import main as pserver_main
 from pserver.config import ServerConfig
-from pserver.statuspage import MAX_CONNECTIONS
+from pserver.statuspage import MAX_CONNECTIONS, REFRESH_S, StatusPage
 from tests.live import clients, live_server
 
 TIMEOUT = aiohttp.ClientTimeout(total=20)
@@ -146,3 +149,37 @@ def test_config_validates_http_options(small_hsi: Path) -> None:
     help_text = CliRunner().invoke(pserver_main, ["start", "--help"]).output
     assert "--http INTEGER" in help_text and "--http-bind TEXT" in help_text
     assert "default: 127.0.0.1" in help_text
+
+
+async def test_pollers_are_answered_from_a_cached_body_while_the_loop_is_busy() -> None:
+    """200 concurrent pollers cost the server's loop one render per ``REFRESH_S``, and are
+    answered even while that loop is busy (the page serves from its own thread)."""
+    renders = []
+
+    def status() -> dict[str, int]:
+        renders.append(1)
+        return {"version": len(renders)}
+
+    page = StatusPage(status, (), lambda: 1.0)
+    url = await page.start()
+    try:
+        assert (await _get(url + "status.json"))[0] == 200
+        begin = time.monotonic()
+        answers = await asyncio.gather(*(_get(url + "status.json") for _ in range(200)))
+        spent = time.monotonic() - begin
+        assert [a[0] for a in answers] == [200] * 200
+        assert len(renders) <= 2 + spent / REFRESH_S, (len(renders), spent)
+        answered = threading.Event()
+
+        def poll() -> None:
+            with urllib.request.urlopen(url + "status.json", timeout=10) as response:
+                if response.status == 200 and json.loads(response.read())["version"] >= 1:
+                    answered.set()
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        time.sleep(2.0)  # the server's loop is busy (an update, an evaluation) for 2 s
+        assert answered.is_set()
+        poller.join(10)
+    finally:
+        await page.close()

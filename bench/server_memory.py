@@ -1,0 +1,135 @@
+"""Server memory over a long run: resident set size (VmRSS) of ``pserver start`` against the
+model version, async with 2 workers and a small global batch, so versions come fast.
+
+The RSS is read from /proc (Linux) every 0.5 s with the newest version the run log shows; the
+figure is the growth from the first sample at or past ``--from`` versions to the end. With
+``--baseline DIR`` the same run is made with the server (and workers) of another checkout
+right after, for a side-by-side figure.
+
+Usage: python bench/server_memory.py [--versions 5000] [--from 500] [--baseline DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.cli_env import child_environment
+from common.data.convert.synth import synth_hsi
+from launch.procs import Children, new_events, start_offset, wait_for_address
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE_S = 0.5
+
+
+def rss_mb(pid: int) -> float:
+    """The process's resident set size in MB."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def newest_version(metrics: Path, offset: int) -> tuple[int, int]:
+    """The newest ``version`` among whole event lines after ``offset``, and the new offset."""
+    with metrics.open("rb") as f:
+        f.seek(offset)
+        chunk = f.read()
+    end = chunk.rfind(b"\n") + 1
+    version = -1
+    for line in chunk[:end].splitlines():
+        try:
+            value = json.loads(line).get("version")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(value, int):
+            version = max(version, value)
+    return version, offset + end
+
+
+def measure(data: Path, run_dir: Path, versions: int, code: Path) -> list[tuple[int, float]]:
+    """(version, server RSS MB) samples of one run whose processes import ``code``."""
+    env = child_environment(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(code))
+    run_dir.mkdir(parents=True)
+    log = (run_dir / "cluster.log").open("w", encoding="utf-8")
+    children = Children(log, env)
+    py = [sys.executable, "-m"]
+    metrics = run_dir / "metrics.jsonl"
+    mark = start_offset(metrics)
+    server = children.start(
+        "server",
+        [
+            *(*py, "pserver.cli", "start", "--bind", "tcp://127.0.0.1:0", "--dataset", str(data)),
+            *("--model", "hsi-cnn", "--mode", "async", "--global-batch", "8", "--workers", "2"),
+            *("--max-steps", str(versions), "--eval-every", "1000", "--eval-samples", "64"),
+            *("--run-dir", str(run_dir)),
+        ],
+        stderr_only=True,
+    )
+    samples: list[tuple[int, float]] = []
+    try:
+        address = wait_for_address(server, metrics, mark, 120)
+        for i in range(2):
+            children.start(f"w{i}", [*py, "worker.cli", "join", "--server", address])
+        offset = 0
+        version = 0
+        while server.code is None:
+            newest, offset = newest_version(metrics, offset)
+            version = max(version, newest)
+            try:
+                samples.append((version, rss_mb(server.popen.pid)))
+            except (OSError, RuntimeError):
+                break
+            time.sleep(SAMPLE_S)
+    finally:
+        children.stop(server, first_grace_s=60)
+        children.close()
+        mark.close()
+        log.close()
+    assert new_events(metrics, 0), f"no events in {metrics}"
+    return samples
+
+
+def report(name: str, samples: list[tuple[int, float]], start: int) -> str:
+    """One line: RSS at ``start`` versions and at the end, growth in all and per 1000."""
+    later = [(v, r) for v, r in samples if v >= start]
+    if len(later) < 2:
+        return f"{name}: too few samples past version {start} ({len(samples)} in all)"
+    (v0, r0), (v1, r1) = later[0], later[-1]
+    peak = max(r for _, r in later)
+    per_k = (r1 - r0) / max(v1 - v0, 1) * 1000
+    return (
+        f"{name}: server RSS {r0:.1f} MB at version {v0}, {r1:.1f} MB at version {v1} "
+        f"(peak {peak:.1f}): {r1 - r0:+.1f} MB over {v1 - v0} versions, "
+        f"{per_k:+.2f} MB per 1000 versions"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--versions", type=int, default=5000)
+    parser.add_argument("--from", dest="start", type=int, default=500)
+    parser.add_argument("--baseline", type=Path, default=None, help="another checkout")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        data = root / "hsi.h5"
+        synth_hsi(data, bands=16, size=48, classes=4, train_fraction=0.5, seed=1)
+        runs = [("this checkout", ROOT)]
+        if args.baseline is not None:
+            runs.append((f"baseline {args.baseline}", args.baseline.resolve()))
+        for i, (name, code) in enumerate(runs):
+            samples = measure(data, root / f"run{i}", args.versions, code)
+            print(report(name, samples, args.start), flush=True)
+
+
+if __name__ == "__main__":
+    main()

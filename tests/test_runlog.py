@@ -1,0 +1,34 @@
+"""The run log: every event in metrics.jsonl, a bounded history in memory, files only once
+opened."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from common.training.runlog import RECENT_EVENTS, RunLog
+
+
+def test_memory_holds_the_latest_events_and_the_file_all_of_them(tmp_path: Path) -> None:
+    log = RunLog(tmp_path, tensorboard=False)
+    total = 3 * RECENT_EVENTS
+    for version in range(total):
+        log.event("push", worker="w0", batch=8, staleness=1, version=version)
+    log.close()
+    assert len(log.events) == RECENT_EVENTS
+    assert [e["version"] for e in log.events] == list(range(total - RECENT_EVENTS, total))
+    lines = (tmp_path / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line)["version"] for line in lines] == list(range(total))
+
+
+def test_a_log_opened_later_writes_nothing_before_and_everything_after(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    log = RunLog(run_dir, open_now=False)
+    log.event("http", url="http://127.0.0.1:1/")
+    assert not run_dir.exists()
+    log.open()
+    log.event("start", address="tcp://127.0.0.1:2")
+    log.close()
+    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line)["event"] for line in lines] == ["http", "start"]
+    assert (run_dir / "tensorboard").is_dir()
