@@ -154,7 +154,9 @@ class Roster:
     def add(
         self, name: str, device: str, slowdown: float, threads: int, t: float, user_id: str = ""
     ) -> WorkerInfo:
-        """A new member; a name already in use gets the worker id appended.
+        """A new member; a name already in use gets the worker id appended (and counts on
+        while that is taken too), so every member's name, and each ``/metrics`` series, is
+        unique.
 
         Raises:
             ProtocolError: BUSY when ``max_members`` are active.
@@ -163,7 +165,9 @@ class Roster:
             raise ProtocolError(ErrorCode.BUSY, f"the run already has {self.max_members} members")
         name = name[:MAX_NAME]
         names = {w.name for w in self.workers.values()}
-        unique = name if name not in names else f"{name}-{self._next_id}"
+        unique, suffix = name, self._next_id
+        while unique in names:  # a member may already be called "name-<id>"
+            unique, suffix = f"{name}-{suffix}", suffix + 1
         worker = WorkerInfo(self._next_id, unique, device[:MAX_NAME], slowdown, threads, t, user_id)
         past = self.history.pop(unique, None)
         if past is not None:  # the same worker before it rejoined or the server restarted

@@ -183,3 +183,23 @@ async def test_pollers_are_answered_from_a_cached_body_while_the_loop_is_busy() 
         poller.join(10)
     finally:
         await page.close()
+
+
+async def test_members_with_one_name_get_unique_names_and_metrics_series(
+    small_hsi: Path,
+) -> None:
+    """``w-3`` joins first, then ``w`` twice: the third member (id 3) must not become a
+    second ``w-3``, or ``/metrics`` would carry the same series twice."""
+    async with (
+        live_server(small_hsi, workers=4, http_port=0, dead_after_s=60.0) as server,
+        clients(server.address, 3) as members,
+    ):
+        for client, name in zip(members, ("w-3", "w", "w"), strict=True):
+            await client.request(JoinRequest(name=name, device="cpu", slowdown=1.0, threads=1))
+        names = [w.name for w in server.roster.workers.values()]
+        assert len(set(names)) == 3, names
+        _, _, body = await _get(server.http.url + "metrics")
+    series = [
+        line.rsplit(" ", 1)[0] for line in body.decode().splitlines() if not line.startswith("#")
+    ]
+    assert len(series) == len(set(series)), series
