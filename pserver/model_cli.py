@@ -110,7 +110,14 @@ def _predict_cube(model: Any, options: dict[str, Any]) -> None:
     from common.data.convert.cube import load_labels, open_cube
     from pserver.outputs.maps import write_geotiff, write_npy, write_png
     from pserver.outputs.palette import ground_truth_colours, resolve_palette
-    from pserver.outputs.predict import check_scene, predict_scene, score_map, scores_report
+    from pserver.outputs.predict import (
+        check_scene,
+        count_nodata,
+        nodata_index,
+        predict_scene,
+        score_map,
+        scores_report,
+    )
     from pserver.outputs.scene_views import composite, parse_bands, predict_probabilities
 
     out: Path = options["out"]
@@ -132,10 +139,19 @@ def _predict_cube(model: Any, options: dict[str, Any]) -> None:
         proba = None
         if options["proba"]:
             proba = predict_probabilities(model, cube, options["batch"], options["progress"])
-            classes = proba.argmax(axis=2).astype(np.uint8 if len(names) <= 256 else np.uint16)
+            classes = proba.argmax(axis=2).astype(np.uint8 if len(names) < 256 else np.uint16)
+            classes[~np.isfinite(proba).all(axis=2)] = nodata_index(names)
         else:
             classes = predict_scene(model, cube, options["batch"], options["progress"])
         georef = cube.georef
+    nodata = count_nodata(classes, names)
+    if nodata:
+        click.echo(
+            f"warning: {nodata} of {classes.size} pixels have NaN or infinite values in their "
+            f"patch and were not classified: no data in the map (index {len(names)} in the "
+            ".npy, 0 in the GeoTIFF), left out of the scores",
+            err=True,
+        )
     from_gt = ground_truth_colours(options["gt"]) if options["gt"] else None
     palette, where = resolve_palette(options["palette"], names, from_gt)
     scored_gt = gt if gt is None or test_mask is None else np.where(test_mask, gt, 0)
@@ -168,7 +184,9 @@ def _predict_cube(model: Any, options: dict[str, Any]) -> None:
         )
     if options["npy"]:
         write_npy(options["npy"], classes)
-        click.echo(f"wrote {options['npy']}: class indices 0..{len(names) - 1}")
+        click.echo(
+            f"wrote {options['npy']}: class indices 0..{len(names) - 1}, {len(names)} = no data"
+        )
     if options["geotiff"]:
         if georef is None:
             click.echo(

@@ -16,7 +16,7 @@ from common.data.convert.geotiff import GeoTiffCube
 from common.errors import DatasetError
 from pserver.outputs.export import RawInput
 from pserver.outputs.model_file import LoadedModel
-from pserver.outputs.predict import predict_scene, score_map
+from pserver.outputs.predict import count_nodata, nodata_index, predict_scene, score_map
 
 BANDS, PATCH = 6, 3
 
@@ -87,3 +87,26 @@ def test_band_mismatch_and_scores(tmp_path: Path) -> None:
     assert scores.accuracy == (0.5, None, 1.0)
     with pytest.raises(DatasetError, match="label 4 but the model knows 3"):
         score_map(classes, gt + 1, 3)
+
+
+def test_pixels_with_nan_in_their_patch_are_no_data_not_a_class(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    cube = rng.normal(150, 40, size=(12, 10, BANDS)).astype(np.float32)
+    cube[5, 4, 2] = np.nan  # its 3 x 3 neighbourhood cannot be classified
+    cube[0, 9, :] = np.inf
+    profile = {"driver": "GTiff", "height": 12, "width": 10, "count": BANDS, "dtype": "float32"}
+    geo = {"crs": "EPSG:4326", "transform": Affine(0.1, 0.0, 10.0, 0.0, -0.1, 50.0)}
+    with rasterio.open(tmp_path / "c.tif", "w", **profile, **geo) as f:
+        f.write(np.moveaxis(cube, -1, 0))
+    model = tiny_model()
+    with open_cube(str(tmp_path / "c.tif")) as source:
+        classes = predict_scene(model, source, batch=16, progress=False)
+    expected = np.zeros((12, 10), dtype=bool)
+    expected[4:7, 3:6] = True
+    expected[0:2, 8:10] = True
+    assert np.array_equal(classes == nodata_index(model.class_names), expected)
+    assert count_nodata(classes, model.class_names) == 9 + 4
+    assert classes[~expected].max() < len(model.class_names)
+    gt = np.ones((12, 10), dtype=np.int64)  # every pixel labelled class 0
+    scores = score_map(classes, gt, len(model.class_names))
+    assert sum(scores.support) == 120 - 13  # no-data pixels are left out of the scores

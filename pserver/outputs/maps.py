@@ -80,7 +80,7 @@ def map_figure(
     one legend below them that constrained layout keeps inside the figure.
 
     Args:
-        classes: (rows, cols) predicted class indices.
+        classes: (rows, cols) predicted class indices (K or more: no data, drawn black).
         class_names: K names.
         gt: (rows, cols) ground truth, 0 = unlabelled and k + 1 = class k; adds the ground
             truth and agreement panels.
@@ -107,14 +107,16 @@ def map_figure(
     panels: list[tuple[str, np.ndarray]] = []
     if rgb is not None:
         panels.append(("composite", rgb[::step, ::step]))
-    panels.append(("prediction (every pixel)", _rgb(shown, table)))
+    nodata = shown >= len(class_names)  # not classified (NaN in its patch)
+    prediction = _rgb(np.minimum(shown, len(table)), [*table, UNLABELLED])
+    panels.append(("prediction (every pixel)", prediction))
     extra: list[Patch] = []
     if gt is not None:
         g = gt[::step, ::step]
         correct = distinct(CORRECT_CANDIDATES, [*table, UNLABELLED])
         wrong = distinct(WRONG_CANDIDATES, [*table, UNLABELLED, correct])
         panels.append(("ground truth", _rgb(g, [UNLABELLED, *table])))
-        agree = np.where(g == 0, 0, np.where(g - 1 == shown, 1, 2))
+        agree = np.where((g == 0) | nodata, 0, np.where(g - 1 == shown, 1, 2))
         agreement = [UNLABELLED, correct, wrong]
         extra = [
             Patch(color=_colour(UNLABELLED, 255), label="unlabelled"),
@@ -127,6 +129,8 @@ def map_figure(
             agreement.append(grey)
             extra.append(Patch(color=_colour(grey, 255), label="not scored"))
         panels.append(("agreement", _rgb(agree, agreement)))
+    if nodata.any():
+        extra.append(Patch(color=_colour(UNLABELLED, 255), label="no data (NaN in its patch)"))
     if confidence is not None:
         panels.append(("confidence (max probability)", confidence[::step, ::step]))
     nrows, ncols, width, height = _layout(shown.shape[0], shown.shape[1], len(panels))
@@ -189,7 +193,7 @@ def write_png(
 
 
 def write_npy(path: Path, classes: np.ndarray) -> None:
-    """Save the (rows, cols) class indices 0..K-1 as a .npy file (no pickle)."""
+    """Save the (rows, cols) class indices 0..K-1 (K: no data) as a .npy file (no pickle)."""
     np.save(path, classes, allow_pickle=False)
 
 

@@ -49,6 +49,8 @@ def predict_scene(
 
     The cube is read a band of rows at a time (windowed for ENVI and GeoTIFF), and patches go
     to the model ``batch`` at a time, so memory holds one band, one batch and the map itself.
+    A pixel whose patch holds a NaN or infinite value is not classified: it gets the no-data
+    index K (``nodata_index``; count them with ``count_nodata``).
 
     Args:
         model: an exported pixel classifier (kind ``hsi``).
@@ -57,7 +59,8 @@ def predict_scene(
         progress: show a progress bar (pixels) on stderr.
 
     Returns:
-        The (rows, cols) class indices (uint8 for up to 256 classes, else uint16).
+        The (rows, cols) class indices 0..K-1, K for no data (uint8 for up to 255 classes,
+        else uint16).
 
     Raises:
         ModelError, DatasetError: see ``check_scene``; DatasetError when the cube is unreadable.
@@ -66,7 +69,8 @@ def predict_scene(
         raise DatasetError(f"batch must be >= 1, got {batch}")
     patch = check_scene(model, cube)
     rows, cols, _ = cube.shape
-    dtype = np.uint8 if len(model.class_names) <= 256 else np.uint16
+    nodata = nodata_index(model.class_names)
+    dtype = np.uint8 if nodata <= 255 else np.uint16
     out = np.zeros((rows, cols), dtype=dtype)
     flat = out.reshape(-1)
     with tqdm(
@@ -77,15 +81,30 @@ def predict_scene(
             for first in range(0, n, batch):
                 idx = np.arange(first, min(n, first + batch))
                 r, c = np.divmod(idx, cols)
-                predicted = model.classify(windows[r, c])
+                patches = windows[r, c]
+                finite = np.isfinite(patches).reshape(len(idx), -1).all(axis=1)
+                predicted = np.full(len(idx), nodata, dtype=np.int64)
+                if finite.any():
+                    predicted[finite] = model.classify(patches[finite])
                 flat[start * cols + first : start * cols + first + idx.size] = predicted
                 bar.update(idx.size)
             del windows  # one band in memory at a time
     return out
 
 
+def nodata_index(class_names: list[str]) -> int:
+    """The map value of a pixel that was not classified: K, one past the last class."""
+    return len(class_names)
+
+
+def count_nodata(classes: np.ndarray, class_names: list[str]) -> int:
+    """How many pixels of a map were not classified."""
+    return int(np.count_nonzero(classes == nodata_index(class_names)))
+
+
 def score_map(classes: np.ndarray, gt: np.ndarray, num_classes: int) -> Scores:
-    """OA, AA, kappa and per-class accuracy of a map on the labelled pixels of ``gt``.
+    """OA, AA, kappa and per-class accuracy of a map on the labelled pixels of ``gt`` that were
+    classified (no-data pixels, index K, are left out).
 
     Args:
         classes: (rows, cols) predicted class indices.
@@ -107,7 +126,7 @@ def score_map(classes: np.ndarray, gt: np.ndarray, num_classes: int) -> Scores:
         raise DatasetError(
             f"ground truth has label {int(gt.max())} but the model knows {num_classes} classes"
         )
-    labelled = gt > 0
+    labelled = (gt > 0) & (classes < num_classes)  # no-data pixels are left out
     matrix = confusion_matrix(gt[labelled] - 1, classes[labelled], num_classes)
     return scores_from_confusion(matrix, float("nan"))
 

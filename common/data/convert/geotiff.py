@@ -141,7 +141,7 @@ def write_class_geotiff(
 
     Args:
         path: the file to write.
-        classes: (rows, cols) class indices 0..K-1.
+        classes: (rows, cols) class indices 0..K-1 (K or more: no data, stored as 0).
         georef: the input's georeferencing (CRS and transform), kept as is; None writes none.
         class_names: K names.
         colours: K RGB colours (0-255).
@@ -171,7 +171,8 @@ def write_class_geotiff(
     tags.update({f"CLASS_{i + 1}": name for i, name in enumerate(class_names)})
     try:
         with _quiet(), rasterio.open(path, "w", **profile) as out:
-            out.write((classes.astype(np.int64) + 1).astype(dtype), 1)
+            stored = np.where(classes < k, classes.astype(np.int64) + 1, 0)  # K+: no data
+            out.write(stored.astype(dtype), 1)
             if dtype == np.uint8:
                 table = {0: (0, 0, 0, 0)}
                 table.update({i + 1: (*c, 255) for i, c in enumerate(colours)})
