@@ -64,6 +64,8 @@ def measure(data: Path, run_dir: Path, versions: int, code: Path) -> list[tuple[
     py = [sys.executable, "-m"]
     metrics = run_dir / "metrics.jsonl"
     mark = start_offset(metrics)
+    here = Path.cwd()
+    os.chdir(code)  # 'python -m' puts the working directory first on the children's path
     server = children.start(
         "server",
         [
@@ -79,6 +81,7 @@ def measure(data: Path, run_dir: Path, versions: int, code: Path) -> list[tuple[
         address = wait_for_address(server, metrics, mark, 120)
         for i in range(2):
             children.start(f"w{i}", [*py, "worker.cli", "join", "--server", address])
+        os.chdir(here)
         offset = 0
         version = 0
         while server.code is None:
@@ -90,6 +93,7 @@ def measure(data: Path, run_dir: Path, versions: int, code: Path) -> list[tuple[
                 break
             time.sleep(SAMPLE_S)
     finally:
+        os.chdir(here)
         children.stop(server, first_grace_s=60)
         children.close()
         mark.close()
