@@ -1,12 +1,13 @@
 """Server memory over a long run: resident set size (VmRSS) of ``pserver start`` against the
-model version, async with 2 workers and a small global batch, so versions come fast.
+model version, 2 workers and a small global batch (8), so versions come fast.
 
 The RSS is read from /proc (Linux) every 0.5 s with the newest version the run log shows; the
 figure is the growth from the first sample at or past ``--from`` versions to the end. With
 ``--baseline DIR`` the same run is made with the server (and workers) of another checkout
 right after, for a side-by-side figure.
 
-Usage: python bench/server_memory.py [--versions 5000] [--from 500] [--baseline DIR]
+Usage: python bench/server_memory.py [--versions 5000] [--from 500] [--mode weighted-sync]
+                                     [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ def newest_version(metrics: Path, offset: int) -> tuple[int, int]:
     return version, offset + end
 
 
-def measure(data: Path, run_dir: Path, versions: int, code: Path) -> list[tuple[int, float]]:
+def measure(
+    data: Path, run_dir: Path, versions: int, code: Path, mode: str
+) -> list[tuple[int, float]]:
     """(version, server RSS MB) samples of one run whose processes import ``code``."""
     env = child_environment(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(code))
     run_dir.mkdir(parents=True)
@@ -70,7 +73,7 @@ def measure(data: Path, run_dir: Path, versions: int, code: Path) -> list[tuple[
         "server",
         [
             *(*py, "pserver.cli", "start", "--bind", "tcp://127.0.0.1:0", "--dataset", str(data)),
-            *("--model", "hsi-cnn", "--mode", "async", "--global-batch", "8", "--workers", "2"),
+            *("--model", "hsi-cnn", "--mode", mode, "--global-batch", "8", "--workers", "2"),
             *("--max-steps", str(versions), "--eval-every", "1000", "--eval-samples", "64"),
             *("--run-dir", str(run_dir)),
         ],
@@ -122,6 +125,7 @@ def main() -> None:
     parser.add_argument("--versions", type=int, default=5000)
     parser.add_argument("--from", dest="start", type=int, default=500)
     parser.add_argument("--baseline", type=Path, default=None, help="another checkout")
+    parser.add_argument("--mode", default="weighted-sync", help="the server's --mode")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -131,8 +135,8 @@ def main() -> None:
         if args.baseline is not None:
             runs.append((f"baseline {args.baseline}", args.baseline.resolve()))
         for i, (name, code) in enumerate(runs):
-            samples = measure(data, root / f"run{i}", args.versions, code)
-            print(report(name, samples, args.start), flush=True)
+            samples = measure(data, root / f"run{i}", args.versions, code, args.mode)
+            print(f"{args.mode}, " + report(name, samples, args.start), flush=True)
 
 
 if __name__ == "__main__":
