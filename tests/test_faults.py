@@ -192,7 +192,7 @@ async def test_finite_but_absurd_pushes_never_corrupt_the_parameters(small_hsi, 
         assert isinstance(again, TaskReply)
         reply = await client.push(member, again, _gradient(ps, 0.001))
         assert isinstance(reply, TaskReply) and ps.updater.version == version + 1
-        text = json.dumps(ps.log.events, allow_nan=False)  # no bare NaN can reach the log
+        text = json.dumps(list(ps.log.events), allow_nan=False)  # no bare NaN can reach the log
         assert "NaN" not in text
 
 
