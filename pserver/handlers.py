@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from common.errors import ErrorCode, ProtocolError
 from common.protocol.base import Message
@@ -108,7 +109,22 @@ class Handlers:
         worker = ps.roster.add(
             msg.name, msg.device, msg.slowdown, msg.threads, ps.log.now(), request.user_id
         )
-        ps.log.event("join", worker=worker.name, device=worker.device, slowdown=msg.slowdown)
+        ps.log.event(
+            "join",
+            worker=worker.name,
+            device=worker.device,
+            slowdown=msg.slowdown,
+            torch=msg.torch_version,
+        )
+        if msg.torch_version is not None and msg.torch_version != torch.__version__:
+            log.warning(
+                "worker %s runs torch %s, this server %s: training works while both build the "
+                "same parameter layout (the worker checks it), but results may differ in the "
+                "last digits; install the same torch on every node to rule that out",
+                worker.name,
+                msg.torch_version[:40],
+                torch.__version__,
+            )
         log.info("worker %s joined (%s, slowdown %.1f)", worker.name, worker.device, msg.slowdown)
         channels, height, _ = ps.meta.shape
         mean, std = ps.reader.codec.wire_stats()

@@ -245,3 +245,20 @@ async def test_an_update_closed_after_training_ended_is_not_applied(small_hsi) -
         ledger = ps.sampler.ledgers[task.epoch]
         assert ledger.applied == 0
         assert ledger.handed_out == handed_out - len(task.indices)
+
+
+async def test_a_worker_on_another_torch_is_named_in_a_warning_and_its_join_event(
+    small_hsi, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with (
+        live_server(small_hsi, mode="async", epochs=100) as ps,
+        clients(ps.address, 1) as (client,),
+    ):
+        reply = await client.request(
+            JoinRequest(name="old", device="cpu", slowdown=1.0, threads=1, torch_version="1.13.1")
+        )
+        assert reply.worker_id >= 0
+        joins = [e for e in ps.log.events if e["event"] == "join"]
+        assert joins[-1]["torch"] == "1.13.1"
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any("torch 1.13.1" in w and torch.__version__ in w for w in warnings)

@@ -264,6 +264,7 @@ class Worker:
                 device=str(self.device),
                 slowdown=self.config.slowdown,
                 threads=self.config.threads,
+                torch_version=torch.__version__,
             ),
             timeout_s=self.config.connect_timeout_s,
             expect=JoinReply,

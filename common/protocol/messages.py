@@ -54,13 +54,18 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class JoinRequest(Message):
-    """A worker asks to join; the reply tells it which model to build and where the stores are."""
+    """A worker asks to join; the reply tells it which model to build and where the stores are.
+
+    Optional: ``torch_version``, the worker's ``torch.__version__``; the coordinator warns when
+    it differs from its own (the parameter layout itself is checked by the worker).
+    """
 
     TYPE: ClassVar[str] = "join_request"
     name: str
     device: str
     slowdown: float
     threads: int
+    torch_version: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
