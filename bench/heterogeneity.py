@@ -6,10 +6,16 @@ ratios: equal batches make every round wait for 3·t(B/2) = 1.5·t(B); speed-pro
 (3B/4, B/4) finish together after 0.75·t(B), so weighted-sync is 2.0x faster per epoch than
 equal-sync and than DDP (targets: >= 1.9x and >= 1.8x).
 
+With ``--cluster`` or ``--node-cpus``/``--server-cpus`` (root) the runs take place on an emulated
+cluster instead, every process under its own CPU budget (e.g. ``--node-cpus 0.6,0.2
+--server-cpus 0.5`` for the same 3:1 mix) and the slowdowns default to 1; on shared cores every
+process competes for the machine's cores.
+
 Each repeat gives a paired ratio (runs of the same repeat ran back to back); the table shows
 min / median / max over repeats and the last lines are ``ratio_...=X.XX`` (medians).
 
 Usage: python bench/heterogeneity.py [--repeats 3] [--epochs 3] [--samples 600]
+       [--cluster PRESET | --node-cpus 0.6,0.2 --server-cpus 0.5]
 """
 
 from __future__ import annotations
@@ -22,6 +28,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.cluster_args import (  # noqa: E402
+    add_cluster_arguments,
+    cluster_from_args,
+    cluster_label,
+    worker_count,
+)
 from common.data.convert.synth import synth_scenes  # noqa: E402
 from common.logsetup import setup_logging  # noqa: E402
 from launch.compare import CompareConfig, run_compare  # noqa: E402
@@ -56,7 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=3, help="epochs per run (default 3)")
     parser.add_argument("--samples", type=int, default=600, help="synthetic images (default 600)")
     parser.add_argument("--global-batch", type=int, default=64, help="global batch (default 64)")
-    parser.add_argument("--slowdowns", default="1,3", help="worker slowdowns (default 1,3)")
+    parser.add_argument(
+        "--slowdowns",
+        default=None,
+        help="worker slowdowns (default 1,3 on shared cores, 1 on an emulated cluster)",
+    )
+    add_cluster_arguments(parser)
     parser.add_argument(
         "--out", type=Path, default=ROOT / "runs/bench/heterogeneity", help="output directory"
     )
@@ -66,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     data = args.out / f"scenes64_{args.samples}.h5"
     if not data.exists():
         synth_scenes(data, samples=args.samples, bands=13, size=64, classes=10, seed=0)
-    slowdowns = tuple(float(s) for s in args.slowdowns.split(","))
+    count = worker_count(args, args.slowdowns or "1,3")
+    emulated = cluster_from_args(args, count)
+    text = args.slowdowns or ("1" if emulated is not None else "1,3")
+    slowdowns = tuple(float(s) for s in text.split(","))
+    slowdowns = slowdowns * count if len(slowdowns) == 1 else slowdowns
     config = CompareConfig(
         dataset=data,
         model="scene-cnn",
@@ -75,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         out=args.out,
         train=TrainSettings(epochs=args.epochs, global_batch=args.global_batch),
         repeats=args.repeats,
+        nodes=emulated,
+        allow_oversubscribe=args.allow_oversubscribe,
     )
     result = run_compare(config, show_progress=sys.stderr.isatty())
     runs = result["runs"]
@@ -94,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
         )
     print(
-        f"scene-cnn on {data.name} (13x64x64), slowdowns {args.slowdowns}, "
+        f"scene-cnn on {data.name} (13x64x64), slowdowns {text}, on {cluster_label(emulated)}, "
         f"B={args.global_batch}, {args.epochs} epochs, {args.repeats} repeats "
         "(min / median / max over repeats)"
     )

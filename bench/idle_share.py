@@ -12,10 +12,15 @@ over the sum of their round times (summary.json ``idle_share``); "systematic idl
 a steady imbalance explains (see ``systematic_idle``), the rest is round-to-round noise.
 Target: weighted-sync (model planner) idle share <= 0.10 with OA >= 0.88.
 
+With ``--cluster``/``--node-cpus``/``--server-cpus`` (root) the three workers run on an emulated
+cluster instead, each under its own CPU budget (e.g. ``--node-cpus 0.4,0.2,0.1 --server-cpus
+0.5``), with slowdown 1; on shared cores they compete for the machine's cores.
+
 Prints one row per run, then medians over repeats (``idle_share_<config>=X.XXX`` lines) and the
 training time of every other configuration over the model planner's, paired by repeat.
 
 Usage: python bench/idle_share.py [--repeats 1] [--epochs 10] [--out DIR]
+       [--node-cpus 0.4,0.2,0.1 --server-cpus 0.5 | --cluster PRESET]
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.cluster_args import add_cluster_arguments, cluster_from_args, cluster_label  # noqa: E402
 from common.logsetup import setup_logging  # noqa: E402
+from launch.cluster.spec import ClusterSpec  # noqa: E402
 from launch.demo import prepare_dataset  # noqa: E402
 from launch.local import LocalCluster, run_local  # noqa: E402
 from launch.table import format_table  # noqa: E402
@@ -46,14 +53,23 @@ CONFIGS = (  # name, mode, further server options
 
 
 def run_one(
-    dataset: Path, out: Path, mode: str, options: tuple[str, ...], epochs: int
+    dataset: Path,
+    out: Path,
+    mode: str,
+    options: tuple[str, ...],
+    epochs: int,
+    emulated: ClusterSpec | None = None,
+    allow_oversubscribe: bool = False,
 ) -> dict[str, Any]:
-    """One local run (evaluating at the end unless ``options`` say otherwise); its summary."""
+    """One local run (evaluating at the end unless ``options`` say otherwise), on shared cores
+    with the slowdowns 1, 2, 4 or on ``emulated`` with slowdown 1; its summary."""
     cluster = LocalCluster(
         dataset=dataset,
         model="hsi-cnn",
         mode=mode,
-        slowdowns=SLOWDOWNS,
+        slowdowns=SLOWDOWNS if emulated is None else (1.0,) * len(SLOWDOWNS),
+        nodes=emulated,
+        allow_oversubscribe=allow_oversubscribe,
         run_dir=out,
         server_options=(
             "--epochs",
@@ -102,8 +118,11 @@ def systematic_idle(run_dir: Path) -> float | None:
 
 
 def shares(summary: dict[str, Any]) -> str:
-    """Share of samples per worker, by slowdown."""
+    """Share of samples per worker, by slowdown (or by CPU budget, largest first)."""
     total = sum(w["samples"] for w in summary["workers"]) or 1
+    if all(w.get("cpus") for w in summary["workers"]):
+        by = sorted(summary["workers"], key=lambda w: -w["cpus"])
+        return " ".join(f"{w['cpus']:g}c:{w['samples'] / total:.3f}" for w in by)
     by = sorted(summary["workers"], key=lambda w: w["slowdown"])
     return " ".join(f"x{w['slowdown']:g}:{w['samples'] / total:.3f}" for w in by)
 
@@ -115,15 +134,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=10, help="epochs per run")
     parser.add_argument("--shared", type=Path, default=ROOT.parent / "shared")
     parser.add_argument("--out", type=Path, default=ROOT / "runs/bench/idle_share")
+    add_cluster_arguments(parser)
     args = parser.parse_args(argv)
     setup_logging("WARNING")
+    emulated = cluster_from_args(args, len(SLOWDOWNS))
+    print(f"on {cluster_label(emulated)}")
     dataset = prepare_dataset(args.shared, args.out)
     rows = []
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in CONFIGS}
     for repeat in range(args.repeats):
         for name, mode, options in CONFIGS:
             run_dir = args.out / f"{name.replace('/', '-').replace('+', '-')}-{repeat}"
-            summary = run_one(dataset, run_dir, mode, options, args.epochs)
+            summary = run_one(
+                dataset,
+                run_dir,
+                mode,
+                options,
+                args.epochs,
+                emulated,
+                args.allow_oversubscribe,
+            )
             summary["systematic_idle"] = systematic_idle(run_dir)
             results[name].append(summary)
             final = summary.get("final") or {}

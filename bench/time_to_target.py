@@ -7,7 +7,11 @@ computes a step of the global batch in >= 50 ms (printed as ``step_compute_ms``)
 regime trains on 50 % of each class: evaluating the 90 % test split of an 11x11 dataset costs
 more than an epoch of training, and the server evaluates beside its workers on the same cores.
 
-Workers have slowdowns 1,1,2,4; ``single`` is one process with slowdown 1 and the whole global
+On shared cores (the default), workers have slowdowns 1,1,2,4 and every process competes for
+the machine's cores, so the comparison measures the cores as much as the modes. On an emulated
+cluster (``--cluster small-1124`` or ``--node-cpus``/``--server-cpus``, root) every worker, DDP
+rank and the server run under their own CPU budget and the slowdowns default to 1 (they may be
+combined with budgets). ``single`` is one process with slowdown 1 and the whole global
 batch (``--workers 1``). Modes run interleaved within each repeat, with the same seed and
 samples; repeat r uses seed ``--seed`` + r - 1 (``--same-seed``: all repeats use ``--seed``).
 DDP, equal-sync and single follow the same trajectory in every repeat of one seed, so with one
@@ -26,7 +30,7 @@ The last lines are ``ratio_<regime>_<quantity>_<mode>_vs_ddp=X.XX``: the median 
 the paired ratio (DDP's time / the mode's time in the same repeat; > 1: the mode is faster).
 
 Usage: python bench/time_to_target.py [--repeats 1] [--regimes small,heavy] [--snapshot-every 2]
-       [--seed 0] [--same-seed]
+       [--seed 0] [--same-seed] [--epochs E] [--modes ...] [--cluster small-1124]
 """
 
 from __future__ import annotations
@@ -40,6 +44,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.cluster_args import (  # noqa: E402
+    add_cluster_arguments,
+    cluster_from_args,
+    cluster_label,
+    worker_count,
+)
 from bench.jasper import JASPER_DIR, jasper  # noqa: E402
 from common.logsetup import setup_logging  # noqa: E402
 from launch.compare import CompareConfig, run_compare  # noqa: E402
@@ -90,25 +100,33 @@ def run_regime(name: str, args: argparse.Namespace) -> list[str]:
     patch, fraction, batch, schedule, epochs, target = REGIMES[name]
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
+    epochs = args.epochs or epochs
     data = jasper(args.out, patch, fraction)
-    slowdowns = tuple(float(s) for s in args.slowdowns.split(","))
+    count = worker_count(args, args.slowdowns)
+    emulated = cluster_from_args(args, count)
+    text = args.slowdowns or ("1" if emulated is not None else "1,1,2,4")
+    slowdowns = tuple(float(s) for s in text.split(","))
+    slowdowns = slowdowns * count if len(slowdowns) == 1 else slowdowns
+    modes = tuple(m.strip() for m in args.modes.split(","))
     seeds = [args.seed + (0 if args.same_seed else r) for r in range(args.repeats)]
     runs = []
     for repeat, seed in enumerate(seeds, start=1):
         config = CompareConfig(
             dataset=data,
             model="hsi-cnn",
-            modes=MODES,
+            modes=modes,
             slowdowns=slowdowns,
             out=out / f"repeat{repeat}-seed{seed}",
             train=TrainSettings(epochs=epochs, global_batch=batch, lr_schedule=schedule, seed=seed),
             target_oa=target,
             snapshot_every=args.snapshot_every or None,
+            nodes=emulated,
+            allow_oversubscribe=args.allow_oversubscribe,
         )
         for run in run_compare(config, show_progress=sys.stderr.isatty())["runs"]:
             runs.append({**run, "repeat": repeat})
     rows = []
-    for mode in MODES:
+    for mode in modes:
         mine = [r for r in runs if r["mode"] == mode and "error" not in r]
         finals = [r["summary"]["final"] for r in mine]
         reached = sum(r["time_to_target_s"] is not None for r in mine)
@@ -126,11 +144,12 @@ def run_regime(name: str, args: argparse.Namespace) -> list[str]:
     print(
         f"\n== {name}: hsi-cnn, Jasper Ridge {patch}x{patch} patches, {fraction:.0%} train, "
         f"B={batch}, {schedule} lr, {epochs} epochs, target OA {target}, "
-        f"slowdowns {args.slowdowns}, {args.repeats} repeats "
+        f"slowdowns {','.join(f'{x:g}' for x in slowdowns)}, {args.repeats} repeats "
         + f"(seeds {seeds[0]}-{seeds[-1]}) (min / median / max); time to target from "
         + (f"snapshots every {args.snapshot_every} updates" if args.snapshot_every else "epochs")
     )
     headers = ["mode", "runs", "epoch time s", "time to target s", "final OA", "AA", "kappa"]
+    print(f"on {cluster_label(emulated)}")
     print(format_table(headers, rows))
     lines = []
     singles = [r for r in runs if r["mode"] == "single" and "error" not in r]
@@ -138,7 +157,7 @@ def run_regime(name: str, args: argparse.Namespace) -> list[str]:
         lines.append(
             f"step_compute_ms_{name}_single={statistics.median(map(step_compute_ms, singles)):.1f}"
         )
-    for mode in MODES:
+    for mode in modes:
         if mode == "ddp":
             continue
         for key, label in (("time_to_target_s", "ttt"), ("epoch_time_s", "epoch")):
@@ -153,7 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode (default 1)")
     parser.add_argument("--regimes", default="small,heavy", help="regimes (default small,heavy)")
-    parser.add_argument("--slowdowns", default="1,1,2,4", help="worker slowdowns (default 1,1,2,4)")
+    parser.add_argument(
+        "--slowdowns",
+        default=None,
+        help="worker slowdowns (default 1,1,2,4 on shared cores, 1 on an emulated cluster)",
+    )
+    parser.add_argument("--epochs", type=int, default=None, help="epochs (default: the regime's)")
+    parser.add_argument("--modes", default=",".join(MODES), help="modes to compare")
+    add_cluster_arguments(parser)
     parser.add_argument(
         "--snapshot-every",
         type=int,

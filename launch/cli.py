@@ -15,10 +15,12 @@ from common.errors import ConfigError, PSError
 from common.logsetup import setup_logging
 from launch.cli_options import (
     async_options,
-    build_links,
+    budget_options,
+    build_nodes,
     build_train,
     build_workers,
     cluster_options,
+    emulated_workers,
     link_options,
     progress_option,
     run_options,
@@ -27,7 +29,7 @@ from launch.cli_options import (
     train_options,
 )
 from launch.compare import MODES_HELP, CompareConfig, run_compare
-from launch.ddp.launcher import BACKENDS, DDPConfig, run_ddp
+from launch.ddp.launcher import BACKENDS, GRAD_COMPRESSION, DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
 from launch.progress import RunProgress
 from launch.settings import TrainSettings
@@ -66,6 +68,7 @@ def main() -> None:
     "holding 1/K of the state; 1 keeps the parameters in the server.",
 )
 @link_options
+@budget_options
 def local(progress: bool, **params: Any) -> None:
     """Run a server, its shards and N local workers with the given slowdowns, then print the
     summary."""
@@ -75,6 +78,7 @@ def local(progress: bool, **params: Any) -> None:
         f"pslaunch: {cluster.mode} with {len(cluster.slowdowns)} workers "
         f"(slowdowns {list(cluster.slowdowns)})"
         + (f" and {cluster.shards} shards" if cluster.shards > 1 else "")
+        + (f" on {cluster.nodes.summary_line()}" if cluster.nodes else "")
         + f"; logs in {cluster.run_dir / 'cluster.log'}"
     )
     bar = RunProgress(train.epochs, train.max_steps, enabled=progress)
@@ -105,7 +109,9 @@ def local_cluster(
         click.BadParameter: an option is out of range or the options disagree.
     """
     train = build_train(options, target_oa)
+    workers = emulated_workers(workers, slowdowns, {**options, "links": links})
     factors, schedules, device_list = build_workers(workers, slowdowns, slowdown_schedules, devices)
+    nodes = build_nodes(len(factors), links, server_link, link_delay, options)
     cluster = LocalCluster(
         slowdowns=factors,
         server_options=(
@@ -116,7 +122,7 @@ def local_cluster(
         devices=device_list,
         slowdown_schedules=schedules,
         worker_options=("--threads", str(threads)),
-        nodes=build_links(len(factors), links, server_link, link_delay),
+        nodes=nodes,
         **options,
     )
     try:
@@ -150,8 +156,16 @@ def local_cluster(
     help="Rank 0 saves every N-th step's state to RUN_DIR/snapshots for 'pserver "
     "evaluate-snapshots' (off by default).",
 )
+@click.option(
+    "--grad-compression",
+    type=click.Choice(GRAD_COMPRESSION),
+    default="none",
+    help="bf16: gradients travel as bfloat16 through PyTorch's bf16_compress_hook on DDP's "
+    "reducer (compare with a bf16 parameter-server wire).",
+)
 @progress_option
 @link_options
+@budget_options
 def ddp(
     workers: int | None,
     slowdowns: str,
@@ -172,18 +186,21 @@ def ddp(
     """
     setup_logging("INFO", "pslaunch ")
     train = build_train(options, target_oa)
+    workers = emulated_workers(workers, slowdowns, {**options, "links": links})
     factors, schedules, device_list = build_workers(workers, slowdowns, slowdown_schedules, devices)
+    nodes = build_nodes(len(factors), links, server_link, link_delay, options)
     config = DDPConfig(
         train=train,
         slowdowns=factors,
         slowdown_schedules=schedules,
         devices=device_list,
-        nodes=build_links(len(factors), links, server_link, link_delay),
+        nodes=nodes,
         **options,
     )
     click.echo(
-        f"pslaunch: ddp with {len(factors)} ranks (slowdowns {list(factors)}); "
-        f"logs in {config.run_dir / 'cluster.log'}"
+        f"pslaunch: ddp with {len(factors)} ranks (slowdowns {list(factors)})"
+        + (f" on {config.nodes.summary_line()}" if config.nodes else "")
+        + f"; logs in {config.run_dir / 'cluster.log'}"
     )
     bar = RunProgress(train.epochs, train.max_steps, enabled=progress)
     click.echo(summary_tables(_run(lambda c: run_ddp(c, progress=bar), config)))
@@ -236,6 +253,7 @@ def ddp(
     help="Replace an earlier comparison in --out (the whole directory); without it, one is "
     "refused.",
 )
+@budget_options
 def compare(
     workers: int | None,
     slowdowns: str,
@@ -257,7 +275,9 @@ def compare(
     if options["epochs"] is None and options["max_steps"] is None:
         options["epochs"] = 5
     train = build_train(options)
+    workers = emulated_workers(workers, slowdowns, {**options, "links": links})
     factors, schedules, device_list = build_workers(workers, slowdowns, slowdown_schedules, devices)
+    nodes = build_nodes(len(factors), links, server_link, link_delay, options)
     config = CompareConfig(
         train=train,
         modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
@@ -266,7 +286,7 @@ def compare(
         devices=device_list,
         server_options=server_opt,
         slurm=SlurmRuns(partition=partition, time=time, wait_timeout_s=wait_timeout),
-        nodes=build_links(len(factors), links, server_link, link_delay),
+        nodes=nodes,
         **options,
     )
     data = _run(lambda c: run_compare(c, show_progress=progress), config)

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import click
 
 from common.errors import ConfigError
-from launch.cluster.spec import ClusterSpec, parse_cluster
+from launch.cluster.spec import PRESETS, ClusterSpec, parse_cluster
 from launch.settings import TrainSettings, server_default
 from launch.slowdowns import SCHEDULES_HELP, parse_schedules, parse_slowdowns
 from pserver.config import OPTIMIZERS, SCHEDULES, STALENESS
@@ -98,16 +98,83 @@ def link_options(func: F) -> F:
     )
 
 
-def build_links(
-    workers: int, links: str | None, server_link: str | None, link_delay: str | None
+def budget_options(func: F) -> F:
+    """--node-cpus, --server-cpus, --allow-oversubscribe and --cluster: a CPU budget per node
+    (root), or a named emulated cluster."""
+    presets = "; ".join(f"{name}: {p.description}" for name, p in PRESETS.items())
+    return _apply(
+        func,
+        [
+            click.option(
+                "--node-cpus",
+                default=None,
+                help="CPU budget in cores per worker (or DDP rank), comma-separated in "
+                "--slowdowns order, one value for all: each runs in its own CPU-quota control "
+                "group (root; cgroup v2 cpu.max or v1 cfs quota, 10 ms period).",
+            ),
+            click.option(
+                "--server-cpus",
+                type=float,
+                default=None,
+                help="CPU budget in cores of the server, and of each shard.",
+            ),
+            click.option(
+                "--allow-oversubscribe",
+                is_flag=True,
+                default=False,
+                help="Run budgets that sum to more cores than the machine has (the emulated "
+                "nodes then compete for cores).",
+            ),
+            click.option(
+                "--cluster",
+                type=click.Choice(sorted(PRESETS)),
+                default=None,
+                help=f"A named emulated cluster (options given beside it override it): {presets}.",
+            ),
+        ],
+    )
+
+
+def emulated_workers(workers: int | None, slowdowns: str, options: dict[str, Any]) -> int | None:
+    """How many workers the emulation implies when ``--workers`` and ``--slowdowns`` leave
+    it open: the preset's node count, else the ``--node-cpus`` or ``--links`` entries."""
+    if workers is not None or "," in slowdowns:
+        return workers
+    if options.get("cluster"):
+        return len(PRESETS[options["cluster"]].node_cpus)
+    for key in ("node_cpus", "links"):
+        if options.get(key) and "," in options[key]:
+            return len(options[key].split(","))
+    return workers
+
+
+BUDGET_KEYS = ("cluster", "node_cpus", "server_cpus")
+
+
+def build_nodes(
+    workers: int,
+    links: str | None,
+    server_link: str | None,
+    link_delay: str | None,
+    options: dict[str, Any],
 ) -> ClusterSpec | None:
-    """The emulated cluster of the link options (None when no link is given).
+    """The emulated cluster of the link options and the budget options, which are popped from
+    ``options`` (``--allow-oversubscribe`` stays); None when nothing is emulated.
 
     Raises:
         click.BadParameter: a value is malformed or the counts disagree.
     """
+    budgets = {key: options.pop(key) for key in BUDGET_KEYS}
     try:
-        return parse_cluster(workers, links=links, server_link=server_link, link_delay=link_delay)
+        return parse_cluster(
+            workers,
+            preset=budgets["cluster"],
+            node_cpus=budgets["node_cpus"],
+            server_cpus=budgets["server_cpus"],
+            links=links,
+            server_link=server_link,
+            link_delay=link_delay,
+        )
     except ConfigError as exc:
         raise click.BadParameter(str(exc)) from exc
 

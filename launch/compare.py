@@ -20,6 +20,7 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from common.errors import ConfigError, PSError
+from launch.cluster.nodes import Nodes
 from launch.cluster.spec import ClusterSpec
 from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
@@ -65,7 +66,9 @@ class CompareConfig:
         snapshot_every: snapshot every N updates and take time to target from the snapshots
             (``launch.snapshot_times``); None: from the per-epoch evaluations.
         nodes: the emulated cluster every run of every mode runs on (DDP rank i on worker
-            i's node); None: all processes on this machine's loopback.
+            i's node; ``single`` on the worker node with the largest CPU budget); None: all
+            processes on this machine's loopback.
+        allow_oversubscribe: run CPU budgets that sum to more cores than the machine has.
         overwrite: replace an earlier comparison in ``out`` (the whole directory); without
             it such a directory is refused.
     """
@@ -89,6 +92,7 @@ class CompareConfig:
     snapshot_every: int | None = None
     nodes: ClusterSpec | None = None
     overwrite: bool = False
+    allow_oversubscribe: bool = False
 
     def validate(self) -> CompareConfig:
         """Check every field.
@@ -131,6 +135,9 @@ class CompareConfig:
         self.ddp("ddp", self.out).validate()
         if self.launcher not in LAUNCHERS:
             raise ConfigError(f"--launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
+        if self.nodes is not None and self.launcher == "local":
+            # fail once, before any run, without root, a cpu controller or enough cores
+            Nodes(self.nodes, allow_oversubscribe=self.allow_oversubscribe).open()
         if self.launcher == "slurm":
             self._validate_slurm()
         earlier = self.earlier_comparison()
@@ -151,6 +158,11 @@ class CompareConfig:
             raise ConfigError("--slowdown-schedules is not supported with --launcher slurm")
         if self.nodes is not None and self.nodes.links:
             raise ConfigError("--links emulates hosts on this machine: use --launcher local")
+        if self.nodes is not None and self.nodes.budgets:
+            raise ConfigError(
+                "CPU budgets (--node-cpus, --server-cpus, --cluster) apply to processes on "
+                "this machine: use --launcher local"
+            )
         if set(self.devices) != {"cpu"}:
             raise ConfigError(
                 f"--devices {','.join(self.devices)!r}: with --launcher slurm workers run on "
@@ -183,6 +195,7 @@ class CompareConfig:
             slowdown_schedules=self.slowdown_schedules,
             worker_options=("--threads", str(self.threads)),
             nodes=self.nodes,
+            allow_oversubscribe=self.allow_oversubscribe,
         )
 
     def ddp(self, mode: str, run_dir: Path) -> DDPConfig:
@@ -197,6 +210,8 @@ class CompareConfig:
                 devices=self.devices[:1],
                 threads=self.threads,
                 snapshot_every_steps=self.snapshot_every,
+                nodes=self._single_node(),
+                allow_oversubscribe=self.allow_oversubscribe,
             )
         return DDPConfig(
             dataset=self.dataset,
@@ -209,7 +224,15 @@ class CompareConfig:
             threads=self.threads,
             snapshot_every_steps=self.snapshot_every,
             nodes=self.nodes,
+            allow_oversubscribe=self.allow_oversubscribe,
         )
+
+    def _single_node(self) -> ClusterSpec | None:
+        """The reference run's one node: the worker node with the largest CPU budget."""
+        if self.nodes is None:
+            return None
+        fastest = max(self.nodes.workers, key=lambda n: n.cpus or 0.0)
+        return dataclasses.replace(self.nodes, workers=(fastest,))
 
     def slurm_job(self, mode: str, run_dir: Path) -> SlurmJob:
         """The run of ``mode`` as a Slurm job with the same settings as a local run."""
@@ -234,6 +257,7 @@ class CompareConfig:
         data = dataclasses.asdict(self)
         data["dataset"], data["out"] = str(self.dataset), str(self.out)
         data["setup"] = collect_setup()
+        data["cluster"] = None if self.nodes is None else self.nodes.describe()
         return data
 
 

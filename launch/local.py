@@ -19,6 +19,7 @@ from common.cli_env import child_environment
 from common.errors import ConfigError, PSError
 from common.protocol.security import write_shard_secret
 from launch.cluster.netns import Host, Placement, cluster_hosts
+from launch.cluster.nodes import Nodes
 from launch.cluster.spec import ClusterSpec
 from launch.procs import (
     Child,
@@ -57,7 +58,9 @@ class LocalCluster:
         startup_timeout_s: how long the server may take to start listening.
         run_timeout_s: how long the whole run may take before it is stopped.
         nodes: the emulated cluster; with links, the server, every worker and every shard
-            run on their own hosts (None: all on 127.0.0.1).
+            run on their own hosts (None: all on 127.0.0.1); with CPU budgets, each in its own
+            CPU-quota control group (``launch.cluster.budgets``).
+        allow_oversubscribe: run budgets that sum to more cores than the machine has.
     """
 
     dataset: Path
@@ -73,6 +76,7 @@ class LocalCluster:
     startup_timeout_s: float = 120.0
     run_timeout_s: float = 3600.0
     nodes: ClusterSpec | None = None
+    allow_oversubscribe: bool = False
 
     def validate(self) -> LocalCluster:
         """Check the worker list.
@@ -143,20 +147,31 @@ def run_local(
     server: Child | None = None
     marks: list[EventsMark] = []
     hosts_scope = contextlib.ExitStack()  # closed after the children have been stopped
+    budgets = Nodes(
+        cluster.nodes,
+        shards=cluster.shards if cluster.shards > 1 else 0,
+        allow_oversubscribe=cluster.allow_oversubscribe,
+    )
     try:
         with signals_interrupt():
+            budgets.open()
             hosts = hosts_scope.enter_context(cluster_hosts(cluster.nodes))
             metrics = cluster.run_dir / "metrics.jsonl"
             mark = start_offset(metrics)
             marks.append(mark)
-            server = children.start(
-                "server", _server_command(cluster, secret, hosts), stderr_only=True
-            )
+            server_argv = budgets.server().argv(_server_command(cluster, secret, hosts))
+            server = children.start("server", server_argv, stderr_only=True)
             with _following(progress, metrics, mark):
                 address = wait_for_address(server, metrics, mark, cluster.startup_timeout_s)
                 shard_commands = _shards(cluster, address, hosts, secret)
-                shards = [children.start(n, c) for n, c in shard_commands]
-                workers = [children.start(n, c) for n, c in _workers(cluster, address, hosts)]
+                shards = [
+                    children.start(n, budgets.shard(i).argv(c))
+                    for i, (n, c) in enumerate(shard_commands)
+                ]
+                workers = [
+                    children.start(n, budgets.worker(i).argv(c))
+                    for i, (n, c) in enumerate(_workers(cluster, address, hosts))
+                ]
                 code = children.wait(
                     server, cluster.run_timeout_s, lambda: _check(workers, shards, metrics, mark)
                 )
@@ -169,6 +184,7 @@ def run_local(
         raise
     finally:
         children.close()
+        budgets.close()
         if secret_dir is not None:
             shutil.rmtree(secret_dir, ignore_errors=True)
         for mark in marks:
@@ -187,10 +203,29 @@ def run_local(
     summary_path = cluster.run_dir / "summary.json"
     if not summary_path.exists():
         raise PSError(f"the server wrote no {summary_path}")
-    summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    summary = _record_nodes(summary_path, cluster)
     summary["worker_exit_codes"] = failed
     if shards:
         summary["shard_exit_codes"] = shard_codes
+    return summary
+
+
+def _record_nodes(summary_path: Path, cluster: LocalCluster) -> dict[str, Any]:
+    """The run's summary, each worker's emulated ``cpus`` and ``link`` written into it (the
+    server cannot know them)."""
+    summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    if cluster.nodes is None:
+        return summary
+    names = {name: i for i, (name, _) in enumerate(_workers(cluster, "-", None))}
+    for worker in summary.get("workers", []):
+        index = names.get(worker.get("name"))
+        if index is not None:
+            node = cluster.nodes.workers[index]
+            worker["cpus"], worker["link"] = node.cpus, node.link
+    summary["cluster"] = cluster.nodes.describe()
+    tmp = summary_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(summary_path)
     return summary
 
 

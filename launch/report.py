@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from launch import figures
+from launch.cluster.spec import PRESETS, ClusterSpec
 
 RESULT_COLUMNS = (
     "mode",
@@ -170,6 +171,7 @@ def render_markdown(data: dict[str, Any]) -> str:
         f"({train['lr_schedule']}), {', '.join(limits)}, seed {train['seed']}, "
         f"repeats {repeats}",
         f"- target OA: {target if target is not None else 'none'}",
+        *cluster_lines(settings.get("cluster")),
         "",
         *setup_section(data),
         (
@@ -209,6 +211,26 @@ def setup_section(data: dict[str, Any]) -> list[str]:
         settings.get("setup"), devices, cluster if isinstance(cluster, dict) else None
     )
     return ["## Setup", "", *lines, ""] if lines else []
+
+
+def cluster_lines(described: dict[str, Any] | None) -> list[str]:
+    """The report's lines on the cluster the runs emulated (``ClusterSpec.describe``), the
+    preset in full; a line saying the processes shared the machine's cores when none."""
+    if described is None:
+        return [
+            "- cluster: none emulated: every process shared this machine's cores "
+            "(oversubscribed; the comparison measures the cores as much as the modes)"
+        ]
+    spec = ClusterSpec.from_description(described)
+    lines = [f"- emulated cluster: {spec.summary_line()}"]
+    preset = PRESETS.get(spec.name or "")
+    if preset is not None:
+        lines.append(f"  (preset {spec.name}: {preset.description})")
+    lines.append(
+        "  each worker, DDP rank, the server and each shard ran in its own CPU-quota control "
+        "group; DDP ranks had the budgets of the workers they stand for"
+    )
+    return lines
 
 
 def target_source(data: dict[str, Any]) -> str:

@@ -112,6 +112,8 @@ class WorkerInfo:
             "name": self.name,
             "device": self.device,
             "slowdown": self.slowdown,
+            "cpus": None,  # a launcher that emulates nodes records their budgets and links
+            "link": None,
             "speed": round(self.speed, 3),
             **{c: getattr(self, c) for c in COUNTERS},
             "idle_s": round(self.idle_s, 4),

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from common.data.convert.synth import synth_hsi
 from launch.cli import main
+from launch.cluster.spec import PRESETS, parse_cluster
 from launch.compare import time_to_target
 from launch.report import RESULT_COLUMNS, SPEEDUP_COLUMNS, aggregate, render_markdown, speedup
 
@@ -180,6 +181,15 @@ def test_aggregate_and_speedups_by_hand() -> None:
     markdown = render_markdown(data)
     assert "(2/3 reached)" in markdown and "1 (1 failed)" in markdown
     assert "| 0.050 / 0.100 / 0.200 |" in markdown
+    assert "- cluster: none emulated" in markdown and "oversubscribed" in markdown
+    emulated = parse_cluster(2, node_cpus="0.6,0.2", server_cpus=0.5)
+    assert emulated is not None
+    data["settings"]["cluster"] = emulated.describe()
+    assert "- emulated cluster: workers 0.6/0.2 cores, server 0.5" in render_markdown(data)
+    data["settings"]["cluster"] = PRESETS["small-1124"].spec("small-1124").describe()
+    markdown = render_markdown(data)
+    assert "- emulated cluster: small-1124: workers 0.4/0.4/0.2/0.1 cores, server 0.5" in markdown
+    assert PRESETS["small-1124"].description in markdown  # a preset is printed in full
 
 
 def test_time_to_target_takes_the_first_crossing() -> None:

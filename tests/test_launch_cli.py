@@ -98,6 +98,8 @@ def test_variables_set_options_and_short_aliases_set_nothing(small_hsi: Path) ->
 SHARED = ("dataset", "model", "workers", "slowdowns", "slowdown_schedules", "devices", "epochs")
 SHARED += ("max_steps", "global_batch", "optimizer", "lr", "momentum", "nesterov", "weight_decay")
 SHARED += ("lr_schedule", "warmup_fraction", "seed", "target_oa", "threads", "progress")
+SHARED += ("node_cpus", "server_cpus", "allow_oversubscribe", "links", "server_link")
+SHARED += ("link_delay", "cluster")
 
 
 def test_local_compare_and_ddp_share_one_option_set() -> None:
@@ -126,6 +128,10 @@ def test_local_compare_and_ddp_share_one_option_set() -> None:
         (["--momentum", "1.5"], "--momentum must be in [0, 1), got 1.5"),
         (["--slowdowns", "1,2", "--workers", "3"], "has 2 entries for 3 workers"),
         (["--threads", "0"], "Invalid value for '--threads'"),
+        (["--slowdowns", "1,1,1", "--node-cpus", "0.4,0.1"], "has 2 entries for 3 workers"),
+        (["--cluster", "small-1124", "--workers", "3"], "has 4 workers, got --workers 3"),
+        (["--node-cpus", "0.001"], "a CPU budget is in [0.01, 1024] cores"),
+        (["--node-cpus", "fast"], "--node-cpus takes cores such as 0.4"),
     ],
 )
 def test_bad_values_are_refused_alike_with_a_one_line_error(
@@ -139,6 +145,25 @@ def test_bad_values_are_refused_alike_with_a_one_line_error(
     assert len(lines) == 1 and error in lines[0], result.output
     assert "Traceback" not in result.output
     assert not (tmp_path / "cluster.log").exists()
+
+
+def test_a_preset_sets_the_workers_and_every_node_budget(small_hsi: Path) -> None:
+    base = ["--dataset", str(small_hsi), "--model", "hsi-cnn", "--run-dir", "r", "--epochs", "1"]
+    args = [*base, "--cluster", "small-1124", "--slowdowns", "2"]
+    ctx = pslaunch.commands["local"].make_context("local", args)
+    ctx.params.pop("progress")
+    cluster, _ = local_cluster(**ctx.params)
+    assert cluster.slowdowns == (2.0,) * 4  # slowdowns combine with budgets
+    assert cluster.nodes is not None and cluster.nodes.name == "small-1124"
+    assert [n.cpus for n in cluster.nodes.workers] == [0.4, 0.4, 0.2, 0.1]
+    assert cluster.nodes.server.cpus == 0.5 and not cluster.allow_oversubscribe
+    ctx = pslaunch.commands["local"].make_context(
+        "local", [*base, "--node-cpus", "0.3,0.1", "--server-cpus", "0.2"]
+    )
+    ctx.params.pop("progress")
+    cluster, _ = local_cluster(**ctx.params)
+    assert cluster.slowdowns == (1.0, 1.0) and cluster.nodes is not None
+    assert cluster.nodes.name is None and cluster.nodes.server.cpus == 0.2
 
 
 def test_local_passes_the_training_options_to_the_server_and_workers(small_hsi: Path) -> None:

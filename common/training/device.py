@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from common.cpu_quota import own_quota_cores
 from common.errors import DeviceError
 
 
@@ -54,7 +55,8 @@ class StepTime(NamedTuple):
         wall_s: wall-clock seconds the step took (CUDA: event time).
         compute_s: seconds of compute: the calling thread's CPU time on a CPU running torch on
             one thread (time the thread spent preempted by other processes is not compute), the
-            wall clock with more threads, the event time on CUDA.
+            wall clock with more threads or under a CPU quota (a throttled thread's CPU time
+            does not grow: the quota is what makes the node slow), the event time on CUDA.
     """
 
     wall_s: float
@@ -71,6 +73,7 @@ class ComputeTimer:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.quota = own_quota_cores() is not None
         self._begin = 0.0
         self._begin_cpu = 0.0
         if self.cuda:
@@ -93,6 +96,6 @@ class ComputeTimer:
             elapsed = self._start.elapsed_time(self._end) / 1000.0
             return StepTime(elapsed, elapsed)
         wall = time.perf_counter() - self._begin
-        if torch.get_num_threads() > 1:  # other threads compute too: the calling one's CPU
-            return StepTime(wall, wall)  # time would miss their share
+        if torch.get_num_threads() > 1 or self.quota:  # other threads compute too, or the
+            return StepTime(wall, wall)  # quota throttles: CPU time would miss either
         return StepTime(wall, min(time.thread_time() - self._begin_cpu, wall))

@@ -126,6 +126,36 @@ class ClusterSpec:
             "link_delay": self.link_delay,
         }
 
+    @classmethod
+    def from_description(cls, data: Mapping[str, Any]) -> ClusterSpec:
+        """The spec ``describe`` wrote.
+
+        Raises:
+            ConfigError: the data is not such a description, or a value is invalid.
+        """
+        try:
+            return cls(
+                workers=tuple(NodeSpec(**n) for n in data["workers"]),
+                server=NodeSpec(**data["server"]),
+                link_delay=data.get("link_delay"),
+                name=data.get("name"),
+            ).validate()
+        except (KeyError, TypeError) as exc:
+            raise ConfigError(f"not an emulated cluster's description: {exc}") from exc
+
+    def summary_line(self) -> str:
+        """One line for a report: the name, each node's budget and link, the server's."""
+
+        def node(n: NodeSpec) -> str:
+            cpus = "-" if n.cpus is None else f"{n.cpus:g}"
+            return cpus + (f"@{n.link}" if n.link else "")
+
+        workers = "/".join(node(n) for n in self.workers)
+        text = f"workers {workers} cores, server {node(self.server)}"
+        if self.link_delay:
+            text += f", link delay {self.link_delay}"
+        return (f"{self.name}: " if self.name else "") + text
+
 
 @dataclasses.dataclass(frozen=True)
 class Preset:

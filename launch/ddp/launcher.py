@@ -28,6 +28,7 @@ from common.cli_env import child_environment
 from common.errors import ConfigError, PSError
 from common.training.slowdown import SlowdownSchedule
 from launch.cluster.netns import HOST_INTERFACE, cluster_hosts
+from launch.cluster.nodes import Nodes
 from launch.cluster.spec import ClusterSpec, NodeSpec
 from launch.procs import (
     Children,
@@ -42,6 +43,7 @@ from launch.settings import TrainSettings, server_default
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "gloo", "nccl")
+GRAD_COMPRESSION = ("none", "bf16")
 HOSTED_STORE_PORT = 29500  # rank 0's store on its emulated host
 
 
@@ -69,6 +71,9 @@ class DDPConfig:
         snapshot_limit: snapshots kept at most (``pserver start --snapshot-limit``).
         nodes: the emulated cluster; with links, every rank runs on its own host (the host
             of the worker it stands for) and link (None: all on 127.0.0.1).
+        allow_oversubscribe: run budgets that sum to more cores than the machine has.
+        grad_compression: ``none``, or ``bf16``: the gradients travel as bfloat16 through
+            PyTorch's ``bf16_compress_hook`` on DDP's reducer.
     """
 
     dataset: Path
@@ -88,6 +93,8 @@ class DDPConfig:
     snapshot_every_steps: int | None = None
     snapshot_limit: int = server_default("snapshot_limit")
     nodes: ClusterSpec | None = None
+    allow_oversubscribe: bool = False
+    grad_compression: str = "none"
 
     @property
     def world_size(self) -> int:
@@ -162,6 +169,11 @@ class DDPConfig:
             raise ConfigError(
                 f"the emulated cluster has {len(self.nodes.workers)} worker nodes for "
                 f"{self.world_size} ranks"
+            )
+        if self.grad_compression not in GRAD_COMPRESSION:
+            raise ConfigError(
+                f"--grad-compression {self.grad_compression!r} is not one of "
+                f"{', '.join(GRAD_COMPRESSION)}"
             )
         return self
 
@@ -259,8 +271,10 @@ def run_ddp(
     rendezvous: list[str] = []
     children = Children(sink, _rank_env(config.nodes is not None and config.nodes.links))
     hosts_scope = contextlib.ExitStack()  # closed after the ranks have been stopped
+    budgets = Nodes(config.nodes, server=False, allow_oversubscribe=config.allow_oversubscribe)
     try:
         with signals_interrupt():
+            budgets.open()
             hosts = hosts_scope.enter_context(cluster_hosts(config.nodes))
             if hosts is not None and config.world_size > 1:
                 address = f"{hosts.workers[0].address}:{HOSTED_STORE_PORT}"
@@ -274,9 +288,8 @@ def run_ddp(
             for rank in range(config.world_size):
                 cmd = [sys.executable, "-m", rank_module, "--config", str(config_path)]
                 cmd += ["--rank", str(rank), *rendezvous]
-                children.start(
-                    config.rank_name(rank), cmd if hosts is None else hosts.workers[rank].argv(cmd)
-                )
+                cmd = cmd if hosts is None else hosts.workers[rank].argv(cmd)
+                children.start(config.rank_name(rank), budgets.worker(rank).argv(cmd))
             mark = EventsMark(metrics)  # no file: rank 0's events start at byte 0
             watch = (
                 progress.follow(metrics, mark) if progress is not None else contextlib.nullcontext()
@@ -289,6 +302,7 @@ def run_ddp(
         raise
     finally:
         children.close()
+        budgets.close()
         if own_log is not None:
             own_log.close()
         del store  # closes the rendezvous

@@ -206,7 +206,7 @@ class RunRecorder:
     ) -> dict[str, Any]:
         """The shared summary schema, for mode ``ddp``."""
         times = np.array(self.round_times) if self.round_times else np.zeros(1)
-        return run_summary(
+        summary = run_summary(
             mode="ddp",
             model=self.config.model,
             dataset=str(self.config.dataset),
@@ -223,6 +223,7 @@ class RunRecorder:
                     "name": self.config.rank_name(rank),
                     "device": self.config.device_of(rank),
                     "slowdown": self.config.slowdowns[rank],
+                    **self._node(rank),
                     "speed": round(self.speeds[rank].speed, 3),
                     "samples": self.samples[rank],
                     "pushes": self.pushes[rank],
@@ -243,8 +244,18 @@ class RunRecorder:
                 "backend": self.config.resolved_backend(),
                 "eval_s_total": round(self.eval_total_s, 4),
                 "slowdown": "compute-only (launch.ddp.step)",
+                "grad_compression": self.config.grad_compression,
             },
         )
+        if self.config.nodes is not None:
+            summary["cluster"] = self.config.nodes.describe()
+        return summary
+
+    def _node(self, rank: int) -> dict[str, Any]:
+        """The rank's emulated ``cpus`` and ``link`` (null when not emulated)."""
+        nodes = self.config.nodes
+        node = nodes.workers[rank] if nodes is not None else None
+        return {"cpus": node and node.cpus, "link": node and node.link}
 
     def close(self) -> None:
         """Finish the snapshot writes; close ``metrics.jsonl``."""

@@ -22,6 +22,11 @@ one's wait grows the other's: the step time feeds back without bound. So a step 
    compute at once and, on a machine whose ranks share cores, slowed the compute on the
    critical path (pslaunch ddp took 1.12-1.19x the plain loop's step time that way).
 
+With a gradient compression hook (``pslaunch ddp --grad-compression bf16``) the gradients go
+through DDP's own reducer and its hook during backward instead, as a plain DDP loop with that
+hook sends them, and step 2 sums only the rest; the measured t then includes that all-reduce,
+while the sleep still uses the calibrated compute-only t̂.
+
 Only the compute and the sleep are ever scaled, so a rank's emulated time is t + (F-1)·t̂
 whatever the others do, and the step time is max_r(t_r + (F_r-1)·t̂_r) plus the all-reduce.
 Float buffers (BatchNorm running statistics) are averaged the same way, as the parameter server
@@ -85,6 +90,9 @@ class ComputeOnlyStep:
         device: where the model lives.
         schedule: this rank's slowdown schedule.
         all_reduce: sums a tensor over all ranks in place (not called when world_size is 1).
+        grads_in_backward: the gradients are all-reduced by ``forward``'s reducer (and its
+            communication hook) during backward, which leaves their mean over all ranks;
+            ``all_reduce`` then sums only the buffers and the tail.
     """
 
     def __init__(
@@ -96,8 +104,10 @@ class ComputeOnlyStep:
         device: torch.device,
         schedule: SlowdownSchedule,
         all_reduce: AllReduce,
+        grads_in_backward: bool = False,
     ) -> None:
         self.model, self.forward = model, forward
+        self.grads_in_backward = grads_in_backward
         self.rank, self.world_size = rank, world_size
         self.device = device
         self.schedule = schedule
@@ -126,13 +136,16 @@ class ComputeOnlyStep:
         no_sync = getattr(self.forward, "no_sync", None)
         return no_sync() if no_sync is not None else contextlib.nullcontext()
 
-    def _compute(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-        """Forward and backward with no communication; returns (loss, compute seconds)."""
+    def _compute(self, x: torch.Tensor, y: torch.Tensor, sync: bool = False) -> tuple[float, float]:
+        """Forward and backward, with no communication unless ``sync`` (then the reducer
+        all-reduces the gradients); returns (loss, seconds). An empty batch gives zero
+        gradients (a rank with no samples still joins the reducer's all-reduce)."""
         synchronize(self.device)
         start = time.perf_counter()
-        with self._no_sync():
+        with contextlib.nullcontext() if sync else self._no_sync():
             self.model.zero_grad(set_to_none=False)
-            loss = nn.functional.cross_entropy(self.forward(x), y)
+            logits = self.forward(x)
+            loss = nn.functional.cross_entropy(logits, y, reduction="sum") / max(len(y), 1)
             loss.backward()
         synchronize(self.device)
         return float(loss.detach()), time.perf_counter() - start
@@ -199,12 +212,17 @@ class ComputeOnlyStep:
         samples = len(y)
         loss, compute, emulated = 0.0, 0.0, 0.0
         self._pause_s = 0.0
-        if samples:
+        if self.grads_in_backward:  # every rank joins the reducer, also with no samples
+            loss, compute = self._compute(x, y, sync=True)  # flat[:p]: mean over all ranks
+        elif samples:
             loss, compute = self._compute(x, y)  # zeroes, then fills, flat[:p]
+        else:
+            flat[:p].zero_()
+        if samples:
             self._pause_s = self.schedule.wait_s(step, self.calibrated.get(samples, compute))
             emulated = compute + self._pause_s
         else:
-            flat[:p].zero_()
+            compute = 0.0
         flat[p:].zero_()
         if samples:
             torch.sub(self._flat(self.buffers), before, out=flat[p:head])
@@ -212,9 +230,13 @@ class ComputeOnlyStep:
         flat[head + 3 + self.rank] = compute
         flat[head + 3 + w + self.rank] = emulated
         if w > 1:
-            self.all_reduce(flat)
+            self.all_reduce(flat[p:] if self.grads_in_backward else flat)
         active, loss_sum, total, *times = flat[head:].tolist()
-        flat[:head].mul_(1.0 / max(active, 1.0))  # the gradients' mean, in place
+        if self.grads_in_backward:  # the reducer's mean is over every rank
+            flat[:p].mul_(w / max(active, 1.0))
+            flat[p:head].mul_(1.0 / max(active, 1.0))
+        else:
+            flat[:head].mul_(1.0 / max(active, 1.0))  # the gradients' mean, in place
         with torch.no_grad():
             new_buffers = before + flat[p:head]
             offset = 0

@@ -1,0 +1,285 @@
+"""CPU budgets of emulated nodes: the quota arithmetic, the hierarchy detection, the
+oversubscription check, and (as root, with a cpu controller) real control groups: budgets slow a
+CPU-bound step in proportion, the planner's speeds follow them, and nothing is left in the
+hierarchy or the process table after a normal end, a child's failure or SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from common.cpu_quota import CpuHierarchy, find_cpu_hierarchy, quota_cores
+from common.errors import ConfigError
+from launch.cli import main
+from launch.cluster.budgets import (
+    PREFIX,
+    CpuBudgets,
+    check_total,
+    quota_period_us,
+    require_hierarchy,
+    usable_cores,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+V1_MOUNTINFO = (
+    "25 20 0:22 / /sys/fs/cgroup rw - tmpfs tmpfs rw,mode=755\n"
+    "30 25 0:26 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu\n"
+    "31 25 0:27 / /sys/fs/cgroup/cpuacct rw,relatime - cgroup cgroup rw,cpuacct\n"
+)
+
+
+def cgroups() -> CpuHierarchy:
+    """The cpu hierarchy as root; skips without one, fails when REQUIRE_CGROUP=1."""
+    try:
+        return require_hierarchy()
+    except ConfigError as exc:
+        if os.environ.get("REQUIRE_CGROUP") == "1":
+            pytest.fail(f"{exc} (REQUIRE_CGROUP=1 requires it)")
+        pytest.skip(str(exc))
+
+
+def run_launcher(args: list[str], timeout_s: float) -> tuple[int, int, str]:
+    """Run ``args``; returns the launcher's pid (its groups are ``pslaunch-<pid>``), exit code
+    and stderr."""
+    launcher = subprocess.Popen(
+        args,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _, stderr = launcher.communicate(timeout=timeout_s)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    return launcher.pid, launcher.returncode, stderr
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_quota_and_period_keep_the_kernel_minimum() -> None:
+    assert quota_period_us(0.4) == (4000, 10000)
+    assert quota_period_us(0.1) == (1000, 10000)
+    assert quota_period_us(0.05) == (1000, 20000)  # 0.5 ms per 10 ms is below the minimum
+    assert quota_period_us(2.0) == (20000, 10000)
+
+
+def test_hierarchy_detection_prefers_v2_with_cpu_else_v1(tmp_path: Path) -> None:
+    assert find_cpu_hierarchy(V1_MOUNTINFO) == CpuHierarchy(1, Path("/sys/fs/cgroup/cpu"))
+    unified = tmp_path / "unified"
+    unified.mkdir()
+    (unified / "cgroup.controllers").write_text("hugetlb pids\n")
+    v2 = f"40 25 0:30 / {unified} rw - cgroup2 cgroup2 rw\n"
+    assert find_cpu_hierarchy(v2 + V1_MOUNTINFO).version == 1  # v2 without cpu: v1
+    (unified / "cgroup.controllers").write_text("cpuset cpu io memory\n")
+    assert find_cpu_hierarchy(v2 + V1_MOUNTINFO) == CpuHierarchy(2, unified)
+    assert find_cpu_hierarchy("") is None
+
+
+def test_quota_files_are_read_in_cores(tmp_path: Path) -> None:
+    (tmp_path / "cpu.max").write_text("4000 10000\n")
+    assert quota_cores(tmp_path, 2) == pytest.approx(0.4)
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert quota_cores(tmp_path, 2) is None
+    (tmp_path / "cpu.cfs_quota_us").write_text("-1\n")
+    (tmp_path / "cpu.cfs_period_us").write_text("100000\n")
+    assert quota_cores(tmp_path, 1) is None
+    (tmp_path / "cpu.cfs_quota_us").write_text("1000\n")
+    (tmp_path / "cpu.cfs_period_us").write_text("20000\n")
+    assert quota_cores(tmp_path, 1) == pytest.approx(0.05)
+
+
+def test_oversubscribed_budgets_are_refused_unless_allowed() -> None:
+    cores = usable_cores()
+    with pytest.raises(ConfigError, match=f"sum to {cores + 1:g} cores but this machine has"):
+        check_total([cores, 1.0], allow_oversubscribe=False)
+    check_total([cores, 1.0], allow_oversubscribe=True)
+    check_total([cores / 2, cores / 2], allow_oversubscribe=False)
+
+
+def test_pslaunch_refuses_oversubscription_in_one_line(small_hsi: Path, tmp_path: Path) -> None:
+    per_worker = usable_cores()  # two workers and a server at this budget: 3x the machine
+    result = CliRunner().invoke(
+        main,
+        [
+            "local",
+            "--dataset",
+            str(small_hsi),
+            "--model",
+            "hsi-cnn",
+            "--slowdowns",
+            "1,1",
+            "--node-cpus",
+            str(per_worker),
+            "--server-cpus",
+            str(per_worker),
+            "--epochs",
+            "1",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--no-progress",
+        ],
+    )
+    assert result.exit_code != 0
+    message = result.output.strip().splitlines()[-1]
+    assert "budgets sum to" in message and "--allow-oversubscribe" in message
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing was started
+
+
+STEP_SCRIPT = """
+import json, torch
+from common.cpu_quota import own_quota_cores
+from common.training.device import ComputeTimer
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+x = torch.randn(128, 512)
+timer = ComputeTimer(torch.device("cpu"))
+for _ in range(3):
+    model(x).sum().backward()
+total = 0.0
+for _ in range({steps}):
+    timer.start()
+    model(x).sum().backward()
+    total += timer.stop().compute_s
+print(json.dumps({{"quota": own_quota_cores(), "compute_s": total}}))
+"""
+
+
+def test_budgets_slow_a_cpu_bound_step_in_proportion(tmp_path: Path) -> None:
+    budgets = CpuBudgets(cgroups(), tag=f"{os.getpid()}-test")
+    results = {}
+    try:
+        for cores in (0.4, 0.1):
+            group = budgets.group(f"c{cores:g}", cores)
+            out = subprocess.run(
+                CpuBudgets.wrap(group, [sys.executable, "-c", STEP_SCRIPT.format(steps=40)]),
+                capture_output=True,
+                text=True,
+                timeout=60,
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                check=True,
+            )
+            results[cores] = json.loads(out.stdout.strip().splitlines()[-1])
+    finally:
+        budgets.close()
+    assert not budgets.parent.exists()
+    assert results[0.4]["quota"] == pytest.approx(0.4)
+    assert results[0.1]["quota"] == pytest.approx(0.1)
+    ratio = results[0.1]["compute_s"] / results[0.4]["compute_s"]
+    assert ratio >= 3.0, results
+
+
+def _local_args(dataset: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "launch.cli",
+        "local",
+        "--dataset",
+        str(dataset),
+        "--model",
+        "hsi-cnn",
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def cpu_bound_hsi(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Synthetic HSI patches large enough that a step is CPU-bound for several ms."""
+    from common.data.convert.synth import synth_hsi
+
+    out = tmp_path_factory.mktemp("budget") / "hsi_p9.h5"
+    synth_hsi(out, bands=32, size=32, classes=4, patch=9, train_fraction=0.5, seed=0)
+    return out
+
+
+def test_planner_speeds_follow_the_budgets(cpu_bound_hsi: Path, tmp_path: Path) -> None:
+    hierarchy = cgroups()
+    run_dir = tmp_path / "run"
+    args = ["--mode", "weighted-sync", "--node-cpus", "0.4,0.1", "--server-cpus", "0.5"]
+    args += ["--epochs", "3", "--global-batch", "128"]
+    pid, code, stderr = run_launcher(_local_args(cpu_bound_hsi, run_dir, *args), 120)
+    assert code == 0, stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    workers = {w["name"]: w for w in summary["workers"]}
+    fast, slow = workers["w0-x1"], workers["w1-x1"]
+    assert (fast["cpus"], slow["cpus"]) == (0.4, 0.1)
+    assert fast["link"] is None and slow["link"] is None
+    assert fast["speed"] >= 3.0 * slow["speed"], workers  # what the planner plans on
+    assert fast["samples"] >= 2.5 * slow["samples"], workers  # and what it planned
+    assert summary["cluster"]["server"]["cpus"] == 0.5
+    assert not (hierarchy.mount / f"{PREFIX}{pid}").exists()
+
+
+def _group_pids(hierarchy: CpuHierarchy, pid: int) -> set[int]:
+    parent = hierarchy.mount / f"{PREFIX}{pid}"
+    pids: set[int] = set()
+    for procs in parent.glob("*/cgroup.procs"):
+        pids |= {int(p) for p in procs.read_text().split()}
+    return pids
+
+
+def test_sigterm_leaves_no_group_and_no_process(small_hsi: Path, tmp_path: Path) -> None:
+    hierarchy = cgroups()
+    args = ["--mode", "weighted-sync", "--node-cpus", "0.3,0.3", "--server-cpus", "0.3"]
+    args += ["--epochs", "100000", "--global-batch", "16"]
+    launcher = subprocess.Popen(
+        _local_args(small_hsi, tmp_path / "run", *args),
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        parent = hierarchy.mount / f"{PREFIX}{launcher.pid}"
+        deadline = time.monotonic() + 60
+        seen: set[int] = set()
+        while len(seen) < 3 and time.monotonic() < deadline:  # the server and both workers
+            if parent.exists():
+                seen |= _group_pids(hierarchy, launcher.pid)
+            time.sleep(0.2)
+        assert len(seen) >= 3, f"the budgeted processes did not start: {seen}"
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=60) != 0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert not parent.exists()
+    assert not [pid for pid in seen if alive(pid)]
+
+
+def test_child_failure_leaves_no_group_and_no_process(small_hsi: Path, tmp_path: Path) -> None:
+    hierarchy = cgroups()
+    args = ["--mode", "weighted-sync", "--node-cpus", "0.3,0.3", "--server-cpus", "0.3"]
+    args += ["--epochs", "1", "--devices", "cuda:99"]  # every worker fails at start
+    pid, code, stderr = run_launcher(_local_args(small_hsi, tmp_path / "run", *args), 120)
+    assert code != 0
+    assert "cuda" in stderr.lower()
+    assert not (hierarchy.mount / f"{PREFIX}{pid}").exists()  # removed only once empty
+    leftovers = subprocess.run(
+        ["pgrep", "-f", str(tmp_path / "run")], capture_output=True, text=True
+    ).stdout.split()
+    assert leftovers == []
