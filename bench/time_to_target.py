@@ -26,11 +26,15 @@ DDP's blocking evaluation excluded). ``--snapshot-every 0`` goes back to the fir
 evaluation at or above the target. Each repeat writes its compare.json and report to
 ``<out>/<regime>/repeat<r>-seed<s>/``.
 
-The last lines are ``ratio_<regime>_<quantity>_<mode>_vs_ddp=X.XX``: the median over repeats of
-the paired ratio (DDP's time / the mode's time in the same repeat; > 1: the mode is faster).
+Beside time to target each mode's curve stability is printed: the largest drop of a snapshot's
+OA below the best so far after the first epoch (``max OA drop``, as ``pslaunch compare``
+reports it). The last lines are ``max_drop_<regime>_<mode>_median|max=X.XXX`` and
+``ratio_<regime>_<quantity>_<mode>_vs_ddp=X.XX``: the median over repeats of the paired ratio
+(DDP's time / the mode's time in the same repeat; > 1: the mode is faster).
 
 Usage: python bench/time_to_target.py [--repeats 1] [--regimes small,heavy] [--snapshot-every 2]
        [--seed 0] [--same-seed] [--epochs E] [--modes ...] [--cluster small-1124]
+       [--slowdowns 1,1,2,4]
 """
 
 from __future__ import annotations
@@ -130,12 +134,14 @@ def run_regime(name: str, args: argparse.Namespace) -> list[str]:
         mine = [r for r in runs if r["mode"] == mode and "error" not in r]
         finals = [r["summary"]["final"] for r in mine]
         reached = sum(r["time_to_target_s"] is not None for r in mine)
+        drops = [r["max_drop"] for r in mine if r.get("max_drop") is not None]
         rows.append(
             [
                 mode,
                 f"{len(mine)} ({reached} reached)",
                 spread_text([r["epoch_time_s"] for r in mine]),
                 spread_text([r["time_to_target_s"] for r in mine], 2),
+                spread_text(drops),
                 spread_text([f["oa"] for f in finals], 4),
                 spread_text([f["aa"] for f in finals], 4),
                 spread_text([f["kappa"] for f in finals], 4),
@@ -148,7 +154,16 @@ def run_regime(name: str, args: argparse.Namespace) -> list[str]:
         + f"(seeds {seeds[0]}-{seeds[-1]}) (min / median / max); time to target from "
         + (f"snapshots every {args.snapshot_every} updates" if args.snapshot_every else "epochs")
     )
-    headers = ["mode", "runs", "epoch time s", "time to target s", "final OA", "AA", "kappa"]
+    headers = [
+        "mode",
+        "runs",
+        "epoch time s",
+        "time to target s",
+        "max OA drop",
+        "final OA",
+        "AA",
+        "kappa",
+    ]
     print(f"on {cluster_label(emulated)}")
     print(format_table(headers, rows))
     lines = []
@@ -157,6 +172,12 @@ def run_regime(name: str, args: argparse.Namespace) -> list[str]:
         lines.append(
             f"step_compute_ms_{name}_single={statistics.median(map(step_compute_ms, singles)):.1f}"
         )
+    for mode in modes:
+        drops = [r["max_drop"] for r in runs if r["mode"] == mode and r.get("max_drop") is not None]
+        if drops:
+            label = f"{name}_{mode.replace('-', '_')}"
+            lines.append(f"max_drop_{label}_median={statistics.median(drops):.3f}")
+            lines.append(f"max_drop_{label}_max={max(drops):.3f}")
     for mode in modes:
         if mode == "ddp":
             continue

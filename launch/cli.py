@@ -14,6 +14,7 @@ from common.cli_help import FullHelpGroup
 from common.errors import ConfigError, PSError
 from common.logsetup import setup_logging
 from launch.cli_options import (
+    apply_norm,
     async_options,
     budget_options,
     build_nodes,
@@ -109,6 +110,7 @@ def local_cluster(
         click.BadParameter: an option is out of range or the options disagree.
     """
     train = build_train(options, target_oa)
+    apply_norm(options)
     workers = emulated_workers(workers, slowdowns, {**options, "links": links})
     factors, schedules, device_list = build_workers(workers, slowdowns, slowdown_schedules, devices)
     nodes = build_nodes(len(factors), links, server_link, link_delay, options)
@@ -186,6 +188,7 @@ def ddp(
     """
     setup_logging("INFO", "pslaunch ")
     train = build_train(options, target_oa)
+    apply_norm(options)
     workers = emulated_workers(workers, slowdowns, {**options, "links": links})
     factors, schedules, device_list = build_workers(workers, slowdowns, slowdown_schedules, devices)
     nodes = build_nodes(len(factors), links, server_link, link_delay, options)
@@ -275,6 +278,7 @@ def compare(
     if options["epochs"] is None and options["max_steps"] is None:
         options["epochs"] = 5
     train = build_train(options)
+    apply_norm(options)
     workers = emulated_workers(workers, slowdowns, {**options, "links": links})
     factors, schedules, device_list = build_workers(workers, slowdowns, slowdown_schedules, devices)
     nodes = build_nodes(len(factors), links, server_link, link_delay, options)

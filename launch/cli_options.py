@@ -8,7 +8,8 @@ from typing import Any, TypeVar
 
 import click
 
-from common.errors import ConfigError
+from common.errors import ConfigError, ModelError
+from common.training.models import NORMS, with_norm
 from launch.cluster.spec import PRESETS, ClusterSpec, parse_cluster
 from launch.settings import TrainSettings, server_default
 from launch.slowdowns import SCHEDULES_HELP, parse_schedules, parse_slowdowns
@@ -50,6 +51,14 @@ def cluster_options(func: F) -> F:
             ),
             click.option(
                 "--model", required=True, help="Built-in model name or package.module:factory."
+            ),
+            click.option(
+                "--norm",
+                type=click.Choice(NORMS),
+                default="batch",
+                show_default=True,
+                help="Normalisation of a built-in model: batch (BatchNorm) or group (GroupNorm, "
+                "the model MODEL-gn), for the parameter server and DDP alike.",
             ),
             click.option(
                 "--workers",
@@ -301,6 +310,18 @@ def server_mode_args(staleness: str | None, max_staleness: int | None) -> tuple[
     if max_staleness is not None:
         args += ["--max-staleness", str(max_staleness)]
     return tuple(args)
+
+
+def apply_norm(options: dict[str, Any]) -> None:
+    """Pop ``norm`` from ``options`` and set ``options["model"]`` to the model it names.
+
+    Raises:
+        click.BadParameter: ``--norm group`` for a model without a GroupNorm build.
+    """
+    try:
+        options["model"] = with_norm(options["model"], options.pop("norm"))
+    except ModelError as exc:
+        raise click.BadParameter(str(exc)) from exc
 
 
 def build_train(options: dict[str, Any], target_oa: float | None = None) -> TrainSettings:

@@ -13,12 +13,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import shutil
+import statistics
 from pathlib import Path
 from typing import IO, Any
 
 from tqdm import tqdm
 
+from common.data.dataset import DatasetReader
 from common.errors import ConfigError, PSError
 from launch.cluster.nodes import Nodes
 from launch.cluster.spec import ClusterSpec
@@ -322,6 +325,34 @@ def time_to_target(curve: list[dict[str, float]], target: float | None) -> float
     return next((p["time_s"] for p in curve if p["oa"] >= target), None)
 
 
+def max_drop(curve: list[dict[str, Any]], epoch_samples: int) -> float | None:
+    """The largest fall of a point's OA below the best OA so far, over the points after the
+    first epoch (``samples >= epoch_samples``); the best so far counts every earlier point.
+
+    Args:
+        curve: points with ``samples`` and ``oa`` (an eval or snapshot curve).
+        epoch_samples: samples in one epoch (the training split's size).
+
+    Returns:
+        The drop (>= 0), or None when no point comes after the first epoch.
+    """
+    best, drop = -math.inf, None
+    for point in sorted(curve, key=lambda p: p["samples"]):
+        best = max(best, point["oa"])
+        if point["samples"] >= epoch_samples:
+            drop = max(drop or 0.0, best - point["oa"])
+    return drop
+
+
+def drop_stats(runs: list[dict[str, Any]], modes: tuple[str, ...]) -> dict[str, Any]:
+    """Per mode, the median and the largest ``max_drop`` over its runs (None without any)."""
+    out: dict[str, Any] = {}
+    for mode in modes:
+        drops = [r["max_drop"] for r in runs if r["mode"] == mode and r.get("max_drop") is not None]
+        out[mode] = {"median": statistics.median(drops), "max": max(drops)} if drops else None
+    return out
+
+
 def run_record(
     mode: str, repeat: int, run_dir: Path, summary: dict[str, Any], target: float | None
 ) -> dict[str, Any]:
@@ -361,7 +392,10 @@ def run_compare(config: CompareConfig, show_progress: bool = True) -> dict[str, 
         show_progress: show a progress bar with the current run, epoch and OA on stderr.
 
     Returns:
-        The content of ``compare.json``: ``{"settings", "runs", "report"}``.
+        The content of ``compare.json``: ``{"settings", "initial", "runs", "max_drop",
+        "report"}``; each run has its ``max_drop`` (``max_drop``, on the snapshot curve where
+        there is one, else on the per-epoch evaluations), and ``max_drop`` maps each mode to
+        ``{"median", "max"}`` over its runs.
 
     Raises:
         ConfigError: the configuration is invalid.
@@ -375,19 +409,24 @@ def run_compare(config: CompareConfig, show_progress: bool = True) -> dict[str, 
     config.out.mkdir(parents=True, exist_ok=True)
     data: dict[str, Any] = {"settings": config.settings(), "runs": []}
     data["initial"] = _initial_scores(config, show_progress)  # the curves' t = 0 point
+    with DatasetReader(config.dataset, cache_bytes=0) as reader:
+        epoch_samples = len(reader.train_indices)
     total = config.repeats * len(config.modes)
     with tqdm(total=total, desc="compare", unit="run", disable=not show_progress) as bar:
         for repeat in range(1, config.repeats + 1):
             for mode in config.modes:
-                data["runs"].append(_run_one(config, mode, repeat, bar))
+                data["runs"].append(_run_one(config, mode, repeat, bar, epoch_samples))
                 bar.update(1)
                 _write_json(config.out / "compare.json", data)
+    data["max_drop"] = drop_stats(data["runs"], config.modes)
     data["report"] = write_report(data, config.out)
     _write_json(config.out / "compare.json", data)
     return data
 
 
-def _run_one(config: CompareConfig, mode: str, repeat: int, bar: tqdm) -> dict[str, Any]:
+def _run_one(
+    config: CompareConfig, mode: str, repeat: int, bar: tqdm, epoch_samples: int
+) -> dict[str, Any]:
     run_dir = config.out / "runs" / f"{mode}-{repeat}"
     label = f"{mode} #{repeat}/{config.repeats}"
     log.info("compare: %s in %s", label, run_dir)
@@ -409,7 +448,9 @@ def _run_one(config: CompareConfig, mode: str, repeat: int, bar: tqdm) -> dict[s
         status.show("scoring snapshots")
     user_model = (config.model,) if ":" in config.model else ()  # the model compare was given
     scored = score_run(run_dir, config.target_oa, every, config.threads, user_model)
-    return {**run_record(mode, repeat, run_dir, summary, config.target_oa), **scored}
+    record = {**run_record(mode, repeat, run_dir, summary, config.target_oa), **scored}
+    curve = record.get("snapshot_curve") or record["curve"]
+    return {**record, "max_drop": max_drop(curve, epoch_samples)}
 
 
 def _run_slurm(

@@ -16,6 +16,7 @@ RESULT_COLUMNS = (
     "epoch time s",
     "throughput samples/s",
     "time to target s",
+    "max OA drop",
     "final OA",
     "final AA",
     "final kappa",
@@ -55,9 +56,9 @@ def aggregate(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
         data: compare.json content (``settings`` and ``runs``).
 
     Returns:
-        mode -> ``{"runs", "failed", "reached", "epoch_time_s", "time_to_target_s", "oa",
-        "aa", "kappa", "idle_share"}``, each quantity a (min, median, max) tuple or None
-        (idle share: sync modes only).
+        mode -> ``{"runs", "failed", "reached", "epoch_time_s", "time_to_target_s",
+        "max_drop", "oa", "aa", "kappa", "idle_share"}``, each quantity a (min, median, max)
+        tuple or None (idle share: sync modes only).
     """
     out: dict[str, dict[str, Any]] = {}
     for mode in data["settings"]["modes"]:
@@ -71,6 +72,7 @@ def aggregate(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "epoch_time_s": spread([r["epoch_time_s"] for r in ok]),
             "throughput": spread([throughput(r["summary"]) for r in ok]),
             "time_to_target_s": spread([r["time_to_target_s"] for r in ok]),
+            "max_drop": spread([r.get("max_drop") for r in ok]),
             **{k: spread([f.get(k) for f in finals]) for k in ("oa", "aa", "kappa")},
             "idle_share": spread([r["summary"].get("idle_share") for r in ok]),
         }
@@ -146,6 +148,7 @@ def render_markdown(data: dict[str, Any]) -> str:
                 _cell(s["epoch_time_s"], 3),
                 _cell(s["throughput"], 0),
                 _cell(s["time_to_target_s"], 2, reached) if target is not None else "-",
+                _cell(s["max_drop"], 3),
                 _cell(s["oa"], 4),
                 _cell(s["aa"], 4),
                 _cell(s["kappa"], 4),
@@ -182,6 +185,8 @@ def render_markdown(data: dict[str, Any]) -> str:
         + "Epoch time = train_time_s / epochs (start-up and blocking evaluation excluded); "
         "throughput = training samples / train_time_s; " + target_source(data) + " Idle share = "
         "the workers' time waiting at the round barrier over their round time (sync modes). "
+        "Max OA drop = the largest fall of a snapshot's (or evaluation's) OA below the best "
+        "OA so far, after the first epoch: how far the curve falls back once it has risen. "
         "Columns no run could fill are left out.",
         "",
         "## Results",

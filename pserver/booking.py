@@ -97,6 +97,7 @@ def _log_update(
             version=version,
             round_s=round(timing.round_s, 6),
             step_s=round(timing.step_s, 6),
+            weight=round(sum(update.weights), 6),
             workers=workers,
         )
         return

@@ -27,6 +27,7 @@ from common.protocol.client import Connection
 from common.protocol.messages import StatusReply, StatusRequest
 from common.protocol.security import generate, load_client_keys
 from common.protocol.wire import WIRE_DTYPES
+from common.training.models import NORMS, with_norm
 from pserver.config import (
     MODES,
     OPTIMIZERS,
@@ -38,6 +39,7 @@ from pserver.config import (
 )
 from pserver.data_cli import data_group
 from pserver.model_cli import COMMANDS as MODEL_COMMANDS
+from pserver.policies.weighted_sync import BATCHNORM_MIN_LOCAL_BATCH
 from pserver.snapshot_cli import evaluate_snapshots_cmd
 
 CONTEXT = {"auto_envvar_prefix": "PSERVER", "show_default": True}
@@ -88,6 +90,22 @@ def main() -> None:
     flag="--plan-spread/--no-plan-spread",
     help="With --planner model: leave out a worker whose share shortens the predicted round "
     "less than the expected wait its scatter adds at the barrier (measured round by round).",
+)
+@_opt(
+    "min_local_batch",
+    type=click.IntRange(min=1),
+    help="weighted-sync: the smallest local batch a worker is given; a worker whose share "
+    "would be smaller sits out the round (and is probed with this many samples now and "
+    f"then). Default: {BATCHNORM_MIN_LOCAL_BATCH} (at most B / --workers) for models with "
+    "BatchNorm, whose batch statistics come from the local batch; else 1.",
+)
+@click.option(
+    "--norm",
+    type=click.Choice(NORMS),
+    default="batch",
+    help="Normalisation of a built-in model: batch (BatchNorm) or group (GroupNorm, recorded "
+    "as MODEL-gn: no batch statistics, so speed-sized local batches give exactly one "
+    "global-batch step).",
 )
 @_opt("workers", type=int, help="Workers to wait for before training starts.")
 @_opt("global_batch", type=int, help="Global batch B per update.")
@@ -248,12 +266,13 @@ def main() -> None:
     default=False,
     help="End by printing the whole summary as JSON instead of the results tables.",
 )
-def start(log_level: str, **options: Any) -> None:
+def start(log_level: str, norm: str, **options: Any) -> None:
     """Start a parameter server (the coordinator) and serve until training ends."""
     as_json = options.pop("json")
     setup_logging(log_level, "pserver ")
     try:
         options["write_timeout_s"] = options.pop("write_timeout")
+        options["model"] = with_norm(options["model"], norm)
         config = ServerConfig(**options)
         summary, error, interrupted = asyncio.run(_serve(config))
     except PSError as exc:

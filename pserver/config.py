@@ -81,6 +81,7 @@ class ServerConfig:
     mode: str = "weighted-sync"
     planner: str = "model"
     plan_spread: bool = True
+    min_local_batch: int | None = None
     bind: str = "tcp://127.0.0.1:5555"
     workers: int = 1
     global_batch: int = 64
@@ -163,6 +164,14 @@ class ServerConfig:
             epochs=self.epochs,
             max_steps=self.max_steps,
             target_oa=self.target_oa,
+        )
+        need(
+            self.min_local_batch is None or self.min_local_batch >= 1,
+            f"--min-local-batch must be >= 1, got {self.min_local_batch}",
+        )
+        need(
+            self.min_local_batch is None or self.min_local_batch <= self.global_batch,
+            f"--min-local-batch {self.min_local_batch} exceeds --global-batch {self.global_batch}",
         )
         need(self.workers >= 1, f"--workers must be >= 1, got {self.workers}")
         need(

@@ -28,7 +28,7 @@ from common.protocol.shard_messages import ShardHello
 from common.protocol.tokens import TokenBook, new_key
 from common.training.evaluator import Evaluator
 from common.training.flat import FlatLayout, nonnegative_bounds
-from common.training.models import build_model
+from common.training.models import build_model, has_batchnorm
 from common.training.runlog import RunLog
 from pserver import checkpoint, rundir
 from pserver.booking import book, discard, refuse
@@ -37,6 +37,7 @@ from pserver.evaluation import EvalScheduler
 from pserver.handlers import Handlers
 from pserver.membership import Roster, TaskFactory, WorkerInfo
 from pserver.policies import POLICIES, Update
+from pserver.policies.weighted_sync import resolve_min_local_batch
 from pserver.runstate import RunState
 from pserver.sampler import EpochSampler
 from pserver.shutdown import shutdown, watch_shards
@@ -80,6 +81,7 @@ class ParameterServer:
         torch.manual_seed(config.seed)
         channels, height, _ = meta.shape
         model = build_model(config.model, channels, meta.num_classes, height)
+        self.config = config = resolve_min_local_batch(config, has_batchnorm(model))
         layout = FlatLayout(model)
         self.num_params, self.state_size = layout.num_params, layout.size
         self.nonneg = nonnegative_bounds(model, layout)

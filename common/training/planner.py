@@ -11,6 +11,11 @@ scatter independently by sigma, the round ends about sigma * E[max of n standard
 the predicted time. Given that spread (``spread_s``), the planner drops the member with the
 smallest batch while the plan without it is expected to end sooner: a worker whose share
 shortens the predicted round by less than the wait it adds sits out (and is re-probed too).
+
+For models with BatchNorm a minimum local batch (``min_batch``, ``at_least``) keeps a
+worker's batch statistics from coming from a handful of samples: a worker whose share would
+fall below it sits out that round, like a worker planned at 0, and a probe gives it the
+minimum, never less.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 
@@ -57,6 +62,51 @@ def plan_batches(speeds: dict[int, float], total: int) -> dict[int, int]:
             largest = max(order, key=lambda v: (sizes[v], -v))
             sizes[largest] -= 1
             sizes[w] = 1
+    return sizes
+
+
+def tail_scale(samples: int, global_batch: int) -> float:
+    """The weight of a step over ``samples`` when a full step covers ``global_batch``: 1 for a
+    full global batch, b / B for an epoch's tail of b samples (its gradient and statistics
+    change count as b samples of a global batch, never as a whole one).
+
+    Args:
+        samples: samples the step covers (>= 0).
+        global_batch: B (>= 1).
+
+    Returns:
+        ``min(samples / global_batch, 1)``.
+    """
+    return min(samples / global_batch, 1.0)
+
+
+def plan_by_speed(
+    speeds: dict[int, float], total: int, probe: Collection[int] = (), min_batch: int = 1
+) -> dict[int, int]:
+    """``plan_batches``, then ``at_least(min_batch)``; each worker in ``probe`` left at 0
+    gets ``min_batch`` samples from the largest batch, if that keeps ``min_batch``.
+
+    Args:
+        speeds: worker id -> samples per second (> 0).
+        total: the global batch to split (>= 0).
+        probe: workers to give ``min_batch`` samples even if the plan gives them none.
+        min_batch: the smallest local batch a member may get.
+
+    Returns:
+        worker id -> batch size (ids with 0 omitted), summing to ``total``.
+    """
+    sizes = at_least(
+        plan_batches(speeds, total),
+        min_batch,
+        lambda ws: plan_batches({w: speeds[w] for w in ws}, total),
+    )
+    give = max(min_batch, 1)
+    for w in sorted(probe):
+        if w in speeds and sizes and not sizes.get(w):
+            donor = max(sizes, key=lambda v: (sizes[v], -v))
+            if sizes[donor] - give >= give:
+                sizes[donor] -= give
+                sizes[w] = give
     return sizes
 
 
@@ -104,8 +154,33 @@ def expected_round_s(fits: Mapping[int, Fit], sizes: Mapping[int, int], spread_s
     return latest + spread_s * expected_max_deviate(len(sizes))
 
 
+def at_least(
+    sizes: dict[int, int], minimum: int, replan: Callable[[list[int]], dict[int, int]]
+) -> dict[int, int]:
+    """Leave out workers whose batch is below ``minimum``, smallest batch first, re-planning
+    the same total over the others, until every batch is at least ``minimum`` or one worker
+    is left (it takes the whole total, however small).
+
+    Args:
+        sizes: worker id -> batch size (ids with 0 omitted).
+        minimum: the smallest local batch worth computing (1: nothing changes).
+        replan: members -> their batch sizes for the same total.
+
+    Returns:
+        The plan without the workers left out.
+    """
+    while len(sizes) > 1 and min(sizes.values()) < minimum:
+        smallest = min(sizes, key=lambda w: (sizes[w], -w))
+        sizes = {w: n for w, n in replan(sorted(w for w in sizes if w != smallest)).items() if n}
+    return sizes
+
+
 def plan_by_model(
-    fits: Mapping[int, Fit], total: int, probe: Collection[int] = (), spread_s: float = 0.0
+    fits: Mapping[int, Fit],
+    total: int,
+    probe: Collection[int] = (),
+    spread_s: float = 0.0,
+    min_batch: int = 1,
 ) -> dict[int, int] | None:
     """Batch sizes that equalise predicted round times, summing to ``total``.
 
@@ -114,14 +189,17 @@ def plan_by_model(
     samples left go one at a time to the worker that would then finish first, so the
     predicted round time (the largest) is as small as integers allow. With a ``spread_s``,
     members are then dropped, smallest batch first, while that lowers ``expected_round_s``.
+    Members whose batch would be below ``min_batch`` sit out (``at_least``).
 
     Args:
         fits: worker id -> fitted model.
         total: the global batch (>= 0).
-        probe: workers to give at least one sample even if the plan gives them none (the
-            sample is taken from the worker predicted to finish last).
+        probe: workers to give ``min_batch`` samples even if the plan gives them none (taken
+            from the worker predicted to finish last, if it keeps ``min_batch``).
         spread_s: how much round times scatter independently around their predictions (one
             standard deviation, seconds); 0 (or not finite) plans on predictions alone.
+        min_batch: the smallest local batch a member may get (BatchNorm models: its batch
+            statistics come from the local batch).
 
     Returns:
         worker id -> batch size (ids with 0 omitted), or None when a model is unusable (not
@@ -136,12 +214,14 @@ def plan_by_model(
     if math.isfinite(spread_s) and 0 < spread_s <= MAX_SECONDS:
         members, batch = models.without_stragglers(members, batch, total, spread_s)
     sizes = dict(zip(models.ids[members].tolist(), batch.tolist(), strict=True))
+    sizes = at_least(sizes, min_batch, lambda ws: models.plan_of(ws, total))
+    give = max(min_batch, 1)
     for w in sorted(probe):
         if w in fits and not sizes.get(w):
-            donor = max(sizes, key=lambda v: (sizes[v] > 1, fits[v].predict(sizes[v]), v))
-            if sizes[donor] > 1:
-                sizes[donor] -= 1
-                sizes[w] = 1
+            donor = max(sizes, key=lambda v: (sizes[v] > give, fits[v].predict(sizes[v]), v))
+            if sizes[donor] - give >= give:
+                sizes[donor] -= give
+                sizes[w] = give
     return sizes
 
 
@@ -239,6 +319,13 @@ class _Models:
                 rest = self.sums(fewer)
             members, batch, expected, sums = fewer, fewer_batch, sooner, rest
         return members, batch
+
+    def plan_of(self, workers: list[int], total: int) -> dict[int, int]:
+        """``equal_finish`` over the workers with these ids, as worker id -> batch."""
+        position = {w: i for i, w in enumerate(self.ids.tolist())}
+        members = np.array(sorted(position[w] for w in workers), dtype=np.int64)
+        planned, batch = self.equal_finish(members, total)
+        return dict(zip(self.ids[planned].tolist(), batch.tolist(), strict=True))
 
     def equal_finish(
         self, members: np.ndarray, total: int, sums: tuple[int, int] | None = None

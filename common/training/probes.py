@@ -1,4 +1,5 @@
-"""When a worker the model planner left at 0 samples gets one sample again (a probe).
+"""When a worker the planner left at 0 samples gets a probe again (one sample, or the minimum
+local batch of a BatchNorm model).
 
 A worker planned at 0 is probed after ``PROBE_EVERY`` rounds at 0; each probe that leaves it at
 0 doubles the wait for the next, up to ``PROBE_EVERY_MAX`` (a worker that stays slow, such as

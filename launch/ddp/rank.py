@@ -24,7 +24,7 @@ from common.training.device import resolve_device
 from common.training.evaluator import Evaluator
 from common.training.flat import FlatLayout
 from common.training.models import build_model
-from common.training.planner import plan_equal
+from common.training.planner import plan_equal, tail_scale
 from common.training.schedule import lr_factor
 from launch.ddp.launcher import DDPConfig
 from launch.ddp.record import RunRecorder
@@ -212,8 +212,8 @@ class RankTrainer:
         x_np, y_np = self.reader.read(mine)
         x = torch.from_numpy(np.ascontiguousarray(x_np)).to(self.device)
         y = torch.from_numpy(np.ascontiguousarray(y_np)).to(self.device)
-        result = self.step_fn.run(self.steps, x, y)
         t = self.config.train
+        result = self.step_fn.run(self.steps, x, y, tail_scale(len(indices), t.global_batch))
         progress = t.progress(self.steps, self.samples, len(self.reader.train_indices))
         factor = lr_factor(t.lr_schedule, progress, t.warmup_fraction)
         for group in self.optimizer.param_groups:

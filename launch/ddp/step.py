@@ -9,8 +9,9 @@ one's wait grows the other's: the step time feeds back without bound. So a step 
    device synchronisation on both ends: the compute time t;
 2. one flat ``all_reduce`` (SUM) of ``[gradients, buffer changes, tail]``, then division by the
    number of ranks that had samples: the plain mean of the ranks' mean gradients, exactly
-   what equal-sync computes; the tail carries each rank's compute and emulated time and its
-   loss, so rank 0 learns every rank's speed without another collective;
+   what equal-sync computes (an epoch's last, short step of b samples is then weighted by
+   b / B, as the parameter server weighs it); the tail carries each rank's compute and
+   emulated time and its loss, so rank 0 learns every rank's speed without another collective;
 3. after the optimizer step, ``sleep``: (F-1)·t̂, so this rank looks F times slower, where t̂
    is this rank's compute time for its local batch size calibrated before training (the
    fastest of several passes before the clock starts, ``warm_up``; ranks take turns). A fixed
@@ -192,15 +193,18 @@ class ComputeOnlyStep:
                 offset += buf.numel()
         return self.calibrated
 
-    def run(self, step: int, x: torch.Tensor, y: torch.Tensor) -> StepResult:
+    def run(self, step: int, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0) -> StepResult:
         """Compute this rank's gradients on ``(x, y)`` and average them over the ranks.
 
-        Afterwards every parameter's ``.grad`` holds the mean over ranks with samples and the
-        float buffers hold their mean; the caller applies the optimizer.
+        Afterwards every parameter's ``.grad`` holds ``scale`` times the mean over ranks with
+        samples and the float buffers have moved by ``scale`` times their mean change; the
+        caller applies the optimizer.
 
         Args:
             step: the step number (0-based) that selects the slowdown factor.
             x, y: this rank's local batch on ``self.device``; may be empty.
+            scale: the step's weight, b / B for an epoch's tail of b samples
+                (``common.training.planner.tail_scale``), as the parameter server weighs it.
 
         Returns:
             The step's loss and per-rank timings.
@@ -233,10 +237,10 @@ class ComputeOnlyStep:
             self.all_reduce(flat[p:] if self.grads_in_backward else flat)
         active, loss_sum, total, *times = flat[head:].tolist()
         if self.grads_in_backward:  # the reducer's mean is over every rank
-            flat[:p].mul_(w / max(active, 1.0))
-            flat[p:head].mul_(1.0 / max(active, 1.0))
+            flat[:p].mul_(scale * w / max(active, 1.0))
+            flat[p:head].mul_(scale / max(active, 1.0))
         else:
-            flat[:head].mul_(1.0 / max(active, 1.0))  # the gradients' mean, in place
+            flat[:head].mul_(scale / max(active, 1.0))  # the gradients' mean, in place
         with torch.no_grad():
             new_buffers = before + flat[p:head]
             offset = 0

@@ -1,5 +1,9 @@
 """Synchronous rounds: every worker gets a share of a global batch; the round closes when all
-shares are in, and their weighted sum is applied as one step."""
+shares are in, and their weighted sum is applied as one step.
+
+An epoch's last round holds the ``n mod B`` samples left (its tail); its step is weighted by
+its share of a global batch, b / B, on the gradient and on the BatchNorm statistics change,
+so a handful of samples never makes a full step (see docs/training-quality.md)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import time
 import numpy as np
 
 from common.protocol.messages import PushRequest
+from common.training.planner import tail_scale
 from pserver.membership import Task, WorkerInfo
 from pserver.policies.base import Assignment, ModePolicy, Update
 
@@ -30,6 +35,7 @@ class Round:
     closing: bool = False
     predicted: dict[int, float] = dataclasses.field(default_factory=dict)
     accepted: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    scale: float = 1.0
 
     @property
     def complete(self) -> bool:
@@ -38,10 +44,12 @@ class Round:
 
     def update(self) -> Update:
         """The round's step: accepted pushes in worker-id order, weights renormalised over them
-        (they sum to 1 over the planned tasks; a worker that left takes its weight along)."""
+        (they sum to 1 over the planned tasks; a worker that left takes its weight along),
+        then multiplied by the round's ``scale`` (b / B); the weights also weigh the
+        statistics changes, so those are scaled alike."""
         weight_in = sum(self.weights[w] for w in self.received)
         entries = [
-            (worker, task, self.weights[wid] / weight_in)
+            (worker, task, self.scale * self.weights[wid] / weight_in)
             for wid, (worker, task) in sorted(self.received.items())
         ]
         return Update(entries, buffer_scale=1.0, round_id=self.round_id)
@@ -119,8 +127,16 @@ class SyncRounds(ModePolicy):
             predicted = {
                 w: fit.predict(n) for w, n in sizes.items() if (fit := fits.get(w)) is not None
             }
+            scale = tail_scale(len(positions), self.config.global_batch)
             self.rounds.append(
-                Round(self.next_round_id, epoch, tasks, self.weights(sizes), predicted=predicted)
+                Round(
+                    self.next_round_id,
+                    epoch,
+                    tasks,
+                    self.weights(sizes),
+                    predicted=predicted,
+                    scale=scale,
+                )
             )
             self.next_round_id += 1
         if self.rounds and not self.rounds[0].started:

@@ -6,13 +6,42 @@ from __future__ import annotations
 import dataclasses
 
 from common.training.perfmodel import RoundSpread
-from common.training.planner import plan_batches, plan_by_model
+from common.training.planner import plan_by_model, plan_by_speed
 from common.training.probes import PROBE_EVERY, PROBE_EVERY_MAX, ProbeSchedule
+from pserver.config import ServerConfig
 from pserver.membership import WorkerInfo
 from pserver.policies.base import Update
 from pserver.policies.sync_rounds import SyncRounds
 
-__all__ = ["PROBE_EVERY", "PROBE_EVERY_MAX", "WeightedSync"]
+__all__ = [
+    "BATCHNORM_MIN_LOCAL_BATCH",
+    "PROBE_EVERY",
+    "PROBE_EVERY_MAX",
+    "WeightedSync",
+    "resolve_min_local_batch",
+]
+
+BATCHNORM_MIN_LOCAL_BATCH = 8  # default --min-local-batch for models with BatchNorm
+
+
+def resolve_min_local_batch(config: ServerConfig, batchnorm: bool) -> ServerConfig:
+    """``config`` with ``--min-local-batch`` decided when it was not given: for weighted-sync
+    and a model with BatchNorm, ``BATCHNORM_MIN_LOCAL_BATCH`` (at most B / workers, so every
+    worker can still take part); otherwise 1 (any local batch).
+
+    Args:
+        config: the server's configuration.
+        batchnorm: whether the model contains BatchNorm layers.
+
+    Returns:
+        The configuration with ``min_local_batch`` set.
+    """
+    if config.min_local_batch is not None:
+        return config
+    minimum = 1
+    if config.mode == "weighted-sync" and batchnorm:
+        minimum = max(1, min(BATCHNORM_MIN_LOCAL_BATCH, config.global_batch // config.workers))
+    return dataclasses.replace(config, min_local_batch=minimum)
 
 
 class WeightedSync(SyncRounds):
@@ -21,7 +50,8 @@ class WeightedSync(SyncRounds):
     a fitted model), with sum B;
     g = sum_i (b_i / B) g_i, one global-batch step. The model planner also weighs the measured
     spread of round times (``--plan-spread``): a worker that adds more wait than it saves sits
-    out."""
+    out. A worker whose share would fall below ``--min-local-batch`` sits out too. Workers
+    planned at 0 are probed now and then with the minimum local batch."""
 
     name = "weighted-sync"
 
@@ -32,25 +62,29 @@ class WeightedSync(SyncRounds):
 
     def batch_sizes(self, workers: list[WorkerInfo], total: int) -> dict[int, int]:
         speeds = {w.worker_id: w.speed for w in workers}
-        if self.config.planner == "speed":
-            return plan_batches(speeds, total)
+        minimum = self.min_local_batch
         fits = {w.worker_id: w.perf.fit() for w in workers}
-        if any(f is None for f in fits.values()):
-            return plan_batches(speeds, total)
-        if self.config.planner == "compute":  # the same model without transfer time
-            fits = {w: dataclasses.replace(f, transfer_s=0.0) for w, f in fits.items() if f}
-        probe = self.probes.due(fits)
-        spread = self.spread.sigma_s() if self.uses_spread else 0.0
-        sizes = plan_by_model(fits, total, probe, spread)  # type: ignore[arg-type]
+        sizes = None
+        probe = self.probes.due(speeds)
+        if self.config.planner != "speed" and all(f is not None for f in fits.values()):
+            if self.config.planner == "compute":  # the same model without transfer time
+                fits = {w: dataclasses.replace(f, transfer_s=0.0) for w, f in fits.items() if f}
+            spread = self.spread.sigma_s() if self.uses_spread else 0.0
+            sizes = plan_by_model(fits, total, probe, spread, minimum)  # type: ignore[arg-type]
         if sizes is None:
-            return plan_batches(speeds, total)
-        self.probes.planned(fits, sizes, probe)
+            sizes = plan_by_speed(speeds, total, probe, minimum)
+        self.probes.planned(speeds, sizes, probe)
         return sizes
 
     @property
     def probe_after(self) -> dict[int, int]:
         """Worker id -> rounds at 0 before its next probe (workers that lost a probe)."""
         return self.probes.probe_after
+
+    @property
+    def min_local_batch(self) -> int:
+        """The smallest local batch a worker is given (1: any)."""
+        return self.config.min_local_batch or 1
 
     @property
     def uses_spread(self) -> bool:

@@ -1,0 +1,404 @@
+"""Training quality with speed-sized local batches: epoch tails weighted by b / B, BatchNorm
+statistics merged by share of the global batch, the minimum local batch, GroupNorm builds that
+make weighted-sync exact, and the curve-stability figure of comparisons."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from common.data.dataset import DatasetReader
+from common.errors import ModelError
+from common.protocol.messages import PushRequest
+from common.training.flat import FlatLayout
+from common.training.models import build_model, has_batchnorm, with_norm
+from common.training.perfmodel import Fit
+from common.training.planner import plan_by_model, plan_by_speed, tail_scale
+from launch.compare import drop_stats, max_drop
+from launch.local import LocalCluster, run_local
+from launch.report import RESULT_COLUMNS, render_markdown
+from pserver.config import ServerConfig
+from pserver.membership import TaskFactory, WorkerInfo
+from pserver.optimizer import FlatOptimizer
+from pserver.policies.base import Update
+from pserver.policies.equal_sync import EqualSync
+from pserver.policies.sync_rounds import Round
+from pserver.policies.weighted_sync import (
+    BATCHNORM_MIN_LOCAL_BATCH,
+    PROBE_EVERY,
+    WeightedSync,
+    resolve_min_local_batch,
+)
+from pserver.sampler import EpochSampler
+from pserver.store.slices import SliceStore
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Small tensors: one thread is fastest, and on a busy machine much faster than two."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# --- epoch tails -----------------------------------------------------------------------------
+
+
+def _push(task_id: int) -> PushRequest:
+    return PushRequest(1, "t", task_id, 0, 1, 1.0, 0.01, 0.0, 0.5)
+
+
+def _drive(policy_cls: type, n: int, batch: int, epochs: int) -> tuple[list[Update], list[int]]:
+    """Plan and close every round of ``epochs`` epochs over ``n`` samples with three workers;
+    returns the updates and the epochs whose ledger proved every sample used exactly once."""
+    config = ServerConfig(
+        dataset=Path("unused.h5"),
+        model="hsi-cnn",
+        mode=policy_cls.name,
+        global_batch=batch,
+        epochs=epochs,
+    )
+    sampler = EpochSampler(n, 0, epochs)
+    policy = policy_cls(config, sampler, TaskFactory(np.arange(n)))
+    workers = [
+        WorkerInfo(w, f"w{w}", "cpu", 1.0, 1, 0.0, speed=s)
+        for w, s in ((1, 40.0), (2, 20.0), (3, 4.0))
+    ]
+    by_id = {w.worker_id: w for w in workers}
+    updates, exact = [], []
+    while True:
+        policy.plan(workers)
+        if not policy.rounds:
+            break
+        current = policy.rounds[0]
+        update = None
+        for wid, task in current.tasks.items():
+            update = policy.accept(by_id[wid], task, _push(task.task_id))
+        assert update is not None
+        policy.applied(update, 0)
+        updates.append(update)
+        for _, task, _ in update.entries:
+            ledger = sampler.record_applied(task.epoch, task.positions)
+            if ledger.complete:
+                if (ledger.uses == 1).all():
+                    exact.append(ledger.epoch)
+                sampler.forget(ledger.epoch)
+    return updates, exact
+
+
+@pytest.mark.parametrize("policy_cls", [WeightedSync, EqualSync])
+@pytest.mark.parametrize("tail", [1, 3, 5])
+def test_an_epoch_tail_is_weighted_by_its_share_and_every_sample_is_used_once(
+    policy_cls: type, tail: int
+) -> None:
+    batch = 32
+    n = 4 * batch + tail
+    updates, exact = _drive(policy_cls, n, batch, epochs=3)
+    assert exact == [1, 2, 3]  # the epoch check still proves exactly-once
+    assert len(updates) == 3 * 5
+    for update in updates:
+        weight = math.fsum(update.weights)
+        assert update.buffer_scale == 1.0  # statistics changes carry the same weights
+        if update.samples == batch:
+            assert weight == pytest.approx(1.0)
+        else:  # never a full-weight step of a handful of samples
+            assert update.samples == tail
+            assert weight == pytest.approx(tail / batch)
+    assert tail_scale(batch + 7, batch) == 1.0
+
+
+def test_a_round_a_worker_left_keeps_the_tail_weight() -> None:
+    workers = {w: WorkerInfo(w, f"w{w}", "cpu", 1.0, 1, 0.0) for w in (1, 2)}
+    tasks = TaskFactory(np.arange(10))
+    planned = {1: tasks.new(1, np.arange(3), 1), 2: tasks.new(1, np.arange(3, 4), 1)}
+    rnd = Round(1, 1, planned, {1: 0.75, 2: 0.25}, scale=4 / 64)
+    rnd.received[1] = (workers[1], planned[1])  # worker 2 left: its weight goes with it
+    assert rnd.update().weights == pytest.approx([4 / 64])
+
+
+# --- BatchNorm statistics ----------------------------------------------------------------------
+
+
+def _local_push(
+    model: nn.Module, layout: FlatLayout, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    """What a worker pushes for one local batch: mean gradient and statistics change, with the
+    model's state left as it was."""
+    state = layout.read_state()
+    before = layout.read_buffers()
+    model.train()
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    push = layout.read_push(before)
+    layout.write_state(state)
+    return push
+
+
+@pytest.mark.parametrize(("sizes", "batch"), [({1: 60, 2: 4}, 64), ({1: 3, 2: 2}, 64)])
+def test_batchnorm_statistics_after_a_round_with_a_tiny_share_equal_the_hand_merge(
+    sizes: dict[int, int], batch: int
+) -> None:
+    torch.manual_seed(0)
+    model = build_model("hsi-cnn", in_channels=6, num_classes=3, input_size=5)
+    bn = model[1]
+    with torch.no_grad():  # statistics away from their initial 0 / 1
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+    mean0, var0 = bn.running_mean.clone(), bn.running_var.clone()
+    layout = FlatLayout(model)
+    total = sum(sizes.values())
+    x, y = torch.randn(total, 6, 5, 5) * 2 + 1, torch.randint(0, 3, (total,))
+    bounds = np.cumsum([0, *sizes.values()])
+    parts = {w: (x[a:b], y[a:b]) for w, a, b in zip(sizes, bounds[:-1], bounds[1:], strict=True)}
+    # by hand: each worker's BatchNorm moves the statistics by m (its batch statistic - old),
+    # and the server adds those moves weighted by b_i / B (B the global batch, also for a tail)
+    expected_mean, expected_var = mean0.clone(), var0.clone()
+    for w, n in sizes.items():
+        with torch.no_grad():
+            h = model[0](parts[w][0])  # the first BatchNorm's input
+        share = n / batch
+        expected_mean += share * bn.momentum * (h.mean(dim=(0, 2, 3)) - mean0)
+        expected_var += share * bn.momentum * (h.var(dim=(0, 2, 3), unbiased=True) - var0)
+    pushes = {w: _local_push(model, layout, *parts[w]) for w in sizes}
+    # the round as the policy closes it, applied by the store as the server applies it
+    workers = {w: WorkerInfo(w, f"w{w}", "cpu", 1.0, 1, 0.0) for w in sizes}
+    tasks = TaskFactory(np.arange(total))
+    planned = {w: tasks.new(1, np.arange(n), 1) for w, n in sizes.items()}
+    weights = WeightedSync.weights(None, sizes)  # type: ignore[arg-type]
+    rnd = Round(1, 1, planned, weights, scale=tail_scale(total, batch))
+    rnd.received = {w: (workers[w], planned[w]) for w in sizes}
+    update = rnd.update()
+    optimizer = FlatOptimizer("sgd", lr=0.05)
+    store = SliceStore(
+        0, layout.size, layout.num_params, layout.read_state(), optimizer, [], 1 << 20
+    )
+    for w, push in pushes.items():
+        store.stage(planned[w].task_id, w, 0, 0, 1.0, push)
+    ok, reason = store.prepare(1, update.task_ids, update.weights, 1.0, update.buffer_scale)
+    assert ok, reason
+    store.commit(1)
+    layout.write_state(store.state)
+    torch.testing.assert_close(bn.running_mean, expected_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bn.running_var, expected_var, rtol=1e-5, atol=1e-6)
+    tiny = min(sizes, key=lambda w: sizes[w])  # the tiny share moved them by b / B of its move
+    assert update.weights[sorted(sizes).index(tiny)] == pytest.approx(sizes[tiny] / batch)
+
+
+# --- the minimum local batch -------------------------------------------------------------------
+
+
+def test_a_share_below_the_minimum_sits_out_and_a_probe_gives_the_minimum() -> None:
+    fits = {
+        1: Fit(0.002, 0.001, 0.0),
+        2: Fit(0.002, 0.001, 0.0),
+        3: Fit(0.002, 0.008, 0.0),  # 8x slower per sample: 3.76 of 64 samples
+    }
+    assert plan_by_model(fits, 64) == {1: 31, 2: 30, 3: 3}
+    planned = plan_by_model(fits, 64, min_batch=8)
+    assert planned == {1: 32, 2: 32}  # its 6 samples went to the others
+    probed = plan_by_model(fits, 64, probe=[3], min_batch=8)
+    assert probed is not None and probed[3] == 8 and sum(probed.values()) == 64
+    assert min(probed.values()) >= 8
+    # by speed: 40 / 20 / 4 samples per second
+    speeds = {1: 40.0, 2: 20.0, 3: 4.0}
+    assert plan_by_speed(speeds, 64) == {1: 40, 2: 20, 3: 4}
+    assert plan_by_speed(speeds, 64, min_batch=8) == {1: 43, 2: 21}
+    assert plan_by_speed(speeds, 64, probe=[3], min_batch=8) == {1: 35, 2: 21, 3: 8}
+    # a tail smaller than the minimum goes to one worker (weighted b / B by the round)
+    assert plan_by_speed(speeds, 5, min_batch=8) == {1: 5}
+
+
+def test_weighted_sync_leaves_out_a_worker_below_the_minimum_and_probes_it() -> None:
+    config = ServerConfig(
+        dataset=Path("unused.h5"), model="hsi-cnn", global_batch=64, epochs=5, min_local_batch=8
+    )
+    policy = WeightedSync(config, EpochSampler(640, 0, 5), TaskFactory(np.arange(640)))
+    workers = []
+    for wid, per_sample in ((1, 0.001), (2, 0.001), (3, 0.008)):
+        worker = WorkerInfo(wid, f"w{wid}", "cpu", 1.0, 1, 0.0, speed=1 / per_sample)
+        worker.perf.seed([8, 32], [0.002 + 8 * per_sample, 0.002 + 32 * per_sample])
+        workers.append(worker)
+    plans = [policy.batch_sizes(workers, 64) for _ in range(PROBE_EVERY + 1)]
+    assert all(3 not in plan for plan in plans[:PROBE_EVERY])  # reported as planned at 0
+    assert plans[PROBE_EVERY][3] == 8  # then probed with the minimum, never fewer samples
+    assert policy.min_local_batch == 8
+
+
+def test_the_minimum_defaults_on_for_batchnorm_models_in_weighted_sync() -> None:
+    def config(**kw: object) -> ServerConfig:
+        return ServerConfig(dataset=Path("unused.h5"), model="hsi-cnn", epochs=1, **kw)  # type: ignore[arg-type]
+
+    assert resolve_min_local_batch(config(), True).min_local_batch == BATCHNORM_MIN_LOCAL_BATCH
+    assert resolve_min_local_batch(config(), False).min_local_batch == 1
+    assert resolve_min_local_batch(config(mode="equal-sync"), True).min_local_batch == 1
+    small = config(global_batch=12, workers=3)  # at most B / workers
+    assert resolve_min_local_batch(small, True).min_local_batch == 4
+    assert resolve_min_local_batch(config(min_local_batch=3), True).min_local_batch == 3
+
+
+# --- GroupNorm builds --------------------------------------------------------------------------
+
+
+def test_group_norm_builds_have_no_batch_statistics() -> None:
+    assert with_norm("hsi-cnn", "group") == "hsi-cnn-gn"
+    assert with_norm("hsi-cnn", "batch") == "hsi-cnn"
+    with pytest.raises(ModelError, match="no GroupNorm build"):
+        with_norm("pkg.mod:factory", "group")
+    for name in ("hsi-cnn", "scene-cnn", "resnet18", "hsi-3dcnn"):
+        model = build_model(with_norm(name, "group"), 5, 3, 9)
+        assert not has_batchnorm(model) and not list(model.buffers())
+        assert has_batchnorm(build_model(name, 5, 3, 9))
+
+
+def _train(model_name: str, splits: list[dict[int, int]], steps: int) -> torch.Tensor:
+    """The flat state after ``steps`` server steps, each over 24 fresh samples split over
+    workers as ``splits[step]`` says, combined with weighted-sync's weights."""
+    torch.manual_seed(0)
+    model = build_model(model_name, in_channels=6, num_classes=3, input_size=5)
+    layout = FlatLayout(model)
+    optimizer = FlatOptimizer("sgd", lr=0.05, momentum=0.9, weight_decay=1e-4)
+    store = SliceStore(
+        0, layout.size, layout.num_params, layout.read_state(), optimizer, [], 1 << 20
+    )
+    data = torch.Generator().manual_seed(1)
+    task = 0
+    for step in range(steps):
+        x = torch.randn(24, 6, 5, 5, generator=data)
+        y = torch.randint(0, 3, (24,), generator=data)
+        sizes = splits[step]
+        bounds = np.cumsum([0, *sizes.values()])
+        ids = []
+        for w, a, b in zip(sizes, bounds[:-1], bounds[1:], strict=True):
+            task += 1
+            store.stage(task, w, step, 0, 1.0, _local_push(model, layout, x[a:b], y[a:b]))
+            ids.append(task)
+        weights = WeightedSync.weights(None, sizes)  # type: ignore[arg-type]
+        ok, reason = store.prepare(step + 1, ids, [weights[w] for w in sizes], 1.0, 1.0)
+        assert ok, reason
+        store.commit(step + 1)
+        layout.write_state(store.state)
+    return store.state.clone()
+
+
+def test_with_group_norm_three_heterogeneous_workers_end_where_one_worker_ends() -> None:
+    steps = 6
+    one = [{1: 24}] * steps
+    rng = np.random.default_rng(0)
+    three = []  # speed-sized shares that change round to round, some tiny
+    for _ in range(steps):
+        speeds = {1: 1.0, 2: float(rng.uniform(0.2, 1)), 3: float(rng.uniform(0.05, 0.3))}
+        three.append(plan_by_speed(speeds, 24))
+    assert min(n for plan in three for n in plan.values()) <= 3
+    single = _train("hsi-cnn-gn", one, steps)
+    split = _train("hsi-cnn-gn", three, steps)
+    torch.testing.assert_close(split, single, rtol=1e-5, atol=1e-6)
+    # the BatchNorm build does not have this property: its batch statistics follow the split
+    assert not torch.allclose(
+        _train("hsi-cnn", three, steps), _train("hsi-cnn", one, steps), atol=1e-3
+    )
+
+
+# --- the stability figure ----------------------------------------------------------------------
+
+
+def test_max_drop_is_the_largest_fall_below_the_best_so_far_after_the_first_epoch() -> None:
+    curve = [
+        {"samples": 50, "oa": 0.6},
+        {"samples": 100, "oa": 0.8},
+        {"samples": 150, "oa": 0.5},  # after epoch 1 (100 samples): 0.3 below 0.8
+        {"samples": 200, "oa": 0.9},
+        {"samples": 250, "oa": 0.85},
+    ]
+    assert max_drop(curve, 100) == pytest.approx(0.3)
+    assert max_drop(curve[3:], 100) == pytest.approx(0.05)
+    assert max_drop([{"samples": 50, "oa": 0.9}, {"samples": 60, "oa": 0.1}], 100) is None
+    runs = [
+        {"mode": "ddp", "max_drop": 0.02},
+        {"mode": "ddp", "max_drop": 0.06},
+        {"mode": "ddp", "max_drop": 0.04},
+        {"mode": "async", "max_drop": None},
+    ]
+    stats = drop_stats(runs, ("ddp", "async"))
+    assert stats["ddp"] == {"median": pytest.approx(0.04), "max": pytest.approx(0.06)}
+    assert stats["async"] is None
+    data = {
+        "settings": {
+            "modes": ["ddp"],
+            "dataset": "d.h5",
+            "model": "hsi-cnn",
+            "slowdowns": [1.0],
+            "slowdown_schedules": [],
+            "target_oa": 0.9,
+            "repeats": 3,
+            "train": {
+                "global_batch": 64,
+                "optimizer": "sgd",
+                "lr": 0.05,
+                "lr_schedule": "constant",
+                "epochs": 3,
+                "max_steps": None,
+                "seed": 0,
+            },
+        },
+        "runs": [
+            {**r, "epoch_time_s": 1.0, "time_to_target_s": 2.0, "summary": {"final": {}}}
+            for r in runs[:3]
+        ],
+    }
+    table = render_markdown(data)
+    assert "max OA drop" in RESULT_COLUMNS
+    assert "0.020 / 0.040 / 0.060" in table
+
+
+# --- end to end: a dataset whose size leaves a tail of a few samples ---------------------------
+
+
+def test_a_dataset_with_a_three_sample_tail_trains_without_a_collapse(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    with DatasetReader(small_hsi, cache_bytes=0) as reader:
+        n = len(reader.train_indices)
+    batch = next(b for b in range(24, 64) if n % b == 3)  # 143 = 5 x 28 + 3
+    epochs = 5
+    run_dir = tmp_path / "run"
+    cluster = LocalCluster(
+        dataset=small_hsi,
+        model="hsi-cnn",
+        mode="weighted-sync",
+        slowdowns=(1.0, 2.0, 4.0),
+        run_dir=run_dir,
+        server_options=(
+            *("--epochs", str(epochs), "--global-batch", str(batch), "--lr", "0.05"),
+            *("--eval-every-updates", "2", "--workers", "3"),
+        ),
+        run_timeout_s=240.0,
+    )
+    try:
+        summary = run_local(cluster)
+    except Exception:
+        print((run_dir / "cluster.log").read_text(errors="replace"))
+        raise
+    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    events = [json.loads(line) for line in lines]
+    rounds = [e for e in events if e["event"] == "round"]
+    tails = [e for e in rounds if sum(w["batch"] for w in e["workers"]) < batch]
+    assert len(tails) == epochs  # one tail round per epoch ...
+    for event in rounds:
+        samples = sum(w["batch"] for w in event["workers"])
+        assert event["weight"] == pytest.approx(min(samples / batch, 1.0), abs=1e-6)
+    assert all(e["weight"] == pytest.approx(3 / batch, abs=1e-6) for e in tails)  # ... at b / B
+    done = [e for e in events if e["event"] == "epoch"]
+    assert [e["epoch"] for e in done] == list(range(1, epochs + 1))
+    assert all(e["exactly_once"] and e["samples"] == n for e in done)
+    curve = [e for e in events if e["event"] == "eval"]
+    drop = max_drop(curve, n)
+    assert drop is not None and drop <= 0.10, [round(e["oa"], 3) for e in curve]
+    assert summary["final"]["oa"] >= 0.8
