@@ -34,7 +34,7 @@ reports it). The last lines are ``max_drop_<regime>_<mode>_median|max=X.XXX`` an
 
 Usage: python bench/time_to_target.py [--repeats 1] [--regimes small,heavy] [--snapshot-every 2]
        [--seed 0] [--same-seed] [--epochs E] [--modes ...] [--cluster small-1124]
-       [--slowdowns 1,1,2,4]
+       [--slowdowns 1,1,2,4] [--reuse]
 """
 
 from __future__ import annotations
@@ -99,6 +99,18 @@ def step_compute_ms(run: dict) -> float:
     return 1000 * statistics.median(times) if times else float("nan")
 
 
+def finished(config: CompareConfig) -> dict | None:
+    """The compare.json of a repeat that already ran every mode with these settings (None:
+    it has to run)."""
+    path = config.out / "compare.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    same = data.get("settings") == json.loads(json.dumps(config.settings()))
+    complete = {r["mode"] for r in data.get("runs", [])} == set(config.modes)
+    return data if same and complete and "max_drop" in data else None
+
+
 def run_regime(name: str, args: argparse.Namespace) -> list[str]:
     """Compare every mode in one regime; print its table; return its ratio lines."""
     patch, fraction, batch, schedule, epochs, target = REGIMES[name]
@@ -127,7 +139,9 @@ def run_regime(name: str, args: argparse.Namespace) -> list[str]:
             nodes=emulated,
             allow_oversubscribe=args.allow_oversubscribe,
         )
-        for run in run_compare(config, show_progress=sys.stderr.isatty())["runs"]:
+        done = finished(config) if args.reuse else None
+        found = done or run_compare(config, show_progress=sys.stderr.isatty())
+        for run in found["runs"]:
             runs.append({**run, "repeat": repeat})
     rows = []
     for mode in modes:
@@ -213,6 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--out", type=Path, default=ROOT / "runs/bench/time_to_target", help="output directory"
+    )
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="take a repeat whose compare.json already holds every mode with the same settings "
+        "from --out instead of running it again",
     )
     args = parser.parse_args(argv)
     setup_logging("WARNING")

@@ -187,6 +187,8 @@ def render_markdown(data: dict[str, Any]) -> str:
         "the workers' time waiting at the round barrier over their round time (sync modes). "
         "Max OA drop = the largest fall of a snapshot's (or evaluation's) OA below the best "
         "OA so far, after the first epoch: how far the curve falls back once it has risen. "
+        "Epoch tails: an epoch's last step, over the n mod B samples left, is weighted b / B "
+        "(gradient and BatchNorm statistics) in every mode, parameter server and DDP alike. "
         "Columns no run could fill are left out.",
         "",
         "## Results",

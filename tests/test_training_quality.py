@@ -21,7 +21,9 @@ from common.training.flat import FlatLayout
 from common.training.models import build_model, has_batchnorm, with_norm
 from common.training.perfmodel import Fit
 from common.training.planner import plan_by_model, plan_by_speed, tail_scale
+from common.training.slowdown import SlowdownSchedule
 from launch.compare import drop_stats, max_drop
+from launch.ddp.step import ComputeOnlyStep
 from launch.local import LocalCluster, run_local
 from launch.report import RESULT_COLUMNS, render_markdown
 from pserver.config import ServerConfig
@@ -122,6 +124,24 @@ def test_a_round_a_worker_left_keeps_the_tail_weight() -> None:
     rnd = Round(1, 1, planned, {1: 0.75, 2: 0.25}, scale=4 / 64)
     rnd.received[1] = (workers[1], planned[1])  # worker 2 left: its weight goes with it
     assert rnd.update().weights == pytest.approx([4 / 64])
+
+
+def test_ddp_weighs_its_epoch_tail_step_as_the_parameter_server_does() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
+    reference = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
+    reference.load_state_dict(model.state_dict())
+    step = ComputeOnlyStep(
+        model, model, 0, 1, torch.device("cpu"), SlowdownSchedule(1.0), lambda t: None
+    )
+    x, y = torch.randn(3, 4), torch.tensor([0, 1, 2])
+    before = reference[1].running_mean.clone()
+    step.run(0, x, y, scale=tail_scale(3, 64))  # an epoch's tail of 3 samples, B = 64
+    nn.functional.cross_entropy(reference(x), y).backward()
+    for mine, full in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, full.grad * 3 / 64)
+    moved = reference[1].running_mean - before
+    torch.testing.assert_close(model[1].running_mean, before + moved * 3 / 64)
 
 
 # --- BatchNorm statistics ----------------------------------------------------------------------
