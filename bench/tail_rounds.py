@@ -18,6 +18,9 @@ Variants (one hypothesis each; ``baseline`` is weighted-sync with full-weight ta
   carry-over      the tail's samples open the next epoch's first round (full B every step)
   drop-small      carry-over, and local shares below 16 samples go to the largest share
   global-bn       carry-over; BatchNorm statistics of every round from the global batch
+  scaled-min8     tail-scaled, and shares below 8 samples go to the largest share (the rules
+                  weighted-sync follows: tails weighted b / B, --min-local-batch 8)
+  one-worker      the reference: every round on one worker (one global batch), tails b / B
 
 Usage: python bench/tail_rounds.py [--seeds 0,1,2] [--variants ...] [--epochs 6]
 """
@@ -53,6 +56,8 @@ VARIANTS = (
     "carry-over",
     "drop-small",
     "global-bn",
+    "scaled-min8",
+    "one-worker",
 )
 
 
@@ -160,11 +165,13 @@ def run(
     n = len(replay.y)
     carry = variant in ("carry-over", "drop-small", "global-bn")
     shares = plan_batches({i: 1.0 / s for i, s in enumerate(slowdowns)}, batch)
-    if variant == "drop-small":
-        small = [w for w, b in shares.items() if b < 16]
+    if variant in ("drop-small", "scaled-min8"):
+        small = [w for w, b in shares.items() if b < (16 if variant == "drop-small" else 8)]
         big = max(shares, key=lambda w: shares[w])
         for w in small:
             shares[big] += shares.pop(w)
+    if variant == "one-worker":
+        shares = {0: batch}
     sizes = [shares[w] for w in sorted(shares)]
     oas: list[float] = []
     per_epoch = n // batch if carry else -(-n // batch)
@@ -174,8 +181,9 @@ def run(
             split = variant == "tail-split"
             parts = [r[i : i + 1] for i in range(b)] if split else [r]
             weights = [len(p) / b for p in parts]
-            grad_w = {"tail-no-grad": 0.0, "tail-scaled": b / batch}.get(variant, 1.0)
-            buf_w = {"tail-no-stats": 0.0, "tail-scaled": b / batch}.get(variant, 1.0)
+            scaled = b / batch if variant in ("tail-scaled", "scaled-min8", "one-worker") else 1.0
+            grad_w = 0.0 if variant == "tail-no-grad" else scaled
+            buf_w = 0.0 if variant == "tail-no-stats" else scaled
             replay.step(parts, weights, grad_w, buf_w)
         else:
             cuts = np.cumsum(sizes)[:-1]

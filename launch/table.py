@@ -135,8 +135,9 @@ PLAN_LEGEND = MODEL_LEGEND + (
     "shares differ from slowdown ratios: slow workers get less than 1/slowdown, and none if "
     "one sample would outlast the round, or if their share would shorten the round less than "
     "the wait they add: round times scatter around the predictions (summary.json "
-    "details.round_spread_s), and each member of a round is one more chance that it ends late. A "
-    "worker left out gets one sample now and then to keep its model fresh."
+    "details.round_spread_s), and each member of a round is one more chance that it ends late. "
+    "With BatchNorm, a share below --min-local-batch (default 8) also sits out. A worker left "
+    "out gets a probe now and then to keep its model fresh (one sample, or --min-local-batch)."
 )
 
 
