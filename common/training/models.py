@@ -138,7 +138,7 @@ def _zero_last_bn(model: nn.Module) -> None:
     """Start every residual branch at zero (Goyal et al. 2017): helps large-batch training."""
     for block in model.modules():
         if isinstance(block, BasicBlock) and isinstance(block.bn2.weight, torch.Tensor):
-            nn.init.zeros_(block.bn2.weight)  # the branch's last norm layer (Batch or Group)
+            nn.init.zeros_(block.bn2.weight)  # the residual path's last norm layer
 
 
 def resnet18(in_channels: int, num_classes: int, input_size: int, norm: str = "batch") -> nn.Module:
