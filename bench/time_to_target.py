@@ -100,13 +100,15 @@ def step_compute_ms(run: dict) -> float:
 
 
 def finished(config: CompareConfig) -> dict | None:
-    """The compare.json of a repeat that already ran every mode with these settings (None:
-    it has to run)."""
+    """The compare.json of a repeat that already ran every mode with the same data, model,
+    slowdowns, training settings, target and snapshots (None: it has to run)."""
     path = config.out / "compare.json"
     if not path.is_file():
         return None
     data = json.loads(path.read_text(encoding="utf-8"))
-    same = data.get("settings") == json.loads(json.dumps(config.settings()))
+    wanted = json.loads(json.dumps(config.settings()))
+    keys = ("dataset", "model", "modes", "slowdowns", "train", "target_oa", "snapshot_every")
+    same = all(data.get("settings", {}).get(k) == wanted.get(k) for k in keys)
     complete = {r["mode"] for r in data.get("runs", [])} == set(config.modes)
     return data if same and complete and "max_drop" in data else None
 
