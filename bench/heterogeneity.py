@@ -36,9 +36,9 @@ from bench.cluster_args import (  # noqa: E402
 )
 from common.data.convert.synth import synth_scenes  # noqa: E402
 from common.logsetup import setup_logging  # noqa: E402
+from common.training.tables import format_table  # noqa: E402
 from launch.compare import CompareConfig, run_compare  # noqa: E402
 from launch.settings import TrainSettings  # noqa: E402
-from launch.table import format_table  # noqa: E402
 
 MODES = ("weighted-sync", "equal-sync", "ddp")
 

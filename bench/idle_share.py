@@ -37,10 +37,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.cluster_args import add_cluster_arguments, cluster_from_args, cluster_label  # noqa: E402
 from common.logsetup import setup_logging  # noqa: E402
+from common.training.tables import format_table  # noqa: E402
 from launch.cluster.spec import ClusterSpec  # noqa: E402
 from launch.demo import prepare_dataset  # noqa: E402
 from launch.local import LocalCluster, run_local  # noqa: E402
-from launch.table import format_table  # noqa: E402
 
 SLOWDOWNS = (1.0, 2.0, 4.0)
 CONFIGS = (  # name, mode, further server options

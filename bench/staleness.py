@@ -27,10 +27,10 @@ sys.path.insert(0, str(ROOT))
 from bench.jasper import JASPER_DIR, jasper  # noqa: E402
 from common.errors import PSError  # noqa: E402
 from common.logsetup import setup_logging  # noqa: E402
+from common.training.tables import format_table  # noqa: E402
 from launch.compare import run_record  # noqa: E402
 from launch.local import LocalCluster, run_local  # noqa: E402
 from launch.settings import TrainSettings  # noqa: E402
-from launch.table import format_table  # noqa: E402
 
 FUNCTIONS = ("inverse", "poly", "hinge", "exp", "constant")
 

@@ -43,7 +43,7 @@ from bench.jasper import jasper  # noqa: E402
 from common.data.dataset import DatasetReader  # noqa: E402
 from common.training.models import build_model  # noqa: E402
 from common.training.planner import plan_batches  # noqa: E402
-from launch.table import format_table  # noqa: E402
+from common.training.tables import format_table  # noqa: E402
 
 TEST_SAMPLES = 3000  # a fixed random subset of the test split, scored after every step
 VARIANTS = (

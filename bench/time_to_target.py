@@ -56,9 +56,9 @@ from bench.cluster_args import (  # noqa: E402
 )
 from bench.jasper import JASPER_DIR, jasper  # noqa: E402
 from common.logsetup import setup_logging  # noqa: E402
+from common.training.tables import format_table  # noqa: E402
 from launch.compare import CompareConfig, run_compare  # noqa: E402
 from launch.settings import TrainSettings  # noqa: E402
-from launch.table import format_table  # noqa: E402
 
 MODES = ("weighted-sync", "equal-sync", "async", "ddp", "single")
 REGIMES = {

@@ -13,6 +13,7 @@ from common.cli_env import show_envvars
 from common.cli_help import FullHelpGroup
 from common.errors import ConfigError, PSError
 from common.logsetup import setup_logging
+from common.training.tables import files_written, summary_tables
 from launch.cli_options import (
     apply_norm,
     async_options,
@@ -37,7 +38,6 @@ from launch.settings import TrainSettings
 from launch.simulate.cli import simulate
 from launch.slurm.cli import slurm
 from launch.slurm.jobs import LAUNCHERS, SlurmRuns
-from launch.table import files_written, summary_tables
 from pserver.config import MODES
 
 

@@ -8,9 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from common.logsetup import setup_logging
-from launch.local import LocalCluster, run_local
-from launch.progress import RunProgress, eval_label
-from launch.table import (
+from common.training.tables import (
     MODEL_COLUMNS,
     PLAN_LEGEND,
     format_table,
@@ -19,6 +17,8 @@ from launch.table import (
     score,
     seconds,
 )
+from launch.local import LocalCluster, run_local
+from launch.progress import RunProgress, eval_label
 
 MODES = ("weighted-sync", "equal-sync", "async")
 SLOWDOWNS = (1.0, 2.0, 4.0)

@@ -17,7 +17,7 @@ import numpy as np
 from matplotlib.patches import Patch
 
 from common.training.rounds import breakdown
-from launch.setup_info import natural_key
+from common.training.tables import natural_key
 
 log = logging.getLogger(__name__)
 

@@ -204,19 +204,13 @@ def render_markdown(data: dict[str, Any]) -> str:
 
 
 def setup_section(data: dict[str, Any]) -> list[str]:
-    """The setup block: machine, torch, workers' devices and the emulated cluster.
-
-    The cluster comes from ``settings.cluster`` when a launcher records the emulated
-    cluster there as a dict (nodes, CPU budgets, links); it is printed key by key.
-    """
+    """The setup block: machine, torch and the workers' devices (the emulated cluster is in
+    the settings above it, from ``cluster_lines``)."""
     from launch.setup_info import setup_lines, worker_devices
 
     settings = data["settings"]
-    cluster = settings.get("cluster")
     devices = worker_devices([r["run_dir"] for r in data["runs"] if r.get("run_dir")])
-    lines = setup_lines(
-        settings.get("setup"), devices, cluster if isinstance(cluster, dict) else None
-    )
+    lines = setup_lines(settings.get("setup"), devices)
     return ["## Setup", "", *lines, ""] if lines else []
 
 

@@ -17,10 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-
-def natural_key(name: str) -> list[Any]:
-    """Sort key that orders ``w2`` before ``w10``."""
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+from common.training.tables import natural_key
 
 
 def cpu_model() -> str:
@@ -83,18 +80,13 @@ def worker_devices(run_dirs: Sequence[str | Path]) -> dict[str, str]:
     return {name: found[name] for name in sorted(found, key=natural_key)}
 
 
-def setup_lines(
-    setup: dict[str, Any] | None,
-    devices: dict[str, str],
-    cluster: dict[str, Any] | None = None,
-) -> list[str]:
-    """Markdown bullet lines of the setup block.
+def setup_lines(setup: dict[str, Any] | None, devices: dict[str, str]) -> list[str]:
+    """Markdown bullet lines of the setup block (the emulated cluster has its own lines, from
+    ``launch.report.cluster_lines``).
 
     Args:
         setup: ``collect_setup()`` as recorded (None: not recorded).
         devices: worker name -> device.
-        cluster: the emulated cluster (nodes, CPU budgets, links) as plain data, printed key
-            by key; None when the run was not emulated.
 
     Returns:
         The lines (empty when there is nothing to say).
@@ -115,20 +107,4 @@ def setup_lines(
             "- workers' devices: "
             + "; ".join(f"{device}: {', '.join(names)}" for device, names in by_device.items())
         )
-    if cluster:
-        lines.append("- emulated cluster:")
-        lines += [f"  - {key}: {_plain(value)}" for key, value in cluster.items()]
-    elif setup is not None:
-        lines.append(
-            "- emulated cluster: none (every process shares this machine's cores, "
-            "oversubscribed when there are more processes than cores)"
-        )
     return lines
-
-
-def _plain(value: Any) -> str:
-    if isinstance(value, dict):
-        return ", ".join(f"{k} {_plain(v)}" for k, v in value.items())
-    if isinstance(value, list | tuple):
-        return "; ".join(_plain(v) for v in value)
-    return str(value)

@@ -290,7 +290,7 @@ def start(log_level: str, norm: str, **options: Any) -> None:
 
 def _echo_results(summary: dict[str, Any], run_dir: Path | None) -> None:
     """The same short tables as ``pslaunch local``, and where the summary is."""
-    from launch.table import summary_tables
+    from common.training.tables import summary_tables
 
     try:
         click.echo(summary_tables(summary))

@@ -18,10 +18,10 @@ import pytest
 from click.testing import CliRunner
 
 from common.cli_env import envvar_name, walk_options
+from common.training.tables import summary_tables
 from launch.cli import local_cluster
 from launch.cli import main as pslaunch
 from launch.progress import RunProgress
-from launch.table import summary_tables
 from pserver.cli import main as pserver
 from tests.test_launchers import MARK, _processes_marked
 from worker.cli import main as worker

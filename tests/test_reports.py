@@ -8,10 +8,11 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pytest
 
+from common.training.tables import files_written, natural_key, summary_tables
+from launch.cluster.spec import ClusterSpec, parse_cluster
 from launch.figures import _draw_timeline
 from launch.report import render_markdown
-from launch.setup_info import collect_setup, natural_key, setup_lines, worker_devices
-from launch.table import files_written, summary_tables
+from launch.setup_info import collect_setup, setup_lines, worker_devices
 from tests.cluster import start_server, start_worker
 
 
@@ -67,7 +68,7 @@ def test_one_repeat_without_baselines_fills_only_what_it_can(tmp_path: Path) -> 
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in joins))
     setup = {"host": "n1", "cpu": "Some CPU", "cpus": 2, "gpus": [], "torch": "2.x",
              "python": "3.12", "os": "Linux"}  # fmt: skip
-    cluster = {"preset": "small-lab", "nodes": [{"cpus": 0.4, "link": "1gbit"}]}
+    cluster = parse_cluster(2, node_cpus="0.4,0.1", links="1gbit").describe()
     data = _data(
         ["weighted-sync", "async"],
         [_run("weighted-sync", 0.851, run_dir), _run("async", 0.84)],
@@ -83,7 +84,8 @@ def test_one_repeat_without_baselines_fills_only_what_it_can(tmp_path: Path) -> 
     assert "time to target" not in header and "idle share" not in header  # nothing to fill
     assert "- host: `n1` (Linux); CPU: Some CPU, 2 logical CPUs usable; GPUs: none" in markdown
     assert "- workers' devices: cuda:0: w2-x1; cpu: w10-x2" in markdown
-    assert "  - preset: small-lab" in markdown and "cpus 0.4, link 1gbit" in markdown
+    assert markdown.count("emulated cluster:") == 1
+    assert "- emulated cluster: " + ClusterSpec.from_description(cluster).summary_line() in markdown
 
 
 def test_setup_and_devices_helpers(tmp_path: Path) -> None:
@@ -91,9 +93,9 @@ def test_setup_and_devices_helpers(tmp_path: Path) -> None:
     assert setup["cpus"] >= 1 and setup["torch"] and setup["cpu"]
     assert sorted(["w10", "w2", "w1"], key=natural_key) == ["w1", "w2", "w10"]
     assert worker_devices([tmp_path / "missing"]) == {}
-    lines = setup_lines(setup, {}, None)
-    assert any("emulated cluster: none" in line for line in lines)
-    assert setup_lines(None, {}, None) == []
+    lines = setup_lines(setup, {})
+    assert any(line.startswith("- torch ") for line in lines)
+    assert setup_lines(None, {}) == []
     text = files_written(tmp_path, {"markdown": str(tmp_path / "report.md")})
     assert text.splitlines() == [
         f"results: {tmp_path / 'compare.json'}",

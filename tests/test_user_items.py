@@ -11,10 +11,10 @@ import pytest
 from click.testing import CliRunner
 
 from common.errors import ConfigError
+from common.training.tables import summary_tables
 from launch.cli import main as pslaunch_main
 from launch.cli_options import build_workers
 from launch.progress import RunProgress
-from launch.table import summary_tables
 from pserver.cli import main as pserver_main
 from tests.live import live_server
 from worker.cli import main as worker_main

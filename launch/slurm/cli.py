@@ -11,13 +11,13 @@ import click
 
 from common.errors import ConfigError, PSError
 from common.logsetup import setup_logging
+from common.training.tables import summary_tables
 from launch.cli_options import build_train, train_options
 from launch.slowdowns import parse_slowdowns
 from launch.slurm.config import DDP, SlurmJob
 from launch.slurm.groups import HET_HELP, Group, parse_het, spread_shards
 from launch.slurm.submit import check_run_dir, read_summary, wait_job, write_script
 from launch.slurm.submit import submit as submit_job
-from launch.table import summary_tables
 from pserver.config import MODES, STALENESS
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from launch.setup_info import natural_key
+
+def natural_key(name: str) -> list[Any]:
+    """Sort key that orders ``w2`` before ``w10``."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
