@@ -147,11 +147,15 @@ def test_live_page_in_chromium(browser: Any, small_hsi: Path, tmp_path: Path, mo
         before = _get_json(url + "status.json")
         cli = _cli_status(address)
         after = _get_json(url + "status.json")
-        assert set(before) == set(cli) == set(after)
+        cli_after = _cli_status(address)
+        assert set(before) == set(cli) == set(after) == set(cli_after)
         for key in ("mode", "model"):
             assert before[key] == cli[key] == after[key]
+        # each view answers from its own short-lived snapshot (the page's at most 0.5 s old,
+        # 'pserver status' at most 0.25 s), so the two need not agree while training runs,
+        # but neither ever goes backwards
         for key in ("version", "steps", "samples_seen"):
-            assert before[key] <= cli[key] <= after[key], key
+            assert before[key] <= after[key] and cli[key] <= cli_after[key], key
         assert [w["name"] for w in before["workers"]] == [w["name"] for w in cli["workers"]]
         assert set(before["workers"][0]) == set(cli["workers"][0])
 
