@@ -2,7 +2,7 @@
 
 ``torch.export.load`` is not safe on a file from someone else (torch 2.13): weights or
 constants marked ``use_pickle`` are read with ``torch.load(weights_only=False)``, opaque
-constants with ``pickle.loads``, sample inputs fall back to ``weights_only=False`` when the
+constants are unpickled, sample inputs fall back to ``weights_only=False`` when the
 safe load fails, symbolic shapes in ``models/model.json`` go through ``sympy.sympify`` (an
 ``eval``), and ``data/aotinductor/`` members are shared libraries it loads. So the project reads
 only two kinds of member itself: JSON (the metadata and the weights' layout) and raw tensor
