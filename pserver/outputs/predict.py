@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -65,31 +66,58 @@ def predict_scene(
     Raises:
         ModelError, DatasetError: see ``check_scene``; DatasetError when the cube is unreadable.
     """
-    if batch < 1:
-        raise DatasetError(f"batch must be >= 1, got {batch}")
-    patch = check_scene(model, cube)
+    batches = patch_batches(model, cube, batch, progress)
     rows, cols, _ = cube.shape
     nodata = nodata_index(model.class_names)
     dtype = np.uint8 if nodata <= 255 else np.uint16
     out = np.zeros((rows, cols), dtype=dtype)
     flat = out.reshape(-1)
-    with tqdm(
-        total=rows * cols, unit="px", unit_scale=True, desc="predict", disable=not progress
-    ) as bar:
-        for start, stop, windows in iter_bands(cube, patch):
-            n = (stop - start) * cols
-            for first in range(0, n, batch):
-                idx = np.arange(first, min(n, first + batch))
-                r, c = np.divmod(idx, cols)
-                patches = windows[r, c]
-                finite = np.isfinite(patches).reshape(len(idx), -1).all(axis=1)
-                predicted = np.full(len(idx), nodata, dtype=np.int64)
-                if finite.any():
-                    predicted[finite] = model.classify(patches[finite])
-                flat[start * cols + first : start * cols + first + idx.size] = predicted
-                bar.update(idx.size)
-            del windows  # one band in memory at a time
+    for offset, patches in batches:
+        finite = np.isfinite(patches).reshape(len(patches), -1).all(axis=1)
+        predicted = np.full(len(patches), nodata, dtype=np.int64)
+        if finite.any():
+            predicted[finite] = model.classify(patches[finite])
+        flat[offset : offset + len(patches)] = predicted
     return out
+
+
+def patch_batches(
+    model: LoadedModel, cube: Cube, batch: int, progress: bool
+) -> Iterator[tuple[int, np.ndarray]]:
+    """The P x P patches around every pixel, ``batch`` at a time, in row-major pixel order.
+
+    The cube is read a band of rows at a time, so memory holds one band and one batch. The
+    scene is checked before the first batch is asked for.
+
+    Returns:
+        An iterator of (index of the batch's first pixel, patches (n, C, P, P)).
+
+    Raises:
+        ModelError, DatasetError: see ``check_scene``; DatasetError when ``batch`` < 1.
+    """
+    if batch < 1:
+        raise DatasetError(f"batch must be >= 1, got {batch}")
+    patch = check_scene(model, cube)
+    cols = cube.shape[1]
+
+    def batches() -> Iterator[tuple[int, np.ndarray]]:
+        with tqdm(
+            total=cube.shape[0] * cols,
+            unit="px",
+            unit_scale=True,
+            desc="predict",
+            disable=not progress,
+        ) as bar:
+            for start, stop, windows in iter_bands(cube, patch):
+                n = (stop - start) * cols
+                for first in range(0, n, batch):
+                    idx = np.arange(first, min(n, first + batch))
+                    r, c = np.divmod(idx, cols)
+                    yield start * cols + first, windows[r, c]
+                    bar.update(idx.size)
+                del windows  # one band in memory at a time
+
+    return batches()
 
 
 def nodata_index(class_names: list[str]) -> int:

@@ -8,14 +8,13 @@ from collections.abc import Sequence
 import h5py
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from common.data.convert.cube import Cube
-from common.data.convert.patches import iter_bands, rows_per_band
+from common.data.convert.patches import rows_per_band
 from common.data.dataset import DatasetReader
 from common.errors import DatasetError
 from pserver.outputs.model_file import LoadedModel
-from pserver.outputs.predict import check_scene
+from pserver.outputs.predict import patch_batches
 
 STRETCH = (2.0, 98.0)  # percentiles mapped to 0 and 1 in a composite
 
@@ -39,26 +38,14 @@ def predict_probabilities(
     Raises:
         ModelError, DatasetError: see ``check_scene``.
     """
-    if batch < 1:
-        raise DatasetError(f"batch must be >= 1, got {batch}")
-    patch = check_scene(model, cube)
+    batches = patch_batches(model, cube, batch, progress)
     rows, cols, _ = cube.shape
     out = np.zeros((rows * cols, len(model.class_names)), dtype=np.float32)
-    with (
-        tqdm(total=rows * cols, unit="px", unit_scale=True, desc="predict", disable=not progress)
-        as bar,
-        torch.inference_mode(),
-    ):  # fmt: skip
-        for start, stop, windows in iter_bands(cube, patch):
-            n = (stop - start) * cols
-            for first in range(0, n, batch):
-                idx = np.arange(first, min(n, first + batch))
-                r, c = np.divmod(idx, cols)
-                x = torch.from_numpy(np.ascontiguousarray(windows[r, c], dtype=np.float32))
-                logits = model.module(x.to(model.device))
-                out[start * cols + idx] = torch.softmax(logits, dim=1).cpu().numpy()
-                bar.update(idx.size)
-            del windows
+    with torch.inference_mode():
+        for offset, patches in batches:
+            x = torch.from_numpy(np.ascontiguousarray(patches, dtype=np.float32))
+            logits = model.module(x.to(model.device))
+            out[offset : offset + len(patches)] = torch.softmax(logits, dim=1).cpu().numpy()
     return out.reshape(rows, cols, -1)
 
 
