@@ -258,3 +258,18 @@ class BenchConfig:
     def variant(self, name: str) -> Variant:
         """The ``Variant`` called ``name``."""
         return next(v for v in VARIANTS if v.name == name)
+
+
+SYNTH_TIMEOUT_S = 300.0
+
+
+def scenes_dataset(out: Path, samples: int, size: int) -> Path:
+    """Synthetic 3-band, 10-class scenes through the user-facing ``pserver data synth``, made
+    once per (samples, size) in ``out``."""
+    path = out / f"scenes-{size}px-{samples}.h5"
+    if not path.exists():
+        argv = python("pserver.cli", "data", "synth", "--kind", "scenes", "--out", str(path))
+        argv += ["--samples", str(samples), "--bands", "3", "--size", str(size)]
+        argv += ["--classes", "10", "--seed", "0"]
+        subprocess.run(argv, check=True, timeout=SYNTH_TIMEOUT_S, cwd=ROOT, capture_output=True)
+    return path

@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.mh_setup import scenes_dataset  # noqa: E402
 from common.errors import PSError  # noqa: E402
 from common.logsetup import setup_logging  # noqa: E402
 from launch.cluster.netns import available  # noqa: E402
@@ -46,19 +46,7 @@ from launch.slowdowns import parse_slowdowns  # noqa: E402
 
 log = logging.getLogger("mh_train")
 MODES = ("ws-bf16", "ddp-fp32", "ddp-bf16")
-SYNTH_TIMEOUT_S = 300.0
 RUN_TIMEOUT_S = 1800.0
-
-
-def make_dataset(out: Path, samples: int, size: int) -> Path:
-    """Synthetic 3-band scenes through the user-facing ``pserver data synth``."""
-    path = out / f"scenes-{size}px-{samples}.h5"
-    if not path.exists():
-        argv = [sys.executable, "-m", "pserver.cli", "data", "synth", "--kind", "scenes"]
-        argv += ["--out", str(path), "--samples", str(samples), "--bands", "3"]
-        argv += ["--size", str(size), "--classes", "10", "--seed", "0"]
-        subprocess.run(argv, check=True, timeout=SYNTH_TIMEOUT_S, cwd=ROOT, capture_output=True)
-    return path
 
 
 def run_mode(
@@ -151,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = parse_cluster(args.workers, links=args.links)
     assert spec is not None
     args.out.mkdir(parents=True, exist_ok=True)
-    dataset = make_dataset(args.out, args.samples, args.size)
+    dataset = scenes_dataset(args.out, args.samples, args.size)
     out = args.out / time.strftime("%Y%m%d-%H%M%S")
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     failures: list[str] = []

@@ -39,16 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.mh_jobs import run_gloo, run_ps
 from bench.mh_report import legend, table
-from bench.mh_setup import DEFAULT_VARIANTS, VARIANTS, BenchConfig, missing_features
+from bench.mh_setup import DEFAULT_VARIANTS, VARIANTS, BenchConfig, missing_features, scenes_dataset
 from bench.netprobe import measure_rate
-from bench.procs import ROOT, ChildError, python
+from bench.procs import ROOT, ChildError
 from common.errors import PSError
 from common.logsetup import setup_logging
 from launch.cluster.netns import NetConfig, Network, available
 from launch.cluster.spec import rate_bits
 
 log = logging.getLogger("multihost")
-SYNTH_TIMEOUT_S = 300.0
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
@@ -108,33 +107,6 @@ def parse(argv: list[str] | None) -> BenchConfig:
     ).validate()
 
 
-def make_dataset(cfg: BenchConfig) -> Path:
-    """Synthetic 3-band scenes through the user-facing ``pserver data synth``."""
-    path = cfg.out / f"scenes-{cfg.size}px-{cfg.samples}.h5"
-    if not path.exists():
-        argv = python(
-            "pserver.cli",
-            "data",
-            "synth",
-            "--kind",
-            "scenes",
-            "--out",
-            str(path),
-            "--samples",
-            str(cfg.samples),
-            "--bands",
-            "3",
-            "--size",
-            str(cfg.size),
-            "--classes",
-            "10",
-            "--seed",
-            "0",
-        )
-        subprocess.run(argv, check=True, timeout=SYNTH_TIMEOUT_S, cwd=ROOT, capture_output=True)
-    return path
-
-
 def check_links(net: Network, cfg: BenchConfig) -> list[str]:
     """Bulk transfers server -> worker and worker -> server on every worker's link."""
     lines = []
@@ -157,7 +129,7 @@ def run(cfg: BenchConfig) -> int:
     lacking = {name: gone for name, gone in missing_features(variants).items() if gone}
     runnable = [v for v in variants if v.name not in lacking]
     cfg.out.mkdir(parents=True, exist_ok=True)
-    dataset = make_dataset(cfg)
+    dataset = scenes_dataset(cfg.out, cfg.samples, cfg.size)
     cfg = dataclasses.replace(cfg, out=cfg.out / time.strftime("%Y%m%d-%H%M%S"))
     cfg.out.mkdir()
     gloo_runs, ps_runs, failures = [], {v.name: [] for v in runnable}, {}
