@@ -106,7 +106,7 @@ def test_live_page_in_chromium(browser: Any, small_hsi: Path, tmp_path: Path, mo
     try:
         server, address = start_server(
             small_hsi, run_dir, "--workers", "2", "--epochs", "100000", "--global-batch", "16",
-            "--http", "0", "--mode", mode,
+            "--http", "0", "--mode", mode, "--min-local-batch", "1",
         )  # fmt: skip
         procs.append(server)
         url = server.expect("status page on").split("status page on", 1)[1].strip()

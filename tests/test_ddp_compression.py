@@ -22,6 +22,7 @@ def _rank(rank: int, store_file: str, out: str) -> None:
         results = {c: _step(rank, c) for c in ("none", "bf16")}
         if rank == 0:
             torch.save(results, out)
+        dist.barrier()  # leave together: a rank exiting early breaks gloo's teardown
     finally:
         dist.destroy_process_group()
 
