@@ -295,14 +295,18 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.enable()  # a crash in torch's C++ code still shows where Python was
     run_rank(config, args.rank, args.store, args.host_store)
     if config.world_size > 1:
-        # Everything is closed and the process group destroyed, yet in about one run in
-        # fifteen a torch/gloo thread aborts the interpreter's final C++ teardown ("terminate
-        # called without an active exception", no Python frame): skip that teardown.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_without_teardown()
     return 0
+
+
+def exit_without_teardown() -> None:
+    """Exit with status 0 once a process group is destroyed, skipping the interpreter's final
+    C++ teardown: in about one run in fifteen a torch/gloo thread aborts it ("terminate called
+    without an active exception", no Python frame) although everything is closed."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
