@@ -3,9 +3,9 @@
 A weighted-sync run of scene-cnn on synthetic 64x64x13 scenes with a few workers, once pulling
 samples from the server (the default path, prefetched one task ahead) and, with ``--local``
 (the default), once more with every worker reading a copy of the file (``worker join --data``),
-in this one invocation. Each worker prints ``worker NAME: S steps, N samples, compute C s, data
-wait W s, wall T s`` when it exits; this script reads those lines from ``run_dir/cluster.log``
-and prints W/T per worker and the maximum per variant. The last line is
+in this one invocation. Each worker prints ``worker NAME: ENDING after S steps, N samples,
+compute C s, data wait W s, wall T s`` when it exits; this script reads those lines from
+``run_dir/cluster.log`` and prints W/T per worker and the maximum per variant. The last line is
 ``data_wait_share=X.XXX``: the largest W/T of the server-pull run (target < 0.05).
 
 The local-copy variant needs ``worker/loop.py`` to use ``--data``; the wired loop logs
@@ -33,7 +33,7 @@ from common.data.convert.synth import synth_scenes
 from launch.local import LocalCluster, run_local
 
 WORKER_LINE = re.compile(
-    r"worker (?P<name>\S+): (?P<steps>\d+) steps, (?P<samples>\d+) samples, "
+    r"worker (?P<name>\S+): (?:[^\n]*? after )?(?P<steps>\d+) steps, (?P<samples>\d+) samples, "
     r"compute (?P<compute>[\d.]+) s, data wait (?P<wait>[\d.]+) s, wall (?P<wall>[\d.]+) s"
 )
 LOCAL_MARK = "reading samples from local copy"

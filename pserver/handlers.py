@@ -36,7 +36,7 @@ from common.protocol.messages import (
 )
 from common.protocol.shard_messages import ShardHello
 from common.training.perfmodel import MAX_CALIBRATION
-from pserver.membership import Task, Waiter, WorkerInfo
+from pserver.membership import MAX_NAME, Task, Waiter, WorkerInfo
 from pserver.shards import register_shard
 from pserver.store.stores import LocalStores
 from pserver.summary import status_of
@@ -109,12 +109,14 @@ class Handlers:
         worker = ps.roster.add(
             msg.name, msg.device, msg.slowdown, msg.threads, ps.log.now(), request.user_id
         )
+        worker.reply_fields = frozenset(msg.reply_fields or ())
         ps.log.event(
             "join",
             worker=worker.name,
             device=worker.device,
             slowdown=msg.slowdown,
             torch=msg.torch_version,
+            host=None if msg.host is None else msg.host[:MAX_NAME],
         )
         if msg.torch_version is not None and msg.torch_version != torch.__version__:
             log.warning(
@@ -158,11 +160,12 @@ class Handlers:
         )
 
     async def heartbeat(self, request: Request, msg: HeartbeatRequest) -> None:
-        self.server.roster.member(msg.worker_id, msg.token, request.user_id)
+        worker = self.server.roster.member(msg.worker_id, msg.token, request.user_id)
         reply = HeartbeatReply(
             server_id=self.server.server_id,
             finished=self.server.finished,
             failure=self.server.failure,
+            finish_reason=worker.finish_reason(self.server.run.reply_reason),
         )
         self.server.endpoint.reply(request.identity, request.request_id, reply)
 

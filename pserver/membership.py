@@ -98,6 +98,11 @@ class WorkerInfo:
     perf: PerfModel = dataclasses.field(default_factory=PerfModel)
     active: bool = True
     ready: bool = False
+    reply_fields: frozenset[str] = frozenset()  # optional reply fields it reads (join)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """``reason`` for a stop or heartbeat reply to this worker: None unless it reads it."""
+        return reason if "finish_reason" in self.reply_fields else None
 
     def steady_in(self, round_id: int) -> bool:
         """Whether it pushed in the round before ``round_id``: otherwise (its first round, a

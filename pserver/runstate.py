@@ -42,6 +42,12 @@ class RunState:
         """Training has ended."""
         return bool(self.finish_reason)
 
+    @property
+    def reply_reason(self) -> str | None:
+        """The finish reason as stop and heartbeat replies carry it: without a failure's text
+        (``failed: ...`` -> ``failed``; the ``failure`` field says it), None while training runs."""
+        return self.finish_reason.partition(":")[0] or None
+
     def train_time(self, t: float) -> float:
         """Training time at run-clock time ``t``."""
         if self.train_start is None:

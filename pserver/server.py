@@ -303,6 +303,7 @@ class ParameterServer:
                     indices=[],
                     prefetch=[],
                     failure=self.failure,
+                    finish_reason=worker.finish_reason(self.run.reply_reason),
                 ),
             )
         self.log.event("leave", worker=worker.name, reason="stop")

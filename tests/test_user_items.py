@@ -132,3 +132,83 @@ async def test_requests_refused_while_a_run_ends_are_no_warnings(
         assert error.code == ErrorCode.SHUTTING_DOWN
     refused = [r for r in caplog.records if "SHUTTING_DOWN" in r.getMessage()]
     assert refused and all(r.levelno == logging.DEBUG for r in refused)
+
+
+async def test_stop_and_heartbeat_replies_say_why_training_ended(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    import msgpack
+
+    from common.protocol.messages import HeartbeatRequest, JoinRequest, TaskRequest
+    from pserver.runstate import RunState
+    from tests.live import clients
+
+    async with (
+        live_server(small_hsi, mode="async", workers=2, epochs=50, run_dir=tmp_path / "run") as ps,
+        clients(ps.address, 2) as (reader, older),
+    ):  # fmt: skip
+        new = await reader.request(
+            JoinRequest(name="new", device="cpu", slowdown=1.0, threads=1, host="node-7",
+                        reply_fields=["finish_reason"])
+        )  # fmt: skip
+        old = await older.request(  # a worker that predates the field
+            JoinRequest(name="old", device="cpu", slowdown=1.0, threads=1)
+        )
+        ids = [{"worker_id": j.worker_id, "token": j.token} for j in (new, old)]
+        beat = await reader.request(HeartbeatRequest(**ids[0]))
+        assert not beat.finished and beat.finish_reason is None
+        ps.request_stop()  # what Ctrl-C and SIGTERM do
+        beats = [await reader.request(HeartbeatRequest(**ids[0])),
+                 await older.request(HeartbeatRequest(**ids[1]))]  # fmt: skip
+        assert [(b.finished, b.finish_reason) for b in beats] == [(True, "stopped"), (True, None)]
+        stop = await reader.request(TaskRequest(**ids[0], speed=100.0))
+        assert (stop.action, stop.finish_reason, stop.failure) == ("stop", "stopped", None)
+        frames = await older.send_raw(TaskRequest(**ids[1], speed=100.0).to_wire(99))
+        body = msgpack.unpackb(frames[0])["body"]
+        assert body["action"] == "stop" and "finish_reason" not in body  # an old worker parses it
+    hosts = [(e["worker"], e["host"]) for e in ps.log.events if e["event"] == "join"]
+    assert hosts == [("new", "node-7"), ("old", None)]
+    assert RunState(finish_reason="failed: shard 1 lost").reply_reason == "failed"
+    assert RunState(finish_reason="epochs").reply_reason == "epochs"
+    assert RunState().reply_reason is None
+
+
+def _last_line(proc) -> str:
+    return [line for line in proc.seen if line.strip()][-1].strip()
+
+
+@pytest.mark.e2e
+def test_a_worker_last_line_tells_an_interrupted_server_from_a_finished_run(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    import signal
+
+    from tests.cluster import start_server, start_worker
+
+    interrupted, address = start_server(
+        small_hsi, tmp_path / "stopped", "--mode", "async", "--workers", "2", "--epochs", "1000"
+    )
+    stopped = [start_worker(address, "a"), start_worker(address, "b", 2.0)]
+    finished, address = start_server(
+        small_hsi, tmp_path / "finished", "--mode", "async", "--workers", "1", "--epochs", "1"
+    )
+    done = start_worker(address, "c")
+    try:
+        interrupted.wait_for("epoch 1 done")
+        interrupted.popen.send_signal(signal.SIGINT)  # Ctrl-C
+        assert interrupted.wait(timeout=30) == 128 + signal.SIGINT
+        assert finished.wait(timeout=60) == 0
+        assert [w.wait(timeout=30) for w in (*stopped, done)] == [0, 0, 0]
+    finally:
+        for proc in (interrupted, finished, *stopped, done):
+            proc.kill()
+    for worker in stopped:
+        line = _last_line(worker)
+        assert line.startswith(
+            f"worker {worker.name}: server interrupted (Ctrl-C or SIGTERM) after "
+        )
+        assert "run finished" not in "".join(worker.seen)
+    steps = json.loads((tmp_path / "finished" / "summary.json").read_text())["steps"]
+    assert _last_line(done).startswith(
+        f"worker c: run finished (all epochs done) after {steps} steps, "
+    )

@@ -17,6 +17,7 @@ from common.config import default
 from common.errors import PSError
 from common.logsetup import setup_logging
 from worker.config import WorkerConfig
+from worker.ending import describe_end
 from worker.resolve import check_server_host
 
 
@@ -152,9 +153,9 @@ def join(log_level: str, **options: object) -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     click.echo(
-        f"worker {name}: {stats.steps} steps, {stats.samples} samples, "
-        f"compute {stats.compute_s:.1f} s, data wait {stats.data_wait_s:.2f} s, "
-        f"wall {stats.wall_s:.1f} s"
+        f"worker {name}: {describe_end(stats.finish_reason)} after {stats.steps} steps, "
+        f"{stats.samples} samples, compute {stats.compute_s:.1f} s, "
+        f"data wait {stats.data_wait_s:.2f} s, wall {stats.wall_s:.1f} s"
     )
 
 

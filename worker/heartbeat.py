@@ -28,7 +28,8 @@ class Heartbeat:
     endpoint), which ends every wait of the worker's connections with ``ServerLost``. When the
     server says training has ended for a few beats in a row (the worker is stuck on something
     that will never answer, such as a lost shard), it publishes ``TRAINING_ENDED``, or
-    ``RUN_FAILED`` and the failure when one ended the run.
+    ``RUN_FAILED`` and the failure when one ended the run; ``finish_reason`` then holds why
+    training ended, when the server says.
 
     Args:
         context: the worker's ZeroMQ context (inproc endpoints live in it).
@@ -56,6 +57,7 @@ class Heartbeat:
         self._publisher.setsockopt(zmq.LINGER, 0)
         self._publisher.bind(abort)
         self._stop = threading.Event()
+        self.finish_reason: str | None = None
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -80,6 +82,8 @@ class Heartbeat:
                     reason = "the server restarted"
                     break
                 ended = ended + 1 if reply.finished else 0
+                if reply.finished:
+                    self.finish_reason = reply.finish_reason or self.finish_reason
                 if ended >= ENDED_BEATS:
                     reason = RUN_FAILED + reply.failure if reply.failure else TRAINING_ENDED
                     break

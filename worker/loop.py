@@ -5,8 +5,10 @@ buffers) is the ``Replica`` of ``worker.replica``."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
+import socket
 import time
 from pathlib import Path
 
@@ -38,6 +40,7 @@ from common.training.slowdown import SlowdownSchedule
 from common.training.speed import SpeedMeter
 from worker.augment import Augmenter
 from worker.config import WorkerConfig
+from worker.ending import describe_end
 from worker.heartbeat import RUN_FAILED, TRAINING_ENDED, Heartbeat
 from worker.local_data import open_local_copy
 from worker.params import StoreClient
@@ -146,15 +149,15 @@ class Worker:
             self.stats.wall_s = time.perf_counter() - begin
             self.context.term()
         log.info(
-            "worker %s stopped by the server (training ended or the server was stopped; its "
-            "summary says which): %d steps, %d samples, data wait %.1f%% of wall time",
+            "worker %s: %s after %d steps, %d samples, data wait %.1f%% of wall time",
             self.config.name,
+            describe_end(self.stats.finish_reason),
             self.stats.steps,
             self.stats.samples,
             100 * self.stats.data_wait_s / max(self.stats.wall_s, 1e-9),
         )
         if failure:
-            raise RunFailed(f"{RUN_FAILED}{failure}")
+            raise RunFailed(f"{RUN_FAILED}{failure} (after {self.stats.steps} steps)")
         return self.stats
 
     def _not_yet_joined(self, exc: PSError, waited_s: float) -> None:
@@ -231,10 +234,12 @@ class Worker:
             reply = self._request_task(calibration=True)
             while reply.action == "train":
                 reply = self._step(reply, prefetcher)
+            self.stats.finish_reason = reply.finish_reason
             return reply.failure
         finally:
             if heartbeat is not None:
                 heartbeat.stop()
+                self.stats.finish_reason = self.stats.finish_reason or heartbeat.finish_reason
             if prefetcher is not None:
                 self.stats.data_wait_s += prefetcher.wait_s
                 prefetcher.close()
@@ -258,17 +263,26 @@ class Worker:
 
     def _join(self) -> JoinReply:
         assert self.conn is not None
-        reply = self.conn.request(
-            JoinRequest(
-                name=self.config.name,
-                device=str(self.device),
-                slowdown=self.config.slowdown,
-                threads=self.config.threads,
-                torch_version=torch.__version__,
-            ),
-            timeout_s=self.config.connect_timeout_s,
-            expect=JoinReply,
+        plain = JoinRequest(
+            name=self.config.name,
+            device=str(self.device),
+            slowdown=self.config.slowdown,
+            threads=self.config.threads,
         )
+        request = dataclasses.replace(
+            plain,
+            torch_version=torch.__version__,
+            host=socket.gethostname(),
+            reply_fields=["finish_reason"],
+        )
+        timeout_s = self.config.connect_timeout_s
+        try:
+            reply = self.conn.request(request, timeout_s=timeout_s, expect=JoinReply)
+        except RemoteError as exc:
+            if exc.code != ErrorCode.BAD_FIELD or "unknown fields" not in str(exc):
+                raise
+            log.info("the server takes no optional join fields (an older version); joining without")
+            reply = self.conn.request(plain, timeout_s=timeout_s, expect=JoinReply)
         check_allowed(reply.model, self.config.allow_model, "the server")
         self.worker_id, self.token = reply.worker_id, reply.token
         self.replica = Replica(

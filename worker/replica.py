@@ -39,6 +39,7 @@ class WorkerStats:
     data_wait_s: float = 0.0
     wall_s: float = 0.0
     rejected: int = 0
+    finish_reason: str | None = None  # why training ended, as the server said (None: unsaid)
 
 
 class Replica:
