@@ -204,13 +204,13 @@ def render_markdown(data: dict[str, Any]) -> str:
 
 
 def setup_section(data: dict[str, Any]) -> list[str]:
-    """The setup block: machine, torch and the workers' devices (the emulated cluster is in
-    the settings above it, from ``cluster_lines``)."""
-    from launch.setup_info import setup_lines, worker_devices
+    """The setup block: machine, torch, the workers' devices and hosts (the emulated cluster
+    is in the settings above it, from ``cluster_lines``)."""
+    from launch.setup_info import setup_lines, worker_devices, worker_hosts
 
     settings = data["settings"]
-    devices = worker_devices([r["run_dir"] for r in data["runs"] if r.get("run_dir")])
-    lines = setup_lines(settings.get("setup"), devices)
+    run_dirs = [r["run_dir"] for r in data["runs"] if r.get("run_dir")]
+    lines = setup_lines(settings.get("setup"), worker_devices(run_dirs), worker_hosts(run_dirs))
     return ["## Setup", "", *lines, ""] if lines else []
 
 

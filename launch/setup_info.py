@@ -1,9 +1,10 @@
-"""What a result was measured on: the machine, torch, the workers' devices, an emulated cluster.
+"""What a result was measured on: the machine, torch, the workers' devices and hosts, an
+emulated cluster.
 
 ``collect_setup()`` is recorded in ``compare.json`` (``settings.setup``) when a comparison
-starts; ``setup_lines`` prints it, the devices each worker joined with (from the runs'
-``join`` events) and, when given, the emulated cluster as a dict of plain data (nodes, CPU
-budgets, links), each key on its own line.
+starts; ``setup_lines`` prints it, the devices each worker joined with and the hosts it joined
+from (the runs' ``join`` events) and, when given, the emulated cluster as a dict of plain data
+(nodes, CPU budgets, links), each key on its own line.
 """
 
 from __future__ import annotations
@@ -53,16 +54,10 @@ def collect_setup() -> dict[str, Any]:
     }
 
 
-def worker_devices(run_dirs: Sequence[str | Path]) -> dict[str, str]:
-    """Each worker's device, from the ``join`` events of the runs' ``metrics.jsonl``.
-
-    Args:
-        run_dirs: run directories (missing files are skipped).
-
-    Returns:
-        worker name -> device, sorted by name (``w2`` before ``w10``).
-    """
-    found: dict[str, str] = {}
+def _joins(run_dirs: Sequence[str | Path]) -> list[dict[str, Any]]:
+    """The ``join`` events of the runs' ``metrics.jsonl`` that name a worker, in file order
+    (missing files and unreadable lines are skipped)."""
+    found = []
     for run_dir in run_dirs:
         path = Path(run_dir) / "metrics.jsonl"
         if not path.is_file():
@@ -75,18 +70,59 @@ def worker_devices(run_dirs: Sequence[str | Path]) -> dict[str, str]:
                     event = json.loads(line)
                 except ValueError:
                     continue
-                if event.get("event") == "join" and event.get("worker"):
-                    found.setdefault(str(event["worker"]), str(event.get("device") or "?"))
-    return {name: found[name] for name in sorted(found, key=natural_key)}
+                if isinstance(event, dict) and event.get("event") == "join" and event.get("worker"):
+                    found.append(event)
+    return found
 
 
-def setup_lines(setup: dict[str, Any] | None, devices: dict[str, str]) -> list[str]:
+def _by_name(pairs: dict[str, str]) -> dict[str, str]:
+    return {name: pairs[name] for name in sorted(pairs, key=natural_key)}
+
+
+def worker_devices(run_dirs: Sequence[str | Path]) -> dict[str, str]:
+    """Each worker's device, from the ``join`` events of the runs' ``metrics.jsonl``.
+
+    Args:
+        run_dirs: run directories (missing files are skipped).
+
+    Returns:
+        worker name -> device, sorted by name (``w2`` before ``w10``).
+    """
+    found: dict[str, str] = {}
+    for event in _joins(run_dirs):
+        found.setdefault(str(event["worker"]), str(event.get("device") or "?"))
+    return _by_name(found)
+
+
+def worker_hosts(run_dirs: Sequence[str | Path]) -> dict[str, str]:
+    """The host each worker joined from, from the same ``join`` events (workers that did not
+    say, such as DDP ranks, are left out).
+
+    Args:
+        run_dirs: run directories (missing files are skipped).
+
+    Returns:
+        worker name -> host name (printable characters only), sorted by name.
+    """
+    found: dict[str, str] = {}
+    for event in _joins(run_dirs):
+        host = event.get("host")
+        if isinstance(host, str) and host:
+            shown = "".join(c for c in host[:64] if c.isprintable() and c not in "`|")
+            found.setdefault(str(event["worker"]), shown)
+    return _by_name(found)
+
+
+def setup_lines(
+    setup: dict[str, Any] | None, devices: dict[str, str], hosts: dict[str, str] | None = None
+) -> list[str]:
     """Markdown bullet lines of the setup block (the emulated cluster has its own lines, from
     ``launch.report.cluster_lines``).
 
     Args:
         setup: ``collect_setup()`` as recorded (None: not recorded).
         devices: worker name -> device.
+        hosts: worker name -> the host it joined from (absent: not known).
 
     Returns:
         The lines (empty when there is nothing to say).
@@ -100,11 +136,17 @@ def setup_lines(setup: dict[str, Any] | None, devices: dict[str, str]) -> list[s
             f"- torch {setup.get('torch')}, Python {setup.get('python')}",
         ]
     if devices:
-        by_device: dict[str, list[str]] = {}
-        for name, device in devices.items():
-            by_device.setdefault(device, []).append(name)
-        lines.append(
-            "- workers' devices: "
-            + "; ".join(f"{device}: {', '.join(names)}" for device, names in by_device.items())
-        )
+        lines.append("- workers' devices: " + _grouped(devices))
+    if hosts:
+        lines.append("- workers' hosts: " + _grouped(hosts, "`"))
     return lines
+
+
+def _grouped(values: dict[str, str], quote: str = "") -> str:
+    """``a: w1, w2; b: w3`` from worker name -> value, values in order of first appearance."""
+    by_value: dict[str, list[str]] = {}
+    for name, value in values.items():
+        by_value.setdefault(value, []).append(name)
+    return "; ".join(
+        f"{quote}{value}{quote}: {', '.join(names)}" for value, names in by_value.items()
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -11,7 +12,7 @@ import pytest
 from common.training.tables import files_written, natural_key, summary_tables
 from launch.cluster.spec import ClusterSpec, parse_cluster
 from launch.figures import _draw_timeline
-from launch.report import render_markdown
+from launch.report import render_markdown, setup_section
 from launch.setup_info import collect_setup, setup_lines, worker_devices
 from tests.cluster import start_server, start_worker
 
@@ -62,9 +63,14 @@ def test_one_repeat_without_baselines_fills_only_what_it_can(tmp_path: Path) -> 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     joins = [
-        {"event": "join", "t": 0.1, "worker": "w10-x2", "device": "cpu", "slowdown": 2},
-        {"event": "join", "t": 0.2, "worker": "w2-x1", "device": "cuda:0", "slowdown": 1},
-    ]
+        {"event": "join", "t": 0.1, "worker": "w10-x2", "device": "cpu", "slowdown": 2,
+         "host": "node-b`\n| x"},
+        {"event": "join", "t": 0.2, "worker": "w2-x1", "device": "cuda:0", "slowdown": 1,
+         "host": "node-a"},
+        {"event": "join", "t": 0.3, "worker": "w3-x1", "device": "cuda:0", "slowdown": 1,
+         "host": "node-a"},
+        {"event": "join", "t": 0.4, "worker": "rank0", "device": "cpu", "slowdown": 1},
+    ]  # fmt: skip
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in joins))
     setup = {"host": "n1", "cpu": "Some CPU", "cpus": 2, "gpus": [], "torch": "2.x",
              "python": "3.12", "os": "Linux"}  # fmt: skip
@@ -83,7 +89,8 @@ def test_one_repeat_without_baselines_fills_only_what_it_can(tmp_path: Path) -> 
     assert "throughput samples/s" in header and "| 300 |" in markdown  # 1200 samples / 4 s
     assert "time to target" not in header and "idle share" not in header  # nothing to fill
     assert "- host: `n1` (Linux); CPU: Some CPU, 2 logical CPUs usable; GPUs: none" in markdown
-    assert "- workers' devices: cuda:0: w2-x1; cpu: w10-x2" in markdown
+    assert "- workers' devices: cpu: rank0, w10-x2; cuda:0: w2-x1, w3-x1" in markdown
+    assert "- workers' hosts: `node-a`: w2-x1, w3-x1; `node-b x`: w10-x2\n" in markdown
     assert markdown.count("emulated cluster:") == 1
     assert "- emulated cluster: " + ClusterSpec.from_description(cluster).summary_line() in markdown
 
@@ -142,5 +149,7 @@ def test_hand_started_server_ends_with_the_tables_and_the_summary_path(
         server.kill()
         worker.kill()
     assert line.strip() == f"summary: {tmp_path / 'summary.json'}"
+    data = {"settings": {}, "runs": [{"run_dir": str(tmp_path)}]}
+    assert f"- workers' hosts: `{socket.gethostname()}`: w0" in setup_section(data)
     assert "mode " in out and "train s" in out and "worker " in out
     assert '"workers": [' not in out  # not the JSON summary
