@@ -251,9 +251,11 @@ def test_bad_input_gets_one_line_errors(
     with zipfile.ZipFile(archive, "w") as z:
         z.writestr("data.txt", "hello")
     ckpt = next((jasper_model["run"] / "checkpoints").iterdir())
-    for bad in (text, archive, ckpt):
+    for bad in (text, archive):
         res = invoke(["predict", "--model", str(bad), "--cube", cube, "--out", out])
         one_line_error(res, str(bad), "not a model file written by 'pserver export'")
+    res = invoke(["predict", "--model", str(ckpt), "--cube", cube, "--out", out])
+    one_line_error(res, str(ckpt), "is a training checkpoint", "'pserver export RUN_DIR")
     ten_bands = tmp_path / "ten.tif"
     profile = {"driver": "GTiff", "height": 8, "width": 8, "count": 10, "dtype": "uint16"}
     with rasterio.open(ten_bands, "w", crs=CRS, transform=TRANSFORM, **profile) as f:

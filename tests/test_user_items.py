@@ -55,6 +55,23 @@ def test_export_of_a_comparison_folder_names_its_runs(tmp_path: Path) -> None:
     assert "runs/async-1, runs/weighted-sync-1" in res.output
 
 
+def test_predicting_from_a_training_checkpoint_says_to_export_it(tmp_path: Path) -> None:
+    import numpy as np
+
+    from pserver.checkpoint import Checkpoint, write
+
+    state = np.zeros(100, dtype=np.float32)
+    ckpt = write(tmp_path / "checkpoints", Checkpoint({"state": state}, {"version": 7}))
+    args = ["predict", "--model", str(ckpt), "--cube", str(tmp_path / "x.npy"), "--out", "m.png"]
+    res = CliRunner().invoke(pserver_main, args)
+    assert res.exit_code == 1, res.output
+    assert res.output.strip().splitlines() == [
+        f"Error: '{ckpt}' is a training checkpoint (or another .npz), not a model file: make one "
+        "with 'pserver export RUN_DIR --out model.pt' (--checkpoint FILE exports this "
+        "checkpoint), then predict with that"
+    ]
+
+
 @pytest.mark.parametrize(
     ("group", "args"),
     [

@@ -177,9 +177,9 @@ def load_model(
         The loaded model.
 
     Raises:
-        ModelError: the file is missing, is not a model written by ``pserver export``, holds
-            something that is never loaded (pickled objects, compiled code), or names a user
-            model that is not allowed.
+        ModelError: the file is missing, is a training checkpoint or not a model written by
+            ``pserver export``, holds something that is never loaded (pickled objects,
+            compiled code), or names a user model that is not allowed.
     """
     path = Path(path)
     device = device or torch.device("cpu")
@@ -189,6 +189,14 @@ def load_model(
         raise ModelError(f"{str(path)!r} is not a model file written by 'pserver export'")
     with zipfile.ZipFile(path) as archive:
         names = archive.namelist()
+    if names and all(name.endswith(".npy") for name in names):
+        raise ModelError(
+            f"{str(path)!r} is a training checkpoint (or another .npz), not a model file: make "
+            "one with 'pserver export RUN_DIR --out model.pt' (--checkpoint FILE exports this "
+            "checkpoint), then predict with that"
+        )
+    if not any("/" in name for name in names):  # torch keeps every entry in a folder
+        raise ModelError(f"{str(path)!r} is not a model file written by 'pserver export'")
     if any(name.endswith("archive_format") for name in names):
         module, meta = _load_program(path, device, allow_model)
     else:
