@@ -229,3 +229,34 @@ def test_a_worker_last_line_tells_an_interrupted_server_from_a_finished_run(
     assert _last_line(done).startswith(
         f"worker c: run finished (all epochs done) after {steps} steps, "
     )
+
+
+async def test_a_worker_trains_with_an_older_server_that_refuses_its_optional_join_fields(
+    small_hsi: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from common.errors import ErrorCode, ProtocolError
+    from common.protocol.messages import JoinRequest
+    from worker.config import WorkerConfig
+    from worker.ending import describe_end
+    from worker.loop import Worker
+
+    parse = JoinRequest.from_parts.__func__
+    refused: list[list[str]] = []
+
+    def older(cls, body, tensors):  # a server that predates the optional fields
+        extra = sorted(set(body) & {"torch_version", "host", "reply_fields"})
+        if extra:
+            refused.append(extra)
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"join_request: unknown fields {extra!r}")
+        return parse(cls, body, tensors)
+
+    monkeypatch.setattr(JoinRequest, "from_parts", classmethod(older))
+    async with live_server(small_hsi, mode="async", workers=1, epochs=1) as ps:
+        config = WorkerConfig(server=ps.address, name="w", connect_timeout_s=20.0)
+        stats = await asyncio.wait_for(asyncio.to_thread(Worker(config).run), 60)
+    assert refused == [["host", "reply_fields", "torch_version"]]
+    assert stats.steps > 0 and ps.run.finish_reason == "epochs"
+    assert stats.finish_reason is None  # it did not ask, so the server did not say
+    assert describe_end(stats.finish_reason) == "stopped by the server (it did not say why)"
