@@ -19,6 +19,7 @@ import torch
 from common.errors import ErrorCode, ProtocolError
 from common.protocol.base import Message
 from common.protocol.messages import (
+    OPTIONAL_REPLY_FIELDS,
     DataReply,
     DataRequest,
     GradientChunk,
@@ -109,7 +110,7 @@ class Handlers:
         worker = ps.roster.add(
             msg.name, msg.device, msg.slowdown, msg.threads, ps.log.now(), request.user_id
         )
-        worker.reply_fields = frozenset(msg.reply_fields or ())
+        worker.reply_fields = OPTIONAL_REPLY_FIELDS.intersection(msg.reply_fields or ())
         ps.log.event(
             "join",
             worker=worker.name,

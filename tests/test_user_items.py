@@ -166,12 +166,14 @@ async def test_stop_and_heartbeat_replies_say_why_training_ended(
     ):  # fmt: skip
         new = await reader.request(
             JoinRequest(name="new", device="cpu", slowdown=1.0, threads=1, host="node-7",
-                        reply_fields=["finish_reason"])
+                        reply_fields=["finish_reason", "a-field-from-the-future"])
         )  # fmt: skip
         old = await older.request(  # a worker that predates the field
             JoinRequest(name="old", device="cpu", slowdown=1.0, threads=1)
         )
         ids = [{"worker_id": j.worker_id, "token": j.token} for j in (new, old)]
+        kept = {w.name: w.reply_fields for w in ps.roster.workers.values()}
+        assert kept == {"new": {"finish_reason"}, "old": set()}  # only fields it knows
         beat = await reader.request(HeartbeatRequest(**ids[0]))
         assert not beat.finished and beat.finish_reason is None
         ps.request_stop()  # what Ctrl-C and SIGTERM do

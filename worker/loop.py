@@ -25,6 +25,7 @@ from common.errors import (
 )
 from common.protocol.client import Connection
 from common.protocol.messages import (
+    OPTIONAL_REPLY_FIELDS,
     JoinReply,
     JoinRequest,
     LeaveReply,
@@ -273,7 +274,7 @@ class Worker:
             plain,
             torch_version=torch.__version__,
             host=socket.gethostname(),
-            reply_fields=["finish_reason"],
+            reply_fields=sorted(OPTIONAL_REPLY_FIELDS),
         )
         timeout_s = self.config.connect_timeout_s
         try:

@@ -25,6 +25,7 @@ __all__ = [
     "FINISH_REASONS",
     "MAX_INDICES",
     "MAX_STRING",
+    "OPTIONAL_REPLY_FIELDS",
     "REPLIES",
     "STORE_REQUESTS",
     "WORKER_REQUESTS",
@@ -54,6 +55,8 @@ __all__ = [
 # its end (all epochs, --max-steps, --target-oa), a signal stopped the server (Ctrl-C,
 # SIGTERM), or a failure ended it (``failure`` says which). Receivers accept other values too.
 FINISH_REASONS = ("epochs", "max_steps", "target_oa", "stopped", "failed")
+# Optional reply fields a worker may ask for at join (``reply_fields``); others are ignored.
+OPTIONAL_REPLY_FIELDS = frozenset({"finish_reason"})
 
 # --- worker -> coordinator ---------------------------------------------------------------------
 
