@@ -156,9 +156,15 @@ async def test_stop_and_heartbeat_replies_say_why_training_ended(
 ) -> None:
     import msgpack
 
-    from common.protocol.messages import HeartbeatRequest, JoinRequest, TaskRequest
-    from pserver.runstate import RunState
+    from common.protocol.messages import (
+        FINISH_REASONS,
+        HeartbeatRequest,
+        JoinRequest,
+        TaskRequest,
+    )
+    from pserver.runstate import COMPLETED, RunState
     from tests.live import clients
+    from worker.ending import ENDINGS
 
     async with (
         live_server(small_hsi, mode="async", workers=2, epochs=50, run_dir=tmp_path / "run") as ps,
@@ -190,6 +196,8 @@ async def test_stop_and_heartbeat_replies_say_why_training_ended(
     assert RunState(finish_reason="failed: shard 1 lost").reply_reason == "failed"
     assert RunState(finish_reason="epochs").reply_reason == "epochs"
     assert RunState().reply_reason is None
+    # every reason the server can send has its words on the worker
+    assert set(FINISH_REASONS) == {*COMPLETED, "stopped", "failed"} == set(ENDINGS)
 
 
 def _last_line(proc) -> str:
