@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,7 @@ def test_compare_two_modes_writes_the_report(tmp_path: Path) -> None:
     assert speedups[0] == list(SPEEDUP_COLUMNS)
     assert speedups[2][:2] == ["ddp", "1.00x"]  # ddp against itself
     assert "## Setup" in markdown and "workers' devices: cpu: " in markdown
+    assert f"workers' hosts: `{socket.gethostname()}`: " in markdown  # where each joined from
     assert "max steps" not in markdown  # only the limits that were given
     assert f"report: {out / 'report.md'}" in result.output  # where the files are, at the end
     png = (out / "report.png").read_bytes()
