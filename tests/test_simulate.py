@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -257,3 +258,23 @@ def test_validation_compares_each_prediction_with_the_run_next_to_it(tmp_path: P
     assert equal["within_15pct"] is True
     assert rows[3]["predicted_epoch_s"] == [pytest.approx(0.6)]  # 10 steps of 0.06 s
     assert "| equal-sync | ps (another mode) | 0.640 / 0.700 | -8.6 % |" in markdown(rows)
+
+
+def test_weighted_sync_gains_from_more_workers_when_each_brings_its_shard() -> None:
+    # With a shard on every host the bytes per host stay 2(N-1)/N of the model, so each
+    # worker's transfer time does not grow with N and a larger cluster (the same groups in the
+    # same ratio) can only shorten the epoch. With a fixed K it need not: every member adds a
+    # piece to each shard's link, which the planner's per-worker transfer times only show after
+    # the fact (see docs/scale.md).
+    spec = {**SPEC, "model_mb": 100, "global_batch": 4096, "samples": 4096 * 20}
+    spec["groups"] = [
+        {"name": "A100", "count": 1, "per_sample_ms": 0.4, "fixed_ms": 5, "jitter": 0.02},
+        {"name": "T4", "count": 2, "per_sample_ms": 2.4, "fixed_ms": 5, "jitter": 0.02},
+    ]
+    base = cluster_from_spec(spec)
+    epochs = []
+    for n in (6, 12, 24, 48):
+        cluster = dataclasses.replace(base.with_workers(n), shards=n, colocated=True)
+        epochs.append(simulate(cluster, "weighted-sync", max_rounds=20).epoch_s)
+    assert all(b <= a * 1.001 for a, b in itertools.pairwise(epochs)), epochs
+    assert epochs[-1] < 0.5 * epochs[0]

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from common.training.perfmodel import Fit, RoundSpread
+from common.training.perfmodel import WINDOW, Fit, RoundSpread, robust_location
 from common.training.planner import plan_batches, plan_by_model, plan_equal
 from common.training.probes import ProbeSchedule
 from launch.simulate.costs import (
@@ -170,17 +170,32 @@ def _epoch_s(times: list[float], per_epoch: int, epochs: int) -> tuple[float, bo
 
 
 class _Planner:
-    """Weighted-sync's or equal-sync's plan for each round, as the server's policies make it."""
+    """Weighted-sync's or equal-sync's plan for each round, as the server's policies make it.
+
+    As the server's ``PerfModel``, a node's transfer time is the robust centre
+    (``robust_location``) of its last ``WINDOW`` steady rounds (rounds it was in after being in
+    the one before: a re-probe's round does not describe it), and the spread of round times
+    is measured over steady members only.
+    """
 
     def __init__(self, cluster: Cluster, mode: str, plan_spread: bool) -> None:
         self.mode = mode
         self.nodes = cluster.nodes
-        self.transfer = {
+        self.measured = {
             i: n.transfer_s for i, n in enumerate(cluster.nodes) if n.transfer_s is not None
         }
+        self.windows: dict[int, collections.deque[float]] = {}
+        self.transfer: dict[int, float] = dict(self.measured)
+        self.last_members: set[int] = set()
         self.probes = ProbeSchedule()
         self.spread = RoundSpread()
         self.plan_spread = plan_spread
+
+    def seed(self, node: int, transfer_s: float) -> None:
+        """A node's first transfer time (from an equal round before the first plan)."""
+        if node not in self.measured:
+            self.windows[node] = collections.deque([transfer_s], maxlen=WINDOW)
+            self.transfer[node] = transfer_s
 
     def fits(self) -> dict[int, Fit]:
         return {
@@ -203,15 +218,21 @@ class _Planner:
     def closed(
         self, members: np.ndarray, batch: np.ndarray, compute: np.ndarray, actual: np.ndarray
     ) -> None:
-        """Feed a closed round back: transfer times of link-model nodes, and the spread."""
+        """Feed a closed round back: steady members' transfer times and spread."""
         if self.mode != "weighted-sync":
             return
         fits = self.fits()
-        predicted = [fits[int(i)].predict(int(b)) for i, b in zip(members, batch, strict=True)]
-        self.spread.add_round(actual.tolist(), predicted)
-        for i, c, a in zip(members.tolist(), compute.tolist(), actual.tolist(), strict=True):
-            if self.nodes[i].transfer_s is None:
-                self.transfer[i] = max(a - c, 0.0)
+        steady = [j for j, i in enumerate(members.tolist()) if i in self.last_members]
+        self.last_members = set(members.tolist())
+        predicted = [fits[int(members[j])].predict(int(batch[j])) for j in steady]
+        self.spread.add_round([float(actual[j]) for j in steady], predicted)
+        for j in steady:
+            i = int(members[j])
+            if i in self.measured:
+                continue
+            window = self.windows.setdefault(i, collections.deque(maxlen=WINDOW))
+            window.append(max(float(actual[j] - compute[j]), 0.0))
+            self.transfer[i] = robust_location(list(window))
 
 
 def _sync(
@@ -240,7 +261,7 @@ def _sync(
         for i, a, c in zip(
             members.tolist(), dry.accepted_s.tolist(), compute.tolist(), strict=True
         ):
-            planner.transfer.setdefault(i, max(a - c, 0.0))
+            planner.seed(i, max(a - c, 0.0))
     times: list[float] = []
     idle = busy = comm = members_sum = worker_bytes = server_bytes = 0.0
     for total in sizes:
