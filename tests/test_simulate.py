@@ -7,6 +7,7 @@ import itertools
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from click.testing import CliRunner
@@ -17,6 +18,7 @@ from launch.simulate.costs import ring_allreduce_s
 from launch.simulate.engine import simulate
 from launch.simulate.fromrun import cluster_from_runs
 from launch.simulate.spec import GBIT, Cluster, Node, ServerCosts, cluster_from_spec
+from launch.simulate.stagecosts import measure_stage_costs
 from launch.simulate.validate import Setup, markdown, predict
 
 MODEL = 25_000_000  # parameters: 100 MB in fp32
@@ -218,6 +220,80 @@ def test_async_pushes_cost_what_a_push_costs_not_a_sync_rounds_wait(tmp_path: Pa
     assert result.epoch_s == pytest.approx(10 * (0.066 + 0.004), rel=0.01)
 
 
+def _write_async_run(path: Path, compute_s: list[float], outside_s: float, pushes: int) -> Path:
+    """An async run of workers w0, w1, ... pushing 32 samples each: worker i takes
+    ``compute_s[i]`` + ``outside_s`` between two of its updates (its fitted model in
+    summary.json: alpha 0, beta compute/32)."""
+    events = []
+    for i, c in enumerate(compute_s):
+        events += [
+            {"worker": f"w{i}", "batch": 32, "t": 1.0 + k * (c + outside_s) + 0.001 * i}
+            for k in range(pushes)
+        ]
+    events.sort(key=lambda e: e["t"])
+    path.mkdir()
+    start = {"event": "start", "t": 0.0, "mode": "async", "state_size": 1000, "train": 640}
+    start.update({"shards": 1, "wire_dtype": "fp32"})
+    lines = [start, *({"event": "push", "speed": 1.0, "epoch": 1, **e} for e in events)]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    workers = [
+        {"name": f"w{i}", "model": {"alpha_s": 0.0, "beta_s_per_sample": c / 32, "transfer_s": 0}}
+        for i, c in enumerate(compute_s)
+    ]
+    summary = {"workers": workers, "global_batch": 64}
+    (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+def test_async_run_calibrates_pushes_and_the_servers_time_per_push(tmp_path: Path) -> None:
+    # two workers, 0.02 and 0.05 s of compute, 0.01 s between updates outside compute; their
+    # updates interleave, so the gaps between consecutive updates are 0.001 s (w1 right after
+    # w0) and longer: the 10th percentile of the gaps is the server's time per push
+    run = _write_async_run(tmp_path / "async", [0.02, 0.05], 0.01, 60)
+    cluster = cluster_from_runs([run])
+    times = sorted(json.loads(x)["t"] for x in (run / "metrics.jsonl").read_text().splitlines()[1:])
+    service = float(np.quantile(np.diff(times), 0.1))
+    assert cluster.server.step_s == pytest.approx(service)
+    w0, w1 = cluster.nodes
+    assert w0.push_s == pytest.approx(0.01 - service) and w1.push_s == pytest.approx(0.01 - service)
+    assert cluster.global_batch == 64 and cluster.samples == 640
+    # w0 alone: each push costs compute + push + the server's time: 20 pushes of 32 samples
+    alone = dataclasses.replace(cluster, nodes=(w0,), global_batch=32)
+    result = simulate(alone, "async", epochs=1)
+    assert result.epoch_s == pytest.approx(20 * (0.02 + 0.01), rel=0.01)
+
+
+def test_cpu_stages_on_shared_cores_add_to_the_round_in_closed_form() -> None:
+    n, mb = 4, 1e6
+    nodes = [Node(f"gpu#{i}", 0.0, 1e-12, link_bytes_s=GBIT, latency_s=0.0) for i in range(n)]
+    costs = ServerCosts(
+        step_s=0.001, step_s_per_byte=2e-3 / mb, sum_s_per_byte=1e-3 / mb,
+        encode_s_per_byte=0.5e-3 / mb, decode_s_per_byte=0.1e-3 / mb,
+        worker_decode_s_per_byte=0.5e-3 / mb, worker_encode_s_per_byte=0.25e-3 / mb,
+    )  # fmt: skip
+    plain = _cluster(nodes, shards=n, colocated=True)
+    ring = simulate(plain, "equal-sync").round_s
+    for cores, stretch in ((None, 1.0), (2.0, 2.0), (8.0, 1.0)):
+        cluster = dataclasses.replace(plain, server=costs, shared_cores=cores)
+        slice_mb = MODEL * 4 / n / mb
+        update = 0.001 + (2e-3 + 1e-3 * (n - 1) + 0.5e-3) * slice_mb  # every shard at once
+        worker = 0.5e-3 * MODEL * 4 / mb + 0.25e-3 * MODEL * 4 / mb  # every member at once
+        # staging a piece (0.1 ms/MB) hides behind its transfer at 1 Gbit/s (8 ms/MB)
+        expected = ring + stretch * (update + worker)
+        assert simulate(cluster, "equal-sync").round_s == pytest.approx(expected, rel=0.01)
+
+
+def test_stage_costs_are_measured_with_the_servers_code() -> None:
+    fp32 = measure_stage_costs(300_000, 2, 3, "fp32", repeats=3)
+    bf16 = measure_stage_costs(300_000, 2, 3, "bf16", repeats=3)
+    for costs in (fp32, bf16):
+        assert costs.step_s_per_byte > 0 and costs.decode_s_per_byte > 0
+        assert costs.worker_decode_s_per_byte > 0
+    # fp32 pieces are views of the state; bf16 pieces are casts of it
+    assert bf16.worker_encode_s_per_byte > 10 * fp32.worker_encode_s_per_byte
+    assert bf16.encode_s_per_byte > 10 * fp32.encode_s_per_byte
+
+
 def test_validation_compares_each_prediction_with_the_run_next_to_it(tmp_path: Path) -> None:
     rounds = [
         {"round": i + 1, "round_s": 0.1, "step_s": 0.004,
@@ -234,6 +310,7 @@ def test_validation_compares_each_prediction_with_the_run_next_to_it(tmp_path: P
     ]  # fmt: skip
     calibration = {
         "ps": _write_run(tmp_path / "cal-ps", "weighted-sync", rounds, {}),
+        "async": _write_async_run(tmp_path / "cal-async", [0.1, 0.1], 0.01, 40),
         "ddp": _write_run(tmp_path / "cal-ddp", "ddp", ddp_rounds, {}),
         "ddp_equal": _write_run(tmp_path / "cal-ddp1", "ddp", ddp_rounds, {}),
     }
@@ -251,12 +328,14 @@ def test_validation_compares_each_prediction_with_the_run_next_to_it(tmp_path: P
     }  # fmt: skip
     setup = Setup(tmp_path, tmp_path / "x.h5", "hsi-cnn", "1,2", "1,1", 1, 64, 1)
     rows = predict(setup, measured)
-    assert [r["mode"] for r in rows] == ["weighted-sync", "equal-sync", "async", "ddp", "ddp"]
+    modes = [r["mode"] for r in rows]
+    assert modes == ["weighted-sync", "equal-sync", "async", "async", "ddp", "ddp"]
     equal = rows[1]  # 640 samples = 10 rounds of 0.05 + 0.01 + 0.004 s
     assert equal["predicted_epoch_s"] == [pytest.approx(0.64)]
     assert equal["error"] == pytest.approx(0.64 / 0.7 - 1, abs=1e-4)
     assert equal["within_15pct"] is True
-    assert rows[3]["predicted_epoch_s"] == [pytest.approx(0.6)]  # 10 steps of 0.06 s
+    assert rows[2]["calibrated_on"] == ["async"]
+    assert rows[4]["predicted_epoch_s"] == [pytest.approx(0.6)]  # 10 steps of 0.06 s
     assert "| equal-sync | ps (another mode) | 0.640 / 0.700 | -8.6 % |" in markdown(rows)
 
 

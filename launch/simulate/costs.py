@@ -119,11 +119,16 @@ class ShardedRound:
         )
         self.lat = lat
         self.send_s = self.member_bytes / rate + lat  # a member's pieces leave in parallel
-        decode = cluster.server.decode_s_per_byte * self.piece
+        server = cluster.server
+        slice_bytes = cluster.model_params * FP32_BYTES / k
+        shards_busy, members_busy = cpu_stretch(cluster, k), cpu_stretch(cluster, m)
+        decode = server.decode_s_per_byte * self.piece * shards_busy
         self.cost = np.maximum(np.where(self.remote, self.piece / shard_rate[:, None], 0.0), decode)
-        self.step_s = cluster.server.step_s + cluster.server.step_s_per_byte * (
-            cluster.model_params * FP32_BYTES / k
-        )
+        # after the last piece: sum, step, and the reply pieces of the new version, on every
+        # shard at once; a member takes the pulled parameters in before it computes and turns
+        # its gradient into pieces after
+        self.step_s = shards_busy * (update_s(cluster, m) + server.encode_s_per_byte * slice_bytes)
+        self.worker_cpu_s = members_busy * worker_cpu_s(cluster)
         shard_bytes = 2 * self.remote.sum(axis=1) * self.piece
         self.shard_bytes = shard_bytes
         worker_bytes = 2 * self.member_bytes
@@ -145,7 +150,7 @@ class ShardedRound:
             The round's times.
         """
         measured = ~np.isnan(transfer_s)
-        ready = self.pull_s + compute_s  # (m,)
+        ready = self.pull_s + self.worker_cpu_s + compute_s  # (m,)
         arrive = ready + self.lat  # pieces stream in from here, at the slower end's rate
         order = np.argsort(arrive, kind="stable")
         cost = self.cost[:, order]  # (k, m) in arrival order
@@ -169,21 +174,52 @@ class ShardedRound:
         )
 
 
-def push_cost_s(cluster: Cluster) -> float:
-    """Server time to take in and apply one async push (the K shards work in parallel)."""
+def cpu_stretch(cluster: Cluster, busy: int) -> float:
+    """How much longer a CPU stage takes when ``busy`` hosts run it at the same time: 1 when
+    every host has its own processor, else max(1, busy / shared_cores)."""
+    if cluster.shared_cores is None:
+        return 1.0
+    return max(1.0, busy / cluster.shared_cores)
+
+
+def worker_cpu_s(cluster: Cluster) -> float:
+    """A worker's CPU time per step for the wire: pulled parameters in, its gradient out."""
+    server = cluster.server
+    return (
+        server.worker_decode_s_per_byte * cluster.wire_bytes
+        + server.worker_encode_s_per_byte * cluster.model_params * FP32_BYTES
+    )
+
+
+def update_s(cluster: Cluster, gradients: int) -> float:
+    """A shard's update from ``gradients`` pushed gradients: sum them, then step its slice."""
+    server = cluster.server
+    slice_bytes = cluster.model_params * FP32_BYTES / cluster.shards
+    return (
+        server.step_s
+        + server.step_s_per_byte * slice_bytes
+        + server.sum_s_per_byte * slice_bytes * max(gradients - 1, 0)
+    )
+
+
+def push_cost_s(cluster: Cluster, node: Node) -> float:
+    """Server time to take in and apply one async push of ``node`` (the K shards work in
+    parallel). A node fitted from a run brings its measured push time, which holds the
+    take-in already: then only the step is charged."""
+    server = cluster.server
+    slice_bytes = cluster.model_params * FP32_BYTES / cluster.shards
+    step = cpu_stretch(cluster, cluster.shards) * (
+        update_s(cluster, 1) + server.encode_s_per_byte * slice_bytes
+    )
+    if node.push_s is not None:
+        return step
     piece = cluster.wire_bytes / cluster.shards
     rate = (
         min(n.link_bytes_s for n in cluster.nodes[: cluster.shards])
         if cluster.colocated
         else cluster.server_link_bytes_s
     )
-    server = cluster.server
-    take_in = max(piece / rate, server.decode_s_per_byte * piece)
-    return (
-        take_in
-        + server.step_s
-        + server.step_s_per_byte * cluster.model_params * FP32_BYTES / (cluster.shards)
-    )
+    return max(piece / rate, server.decode_s_per_byte * piece) + step
 
 
 def one_way_s(cluster: Cluster, node: Node) -> float:

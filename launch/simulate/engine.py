@@ -25,10 +25,12 @@ from common.training.planner import plan_batches, plan_by_model, plan_equal
 from common.training.probes import ProbeSchedule
 from launch.simulate.costs import (
     ShardedRound,
+    cpu_stretch,
     ddp_step_s,
     one_way_s,
     push_cost_s,
     ring_allreduce_s,
+    worker_cpu_s,
 )
 from launch.simulate.spec import FP32_BYTES, Cluster
 from pserver.staleness import staleness_function, too_stale
@@ -347,7 +349,10 @@ def _async(cluster: Cluster, epochs: int, max_rounds: int | None, seed: int) -> 
     plan = plan_batches(speeds, cluster.global_batch)
     batch = np.array([plan.get(i, 1) for i in range(n)])  # as the server: at least one each
     one_way = np.array([one_way_s(cluster, node) for node in nodes])
-    cost = push_cost_s(cluster)
+    # a node fitted from a run has its CPU time for the wire in its measured push time
+    wire_cpu = cpu_stretch(cluster, n) * worker_cpu_s(cluster)
+    one_way += np.array([0.0 if node.push_s is not None else wire_cpu / 2 for node in nodes])
+    cost = [push_cost_s(cluster, node) for node in nodes]
     f = staleness_function(cluster.staleness)
     target = cluster.samples * epochs
     pushes_cap = None if max_rounds is None else max_rounds * n
@@ -364,7 +369,7 @@ def _async(cluster: Cluster, epochs: int, max_rounds: int | None, seed: int) -> 
     while heap and applied < target and (pushes_cap is None or version + rejected < pushes_cap):
         arrive, i = heapq.heappop(heap)
         start = max(server_free, arrive)
-        server_free = end = start + cost
+        server_free = end = start + cost[i]
         tau = version - int(based_on[i])
         if too_stale(tau, cluster.max_staleness):
             rejected += 1

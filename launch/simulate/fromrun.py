@@ -4,6 +4,7 @@ spread of round times from a parameter-server run, the all-reduce time from a DD
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import statistics
@@ -22,6 +23,10 @@ from launch.simulate.spec import Cluster, Node, ServerCosts
 # rounds in which a worker was served first, a low quantile of that time, show what its pull
 # and push cost on their own.
 PUSH_QUANTILE = 0.1
+# An async server applies one push at a time, so two updates are never closer than its time
+# per push; in a busy stretch they follow each other at that time. This quantile of the gaps
+# between consecutive updates is taken as the server's time per push.
+SERVICE_QUANTILE = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +37,7 @@ class RunFiles:
     start: dict[str, Any]
     rounds: list[dict[str, Any]]
     summary: dict[str, Any]
+    pushes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def mode(self) -> str:
@@ -57,10 +63,13 @@ def read_run(path: Path) -> RunFiles:
         raise ConfigError(f"{path}/metrics.jsonl has no start event")
     records = records[starts[-1] :]
     rounds = [r for r in records if r.get("event") == "round"]
-    return RunFiles(path, records[0], rounds, summary)
+    pushes = [r for r in records if r.get("event") == "push"]
+    return RunFiles(path, records[0], rounds, summary, pushes)
 
 
 def _global_batch(run: RunFiles) -> int:
+    if run.summary.get("global_batch"):
+        return int(run.summary["global_batch"])
     totals = [sum(int(w.get("batch", 0)) for w in r.get("workers", [])) for r in run.rounds]
     return max(totals, default=0)
 
@@ -128,6 +137,47 @@ def ps_nodes(run: RunFiles) -> tuple[list[Node], float]:
     return sorted(nodes, key=lambda n: n.name), sigma
 
 
+def async_nodes(run: RunFiles) -> tuple[list[Node], float]:
+    """Nodes calibrated on an async run's ``push`` events, and the server's time per push.
+
+    Each worker's compute is its fitted model in ``summary.json``; the time between two of its
+    consecutive updates is compute, its pull and push, and the server's time for the push
+    (waiting behind others' included): its mean minus the fitted compute and the server's time
+    per push is the node's ``push_s`` (means: an epoch is a sum of pushes). The server's time
+    per push is the ``SERVICE_QUANTILE`` of the gaps between consecutive updates.
+
+    Raises:
+        ConfigError: fewer than two pushes, or no worker with a fitted model and two pushes.
+    """
+    times = [float(p["t"]) for p in run.pushes]
+    if len(times) < 2:
+        raise ConfigError(f"{run.path}: fewer than two async pushes to measure")
+    service = max(float(np.quantile(np.diff(times), SERVICE_QUANTILE)), 0.0)
+    fits = {
+        str(w["name"]): w["model"]
+        for w in run.summary.get("workers", [])
+        if isinstance(w.get("model"), dict)
+    }
+    by_worker: dict[str, list[dict[str, Any]]] = {}
+    for push in run.pushes:
+        by_worker.setdefault(str(push["worker"]), []).append(push)
+    nodes = []
+    for name, pushes in sorted(by_worker.items()):
+        model = fits.get(name)
+        if model is None or len(pushes) < 2:
+            continue
+        alpha, beta = float(model["alpha_s"]), float(model["beta_s_per_sample"])
+        outside = statistics.fmean(
+            float(b["t"]) - float(a["t"]) - (alpha + beta * int(b["batch"]))
+            for a, b in itertools.pairwise(pushes)
+        )
+        push_s = max(outside - service, 0.0)
+        nodes.append(Node(name, alpha, beta, transfer_s=push_s, push_s=push_s))
+    if not nodes:
+        raise ConfigError(f"{run.path}: no worker has a fitted model and two pushes")
+    return nodes, service
+
+
 def ddp_nodes(run: RunFiles) -> tuple[list[Node], float]:
     """Nodes calibrated on a DDP run's per-rank compute times (slowdown included), and its
     mean all-reduce time per step (the step time minus the slowest rank's compute).
@@ -177,7 +227,9 @@ def cluster_from_runs(paths: Sequence[Path]) -> Cluster:
     if base is None:
         raise ConfigError("--from needs at least one run directory")
     allreduce = None
-    if ps is not None:
+    if ps is not None and ps.pushes and not ps.rounds:
+        nodes, step = async_nodes(ps)
+    elif ps is not None:
         nodes, _ = ps_nodes(ps)
         steps = [float(r["step_s"]) for r in ps.rounds if "step_s" in r]
         step = statistics.fmean(steps) if steps else 0.0

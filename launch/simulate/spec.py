@@ -12,6 +12,8 @@ of speeds, and the links, model, batch and server costs they share::
     colocated: true               # shards on worker hosts (false: on dedicated server hosts)
     link: {gbit: 10, latency_ms: 0.05}
     server: {gbit: 10, step_ms: 1.0, step_ms_per_mb: 0.3, decode_ms_per_mb: 0.2}
+    # further CPU rates (ms per MB, see ServerCosts): sum_, encode_, worker_decode_,
+    # worker_encode_ms_per_mb; shared_cores: N when every host shares one machine's N cores
     groups:
       - {name: A100, count: 8, per_sample_ms: 0.9, fixed_ms: 4}
       - {name: T4, count: 24, per_sample_ms: 6.0, fixed_ms: 8, lognormal_sigma: 0.1}
@@ -37,6 +39,8 @@ WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32_BYTES = 4
 MB = 1_000_000
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
+# ServerCosts rates a spec's ``server:`` gives as NAME_ms_per_mb
+COST_RATES = ("step", "decode", "sum", "encode", "worker_decode", "worker_encode")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,17 +79,32 @@ class Node:
 
 @dataclasses.dataclass(frozen=True)
 class ServerCosts:
-    """Server-side costs of a parameter shard.
+    """CPU costs of the parameter-server protocol, on a shard and on a worker (the rates hold
+    for the cluster's wire dtype: a bf16 wire costs casts that fp32 does not).
 
     Attributes:
-        step_s: fixed cost of one optimizer step (seconds).
-        step_s_per_byte: optimizer cost per byte of fp32 state the shard holds.
-        decode_s_per_byte: cost of decoding and summing one push per wire byte.
+        step_s: fixed cost of one update (seconds).
+        step_s_per_byte: an update with one gradient (optimizer step and checks) per byte of
+            fp32 state the shard holds.
+        decode_s_per_byte: taking in one pushed piece (staging and its checks) per wire byte;
+            it runs as the piece arrives.
+        sum_s_per_byte: summing each further gradient of a round, per byte of fp32 state the
+            shard holds.
+        encode_s_per_byte: turning a new version into the wire pieces it replies with, per
+            byte of fp32 state the shard holds.
+        worker_decode_s_per_byte: a worker taking pulled parameters into its model, per wire
+            byte of the model.
+        worker_encode_s_per_byte: a worker turning its gradient into wire pieces, per byte of
+            the fp32 model.
     """
 
     step_s: float = 0.0
     step_s_per_byte: float = 0.0
     decode_s_per_byte: float = 0.0
+    sum_s_per_byte: float = 0.0
+    encode_s_per_byte: float = 0.0
+    worker_decode_s_per_byte: float = 0.0
+    worker_encode_s_per_byte: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +129,9 @@ class Cluster:
         ddp_allreduce_s: measured all-reduce time per DDP step; replaces the ring model.
         backward_share: share of a step's compute spent in the backward pass (DDP overlaps
             its all-reduce with it).
+        shared_cores: every host's processes run on one machine with this many cores (an
+            emulated cluster): a CPU stage that P hosts run at the same time takes
+            max(1, P / shared_cores) times as long. None: every host has its own processor.
     """
 
     nodes: tuple[Node, ...]
@@ -127,6 +149,7 @@ class Cluster:
     ddp_bucket_mb: float = 25.0
     ddp_allreduce_s: float | None = None
     backward_share: float = 2.0 / 3.0
+    shared_cores: float | None = None
 
     def __post_init__(self) -> None:
         _check(len(self.nodes) >= 1, "a cluster needs at least one node")
@@ -141,6 +164,10 @@ class Cluster:
         )
         _check(self.ddp_bucket_mb > 0, f"ddp_bucket_mb must be > 0, got {self.ddp_bucket_mb}")
         _check(0 <= self.backward_share <= 1, "backward_share must be in [0, 1]")
+        _check(
+            self.shared_cores is None or self.shared_cores > 0,
+            f"shared_cores must be > 0, got {self.shared_cores}",
+        )
         for node in self.nodes:
             _check(
                 node.alpha_s >= 0 and node.beta_s > 0 and node.link_bytes_s > 0,
@@ -220,7 +247,7 @@ def cluster_from_spec(spec: Mapping[str, Any], seed: int = 0) -> Cluster:
     known = {
         "model_params", "model_mb", "global_batch", "samples", "wire_dtype", "shards",
         "colocated", "link", "server", "groups", "staleness", "max_staleness",
-        "ddp_bucket_mb", "backward_share",
+        "ddp_bucket_mb", "backward_share", "shared_cores",
     }  # fmt: skip
     unknown = set(spec) - known
     _check(not unknown, f"unknown cluster spec keys {sorted(unknown)}; known: {sorted(known)}")
@@ -248,13 +275,16 @@ def cluster_from_spec(spec: Mapping[str, Any], seed: int = 0) -> Cluster:
         server_latency_s=_number(server, "latency_ms", _number(link, "latency_ms", 0.05)) / 1e3,
         server=ServerCosts(
             step_s=_number(server, "step_ms", 0.0) / 1e3,
-            step_s_per_byte=_number(server, "step_ms_per_mb", 0.0) / 1e3 / MB,
-            decode_s_per_byte=_number(server, "decode_ms_per_mb", 0.0) / 1e3 / MB,
+            **{
+                f"{name}_s_per_byte": _number(server, f"{name}_ms_per_mb", 0.0) / 1e3 / MB
+                for name in COST_RATES
+            },
         ),
         staleness=str(spec.get("staleness", "inverse")),
         max_staleness=None if max_staleness is None else int(max_staleness),
         ddp_bucket_mb=_number(spec, "ddp_bucket_mb", 25.0),
         backward_share=_number(spec, "backward_share", 2.0 / 3.0),
+        shared_cores=None if spec.get("shared_cores") is None else _number(spec, "shared_cores"),
     )
 
 

@@ -30,9 +30,36 @@ from typing import Any
 from common.data.convert.hsi import prepare_hsi
 from launch.simulate.engine import simulate
 from launch.simulate.fromrun import cluster_from_runs
+from launch.simulate.spec import cluster_from_spec, read_spec_file
+from launch.simulate.stagecosts import measure_stage_costs
 
 log = logging.getLogger(__name__)
 JASPER_DIR = Path(__file__).resolve().parents[3] / "shared/datasets/jasper_ridge"
+MULTIHOST_SPEC = Path(__file__).resolve().parents[2] / "docs/clusters/multihost3.yaml"
+# The multi-host bench's figures that docs/benchmarks.md keeps (2026-11-22, `sudo
+# .venv/bin/python bench/multihost.py --rate 1gbit --workers 3`, 3 repeats x 12 steps, every
+# process on this machine's 2 cores): communication = round time after the slowest worker's
+# compute; one step's compute measured alone, 0.269 s.
+MULTIHOST_MEASURED = {
+    "source": "docs/benchmarks.md: 2026-11-22, sudo .venv/bin/python bench/multihost.py "
+    "--rate 1gbit --workers 3",
+    "compute_s": 0.269,
+    "communication_s": {
+        "ddp": 0.521,
+        "ps-k1": 2.287,
+        "ps-k1-bf16": 1.146,
+        "ps-kN": 0.693,
+        "ps-kN-bf16": 0.509,
+    },
+}
+# layout -> (mode, shards, co-located, wire dtype)
+MULTIHOST_LAYOUTS = {
+    "ddp": ("ddp", 1, False, "fp32"),
+    "ps-k1": ("equal-sync", 1, False, "fp32"),
+    "ps-k1-bf16": ("equal-sync", 1, False, "bf16"),
+    "ps-kN": ("equal-sync", 3, True, "fp32"),
+    "ps-kN-bf16": ("equal-sync", 3, True, "bf16"),
+}
 RUN_TIMEOUT_S = 600.0
 TOLERANCE = 0.15
 MODES = ("weighted-sync", "equal-sync", "async", "ddp")
@@ -70,7 +97,7 @@ def _pslaunch(setup: Setup, mode: str, slowdowns: str, run_dir: Path) -> dict[st
     return json.loads((run_dir / "summary.json").read_text())
 
 
-CALIBRATION = ("ps", "ddp", "ddp_equal")
+CALIBRATION = ("ps", "async", "ddp", "ddp_equal")
 
 
 def measure(setup: Setup) -> dict[str, Any]:
@@ -86,6 +113,7 @@ def measure(setup: Setup) -> dict[str, Any]:
     for repeat in range(setup.repeats):
         calibration = {
             "ps": ("weighted-sync", setup.slowdowns, f"calibration-weighted-sync-{repeat}"),
+            "async": ("async", setup.slowdowns, f"calibration-async-{repeat}"),
             "ddp": ("ddp", setup.slowdowns, f"calibration-ddp-{repeat}"),
             "ddp_equal": (
                 "ddp",
@@ -93,8 +121,9 @@ def measure(setup: Setup) -> dict[str, Any]:
                 f"calibration-ddp-equal-{repeat}",
             ),
         }
-        order = [("cal", "ps"), *(("run", m) for m in MODES[:3]), ("cal", "ddp_equal"),
-                 ("cal", "ddp"), ("run", "ddp")]  # fmt: skip
+        order = [("cal", "ps"), ("run", "weighted-sync"), ("run", "equal-sync"),
+                 ("cal", "async"), ("run", "async"),
+                 ("cal", "ddp_equal"), ("cal", "ddp"), ("run", "ddp")]  # fmt: skip
         done: dict[str, dict[str, str]] = {"calibration": {}, "runs": {}}
         for kind, name in order:
             if kind == "cal":
@@ -119,6 +148,7 @@ def _measured_epoch_s(run_dir: Path) -> float:
 PREDICTIONS = (
     ("weighted-sync", ("ps",), "another run of the same configuration"),
     ("equal-sync", ("ps",), "another mode"),
+    ("async", ("async",), "another run of the same configuration"),
     ("async", ("ps",), "another mode"),
     ("ddp", ("ddp",), "another run of the same configuration"),
     ("ddp", ("ps", "ddp_equal"), "PS compute, all-reduce at other slowdowns"),
@@ -175,6 +205,74 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def multihost(spec: Path = MULTIHOST_SPEC, repeats: int = 5) -> dict[str, Any]:
+    """The multi-host bench's layouts simulated twice, on the links alone and with the CPU
+    stages (rates measured now by ``measure_stage_costs`` for the bench's model, 3 shards and
+    3 members, every process on the machine's cores), against the bench's figures.
+
+    Returns:
+        ``{"measured": MULTIHOST_MEASURED, "stage_costs": {wire: rates in ms per MB},
+        "load": load average at the measurement, "rows": [...]}``.
+    """
+    base = cluster_from_spec(read_spec_file(spec))
+    cores = os.cpu_count() or 1
+    load = os.getloadavg()
+    costs = {
+        wire: measure_stage_costs(base.model_params, 3, len(base.nodes), wire, repeats)
+        for wire in ("fp32", "bf16")
+    }
+    measured = MULTIHOST_MEASURED["communication_s"]
+    assert isinstance(measured, dict)
+    rows = []
+    for layout, (mode, shards, colocated, wire) in MULTIHOST_LAYOUTS.items():
+        plain = dataclasses.replace(base, shards=shards, colocated=colocated, wire_dtype=wire)
+        with_cpu = dataclasses.replace(plain, server=costs[wire], shared_cores=float(cores))
+        if mode == "ddp":  # the stages are the parameter server's; gloo's are in its figure
+            with_cpu = plain
+        predicted = {}
+        for name, cluster in (("links", plain), ("links_cpu", with_cpu)):
+            comm = simulate(cluster, mode, max_rounds=5).comm_s
+            assert comm is not None
+            predicted[name] = comm
+        rows.append(
+            {
+                "layout": layout,
+                "measured_s": measured[layout],
+                **{f"{k}_s": round(v, 4) for k, v in predicted.items()},
+                **{f"{k}_error": round(v / measured[layout] - 1, 4) for k, v in predicted.items()},
+            }
+        )
+    return {
+        "measured": MULTIHOST_MEASURED,
+        "stage_costs": {
+            wire: {
+                k: round(v * 1e3 * 1e6, 4)
+                for k, v in dataclasses.asdict(rates).items()
+                if k.endswith("_per_byte")
+            }
+            for wire, rates in costs.items()
+        },
+        "load": [round(x, 2) for x in load],
+        "rows": rows,
+    }
+
+
+def multihost_markdown(result: dict[str, Any]) -> str:
+    """The multi-host table as docs/scale.md keeps it."""
+    lines = [
+        "| layout | communication measured (s) | links only (s) | error | links + CPU stages (s) "
+        "| error |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['layout']} | {r['measured_s']:.3f} | {r['links_s']:.3f} | "
+            f"{100 * r['links_error']:+.1f} % | {r['links_cpu_s']:.3f} | "
+            f"{100 * r['links_cpu_error']:+.1f} % |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure (unless ``--reuse``), predict, write ``validate.json``, print the table."""
     parser = argparse.ArgumentParser(
@@ -191,6 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument(
         "--reuse", action="store_true", help="Predict from the runs a previous call measured."
+    )
+    parser.add_argument(
+        "--multihost",
+        action="store_true",
+        help="Also compare the multi-host bench's figures with the simulator, with CPU stage "
+        "costs measured now.",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -217,15 +321,20 @@ def main(argv: list[str] | None = None) -> int:
         measured = measure(setup)
         runs_file.write_text(json.dumps(measured, indent=1) + "\n")
     rows = predict(setup, measured)
-    result = {
+    result: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
         "command": "python -m launch.simulate.validate " + " ".join(argv or sys.argv[1:]),
         "setup": {k: str(v) for k, v in dataclasses.asdict(setup).items()},
         "rows": rows,
     }
+    if args.multihost:
+        result["multihost"] = multihost()
     (args.out / "validate.json").write_text(json.dumps(result, indent=1) + "\n")
     print(markdown(rows))
+    if args.multihost:
+        print()
+        print(multihost_markdown(result["multihost"]))
     return 0
 
 
