@@ -98,39 +98,41 @@ def _pslaunch(setup: Setup, mode: str, slowdowns: str, run_dir: Path) -> dict[st
 
 
 CALIBRATION = ("ps", "async", "ddp", "ddp_equal")
+# Per repeat, back to back: each measured run between calibration runs of its kind, before
+# and after it (ddp_equal before only), so that a drift of the machine's load that goes one
+# way over the minutes in between cancels in the mean of the two predictions.
+ORDER = (
+    ("cal", "ps"), ("run", "weighted-sync"), ("run", "equal-sync"), ("cal", "ps"),
+    ("cal", "async"), ("run", "async"), ("cal", "async"),
+    ("cal", "ddp_equal"), ("cal", "ddp"), ("run", "ddp"), ("cal", "ddp"),
+)  # fmt: skip
 
 
 def measure(setup: Setup) -> dict[str, Any]:
-    """Per repeat: the calibration runs, then every mode, back to back (this machine's load
+    """Per repeat: the calibration runs and every mode in ``ORDER`` (this machine's load
     drifts within minutes: a calibration run is only compared with runs next to it in time).
 
     Returns:
-        ``{"repeats": [{"calibration": {name: DIR}, "runs": {mode: DIR}}, ...]}`` with
-        calibration runs ``ps`` (weighted-sync), ``ddp`` (DDP, the same slowdowns) and
-        ``ddp_equal`` (DDP with ``calibration_ddp_slowdowns``).
+        ``{"repeats": [{"calibration": {name: [DIR, ...]}, "runs": {mode: DIR}}, ...]}`` with
+        calibration runs ``ps`` (weighted-sync), ``async``, ``ddp`` (DDP, the same slowdowns)
+        and ``ddp_equal`` (DDP with ``calibration_ddp_slowdowns``), in the order they ran.
     """
     repeats = []
     for repeat in range(setup.repeats):
         calibration = {
-            "ps": ("weighted-sync", setup.slowdowns, f"calibration-weighted-sync-{repeat}"),
-            "async": ("async", setup.slowdowns, f"calibration-async-{repeat}"),
-            "ddp": ("ddp", setup.slowdowns, f"calibration-ddp-{repeat}"),
-            "ddp_equal": (
-                "ddp",
-                setup.calibration_ddp_slowdowns,
-                f"calibration-ddp-equal-{repeat}",
-            ),
+            "ps": ("weighted-sync", setup.slowdowns, "calibration-weighted-sync"),
+            "async": ("async", setup.slowdowns, "calibration-async"),
+            "ddp": ("ddp", setup.slowdowns, "calibration-ddp"),
+            "ddp_equal": ("ddp", setup.calibration_ddp_slowdowns, "calibration-ddp-equal"),
         }
-        order = [("cal", "ps"), ("run", "weighted-sync"), ("run", "equal-sync"),
-                 ("cal", "async"), ("run", "async"),
-                 ("cal", "ddp_equal"), ("cal", "ddp"), ("run", "ddp")]  # fmt: skip
-        done: dict[str, dict[str, str]] = {"calibration": {}, "runs": {}}
-        for kind, name in order:
+        done: dict[str, dict[str, Any]] = {"calibration": {}, "runs": {}}
+        for kind, name in ORDER:
             if kind == "cal":
                 mode, slowdowns, folder = calibration[name]
-                run_dir = setup.out / folder
+                dirs = done["calibration"].setdefault(name, [])
+                run_dir = setup.out / f"{folder}-{repeat}{'-after' if dirs else ''}"
                 _pslaunch(setup, mode, slowdowns, run_dir)
-                done["calibration"][name] = str(run_dir)
+                dirs.append(str(run_dir))
             else:
                 run_dir = setup.out / f"{name}-{repeat}"
                 _pslaunch(setup, name, setup.slowdowns, run_dir)
@@ -155,17 +157,29 @@ PREDICTIONS = (
 )
 
 
+def _as_list(dirs: str | list[str]) -> list[str]:
+    return [dirs] if isinstance(dirs, str) else dirs
+
+
 def predict(setup: Setup, measured: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per prediction: in every repeat, the epoch time predicted from that repeat's
-    calibration runs against the run measured next to them; the error is the median over
+    calibration runs (the mean of the predictions from the runs before and after, where
+    there are both) against the run measured between them; the error is the median over
     repeats."""
     rows = []
     for mode, names, what in PREDICTIONS:
         pairs = []
         for repeat in measured["repeats"]:
-            sources = [Path(repeat["calibration"][name]) for name in names]
-            cluster = cluster_from_runs(sources)
-            predicted = float(simulate(cluster, mode, epochs=setup.epochs).epoch_s)
+            dirs = [_as_list(repeat["calibration"][name]) for name in names]
+            predictions = [
+                simulate(
+                    cluster_from_runs([Path(d[min(i, len(d) - 1)]) for d in dirs]),
+                    mode,
+                    epochs=setup.epochs,
+                ).epoch_s
+                for i in range(max(len(d) for d in dirs))
+            ]
+            predicted = statistics.fmean(predictions)
             pairs.append((predicted, _measured_epoch_s(Path(repeat["runs"][mode]))))
         errors = [p / m - 1 for p, m in pairs]
         error = float(statistics.median(errors))
