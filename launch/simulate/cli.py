@@ -39,7 +39,8 @@ def _modes(text: str) -> list[str]:
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     help="Run directory to calibrate on (repeatable): the first parameter-server run "
     "gives each worker's fitted model, the server's step time and the spread of "
-    "round times; a DDP run gives the all-reduce time per step.",
+    "round times (an async run: each worker's push time and the server's time per push); "
+    "a DDP run gives the all-reduce time per step.",
 )
 @click.option(
     "--mode",

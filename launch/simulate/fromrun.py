@@ -1,5 +1,6 @@
 """A simulated cluster fitted from real runs: each worker's model, the server's costs and the
-spread of round times from a parameter-server run, the all-reduce time from a DDP run."""
+spread of round times from a synchronous parameter-server run (from an async run: each
+worker's push time and the server's time per push), the all-reduce time from a DDP run."""
 
 from __future__ import annotations
 
