@@ -19,7 +19,7 @@ from launch.simulate.engine import simulate
 from launch.simulate.fromrun import cluster_from_runs
 from launch.simulate.spec import GBIT, Cluster, Node, ServerCosts, cluster_from_spec
 from launch.simulate.stagecosts import measure_stage_costs
-from launch.simulate.validate import Setup, markdown, predict
+from launch.simulate.validate import ORDER, Setup, markdown, predict
 
 MODEL = 25_000_000  # parameters: 100 MB in fp32
 
@@ -362,3 +362,13 @@ def test_weighted_sync_gains_from_more_workers_when_each_brings_its_shard() -> N
         epochs.append(simulate(cluster, "weighted-sync", max_rounds=20).epoch_s)
     assert all(b <= a * 1.001 for a, b in itertools.pairwise(epochs)), epochs
     assert epochs[-1] < 0.5 * epochs[0]
+
+
+def test_validation_of_some_modes_runs_only_what_their_predictions_need(tmp_path: Path) -> None:
+    setup = Setup(tmp_path, tmp_path / "x.h5", "hsi-cnn", "1,2", "1,1", 1, 64, 1, ("async",))
+    assert [mode for mode, _, _ in setup.predictions()] == ["async", "async"]
+    assert setup.order() == [
+        ("cal", "ps"), ("cal", "ps"), ("cal", "async"), ("run", "async"), ("cal", "async")
+    ]  # fmt: skip
+    everything = Setup(tmp_path, tmp_path / "x.h5", "hsi-cnn", "1,2", "1,1", 1, 64, 1)
+    assert everything.order() == list(ORDER)

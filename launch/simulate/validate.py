@@ -77,6 +77,20 @@ class Setup:
     epochs: int
     global_batch: int
     repeats: int
+    modes: tuple[str, ...] = MODES
+
+    def predictions(self) -> list[tuple[str, tuple[str, ...], str]]:
+        """The rows of ``PREDICTIONS`` for the modes measured."""
+        return [row for row in PREDICTIONS if row[0] in self.modes]
+
+    def order(self) -> list[tuple[str, str]]:
+        """``ORDER`` without the runs these predictions do not need."""
+        needed = {name for _, names, _ in self.predictions() for name in names}
+        return [
+            (kind, name)
+            for kind, name in ORDER
+            if (name in needed if kind == "cal" else name in self.modes)
+        ]
 
 
 def _pslaunch(setup: Setup, mode: str, slowdowns: str, run_dir: Path) -> dict[str, Any]:
@@ -126,7 +140,7 @@ def measure(setup: Setup) -> dict[str, Any]:
             "ddp_equal": ("ddp", setup.calibration_ddp_slowdowns, "calibration-ddp-equal"),
         }
         done: dict[str, dict[str, Any]] = {"calibration": {}, "runs": {}}
-        for kind, name in ORDER:
+        for kind, name in setup.order():
             if kind == "cal":
                 mode, slowdowns, folder = calibration[name]
                 dirs = done["calibration"].setdefault(name, [])
@@ -167,7 +181,7 @@ def predict(setup: Setup, measured: dict[str, Any]) -> list[dict[str, Any]]:
     there are both) against the run measured between them; the error is the median over
     repeats."""
     rows = []
-    for mode, names, what in PREDICTIONS:
+    for mode, names, what in setup.predictions():
         pairs = []
         for repeat in measured["repeats"]:
             dirs = [_as_list(repeat["calibration"][name]) for name in names]
@@ -302,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="Modes to measure and predict (with the calibration runs they need).",
+    )
+    parser.add_argument(
         "--reuse", action="store_true", help="Predict from the runs a previous call measured."
     )
     parser.add_argument(
@@ -324,9 +343,12 @@ def main(argv: list[str] | None = None) -> int:
             split="random",
             seed=0,
         )
+    modes = tuple(m.strip() for m in args.modes.split(","))
+    if not modes or not set(modes) <= set(MODES):
+        parser.error(f"--modes takes a comma-separated list of {', '.join(MODES)}")
     setup = Setup(
         args.out, dataset, args.model, args.slowdowns, args.calibration_ddp_slowdowns,
-        args.epochs, args.global_batch, args.repeats,
+        args.epochs, args.global_batch, args.repeats, modes,
     )  # fmt: skip
     runs_file = args.out / "measured.json"
     if args.reuse:
