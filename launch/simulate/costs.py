@@ -6,7 +6,9 @@ host. A synchronous round is: every member pulls the K pieces (each shard's egre
 piece per remote member), computes, then pushes K pieces; each shard takes pieces first come,
 first served at its ingress rate (or its decode rate, if slower; pieces that arrive together
 share the link and finish together), and steps its piece once the last is in. A piece between
-a node and the shard on that node does not touch a link.
+a node and the shard on that node does not touch a link. The protocol's CPU stages (a worker
+taking parameters in and turning its gradient into pieces, a shard's update and reply pieces)
+add to the round; on ``shared_cores`` the stages that several hosts run at once stretch.
 """
 
 from __future__ import annotations

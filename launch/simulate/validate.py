@@ -2,14 +2,17 @@
 launch.simulate.validate --out DIR``.
 
 Measures Jasper Ridge runs of weighted-sync, equal-sync, async (``pslaunch local``, evaluating
-only at the end) and DDP (``pslaunch ddp``) with the same slowdowns, and three calibration runs
-next to them in time: weighted-sync (each worker's compute model and time outside compute, the
-server's step time, the spread of round times), DDP with the same slowdowns, and DDP with equal
-slowdowns (its all-reduce time per step); all back to back, ``--repeats`` times. Every
-prediction comes from calibration runs only, never from the run it is compared with
-(``PREDICTIONS`` says which), and is compared with the measured train time per epoch of the
-run next to it; the table gives every repeat and the median error. Writes
-``DIR/validate.json`` and prints the table (Markdown) that docs/scale.md keeps.
+only at the end) and DDP (``pslaunch ddp``) with the same slowdowns, and calibration runs next
+to them in time: weighted-sync (each worker's compute model and time outside compute, the
+server's step time, the spread of round times), async (push times, the server's time per
+push), DDP with the same slowdowns, and DDP with equal slowdowns (its all-reduce time per
+step); back to back in ``ORDER``, each measured run between calibration runs of its kind,
+``--repeats`` times. Every prediction comes from calibration runs only, never from the run it
+is compared with (``PREDICTIONS`` says which), is the mean of the predictions from the runs
+before and after it, and is compared with the measured train time per epoch of the run
+between them; the table gives every repeat and the median error. ``--multihost`` also
+compares the multi-host bench's figures with the simulator, with CPU stage costs measured
+now. Writes ``DIR/validate.json`` and prints the tables (Markdown) that docs/scale.md keeps.
 """
 
 from __future__ import annotations
