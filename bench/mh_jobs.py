@@ -11,6 +11,7 @@ from typing import Any
 
 from bench.mh_setup import BenchConfig, Variant
 from bench.procs import Child, ChildError, python
+from common import stagetrace
 from common.protocol.security import write_shard_secret
 from launch.cluster.netns import Network
 
@@ -115,6 +116,8 @@ def run_ps(
     n = len(workers)
     children: list[Child] = []
     started = time.monotonic()
+    # With stage tracing on, each run's processes mark their stages in the run's own folder.
+    env = {stagetrace.ENV: str(run_dir / "trace")} if stagetrace.enabled() else None
     try:
         server = Child(
             "server",
@@ -150,6 +153,7 @@ def run_ps(
                 )
             ),
             run_dir / "server.log",
+            env,
         )
         children.append(server)
         endpoint = server.wait_for(r"pserver listening on (\S+)", STARTUP_TIMEOUT_S).group(1)
@@ -167,7 +171,7 @@ def run_ps(
                 str(secret),
             )
             shards.append(
-                Child(f"shard@{host.netns}", host.argv(argv), run_dir / f"shard{index}.log")
+                Child(f"shard@{host.netns}", host.argv(argv), run_dir / f"shard{index}.log", env)
             )
             children.append(shards[-1])
         joined = []
@@ -186,7 +190,7 @@ def run_ps(
             )
             if variant.local_data:
                 argv += ["--data", str(dataset)]
-            joined.append(Child(f"w{i}", host.argv(argv), run_dir / f"w{i}.log"))
+            joined.append(Child(f"w{i}", host.argv(argv), run_dir / f"w{i}.log", env))
             children.append(joined[-1])
         code = server.wait(max(1.0, cfg.job_timeout - (time.monotonic() - started)))
         codes = [child.wait(EXIT_TIMEOUT_S) for child in joined]

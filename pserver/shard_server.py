@@ -14,6 +14,7 @@ import time
 import numpy as np
 import torch
 
+from common import stagetrace
 from common.errors import (
     ErrorCode,
     NetworkTimeout,
@@ -64,6 +65,7 @@ class ShardServer:
 
     def __init__(self, config: ShardConfig) -> None:
         self.config = config
+        stagetrace.start("shard")
         torch.set_num_threads(config.torch_threads)
         self.owner = TaskOwner()
         self.endpoint = Endpoint(
@@ -192,7 +194,9 @@ class ShardServer:
         service = self.service
         assert service is not None
         if isinstance(message, GradientChunk):
+            stagetrace.mark("s_chunk_in", task=message.task_id, offset=message.offset)
             await service.on_gradient_chunk(request.identity, request.request_id, message)
+            stagetrace.mark("s_chunk_staged", task=message.task_id, offset=message.offset)
             return
         if isinstance(message, PullRequest):
             await service.on_pull(request.identity, request.request_id, message)
@@ -200,6 +204,9 @@ class ShardServer:
         if getattr(message, "key", None) != self.key:
             raise ProtocolError(ErrorCode.UNKNOWN_WORKER, "control requests need the shard key")
         self._last_heard = time.monotonic()
+        stagetrace.mark(
+            "s_" + message.TYPE, version=service.version, task=getattr(message, "task_id", None)
+        )
         reply: Message
         if isinstance(message, StagedRequest):
             report = await service.staged(message.task_id, message.worker_id, message.timeout_s)
@@ -241,6 +248,7 @@ class ShardServer:
         else:
             raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unexpected {message.TYPE}")
         self.endpoint.reply(request.identity, request.request_id, reply)
+        stagetrace.mark("s_" + message.TYPE + "_done", version=service.version)
 
     async def close(self) -> None:
         """Cancel outstanding work and close the socket."""

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from common import stagetrace
 from common.errors import (
     ErrorCode,
     NetworkTimeout,
@@ -76,6 +77,7 @@ class Worker:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
+        stagetrace.start("worker")
         self.device = resolve_device(config.device)
         self.timer = ComputeTimer(self.device)
         torch.set_num_threads(config.threads)
@@ -326,11 +328,14 @@ class Worker:
         """Train on one task and push; returns the next task (or stop)."""
         replica, stores = self.replica, self.stores
         assert replica is not None and stores is not None
+        stagetrace.mark("w_task", task=task.task_id, version=task.version)
         x, y = replica.batch(task, prefetcher)
         for attempt in range(1, MAX_NAN_TRIES + 1):
             replica.ensure_params(task, stores, self.config.reply_timeout_s)
             begin = self.stats.compute_s
+            stagetrace.mark("w_compute", task=task.task_id)
             loss = replica.compute(x, y, task)
+            stagetrace.mark("w_computed", task=task.task_id)
             if math.isfinite(loss):
                 break
             log.warning("loss is %s on task %d (try %d)", loss, task.task_id, attempt)
@@ -364,8 +369,10 @@ class Worker:
             loss=loss,
         )
         replica.finish_push(task, stores)
+        stagetrace.mark("w_push", task=task.task_id)
         try:
             reply = self.conn.request(push, expect=TaskReply)
+            stagetrace.mark("w_reply", task=task.task_id)
         except RemoteError as exc:
             self._drain()
             if exc.code not in RETRY_CODES:
@@ -379,6 +386,7 @@ class Worker:
                 replica.loaded_version = stores.collect(
                     replica.host_state, self.config.reply_timeout_s
                 )
+                stagetrace.mark("w_params", task=task.task_id, version=replica.loaded_version)
             except RemoteError as exc:
                 log.info("fused parameters refused (%s); pulling them", exc)
                 replica.loaded_version = -1

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 import zmq
 
+from common import stagetrace
 from common.errors import ErrorCode, NetworkTimeout, ProtocolError, RemoteError, ServerLost
 from common.protocol.base import parse_message
 from common.protocol.chunks import as_tensor, chunk_spans, decode_into, encode
@@ -112,6 +113,7 @@ class StoreClient:
             gradient=data,
         )
         self._chunk_socket[index].send_multipart(message.to_wire(request_id), copy=False)
+        stagetrace.mark("w_chunk_out", task=task_id, offset=start)
         self._waiting[request_id] = (start, stop)
         self._unsent.discard(index)
 
@@ -180,6 +182,7 @@ class StoreClient:
                     if span is None or not isinstance(reply, ParamsChunk):
                         continue  # a late answer to an earlier request
                     first = time.monotonic() if first is None else first
+                    stagetrace.mark("w_chunk_in", version=reply.version, offset=reply.offset)
                     self._load(reply, span, state)
                     versions.append(reply.version)
         self.transfer_s = 0.0 if first is None else time.monotonic() - first

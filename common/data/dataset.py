@@ -247,6 +247,8 @@ class DatasetReader:
                 data = self._read_rows(uniq)
         if self._cache is not None:
             return self._cache[idx], y
+        if uniq.size == idx.size and bool(np.all(idx[1:] > idx[:-1])):
+            return data, y  # already sorted and unique (e.g. a split's indices): no reorder copy
         return data[inverse.reshape(-1)], y
 
     def _read_rows(self, rows: np.ndarray) -> np.ndarray:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from typing import Any
@@ -22,26 +23,72 @@ log = logging.getLogger("pserver.server")
 
 # The fields every ``eval`` event carries at least (docs/run-files.md).
 EVAL_KEYS = ("event", "t", "version", "epoch", "samples", *SCORE_KEYS)
+# What one evaluation block may hold: its samples as read and the widest activations of the
+# forward pass. A count alone is no bound: 512 EuroSAT-sized scenes are 109 MiB as read and
+# their first convolution's output 268 MiB more.
+BLOCK_BYTES = 48 << 20
+# Live activations at a forward pass's widest point, in multiples of its largest module
+# output: that output, the input it was computed from and a residual shortcut beside them.
+LIVE_OUTPUTS = 3
+
+
+def bytes_per_sample(model: nn.Module, shape: tuple[int, ...]) -> int:
+    """What one sample occupies during an evaluation: its float32 input plus ``LIVE_OUTPUTS``
+    times the largest output of any module, measured on one zero sample.
+
+    Args:
+        model: the model, in eval mode (a forward pass changes no state then).
+        shape: one sample's shape (C, H, W).
+
+    Returns:
+        Bytes per sample, at least 1.
+    """
+    largest = 0
+
+    def record(_module: nn.Module, _inputs: object, output: object) -> None:
+        nonlocal largest
+        if isinstance(output, torch.Tensor):
+            largest = max(largest, output.numel() * output.element_size())
+
+    hooks = [m.register_forward_hook(record) for m in model.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, *shape))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return max(1, 4 * math.prod(shape) + LIVE_OUTPUTS * largest)
 
 
 class Evaluator:
     """Scores snapshots with a private model copy; call ``evaluate`` from one thread at a time.
 
+    Test samples are read and scored in blocks of at most ``batch`` samples and at most
+    ``block_bytes`` (samples as read plus activations, see ``bytes_per_sample``), so the
+    memory an evaluation takes does not grow with the size of the samples or of the split.
+
     Args:
         model: a model of the run's architecture (this object keeps it).
-        reader: the dataset, read in blocks of ``batch`` test samples.
+        reader: the dataset, read in blocks of test samples.
         num_classes: classes of the dataset.
-        batch: evaluation batch size.
+        batch: evaluation batch size at most.
+        block_bytes: bytes one block may take at most (at least one sample per block).
     """
 
     def __init__(
-        self, model: nn.Module, reader: DatasetReader, num_classes: int, batch: int = 512
+        self,
+        model: nn.Module,
+        reader: DatasetReader,
+        num_classes: int,
+        batch: int = 512,
+        block_bytes: int = BLOCK_BYTES,
     ) -> None:
         self.model = model.eval()
         self.layout = FlatLayout(self.model)
         self.reader = reader
         self.num_classes = num_classes
-        self.batch = batch
+        per_sample = bytes_per_sample(self.model, reader.meta.shape)
+        self.batch = max(1, min(batch, block_bytes // per_sample))
 
     @torch.no_grad()
     def evaluate(

@@ -1,0 +1,135 @@
+"""Coordinator peak memory while serving a large dataset: peak resident set size of
+``pserver start`` on a ~1.7 GB synthetic scenes file (8000 images of 13 x 64 x 64 float32) with
+``--cache-mb 256`` (the file does not fit, so every read goes to the file), weighted-sync with
+workers pulling their samples from it, then the final evaluation on the whole test split
+(1600 scenes).
+
+The peak is the server's VmHWM (Linux, /proc), read every 0.2 s until it exits, so short
+spikes count too; it is shown until the last round (start-up and training) and for the whole
+run (the final evaluation and shutdown included). With ``--baseline DIR`` the same job runs
+with the server and workers of another checkout right after, for a side-by-side figure. One
+worker by default: its rounds do not depend on measured speeds, so both runs train the same
+model and their final scores must be equal.
+
+Usage: python bench/coordinator_memory.py [--samples 8000] [--model scene-cnn] [--cache-mb 256]
+       [--workers 1] [--steps 20] [--baseline DIR] [--data FILE.h5] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.cli_env import child_environment
+from common.data.convert.synth import synth_scenes
+from launch.procs import Children, new_events, start_offset, wait_for_address
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE_S = 0.2
+
+
+def status_mb(pid: int, key: str) -> float:
+    """A ``/proc/PID/status`` memory field (``VmRSS``, ``VmHWM``) in MiB."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {key} for pid {pid}")
+
+
+def measure(data: Path, run_dir: Path, code: Path, args: argparse.Namespace) -> dict:
+    """One job whose processes import ``code``.
+
+    Returns:
+        ``{"peak_mb", "training_peak_mb", "final"}``: the server's peak RSS over the run and
+        until the last round, and the summary's final scores.
+    """
+    env = child_environment(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(code))
+    run_dir.mkdir(parents=True)
+    log = (run_dir / "cluster.log").open("w", encoding="utf-8")
+    children = Children(log, env)
+    py = [sys.executable, "-m"]
+    metrics = run_dir / "metrics.jsonl"
+    mark = start_offset(metrics)
+    here = Path.cwd()
+    os.chdir(code)  # 'python -m' puts the working directory first on the children's path
+    server = children.start(
+        "server",
+        [
+            *(*py, "pserver.cli", "start", "--bind", "tcp://127.0.0.1:0", "--dataset", str(data)),
+            *("--model", args.model, "--mode", "weighted-sync", "--workers", str(args.workers)),
+            *("--global-batch", str(args.batch * args.workers), "--max-steps", str(args.steps)),
+            *("--cache-mb", str(args.cache_mb), "--seed", "1", "--run-dir", str(run_dir)),
+        ],
+        stderr_only=True,
+    )
+    peak, training_peak = 0.0, None
+    try:
+        address = wait_for_address(server, metrics, mark, 300)
+        for i in range(args.workers):
+            children.start(f"w{i}", [*py, "worker.cli", "join", "--server", address])
+        os.chdir(here)
+        while server.code is None:
+            try:
+                peak = max(peak, status_mb(server.popen.pid, "VmHWM"))
+            except (OSError, RuntimeError):
+                break
+            if training_peak is None:
+                rounds = [e for e in new_events(metrics, mark) if e.get("event") == "round"]
+                if len(rounds) >= args.steps:
+                    training_peak = peak
+            time.sleep(SAMPLE_S)
+    finally:
+        os.chdir(here)
+        children.stop(server, first_grace_s=120)
+        children.close()
+        mark.close()
+        log.close()
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    return {"peak_mb": peak, "training_peak_mb": training_peak, "final": summary["final"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=8000, help="scenes in the file")
+    parser.add_argument("--model", default="scene-cnn")
+    parser.add_argument("--cache-mb", type=int, default=256, help="the server's --cache-mb")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=16, help="samples per worker per step")
+    parser.add_argument("--steps", type=int, default=20, help="the server's --max-steps")
+    parser.add_argument("--baseline", type=Path, default=None, help="another checkout")
+    parser.add_argument("--data", type=Path, default=None, help="an existing dataset file")
+    parser.add_argument("--dir", type=Path, default=None, help="where temporary files go")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-coord-mem-", dir=args.dir) as tmp:
+        root = Path(tmp)
+        data = args.data
+        if data is None:
+            data = root / "scenes.h5"
+            synth_scenes(data, samples=args.samples, bands=13, size=64, classes=10, seed=0)
+        size_mb = data.stat().st_size / 2**20
+        print(f"dataset {data}: {size_mb:.0f} MiB; --cache-mb {args.cache_mb}, {args.model}")
+        runs = [("this checkout", ROOT)]
+        if args.baseline is not None:
+            runs.append((f"baseline {args.baseline}", args.baseline.resolve()))
+        for i, (name, code) in enumerate(runs):
+            result = measure(data, root / f"run{i}", code, args)
+            final = result["final"]
+            training = result["training_peak_mb"]
+            print(
+                f"{name}: server peak RSS {result['peak_mb']:.0f} MiB "
+                f"(until the last round {training or float('nan'):.0f} MiB); "
+                f"final OA {final['oa']:.6f} loss {final['loss']:.6f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
