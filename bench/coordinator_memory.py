@@ -67,6 +67,7 @@ def measure(data: Path, run_dir: Path, code: Path, args: argparse.Namespace) -> 
             *("--model", args.model, "--mode", "weighted-sync", "--workers", str(args.workers)),
             *("--global-batch", str(args.batch * args.workers), "--max-steps", str(args.steps)),
             *("--cache-mb", str(args.cache_mb), "--seed", "1", "--run-dir", str(run_dir)),
+            *("--shutdown-timeout", "900"),  # the final evaluation runs within it
         ],
         stderr_only=True,
     )
@@ -121,7 +122,7 @@ def main() -> None:
             runs.append((f"baseline {args.baseline}", args.baseline.resolve()))
         for i, (name, code) in enumerate(runs):
             result = measure(data, root / f"run{i}", code, args)
-            final = result["final"]
+            final = result["final"] or {"oa": float("nan"), "loss": float("nan")}
             training = result["training_peak_mb"]
             print(
                 f"{name}: server peak RSS {result['peak_mb']:.0f} MiB "

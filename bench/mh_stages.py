@@ -106,14 +106,21 @@ def rounds(marks: dict[str, list[dict[str, Any]]]) -> dict[int, dict[str, float]
         "s_apply_request_done": "optimizer",
         "s_commit_request": "commit ask",
     }
+    untagged = []  # "staged" answers marked without their task: placed by time below
     for m in shard:
         ev, t = m["ev"], m["t"]
-        if ev in by_type:
+        if ev == "s_staged_request_done" and m.get("task") is None:
+            untagged.append(t)
+        elif ev in by_type:
             put(version_of.get(m.get("task", -1)), by_type[ev], t)
         elif ev in per_version:
             put(m["version"], per_version[ev], t)
         elif ev == "s_commit_request_done":
             put(m["version"] - 1, "commit", t)  # published: the shard is at v + 1
+    for v, got in points.items():
+        asked, applied = got.get("coord ask"), got.get("apply ask")
+        if asked and applied:
+            got["staged"] += [t for t in untagged if min(asked) <= t <= max(applied)]
     out = {}
     for v, got in points.items():
         if not got.get("start") or not got.get("next") or any(not got.get(s) for s in STAGES):

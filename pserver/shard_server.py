@@ -248,7 +248,11 @@ class ShardServer:
         else:
             raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unexpected {message.TYPE}")
         self.endpoint.reply(request.identity, request.request_id, reply)
-        stagetrace.mark("s_" + message.TYPE + "_done", version=service.version)
+        stagetrace.mark(
+            "s_" + message.TYPE + "_done",
+            version=service.version,
+            task=getattr(message, "task_id", None),
+        )
 
     async def close(self) -> None:
         """Cancel outstanding work and close the socket."""

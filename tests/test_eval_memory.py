@@ -22,9 +22,9 @@ BOUND = 2 << 20  # bytes an evaluation block may take in this test
 
 @pytest.fixture(scope="module")
 def scenes(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """240 test scenes of 13 x 32 x 32 float32: 12.2 MiB, six times the bound."""
+    """160 test scenes of 13 x 32 x 32 float32: 8.1 MiB, four times the bound."""
     path = tmp_path_factory.mktemp("evalmem") / "scenes.h5"
-    synth_scenes(path, samples=480, bands=13, size=32, classes=4, train_fraction=0.5, seed=3)
+    synth_scenes(path, samples=320, bands=13, size=32, classes=4, train_fraction=0.5, seed=3)
     return path
 
 
@@ -49,9 +49,9 @@ def evaluate_traced(path: Path, block_bytes: int) -> tuple[Scores, int, int]:
 def test_evaluation_reads_at_most_the_byte_bound(scenes: Path) -> None:
     bounded, block, peak = evaluate_traced(scenes, BOUND)
     whole, whole_block, whole_peak = evaluate_traced(scenes, 1 << 40)
-    split_bytes = 240 * 13 * 32 * 32 * 4
-    assert whole_block == 512 and whole_peak > split_bytes  # the old way: the split in one read
-    assert 1 <= block < 240
+    split_bytes = 160 * 13 * 32 * 32 * 4
+    assert whole_block == 512 and whole_peak > split_bytes  # a count alone: the split at once
+    assert 1 <= block < 160
     assert peak <= BOUND, f"evaluation held {peak} bytes, bound {BOUND}"
     assert bounded.confusion == whole.confusion and bounded.oa == whole.oa
     assert bounded.loss == pytest.approx(whole.loss, rel=1e-5)
