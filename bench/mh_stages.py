@@ -62,7 +62,6 @@ def read_marks(trace: Path) -> dict[str, list[dict[str, Any]]]:
                 mark = json.loads(line)
             except ValueError:
                 continue  # a line cut short when the process was killed
-            mark["pid"] = path.stem
             marks[role].append(mark)
     return marks
 
@@ -71,7 +70,6 @@ def rounds(marks: dict[str, list[dict[str, Any]]]) -> dict[int, dict[str, float]
     """Per version v, the round's stage times in seconds (see the module docstring)."""
     worker, shard = marks.get("worker", []), marks.get("shard", [])
     version_of = {m["task"]: m["version"] for m in worker if m["ev"] == "w_task"}
-    task_of_compute: dict[tuple[str, int], int] = {}
     points: dict[int, dict[str, list[float]]] = collections.defaultdict(
         lambda: collections.defaultdict(list)
     )
@@ -86,7 +84,6 @@ def rounds(marks: dict[str, list[dict[str, Any]]]) -> dict[int, dict[str, float]
         if ev == "w_compute":
             put(v, "start", t)
             put(None if v is None else v - 1, "next", t)
-            task_of_compute[(m["pid"], m["task"])] = m["task"]
         elif ev == "w_computed":
             put(v, "compute", t)
         elif ev in ("w_chunk_out", "w_push"):
@@ -117,7 +114,7 @@ def rounds(marks: dict[str, list[dict[str, Any]]]) -> dict[int, dict[str, float]
             put(m["version"], per_version[ev], t)
         elif ev == "s_commit_request_done":
             put(m["version"] - 1, "commit", t)  # published: the shard is at v + 1
-    for v, got in points.items():
+    for got in points.values():
         asked, applied = got.get("coord ask"), got.get("apply ask")
         if asked and applied:
             got["staged"] += [t for t in untagged if min(asked) <= t <= max(applied)]
