@@ -5,7 +5,9 @@ Reads the stage marks (``common.stagetrace``) that workers and shards of one run
 critical path, each the latest (or, for the start, the earliest) mark of its kind in the round:
 
     start       first worker starts its step's compute on version v
-    compute     last worker ends forward + backward (chunks sent during backward included)
+    compute     last worker whose push goes into the round ends forward + backward (chunks
+                sent during backward included); the points up to "wire out" likewise count
+                the pushes the round applies (one held over from the round before included)
     push tail   last gradient chunk handed to ZeroMQ after backward
     wire in     last gradient chunk read by a shard
     stage       last chunk staged (copied and checked) on its shard
@@ -16,7 +18,8 @@ critical path, each the latest (or, for the start, the earliest) mark of its kin
     commit ask  last "commit" request reaches a shard (coordinator round trip)
     commit      last shard has published and queued its parameter chunks
     task reply  last worker has the coordinator's answer to its push
-    wire out    last worker has every parameter chunk loaded
+    wire out    last worker has every parameter chunk loaded (these two leave out workers
+                that sit out the next round: their answer waits for that round to end)
     next        first worker starts computing on v + 1 (data, loading the model)
 
 A stage's time is how far its point lies past every earlier point (0 when it is already
@@ -52,6 +55,11 @@ STAGES = (
 )
 
 
+# Points that a worker planned to sit out the next round reaches only when that round ends
+# (its push is answered with its next task): they are not on this round's path.
+SITTING_OUT = ("task reply", "wire out")
+
+
 def read_marks(trace: Path) -> dict[str, list[dict[str, Any]]]:
     """Every mark of a run's trace directory, by role (``worker``, ``shard``)."""
     marks: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
@@ -70,6 +78,10 @@ def rounds(marks: dict[str, list[dict[str, Any]]]) -> dict[int, dict[str, float]
     """Per version v, the round's stage times in seconds (see the module docstring)."""
     worker, shard = marks.get("worker", []), marks.get("shard", [])
     version_of = {m["task"]: m["version"] for m in worker if m["ev"] == "w_task"}
+    # The round that applied a task: the one whose parameters answered its push (a push the
+    # coordinator holds over to the next round belongs there), else the version it computed on.
+    round_of = dict(version_of)
+    round_of.update({m["task"]: m["version"] - 1 for m in worker if m["ev"] == "w_params"})
     points: dict[int, dict[str, list[float]]] = collections.defaultdict(
         lambda: collections.defaultdict(list)
     )
@@ -80,10 +92,11 @@ def rounds(marks: dict[str, list[dict[str, Any]]]) -> dict[int, dict[str, float]
 
     for m in worker:
         ev, t = m["ev"], m["t"]
-        v = version_of.get(m.get("task", -1))
+        v = round_of.get(m.get("task", -1))
         if ev == "w_compute":
-            put(v, "start", t)
-            put(None if v is None else v - 1, "next", t)
+            computed_on = version_of.get(m["task"])
+            put(computed_on, "start", t)
+            put(None if computed_on is None else computed_on - 1, "next", t)
         elif ev == "w_computed":
             put(v, "compute", t)
         elif ev in ("w_chunk_out", "w_push"):
@@ -109,7 +122,7 @@ def rounds(marks: dict[str, list[dict[str, Any]]]) -> dict[int, dict[str, float]
         if ev == "s_staged_request_done" and m.get("task") is None:
             untagged.append(t)
         elif ev in by_type:
-            put(version_of.get(m.get("task", -1)), by_type[ev], t)
+            put(round_of.get(m.get("task", -1)), by_type[ev], t)
         elif ev in per_version:
             put(m["version"], per_version[ev], t)
         elif ev == "s_commit_request_done":
@@ -122,11 +135,14 @@ def rounds(marks: dict[str, list[dict[str, Any]]]) -> dict[int, dict[str, float]
     for v, got in points.items():
         if not got.get("start") or not got.get("next") or any(not got.get(s) for s in STAGES):
             continue
-        begin = min(got["start"])
+        begin, following = min(got["start"]), min(got["next"])
         reached = begin
         stages = {}
         for stage in STAGES:
-            at = min(got["next"]) if stage == "next" else max(got[stage])
+            times = got[stage]
+            if stage in SITTING_OUT:  # a worker left out of the next round gets its answer later
+                times = [t for t in times if t <= following] or [begin]
+            at = following if stage == "next" else max(times)
             stages[stage] = max(0.0, at - reached)
             reached = max(reached, at)
         stages["round"] = reached - begin

@@ -41,7 +41,7 @@ def test_no_marks_without_the_variable(tmp_path: Path) -> None:
 
 
 def test_a_round_is_cut_along_its_critical_path() -> None:
-    """Two workers, two shards; times in seconds from the round's start."""
+    """Three workers (one sits out the next round), two shards; times in seconds."""
 
     def w(ev: str, t: float, **f: int) -> dict:
         return {"ev": ev, "t": t, **f}
@@ -57,8 +57,15 @@ def test_a_round_is_cut_along_its_critical_path() -> None:
         w("w_push", 1.25, task=2),  # push tail 0.05
         w("w_reply", 1.9, task=1),
         w("w_reply", 2.0, task=2),
-        w("w_params", 2.3, task=2),
-        w("w_params", 2.2, task=1),
+        w("w_params", 2.3, task=2, version=1),
+        w("w_params", 2.2, task=1, version=1),
+        # a third worker sits out the next round: its push is answered when that round ends
+        w("w_task", 0.0, task=9, version=0),
+        w("w_compute", 0.05, task=9),
+        w("w_computed", 0.5, task=9),
+        w("w_push", 0.5, task=9),
+        w("w_reply", 5.0, task=9),
+        w("w_params", 5.1, task=9, version=1),
         w("w_task", 2.3, task=3, version=1),
         w("w_compute", 2.4, task=3),  # next 0.1
     ]
