@@ -86,7 +86,7 @@ def test_every_run_has_an_oa_scalar_per_evaluation(compared: tuple[dict, str]) -
             names = {w["worker"] for w in rounds[0]["workers"]}
             for name in names:
                 shares = series[f"worker/{name}/batch_share"]
-                assert 0 < shares[-1].value < 1
+                assert 0 < shares[-1].value <= 1  # a worker may take a whole round
 
 
 @pytest.mark.e2e

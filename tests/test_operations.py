@@ -160,7 +160,7 @@ def test_sigterm_ends_a_server_whose_write_is_stuck(small_hsi: Path, tmp_path: P
         server.kill()
     err = "".join(server.seen)
     assert server.popen.returncode != 0 and "Error: cannot write summary.json" in err, err
-    assert took < 8 + 5, (took, err)
+    assert took < 8 + 8, (took, err)  # the timeout, then the interpreter's exit on shared cores
     assert "abandoned a stuck write: summary.json did not finish" in err, err
 
 

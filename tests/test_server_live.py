@@ -150,7 +150,8 @@ async def test_max_staleness_rejects_old_pushes_and_the_worker_re_pulls(small_hs
 
 async def test_status_command_reports_mode_version_and_workers(small_hsi) -> None:
     async with (
-        live_server(small_hsi, mode="weighted-sync", workers=2) as ps,
+        # the client never heartbeats: keep it a member while `pserver status` starts up
+        live_server(small_hsi, mode="weighted-sync", workers=2, dead_after_s=120.0) as ps,
         clients(ps.address, 1) as (client,),
     ):
         await client.request(JoinRequest(name="slow-node", device="cpu", slowdown=3.0, threads=1))
