@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from common.errors import ConfigError
-from pserver.config import OPTIMIZERS, SCHEDULES, ServerConfig
+from pserver.config import ServerConfig, check_training
 
 _SERVER_DEFAULTS: dict[str, Any] = {
     f.name: f.default
@@ -56,7 +55,7 @@ class TrainSettings:
     seed: int = server_default("seed")
 
     def validate(self) -> TrainSettings:
-        """Check every field.
+        """Check every field with the rules ``pserver start`` applies to the same options.
 
         Returns:
             ``self``.
@@ -64,50 +63,19 @@ class TrainSettings:
         Raises:
             ConfigError: a value is out of range; the message quotes it.
         """
-        checks = [
-            (self.global_batch >= 1, f"--global-batch must be >= 1, got {self.global_batch}"),
-            (
-                self.optimizer in OPTIMIZERS,
-                f"--optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}",
-            ),
-            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
-            (0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}"),
-            (
-                not self.nesterov or self.momentum > 0,
-                "--nesterov needs --momentum > 0",
-            ),
-            (self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}"),
-            (
-                self.lr_schedule in SCHEDULES,
-                f"--lr-schedule {self.lr_schedule!r} is not one of {', '.join(SCHEDULES)}",
-            ),
-            (
-                0 <= self.warmup_fraction < 1,
-                f"--warmup-fraction must be in [0, 1), got {self.warmup_fraction}",
-            ),
-            (self.epochs is None or self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
-            (
-                self.max_steps is None or self.max_steps >= 1,
-                f"--max-steps must be >= 1, got {self.max_steps}",
-            ),
-            (
-                self.target_oa is None or 0 < self.target_oa <= 1,
-                f"--target-oa must be in (0, 1], got {self.target_oa}",
-            ),
-            (
-                self.epochs is not None or self.max_steps is not None or self.target_oa is not None,
-                "give at least one of --epochs, --max-steps or --target-oa, or training never ends",
-            ),
-            (
-                self.lr_schedule == "constant"
-                or self.epochs is not None
-                or self.max_steps is not None,
-                f"--lr-schedule {self.lr_schedule} needs --epochs or --max-steps",
-            ),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
+        check_training(
+            global_batch=self.global_batch,
+            optimizer=self.optimizer,
+            lr=self.lr,
+            momentum=self.momentum,
+            nesterov=self.nesterov,
+            weight_decay=self.weight_decay,
+            lr_schedule=self.lr_schedule,
+            warmup_fraction=self.warmup_fraction,
+            epochs=self.epochs,
+            max_steps=self.max_steps,
+            target_oa=self.target_oa,
+        )
         return self
 
     def server_args(self) -> tuple[str, ...]:

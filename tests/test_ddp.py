@@ -13,6 +13,7 @@ from torch import nn
 
 from common.data.convert.synth import synth_scenes
 from common.errors import ConfigError
+from common.protocol.base import MAX_INDICES
 from common.training.evaluator import EVAL_KEYS
 from common.training.slowdown import SlowdownSchedule
 from common.training.summary import SUMMARY_KEYS
@@ -20,6 +21,7 @@ from launch.cli import main
 from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.ddp.step import ComputeOnlyStep
 from launch.settings import TrainSettings
+from pserver.config import ServerConfig
 
 
 def _events(run_dir: Path) -> list[dict]:
@@ -82,6 +84,25 @@ def test_config_rejects_bad_values(tmp_path: Path) -> None:
         DDPConfig(
             data, "hsi-cnn", (1.0,), tmp_path, TrainSettings(epochs=1), slowdown_schedules=("x",)
         ).validate()
+
+
+@pytest.mark.parametrize(
+    ("settings", "option"),
+    [
+        ({"lr": float("nan")}, "--lr"),
+        ({"lr": float("inf")}, "--lr"),
+        ({"weight_decay": float("nan")}, "--weight-decay"),
+        ({"global_batch": MAX_INDICES + 1}, "--global-batch"),
+    ],
+)
+def test_ddp_settings_follow_the_server_rules(settings: dict, option: str) -> None:
+    """The DDP baseline refuses what ``pserver start`` refuses, with the same message."""
+    values = {"epochs": 1, **settings}
+    with pytest.raises(ConfigError, match=option) as from_ddp:
+        TrainSettings(**values).validate()
+    with pytest.raises(ConfigError) as from_server:
+        ServerConfig(Path("data.h5"), "hsi-cnn", **values)
+    assert str(from_ddp.value) == str(from_server.value)
 
 
 @pytest.mark.e2e
