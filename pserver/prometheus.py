@@ -1,12 +1,16 @@
-"""The server's status in the Prometheus text exposition format (``/metrics``)."""
+"""The server's status in the Prometheus text exposition format (``/metrics``), rendered by
+``prometheus_client`` from the status map on each request."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # what ``generate_latest`` writes
 
 # name, type, help, key in the status map
 RUN_METRICS = (
@@ -38,22 +42,58 @@ WORKER_METRICS = (
 )
 
 
-def _value(value: Any) -> str | None:
-    """A sample value in exposition syntax, or None when there is nothing numeric."""
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if not isinstance(value, int | float):
-        return None
-    if isinstance(value, float) and math.isnan(value):
-        return "NaN"
-    if isinstance(value, float) and math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(value) if isinstance(value, float) else str(value)
+def _number(value: Any) -> float | None:
+    """A sample value (booleans as 0/1), or None when there is nothing numeric."""
+    if isinstance(value, bool | int | float):
+        return float(value)
+    return None
 
 
-def _label(value: str) -> str:
-    """A label value escaped as the format requires (backslash, quote, newline)."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def _family(kind: str, name: str, text: str, labels: Sequence[str] = ()) -> Metric:
+    """An empty metric family; a counter's name is given without its ``_total`` suffix."""
+    if kind == "counter":
+        return CounterMetricFamily(name.removesuffix("_total"), text, labels=labels)
+    return GaugeMetricFamily(name, text, labels=labels)
+
+
+class _StatusCollector(Collector):
+    """The families of one status map and live view; a family without samples is left out."""
+
+    def __init__(self, status: Mapping[str, Any], view: Mapping[str, Any] | None) -> None:
+        self.status, self.view = status, view
+
+    def collect(self) -> Iterator[Metric]:
+        status = self.status
+        info = GaugeMetricFamily(
+            "pserver_info", "Run settings as labels (value 1).", labels=("mode", "model")
+        )
+        info.add_metric((str(status.get("mode", "")), str(status.get("model", ""))), 1)
+        yield info
+        for name, kind, text, key in RUN_METRICS:
+            value = _number(status.get(key))
+            if value is not None:
+                family = _family(kind, name, text)
+                family.add_metric((), value)
+                yield family
+        last = status.get("last_eval") or {}
+        for name, text, key in EVAL_METRICS:
+            value = _number(last.get(key))
+            if value is not None:
+                family = _family("gauge", name, text)
+                family.add_metric((), value)
+                yield family
+        totals = (self.view or {}).get("workers", {})
+        workers = [w for w in status.get("workers", []) if isinstance(w, Mapping)]
+        for name, kind, text, key in WORKER_METRICS:
+            family = _family(kind, name, text, ("worker", "device"))
+            for worker in workers:
+                worker_name = str(worker.get("name", ""))
+                source = worker if key in worker else totals.get(worker_name, {})
+                value = _number(source.get(key))
+                if value is not None:
+                    family.add_metric((worker_name, str(worker.get("device", ""))), value)
+            if family.samples:
+                yield family
 
 
 def render(status: Mapping[str, Any], view: Mapping[str, Any] | None = None) -> str:
@@ -66,40 +106,6 @@ def render(status: Mapping[str, Any], view: Mapping[str, Any] | None = None) -> 
     Returns:
         The text, one ``# HELP`` and ``# TYPE`` line per metric family, ending in a newline.
     """
-    lines: list[str] = []
-
-    def family(name: str, kind: str, text: str, samples: list[tuple[str, str]]) -> None:
-        if not samples:
-            return
-        lines.append(f"# HELP {name} {text}")
-        lines.append(f"# TYPE {name} {kind}")
-        lines.extend(f"{name}{labels} {value}" for labels, value in samples)
-
-    mode = _label(str(status.get("mode", "")))
-    family(
-        "pserver_info",
-        "gauge",
-        "Run settings as labels (value 1).",
-        [(f'{{mode="{mode}",model="{_label(str(status.get("model", "")))}"}}', "1")],
-    )
-    for name, kind, text, key in RUN_METRICS:
-        value = _value(status.get(key))
-        family(name, kind, text, [("", value)] if value is not None else [])
-    last = status.get("last_eval") or {}
-    for name, text, key in EVAL_METRICS:
-        value = _value(last.get(key))
-        family(name, "gauge", text, [("", value)] if value is not None else [])
-    totals = (view or {}).get("workers", {})
-    workers = [w for w in status.get("workers", []) if isinstance(w, Mapping)]
-    for name, kind, text, key in WORKER_METRICS:
-        samples = []
-        for worker in workers:
-            worker_name = str(worker.get("name", ""))
-            source = worker if key in worker else totals.get(worker_name, {})
-            value = _value(source.get(key))
-            if value is not None:
-                device = _label(str(worker.get("device", "")))
-                labels = f'{{worker="{_label(worker_name)}",device="{device}"}}'
-                samples.append((labels, value))
-        family(name, kind, text, samples)
-    return "\n".join(lines) + "\n"
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_StatusCollector(status, view))
+    return generate_latest(registry).decode("utf-8")
