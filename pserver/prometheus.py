@@ -49,7 +49,9 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def _family(kind: str, name: str, text: str, labels: Sequence[str] = ()) -> Metric:
+def _family(
+    kind: str, name: str, text: str, labels: Sequence[str] = ()
+) -> CounterMetricFamily | GaugeMetricFamily:
     """An empty metric family; a counter's name is given without its ``_total`` suffix."""
     if kind == "counter":
         return CounterMetricFamily(name.removesuffix("_total"), text, labels=labels)
