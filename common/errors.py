@@ -74,6 +74,10 @@ class NetworkTimeout(PSError):
     """A network wait ran past its configured timeout."""
 
 
+class WaitTimeout(PSError):
+    """A bounded wait for a condition (``common.polling.poll_until``) ran out of time."""
+
+
 class ServerLost(PSError):
     """The server stopped answering heartbeats or restarted; the worker should rejoin."""
 

@@ -17,15 +17,13 @@ from typing import Any
 
 from common.cli_env import child_environment
 from common.errors import ConfigError, PSError
+from common.procs import Child, Children, TextSink
 from common.protocol.security import write_shard_secret
 from launch.cluster.netns import Host, Placement, cluster_hosts
 from launch.cluster.nodes import Nodes
 from launch.cluster.spec import ClusterSpec
 from launch.procs import (
-    Child,
-    Children,
     EventsMark,
-    TextSink,
     joined_names,
     second_signal_kills,
     signals_interrupt,

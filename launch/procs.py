@@ -1,187 +1,30 @@
-"""A launcher's child processes: each in its own process group, its output pumped into one log,
-watched while the run goes, and stopped in order (server first, with its shutdown budget); and
-the server's address, read from its ``start`` event in ``metrics.jsonl``.
+"""A server's readiness and a launcher's signals.
 
-Children run in their own sessions, so a Ctrl-C in the terminal reaches only the launcher, which
-then asks the server to stop once (a second signal would make the server exit at once and lose
-its summary); whatever outlives its grace period is killed with its whole process group.
+A server is ready once its ``start`` event, which carries the address it listens on, is in the
+run's ``metrics.jsonl``; launchers, benchmarks and tests all wait for that event. Launchers run
+their children (``common.procs.Children``) in their own sessions, so a Ctrl-C in the terminal
+reaches only the launcher, which then asks the server to stop once (a second signal would make
+the server exit at once and lose its summary); whatever outlives its grace period is killed
+with its whole process group.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import dataclasses
 import json
 import os
 import signal
-import subprocess
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
-from common.errors import PSError
+from common.errors import NetworkTimeout, PSError, WaitTimeout
+from common.polling import poll_until
+from common.procs import Child, Children
 
-TAIL_LINES = 40
 POLL_S = 0.2
-
-
-class TextSink(Protocol):
-    """Where children's output goes: a text file, or anything with ``write`` and ``flush``."""
-
-    def write(self, text: str, /) -> object: ...
-
-    def flush(self) -> None: ...
-
-
-@dataclasses.dataclass
-class Child:
-    """One child process and the last lines it printed."""
-
-    name: str
-    popen: subprocess.Popen[str]
-    tail: collections.deque[str]
-    pump: threading.Thread | None = None
-
-    @property
-    def code(self) -> int | None:
-        """The exit code, None while it runs."""
-        return self.popen.poll()
-
-    def error_line(self) -> str:
-        """The child's last line that reports an error, else its last line ("" if none)."""
-        lines = [line.strip() for line in self.tail if line.strip()]
-        for line in reversed(lines):
-            if "error" in line.lower() or "exception" in line.lower():
-                return line
-        return lines[-1] if lines else ""
-
-    def failure(self) -> str:
-        """A one-line account of how the child ended."""
-        line = self.error_line()
-        return f"{self.name} exited with code {self.code}" + (f": {line}" if line else "")
-
-
-class Children:
-    """Start, watch and stop a launcher's children.
-
-    Args:
-        sink: where every child's output goes, each line prefixed with ``[name] ``.
-        env: the children's environment.
-    """
-
-    def __init__(self, sink: TextSink, env: dict[str, str]) -> None:
-        self.sink, self.env = sink, env
-        self.children: list[Child] = []
-        self._sink_lock = threading.Lock()
-
-    def start(
-        self,
-        name: str,
-        cmd: Sequence[str],
-        on_line: Callable[[str], None] | None = None,
-        stderr_only: bool = False,
-    ) -> Child:
-        """Start ``cmd`` in a new session.
-
-        Args:
-            name: the child's name in the log and in errors.
-            cmd: the command line.
-            on_line: sees each output line (called on the pump thread).
-            stderr_only: log only stderr (the server prints its summary on stdout).
-        """
-        popen = subprocess.Popen(
-            list(cmd),
-            stdout=subprocess.DEVNULL if stderr_only else subprocess.PIPE,
-            stderr=subprocess.PIPE if stderr_only else subprocess.STDOUT,
-            text=True,
-            env=self.env,
-            start_new_session=True,
-        )
-        child = Child(name, popen, collections.deque(maxlen=TAIL_LINES))
-        child.pump = threading.Thread(target=self._pump, args=(child, on_line), daemon=True)
-        self.children.append(child)
-        child.pump.start()
-        return child
-
-    def _pump(self, child: Child, on_line: Callable[[str], None] | None) -> None:
-        stream = child.popen.stdout or child.popen.stderr
-        assert stream is not None
-        with stream:  # closed once the child has closed its end
-            for line in stream:
-                child.tail.append(line)
-                if on_line is not None:
-                    on_line(line)
-                with self._sink_lock:
-                    self.sink.write(f"[{child.name}] {line}")
-                    self.sink.flush()
-
-    def wait(self, main: Child, timeout_s: float, check: Callable[[], None] = lambda: None) -> int:
-        """Wait until ``main`` exits, calling ``check`` (which may raise) every poll.
-
-        Raises:
-            PSError: ``main`` did not exit within ``timeout_s``.
-        """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                return main.popen.wait(timeout=POLL_S)
-            except subprocess.TimeoutExpired:
-                pass
-            check()
-            if time.monotonic() > deadline:
-                raise PSError(f"{main.name} did not finish within {timeout_s:g} s")
-
-    def wait_all(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` in all for every child to exit; True if they all did."""
-        deadline = time.monotonic() + timeout_s
-        for child in self.children:
-            try:
-                child.popen.wait(timeout=max(deadline - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:
-                return False
-        return True
-
-    def stop(
-        self, first: Child | None = None, first_grace_s: float = 0.0, grace_s: float = 10.0
-    ) -> None:
-        """Stop every child still running: SIGTERM to ``first`` (the server), which may take
-        ``first_grace_s`` to wind down, then SIGTERM to the rest; whatever is left after
-        ``grace_s`` is killed with its process group. Every child is reaped."""
-        if first is not None and first.code is None:
-            _signal_group(first.popen, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                first.popen.wait(timeout=first_grace_s)
-        for child in self.children:
-            if child.code is None:
-                _signal_group(child.popen, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for child in self.children:
-            try:
-                child.popen.wait(timeout=max(deadline - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:
-                self.kill(child)
-        for child in self.children:  # anything a child left in its group goes too
-            _signal_group(child.popen, signal.SIGKILL)
-
-    def kill(self, child: Child) -> None:
-        """Kill ``child``'s process group now and reap it."""
-        _signal_group(child.popen, signal.SIGKILL)
-        child.popen.wait()
-
-    def kill_groups(self) -> None:
-        """SIGKILL every child's process group (safe in a signal handler: it does not wait)."""
-        for child in self.children:
-            _signal_group(child.popen, signal.SIGKILL)
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Wait for the pumps to drain the children's output (their pipes close with them)."""
-        for child in self.children:
-            if child.pump is not None:
-                child.pump.join(timeout=timeout_s)
 
 
 class EventsMark:
@@ -276,29 +119,52 @@ def joined_names(metrics: Path, mark: EventsMark | int) -> set[str]:
     }
 
 
-def wait_for_address(server: Child, metrics: Path, mark: EventsMark, timeout_s: float) -> str:
-    """The server's address once its ``start`` event is written; fails fast with the server's
-    error if it exits first.
+def wait_for_start(
+    metrics: Path, mark: EventsMark | int, timeout_s: float, gone: Callable[[], str | None]
+) -> str:
+    """The address of the server's ``start`` event, the one readiness signal of a server: it is
+    written once the server listens, into the run's ``metrics.jsonl``.
+
+    Args:
+        metrics: the run's ``metrics.jsonl``.
+        mark: where the new server's events begin (see ``new_events``).
+        timeout_s: how long to wait.
+        gone: None while the server runs, else why it is not running (asked between reads).
+
+    Returns:
+        The address workers connect to.
 
     Raises:
-        PSError: the server exited, or did not start within ``timeout_s``.
+        PSError: ``gone`` said the server is not running.
+        NetworkTimeout: no ``start`` event within ``timeout_s``.
     """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        address = new_start_address(metrics, mark)
-        if address is not None:
-            return address
-        if server.code is not None:
-            raise PSError(f"the server did not start: {server.failure()}")
-        if time.monotonic() > deadline:
-            raise PSError(f"the server did not start listening within {timeout_s:g} s")
-        time.sleep(POLL_S)
+
+    def address() -> str | None:
+        found = new_start_address(metrics, mark)
+        if found is None and (why := gone()) is not None:
+            raise PSError(why)
+        return found
+
+    try:
+        return poll_until(address, timeout_s, POLL_S, "the server's start event")
+    except WaitTimeout as exc:
+        raise NetworkTimeout(f"the server did not listen within {timeout_s:g} s") from exc
 
 
-def _signal_group(popen: subprocess.Popen[str], signum: int) -> None:
-    """Send ``signum`` to the child's process group (it leads its own session)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(popen.pid, signum)
+def wait_for_address(server: Child, metrics: Path, mark: EventsMark, timeout_s: float) -> str:
+    """The address of ``server`` (a child of this process) once its ``start`` event is written;
+    fails fast with the server's error if it exits first.
+
+    Raises:
+        PSError: the server exited.
+        NetworkTimeout: it did not start within ``timeout_s``.
+    """
+    return wait_for_start(
+        metrics,
+        mark,
+        timeout_s,
+        lambda: None if server.code is None else f"the server did not start: {server.failure()}",
+    )
 
 
 class Interrupted(KeyboardInterrupt):

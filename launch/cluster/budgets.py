@@ -19,11 +19,11 @@ import logging
 import math
 import os
 import signal
-import time
 from pathlib import Path
 
 from common.cpu_quota import CpuHierarchy, find_cpu_hierarchy
-from common.errors import ConfigError, PSError
+from common.errors import ConfigError, PSError, WaitTimeout
+from common.polling import poll_until
 
 log = logging.getLogger(__name__)
 
@@ -173,28 +173,35 @@ def _pids(group: Path) -> list[int]:
 def _empty(group: Path) -> None:
     """SIGKILL every process left in ``group`` (all started by this launch) and wait until
     the kernel has taken them out."""
-    deadline = time.monotonic() + EMPTY_TIMEOUT_S
-    while pids := _pids(group):
+
+    def emptied() -> bool:
+        pids = _pids(group)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        if time.monotonic() > deadline:
-            log.warning("processes %s did not leave %s", pids, group)
-            return
-        time.sleep(0.02)
+        return not pids
+
+    try:
+        poll_until(emptied, EMPTY_TIMEOUT_S, 0.02, f"{group} to empty")
+    except WaitTimeout:
+        log.warning("processes %s did not leave %s", _pids(group), group)
 
 
 def _rmdir(path: Path) -> None:
     """Remove an empty group (a just-reaped process may hold it a moment longer)."""
-    deadline = time.monotonic() + EMPTY_TIMEOUT_S
-    while True:
+    errors: list[OSError] = []
+
+    def removed() -> bool:
         try:
             path.rmdir()
-            return
+        except FileNotFoundError:
+            pass
         except OSError as exc:
-            if isinstance(exc, FileNotFoundError):
-                return
-            if time.monotonic() > deadline:
-                log.warning("cannot remove the control group %s: %s", path, exc)
-                return
-            time.sleep(0.02)
+            errors.append(exc)
+            return False
+        return True
+
+    try:
+        poll_until(removed, EMPTY_TIMEOUT_S, 0.02, f"{path} to be removed")
+    except WaitTimeout:
+        log.warning("cannot remove the control group %s: %s", path, errors[-1])

@@ -20,23 +20,18 @@ import logging
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from common.cli_env import child_environment
 from common.errors import ConfigError, PSError
+from common.polling import poll_until
+from common.procs import POLL_S, Children, TextSink
 from common.training.slowdown import SlowdownSchedule
 from launch.cluster.netns import HOST_INTERFACE, cluster_hosts
 from launch.cluster.nodes import Nodes
 from launch.cluster.spec import ClusterSpec, NodeSpec
-from launch.procs import (
-    Children,
-    EventsMark,
-    TextSink,
-    second_signal_kills,
-    signals_interrupt,
-)
+from launch.procs import EventsMark, second_signal_kills, signals_interrupt
 from launch.progress import RunProgress
 from launch.settings import TrainSettings, server_default
 
@@ -317,12 +312,10 @@ def _wait_all(children: Children, timeout_s: float) -> None:
     """Wait until every rank exits; raise at the first failure or when time runs out."""
     ranks = list(children.children)
 
-    def fail_fast() -> None:
+    def all_exited() -> bool:
         for child in ranks:
             if child.code not in (None, 0):
                 raise PSError(f"DDP rank {child.failure()}")
+        return all(child.code is not None for child in ranks)
 
-    deadline = time.monotonic() + timeout_s
-    for child in ranks:
-        children.wait(child, max(deadline - time.monotonic(), 0.001), fail_fast)
-        fail_fast()
+    poll_until(all_exited, timeout_s, POLL_S, "every DDP rank to finish")

@@ -165,12 +165,12 @@ class SlurmJob:
             )
         if not _SAFE_NAME.match(self.job_name):
             raise ConfigError(f"--job-name {self.job_name!r}: use letters, digits, '.', '_', '-'")
-        for name, value in (
+        for option_name, seconds in (
             ("--startup-timeout", self.startup_timeout_s),
             ("--stop-timeout", self.stop_timeout_s),
         ):
-            if value <= 0:
-                raise ConfigError(f"{name} must be > 0, got {value}")
+            if seconds <= 0:
+                raise ConfigError(f"{option_name} must be > 0, got {seconds}")
         for option in self.sbatch_options:
             if not option.startswith("--") or "\n" in option:
                 raise ConfigError(f"--sbatch-opt {option!r} must be one '--name[=value]' option")

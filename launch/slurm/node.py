@@ -5,39 +5,26 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
 import click
 
-from common.errors import ConfigError, NetworkTimeout, PSError
-from launch.procs import new_start_address
-
-POLL_S = 0.2
-
-
-def _running(pid: int) -> bool:
-    """The process exists and is not a zombie (the job shell reaps the server only later)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii")
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+from common.errors import ConfigError, PSError
+from common.procs import is_running
+from launch.procs import wait_for_start
 
 
 def wait_for_address(metrics: Path, offset: int, pid: int, timeout_s: float) -> str:
     """Wait until the server started by this job writes its ``start`` event; return its address.
 
     Only events written after byte ``offset`` (the file's size before the server started)
-    count, so an earlier attempt's ``start`` event is never taken. The file
-    is re-read every 0.2 s: there is no portable file-change notification in the standard
-    library.
+    count, so an earlier attempt's ``start`` event is never taken.
 
     Args:
         metrics: the run's ``metrics.jsonl``.
         offset: its size in bytes before this attempt's server started.
-        pid: the server's process id.
+        pid: the server's process id (the job shell's child, so it may linger as a zombie).
         timeout_s: how long to wait.
 
     Returns:
@@ -47,16 +34,12 @@ def wait_for_address(metrics: Path, offset: int, pid: int, timeout_s: float) -> 
         PSError: the server exited first.
         NetworkTimeout: it did not start within ``timeout_s``.
     """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        address = new_start_address(metrics, offset)
-        if address is not None:
-            return address
-        if not _running(pid):
-            raise PSError(f"the server (pid {pid}) exited before it listened")
-        if time.monotonic() >= deadline:
-            raise NetworkTimeout(f"the server did not listen within {timeout_s:g} s")
-        time.sleep(POLL_S)
+    return wait_for_start(
+        metrics,
+        offset,
+        timeout_s,
+        lambda: None if is_running(pid) else f"the server (pid {pid}) exited before it listened",
+    )
 
 
 def pick_device(gpu: bool, env: Mapping[str, str]) -> str:

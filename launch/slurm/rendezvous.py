@@ -15,14 +15,15 @@ import dataclasses
 import datetime
 import ipaddress
 import subprocess
-import time
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError, NetworkTimeout, PSError
+from common.errors import ConfigError, NetworkTimeout, PSError, WaitTimeout
+from common.polling import poll_until
+from common.procs import POLL_S
 from launch.ddp.launcher import DDPConfig, _loopback_interface
-from launch.slurm.node import POLL_S, node_address, pick_device
+from launch.slurm.node import node_address, pick_device
 
 
 def first_node(nodelist: str, timeout_s: float = 30.0) -> str:
@@ -154,20 +155,19 @@ def store_address(place: SlurmRank, timeout_s: float) -> str:
     """
     if place.master_port is not None:
         return f"{place.master_host}:{place.master_port}"
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def published() -> str:
         try:
-            text = place.address_file.read_text(encoding="utf-8").strip()
+            return place.address_file.read_text(encoding="utf-8").strip()
         except FileNotFoundError:
-            text = ""
-        if text:
-            return text
-        if time.monotonic() >= deadline:
-            raise NetworkTimeout(
-                f"task 0 published no rendezvous address in {place.address_file} within "
-                f"{timeout_s:g} s"
-            )
-        time.sleep(POLL_S)
+            return ""
+
+    try:
+        return poll_until(published, timeout_s, POLL_S, "task 0's rendezvous address")
+    except WaitTimeout as exc:
+        raise NetworkTimeout(
+            f"task 0 published no rendezvous address in {place.address_file} within {timeout_s:g} s"
+        ) from exc
 
 
 def task_config(

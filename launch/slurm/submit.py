@@ -8,11 +8,11 @@ import logging
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError, NetworkTimeout, PSError
+from common.errors import ConfigError, NetworkTimeout, PSError, WaitTimeout
+from common.polling import poll_until
 from launch.slurm.config import DDP, SlurmJob
 from launch.slurm.ddp_script import render_ddp
 from launch.slurm.script import render
@@ -200,19 +200,20 @@ def wait_job(job_id: str, timeout_s: float, poll_s: float = 2.0) -> JobEnd:
         NetworkTimeout: the job had not ended within ``timeout_s`` (it goes on).
         PSError: scontrol failed.
     """
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def ended() -> JobEnd | None:
         state = job_state(job_id)
         if state is None:
             return JobEnd(job_id, "UNKNOWN", None)
-        if state[0] in TERMINAL:
-            return JobEnd(job_id, state[0], state[1])
-        if time.monotonic() >= deadline:
-            raise NetworkTimeout(
-                f"job {job_id} had not ended after {timeout_s:g} s; it goes on "
-                f"(scancel {job_id} stops it)"
-            )
-        time.sleep(poll_s)
+        return JobEnd(job_id, state[0], state[1]) if state[0] in TERMINAL else None
+
+    try:
+        return poll_until(ended, timeout_s, poll_s, f"job {job_id} to end")
+    except WaitTimeout as exc:
+        raise NetworkTimeout(
+            f"job {job_id} had not ended after {timeout_s:g} s; it goes on "
+            f"(scancel {job_id} stops it)"
+        ) from exc
 
 
 def read_summary(run_dir: Path) -> dict[str, Any]:
