@@ -47,6 +47,7 @@ test: setup
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 	$(PY) -m launch.cli_doc --check
 
 # docs/cli.md's option tables, regenerated from the commands.

@@ -28,7 +28,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ from torch import nn  # noqa: E402
 from bench.jasper import JASPER_DIR, jasper  # noqa: E402
 from common.data.dataset import DatasetReader  # noqa: E402
 from common.logsetup import setup_logging  # noqa: E402
+from common.procs import Children  # noqa: E402
 from common.training.models import build_model  # noqa: E402
 from common.training.planner import plan_equal  # noqa: E402
 from launch.ddp.launcher import DDPConfig, run_ddp  # noqa: E402
@@ -167,18 +167,14 @@ def run_plain(data: Path, factors: list[float], args: argparse.Namespace, out: P
         *("--epochs", str(args.epochs), "--global-batch", str(args.global_batch)),
         *("--store-port", str(store.port), "--result", str(result), "--seed", str(args.seed)),
     ]
-    procs = [
-        subprocess.Popen([sys.executable, __file__, "--plain-rank", str(r), *common], env=env)
-        for r in range(len(factors))
-    ]
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        codes = [p.wait(timeout=max(deadline - time.monotonic(), 1.0)) for p in procs]
+        with Children(sys.stdout, env) as ranks:
+            for r in range(len(factors)):
+                ranks.start(f"rank{r}", [sys.executable, __file__, "--plain-rank", str(r), *common])
+            if not ranks.wait_all(TIMEOUT_S):
+                raise RuntimeError(f"plain DDP ranks did not finish within {TIMEOUT_S} s")
+            codes = [rank.code for rank in ranks.children]
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
         del store
     if any(codes):
         raise RuntimeError(f"plain DDP ranks exited with {codes}")

@@ -1,7 +1,7 @@
 """Peak memory of converting and serving a large (~2 GB) dataset, against the file's size.
 
-Each step runs in a fresh interpreter that reports its own peak resident set size (VmHWM in
-/proc/self/status, Linux), so the steps do not inherit each other's peaks:
+Each step runs in a fresh interpreter that reports its own peak resident set size
+(``getrusage``), so the steps do not inherit each other's peaks:
 
 1. convert: ``synth_scenes`` writes N EuroSAT-shaped images (13 x 64 x 64 float32 by default;
    9800 images are 2.0 GB) in blocks;
@@ -30,11 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PEAK = """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
+from common.procs import peak_rss_bytes
 def peak_mb():
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
+    return peak_rss_bytes() / 2**20
 """
 
 STEPS = {

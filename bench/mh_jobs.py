@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.mh_setup import BenchConfig, Variant
-from bench.procs import Child, ChildError, python
+from bench.procs import python, start
 from common import stagetrace
+from common.procs import Child, ChildError
 from common.protocol.security import write_shard_secret
 from launch.cluster.netns import Network
+from launch.procs import EventsMark, wait_for_address
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +79,8 @@ def run_gloo(net: Network, cfg: BenchConfig, dataset: Path, log_dir: Path) -> di
                 str(cfg.job_timeout),
             )
             env = {"GLOO_SOCKET_IFNAME": host.interface}
-            children.append(Child(f"gloo{rank}", host.argv(argv), log_dir / f"gloo{rank}.log", env))
-        line = children[0].wait_for(r"^RESULT (\{.*\})$", cfg.job_timeout)
+            children.append(start(f"gloo{rank}", host.argv(argv), log_dir / f"gloo{rank}.log", env))
+        line = children[0].wait_for_match(r"^RESULT (\{.*\})$", cfg.job_timeout)
         codes = [child.wait(EXIT_TIMEOUT_S) for child in children]
         if any(codes):
             raise ChildError(f"gloo rank exit codes {codes}; logs in {log_dir}")
@@ -119,7 +121,8 @@ def run_ps(
     # With stage tracing on, each run's processes mark their stages in the run's own folder.
     env = {stagetrace.ENV: str(run_dir / "trace")} if stagetrace.enabled() else None
     try:
-        server = Child(
+        mark = EventsMark(run_dir / "metrics.jsonl")
+        server = start(
             "server",
             server_host.argv(
                 python(
@@ -156,7 +159,8 @@ def run_ps(
             env,
         )
         children.append(server)
-        endpoint = server.wait_for(r"pserver listening on (\S+)", STARTUP_TIMEOUT_S).group(1)
+        endpoint = wait_for_address(server, run_dir / "metrics.jsonl", mark, STARTUP_TIMEOUT_S)
+        mark.close()
         shards = []
         for index in variant.shard_hosts(net.config.rates):
             host = net.hosts[index]
@@ -171,7 +175,7 @@ def run_ps(
                 str(secret),
             )
             shards.append(
-                Child(f"shard@{host.netns}", host.argv(argv), run_dir / f"shard{index}.log", env)
+                start(f"shard@{host.netns}", host.argv(argv), run_dir / f"shard{index}.log", env)
             )
             children.append(shards[-1])
         joined = []
@@ -190,7 +194,7 @@ def run_ps(
             )
             if variant.local_data:
                 argv += ["--data", str(dataset)]
-            joined.append(Child(f"w{i}", host.argv(argv), run_dir / f"w{i}.log", env))
+            joined.append(start(f"w{i}", host.argv(argv), run_dir / f"w{i}.log", env))
             children.append(joined[-1])
         code = server.wait(max(1.0, cfg.job_timeout - (time.monotonic() - started)))
         codes = [child.wait(EXIT_TIMEOUT_S) for child in joined]
@@ -219,7 +223,9 @@ def _rounds(metrics: Path, warmup: int) -> dict[str, Any]:
     if not rounds:
         raise ChildError(f"{metrics} holds no rounds past the {warmup} warm-up rounds")
     measured = all("compute_s" in w for r in rounds for w in r["workers"])
-    round_s, compute_s, batches = [], [], {}
+    round_s: list[float] = []
+    compute_s: list[float] = []
+    batches: dict[str, list[int]] = {}
     for r in rounds:
         if measured:
             per_worker = [float(w["compute_s"]) for w in r["workers"]]

@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -41,9 +42,10 @@ from bench.mh_jobs import run_gloo, run_ps
 from bench.mh_report import legend, table
 from bench.mh_setup import DEFAULT_VARIANTS, VARIANTS, BenchConfig, missing_features, scenes_dataset
 from bench.netprobe import measure_rate
-from bench.procs import ROOT, ChildError
+from bench.procs import ROOT
 from common.errors import PSError
 from common.logsetup import setup_logging
+from common.procs import ChildError
 from launch.cluster.netns import NetConfig, Network, available
 from launch.cluster.spec import rate_bits
 
@@ -132,7 +134,9 @@ def run(cfg: BenchConfig) -> int:
     dataset = scenes_dataset(cfg.out, cfg.samples, cfg.size)
     cfg = dataclasses.replace(cfg, out=cfg.out / time.strftime("%Y%m%d-%H%M%S"))
     cfg.out.mkdir()
-    gloo_runs, ps_runs, failures = [], {v.name: [] for v in runnable}, {}
+    gloo_runs: list[dict[str, Any]] = []
+    ps_runs: dict[str, list[dict[str, Any]]] = {v.name: [] for v in runnable}
+    failures: dict[str, list[str]] = {}
     with Network(NetConfig(rates=cfg.rates, prefix=cfg.prefix)) as net:
         links = check_links(net, cfg)
         for line in links:

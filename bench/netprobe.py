@@ -13,7 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.procs import Child, ChildError, python
+from bench.procs import python, start
+from common.procs import Child, ChildError
 from launch.cluster.netns import Host
 
 SOCKET_TIMEOUT_S = 30.0
@@ -70,19 +71,19 @@ def measure_rate(src: Host, dst: Host, size: int, log_dir: Path, timeout: float 
         ChildError: a process failed or the transfer took longer than ``timeout``.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
-    recv = Child(
+    recv = start(
         f"recv@{dst.netns}",
         dst.argv(python("bench.netprobe", "recv", dst.address)),
         log_dir / f"probe-recv-{dst.netns}.log",
     )
     sender: Child | None = None
     try:
-        port = recv.wait_for(r"^port (\d+)$", timeout).group(1)
+        port = recv.wait_for_match(r"^port (\d+)$", timeout).group(1)
         argv = src.argv(python("bench.netprobe", "send", dst.address, port, str(size)))
-        sender = Child(f"send@{src.netns}", argv, log_dir / f"probe-send-{src.netns}.log")
+        sender = start(f"send@{src.netns}", argv, log_dir / f"probe-send-{src.netns}.log")
         if sender.wait(timeout) != 0:
             raise ChildError(f"the sender failed\n{sender.tail()}")
-        result = json.loads(recv.wait_for(r"^\{.*\}$", timeout).group(0))
+        result = json.loads(recv.wait_for_match(r"^\{.*\}$", timeout).group(0))
     finally:
         if sender is not None:
             sender.stop()

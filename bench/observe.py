@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -29,7 +30,7 @@ from pserver.statuspage import BODIES, REFRESH_S, StatusPage
 
 WARMUP = 10
 URL = re.compile(r"status page on (\S+)")
-ROUND = {
+ROUND: dict[str, Any] = {
     "round": 1,
     "epoch": 1,
     "version": 1,
@@ -164,18 +165,18 @@ def main() -> None:
             for board in (False, True):
                 directory = root / f"events-{board}-{repeat}"
                 costs[board].append(event_cost(directory, args.events, board))
-        plain, board = statistics.median(costs[False]), statistics.median(costs[True])
+        plain, boarded = statistics.median(costs[False]), statistics.median(costs[True])
         print(
             f"RunLog.event, 4-worker round, on the caller's thread: {1e6 * plain:.1f} us "
-            f"without TensorBoard, {1e6 * board:.1f} us with (ratio {board / plain:.2f}; "
+            f"without TensorBoard, {1e6 * boarded:.1f} us with (ratio {boarded / plain:.2f}; "
             f"medians of {args.repeats}; the writer thread runs meanwhile)"
         )
         written = statistics.median(writer_cost(root / f"w{i}", 3000) for i in range(3))
         print(f"TensorBoard writer thread: {1e6 * written:.0f} us per 4-worker round event")
-        costs = request_costs(300)
+        render_costs = request_costs(300)
         print(
             f"server-loop time per render (at most 1 per {REFRESH_S} s and body), live view full: "
-            + ", ".join(f"{path} {1e6 * cost:.0f} us" for path, cost in costs.items())
+            + ", ".join(f"{path} {1e6 * cost:.0f} us" for path, cost in render_costs.items())
         )
         data = root / "hsi.h5"
         synth_hsi(data, bands=16, size=32, classes=4, train_fraction=0.5, seed=1)

@@ -19,21 +19,22 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import psutil  # noqa: E402
+
 from bench.jasper import JASPER_DIR, jasper  # noqa: E402
+from common.polling import poll_until  # noqa: E402
+from common.procs import Child  # noqa: E402
+from launch.procs import EventsMark, new_events, wait_for_address  # noqa: E402
 
 # (stage, markers): a sample belongs to the first stage with a marker in its stack, markers
 # tried innermost frame first. Order matters: more specific stages come first.
@@ -82,20 +83,18 @@ def classify(
 
 def wait_rounds(metrics: Path, count: int, timeout_s: float) -> list[dict]:
     """Round events once at least ``count`` were written."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if metrics.exists():
-            rounds = [json.loads(x) for x in metrics.read_text().splitlines() if '"round"' in x]
-            if len(rounds) >= count:
-                return rounds
-        time.sleep(0.2)
-    raise TimeoutError(f"fewer than {count} rounds within {timeout_s:g} s")
+
+    def rounds() -> list[dict] | None:
+        found = [r for r in new_events(metrics, 0) if r.get("event") == "round"]
+        return found if len(found) >= count else None
+
+    return poll_until(rounds, timeout_s, 0.2, f"{count} rounds") if count else rounds() or []
 
 
 def cpu_s(pid: int) -> float:
     """CPU seconds (user + system, all threads) a process has used so far (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def profile(tree: Path, dataset: Path, tmp: Path, seconds: int, rate: int) -> dict[str, Any]:
@@ -107,7 +106,10 @@ def profile(tree: Path, dataset: Path, tmp: Path, seconds: int, rate: int) -> di
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     run_dir = tmp / f"run-{tree.name}"
     steps = 200 + seconds * 400  # more than the window can use at 2.5 ms a round
-    server = subprocess.Popen(
+    metrics = run_dir / "metrics.jsonl"
+    mark = EventsMark(metrics)
+    server = Child(
+        "server",
         [
             sys.executable,
             "-m",
@@ -133,29 +135,20 @@ def profile(tree: Path, dataset: Path, tmp: Path, seconds: int, rate: int) -> di
             str(run_dir),
         ],
         cwd=tree,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
     )
-    worker = None
+    children = [server]
     try:
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 60
-        while '"start"' not in (metrics.read_text() if metrics.exists() else ""):
-            if time.monotonic() > deadline:
-                raise TimeoutError("the server did not start within 60 s")
-            time.sleep(0.1)
-        start = [json.loads(x) for x in metrics.read_text().splitlines() if '"start"' in x]
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", "join", "--server", start[-1]["address"]],
-            cwd=tree,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+        address = wait_for_address(server, metrics, mark, 60)
+        worker = Child(
+            "worker", [sys.executable, "-m", "worker.cli", "join", "--server", address], cwd=tree
         )
+        children.append(worker)
         before = len(wait_rounds(metrics, 100, 120))
         procs = {"server": server, "worker": worker}
         cpu0 = {name: cpu_s(proc.pid) for name, proc in procs.items()}
         spies = [
-            subprocess.Popen(
+            Child(
+                f"py-spy {name}",
                 [
                     spy,
                     "record",
@@ -171,21 +164,19 @@ def profile(tree: Path, dataset: Path, tmp: Path, seconds: int, rate: int) -> di
                     "-o",
                     str(tmp / f"{name}.raw"),
                 ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
             )
             for name, proc in procs.items()
         ]
+        children += spies
         for spy_proc in spies:
             spy_proc.wait(timeout=seconds + 60)
         cpu = {name: cpu_s(proc.pid) - cpu0[name] for name, proc in procs.items()}
         rounds = wait_rounds(metrics, before + 1, 10)[before:]
         done = len(wait_rounds(metrics, 0, 1)) - before
     finally:
-        for proc in (worker, server):
-            if proc is not None:
-                proc.kill()
-                proc.wait(timeout=30)
+        mark.close()
+        for child in reversed(children):
+            child.kill()
     result: dict[str, Any] = {
         "round_ms": statistics.median(r["round_s"] for r in rounds) * 1e3,
         "cpu_ms": {name: c / max(done, 1) * 1e3 for name, c in cpu.items()},

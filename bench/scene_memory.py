@@ -1,8 +1,8 @@
 """Peak memory of preparing and predicting a large GeoTIFF scene, read in windows or whole.
 
 Writes a synthetic ROWS x COLS x BANDS uint16 GeoTIFF (in row blocks) and a sparse class map,
-then runs each step in a fresh interpreter that reports its own peak resident set size (VmHWM
-in /proc/self/status, Linux):
+then runs each step in a fresh interpreter that reports its own peak resident set size
+(``getrusage``):
 
 1. prepare: ``prepare_hsi`` from the GeoTIFF cube and class map (5 x 5 patches);
 2. predict, windowed: ``predict_scene`` on the GeoTIFF, a band of rows at a time;
@@ -33,11 +33,9 @@ PEAK = """
 import json, sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
+from common.procs import peak_rss_bytes
 def peak_mb():
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
+    return peak_rss_bytes() / 2**20
 """
 
 MODEL = """

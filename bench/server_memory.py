@@ -1,7 +1,7 @@
 """Server memory over a long run: resident set size (VmRSS) of ``pserver start`` against the
 model version, 2 workers and a small global batch (8), so versions come fast.
 
-The RSS is read from /proc (Linux) every 0.5 s with the newest version the run log shows; the
+The RSS is read (psutil) every 0.5 s with the newest version the run log shows; the
 figure is the growth from the first sample at or past ``--from`` versions to the end. With
 ``--baseline DIR`` the same run is made with the server (and workers) of another checkout
 right after, for a side-by-side figure.
@@ -22,9 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import psutil
+
 from common.cli_env import child_environment
 from common.data.convert.synth import synth_hsi
-from launch.procs import Children, new_events, start_offset, wait_for_address
+from common.procs import Children
+from launch.procs import new_events, start_offset, wait_for_address
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_S = 0.5
@@ -32,11 +35,7 @@ SAMPLE_S = 0.5
 
 def rss_mb(pid: int) -> float:
     """The process's resident set size in MB."""
-    with open(f"/proc/{pid}/status", encoding="ascii") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    return psutil.Process(pid).memory_info().rss / 2**20
 
 
 def newest_version(metrics: Path, offset: int) -> tuple[int, int]:
@@ -92,7 +91,7 @@ def measure(
             version = max(version, newest)
             try:
                 samples.append((version, rss_mb(server.popen.pid)))
-            except (OSError, RuntimeError):
+            except psutil.Error:
                 break
             time.sleep(SAMPLE_S)
     finally:

@@ -19,7 +19,6 @@ import random
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,6 +28,7 @@ from urllib.parse import urlsplit
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.data.convert.synth import synth_hsi
+from common.procs import Child
 from launch.local import LocalCluster, run_local
 
 URL = re.compile(r"status page on (\S+)")
@@ -52,6 +52,7 @@ async def _client(host: str, port: int, counts: dict[str, int], stop: asyncio.Ev
                 if line.lower().startswith(b"content-length:"):
                     length = int(line.split(b":")[1])
                 if line.lower().startswith(b"connection: close"):
+                    assert writer is not None
                     writer.close()
                     writer = None
             if reader is not None and length:
@@ -87,7 +88,7 @@ class Pollers:
 
     def __init__(self, clients: int) -> None:
         self.clients = clients
-        self.process: subprocess.Popen[str] | None = None
+        self.process: Child | None = None
         self.counts = ""
         self._lock = threading.Lock()
 
@@ -96,9 +97,7 @@ class Pollers:
         with self._lock:
             if match and self.process is None and self.clients:
                 command = [sys.executable, __file__, "--poll", match.group(1)]
-                self.process = subprocess.Popen(
-                    [*command, "--clients", str(self.clients)], stdout=subprocess.PIPE, text=True
-                )
+                self.process = Child("pollers", [*command, "--clients", str(self.clients)])
         return len(text)
 
     def flush(self) -> None:
@@ -106,8 +105,9 @@ class Pollers:
 
     def close(self) -> None:
         if self.process is not None:
-            self.process.send_signal(signal.SIGTERM)
-            self.counts = self.process.communicate(timeout=60)[0].strip()
+            self.process.popen.send_signal(signal.SIGTERM)
+            self.process.wait(timeout=60)
+            self.counts = (self.process.output().strip().splitlines() or [""])[-1]
 
 
 def training_rate(data: Path, run_dir: Path, steps: int, clients: int) -> tuple[float, str]:

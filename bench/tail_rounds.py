@@ -140,12 +140,12 @@ class Replay:
         if stats_of is not None:
             _, total_b = self.local(stats_of)
         if grad_w > 0:
-            for p, g in zip(self.params, total_g, strict=True):
-                p.grad = g * grad_w
+            for p, grad in zip(self.params, total_g, strict=True):
+                p.grad = grad * grad_w
             self.opt.step()
         with torch.no_grad():
-            for b, db in zip(self.buffers, total_b, strict=True):
-                b.add_(db, alpha=buf_w)
+            for b, delta in zip(self.buffers, total_b, strict=True):
+                b.add_(delta, alpha=buf_w)
 
     @torch.no_grad()
     def oa(self) -> float:

@@ -15,7 +15,6 @@ import argparse
 import multiprocessing as mp
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,12 +24,14 @@ import numpy as np
 import zmq
 
 ROOT = Path(__file__).resolve().parents[1]
+STARTUP_TIMEOUT_S = 120.0
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
 from bench.wire_model import RESNET18_PARAMS  # noqa: E402
 from common.data.convert.synth import synth_hsi  # noqa: E402
+from common.procs import Child  # noqa: E402
 from common.protocol.client import Connection  # noqa: E402
 from common.protocol.messages import (  # noqa: E402
     JoinReply,
@@ -58,12 +59,13 @@ def echo_server(endpoint_queue: mp.Queue) -> None:
     ctx.term()
 
 
-def start_pserver(
-    dataset: Path, momentum: float, wire: str, chunk_mb: float
-) -> tuple[subprocess.Popen, str]:
-    """A real ``pserver start`` process in async mode with the ResNet-18-sized model."""
+def start_pserver(dataset: Path, momentum: float, wire: str, chunk_mb: float) -> tuple[Child, str]:
+    """A real ``pserver start`` process in async mode with the ResNet-18-sized model, and its
+    address. It writes no run files (they would add their own cost to each push), so its
+    address comes from its ``listening on`` log line rather than a ``start`` event."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
+    proc = Child(
+        "server",
         [
             sys.executable,
             "-m",
@@ -94,16 +96,16 @@ def start_pserver(
             "--chunk-mb",
             str(chunk_mb),
         ],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
         env=env,
         cwd=ROOT,
+        stderr_only=True,
     )
-    for line in proc.stderr:
-        if "listening on" in line:
-            return proc, line.split("listening on", 1)[1].strip()
-    raise RuntimeError("pserver did not start")
+    try:
+        line = proc.wait_for("pserver listening on ", STARTUP_TIMEOUT_S)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, line.split("listening on", 1)[1].strip()
 
 
 def main() -> None:
@@ -126,8 +128,7 @@ def main() -> None:
         try:
             run(raw_endpoint, ps_endpoint, args)
         finally:
-            server.terminate()
-            server.wait(timeout=60)
+            server.stop(grace=60)
             ctx = zmq.Context()
             quit_sock = ctx.socket(zmq.DEALER)
             quit_sock.connect(raw_endpoint)
@@ -200,7 +201,7 @@ def run(raw_endpoint: str, ps_endpoint: str, args: argparse.Namespace) -> None:
 
     def raw_round() -> float:
         begin = time.perf_counter()
-        raw.send_multipart([b"header", payload], copy=False)
+        raw.send_multipart([b"header", payload.data], copy=False)
         frames = raw.recv_multipart(copy=False)
         elapsed = time.perf_counter() - begin
         assert len(frames[1]) == payload.nbytes

@@ -33,6 +33,7 @@ KEEP_LINES = 10_000
 TAIL_LINES = 40
 POLL_S = 0.2
 REAP_TIMEOUT_S = 30.0
+WAIT_S = 180.0  # the bound of a wait on a child when the caller gives none
 
 
 class ChildError(PSError):
@@ -161,7 +162,7 @@ class Child:
                         f"{self.name} printed no {what} within {timeout:g} s\n{self.tail()}"
                     )
 
-    def wait_for(self, text: str, timeout: float) -> str:
+    def wait_for(self, text: str, timeout: float = WAIT_S) -> str:
         """Wait for the next line that contains ``text``, after the line the previous
         ``wait_for`` or ``wait_for_match`` returned.
 
@@ -177,7 +178,7 @@ class Child:
         """
         return self._await_line(lambda line: text in line, self._cursor, timeout, repr(text))
 
-    def expect(self, text: str, timeout: float) -> str:
+    def expect(self, text: str, timeout: float = WAIT_S) -> str:
         """Like ``wait_for``, but any line read so far counts too (the first one that matches).
 
         Raises:
@@ -188,7 +189,7 @@ class Child:
         self._cursor = max(cursor, self._cursor)
         return line
 
-    def wait_for_match(self, pattern: str, timeout: float) -> re.Match[str]:
+    def wait_for_match(self, pattern: str, timeout: float = WAIT_S) -> re.Match[str]:
         """Wait for a line in which the regular expression ``pattern`` is found, from the first
         line read on (lines already read count).
 
@@ -231,7 +232,7 @@ class Child:
         line = self.error_line()
         return f"{self.name} exited with code {self.code}" + (f": {line}" if line else "")
 
-    def wait(self, timeout: float) -> int:
+    def wait(self, timeout: float = WAIT_S) -> int:
         """Wait for the process to exit, then for its output to be read.
 
         Args:

@@ -1,20 +1,21 @@
-"""Real server and worker processes for reliability tests, driven by their log lines."""
+"""Real server, shard and worker processes for tests: a server is ready once its ``start`` event
+is written; the tests follow the processes by their log lines."""
 
 from __future__ import annotations
 
 import json
 import os
-import queue
-import subprocess
 import sys
 import tempfile
-import threading
-import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from common.procs import Child
+from launch.procs import EventsMark, wait_for_address
+
 ROOT = Path(__file__).resolve().parents[1]
-LINE_TIMEOUT_S = 180.0
+STARTUP_TIMEOUT_S = 180.0
 _SECRETS: list[Path] = []
 
 
@@ -38,88 +39,46 @@ def _with_secret(options: tuple[str, ...], flag: str) -> tuple[str, ...]:
     return (*options, flag, str(shard_secret()))
 
 
-class Proc:
-    """A child process whose merged output is read line by line on a thread."""
+def start_module(args: Sequence[str], name: str, env: Mapping[str, str] | None = None) -> Child:
+    """``python -m ARGS`` from the project root, unbuffered, its output kept line by line.
 
-    def __init__(self, args: list[str], name: str, env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=ROOT,
-            env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
-        )
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.seen: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+    Args:
+        args: the module and its arguments.
+        name: the child's name in errors.
+        env: its environment (None: this process's).
+    """
+    return Child(
+        name,
+        [sys.executable, "-m", *args],
+        env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
+        cwd=ROOT,
+    )
 
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
 
-    def wait_for(self, text: str, timeout: float = LINE_TIMEOUT_S) -> str:
-        """Block until a line containing ``text`` appears; return it."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.0))
-            except queue.Empty:
-                raise AssertionError(
-                    f"{self.name} printed no {text!r} within {timeout:g} s:\n"
-                    + "".join(self.seen[-80:])
-                ) from None
-            if line is None:
-                raise AssertionError(
-                    f"{self.name} ended before printing {text!r}:\n" + "".join(self.seen[-80:])
-                )
-            self.seen.append(line)
-            if text in line:
-                return line
-
-    def expect(self, text: str, timeout: float = LINE_TIMEOUT_S) -> str:
-        """Like ``wait_for``, but a line already read counts too."""
-        seen = next((line for line in self.seen if text in line), None)
-        return seen if seen is not None else self.wait_for(text, timeout)
-
-    def wait(self, timeout: float = LINE_TIMEOUT_S) -> int:
-        """Wait for exit, draining output."""
+def start_pserver(
+    args: Sequence[str], run_dir: Path, env: Mapping[str, str] | None = None
+) -> tuple[Child, str]:
+    """``pserver start ARGS`` (which must write to ``run_dir``); returns the process and the
+    address of its ``start`` event."""
+    metrics = run_dir / "metrics.jsonl"
+    mark = EventsMark(metrics)
+    try:
+        server = start_module(["pserver.cli", "start", *args], "server", env)
         try:
-            code = self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(
-                f"{self.name} did not exit within {timeout:g} s:\n" + "".join(self.seen[-80:])
-            ) from None
-        self._reader.join(timeout=10)
-        while not self.lines.empty():
-            line = self.lines.get()
-            if line is not None:
-                self.seen.append(line)
-        if self.popen.stdout is not None and not self._reader.is_alive():
-            self.popen.stdout.close()
-        return code
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-            self.popen.wait()
-        self._reader.join(timeout=10)
-        if self.popen.stdout is not None:
-            self.popen.stdout.close()
+            return server, wait_for_address(server, metrics, mark, STARTUP_TIMEOUT_S)
+        except BaseException:
+            server.kill()
+            raise
+    finally:
+        mark.close()
 
 
 def start_server(
     dataset: Path, run_dir: Path, *options: str, bind: str = "tcp://127.0.0.1:0"
-) -> tuple[Proc, str]:
+) -> tuple[Child, str]:
     """``pserver start`` (on a random port by default); returns the process and its address."""
-    server = Proc(
+    return start_pserver(
         [
-            "pserver.cli",
-            "start",
             "--bind",
             bind,
             "--dataset",
@@ -130,15 +89,13 @@ def start_server(
             str(run_dir),
             *(_with_secret(options, "--shard-secret-file") if "--shards" in options else options),
         ],
-        "server",
+        run_dir,
     )
-    line = server.wait_for("listening on")
-    return server, line.split("listening on", 1)[1].strip()
 
 
-def start_worker(address: str, name: str, slowdown: float = 1.0, *options: str) -> Proc:
+def start_worker(address: str, name: str, slowdown: float = 1.0, *options: str) -> Child:
     """``worker join`` against ``address``."""
-    return Proc(
+    return start_module(
         [
             "worker.cli",
             "join",
@@ -167,9 +124,9 @@ def summary(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def start_shard(coordinator: str, name: str, *options: str) -> Proc:
+def start_shard(coordinator: str, name: str, *options: str) -> Child:
     """``pserver shard`` for ``coordinator``, on a random loopback port."""
-    return Proc(
+    return start_module(
         [
             "pserver.cli",
             "shard",

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.cluster import ROOT, Proc, start_server, start_worker
+from common.procs import Child
+from tests.cluster import ROOT, start_server, start_worker
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser")
 DRAW_TIMEOUT_S = 120.0
@@ -102,7 +103,7 @@ def test_live_page_in_chromium(browser: Any, small_hsi: Path, tmp_path: Path, mo
     from selenium.webdriver.support.ui import WebDriverWait
 
     run_dir = tmp_path / "run"
-    procs: list[Proc] = []
+    procs: list[Child] = []
     try:
         server, address = start_server(
             small_hsi, run_dir, "--workers", "2", "--epochs", "100000", "--global-batch", "16",
@@ -162,12 +163,12 @@ def test_live_page_in_chromium(browser: Any, small_hsi: Path, tmp_path: Path, mo
         server.popen.send_signal(signal.SIGTERM)
         assert server.wait(120) == 128 + signal.SIGTERM  # interrupted: says so, non-zero
         for proc in procs[1:]:
-            assert proc.wait(120) == 0, "".join(proc.seen[-30:])
+            assert proc.wait(120) == 0, proc.tail(30)
     except BaseException:
         for proc in procs:
             proc.kill()
             proc.wait(10)
-            print(f"----- {proc.name} -----\n" + "".join(proc.seen[-60:]))
+            print(f"----- {proc.name} -----\n" + proc.tail(60))
         raise
     finally:
         for proc in procs:

@@ -1,7 +1,7 @@
 """Converting and serving data streams: peak memory stays well below the dataset's size.
 
-Each step runs in a fresh subprocess that reports its own peak resident set size (VmHWM from
-/proc/self/status), so the numbers are not mixed up with pytest's or other children's memory.
+Each step runs in a fresh subprocess that reports its own peak resident set size
+(``getrusage``), so the numbers are not mixed up with pytest's or other children's memory.
 """
 
 from __future__ import annotations
@@ -15,19 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    not Path("/proc/self/status").exists(), reason="peak RSS is read from /proc (Linux)"
-)
-
 # A synthetic scenes file of about 300 MB: 24000 images of 13 x 16 x 16 float32.
 SYNTH = {"samples": 24000, "bands": 13, "size": 16, "classes": 10}
 
 PEAK = """
+from common.procs import peak_rss_bytes
 def peak_mb():
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
+    return peak_rss_bytes() / 2**20
 """
 
 CONVERT = (

@@ -17,8 +17,9 @@ from bench.mh_jobs import _rounds  # noqa: E402
 from bench.mh_report import table  # noqa: E402
 from bench.mh_setup import BenchConfig, Variant, missing_features  # noqa: E402
 from bench.netprobe import measure_rate  # noqa: E402
-from bench.procs import Child  # noqa: E402
+from bench.procs import start  # noqa: E402
 from common.errors import ConfigError  # noqa: E402
+from common.procs import Child  # noqa: E402
 from launch.cluster.netns import NetConfig, Network, available, namespaces  # noqa: E402
 from launch.cluster.spec import rate_bits  # noqa: E402
 
@@ -65,8 +66,8 @@ def test_teardown_on_failure(netns_ok: None, tmp_path: Path) -> None:
             assert len(namespaces(PREFIX)) == 4
             # A process left running inside a host is killed with its namespace.
             argv = net.hosts[1].argv(["sh", "-c", "echo ready; exec sleep 300"])
-            sleeper = Child("sleeper", argv, tmp_path / "sleeper.log")
-            sleeper.wait_for("^ready$", 30)
+            sleeper = start("sleeper", argv, tmp_path / "sleeper.log")
+            sleeper.wait_for_match("^ready$", 30)
             raise RuntimeError("boom")
         assert namespaces(PREFIX) == []
         assert sleeper is not None and sleeper.wait(timeout=10) == -9

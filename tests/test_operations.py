@@ -18,7 +18,15 @@ from pathlib import Path
 import pytest
 
 from pserver.rundir import RUN_FILES
-from tests.cluster import ROOT, Proc, events, start_server, start_worker, summary
+from tests.cluster import (
+    ROOT,
+    events,
+    start_module,
+    start_pserver,
+    start_server,
+    start_worker,
+    summary,
+)
 
 pytestmark = pytest.mark.e2e
 QUICK = ("--epochs", "3", "--global-batch", "16", "--shutdown-timeout", "20")
@@ -80,7 +88,7 @@ def test_a_full_disk_ends_the_run_with_a_clear_error_and_no_leftovers(
         finally:
             server.kill()
             worker.kill()
-        log = "".join(server.seen)
+        log = server.output()
         assert code != 0, log
         assert "checkpoint failed" in log and "training finished (epochs)" in log, log
         assert "Error: " in log and "Traceback" not in log, log
@@ -110,7 +118,7 @@ def test_fifos_and_links_at_temporary_names_neither_hang_nor_are_written_through
     (run_dir / ".summary.json.tmp").symlink_to(victim)
     worker = start_worker(address, "w")
     try:
-        assert server.wait(timeout=90) == 0, "".join(server.seen[-30:])
+        assert server.wait(timeout=90) == 0, server.tail(30)
         assert worker.wait(timeout=30) == 0
     finally:
         server.kill()
@@ -145,20 +153,18 @@ def test_sigterm_ends_a_server_whose_write_is_stuck(small_hsi: Path, tmp_path: P
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(STUCK_SUMMARY)
     run_dir = tmp_path / "run"
-    args = ["pserver.cli", "start", "--bind", "tcp://127.0.0.1:0", "--dataset", str(small_hsi)]
-    args += ["--model", "hsi-cnn", "--run-dir", str(run_dir), "--shutdown-timeout", "8"]
-    args += ["--epochs", "3"]
-    env = {**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}", "PYTHONUNBUFFERED": "1"}
-    server = Proc(args, "server", env)
+    args = ["--bind", "tcp://127.0.0.1:0", "--dataset", str(small_hsi), "--model", "hsi-cnn"]
+    args += ["--run-dir", str(run_dir), "--shutdown-timeout", "8", "--epochs", "3"]
+    env = {**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}"}
+    server, _ = start_pserver(args, run_dir, env)
     try:
-        server.wait_for("listening on")
         begin = time.monotonic()
         server.popen.send_signal(signal.SIGTERM)
         server.wait(timeout=40)
         took = time.monotonic() - begin
     finally:
         server.kill()
-    err = "".join(server.seen)
+    err = server.output()
     assert server.popen.returncode != 0 and "Error: cannot write summary.json" in err, err
     assert took < 8 + 8, (took, err)  # the timeout, then the interpreter's exit on shared cores
     assert "abandoned a stuck write: summary.json did not finish" in err, err
@@ -169,7 +175,16 @@ def test_an_unwritable_metrics_log_does_not_stop_training(small_hsi: Path, tmp_p
         run_dir = disk / "run"
         run_dir.mkdir()
         _fill(disk, leave_kb=0)
-        server, address = start_server(small_hsi, run_dir, *QUICK)
+        server = start_module(
+            [
+                *("pserver.cli", "start", "--bind", "tcp://127.0.0.1:0"),
+                *("--dataset", str(small_hsi), "--model", "hsi-cnn", "--run-dir", str(run_dir)),
+                *QUICK,
+            ],
+            "server",
+        )
+        # no start event can be written: the address comes from the log line users read
+        address = server.wait_for("pserver listening on ").split("listening on", 1)[1].strip()
         worker = start_worker(address, "w")
         try:
             code = server.wait(timeout=120)
@@ -177,7 +192,7 @@ def test_an_unwritable_metrics_log_does_not_stop_training(small_hsi: Path, tmp_p
         finally:
             server.kill()
             worker.kill()
-        log = "".join(server.seen)
+        log = server.output()
         assert code != 0 and "training finished (epochs)" in log, log
         assert "cannot write" in log and "metrics.jsonl" in log, log
 
@@ -186,11 +201,11 @@ def test_a_run_dir_holding_a_run_is_refused_unless_overwrite(
     small_hsi: Path, tmp_path: Path
 ) -> None:
     (tmp_path / "metrics.jsonl").write_text("{}\n")
-    args = ("pserver.cli", "start", "--dataset", str(small_hsi), "--model", "hsi-cnn")
-    args += ("--bind", "tcp://127.0.0.1:0", "--epochs", "1", "--run-dir", str(tmp_path))
-    _one_line_error(_run(*args), "already holds a run")
-    server = Proc([*args, "--overwrite"], "server")
-    worker = start_worker(server.wait_for("listening on").split("listening on")[1].strip(), "w")
+    args = ("--dataset", str(small_hsi), "--model", "hsi-cnn", "--bind", "tcp://127.0.0.1:0")
+    args += ("--epochs", "1", "--run-dir", str(tmp_path))
+    _one_line_error(_run("pserver.cli", "start", *args), "already holds a run")
+    server, address = start_pserver([*args, "--overwrite"], tmp_path)
+    worker = start_worker(address, "w")
     try:
         assert server.wait() == 0 and worker.wait() == 0
     finally:
@@ -240,10 +255,12 @@ def test_resume_checks_the_seed_falls_back_and_finishes_a_finished_run(
         server.kill()
         worker.kill()
     steps = summary(tmp_path)["steps"]
-    common = ("pserver.cli", "start", "--dataset", str(small_hsi), "--model", "hsi-cnn")
-    common += ("--bind", "tcp://127.0.0.1:0", "--run-dir", str(tmp_path), "--resume", *QUICK)
-    _one_line_error(_run(*common, "--seed", "7"), "--seed was 0, now 7")
-    finished = _run(*common, "--json")  # the run had ended: no waiting for workers
+    common = ("--dataset", str(small_hsi), "--model", "hsi-cnn", "--bind", "tcp://127.0.0.1:0")
+    common += ("--run-dir", str(tmp_path), "--resume", *QUICK)
+    _one_line_error(_run("pserver.cli", "start", *common, "--seed", "7"), "--seed was 0, now 7")
+    finished = _run(
+        "pserver.cli", "start", *common, "--json"
+    )  # the run had ended: no waiting for workers
     assert finished.returncode == 0, finished.stderr
     assert "had already ended" in finished.stderr
     assert json.loads(finished.stdout)["finish_reason"] == "epochs"
@@ -251,14 +268,14 @@ def test_resume_checks_the_seed_falls_back_and_finishes_a_finished_run(
     checkpoints = sorted((tmp_path / "checkpoints").glob("ckpt-*.npz"))
     for newest in checkpoints[-2:]:  # truncated, as by a crash mid-copy
         newest.write_bytes(newest.read_bytes()[:1000])
-    server = Proc([*common], "server")
-    worker = start_worker(server.wait_for("listening on").split("listening on")[1].strip(), "w")
+    server, address = start_pserver(common, tmp_path)
+    worker = start_worker(address, "w")
     try:
         assert server.wait() == 0 and worker.wait() == 0
     finally:
         server.kill()
         worker.kill()
-    log = "".join(server.seen)
+    log = server.output()
     assert "trying the previous checkpoint" in log and "resumed at version" in log, log
     assert summary(tmp_path)["steps"] == steps and summary(tmp_path)["epochs"] == 3
 
@@ -351,24 +368,22 @@ def test_untrusted_models_are_not_imported_and_nan_losses_end_in_a_clear_leave(
     (worker_side / "evil_pkg" / "model.py").write_text(USER_MODULE)
     model = "evil_pkg.model:build"
     monkeypatch.setenv("PYTHONPATH", str(server_side))
-    server = Proc(
+    server, address = start_pserver(
         [
-            "pserver.cli", "start", "--bind", "tcp://127.0.0.1:0", "--dataset", str(small_hsi),
-            "--model", model, "--epochs", "2", "--run-dir", str(tmp_path / "run"),
-            "--shutdown-timeout", "5",
+            "--bind", "tcp://127.0.0.1:0", "--dataset", str(small_hsi), "--model", model,
+            "--epochs", "2", "--run-dir", str(tmp_path / "run"), "--shutdown-timeout", "5",
         ],
-        "server",
+        tmp_path / "run",
     )  # fmt: skip
-    address = server.wait_for("listening on").split("listening on")[1].strip()
     monkeypatch.setenv("PYTHONPATH", str(worker_side))
     try:
         refused = start_worker(address, "careful")
         assert refused.wait(timeout=60) != 0
-        assert "--allow-model evil_pkg.model:build" in "".join(refused.seen)
+        assert "--allow-model evil_pkg.model:build" in refused.output()
         assert not (worker_side / "evil_pkg" / "IMPORTED").exists()  # never imported
         trusting = start_worker(address, "trusting", 1.0, "--allow-model", model)
         assert trusting.wait(timeout=120) != 0
-        out = "".join(trusting.seen)
+        out = trusting.output()
         assert "the loss stayed nan" in out and "Traceback" not in out, out
         server.wait_for("is gone: left: failed: NonFiniteLoss")
     finally:

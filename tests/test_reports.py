@@ -144,7 +144,7 @@ def test_hand_started_server_ends_with_the_tables_and_the_summary_path(
     try:
         line = server.wait_for("summary: ", 120)
         assert server.wait() == 0 and worker.wait() == 0
-        out = "".join(server.seen)
+        out = server.output()
     finally:
         server.kill()
         worker.kill()

@@ -12,10 +12,11 @@ import zmq
 import zmq.asyncio
 
 from common.errors import ErrorCode, RemoteError
+from common.procs import Child
 from common.protocol.messages import REPLIES, StatusReply, StatusRequest, parse_message
 from common.protocol.security import generate, hello_proof, is_loopback, load_client_keys
 from common.protocol.shard_messages import CONTROL_REPLIES, ShardHello
-from tests.cluster import Proc, events, start_server, start_shard, start_worker, summary
+from tests.cluster import events, start_server, start_shard, start_worker, summary
 from tests.live import live_server
 
 NO_REPLY_S = 1.5
@@ -59,7 +60,7 @@ async def _status_reply(
         ctx.term()
 
 
-def _curve_worker(address: str, keys: dict[str, Path]) -> Proc:
+def _curve_worker(address: str, keys: dict[str, Path]) -> Child:
     """An authorized worker joining over CURVE."""
     curve = (
         "--curve-server-key",
@@ -142,7 +143,7 @@ def test_shards_register_and_train_over_curve(small_hsi: Path, tmp_path: Path, k
     shards = [start_shard(address, f"shard{i}", *curve) for i in range(2)]
     worker = _curve_worker(address, keys)
     try:
-        assert server.wait(90) == 0, "".join(server.seen[-30:])
+        assert server.wait(90) == 0, server.tail(30)
         assert worker.wait(30) == 0 and all(s.wait(30) == 0 for s in shards)
     finally:
         for proc in (server, worker, *shards):

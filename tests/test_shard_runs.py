@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import Proc, events, start_server, start_shard, start_worker, summary
+from common.procs import Child
+from tests.cluster import events, start_server, start_shard, start_worker, summary
 
 pytestmark = pytest.mark.e2e
 TRAIN = ("--lr", "0.05", "--lr-schedule", "cosine", "--chunk-mb", "0.1")
@@ -18,7 +19,7 @@ TRAIN = ("--lr", "0.05", "--lr-schedule", "cosine", "--chunk-mb", "0.1")
 
 def _cluster(
     dataset: Path, run_dir: Path, shards: int, slowdowns: tuple[float, ...], *options: str
-) -> tuple[Proc, list[Proc], list[Proc]]:
+) -> tuple[Child, list[Child], list[Child]]:
     server, address = start_server(
         dataset, run_dir, "--shards", str(shards), "--workers", str(len(slowdowns)), *options
     )
@@ -27,7 +28,7 @@ def _cluster(
     return server, shard_procs, workers
 
 
-def _finish(procs: list[Proc]) -> None:
+def _finish(procs: list[Child]) -> None:
     for proc in procs:
         proc.kill()
 
@@ -73,7 +74,7 @@ def test_a_killed_shard_ends_the_run_naming_it_and_a_resume_finishes(
         killed = time.monotonic()
         assert server.wait(timeout=60) != 0
         took = time.monotonic() - killed
-        log = "".join(server.seen)
+        log = server.output()
         assert f"at {victim} (state [" in log and "did not answer" in log, log
         assert "Traceback" not in log
         for worker in workers:  # told the run failed
@@ -113,7 +114,7 @@ def test_workers_exit_non_zero_naming_the_shard_loss_that_stopped_the_run(
             line = worker.expect("Error: ")
             assert line.startswith("Error: the server stopped the run: shard ")
             assert f" at {victim} (state [" in line and "did not answer" in line
-            assert "Traceback" not in "".join(worker.seen)
+            assert "Traceback" not in worker.output()
         assert shards[0].wait(timeout=30) == 0
     finally:
         _finish([server, *shards, *workers])

@@ -389,7 +389,7 @@ def test_sharded_async_run_snapshots_the_gathered_state(small_hsi: Path, tmp_pat
     procs = [start_shard(address, f"shard{i}") for i in range(2)]
     procs += [start_worker(address, f"w{i}", 1.0 + i) for i in range(2)]
     try:
-        assert server.wait() == 0, "".join(server.seen)
+        assert server.wait() == 0, server.output()
         assert all(p.wait(timeout=60) == 0 for p in procs)
     finally:
         for proc in (server, *procs):
