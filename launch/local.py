@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 from common.cli_env import child_environment
 from common.errors import ConfigError, PSError
-from common.procs import Child, Children, TextSink
+from common.procs import Child, Children, TextSink, python_module
 from common.protocol.security import write_shard_secret
 from launch.cluster.netns import Host, Placement, cluster_hosts
 from launch.cluster.nodes import Nodes
@@ -106,10 +105,6 @@ class LocalCluster:
                 f"{len(self.slowdowns)} workers"
             )
         return self
-
-
-def _python_module(module: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", module, *args]
 
 
 def run_local(
@@ -248,7 +243,7 @@ def _server_command(
     cluster: LocalCluster, secret: Path | None, hosts: Placement | None = None
 ) -> list[str]:
     host = None if hosts is None else hosts.server
-    argv = _python_module(
+    argv = python_module(
         "pserver.cli",
         "start",
         "--bind",
@@ -283,7 +278,7 @@ def _shards(
         host = None if hosts is None else hosts.shard(i)
         args = ["--coordinator", address, "--bind", _bind(host), "--name", f"shard{i}"]
         args += ["--secret-file", str(secret)]
-        commands.append((f"shard{i}", _on(host, _python_module("pserver.cli", "shard", *args))))
+        commands.append((f"shard{i}", _on(host, python_module("pserver.cli", "shard", *args))))
     return commands
 
 
@@ -300,7 +295,7 @@ def _workers(
         args += ["--name", name, "--slowdown-schedule", schedule]
         if ":" in cluster.model:  # a user model: the worker must be allowed to import it
             args += ["--allow-model", cluster.model]
-        argv = _python_module("worker.cli", "join", *args, *cluster.worker_options)
+        argv = python_module("worker.cli", "join", *args, *cluster.worker_options)
         commands.append((name, _on(None if hosts is None else hosts.workers[i], argv)))
     return commands
 

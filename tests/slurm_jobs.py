@@ -7,10 +7,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from common.errors import WaitTimeout
+from common.polling import poll_until
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 300.0
@@ -79,17 +81,20 @@ def wait_for_event(
 ) -> dict[str, Any]:
     """Block until ``metrics.jsonl`` holds an event ``name`` (after the last event ``after``,
     when given); the file is re-read every 0.2 s."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def first() -> dict[str, Any] | None:
         records = events(run_dir)
         if after is not None:
             marks = [i for i, e in enumerate(records) if e.get("event") == after]
             records = records[marks[-1] + 1 :] if marks else []
-        found = [e for e in records if e.get("event") == name]
-        if found:
-            return found[0]
-        time.sleep(0.2)
-    raise AssertionError(f"no {name!r} event in {run_dir} within {timeout} s\n{logs(run_dir)}")
+        return next((e for e in records if e.get("event") == name), None)
+
+    try:
+        return poll_until(first, timeout, 0.2, f"a {name!r} event in {run_dir}")
+    except WaitTimeout:
+        raise AssertionError(
+            f"no {name!r} event in {run_dir} within {timeout} s\n{logs(run_dir)}"
+        ) from None
 
 
 def scontrol_job(job: str) -> str:
@@ -102,13 +107,17 @@ def scontrol_job(job: str) -> str:
 
 def wait_for_state(job: str, text: str, timeout: float = JOB_TIMEOUT_S) -> str:
     """Block until the job's scontrol record contains ``text`` (asked every 0.5 s)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        record = scontrol_job(job)
-        if text in record:
-            return record
-        time.sleep(0.5)
-    raise AssertionError(f"job {job} never showed {text!r}; last: {scontrol_job(job)}")
+
+    def record() -> str | None:
+        found = scontrol_job(job)
+        return found if text in found else None
+
+    try:
+        return poll_until(record, timeout, 0.5, f"job {job} to show {text!r}")
+    except WaitTimeout:
+        raise AssertionError(
+            f"job {job} never showed {text!r}; last: {scontrol_job(job)}"
+        ) from None
 
 
 def summary(run_dir: Path) -> dict[str, Any]:

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,8 @@ from click.testing import CliRunner
 
 from common.cpu_quota import CpuHierarchy, find_cpu_hierarchy, quota_cores
 from common.errors import ConfigError
+from common.polling import poll_until
+from common.procs import Child, is_running
 from launch.cli import main
 from launch.cluster.budgets import (
     PREFIX,
@@ -49,29 +50,15 @@ def cgroups() -> CpuHierarchy:
 def run_launcher(args: list[str], timeout_s: float) -> tuple[int, int, str]:
     """Run ``args``; returns the launcher's pid (its groups are ``pslaunch-<pid>``), exit code
     and stderr."""
-    launcher = subprocess.Popen(
-        args,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+    launcher = Child(
+        "pslaunch", args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr_only=True
     )
     try:
-        _, stderr = launcher.communicate(timeout=timeout_s)
+        code = launcher.wait(timeout_s)
     finally:
-        if launcher.poll() is None:
+        if launcher.code is None:
             launcher.kill()
-            launcher.wait()
-    return launcher.pid, launcher.returncode, stderr
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    return launcher.pid, code, launcher.output()
 
 
 def test_quota_and_period_keep_the_kernel_minimum() -> None:
@@ -245,30 +232,29 @@ def test_sigterm_leaves_no_group_and_no_process(small_hsi: Path, tmp_path: Path)
     hierarchy = cgroups()
     args = ["--mode", "weighted-sync", "--node-cpus", "0.3,0.3", "--server-cpus", "0.3"]
     args += ["--epochs", "100000", "--global-batch", "16"]
-    launcher = subprocess.Popen(
+    launcher = Child(
+        "pslaunch",
         _local_args(small_hsi, tmp_path / "run", *args),
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
     )
     try:
         parent = hierarchy.mount / f"{PREFIX}{launcher.pid}"
-        deadline = time.monotonic() + 60
         seen: set[int] = set()
-        while len(seen) < 3 and time.monotonic() < deadline:  # the server and both workers
+
+        def all_started() -> bool:  # the server and both workers
             if parent.exists():
-                seen |= _group_pids(hierarchy, launcher.pid)
-            time.sleep(0.2)
-        assert len(seen) >= 3, f"the budgeted processes did not start: {seen}"
-        launcher.send_signal(signal.SIGTERM)
+                seen.update(_group_pids(hierarchy, launcher.pid))
+            return len(seen) >= 3
+
+        poll_until(all_started, 60, 0.2, f"the server and both workers in {parent}")
+        launcher.popen.send_signal(signal.SIGTERM)
         assert launcher.wait(timeout=60) != 0
     finally:
-        if launcher.poll() is None:
+        if launcher.code is None:
             launcher.kill()
-            launcher.wait()
     assert not parent.exists()
-    assert not [pid for pid in seen if alive(pid)]
+    assert not [pid for pid in seen if is_running(pid)]
 
 
 def test_child_failure_leaves_no_group_and_no_process(small_hsi: Path, tmp_path: Path) -> None:

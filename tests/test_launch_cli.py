@@ -23,7 +23,7 @@ from launch.cli import local_cluster
 from launch.cli import main as pslaunch
 from launch.progress import RunProgress
 from pserver.cli import main as pserver
-from tests.test_launchers import MARK, _processes_marked
+from tests.cluster import MARK, processes_marked, start_pslaunch, stop_launcher, wait_for_training
 from worker.cli import main as worker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -245,7 +245,7 @@ def test_pslaunch_local_with_two_shards_trains_jasper_ridge_and_leaves_nothing(
     assert done.returncode == 0, done.stderr[-3000:]
     assert "and 2 shards" in done.stdout
     assert "training: 100%" in done.stderr and "epoch 8" in done.stderr  # the progress bar
-    assert _processes_marked(mark) == []
+    assert processes_marked(mark) == []
     summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
     assert summary["details"]["shards"] == 2
     assert summary["final"]["oa"] >= 0.85, summary["final"]
@@ -349,29 +349,22 @@ def test_an_evaluation_of_the_whole_test_split_can_show_its_progress(
 
 @pytest.mark.e2e
 def test_a_stopped_launch_with_shards_stops_and_reaps_them(small_hsi: Path, tmp_path: Path) -> None:
-    from tests.test_launchers import _wait_for_training
-
     mark = uuid.uuid4().hex
     run_dir = tmp_path / "run"
-    launcher = subprocess.Popen(
-        [
-            sys.executable, "-m", "launch.cli", "local", "--dataset", str(small_hsi),
-            "--model", "hsi-cnn", "--mode", "async", "--slowdowns", "1,2", "--epochs", "1000",
-            "--shards", "2", "--run-dir", str(run_dir), "--server-opt=--shutdown-timeout=30",
-        ],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env={**os.environ, MARK: mark}, start_new_session=True,
+    launcher = start_pslaunch(
+        "local", "--dataset", str(small_hsi), "--model", "hsi-cnn", "--mode", "async",
+        "--slowdowns", "1,2", "--epochs", "1000", "--shards", "2", "--run-dir", str(run_dir),
+        "--server-opt=--shutdown-timeout=30",
+        env={**os.environ, MARK: mark},
     )  # fmt: skip
     try:
-        _wait_for_training(run_dir, launcher)
-        assert len(_processes_marked(mark)) == 6  # pslaunch, server, 2 shards, 2 workers
-        launcher.send_signal(signal.SIGTERM)
-        _, err = launcher.communicate(timeout=120)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.communicate()
-    assert launcher.returncode == 130, err[-2000:]
-    assert _processes_marked(mark) == []
+        wait_for_training(run_dir, launcher, 120)
+        assert len(processes_marked(mark)) == 6  # pslaunch, server, 2 shards, 2 workers
+    except BaseException:
+        launcher.kill()
+        raise
+    code = stop_launcher(launcher, lambda: launcher.popen.send_signal(signal.SIGTERM), 120)
+    assert code == 130, launcher.tail()
+    assert processes_marked(mark) == []
     summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
     assert summary["finish_reason"] == "stopped" and summary["details"]["shards"] == 2

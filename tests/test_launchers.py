@@ -3,6 +3,7 @@ leaves orphans, and lets the server write its summary when stopped."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,31 +18,22 @@ from pathlib import Path
 import pytest
 
 from common.cli_env import child_environment
-from common.errors import PSError
+from common.errors import PSError, WaitTimeout
+from common.polling import poll_until
+from common.procs import Child
 from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
 from launch.settings import TrainSettings
+from tests.cluster import (
+    MARK,
+    processes_marked,
+    start_pslaunch,
+    stop_launcher,
+    wait_for_training,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 WAIT_S = 120.0
-MARK = "RS_PSERVER_TEST_MARK"  # not a PSLAUNCH_* name: launchers pass those on to no child
-
-
-def _processes_marked(mark: str) -> list[int]:
-    """Pids of live processes (zombies excluded) whose environment holds ``MARK=mark``: the
-    launcher's children inherit it, wherever they were reparented."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if f"{MARK}={mark}".encode() in environ and state != "Z":
-            found.append(int(entry.name))
-    return found
 
 
 @pytest.fixture
@@ -73,7 +65,7 @@ def test_a_server_that_cannot_start_fails_the_launch_with_its_error(
     cluster = _cluster(tmp_path / "missing.h5", tmp_path / "run")
     with pytest.raises(PSError, match=r"did not start: server exited with code 2: .*not exist"):
         run_local(cluster)
-    assert _processes_marked(mark) == []
+    assert processes_marked(mark) == []
 
 
 def test_the_only_worker_failing_ends_the_run_with_its_error(
@@ -84,7 +76,7 @@ def test_the_only_worker_failing_ends_the_run_with_its_error(
     cluster = _cluster(small_hsi, tmp_path, devices=("cuda:0",))
     with pytest.raises(PSError, match=r"w0-x1 exited with code 1: .*CUDA"):
         run_local(cluster)
-    assert _processes_marked(mark) == []
+    assert processes_marked(mark) == []
     assert (tmp_path / "summary.json").exists()
 
 
@@ -94,22 +86,18 @@ def test_a_worker_failing_at_start_stops_the_launch_while_the_others_wait(
     """``--devices cuda:0,cpu`` without CUDA: the CPU worker joins and waits for the other, the
     server waits for both; the launch must stop with the failing worker's error instead."""
     run_dir = tmp_path / "run"
-    launcher = _start_pslaunch(
+    launcher = start_pslaunch(
         *("local", "--dataset", str(small_hsi), "--model", "hsi-cnn", "--mode", "weighted-sync"),
         *("--slowdowns", "1,1", "--devices", "cuda:0,cpu", "--epochs", "2"),
         *("--run-dir", str(run_dir), "--no-progress"),
     )
     begin = time.monotonic()
-    try:
-        _, err = launcher.communicate(timeout=WAIT_S)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.communicate()
+    code = stop_launcher(launcher, lambda: None, WAIT_S)
+    err = launcher.output()
     assert time.monotonic() - begin < WAIT_S / 2  # ended by the error, not by a wait
-    assert launcher.returncode not in (0, None)
+    assert code != 0
     assert re.search(r"w0-x1 exited with code 1: .*CUDA", err), err
-    assert _processes_marked(mark) == []
+    assert processes_marked(mark) == []
 
 
 def test_a_variable_for_pserver_start_does_not_reach_the_launchers_server(
@@ -131,7 +119,7 @@ def test_a_variable_for_pserver_start_does_not_reach_the_launchers_server(
     )
     assert done.returncode == 1 and "already holds a run" in done.stderr, done.stderr
     assert {name: (tmp_path / name).read_text() for name in earlier} == earlier
-    assert _processes_marked(mark) == []
+    assert processes_marked(mark) == []
 
 
 def test_children_get_no_variable_of_the_option_scheme() -> None:
@@ -141,41 +129,14 @@ def test_children_get_no_variable_of_the_option_scheme() -> None:
     assert env == {"PATH": "/bin", "RS_PSERVER_TEST_MARK": "m", "PYTHONUNBUFFERED": "1"}
 
 
-def _start_pslaunch(*args: str) -> subprocess.Popen[str]:
-    """``pslaunch ARGS`` as a user starts it, in its own process group (like a terminal)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "launch.cli", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-
-
-def _interrupt(launcher: subprocess.Popen[str], send: Callable[[], None], mark: str) -> None:
+def _interrupt(launcher: Child, send: Callable[[], None], mark: str) -> None:
     """Call ``send`` (a signal to the launcher), then check that it exits 130 saying it was
     interrupted and that no process it started is left; killed with its group if it hangs."""
-    try:
-        send()
-        _, err = launcher.communicate(timeout=WAIT_S)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.communicate()
-    assert launcher.returncode == 130, err
+    code = stop_launcher(launcher, send, WAIT_S)
+    err = launcher.output()
+    assert code == 130, err
     assert "interrupted" in err
-    assert _processes_marked(mark) == []
-
-
-def _wait_for_training(run_dir: Path, launcher: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    metrics = run_dir / "metrics.jsonl"
-    while time.monotonic() < deadline and launcher.poll() is None:
-        if metrics.exists() and '"event": "push"' in metrics.read_text(encoding="utf-8"):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"training did not start (pslaunch exit code {launcher.poll()})")
+    assert processes_marked(mark) == []
 
 
 @pytest.mark.parametrize(
@@ -187,22 +148,21 @@ def test_a_stopped_launch_stops_every_child_and_keeps_the_summary(
     small_hsi: Path, tmp_path: Path, mark: str, signum: int, target: str
 ) -> None:
     run_dir = tmp_path / "run"
-    launcher = _start_pslaunch(
+    launcher = start_pslaunch(
         *("local", "--dataset", str(small_hsi), "--model", "hsi-cnn", "--mode", "async"),
         *("--slowdowns", "1,2", "--epochs", "1000", "--run-dir", str(run_dir)),
         "--server-opt=--shutdown-timeout=30",
     )
     try:
-        _wait_for_training(run_dir, launcher)
-        assert len(_processes_marked(mark)) == 4  # pslaunch, its server and 2 workers
+        wait_for_training(run_dir, launcher, WAIT_S)
+        assert len(processes_marked(mark)) == 4  # pslaunch, its server and 2 workers
     except BaseException:
-        os.killpg(launcher.pid, signal.SIGKILL)
-        launcher.communicate()
+        launcher.kill()
         raise
     if target == "launcher":
-        _interrupt(launcher, lambda: launcher.send_signal(signum), mark)
+        _interrupt(launcher, lambda: launcher.popen.send_signal(signum), mark)
     else:  # what Ctrl-C does: the whole foreground group
-        _interrupt(launcher, lambda: os.killpg(launcher.pid, signum), mark)
+        _interrupt(launcher, lambda: launcher.signal_group(signum), mark)
     summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
     assert summary["finish_reason"] == "stopped" and summary["steps"] > 0
 
@@ -225,19 +185,18 @@ def test_a_failing_ddp_rank_stops_the_others_with_its_error(
     with pytest.raises(PSError, match=r"DDP rank r1-x1 exited with code 1: .*CUDA"):
         run_ddp(config)
     assert time.monotonic() - begin < WAIT_S / 2
-    assert _processes_marked(mark) == []
+    assert processes_marked(mark) == []
 
 
 def test_sigterm_to_pslaunch_ddp_stops_every_rank(
     small_hsi: Path, tmp_path: Path, mark: str
 ) -> None:
-    launcher = _start_pslaunch(
+    launcher = start_pslaunch(
         *("ddp", "--dataset", str(small_hsi), "--model", "hsi-cnn", "--slowdowns", "1,2"),
         *("--epochs", "1000", "--run-dir", str(tmp_path / "run")),
     )
-    deadline = time.monotonic() + WAIT_S
-    while len(_processes_marked(mark)) < 3 and time.monotonic() < deadline:
-        time.sleep(0.2)  # pslaunch and its 2 ranks
-    ranks_up = len(_processes_marked(mark)) == 3
-    _interrupt(launcher, lambda: launcher.send_signal(signal.SIGTERM), mark)
+    with contextlib.suppress(WaitTimeout):  # pslaunch and its 2 ranks
+        poll_until(lambda: len(processes_marked(mark)) >= 3, WAIT_S, 0.2, "2 DDP ranks")
+    ranks_up = len(processes_marked(mark)) == 3
+    _interrupt(launcher, lambda: launcher.popen.send_signal(signal.SIGTERM), mark)
     assert ranks_up

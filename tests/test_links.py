@@ -8,8 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,8 +20,8 @@ from launch.cluster.spec import parse_cluster, rate_bits
 from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
 from launch.settings import TrainSettings
+from tests.cluster import start_pslaunch, stop_launcher, wait_for_training
 
-ROOT = Path(__file__).resolve().parents[1]
 WAIT_S = 120.0
 
 
@@ -121,29 +119,20 @@ def test_sigterm_to_pslaunch_removes_hosts_and_processes(
     netns_ok: None, small_hsi: Path, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "launch.cli", "local", "--dataset", str(small_hsi)]
+    argv = ["local", "--dataset", str(small_hsi)]
     argv += ["--model", "hsi-cnn", "--mode", "async", "--slowdowns", "1,2", "--epochs", "1000"]
     argv += ["--run-dir", str(run_dir), "--links", "100mbit", "--no-progress"]
     argv += ["--server-opt=--shutdown-timeout=30"]
-    launcher = subprocess.Popen(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        start_new_session=True,
-    )  # fmt: skip
+    launcher = start_pslaunch(*argv)
     try:
-        deadline = time.monotonic() + WAIT_S
-        metrics = run_dir / "metrics.jsonl"
-        while not (metrics.exists() and '"event": "push"' in metrics.read_text()):
-            assert launcher.poll() is None and time.monotonic() < deadline, "no training"
-            time.sleep(0.2)
+        wait_for_training(run_dir, launcher, WAIT_S)
         layout = _layout(launcher.pid)
         assert len(layout) == 4 and len(_processes_in(layout)) == 3  # server, 2 workers
-        launcher.send_signal(signal.SIGTERM)
-        _, err = launcher.communicate(timeout=WAIT_S)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.communicate()
-    assert launcher.returncode == 130, err
+    except BaseException:
+        launcher.kill()
+        raise
+    code = stop_launcher(launcher, lambda: launcher.popen.send_signal(signal.SIGTERM), WAIT_S)
+    assert code == 130, launcher.output()
     assert _layout(launcher.pid) == []
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["finish_reason"] == "stopped"
