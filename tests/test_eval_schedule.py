@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import numpy as np
 import pytest
 
+from common.polling import poll_until_async
 from launch.progress import eval_label
 from pserver.evaluation import MIN_AUTO_SUBSET, auto_subset_size
 from tests.live import clients, live_server
@@ -41,11 +41,9 @@ async def test_evaluations_falling_behind_warn_once_with_the_remedy(
         member, task = await client.join("fast")
         while task.action == "train":  # an update per push, far faster than an evaluation
             task = await client.push(member, task, np.full(ps.state_size, 1e-4, dtype=np.float32))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 60
-        while not (ps.run.evals and ps.run.evals[-1].get("final")):
-            assert loop.time() < deadline, "no final evaluation"
-            await asyncio.sleep(0.01)
+        await poll_until_async(
+            lambda: ps.run.evals and ps.run.evals[-1].get("final"), 60, 0.01, "a final evaluation"
+        )
     assert ps.evaluations.skipped > 0
     warnings = [r.getMessage() for r in caplog.records if "fell behind" in r.getMessage()]
     assert len(warnings) == 1, warnings  # once, when evaluations first fall behind
@@ -71,11 +69,9 @@ async def test_skipping_moves_in_run_evaluations_to_a_subset(jasper_h5) -> None:
             task = await client.push(member, task, gradient)
             if any(e["test_samples"] == MIN_AUTO_SUBSET for e in ps.run.evals):
                 ps.request_stop()  # one in-run evaluation on the subset is enough
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 60
-        while not (ps.run.evals and ps.run.evals[-1].get("final")):
-            assert loop.time() < deadline, "no final evaluation"
-            await asyncio.sleep(0.01)
+        await poll_until_async(
+            lambda: ps.run.evals and ps.run.evals[-1].get("final"), 60, 0.01, "a final evaluation"
+        )
     evals = [e for e in ps.log.events if e["event"] == "eval"]
     full = len(ps.reader.test_indices)
     assert ps.evaluations.skipped > 0 and evals[0]["test_samples"] == full

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from common.errors import ErrorCode, RemoteError
+from common.polling import poll_until_async
 from common.protocol.messages import (
     DataRequest,
     HeartbeatRequest,
@@ -35,11 +36,7 @@ def _gradient(ps, value: float = 0.01) -> np.ndarray:
 
 async def _wait(predicate, timeout: float = REPLY_S) -> None:
     """Wait (bounded) until the server's state satisfies ``predicate``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        assert loop.time() < deadline, "timed out waiting for the server"
-        await asyncio.sleep(0.01)
+    await poll_until_async(predicate, timeout, 0.01, "the server's state")
 
 
 @pytest.mark.parametrize("mode", ["weighted-sync", "async"])
