@@ -3,8 +3,9 @@
 A ``Child`` runs in its own session, so its whole process group can be signalled; a thread
 reads its output line by line (kept for waits and error messages, and passed on to a hook or a
 log file); every wait has a timeout and every stop reaps. ``Children`` stops a group of them in
-order. RSS and CPU times of other processes come from ``psutil``; a process's own peak RSS and
-its reaped children's from ``resource.getrusage``.
+order. Facts about processes come from ``psutil`` (whether one runs here; callers read RSS and
+CPU times from it too), a process's own peak RSS and its reaped children's from
+``resource.getrusage``.
 """
 
 from __future__ import annotations

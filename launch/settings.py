@@ -63,19 +63,7 @@ class TrainSettings:
         Raises:
             ConfigError: a value is out of range; the message quotes it.
         """
-        check_training(
-            global_batch=self.global_batch,
-            optimizer=self.optimizer,
-            lr=self.lr,
-            momentum=self.momentum,
-            nesterov=self.nesterov,
-            weight_decay=self.weight_decay,
-            lr_schedule=self.lr_schedule,
-            warmup_fraction=self.warmup_fraction,
-            epochs=self.epochs,
-            max_steps=self.max_steps,
-            target_oa=self.target_oa,
-        )
+        check_training(self)
         return self
 
     def server_args(self) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ import ipaddress
 import math
 import socket
 from pathlib import Path
+from typing import Protocol
 
 from common.config import default, need
 from common.errors import ConfigError
@@ -21,25 +22,48 @@ SCHEDULES = ("constant", "cosine", "step")
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
-def check_training(
-    *,
-    global_batch: int,
-    optimizer: str,
-    lr: float,
-    momentum: float,
-    nesterov: bool,
-    weight_decay: float,
-    lr_schedule: str,
-    warmup_fraction: float,
-    epochs: int | None,
-    max_steps: int | None,
-    target_oa: float | None,
-) -> None:
+class TrainingSettings(Protocol):
+    """The settings every trainer of a run shares: ``ServerConfig`` and the DDP baseline's
+    ``TrainSettings`` both have them."""
+
+    @property
+    def global_batch(self) -> int: ...
+    @property
+    def optimizer(self) -> str: ...
+    @property
+    def lr(self) -> float: ...
+    @property
+    def momentum(self) -> float: ...
+    @property
+    def nesterov(self) -> bool: ...
+    @property
+    def weight_decay(self) -> float: ...
+    @property
+    def lr_schedule(self) -> str: ...
+    @property
+    def warmup_fraction(self) -> float: ...
+    @property
+    def epochs(self) -> int | None: ...
+    @property
+    def max_steps(self) -> int | None: ...
+    @property
+    def target_oa(self) -> float | None: ...
+
+
+def check_training(settings: TrainingSettings) -> None:
     """The checks every trainer of a run shares (server and DDP baseline alike).
+
+    Args:
+        settings: a ``ServerConfig``, a ``TrainSettings`` or anything with their fields.
 
     Raises:
         ConfigError: a value is out of range; the message quotes it.
     """
+    global_batch, optimizer, lr = settings.global_batch, settings.optimizer, settings.lr
+    momentum, nesterov = settings.momentum, settings.nesterov
+    weight_decay, lr_schedule = settings.weight_decay, settings.lr_schedule
+    warmup_fraction, epochs = settings.warmup_fraction, settings.epochs
+    max_steps, target_oa = settings.max_steps, settings.target_oa
     need(global_batch >= 1, f"--global-batch must be >= 1, got {global_batch}")
     need(
         global_batch <= MAX_INDICES, f"--global-batch must be <= {MAX_INDICES}, got {global_batch}"
@@ -152,19 +176,7 @@ class ServerConfig:
             self.staleness in STALENESS,
             f"--staleness {self.staleness!r} is not one of {', '.join(STALENESS)}",
         )
-        check_training(
-            global_batch=self.global_batch,
-            optimizer=self.optimizer,
-            lr=self.lr,
-            momentum=self.momentum,
-            nesterov=self.nesterov,
-            weight_decay=self.weight_decay,
-            lr_schedule=self.lr_schedule,
-            warmup_fraction=self.warmup_fraction,
-            epochs=self.epochs,
-            max_steps=self.max_steps,
-            target_oa=self.target_oa,
-        )
+        check_training(self)
         need(
             self.min_local_batch is None or self.min_local_batch >= 1,
             f"--min-local-batch must be >= 1, got {self.min_local_batch}",
