@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from click.testing import CliRunner
 
@@ -265,7 +266,11 @@ def test_child_failure_leaves_no_group_and_no_process(small_hsi: Path, tmp_path:
     assert code != 0
     assert "cuda" in stderr.lower()
     assert not (hierarchy.mount / f"{PREFIX}{pid}").exists()  # removed only once empty
-    leftovers = subprocess.run(
-        ["pgrep", "-f", str(tmp_path / "run")], capture_output=True, text=True
-    ).stdout.split()
+    run_dir = str(tmp_path / "run")
+    leftovers = [
+        proc.pid
+        for proc in psutil.process_iter(["cmdline", "status"])
+        if any(run_dir in part for part in proc.info["cmdline"] or ())
+        and proc.info["status"] != psutil.STATUS_ZOMBIE
+    ]
     assert leftovers == []
