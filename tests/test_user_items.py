@@ -201,7 +201,7 @@ async def test_stop_and_heartbeat_replies_say_why_training_ended(
 
 
 def _last_line(proc) -> str:
-    return [line for line in proc.seen if line.strip()][-1].strip()
+    return [line for line in proc.lines if line.strip()][-1].strip()
 
 
 @pytest.mark.e2e
@@ -234,7 +234,7 @@ def test_a_worker_last_line_tells_an_interrupted_server_from_a_finished_run(
         assert line.startswith(
             f"worker {worker.name}: server interrupted (Ctrl-C or SIGTERM) after "
         )
-        assert "run finished" not in "".join(worker.seen)
+        assert "run finished" not in worker.output()
     steps = json.loads((tmp_path / "finished" / "summary.json").read_text())["steps"]
     assert _last_line(done).startswith(
         f"worker c: run finished (all epochs done) after {steps} steps, "
