@@ -57,9 +57,11 @@ cli-doc: setup
 demo: setup
 	$(PY) -m launch.demo --shared $(SHARED) --out $(DEMO_DIR) --overwrite
 
+# Every bench run docs/results.md cites, again with its own command (BENCH=name for one bench's;
+# hours for all: the multi-host ones need root), then docs/results.md rendered from the results.
 bench: setup
-	$(PY) bench/wire.py
-	$(PY) bench/sync_round.py
+	$(PY) -m bench rerun $(BENCH)
+	$(PY) -m bench report
 
 # A real Slurm on this machine for the tests marked 'slurm' (needs root: installs Debian's
 # slurm-wlm and munge when missing, starts a controller and 3 nodes on 127.0.0.1).

@@ -4,7 +4,7 @@ Measures the server's own path: capture (a copy of the state and optimizer slots
 write of the .npz (temporary file, fsync, rename), then read and restore into a fresh store.
 SGD with momentum, so the file holds the parameters and the momentum buffer.
 
-Usage: python bench/checkpoint.py [--repeats 5]
+Usage: python -m bench checkpoint [--repeats 5] [--values N]
 """
 
 from __future__ import annotations
@@ -12,15 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.harness.record import parse_settings
 from bench.wire_model import RESNET18_PARAMS
 from pserver import checkpoint
 from pserver.optimizer import FlatOptimizer
@@ -30,14 +28,16 @@ from pserver.store.stores import LocalStores  # noqa: F401  (the path the server
 
 def _store(state: torch.Tensor) -> SliceStore:
     optimizer = FlatOptimizer("sgd", lr=0.05, momentum=0.9)
-    return SliceStore(0, RESNET18_PARAMS, RESNET18_PARAMS, state, optimizer, [], 1 << 20)
+    size = state.numel()
+    return SliceStore(0, size, size, state, optimizer, [], 1 << 20)
 
 
-async def one_round(directory: Path) -> tuple[float, float, int]:
-    """Write then restore one checkpoint; returns (write s, restore s, file bytes)."""
-    store = _store(torch.randn(RESNET18_PARAMS))
-    for offset in range(0, RESNET18_PARAMS, 1 << 20):
-        store.stage(1, 1, 0, offset, 1.0, torch.randn(min(1 << 20, RESNET18_PARAMS - offset)))
+async def one_round(directory: Path, values: int) -> tuple[float, float, int]:
+    """Write then restore one checkpoint of ``values`` parameters; returns (write s, restore s,
+    file bytes)."""
+    store = _store(torch.randn(values))
+    for offset in range(0, values, 1 << 20):
+        store.stage(1, 1, 0, offset, 1.0, torch.randn(min(1 << 20, values - offset)))
     assert store.prepare(1, [1], [1.0], 1.0, 1.0)[0]
     store.commit(1)  # one step: the momentum buffer is not zero
 
@@ -58,18 +58,21 @@ async def one_round(directory: Path) -> tuple[float, float, int]:
     return written, restored, path.stat().st_size
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--values", type=int, default=RESNET18_PARAMS, help="parameters (default a ResNet-18's)"
+    )
+    args = parse_settings(parser, argv)
     writes, restores = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
-            w, r, size = asyncio.run(one_round(Path(tmp) / str(i)))
+            w, r, size = asyncio.run(one_round(Path(tmp) / str(i), args.values))
             writes.append(w)
             restores.append(r)
     print(
-        f"state {RESNET18_PARAMS:,} float32 + momentum; file {size / 1e6:.1f} MB; "
+        f"state {args.values:,} float32 + momentum; file {size / 1e6:.1f} MB; "
         f"{args.repeats} repeats"
     )
     for name, times in (("write", writes), ("restore", restores)):
@@ -77,6 +80,8 @@ def main() -> None:
             f"{name}: min {min(times):.3f} s, median {statistics.median(times):.3f} s, "
             f"max {max(times):.3f} s"
         )
+    print(f"write_s={statistics.median(writes):.3f}")
+    print(f"restore_s={statistics.median(restores):.3f}")
 
 
 if __name__ == "__main__":

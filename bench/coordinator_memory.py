@@ -11,7 +11,7 @@ with the server and workers of another checkout right after, for a side-by-side 
 worker by default: its rounds do not depend on measured speeds, so both runs train the same
 model and their final scores must be equal.
 
-Usage: python bench/coordinator_memory.py [--samples 8000] [--model scene-cnn] [--cache-mb 256]
+Usage: python -m bench coordinator-memory [--samples 8000] [--model scene-cnn] [--cache-mb 256]
        [--workers 1] [--steps 20] [--baseline DIR] [--data FILE.h5] [--dir DIR]
 """
 
@@ -25,13 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench import ROOT
+from bench.harness.record import parse_settings
 from common.cli_env import child_environment
 from common.data.convert.synth import synth_scenes
 from launch.procs import Children, new_events, start_offset, wait_for_address
 
-ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_S = 0.2
 
 
@@ -97,7 +96,7 @@ def measure(data: Path, run_dir: Path, code: Path, args: argparse.Namespace) -> 
     return {"peak_mb": peak, "training_peak_mb": training_peak, "final": summary["final"]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=8000, help="scenes in the file")
     parser.add_argument("--model", default="scene-cnn")
@@ -108,7 +107,7 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, default=None, help="another checkout")
     parser.add_argument("--data", type=Path, default=None, help="an existing dataset file")
     parser.add_argument("--dir", type=Path, default=None, help="where temporary files go")
-    args = parser.parse_args()
+    args = parse_settings(parser, argv)
     with tempfile.TemporaryDirectory(prefix="bench-coord-mem-", dir=args.dir) as tmp:
         root = Path(tmp)
         data = args.data
@@ -130,6 +129,10 @@ def main() -> None:
                 f"final OA {final['oa']:.6f} loss {final['loss']:.6f}",
                 flush=True,
             )
+            if i == 0:
+                print(f"peak_mb={result['peak_mb']:.0f} final_oa={final['oa']:.6f}")
+                if training:
+                    print(f"training_peak_mb={training:.0f}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ The local-copy variant needs ``worker/loop.py`` to use ``--data``; the wired loo
 "reading samples from local copy", and without that line the variant is reported as not
 measured rather than silently measuring the server path again.
 
-Usage: python bench/data_wait.py [--samples 1500] [--slowdowns 1,1,2] [--epochs 3]
+Usage: python -m bench data-wait [--samples 1500] [--slowdowns 1,1,2] [--epochs 3]
                                  [--global-batch 64] [--no-local]
 """
 
@@ -22,13 +22,11 @@ import argparse
 import dataclasses
 import re
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.harness.record import parse_settings
 from common.data.convert.synth import synth_scenes
 from launch.local import LocalCluster, run_local
 
@@ -126,7 +124,7 @@ def run_variant(
     return results, summary, LOCAL_MARK in text
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=1500)
     parser.add_argument("--slowdowns", default="1,1,2", help="one factor per worker")
@@ -137,7 +135,7 @@ def main() -> None:
         "--local", action=argparse.BooleanOptionalAction, default=True, help="also run --data"
     )
     parser.add_argument("--keep", type=Path, default=None, help="keep run dirs under this dir")
-    args = parser.parse_args()
+    args = parse_settings(parser, argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)

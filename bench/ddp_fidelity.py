@@ -18,7 +18,7 @@ burst of load lengthens whichever run it hits, so ``ratio_step_pslaunch_vs_plain
 compares the median step time (rank 0, from one step's end to the next) of each run, which a
 burst barely moves.
 
-Usage: python bench/ddp_fidelity.py [--repeats 3] [--epochs 10] [--slowdowns 1,2,4]
+Usage: python -m bench ddp-fidelity [--repeats 3] [--epochs 10] [--slowdowns 1,2,4]
 """
 
 from __future__ import annotations
@@ -32,22 +32,21 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-
-from bench.jasper import JASPER_DIR, jasper  # noqa: E402
-from common.data.dataset import DatasetReader  # noqa: E402
-from common.logsetup import setup_logging  # noqa: E402
-from common.procs import Children  # noqa: E402
-from common.training.models import build_model  # noqa: E402
-from common.training.planner import plan_equal  # noqa: E402
-from launch.ddp.launcher import DDPConfig, run_ddp  # noqa: E402
-from launch.settings import TrainSettings  # noqa: E402
+from bench import ROOT
+from bench.harness.jasper import jasper_prologue
+from bench.harness.record import parse_settings
+from common.data.dataset import DatasetReader
+from common.logsetup import setup_logging
+from common.procs import Children
+from common.training.models import build_model
+from common.training.planner import plan_equal
+from launch.ddp.launcher import DDPConfig, run_ddp
+from launch.settings import TrainSettings
 
 CALIBRATION_PASSES = 16
 TIMEOUT_S = 900.0
@@ -168,9 +167,10 @@ def run_plain(data: Path, factors: list[float], args: argparse.Namespace, out: P
         *("--store-port", str(store.port), "--result", str(result), "--seed", str(args.seed)),
     ]
     try:
-        with Children(sys.stdout, env) as ranks:
+        with Children(sys.stdout, env, cwd=ROOT) as ranks:
             for r in range(len(factors)):
-                ranks.start(f"rank{r}", [sys.executable, __file__, "--plain-rank", str(r), *common])
+                argv = [sys.executable, "-m", "bench.ddp_fidelity", "--plain-rank", str(r), *common]
+                ranks.start(f"rank{r}", argv)
             if not ranks.wait_all(TIMEOUT_S):
                 raise RuntimeError(f"plain DDP ranks did not finish within {TIMEOUT_S} s")
             codes = [rank.code for rank in ranks.children]
@@ -215,7 +215,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--store-port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--dataset", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default="", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parse_settings(parser, argv)
     args.factors = [float(f) for f in args.slowdowns.split(",")]
     return args
 
@@ -228,11 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         plain_rank(args)
         return 0
     setup_logging("WARNING")
-    if not (JASPER_DIR / "JasperRidge.mat").exists():
-        print(f"Jasper Ridge not found in {JASPER_DIR}")
+    data = jasper_prologue(args.out)
+    if data is None:
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    data = jasper(args.out)
     runners = {"plain": run_plain, "pslaunch": run_pslaunch}
     times: dict[str, list[Timing]] = {name: [] for name in runners}
     print(

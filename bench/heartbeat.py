@@ -1,7 +1,7 @@
 """Round-time overhead of heartbeats: weighted-sync rounds with heartbeats every 1 s (the
 default) and every 0.05 s, against heartbeats practically off (every 1000 s), in one run.
 
-Usage: python bench/heartbeat.py [--rounds 300] [--repeats 3]
+Usage: python -m bench heartbeat [--rounds 300] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -9,12 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.harness.record import parse_settings
 from common.data.convert.synth import synth_hsi
 from launch.local import LocalCluster, run_local
 
@@ -33,11 +31,11 @@ def median_round(run_dir: Path) -> float:
     return statistics.median(rounds)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_settings(parser, argv)
     results: dict[str, list[float]] = {name: [] for name in SETTINGS}
     with tempfile.TemporaryDirectory() as tmp:
         dataset = Path(tmp) / "hsi.h5"

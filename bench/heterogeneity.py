@@ -14,7 +14,7 @@ process competes for the machine's cores.
 Each repeat gives a paired ratio (runs of the same repeat ran back to back); the table shows
 min / median / max over repeats and the last lines are ``ratio_...=X.XX`` (medians).
 
-Usage: python bench/heterogeneity.py [--repeats 3] [--epochs 3] [--samples 600]
+Usage: python -m bench heterogeneity [--repeats 3] [--epochs 3] [--samples 600] [--modes ...]
        [--cluster PRESET | --node-cpus 0.6,0.2 --server-cpus 0.5]
 """
 
@@ -25,20 +25,19 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.cluster_args import (  # noqa: E402
+from bench import ROOT
+from bench.harness.cluster import (
     add_cluster_arguments,
     cluster_from_args,
     cluster_label,
     worker_count,
 )
-from common.data.convert.synth import synth_scenes  # noqa: E402
-from common.logsetup import setup_logging  # noqa: E402
-from common.training.tables import format_table  # noqa: E402
-from launch.compare import CompareConfig, run_compare  # noqa: E402
-from launch.settings import TrainSettings  # noqa: E402
+from bench.harness.record import parse_settings
+from common.data.convert.synth import synth_scenes
+from common.logsetup import setup_logging
+from common.training.tables import format_table
+from launch.compare import CompareConfig, run_compare
+from launch.settings import TrainSettings
 
 MODES = ("weighted-sync", "equal-sync", "ddp")
 
@@ -73,11 +72,17 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="worker slowdowns (default 1,3 on shared cores, 1 on an emulated cluster)",
     )
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help=f"modes to run (default {','.join(MODES)})"
+    )
     add_cluster_arguments(parser)
     parser.add_argument(
         "--out", type=Path, default=ROOT / "runs/bench/heterogeneity", help="output directory"
     )
-    args = parser.parse_args(argv)
+    args = parse_settings(parser, argv)
+    modes = tuple(m.strip() for m in args.modes.split(","))
+    if "weighted-sync" not in modes or not set(modes) <= set(MODES):
+        parser.error(f"--modes {args.modes!r}: weighted-sync and any of {', '.join(MODES)}")
     setup_logging("WARNING")
     args.out.mkdir(parents=True, exist_ok=True)
     data = args.out / f"scenes64_{args.samples}.h5"
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     config = CompareConfig(
         dataset=data,
         model="scene-cnn",
-        modes=MODES,
+        modes=modes,
         slowdowns=slowdowns,
         out=args.out,
         train=TrainSettings(epochs=args.epochs, global_batch=args.global_batch),
@@ -102,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_compare(config, show_progress=sys.stderr.isatty())
     runs = result["runs"]
     rows = []
-    for mode in MODES:
+    for mode in modes:
         mine = [r for r in runs if r["mode"] == mode and "error" not in r]
         rounds = [r["summary"]["details"]["round_s_median"] for r in mine]
         shares = ["/".join(str(w["samples"]) for w in r["summary"]["workers"]) for r in mine[:1]]
@@ -137,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = [f"{r['mode']} #{r['repeat']}" for r in runs if "error" in r]
     if failed:
         print(f"failed runs: {', '.join(failed)}")
-    for base, name in (("equal-sync", "equal_sync"), ("ddp", "ddp")):
+    for base in (mode for mode in modes if mode != "weighted-sync"):
+        name = base.replace("-", "_")
         ratios = paired(runs, base, "weighted-sync")
         value = statistics.median(ratios) if ratios else float("nan")
         print(f"ratio_weighted_sync_vs_{name}={value:.2f}")

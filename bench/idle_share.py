@@ -19,7 +19,7 @@ cluster instead, each under its own CPU budget (e.g. ``--node-cpus 0.4,0.2,0.1 -
 Prints one row per run, then medians over repeats (``idle_share_<config>=X.XXX`` lines) and the
 training time of every other configuration over the model planner's, paired by repeat.
 
-Usage: python bench/idle_share.py [--repeats 1] [--epochs 10] [--out DIR]
+Usage: python -m bench idle-share [--repeats 1] [--epochs 10] [--out DIR] [--configs ...]
        [--node-cpus 0.4,0.2,0.1 --server-cpus 0.5 | --cluster PRESET]
 """
 
@@ -32,15 +32,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.cluster_args import add_cluster_arguments, cluster_from_args, cluster_label  # noqa: E402
-from common.logsetup import setup_logging  # noqa: E402
-from common.training.tables import format_table  # noqa: E402
-from launch.cluster.spec import ClusterSpec  # noqa: E402
-from launch.demo import prepare_dataset  # noqa: E402
-from launch.local import LocalCluster, run_local  # noqa: E402
+from bench import ROOT
+from bench.harness.cluster import add_cluster_arguments, cluster_from_args, cluster_label
+from bench.harness.record import parse_settings
+from common.logsetup import setup_logging
+from common.training.tables import format_table
+from launch.cluster.spec import ClusterSpec
+from launch.demo import prepare_dataset
+from launch.local import LocalCluster, run_local
 
 SLOWDOWNS = (1.0, 2.0, 4.0)
 CONFIGS = (  # name, mode, further server options
@@ -134,16 +133,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=10, help="epochs per run")
     parser.add_argument("--shared", type=Path, default=ROOT.parent / "shared")
     parser.add_argument("--out", type=Path, default=ROOT / "runs/bench/idle_share")
+    parser.add_argument(
+        "--configs",
+        default=",".join(name for name, *_ in CONFIGS),
+        help="configurations to run; the first is the one the others are compared with",
+    )
     add_cluster_arguments(parser)
-    args = parser.parse_args(argv)
+    args = parse_settings(parser, argv)
+    chosen = args.configs.split(",")
+    configs = [config for config in CONFIGS if config[0] in chosen]
+    if len(configs) != len(chosen) or not configs or configs[0] != CONFIGS[0]:
+        names = ", ".join(name for name, *_ in CONFIGS)
+        parser.error(f"--configs {args.configs!r}: {CONFIGS[0][0]} first, then any of {names}")
     setup_logging("WARNING")
     emulated = cluster_from_args(args, len(SLOWDOWNS))
     print(f"on {cluster_label(emulated)}")
     dataset = prepare_dataset(args.shared, args.out)
     rows = []
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in CONFIGS}
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in configs}
     for repeat in range(args.repeats):
-        for name, mode, options in CONFIGS:
+        for name, mode, options in configs:
             run_dir = args.out / f"{name.replace('/', '-').replace('+', '-')}-{repeat}"
             summary = run_one(
                 dataset,
@@ -191,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             f"oa_{name}={oa:.4f} train_s_{name}={train:.2f}"
         )
     model = results["weighted-sync/model"]
-    for base in (name for name, *_ in CONFIGS[1:]):  # paired by repeat
+    for base in (name for name, *_ in configs[1:]):  # paired by repeat
         ratios = [
             b["train_time_s"] / m["train_time_s"] for b, m in zip(results[base], model, strict=True)
         ]

@@ -12,7 +12,7 @@ Each step runs in a fresh interpreter that reports its own peak resident set siz
 Prints one line per step (peak RSS, peak minus the interpreter's start-up, ratio to the file
 size, time) and deletes the file at the end unless ``--keep`` is given.
 
-Usage: python bench/memory.py [--samples 9800] [--bands 13] [--size 64] [--dir DIR] [--keep]
+Usage: python -m bench memory [--samples 9800] [--bands 13] [--size 64] [--dir DIR] [--keep]
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench import ROOT
+from bench.harness.record import parse_settings
 
 PEAK = """
 import json, sys, time
-sys.path.insert(0, sys.argv[1])
 from common.procs import peak_rss_bytes
 def peak_mb():
     return peak_rss_bytes() / 2**20
@@ -38,9 +38,9 @@ def peak_mb():
 STEPS = {
     "convert": """
 from common.data.convert.synth import synth_scenes
-args = json.loads(sys.argv[3])
+args = json.loads(sys.argv[2])
 base = peak_mb()
-synth_scenes(sys.argv[2], classes=10, seed=0, **args)
+synth_scenes(sys.argv[1], classes=10, seed=0, **args)
 """,
     "serve": """
 import numpy as np
@@ -48,7 +48,7 @@ from common.data.dataset import DatasetReader
 base = peak_mb()
 rng = np.random.default_rng(0)
 seen = 0
-with DatasetReader(sys.argv[2], cache_bytes=0) as reader:
+with DatasetReader(sys.argv[1], cache_bytes=0) as reader:
     while seen < reader.meta.num_samples:
         x, y = reader.read(rng.choice(reader.train_indices, 256))
         seen += len(y)
@@ -56,7 +56,7 @@ with DatasetReader(sys.argv[2], cache_bytes=0) as reader:
     "evaluate": """
 from common.data.dataset import DatasetReader
 base = peak_mb()
-with DatasetReader(sys.argv[2], cache_bytes=0) as reader:
+with DatasetReader(sys.argv[1], cache_bytes=0) as reader:
     for x, y in reader.iter_blocks(reader.test_indices, 512):
         pass
 """,
@@ -80,7 +80,8 @@ def run_step(step: str, path: Path, args: dict[str, int]) -> dict[str, float]:
     code = PEAK + STEPS[step] + '\nprint(json.dumps({"base_mb": base, "peak_mb": peak_mb()}))\n'
     start = time.perf_counter()
     res = subprocess.run(
-        [sys.executable, "-c", code, str(ROOT), str(path), json.dumps(args)],
+        [sys.executable, "-c", code, str(path), json.dumps(args)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
     )
@@ -91,14 +92,14 @@ def run_step(step: str, path: Path, args: dict[str, int]) -> dict[str, float]:
     return stats
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=9800, help="images (default 9800)")
     parser.add_argument("--bands", type=int, default=13, help="bands per image (default 13)")
     parser.add_argument("--size", type=int, default=64, help="image side (default 64)")
     parser.add_argument("--dir", type=Path, default=None, help="where to write the file")
     parser.add_argument("--keep", action="store_true", help="keep the file afterwards")
-    opts = parser.parse_args()
+    opts = parse_settings(parser, argv)
     args = {"samples": opts.samples, "bands": opts.bands, "size": opts.size}
     folder = Path(tempfile.mkdtemp(prefix="bench-memory-", dir=opts.dir))
     path = folder / "scenes.h5"
@@ -117,6 +118,8 @@ def main() -> None:
             print(
                 f"{step:<10}{s['peak_mb']:>14.0f}{above:>17.0f}{ratio:>11.3f}{s['seconds']:>8.1f}"
             )
+        for step, s in rows:
+            print(f"{step}_peak_mib={s['peak_mb']:.0f}")
     finally:
         if not opts.keep:
             path.unlink(missing_ok=True)

@@ -3,7 +3,7 @@ render of each status-page body with a full live view (the page serves cached bo
 own thread; bench/status_pollers.py measures many pollers), and sync round time while the page
 is polled 10 times a second (ten times the page's own rate), in one run.
 
-Usage: python bench/observe.py [--events 20000] [--rounds 300] [--repeats 3]
+Usage: python -m bench observe [--events 20000] [--rounds 300] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import argparse
 import json
 import re
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -20,8 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.harness.record import parse_settings
 from common.data.convert.synth import synth_hsi
 from common.training.runlog import RunLog
 from launch.local import LocalCluster, run_local
@@ -152,12 +150,12 @@ def median_round(data: Path, run_dir: Path, rounds: int, polled: bool) -> tuple[
     return statistics.median(times), poller.requests
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parse_settings(parser, argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         costs: dict[bool, list[float]] = {False: [], True: []}
@@ -173,6 +171,7 @@ def main() -> None:
         )
         written = statistics.median(writer_cost(root / f"w{i}", 3000) for i in range(3))
         print(f"TensorBoard writer thread: {1e6 * written:.0f} us per 4-worker round event")
+        print(f"event_us={1e6 * plain:.1f} event_tensorboard_us={1e6 * boarded:.1f}")
         render_costs = request_costs(300)
         print(
             f"server-loop time per render (at most 1 per {REFRESH_S} s and body), live view full: "
@@ -195,6 +194,8 @@ def main() -> None:
             f"{1000 * on:.2f} ms polled 10/s ({min(requests)}-{max(requests)} requests per run); "
             f"ratio {on / off:.2f}"
         )
+        print(f"round_ms={1000 * off:.2f} round_polled_ms={1000 * on:.2f}")
+        print(f"ratio_round_polled_vs_off={on / off:.3f}")
 
 
 if __name__ == "__main__":

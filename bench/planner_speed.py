@@ -11,7 +11,7 @@ shared slow links: water-filling leaves most workers out one by one). Checks tha
 the same plan; prints the median time per call of each over ``--repeats`` interleaved calls,
 their ratio, and ``planner_<n>_<case>_ms=`` / ``reference_<n>_<case>_ms=`` lines.
 
-Usage: python bench/planner_speed.py [--workers 4,64,1024] [--repeats 3]
+Usage: python -m bench planner-speed [--workers 4,64,1024] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.harness.record import parse_settings
 from common.training.perfmodel import Fit
 from common.training.planner import plan_by_model
 from tests.test_planner_reference import reference_plan
@@ -67,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--workers", default="4,64,1024")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
+    args = parse_settings(parser, argv)
     print(f"{'workers':>7} {'case':>6} {'members':>7} {'reference ms':>12} "
           f"{'planner ms':>10} {'ratio':>7}")  # fmt: skip
     for n in (int(v) for v in args.workers.split(",")):

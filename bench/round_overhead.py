@@ -19,7 +19,7 @@ repeat. The last lines print the medians over repeats and ``overhead_ms=X.X`` (o
 
 Needs the Jasper Ridge files (``--jasper``, default ../shared/datasets/jasper_ridge).
 
-Usage: python bench/round_overhead.py [--rounds 200] [--repeats 3] [--workers 1,3]
+Usage: python -m bench round-overhead [--rounds 200] [--repeats 3] [--workers 1,3]
                                       [--baseline DIR]
 """
 
@@ -31,23 +31,20 @@ import itertools
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+from torch import nn
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from bench.jasper import JASPER_DIR, jasper  # noqa: E402
-from common.data.dataset import DatasetReader  # noqa: E402
-from common.training.models import build_model  # noqa: E402
-from launch.local import LocalCluster, run_local  # noqa: E402
-from pserver.config import ServerConfig  # noqa: E402
+from bench.harness.jasper import JASPER_DIR, jasper
+from bench.harness.record import parse_settings
+from common.data.dataset import DatasetReader
+from common.training.models import build_model
+from launch.local import LocalCluster, run_local
+from pserver.config import ServerConfig
 
 BATCH = 64
 WARMUP = 10
@@ -140,14 +137,14 @@ def _run_ps(dataset: Path, workers: int, rounds: int, run_dir: Path) -> None:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", default="1,3", help="worker counts, comma-separated")
     parser.add_argument("--jasper", type=Path, default=JASPER_DIR)
     parser.add_argument("--baseline", type=Path, default=None, help="another checkout to compare")
-    args = parser.parse_args()
+    args = parse_settings(parser, argv)
     counts = [int(n) for n in args.workers.split(",")]
     trees: dict[str, Path | None] = {"this": None}
     if args.baseline is not None:

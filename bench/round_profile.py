@@ -4,7 +4,7 @@ Starts ``pserver start`` (hsi-cnn on Jasper Ridge, weighted-sync, 64-sample roun
 only at the end) and one ``worker join`` on 127.0.0.1, lets them warm up, then samples both
 processes' main threads with py-spy (wall clock: idle time included) and sorts every sample
 into a stage of the round. A stage's share of its thread's samples times the median round time
-gives its milliseconds per round. Needs ``pip install py-spy`` (not a project dependency) and
+gives its milliseconds per round. Needs py-spy (a development dependency: ``make setup``) and
 the rights to attach to child processes (root, or ptrace_scope 0).
 
 With ``--baseline DIR`` (another checkout, e.g. ``git worktree add ../baseline main``) the same
@@ -12,7 +12,7 @@ is measured with that code first and both columns are printed side by side. Each
 time per round (all its threads, from /proc) is printed too: unlike wall-clock shares it does
 not grow when other processes compete for the cores.
 
-Usage: python bench/round_profile.py [--seconds 8] [--rate 400] [--jasper DIR] [--baseline DIR]
+Usage: python -m bench round-profile [--seconds 8] [--rate 400] [--jasper DIR] [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -26,15 +26,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import psutil
 
-import psutil  # noqa: E402
-
-from bench.jasper import JASPER_DIR, jasper  # noqa: E402
-from common.polling import poll_until  # noqa: E402
-from common.procs import Child  # noqa: E402
-from launch.procs import EventsMark, new_events, wait_for_address  # noqa: E402
+from bench import ROOT
+from bench.harness.jasper import JASPER_DIR, jasper
+from bench.harness.record import parse_settings
+from common.polling import poll_until
+from common.procs import Child
+from launch.procs import EventsMark, new_events, wait_for_address
 
 # (stage, markers): a sample belongs to the first stage with a marker in its stack, markers
 # tried innermost frame first. Order matters: more specific stages come first.
@@ -188,13 +187,13 @@ def profile(tree: Path, dataset: Path, tmp: Path, seconds: int, rate: int) -> di
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=int, default=8)
     parser.add_argument("--rate", type=int, default=400)
     parser.add_argument("--jasper", type=Path, default=JASPER_DIR)
     parser.add_argument("--baseline", type=Path, default=None, help="another checkout to compare")
-    args = parser.parse_args()
+    args = parse_settings(parser, argv)
     trees = {"this": ROOT}
     if args.baseline is not None:
         trees = {"baseline": args.baseline.resolve(), **trees}

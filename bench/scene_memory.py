@@ -12,7 +12,7 @@ Prediction uses a tiny model (one 1x1 convolution) behind the real ``RawInput`` 
 the figures are those of the streaming pipeline, not of a network. Prints peak RSS, peak minus
 the interpreter's start-up, that over the cube's float32 size, and time; deletes the files.
 
-Usage: python bench/scene_memory.py [--rows 1200] [--cols 1200] [--bands 64] [--dir DIR]
+Usage: python -m bench scene-memory [--rows 1200] [--cols 1200] [--bands 64] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench import ROOT
+from bench.harness.record import parse_settings
 
 PEAK = """
 import json, sys, time
 from pathlib import Path
-sys.path.insert(0, sys.argv[1])
 from common.procs import peak_rss_bytes
 def peak_mb():
     return peak_rss_bytes() / 2**20
@@ -45,7 +45,7 @@ from common.data.convert.cube import ArrayCube, open_cube
 from pserver.outputs.export import RawInput
 from pserver.outputs.model_file import LoadedModel
 from pserver.outputs.predict import predict_scene
-bands = json.loads(sys.argv[3])["bands"]
+bands = json.loads(sys.argv[2])["bands"]
 net = torch.nn.Sequential(
     torch.nn.Conv2d(bands, 4, 1), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()
 )
@@ -58,19 +58,19 @@ STEPS = {
     "prepare": """
 from common.data.convert.hsi import prepare_hsi
 base = peak_mb()
-folder = Path(sys.argv[2])
+folder = Path(sys.argv[1])
 prepare_hsi(str(folder / "cube.tif"), str(folder / "gt.tif"), folder / "out.h5", patch=5)
 """,
     "predict, windowed": MODEL
     + """
 base = peak_mb()
-with open_cube(str(Path(sys.argv[2]) / "cube.tif")) as cube:
+with open_cube(str(Path(sys.argv[1]) / "cube.tif")) as cube:
     classes = predict_scene(model, cube, batch=1024, progress=False)
 """,
     "predict, whole": MODEL
     + """
 base = peak_mb()
-with open_cube(str(Path(sys.argv[2]) / "cube.tif")) as cube:
+with open_cube(str(Path(sys.argv[1]) / "cube.tif")) as cube:
     whole = ArrayCube(cube.read_rows(0, cube.shape[0]), "whole")
 classes = predict_scene(model, whole, batch=1024, progress=False)
 """,
@@ -111,7 +111,8 @@ def run_step(step: str, folder: Path, args: dict[str, int]) -> dict[str, float]:
     code = PEAK + STEPS[step] + '\nprint(json.dumps({"base_mb": base, "peak_mb": peak_mb()}))\n'
     start = time.perf_counter()
     res = subprocess.run(
-        [sys.executable, "-c", code, str(ROOT), str(folder), json.dumps(args)],
+        [sys.executable, "-c", code, str(folder), json.dumps(args)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=3600,
@@ -123,13 +124,13 @@ def run_step(step: str, folder: Path, args: dict[str, int]) -> dict[str, float]:
     return stats
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1200, help="scene rows (default 1200)")
     parser.add_argument("--cols", type=int, default=1200, help="scene columns (default 1200)")
     parser.add_argument("--bands", type=int, default=64, help="spectral bands (default 64)")
     parser.add_argument("--dir", type=Path, default=None, help="where to write the files")
-    opts = parser.parse_args()
+    opts = parse_settings(parser, argv)
     args = {"rows": opts.rows, "cols": opts.cols, "bands": opts.bands}
     with tempfile.TemporaryDirectory(prefix="bench-scene-", dir=opts.dir) as tmp:
         folder = Path(tmp)
@@ -150,6 +151,7 @@ def main() -> None:
                 f"{step:<20}{s['peak_mb']:>14.0f}{above:>17.0f}{above / float_mb:>16.3f}"
                 f"{s['seconds']:>8.1f}"
             )
+            print(f"{step.replace(', ', '_').replace(' ', '_')}_peak_mib={s['peak_mb']:.0f}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ figure is the growth from the first sample at or past ``--from`` versions to the
 ``--baseline DIR`` the same run is made with the server (and workers) of another checkout
 right after, for a side-by-side figure.
 
-Usage: python bench/server_memory.py [--versions 5000] [--from 500] [--mode weighted-sync]
+Usage: python -m bench server-memory [--versions 5000] [--from 500] [--mode weighted-sync]
                                      [--baseline DIR]
 """
 
@@ -20,16 +20,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import psutil
 
+from bench import ROOT
+from bench.harness.record import parse_settings
 from common.cli_env import child_environment
 from common.data.convert.synth import synth_hsi
 from common.procs import Children
 from launch.procs import new_events, start_offset, wait_for_address
 
-ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_S = 0.5
 
 
@@ -119,13 +118,13 @@ def report(name: str, samples: list[tuple[int, float]], start: int) -> str:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--versions", type=int, default=5000)
     parser.add_argument("--from", dest="start", type=int, default=500)
     parser.add_argument("--baseline", type=Path, default=None, help="another checkout")
     parser.add_argument("--mode", default="weighted-sync", help="the server's --mode")
-    args = parser.parse_args()
+    args = parse_settings(parser, argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         data = root / "hsi.h5"
@@ -136,6 +135,9 @@ def main() -> None:
         for i, (name, code) in enumerate(runs):
             samples = measure(data, root / f"run{i}", args.versions, code, args.mode)
             print(f"{args.mode}, " + report(name, samples, args.start), flush=True)
+            later = [rss for version, rss in samples if version >= args.start]
+            if i == 0 and later:
+                print(f"rss_start_mb={later[0]:.1f} rss_end_mb={later[-1]:.1f}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ with nodes whose step times scatter by 5 % from round to round (the planner then
 measured spread and drops stragglers, which costs it a re-plan per dropped worker) and with
 steady nodes. Prints one line per case and ``simulate_<case>_s=X.XX`` lines.
 
-Usage: python bench/simulate_speed.py [--workers 1024] [--shards 16] [--rounds 100]
+Usage: python -m bench simulate-speed [--workers 1024] [--shards 16] [--rounds 100]
 """
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ import dataclasses
 import math
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.harness.record import parse_settings
 from launch.simulate.engine import SIM_MODES, simulate
 from launch.simulate.spec import cluster_from_spec
 
@@ -46,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1024)
     parser.add_argument("--shards", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=100)
-    args = parser.parse_args(argv)
+    args = parse_settings(parser, argv)
     base = cluster_from_spec(SPEC).with_workers(args.workers)
     steady = dataclasses.replace(base, shards=args.shards, global_batch=32 * args.workers)
     jittery = dataclasses.replace(

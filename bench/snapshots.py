@@ -8,7 +8,7 @@ cost), the time one snapshot file takes to write (on the server's write thread, 
 loop) against the median round time, and the time ``pserver evaluate-snapshots`` takes per
 snapshot.
 
-Usage: python bench/snapshots.py [--repeats 3] [--every 1] [--epochs 4]
+Usage: python -m bench snapshots [--repeats 3] [--every 1] [--epochs 4]
 """
 
 from __future__ import annotations
@@ -24,14 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from common.data.convert.synth import synth_hsi  # noqa: E402
-from common.logsetup import setup_logging  # noqa: E402
-from launch.local import LocalCluster, run_local  # noqa: E402
-from pserver import snapshots as snap  # noqa: E402
-from pserver.snapshot_eval import SnapshotEvalConfig, evaluate_snapshots  # noqa: E402
+from bench import ROOT
+from bench.harness.record import parse_settings
+from common.data.convert.synth import synth_hsi
+from common.logsetup import setup_logging
+from launch.local import LocalCluster, run_local
+from pserver import snapshots as snap
+from pserver.snapshot_eval import SnapshotEvalConfig, evaluate_snapshots
 
 
 def run(data: Path, run_dir: Path, epochs: int, every: int | None) -> dict:
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=Path, default=ROOT / "runs/bench/snapshots", help="output directory"
     )
-    args = parser.parse_args(argv)
+    args = parse_settings(parser, argv)
     setup_logging("WARNING")
     args.out.mkdir(parents=True, exist_ok=True)
     data = args.out / "hsi.h5"

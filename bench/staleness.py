@@ -11,7 +11,7 @@ The last lines are ``ratio_<quantity>_<variant>_vs_inverse=X.XX``, medians over 
 paired ratios: ``ttt`` and ``epoch`` are inverse's time / the variant's (> 1: faster), ``oa``
 is the variant's final OA / inverse's.
 
-Usage: python bench/staleness.py [--repeats 1] [--bounds 4,1] [--epochs 6]
+Usage: python -m bench staleness [--repeats 1] [--bounds 4,1] [--epochs 6] [--functions ...]
 """
 
 from __future__ import annotations
@@ -21,16 +21,15 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.jasper import JASPER_DIR, jasper  # noqa: E402
-from common.errors import PSError  # noqa: E402
-from common.logsetup import setup_logging  # noqa: E402
-from common.training.tables import format_table  # noqa: E402
-from launch.compare import run_record  # noqa: E402
-from launch.local import LocalCluster, run_local  # noqa: E402
-from launch.settings import TrainSettings  # noqa: E402
+from bench import ROOT
+from bench.harness.jasper import jasper_prologue
+from bench.harness.record import parse_settings
+from common.errors import PSError
+from common.logsetup import setup_logging
+from common.training.tables import format_table
+from launch.compare import run_record
+from launch.local import LocalCluster, run_local
+from launch.settings import TrainSettings
 
 FUNCTIONS = ("inverse", "poly", "hinge", "exp", "constant")
 
@@ -44,9 +43,9 @@ def spread_text(values: list[float | None], digits: int = 3) -> str:
     return f"{lo:.{digits}f} / {mid:.{digits}f} / {hi:.{digits}f}"
 
 
-def variants(bounds: list[int]) -> list[tuple[str, str, int | None]]:
+def variants(functions: list[str], bounds: list[int]) -> list[tuple[str, str, int | None]]:
     """(name, staleness function, bound) for every variant."""
-    out: list[tuple[str, str, int | None]] = [(f, f, None) for f in FUNCTIONS]
+    out: list[tuple[str, str, int | None]] = [(f, f, None) for f in functions]
     out += [(f"inverse_max{k}", "inverse", k) for k in bounds]
     return out
 
@@ -71,20 +70,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=6, help="epochs per run (default 6)")
     parser.add_argument("--target-oa", type=float, default=0.9, help="target OA (default 0.9)")
     parser.add_argument("--bounds", default="4,1", help="--max-staleness values (default 4,1)")
+    parser.add_argument(
+        "--functions",
+        default=",".join(FUNCTIONS),
+        help=f"staleness functions to run (default {','.join(FUNCTIONS)})",
+    )
     parser.add_argument("--slowdowns", default="1,1,2,4", help="worker slowdowns (default 1,1,2,4)")
     parser.add_argument(
         "--out", type=Path, default=ROOT / "runs/bench/staleness", help="output directory"
     )
-    args = parser.parse_args(argv)
+    args = parse_settings(parser, argv)
+    functions = [f.strip() for f in args.functions.split(",") if f.strip()]
+    if not set(functions) <= set(FUNCTIONS):
+        parser.error(f"--functions {args.functions!r}: choose among {', '.join(FUNCTIONS)}")
     setup_logging("WARNING")
-    if not (JASPER_DIR / "JasperRidge.mat").exists():
-        print(f"Jasper Ridge not found in {JASPER_DIR}")
+    data = jasper_prologue(args.out)
+    if data is None:
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    data = jasper(args.out)
     train = TrainSettings(epochs=args.epochs).validate()
     slowdowns = tuple(float(s) for s in args.slowdowns.split(","))
-    table = variants([int(k) for k in args.bounds.split(",") if k.strip()])
+    table = variants(functions, [int(k) for k in args.bounds.split(",") if k.strip()])
     runs, failed = [], []
     for repeat in range(1, args.repeats + 1):
         for name, function, bound in table:
@@ -144,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(headers, rows))
     for line in failed:
         print(f"failed: {line}")
-    for name, _, _ in table[1:]:
+    for name in (name for name, _, _ in table if name != "inverse"):
         quantities = {
             "ttt": lambda r, b: (
                 b["time_to_target_s"] / r["time_to_target_s"]

@@ -6,8 +6,8 @@ polled runs a separate process keeps ``--clients`` keep-alive connections, each 
 (unpolled, polled) ``--repeats`` times; the figure is the ratio of the training rates
 (samples applied per second of training time, medians over repeats).
 
-Usage: python bench/status_pollers.py [--clients 200] [--steps 300] [--repeats 3]
-       python bench/status_pollers.py --poll URL [--clients 200]   (the poller process)
+Usage: python -m bench status-pollers [--clients 200] [--steps 300] [--repeats 3]
+       python -m bench status-pollers --poll URL [--clients 200]   (the poller process)
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import threading
 from pathlib import Path
 from urllib.parse import urlsplit
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench import ROOT
+from bench.harness.record import parse_settings
 from common.data.convert.synth import synth_hsi
 from common.procs import Child
 from launch.local import LocalCluster, run_local
@@ -96,8 +96,9 @@ class Pollers:
         match = URL.search(text)
         with self._lock:
             if match and self.process is None and self.clients:
-                command = [sys.executable, __file__, "--poll", match.group(1)]
-                self.process = Child("pollers", [*command, "--clients", str(self.clients)])
+                command = [sys.executable, "-m", "bench.status_pollers", "--poll", match.group(1)]
+                argv = [*command, "--clients", str(self.clients)]
+                self.process = Child("pollers", argv, cwd=ROOT)
         return len(text)
 
     def flush(self) -> None:
@@ -128,13 +129,13 @@ def training_rate(data: Path, run_dir: Path, steps: int, clients: int) -> tuple[
     return summary["samples_seen"] / summary["train_time_s"], pollers.counts
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--poll", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parse_settings(parser, argv)
     if args.poll:
         print(asyncio.run(poll(args.poll, args.clients)))
         return
@@ -159,6 +160,8 @@ def main() -> None:
             f"{args.clients} pollers of /status.json at 1/s (medians of {args.repeats}); "
             f"ratio {on / off:.2f}"
         )
+        print(f"samples_per_s={off:.1f} samples_per_s_polled={on:.1f}")
+        print(f"ratio_polled_vs_unpolled={on / off:.3f}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ model's flat state, on one torch thread.
 The CPU time (getrusage) is what the update costs; the wall time also holds waiting for a core
 on a shared machine. Medians over ``--rounds`` updates after two warm-up ones.
 
-Usage: python bench/store_update.py [--elems 3724654] [--workers 3] [--wire fp32] [--rounds 7]
+Usage: python -m bench store-update [--elems 3724654] [--workers 3] [--wire fp32] [--rounds 7]
 """
 
 from __future__ import annotations
@@ -14,14 +14,11 @@ import argparse
 import os
 import resource
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.harness.record import parse_settings
 from common.protocol.chunks import encode
 from pserver.optimizer import FlatOptimizer
 from pserver.store.slices import SliceStore
@@ -33,14 +30,14 @@ def cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--elems", type=int, default=11173962 // 3, help="slice size")
     parser.add_argument("--workers", type=int, default=3, help="gradients summed per update")
     parser.add_argument("--wire", default="fp32", help="fp32, bf16 or fp16")
     parser.add_argument("--chunk-mb", type=float, default=4.0)
     parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args()
+    args = parse_settings(parser, argv)
     torch.set_num_threads(1)
     n, chunk = args.elems, int(args.chunk_mb * (1 << 20)) // 4
     store = SliceStore(0, n, n, torch.randn(n), FlatOptimizer("sgd", 0.05, 0.9), [], chunk)
@@ -67,6 +64,8 @@ def main() -> None:
         f"wall / {med[1]:.1f} ms CPU; commit + encode {med[2]:.1f} ms wall / {med[3]:.1f} ms CPU; "
         f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"
     )
+    print(f"prepare_wall_ms={med[0]:.1f} prepare_cpu_ms={med[1]:.1f}")
+    print(f"commit_encode_wall_ms={med[2]:.1f} commit_encode_cpu_ms={med[3]:.1f}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ sync gives the fast worker 3B/4 and the slow one B/4 (3/4 B sample-times each), 
 ratio is 2.0. The last line is ``ratio=X.XX`` (median equal-sync round / median weighted-sync
 round).
 
-Usage: python bench/sync_round.py [--rounds 40] [--repeats 1]
+Usage: python -m bench sync-round [--rounds 40] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.harness.record import parse_settings
 from common.data.convert.synth import synth_scenes
 from launch.local import LocalCluster, run_local
 
@@ -34,12 +32,12 @@ def round_times(run_dir: Path) -> tuple[list[float], list[list[int]]]:
     return [r["round_s"] for r in rounds], [[w["batch"] for w in r["workers"]] for r in rounds]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--global-batch", type=int, default=64)
-    args = parser.parse_args()
+    args = parse_settings(parser, argv)
     with tempfile.TemporaryDirectory() as tmp:
         dataset = Path(tmp) / "scenes.h5"
         synth_scenes(dataset, samples=1200, bands=13, size=64, classes=10, seed=0)

@@ -22,7 +22,7 @@ Variants (one hypothesis each; ``baseline`` is weighted-sync with full-weight ta
                   weighted-sync follows: tails weighted b / B, --min-local-batch 8)
   one-worker      the reference: every round on one worker (one global batch), tails b / B
 
-Usage: python bench/tail_rounds.py [--seeds 0,1,2] [--variants ...] [--epochs 6]
+Usage: python -m bench tail-rounds [--seeds 0,1,2] [--variants ...] [--epochs 6]
 """
 
 from __future__ import annotations
@@ -36,14 +36,13 @@ import numpy as np
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.jasper import jasper  # noqa: E402
-from common.data.dataset import DatasetReader  # noqa: E402
-from common.training.models import build_model  # noqa: E402
-from common.training.planner import plan_batches  # noqa: E402
-from common.training.tables import format_table  # noqa: E402
+from bench import ROOT
+from bench.harness.jasper import jasper
+from bench.harness.record import parse_settings
+from common.data.dataset import DatasetReader
+from common.training.models import build_model
+from common.training.planner import plan_batches
+from common.training.tables import format_table
 
 TEST_SAMPLES = 3000  # a fixed random subset of the test split, scored after every step
 VARIANTS = (
@@ -203,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=int, default=64, help="B (default 64)")
     parser.add_argument("--slowdowns", default="4,4,8,16", help="worker slowdowns (4,4,8,16)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs/bench/tail_rounds")
-    args = parser.parse_args(argv)
+    args = parse_settings(parser, argv)
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     data = jasper(args.out, 5, 0.1)
@@ -226,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     print(format_table(["variant", "max drop per seed", "median / max", "final OA"], rows))
+    for variant, _, drop, final in rows:
+        print(f"max_drop_{variant}={drop.split(' / ')[0]} final_oa_{variant}={final}")
     return 0
 
 

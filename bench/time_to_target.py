@@ -32,7 +32,7 @@ reports it). The last lines are ``max_drop_<regime>_<mode>_median|max=X.XXX`` an
 ``ratio_<regime>_<quantity>_<mode>_vs_ddp=X.XX``: the median over repeats of the paired ratio
 (DDP's time / the mode's time in the same repeat; > 1: the mode is faster).
 
-Usage: python bench/time_to_target.py [--repeats 1] [--regimes small,heavy] [--snapshot-every 2]
+Usage: python -m bench time-to-target [--repeats 1] [--regimes small,heavy] [--snapshot-every 2]
        [--seed 0] [--same-seed] [--epochs E] [--modes ...] [--cluster small-1124]
        [--slowdowns 1,1,2,4] [--reuse]
 """
@@ -45,20 +45,19 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.cluster_args import (  # noqa: E402
+from bench import ROOT
+from bench.harness.cluster import (
     add_cluster_arguments,
     cluster_from_args,
     cluster_label,
     worker_count,
 )
-from bench.jasper import JASPER_DIR, jasper  # noqa: E402
-from common.logsetup import setup_logging  # noqa: E402
-from common.training.tables import format_table  # noqa: E402
-from launch.compare import CompareConfig, run_compare  # noqa: E402
-from launch.settings import TrainSettings  # noqa: E402
+from bench.harness.jasper import jasper, jasper_missing
+from bench.harness.record import parse_settings
+from common.logsetup import setup_logging
+from common.training.tables import format_table
+from launch.compare import CompareConfig, run_compare
+from launch.settings import TrainSettings
 
 MODES = ("weighted-sync", "equal-sync", "async", "ddp", "single")
 REGIMES = {
@@ -195,6 +194,14 @@ def run_regime(name: str, args: argparse.Namespace) -> list[str]:
             lines.append(f"max_drop_{label}_median={statistics.median(drops):.3f}")
             lines.append(f"max_drop_{label}_max={max(drops):.3f}")
     for mode in modes:
+        finals = [
+            r["summary"]["final"]["oa"] for r in runs if r["mode"] == mode and "error" not in r
+        ]
+        if finals:
+            label = f"{name}_{mode.replace('-', '_')}"
+            lines.append(f"final_oa_{label}_median={statistics.median(finals):.4f}")
+            lines.append(f"runs_{label}={len(finals)}")
+    for mode in modes:
         if mode == "ddp":
             continue
         for key, label in (("time_to_target_s", "ttt"), ("epoch_time_s", "epoch")):
@@ -236,10 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         help="take a repeat whose compare.json already holds every mode with the same settings "
         "from --out instead of running it again",
     )
-    args = parser.parse_args(argv)
+    args = parse_settings(parser, argv)
     setup_logging("WARNING")
-    if not (JASPER_DIR / "JasperRidge.mat").exists():
-        print(f"Jasper Ridge not found in {JASPER_DIR}")
+    if (reason := jasper_missing()) is not None:
+        print(reason)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     lines = []

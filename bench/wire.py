@@ -6,7 +6,7 @@ the gradient in chunks to the server's store, the push request, the update (chec
 step, copy-on-step) and the new parameters back in chunks.
 The last line is ``ratio=X.XX`` (median PS time / median raw time).
 
-Usage: python bench/wire.py [--rounds 20] [--momentum 0.9] [--wire-dtype fp32] [--chunk-mb 4]
+Usage: python -m bench wire [--rounds 20] [--momentum 0.9] [--wire-dtype fp32] [--chunk-mb 4]
 """
 
 from __future__ import annotations
@@ -21,26 +21,25 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 import zmq
 
-ROOT = Path(__file__).resolve().parents[1]
-STARTUP_TIMEOUT_S = 120.0
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from bench.wire_model import RESNET18_PARAMS  # noqa: E402
-from common.data.convert.synth import synth_hsi  # noqa: E402
-from common.procs import Child  # noqa: E402
-from common.protocol.client import Connection  # noqa: E402
-from common.protocol.messages import (  # noqa: E402
+from bench import ROOT
+from bench.harness.record import parse_settings
+from bench.wire_model import RESNET18_PARAMS
+from common.data.convert.synth import synth_hsi
+from common.procs import Child
+from common.protocol.client import Connection
+from common.protocol.messages import (
     JoinReply,
     JoinRequest,
     PushRequest,
     TaskReply,
     TaskRequest,
 )
-from worker.params import StoreClient  # noqa: E402
+from worker.params import StoreClient
+
+STARTUP_TIMEOUT_S = 120.0
 
 
 def echo_server(endpoint_queue: mp.Queue) -> None:
@@ -108,14 +107,14 @@ def start_pserver(dataset: Path, momentum: float, wire: str, chunk_mb: float) ->
     return proc, line.split("listening on", 1)[1].strip()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--wire-dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--chunk-mb", type=float, default=4.0)
-    args = parser.parse_args()
+    args = parse_settings(parser, argv)
 
     with tempfile.TemporaryDirectory() as tmp:
         dataset = Path(tmp) / "tiny.h5"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.netprobe import measure_rate
+from bench.multihost.netprobe import measure_rate
 from common.errors import PSError
 from launch.cluster import netns
 from launch.cluster.netns import NetnsError, cluster_hosts, namespaces, remove_stale_launches

@@ -5,24 +5,21 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from bench.multihost.config import BenchConfig, Variant, missing_features
+from bench.multihost.jobs import _rounds
+from bench.multihost.netprobe import measure_rate
+from bench.multihost.report import table
+from bench.procs import start
+from common.errors import ConfigError
+from common.procs import Child
+from launch.cluster.netns import NetConfig, Network, available, namespaces
+from launch.cluster.spec import rate_bits
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.mh_jobs import _rounds  # noqa: E402
-from bench.mh_report import table  # noqa: E402
-from bench.mh_setup import BenchConfig, Variant, missing_features  # noqa: E402
-from bench.netprobe import measure_rate  # noqa: E402
-from bench.procs import start  # noqa: E402
-from common.errors import ConfigError  # noqa: E402
-from common.procs import Child  # noqa: E402
-from launch.cluster.netns import NetConfig, Network, available, namespaces  # noqa: E402
-from launch.cluster.spec import rate_bits  # noqa: E402
-
 PREFIX = "mht"  # not the bench's "mh-": a bench run at the same time is left alone
 
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.mh_stages import STAGES, rounds
+from bench.multihost.stages import STAGES, rounds
 from common import stagetrace
 
 MARKER = (

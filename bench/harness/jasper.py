@@ -7,7 +7,14 @@ from pathlib import Path
 
 from common.data.convert.hsi import prepare_hsi
 
-JASPER_DIR = Path(__file__).resolve().parents[2] / "shared/datasets/jasper_ridge"
+JASPER_DIR = Path(__file__).resolve().parents[3] / "shared/datasets/jasper_ridge"
+JASPER_FILES = ("JasperRidge.mat", "JasperRidge_gt.mat")
+
+
+def jasper_missing(jasper_dir: Path = JASPER_DIR) -> str | None:
+    """Why Jasper Ridge cannot be prepared from ``jasper_dir`` (None: its files are there)."""
+    missing = [name for name in JASPER_FILES if not (jasper_dir / name).is_file()]
+    return f"Jasper Ridge not found in {jasper_dir}: no {', '.join(missing)}" if missing else None
 
 
 def jasper(
@@ -16,6 +23,7 @@ def jasper(
     """``out/jasper_p<patch>_tf<percent>.h5``, prepared from ``jasper_dir`` unless it is there."""
     path = out / f"jasper_p{patch}_tf{round(100 * train_fraction)}.h5"
     if not path.exists():
+        out.mkdir(parents=True, exist_ok=True)
         prepare_hsi(
             str(jasper_dir / "JasperRidge.mat"),
             str(jasper_dir / "JasperRidge_gt.mat"),
@@ -26,3 +34,13 @@ def jasper(
             seed=0,
         )
     return path
+
+
+def jasper_prologue(out: Path, patch: int = 5, train_fraction: float = 0.1) -> Path | None:
+    """A Jasper Ridge bench's first step: the prepared dataset under ``out``, or None after
+    printing why it cannot be prepared (the bench then exits with status 2)."""
+    reason = jasper_missing()
+    if reason is not None:
+        print(reason)
+        return None
+    return jasper(out, patch, train_fraction)

@@ -12,7 +12,8 @@ import re
 import subprocess
 from pathlib import Path
 
-from bench.procs import ROOT, python
+from bench import ROOT
+from bench.procs import python
 from common.errors import ConfigError
 from launch.cluster.spec import rate_bits
 

@@ -7,7 +7,7 @@ few thousand values. That is what PyTorch's ``bf16_compress_hook`` does to DDP's
 tensor this loop actually sends: its step all-reduces one flat tensor itself after a backward
 under ``no_sync`` (so a hook registered on the DDP wrapper would never run), and PyTorch's
 hook is refused outside NCCL on CUDA anyway. Started by ``run_ddp(...,
-rank_module="bench.mh_ddp_bf16")``; takes ``launch.ddp.rank``'s arguments.
+rank_module="bench.multihost.ddp_bf16")``; takes ``launch.ddp.rank``'s arguments.
 """
 
 from __future__ import annotations

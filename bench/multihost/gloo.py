@@ -6,7 +6,7 @@ at once, the time of the slowest rank per repeat), and whole DDP training steps 
 all-reduce overlapped with backward, every rank computing at once). Rank 0 prints one line
 ``RESULT {json}``.
 
-Usage: python -m bench.mh_gloo --rank R --world N --master ADDR --port P --dataset D.h5 [...]
+Usage: python -m bench.multihost.gloo --rank R --world N --master ADDR --port P --dataset D.h5 [...]
 """
 
 from __future__ import annotations

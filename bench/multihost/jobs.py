@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.mh_setup import BenchConfig, Variant
+from bench.multihost.config import BenchConfig, Variant
 from bench.procs import python, start
 from common import stagetrace
 from common.procs import Child, ChildError
@@ -52,7 +52,7 @@ def run_gloo(net: Network, cfg: BenchConfig, dataset: Path, log_dir: Path) -> di
     try:
         for rank, host in enumerate(hosts):
             argv = python(
-                "bench.mh_gloo",
+                "bench.multihost.gloo",
                 "--rank",
                 str(rank),
                 "--world",

@@ -18,7 +18,7 @@ compute); raw round times on the shared cores are shown beside them. Variants wh
 the installed ``pserver`` lacks are reported as not available. Needs root (prints why and
 exits 0 otherwise). Every namespace is removed at the end, also on failure, Ctrl-C or SIGTERM.
 
-Usage: python bench/multihost.py [--workers 3] [--rate 1gbit | --rates 1gbit,1gbit,1gbit,100mbit]
+Usage: python -m bench multihost [--workers 3] [--rate 1gbit | --rates 1gbit,1gbit,1gbit,100mbit]
        [--variants ps-k1,ps-k1-local,...] [--repeats 3] [--steps 12] [--out runs/multihost]
 """
 
@@ -36,13 +36,18 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.mh_jobs import run_gloo, run_ps
-from bench.mh_report import legend, table
-from bench.mh_setup import DEFAULT_VARIANTS, VARIANTS, BenchConfig, missing_features, scenes_dataset
-from bench.netprobe import measure_rate
-from bench.procs import ROOT
+from bench import ROOT
+from bench.harness.record import parse_settings
+from bench.multihost.config import (
+    DEFAULT_VARIANTS,
+    VARIANTS,
+    BenchConfig,
+    missing_features,
+    scenes_dataset,
+)
+from bench.multihost.jobs import run_gloo, run_ps
+from bench.multihost.netprobe import measure_rate
+from bench.multihost.report import legend, table
 from common.errors import PSError
 from common.logsetup import setup_logging
 from common.procs import ChildError
@@ -87,7 +92,7 @@ def parse(argv: list[str] | None) -> BenchConfig:
     p.add_argument("--job-timeout", type=float, default=900.0, help="seconds one job may take")
     p.add_argument("--out", type=Path, default=ROOT / "runs/multihost", help="output directory")
     p.add_argument("--prefix", default="mh", help="namespace name prefix")
-    a = p.parse_args(argv)
+    a = parse_settings(p, argv)
     rates = tuple(a.rates.split(",")) if a.rates else (a.rate,) * (a.workers + 1)
     return BenchConfig(
         workers=a.workers,
@@ -163,6 +168,7 @@ def run(cfg: BenchConfig) -> int:
     print("\n".join(links))
     print(text)
     print(legend(cfg, figures, params))
+    print(figure_lines(figures))
     results = {
         "config": {k: str(v) for k, v in vars(cfg).items()},
         "links": links,
@@ -175,6 +181,18 @@ def run(cfg: BenchConfig) -> int:
     (cfg.out / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
     print(f"results: {cfg.out / 'results.json'}")
     return 1 if failures else 0
+
+
+def figure_lines(figures: dict[str, Any]) -> str:
+    """The table's headline figures as ``name=value`` words: the reference, then per variant
+    its median round, communication and ratio to all-reduce + compute."""
+    words = [f"{k}={v:.4f}" for k, v in (figures.get("reference") or {}).items()]
+    for name, row in figures["variants"].items():
+        words.append(f"round_s_{name}={row['round_s']['median']:.4f}")
+        words.append(f"comm_s_{name}={row['comm_s_median']:.4f}")
+        if "ratio_reference" in row:
+            words.append(f"ratio_{name}={row['ratio_reference']:.3f}")
+    return "\n".join(words)
 
 
 def _brief(result: dict) -> str:

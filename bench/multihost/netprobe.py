@@ -2,7 +2,8 @@
 
 Run inside the namespaces by ``measure_rate``; the receiver binds port 0, prints its port, and
 reports the bytes received and the seconds from the first byte to the end of the stream:
-``python -m bench.netprobe recv ADDRESS`` / ``python -m bench.netprobe send ADDRESS PORT BYTES``.
+``python -m bench.multihost.netprobe recv ADDRESS`` /
+``python -m bench.multihost.netprobe send ADDRESS PORT BYTES``.
 """
 
 from __future__ import annotations
@@ -73,13 +74,13 @@ def measure_rate(src: Host, dst: Host, size: int, log_dir: Path, timeout: float 
     log_dir.mkdir(parents=True, exist_ok=True)
     recv = start(
         f"recv@{dst.netns}",
-        dst.argv(python("bench.netprobe", "recv", dst.address)),
+        dst.argv(python("bench.multihost.netprobe", "recv", dst.address)),
         log_dir / f"probe-recv-{dst.netns}.log",
     )
     sender: Child | None = None
     try:
         port = recv.wait_for_match(r"^port (\d+)$", timeout).group(1)
-        argv = src.argv(python("bench.netprobe", "send", dst.address, port, str(size)))
+        argv = src.argv(python("bench.multihost.netprobe", "send", dst.address, port, str(size)))
         sender = start(f"send@{src.netns}", argv, log_dir / f"probe-send-{src.netns}.log")
         if sender.wait(timeout) != 0:
             raise ChildError(f"the sender failed\n{sender.tail()}")

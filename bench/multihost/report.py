@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from bench.mh_setup import BenchConfig
+from bench.multihost.config import BenchConfig
 
 
 def _spread(values: Sequence[float]) -> str:

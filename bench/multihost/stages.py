@@ -26,7 +26,7 @@ A stage's time is how far its point lies past every earlier point (0 when it is 
 behind), so the stages add up to the round. All processes run on one machine and mark
 ``time.monotonic()``, one clock for every namespace.
 
-Usage: python bench/mh_stages.py RUN_DIR [RUN_DIR ...] [--warmup 2]
+Usage: python -m bench.multihost.stages RUN_DIR [RUN_DIR ...] [--warmup 2]
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ import json
 import statistics
 from pathlib import Path
 from typing import Any
+
+from bench.harness.record import parse_settings
 
 STAGES = (
     "compute",
@@ -161,11 +163,11 @@ def summarise(run_dir: Path, warmup: int) -> dict[str, float]:
     return medians
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", type=Path, nargs="+", help="run directories holding trace/")
     parser.add_argument("--warmup", type=int, default=2, help="rounds left out at the start")
-    args = parser.parse_args()
+    args = parse_settings(parser, argv)
     columns = [(run.name, summarise(run, args.warmup)) for run in args.runs]
     print(f"{'stage (median ms)':<20}" + "".join(f"{name:>18}" for name, _ in columns))
     for stage in (*STAGES, "round"):

@@ -4,7 +4,7 @@ Every run goes through the launcher on one emulated cluster (``--links``: the se
 host, each worker or DDP rank on its own, every link capped both ways): weighted-sync with
 ``--wire-dtype bf16`` and one parameter shard on each worker host (``ws-bf16``), DDP with
 fp32 gradients (``ddp-fp32``) and DDP with PyTorch's bf16 compression hook (``ddp-bf16``,
-``bench/mh_ddp_bf16.py``). The runs alternate within each repeat, with the same seed, data
+``bench/multihost/ddp_bf16.py``). The runs alternate within each repeat, with the same seed, data
 (synthetic 3-band scenes) and model (``resnet18``, 11.2 M parameters). Slow nodes are
 emulated with ``--slowdowns``.
 
@@ -15,7 +15,7 @@ the pull and the round's coordination), medians. The last lines are
 ``ratio_epoch_<ddp mode>_vs_ws=X.XX`` (medians of DDP's epoch time / weighted-sync's) and
 ``oa_diff_<ddp mode>_vs_ws=X.XXXX``. Needs root (prints why and exits 0 otherwise).
 
-Usage: python bench/mh_train.py [--workers 3] [--links 1gbit] [--slowdowns 1,1,2]
+Usage: python -m bench multihost-train [--workers 3] [--links 1gbit] [--slowdowns 1,1,2]
        [--global-batch 24] [--epochs 3] [--repeats 2] [--samples 750] [--out runs/mh_train]
 """
 
@@ -31,18 +31,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.mh_setup import scenes_dataset  # noqa: E402
-from common.errors import PSError  # noqa: E402
-from common.logsetup import setup_logging  # noqa: E402
-from launch.cluster.netns import available  # noqa: E402
-from launch.cluster.spec import ClusterSpec, parse_cluster  # noqa: E402
-from launch.ddp.launcher import DDPConfig, run_ddp  # noqa: E402
-from launch.local import LocalCluster, run_local  # noqa: E402
-from launch.settings import TrainSettings  # noqa: E402
-from launch.slowdowns import parse_slowdowns  # noqa: E402
+from bench import ROOT
+from bench.harness.record import parse_settings
+from bench.multihost.config import scenes_dataset
+from common.errors import PSError
+from common.logsetup import setup_logging
+from launch.cluster.netns import available
+from launch.cluster.spec import ClusterSpec, parse_cluster
+from launch.ddp.launcher import DDPConfig, run_ddp
+from launch.local import LocalCluster, run_local
+from launch.settings import TrainSettings
+from launch.slowdowns import parse_slowdowns
 
 log = logging.getLogger("mh_train")
 MODES = ("ws-bf16", "ddp-fp32", "ddp-bf16")
@@ -83,7 +82,7 @@ def run_mode(
         run_timeout_s=RUN_TIMEOUT_S,
         nodes=spec,
     )
-    module = "bench.mh_ddp_bf16" if mode == "ddp-bf16" else "launch.ddp.rank"
+    module = "bench.multihost.ddp_bf16" if mode == "ddp-bf16" else "launch.ddp.rank"
     return run_ddp(config, rank_module=module)
 
 
@@ -125,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="interleaved repeats (seed = repeat)")
     p.add_argument("--modes", default=",".join(MODES), help=f"among {', '.join(MODES)}")
     p.add_argument("--out", type=Path, default=ROOT / "runs/mh_train", help="output directory")
-    args = p.parse_args(argv)
+    args = parse_settings(p, argv)
     setup_logging("INFO", "mh_train ")
     reason = available()
     if reason:

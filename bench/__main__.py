@@ -1,0 +1,5 @@
+"""``python -m bench``: the benches' command line."""
+
+from bench.cli import main
+
+main()

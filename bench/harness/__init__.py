@@ -1,0 +1,2 @@
+"""What the benches share: the Jasper Ridge prologue, the emulated cluster's options, result
+records."""

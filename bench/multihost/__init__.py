@@ -1,0 +1,1 @@
+"""The multi-host benches: emulated hosts (network namespaces) with capped links."""

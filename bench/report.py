@@ -1,0 +1,228 @@
+"""docs/results.md rendered from the kept bench results: one dated table per result.
+
+The page is a function of the records alone (sorted, numbers formatted one way), so rendering
+the same records twice gives the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import groupby
+from typing import Any
+
+from bench import ROOT
+from bench.harness.record import Result
+
+RESULTS_DOC = ROOT / "docs" / "results.md"
+
+HEADER = """\
+# Results
+
+<!-- Rendered by `python -m bench report` from bench/results/*.json: edit those, not this page. -->
+
+Every figure here comes from a result a bench kept: the date, the machine, the command and its
+settings stand beside its table. How each bench measures and what its figures mean is in
+[benchmarks.md](benchmarks.md); terms are in the [glossary](glossary.md). Absolute times drift on
+a shared machine; ratios are measured side by side in one run. A run on an *emulated cluster*
+gives every node its own CPU budget; a run on *shared cores* (oversubscribed) has every process
+compete for the same cores.
+"""
+
+# How the machine line names each fact, in this order; other keys follow, sorted.
+MACHINE_LABELS = {
+    "cpu_model": "{}",
+    "cores": "{} cores",
+    "memory_gib": "{} GiB",
+    "load_average": "load average {}",
+    "python": "Python {}",
+    "torch": "torch {}",
+    "system": "{}",
+}
+# The benches the README and the choice of a mode rest on come first; the rest by name.
+LEADING = ("time-to-target", "heterogeneity", "idle-share", "ddp-fidelity", "multihost")
+
+
+def _number(value: float) -> str:
+    """One way to print a figure: integers as such, others with up to 6 significant digits."""
+    if float(value).is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return f"{value:.6g}"
+
+
+def _cell(value: Any) -> str:
+    text = _number(value) if isinstance(value, float) else str(value)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(_cell(c) for c in columns) + " |"]
+    lines.append("|" + "---|" * len(columns))
+    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
+    return lines
+
+
+def _machine(machine: dict[str, Any]) -> str:
+    """The machine's facts in a fixed order, then any others sorted."""
+    parts = []
+    for key in [*MACHINE_LABELS, *sorted(set(machine) - set(MACHINE_LABELS))]:
+        if key not in machine or machine[key] in ("", None, []):
+            continue
+        value = machine[key]
+        if isinstance(value, list):
+            value = " / ".join(_cell(v) for v in value)
+        label = MACHINE_LABELS.get(key, f"{key.replace('_', ' ')} {{}}")
+        parts.append(label.format(_cell(value)))
+    return "; ".join(parts)
+
+
+def _bench_order(result: Result) -> tuple[int, str]:
+    """Where a bench's section goes: the leading ones in their order, then by name."""
+    if result.bench in LEADING:
+        return LEADING.index(result.bench), ""
+    return len(LEADING), result.bench
+
+
+def _date(iso: str) -> str:
+    """``2026-11-26 00:45 UTC`` for a recorded time, a date alone as it is."""
+    day, _, time = iso.partition("T")
+    return f"{day} {time[:5]} UTC" if time else day
+
+
+def _settings(settings: dict[str, Any]) -> str:
+    return ", ".join(f"`{k}={_cell(settings[k])}`" for k in sorted(settings)) or "defaults"
+
+
+def render_result(result: Result) -> list[str]:
+    """The lines of one result: date, command, machine, settings, note, then its tables."""
+    options = result.command.split(f" bench {result.bench}", 1)[-1].strip()
+    lines = [
+        f"### {_date(result.date)}: {options or 'default options'}",
+        "",
+        f"`{result.command}`",
+        "",
+        f"- machine: {_machine(result.machine)}",
+        f"- settings: {_settings(result.settings)}",
+    ]
+    if result.note:
+        lines.append(f"- note: {result.note}")
+    for table in result.tables:
+        lines += ["", f"{table['title']}:", "", *_table(table["columns"], table["rows"])]
+    if result.figures:
+        rows = [(f"`{name}`", result.figures[name]) for name in sorted(result.figures)]
+        lines += ["", *_table(("figure", "value"), rows)]
+    return lines
+
+
+def render(results: Sequence[Result]) -> str:
+    """The whole page for ``results`` (ordered by bench, then date).
+
+    Args:
+        results: the kept records, each bench's in date order (as ``read_results`` gives them).
+
+    Returns:
+        The Markdown text, ending in one newline.
+    """
+    lines = [HEADER.rstrip("\n")]
+    ordered = sorted(results, key=_bench_order)  # stable: dates stay in order within a bench
+    for bench, group in groupby(ordered, key=lambda r: r.bench):
+        lines += ["", f"## {bench}"]
+        for result in group:
+            lines += ["", *render_result(result)]
+    return "\n".join(lines) + "\n"
+
+
+README = ROOT / "README.md"
+README_START = "<!-- results table: rendered by `python -m bench report` from bench/results/ -->"
+README_END = "<!-- end of the results table -->"
+# The README's table: which kept result fills each row, its regime, and how the row names the
+# cluster and the regime.
+README_ROWS = (
+    (
+        "time-to-target-cluster-small",
+        "small",
+        "`small-1124`: 0.4/0.4/0.2/0.1 cores, server 0.5",
+        "small: 5×5 patches, 10 % train, B=64, target 0.90",
+    ),
+    (
+        "time-to-target-cluster-heavy",
+        "heavy",
+        "`small-1124`",
+        "heavy: 11×11, 50 % train, B=128, target 0.84",
+    ),
+    (
+        "time-to-target-cluster-wide",
+        "heavy",
+        "`wide-70-25-5`: 0.7/0.25/0.05 cores, server 0.5",
+        "heavy",
+    ),
+)
+README_COLUMNS = (
+    "cluster (preset)",
+    "regime",
+    "epoch time vs DDP",
+    "time to target vs DDP",
+    "final OA, ws / DDP",
+    "max OA drop, ws / DDP",
+    "measured",
+)
+
+
+def _pair(figures: dict[str, float], first: str, second: str) -> str:
+    if first not in figures or second not in figures:
+        return "–"
+    return f"{figures[first]:.3f} / {figures[second]:.3f}"
+
+
+def _load(load: Any) -> str:
+    """A load average in a few words: the 1-minute figure, or a recorded text up to its
+    parenthesis."""
+    if isinstance(load, list) and load:
+        return _cell(float(load[0]))
+    return str(load or "not recorded").split(" (")[0]
+
+
+def readme_table(results: dict[str, Result]) -> str:
+    """The README's results table (between its markers) from the kept results by file stem.
+
+    Args:
+        results: kept results by file name without ``.json``.
+
+    Returns:
+        The marked block, markers included.
+
+    Raises:
+        KeyError: a row's result is not kept.
+    """
+    rows = []
+    for stem, regime, cluster, regime_text in README_ROWS:
+        result = results[stem]
+        figures = result.figures
+        ws, ddp = f"{regime}_weighted_sync", f"{regime}_ddp"
+        drop = _pair(figures, f"max_drop_{ws}_median", f"max_drop_{ddp}_median")
+        if drop != "–" and f"max_drop_{ws}_max" in figures:
+            drop += f" (max {_pair(figures, f'max_drop_{ws}_max', f'max_drop_{ddp}_max')})"
+        runs = figures.get(f"runs_{ws}")
+        rows.append(
+            [
+                cluster,
+                f"{regime_text}; {runs:.0f} seeds" if runs else regime_text,
+                f"{figures[f'ratio_{regime}_epoch_weighted_sync_vs_ddp']:.2f}×",
+                f"{figures[f'ratio_{regime}_ttt_weighted_sync_vs_ddp']:.2f}×",
+                _pair(figures, f"final_oa_{ws}_median", f"final_oa_{ddp}_median"),
+                drop,
+                f"{result.date[:10]}, load {_load(result.machine.get('load_average'))}",
+            ]
+        )
+    return "\n".join([README_START, *_table(README_COLUMNS, rows), README_END])
+
+
+def with_readme_table(readme: str, table: str) -> str:
+    """``readme`` with the text between its table markers replaced by ``table``.
+
+    Raises:
+        ValueError: the README has no pair of markers.
+    """
+    start, end = readme.find(README_START), readme.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError(f"README has no results-table markers ({README_START!r})")
+    return readme[:start] + table + readme[end + len(README_END) :]

@@ -1,0 +1,298 @@
+"""Every bench runs end to end at its smallest settings and keeps a result; the results page is
+rendered from the kept results byte for byte.
+
+The smoke runs measure nothing worth reading (a few rounds, one repeat, tiny data): they keep
+the benches from rotting as the code under them changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.cli import BENCHES
+from bench.harness.record import (
+    RESULTS_DIR,
+    Result,
+    figures_in,
+    read_results,
+    recording,
+    results_by_name,
+)
+from bench.report import (
+    README,
+    README_END,
+    README_START,
+    RESULTS_DOC,
+    readme_table,
+    render,
+    with_readme_table,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE_TIMEOUT_S = 600.0
+
+# A bench's smallest run, and what it needs beyond the project: "data" (Jasper Ridge),
+# "netns" (root and iproute2), "py-spy".
+SMOKE: dict[str, tuple[tuple[str, ...], str]] = {
+    "checkpoint": (("--repeats", "1", "--values", "1000000"), ""),
+    "coordinator-memory": (("--samples", "200", "--steps", "3"), ""),
+    "data-wait": (
+        ("--samples", "200", "--epochs", "1", "--global-batch", "32", "--slowdowns", "1,2"),
+        "",
+    ),
+    "ddp-fidelity": (("--repeats", "1", "--epochs", "1", "--slowdowns", "1,2"), "data"),
+    "heartbeat": (("--rounds", "12", "--repeats", "1"), ""),
+    "heterogeneity": (
+        (
+            *("--repeats", "1", "--epochs", "1", "--samples", "128", "--global-batch", "32"),
+            *("--modes", "weighted-sync,equal-sync"),
+        ),
+        "",
+    ),
+    "idle-share": (("--repeats", "1", "--epochs", "1", "--configs", "weighted-sync/model"), ""),
+    "memory": (("--samples", "200", "--size", "16"), ""),
+    "multihost": (
+        (
+            *("--workers", "1", "--variants", "ps-k1-local", "--repeats", "1"),
+            *("--steps", "3", "--warmup", "1", "--probe-mb", "1"),
+            *("--model", "scene-cnn", "--size", "16", "--samples", "64"),
+            *("--prefix", f"sm{os.getpid()}"),
+        ),
+        "netns",
+    ),
+    "multihost-train": (
+        (
+            *("--workers", "2", "--slowdowns", "1,2", "--epochs", "1", "--repeats", "1"),
+            *("--model", "scene-cnn", "--size", "16", "--samples", "40", "--global-batch", "8"),
+        ),
+        "netns",
+    ),
+    "observe": (("--events", "200", "--rounds", "12", "--repeats", "1"), ""),
+    "planner-speed": (("--workers", "4", "--repeats", "1"), ""),
+    "round-overhead": (("--rounds", "12", "--repeats", "1", "--workers", "1"), "data"),
+    "round-profile": (("--seconds", "2"), "py-spy"),
+    "scene-memory": (("--rows", "64", "--cols", "64", "--bands", "8"), ""),
+    "server-memory": (("--versions", "60", "--from", "20"), ""),
+    "simulate-speed": (("--workers", "16", "--shards", "2", "--rounds", "5"), ""),
+    "snapshots": (("--repeats", "1", "--epochs", "1"), ""),
+    "staleness": (
+        ("--repeats", "1", "--epochs", "1", "--functions", "inverse", "--bounds", "4"),
+        "data",
+    ),
+    "status-pollers": (("--clients", "2", "--steps", "20", "--repeats", "1"), ""),
+    "store-update": (("--elems", "100000", "--rounds", "2"), ""),
+    "sync-round": (("--rounds", "4", "--global-batch", "32"), ""),
+    "tail-rounds": (("--seeds", "0", "--epochs", "1", "--variants", "baseline"), "data"),
+    "time-to-target": (
+        ("--regimes", "small", "--epochs", "1", "--modes", "weighted-sync,ddp"),
+        "data",
+    ),
+    "wire": (("--rounds", "2", "--warmup", "1"), ""),
+}
+
+# Benches that write run folders take --out; the smoke run keeps them in the test's folder.
+RUN_FOLDER_OPTION = {
+    "ddp-fidelity",
+    "heterogeneity",
+    "idle-share",
+    "multihost",
+    "multihost-train",
+    "snapshots",
+    "staleness",
+    "tail-rounds",
+    "time-to-target",
+}
+SCRATCH_OPTION = {"memory": "--dir", "scene-memory": "--dir", "coordinator-memory": "--dir"}
+
+
+def test_every_bench_has_a_smoke_run() -> None:
+    assert set(SMOKE) == set(BENCHES)
+
+
+def _require(kind: str, request: pytest.FixtureRequest) -> None:
+    """Skip (or fail, when the CI requires it) a bench whose needs this machine lacks."""
+    if kind == "data":
+        request.getfixturevalue("jasper_dir")
+    elif kind == "netns":
+        request.getfixturevalue("netns_ok")
+    elif kind == "py-spy":
+        spy = Path(sys.executable).parent / "py-spy"
+        if shutil.which("py-spy") is None and not spy.exists():
+            pytest.skip("py-spy is not installed (pip install py-spy)")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(SMOKE_TIMEOUT_S + 60)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=[pytest.mark.realdata] if SMOKE[name][1] == "data" else [])
+        for name in sorted(SMOKE)
+    ],
+)
+def test_bench_runs_and_keeps_a_result(
+    name: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    args, needs = SMOKE[name]
+    _require(needs, request)
+    extra: list[str] = []
+    if name in RUN_FOLDER_OPTION:
+        extra = ["--out", str(tmp_path / "runs")]
+    elif name in SCRATCH_OPTION:
+        extra = [SCRATCH_OPTION[name], str(tmp_path)]
+    out = tmp_path / f"{name}.json"
+    command = [sys.executable, "-m", "bench", "--out", str(out), name, *args, *extra]
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S
+    )
+    assert done.returncode == 0, f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert out.is_file(), f"{name} kept no result:\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}"
+    result = Result.from_json(out.read_text(encoding="utf-8"))
+    assert result.bench == name
+    assert result.figures, f"{name} printed no name=value figure"
+    assert result.command.startswith(f"python -m bench {name} ")
+    assert result.settings, f"{name} kept no settings"
+    assert result.machine["cores"] >= 1 and result.machine["python"]
+
+
+def test_figures_are_read_from_name_value_words() -> None:
+    lines = [
+        "weighted-sync median round: 9.6 ms; ratio 2.00",
+        "ratio=1.57 oa_diff_ddp_vs_ws=+0.1000",
+        "idle_share_weighted-sync/model=0.080 oa_weighted-sync/model=0.9050 train_s_x=1e-3",
+        "train_time_ratio_speed_over_model=1.33 (per repeat: 1.20, 1.40)",
+        "--rounds=5 a=b version=v2",
+    ]
+    assert figures_in(lines) == {
+        "ratio": 1.57,
+        "oa_diff_ddp_vs_ws": 0.1,
+        "idle_share_weighted-sync/model": 0.08,
+        "oa_weighted-sync/model": 0.905,
+        "train_s_x": 0.001,
+        "train_time_ratio_speed_over_model": 1.33,
+    }
+
+
+def test_a_bench_run_in_process_keeps_its_options_and_output() -> None:
+    from bench import planner_speed
+
+    with recording("python -m bench planner-speed") as kept:
+        planner_speed.main(["--workers", "4", "--repeats", "1"])
+    assert kept.settings == {"workers": "4", "repeats": 1}
+    assert set(figures_in(kept.lines)) >= {"planner_4_steady_ms", "reference_4_steady_ms"}
+
+
+def test_a_record_reads_back_and_a_foreign_file_is_refused(tmp_path: Path) -> None:
+    result = read_results(RESULTS_DIR)[0]
+    assert Result.from_json(result.to_json()) == result
+    (tmp_path / "other.json").write_text(json.dumps({"bench": "x"}), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"other\.json"):
+        read_results(tmp_path)
+
+
+def test_report_renders_the_committed_results_page_and_readme_table() -> None:
+    results = read_results(RESULTS_DIR)
+    assert {r.bench for r in results} <= set(BENCHES)
+    text = render(results)
+    assert text == render(read_results(RESULTS_DIR))
+    assert RESULTS_DOC.read_text(encoding="utf-8") == text, (
+        "docs/results.md is not what `python -m bench report` renders from bench/results/"
+    )
+    readme = README.read_text(encoding="utf-8")
+    table = readme_table(results_by_name(RESULTS_DIR))
+    assert table in readme, "README's results table is not what `python -m bench report` renders"
+    assert with_readme_table(readme, table) == readme
+
+
+def test_report_command_writes_the_same_bytes_twice(tmp_path: Path) -> None:
+    doc, readme = tmp_path / "results.md", tmp_path / "README.md"
+    readme.write_text(f"# Title\n\n{README_START}\nold\n{README_END}\n\nEnd.\n", encoding="utf-8")
+    pages = []
+    for _ in range(2):
+        subprocess.run(
+            [sys.executable, "-m", "bench", "report", "--doc", str(doc), "--readme", str(readme)],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        pages.append((doc.read_bytes(), readme.read_bytes()))
+    assert pages[0] == pages[1]
+    assert pages[0][0] == RESULTS_DOC.read_bytes()
+    assert pages[0][1].decode() == (
+        f"# Title\n\n{readme_table(results_by_name(RESULTS_DIR))}\n\nEnd.\n"
+    )
+    check = subprocess.run(
+        [sys.executable, "-m", "bench", "report", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert check.returncode == 0, check.stderr
+
+
+def test_documented_bench_commands_exist() -> None:
+    """Every ``python -m bench NAME`` in README, CHANGELOG and docs/ names a command there is."""
+    commands = {*BENCHES, "report", "rerun"}
+    texts = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    unknown = {
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in texts
+        for name in re.findall(r"python -m bench ([a-z][\w-]*)", path.read_text(encoding="utf-8"))
+        if name not in commands
+    }
+    assert not unknown, f"documented bench commands that do not exist: {sorted(unknown)}"
+    stale = {  # the changelog may say how benches ran before
+        str(path.relative_to(ROOT))
+        for path in texts
+        if path.name != "CHANGELOG.md"
+        and re.search(r"python bench/\w+\.py", path.read_text(encoding="utf-8"))
+    }
+    assert not stale, f"benches are run as python -m bench NAME, not as scripts: {sorted(stale)}"
+
+
+def test_rerun_runs_a_kept_command_again_into_its_own_file(tmp_path: Path) -> None:
+    kept = Result(
+        bench="planner-speed",
+        date="2026-01-01",
+        command="python -m bench planner-speed --workers 4 --repeats 1",
+        settings={},
+        machine={},
+        git_commit="",
+        figures={"planner_4_steady_ms": -1.0},
+        note="recorded by hand",
+    )
+    (tmp_path / "planner-speed-small.json").write_text(kept.to_json(), encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "rerun", "--results", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    again = Result.from_json((tmp_path / "planner-speed-small.json").read_text(encoding="utf-8"))
+    assert again.command == kept.command and again.date > kept.date and not again.note
+    assert again.settings == {"workers": "4", "repeats": 1}
+    assert again.figures["planner_4_steady_ms"] > 0
+
+    foreign = dataclasses.replace(kept, command="python tools/planner.py --workers 4")
+    (tmp_path / "planner-speed-small.json").write_text(foreign.to_json(), encoding="utf-8")
+    refused = subprocess.run(
+        [sys.executable, "-m", "bench", "rerun", "--results", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode != 0 and "not a python -m bench command" in refused.stderr
