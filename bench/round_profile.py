@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     names = list(results)
     print("ms per round" + "".join(f"{n:>10s}" for n in names))
     print(f"{'median round':42s}" + "".join(f"{results[n]['round_ms']:10.2f}" for n in names))
+    print(f"round_ms={results['this']['round_ms']:.2f}")
     for proc in ("worker", "server"):
         print(
             f"{proc + ' CPU time (all threads)':42s}"
