@@ -22,8 +22,8 @@ from bench.harness.record import parse_settings
 from bench.wire_model import RESNET18_PARAMS
 from pserver import checkpoint
 from pserver.optimizer import FlatOptimizer
+from pserver.store.service import StoreService  # noqa: F401  (the path the server uses)
 from pserver.store.slices import SliceStore
-from pserver.store.stores import LocalStores  # noqa: F401  (the path the server uses)
 
 
 def _store(state: torch.Tensor) -> SliceStore:

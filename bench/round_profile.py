@@ -52,10 +52,10 @@ SERVER_STAGES = [
     ("data requests (prefetch)", ("Handlers.data",)),
     ("stage gradient chunk: decode + checks", ("StoreService.on_gradient_chunk",)),
     ("accumulate + optimizer step + checks", ("SliceStore.prepare",)),
-    ("snapshot/publish + reply params", ("StoreService.commit",)),
-    ("book the round (metrics, ledger)", ("book",)),
-    ("plan + task reply", ("ParameterServer.plan", "ParameterServer.release")),
-    ("push request checks", ("Handlers.push",)),
+    ("snapshot/publish + reply params", ("StoreService.publish",)),
+    ("book the round (metrics, ledger)", ("Ledger.book",)),
+    ("plan + task reply", ("ModePolicy.after_update", "TaskDesk.send", "TaskDesk.release")),
+    ("push request checks", ("Pushes.push",)),
     ("receive + decode requests", ("Endpoint.receive_loop",)),
 ]
 

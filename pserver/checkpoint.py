@@ -11,6 +11,7 @@ random-number state, the evaluations and each worker's counters.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -18,18 +19,21 @@ import re
 import time
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from common.errors import ConfigError
+from common.errors import ConfigError, PSError
 from common.safefile import run_bounded, write_atomic
+from common.training.runlog import RunLog
+from pserver.config import ServerConfig
+from pserver.membership import Roster
+from pserver.policies import ModePolicy
+from pserver.runstate import RunState
 from pserver.sampler import EpochLedger, EpochSampler
-from pserver.store.stores import CapturedState
-
-if TYPE_CHECKING:
-    from pserver.server import ParameterServer
+from pserver.store.stores import CapturedState, ParameterStores
+from pserver.updates import Updater
 
 log = logging.getLogger(__name__)
 
@@ -192,80 +196,145 @@ def set_torch_rng(state: np.ndarray) -> None:
     torch.set_rng_state(torch.from_numpy(state.astype(np.uint8)))
 
 
-# --- server integration ------------------------------------------------------------------------
+# --- a run's checkpoints --------------------------------------------------------------------
 
 
-def identity_of(ps: ParameterServer) -> dict[str, Any]:
-    """What must match for a checkpoint to be resumed by a server."""
-    cfg = ps.config
-    return {
-        "mode": cfg.mode,
-        "model": cfg.model,
-        "fingerprint": ps.meta.fingerprint,
-        "state_size": ps.state_size,
-        "seed": cfg.seed,
-        "global_batch": cfg.global_batch,
-        "optimizer": cfg.optimizer,
-    }
+def identity_of(config: ServerConfig, fingerprint: str, state_size: int) -> dict[str, Any]:
+    """What must match for a checkpoint to be resumed by a server.
 
-
-async def save(ps: ParameterServer) -> Path:
-    """Gather the run at one version and write it to ``run_dir/checkpoints``.
-
-    Returns:
-        The checkpoint's path.
-
-    Raises:
-        OSError: it could not be written (``WriteTimeout``: not within ``--write-timeout``).
-        ShardLost: a shard did not hand over its state.
+    Args:
+        config: the server's configuration.
+        fingerprint: the dataset's fingerprint.
+        state_size: values in the model's flat state.
     """
-    assert ps.config.run_dir is not None
-    begin = time.perf_counter()
-    async with ps.updater.lock:  # no update is being published: state and books agree
-        captured = await ps.stores.capture(with_slots=True)
-        sampler_arrays, sampler_meta = capture_sampler(ps.sampler)
-        meta = {
-            "version": captured.version,
-            "steps": ps.updater.steps,
-            "samples_applied": ps.updater.samples_applied,
-            "optimizer_steps": captured.optimizer_steps,
-            "slots": captured.slots,
-            **identity_of(ps),
-            "sampler": sampler_meta,
-            "t": ps.log.now(),
-            **ps.run.to_meta(),
-            "workers": {str(w["name"]): w for w in ps.roster.summaries()},
-            "policy": ps.policy.state(),
-        }
-    arrays = {
-        "state": captured.state,
-        "slots": captured.slot_state.astype(np.float32),
-        "torch_rng": torch_rng(),
-        **sampler_arrays,
+    return {
+        "mode": config.mode,
+        "model": config.model,
+        "fingerprint": fingerprint,
+        "state_size": state_size,
+        "seed": config.seed,
+        "global_batch": config.global_batch,
+        "optimizer": config.optimizer,
     }
-    directory = ps.config.run_dir / "checkpoints"
-    what = f"the checkpoint of version {captured.version}"
-    saved = Checkpoint(arrays, meta)
-    path = await run_bounded(lambda: write(directory, saved), ps.config.write_timeout_s, what)
-    ps.log.event(
-        "checkpoint",
-        version=captured.version,
-        path=str(path),
-        write_s=round(time.perf_counter() - begin, 4),
-    )
-    log.info("checkpoint of version %d written to %s", captured.version, path)
-    return path
 
 
-def restore_into(ps: ParameterServer, checkpoint: Checkpoint) -> CapturedState:
-    """Restore a server's books from ``checkpoint``; returns the state for its stores.
+class Checkpointer:
+    """Writes a run's checkpoints, one at a time, gathered at one version.
+
+    Args:
+        directory: where checkpoints go (``run_dir/checkpoints``; None: a run without a
+            run directory, which never checkpoints).
+        write_timeout_s: how long writing one may take.
+        identity: what a resuming server must match (``identity_of``).
+        updater: its lock keeps updates out while the state is gathered; its counters.
+        stores: where the state and optimizer slots are gathered from.
+        sampler: the epoch ledgers.
+        run: the run's record.
+        roster: each worker's counters.
+        policy: the mode policy's counters.
+        log: the run log (``checkpoint`` and ``checkpoint_failed`` events, its clock).
+    """
+
+    def __init__(
+        self,
+        directory: Path | None,
+        write_timeout_s: float,
+        identity: dict[str, Any],
+        updater: Updater,
+        stores: ParameterStores,
+        sampler: EpochSampler,
+        run: RunState,
+        roster: Roster,
+        policy: ModePolicy,
+        log: RunLog,
+    ) -> None:
+        self.directory, self.write_timeout_s, self.identity = directory, write_timeout_s, identity
+        self.updater, self.stores, self.sampler = updater, stores, sampler
+        self.run, self.roster, self.policy, self.log = run, roster, policy, log
+        self._lock = asyncio.Lock()
+
+    async def save(self) -> bool:
+        """Write a checkpoint now (one at a time); a failure is logged and training goes on.
+
+        Returns:
+            Whether it was written.
+        """
+        async with self._lock:
+            try:
+                await self._save()
+                return True
+            except (OSError, PSError) as exc:
+                log.error("checkpoint failed: %s", exc)
+                self.log.event("checkpoint_failed", error=str(exc)[:300])
+                return False
+
+    async def _save(self) -> Path:
+        """Gather the run at one version and write it.
+
+        Raises:
+            OSError: it could not be written (``WriteTimeout``: not within ``--write-timeout``).
+            ShardLost: a shard did not hand over its state.
+        """
+        assert self.directory is not None
+        directory = self.directory
+        begin = time.perf_counter()
+        async with self.updater.lock:  # no update is being published: state and books agree
+            captured = await self.stores.capture(with_slots=True)
+            sampler_arrays, sampler_meta = capture_sampler(self.sampler)
+            meta = {
+                "version": captured.version,
+                "steps": self.updater.steps,
+                "samples_applied": self.updater.samples_applied,
+                "optimizer_steps": captured.optimizer_steps,
+                "slots": captured.slots,
+                **self.identity,
+                "sampler": sampler_meta,
+                "t": self.log.now(),
+                **self.run.to_meta(),
+                "workers": {str(w["name"]): w for w in self.roster.summaries()},
+                "policy": self.policy.state(),
+            }
+        arrays = {
+            "state": captured.state,
+            "slots": captured.slot_state.astype(np.float32),
+            "torch_rng": torch_rng(),
+            **sampler_arrays,
+        }
+        what = f"the checkpoint of version {captured.version}"
+        saved = Checkpoint(arrays, meta)
+        path = await run_bounded(lambda: write(directory, saved), self.write_timeout_s, what)
+        self.log.event(
+            "checkpoint",
+            version=captured.version,
+            path=str(path),
+            write_s=round(time.perf_counter() - begin, 4),
+        )
+        log.info("checkpoint of version %d written to %s", captured.version, path)
+        return path
+
+
+def restore(
+    checkpoint: Checkpoint,
+    identity: dict[str, Any],
+    sampler: EpochSampler,
+    run: RunState,
+    roster: Roster,
+    policy: ModePolicy,
+    log_to: RunLog,
+) -> CapturedState:
+    """Restore a run's books from ``checkpoint``; returns the state for its stores.
+
+    Args:
+        checkpoint: what was read.
+        identity: this server's ``identity_of`` (the checkpoint must match it).
+        sampler, run, roster, policy: the books to restore.
+        log_to: the run log (a ``resume`` event).
 
     Raises:
         ConfigError: the checkpoint belongs to another mode, model, dataset or seed.
     """
     meta = checkpoint.meta
-    mine = identity_of(ps)
-    differs = {k: (meta.get(k), v) for k, v in mine.items() if k in meta and meta[k] != v}
+    differs = {k: (meta.get(k), v) for k, v in identity.items() if k in meta and meta[k] != v}
     if differs:
         raise ConfigError(
             "the checkpoint does not match this server's arguments: "
@@ -274,14 +343,16 @@ def restore_into(ps: ParameterServer, checkpoint: Checkpoint) -> CapturedState:
             )
         )
     state = checkpoint.arrays["state"].astype(np.float32)
-    if state.size != ps.state_size:
-        raise ConfigError(f"the checkpoint holds {state.size} values, this model {ps.state_size}")
-    requeued = restore_sampler(ps.sampler, checkpoint.arrays, meta["sampler"])
+    if state.size != identity["state_size"]:
+        raise ConfigError(
+            f"the checkpoint holds {state.size} values, this model {identity['state_size']}"
+        )
+    requeued = restore_sampler(sampler, checkpoint.arrays, meta["sampler"])
     set_torch_rng(checkpoint.arrays["torch_rng"])
-    ps.run.load_meta(meta)
-    ps.roster.history = {str(k): dict(v) for k, v in meta["workers"].items()}
-    ps.policy.restore(meta["policy"])
-    ps.log.event("resume", version=checkpoint.version, requeued=requeued)
+    run.load_meta(meta)
+    roster.restore_history(meta["workers"])
+    policy.restore(meta["policy"])
+    log_to.event("resume", version=checkpoint.version, requeued=requeued)
     log.info(
         "resumed at version %d (epoch %d); %d samples of open epochs to redo",
         checkpoint.version,

@@ -320,13 +320,17 @@ def _on_signals(stop: Callable[[], None]) -> list[int]:
 
 
 async def _serve(config: ServerConfig) -> tuple[dict[str, Any], str, int]:
-    from pserver.server import ParameterServer  # torch import only when serving
+    from pserver.server import run_server  # torch import only when serving
 
-    async with ParameterServer(config) as server:
-        received = _on_signals(server.request_stop)
-        click.echo(f"pserver listening on {server.address}", err=True)
-        summary = await server.serve()
-        return summary, server.run.error, received[0] if received else 0
+    signals: list[list[int]] = []
+
+    def listening(address: str, stop: Callable[[], None]) -> None:
+        signals.append(_on_signals(stop))
+        click.echo(f"pserver listening on {address}", err=True)
+
+    summary, error = await run_server(config, listening)
+    received = signals[0] if signals else []
+    return summary, error, received[0] if received else 0
 
 
 @main.command()

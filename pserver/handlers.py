@@ -1,21 +1,22 @@
-"""The coordinator's request handlers: one method per request type, composed with the server.
+"""The coordinator's request handlers: one method per request type.
 
 A handler validates everything before it changes anything, and raises ``ProtocolError`` to
-reject a request (the endpoint turns it into an error reply). The push path is handled here
-in one place: a task changes hands only once its push is accepted.
+reject a request (the endpoint turns it into an error reply). Pushes go to the push path
+(``pserver.pushes``); a task changes hands only once its push is accepted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
+from common.data.dataset import DatasetReader
 from common.errors import ErrorCode, ProtocolError
 from common.protocol.base import Message
 from common.protocol.messages import (
@@ -36,19 +37,22 @@ from common.protocol.messages import (
     TaskRequest,
 )
 from common.protocol.shard_messages import ShardHello
+from common.protocol.tokens import TokenBook
 from common.training.perfmodel import MAX_CALIBRATION
-from pserver.membership import MAX_NAME, Task, Waiter, WorkerInfo
-from pserver.shards import register_shard
-from pserver.store.stores import LocalStores
-from pserver.summary import status_of
-from pserver.transport import Request
-
-if TYPE_CHECKING:
-    from pserver.server import ParameterServer
+from common.training.runlog import RunLog
+from pserver.config import ServerConfig
+from pserver.desk import TaskDesk
+from pserver.membership import MAX_NAME, Roster, Waiter, WorkerInfo
+from pserver.pushes import Pushes, check_speed
+from pserver.runstate import RunState
+from pserver.shards import ShardRegistry
+from pserver.store.service import StoreService
+from pserver.store.stores import RemoteStores
+from pserver.summary import StatusView
+from pserver.transport import Endpoint, Request
 
 log = logging.getLogger(__name__)
 
-MIN_SPEED, MAX_SPEED = 1e-6, 1e9  # samples/s a worker may report
 MAX_DATA_BYTES = 64 << 20  # per data request
 MAX_IN_FLIGHT_BYTES = 256 << 20  # replies to one peer not yet on the wire
 STATUS_CACHE_S = 0.25
@@ -58,16 +62,53 @@ class Handlers:
     """Answers every request the coordinator takes.
 
     Args:
-        server: the server whose state the handlers read and change through its methods.
+        config: the server configuration.
+        run: the run's record and lifecycle.
+        roster: the workers.
+        log: the run log.
+        endpoint: where replies go.
+        reader: the dataset (training samples for data requests; its normalisation).
+        stores: the parameter stores (the coordinator's own, or the shard links).
+        tokens: issues worker tokens.
+        store_tokens: issues the tokens workers show the stores.
+        join_terms: the run's fixed part of every join reply (model, sizes, wire format, ...).
+        status: the live status.
+        shards: registers shards (None: the run has none).
+        desk: queues tasks and answers waiting workers.
+        pushes: the push path.
+        version: the published version.
+        drop_worker: removes a worker that left (``drop_worker(worker, reason)``).
     """
 
-    def __init__(self, server: ParameterServer) -> None:
-        self.server = server
+    def __init__(
+        self,
+        config: ServerConfig,
+        run: RunState,
+        roster: Roster,
+        log: RunLog,
+        endpoint: Endpoint,
+        reader: DatasetReader,
+        stores: StoreService | RemoteStores,
+        tokens: TokenBook,
+        store_tokens: TokenBook,
+        join_terms: dict[str, Any],
+        status: StatusView,
+        shards: ShardRegistry | None,
+        desk: TaskDesk,
+        pushes: Pushes,
+        version: Callable[[], int],
+        drop_worker: Callable[[WorkerInfo, str], None],
+    ) -> None:
+        self.config, self.run, self.roster, self.log = config, run, roster, log
+        self.endpoint, self.reader, self.stores = endpoint, reader, stores
+        self.tokens, self.store_tokens, self.join_terms = tokens, store_tokens, join_terms
+        self.status_view, self.shards, self.desk, self.pushes = status, shards, desk, pushes
+        self.version, self.drop_worker = version, drop_worker
         self._status: tuple[float, dict] | None = None
-        train_mask = np.zeros(server.meta.num_samples, dtype=bool)
-        train_mask[server.reader.train_indices] = True
+        train_mask = np.zeros(reader.meta.num_samples, dtype=bool)
+        train_mask[reader.train_indices] = True
         self._train_mask = train_mask
-        self._sample_bytes = int(np.prod(server.meta.shape)) * server.reader.codec.itemsize + 8
+        self._sample_bytes = int(np.prod(reader.meta.shape)) * reader.codec.itemsize + 8
 
     async def dispatch(self, request: Request, message: Message) -> None:
         """Route a parsed request to its handler."""
@@ -88,8 +129,7 @@ class Handlers:
     # --- membership -------------------------------------------------------------------------
 
     async def join(self, request: Request, msg: JoinRequest) -> None:
-        ps = self.server
-        if ps.finished:
+        if self.run.finished:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "training has ended")
         if not (1 <= msg.slowdown <= 1e6) or not (1 <= msg.threads <= 4096) or not msg.name:
             raise ProtocolError(
@@ -97,21 +137,26 @@ class Handlers:
                 f"join needs 1 <= slowdown <= 1e6, 1 <= threads <= 4096 and a name; got "
                 f"slowdown={msg.slowdown}, threads={msg.threads}, name={msg.name!r:.80}",
             )
-        stores = ps.stores
-        if not isinstance(stores, LocalStores) and not stores.ready.is_set():
+        stores = self.stores
+        if isinstance(stores, RemoteStores) and not stores.ready.is_set():
             try:
-                await asyncio.wait_for(stores.ready.wait(), ps.config.shard_timeout_s)
+                await asyncio.wait_for(stores.ready.wait(), self.config.shard_timeout_s)
             except TimeoutError:
                 raise ProtocolError(
                     ErrorCode.BUSY,
                     f"waiting for {stores.expected - len(stores.links)} of "
                     f"{stores.expected} parameter shards to register; try again",
                 ) from None
-        worker = ps.roster.add(
-            msg.name, msg.device, msg.slowdown, msg.threads, ps.log.now(), request.user_id
+        worker = self.roster.add(
+            msg.name,
+            msg.device,
+            msg.slowdown,
+            msg.threads,
+            self.log.now(),
+            request.user_id,
+            OPTIONAL_REPLY_FIELDS.intersection(msg.reply_fields or ()),
         )
-        worker.reply_fields = OPTIONAL_REPLY_FIELDS.intersection(msg.reply_fields or ())
-        ps.log.event(
+        self.log.event(
             "join",
             worker=worker.name,
             device=worker.device,
@@ -129,173 +174,70 @@ class Handlers:
                 torch.__version__,
             )
         log.info("worker %s joined (%s, slowdown %.1f)", worker.name, worker.device, msg.slowdown)
-        channels, height, _ = ps.meta.shape
-        mean, std = ps.reader.codec.wire_stats()
-        ps.endpoint.reply(
+        self.endpoint.reply(
             request.identity,
             request.request_id,
             JoinReply(
                 worker_id=worker.worker_id,
-                token=ps.tokens.token(worker.worker_id),
-                store_token=ps.store_tokens.token(worker.worker_id),
-                mode=ps.config.mode,
-                model=ps.config.model,
-                in_channels=channels,
-                num_classes=ps.meta.num_classes,
-                input_size=height,
-                state_size=ps.state_size,
-                num_params=ps.num_params,
-                dataset_fingerprint=ps.meta.fingerprint,
-                seed=ps.config.seed,
-                server_id=ps.server_id,
-                heartbeat_s=ps.config.heartbeat_s,
-                dead_after_s=ps.config.dead_after_s,
-                wire_dtype=ps.config.wire_dtype,
-                chunk_elems=ps.chunk_elems,
+                token=self.tokens.token(worker.worker_id),
+                store_token=self.store_tokens.token(worker.worker_id),
                 shard_addresses=list(stores.addresses),
                 shard_bounds=list(stores.bounds),
-                sample_dtype=ps.reader.codec.dtype,
-                norm_mean=mean,
-                norm_std=std,
+                **self.join_terms,
             ),
         )
 
     async def heartbeat(self, request: Request, msg: HeartbeatRequest) -> None:
-        worker = self.server.roster.member(msg.worker_id, msg.token, request.user_id)
+        worker = self.roster.member(msg.worker_id, msg.token, request.user_id)
         reply = HeartbeatReply(
-            server_id=self.server.server_id,
-            finished=self.server.finished,
-            failure=self.server.failure,
-            finish_reason=worker.finish_reason(self.server.run.reply_reason),
+            server_id=self.join_terms["server_id"],
+            finished=self.run.finished,
+            failure=self.run.failed,
+            finish_reason=worker.finish_reason(self.run.reply_reason),
         )
-        self.server.endpoint.reply(request.identity, request.request_id, reply)
+        self.endpoint.reply(request.identity, request.request_id, reply)
 
     async def leave(self, request: Request, msg: LeaveRequest) -> None:
-        worker = self.server.roster.member(msg.worker_id, msg.token, request.user_id)
-        self.server.endpoint.reply(request.identity, request.request_id, LeaveReply())
-        self.server.drop_worker(worker, f"left: {msg.reason}")
+        worker = self.roster.member(msg.worker_id, msg.token, request.user_id)
+        self.endpoint.reply(request.identity, request.request_id, LeaveReply())
+        self.drop_worker(worker, f"left: {msg.reason}")
 
     async def status(self, request: Request, msg: StatusRequest) -> None:
         now = time.monotonic()
         if self._status is None or now - self._status[0] > STATUS_CACHE_S:
-            self._status = (now, status_of(self.server))
+            self._status = (now, self.status_view.status())
         reply = StatusReply(status=self._status[1])
-        self.server.endpoint.reply(request.identity, request.request_id, reply)
+        self.endpoint.reply(request.identity, request.request_id, reply)
 
     # --- training ---------------------------------------------------------------------------
 
     async def task(self, request: Request, msg: TaskRequest) -> None:
-        ps = self.server
-        worker = ps.roster.member(msg.worker_id, msg.token, request.user_id)
-        _check_speed(msg.speed)
+        worker = self.roster.member(msg.worker_id, msg.token, request.user_id)
+        check_speed(msg.speed)
         _check_calibration(msg)
-        worker.speed = msg.speed
-        if msg.calibration_batches:
-            worker.perf.seed(msg.calibration_batches, msg.calibration_s or [])
-        worker.waiter = Waiter(request.identity, request.request_id)
-        if not worker.ready:
-            worker.ready = True
-            ps.log.event("ready", worker=worker.name, speed=round(msg.speed, 3))
-            if not ps.started and len(ps.roster.ready()) >= ps.config.workers:
-                ps.start_training()
-        ps.plan()
-        ps.release()
+        first = self.roster.calibrated(
+            worker, msg.speed, msg.calibration_batches, msg.calibration_s
+        )
+        self.roster.wait(worker, Waiter(request.identity, request.request_id))
+        if first:
+            self.log.event("ready", worker=worker.name, speed=round(msg.speed, 3))
+            if not self.run.started and len(self.roster.ready()) >= self.config.workers:
+                self._start_training()
+        self.desk.plan()
+        self.desk.release()
+
+    def _start_training(self) -> None:
+        """Enough workers are ready: training starts."""
+        self.run.start_training(self.log.now())
+        self.log.event("train_start", workers=len(self.roster.ready()), version=self.version())
 
     async def push(self, request: Request, msg: PushRequest) -> None:
-        """The one path of a push: check it, wait for its gradient to be complete in the
-        stores, check the gradient, then hand it to the policy (which may close an update)."""
-        ps = self.server
-        worker = ps.roster.member(msg.worker_id, msg.token, request.user_id)
-        if ps.finished:
-            worker.waiter = Waiter(request.identity, request.request_id)
-            ps.stop_worker(worker)
-            return
-        if msg.task_id == worker.pushing:
-            raise ProtocolError(ErrorCode.WRONG_TASK, f"task {msg.task_id} is being pushed already")
-        try:
-            task = self._pushed_task(worker, msg)
-        except ProtocolError as exc:
-            if any(t.task_id == msg.task_id for t in worker.tasks):
-                # Its chunks may be in: drop them, so that a corrected push can resend them.
-                await ps.stores.drop([msg.task_id], exc.code, str(exc))
-            raise
-        worker.pushing = task.task_id
-        try:
-            report = await ps.stores.staged(
-                task.task_id, worker.worker_id, ps.config.stage_timeout_s
-            )
-            if not worker.active or not worker.tasks or worker.tasks[0] is not task:
-                raise ProtocolError(
-                    ErrorCode.WRONG_TASK, "the task was withdrawn (the worker left)"
-                )
-            if ps.finished:  # training ended while the gradient arrived: just stop
-                worker.pushing = None
-                await ps.stores.drop([task.task_id], ErrorCode.SHUTTING_DOWN, "training ended")
-                worker.waiter = Waiter(request.identity, request.request_id)
-                ps.stop_worker(worker)
-                return
-            clip = ps.guard.check(report)
-        except ProtocolError as exc:
-            worker.pushing = None
-            if exc.code == ErrorCode.NON_FINITE:
-                worker.non_finite += 1
-            elif exc.code == ErrorCode.REFUSED:
-                worker.refused += 1
-            await ps.stores.drop([task.task_id], exc.code, str(exc))
-            raise
-        except BaseException:
-            worker.pushing = None
-            raise
-        # Accepted: the push counts from here on, even if the worker leaves.
-        worker.tasks.popleft()
-        worker.speed = msg.speed
-        worker.compute_s, worker.transfer_s = msg.compute_s, msg.transfer_s
-        worker.perf.add_compute(task.size, msg.compute_s)
-        if not ps.config.is_sync and worker.released_at:  # sync: measured when rounds close
-            worker.perf.add_transfer(time.monotonic() - worker.released_at - msg.compute_s)
-        worker.waiter = Waiter(request.identity, request.request_id)
-        if clip != 1.0:
-            ps.clip[task.task_id] = clip
-        update = ps.policy.accept(worker, task, msg)
-        if ps.config.is_sync:
-            worker.pushing = None
-        if update is not None:
-            await ps.run_update(update)
-        else:
-            ps.plan()
-            ps.release()
-
-    def _pushed_task(self, worker: WorkerInfo, msg: PushRequest) -> Task:
-        """The task a push answers, after checking every field of the push."""
-        ps = self.server
-        task = worker.tasks[0] if worker.tasks else None
-        if (
-            task is None
-            or msg.task_id != task.task_id
-            or worker.pushing is not None
-            or ps.policy.runnable(worker) is not task
-        ):
-            raise ProtocolError(
-                ErrorCode.WRONG_TASK, f"task {msg.task_id} is not the task this worker is running"
-            )
-        if msg.batch_size != task.size:
-            raise ProtocolError(
-                ErrorCode.BAD_FIELD,
-                f"batch_size {msg.batch_size} differs from the task's {task.size}",
-            )
-        if not 0 <= msg.version <= ps.updater.version:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"version {msg.version} was never served")
-        _check_speed(msg.speed)
-        for name in ("compute_s", "transfer_s"):
-            if not 0 <= getattr(msg, name) < 1e6:
-                raise ProtocolError(ErrorCode.BAD_FIELD, f"{name} {getattr(msg, name)} is absurd")
-        return task
+        await self.pushes.push(request, msg)
 
     # --- data -------------------------------------------------------------------------------
 
     async def data(self, request: Request, msg: DataRequest) -> None:
-        ps = self.server
-        ps.roster.member(msg.worker_id, msg.token, request.user_id)
+        self.roster.member(msg.worker_id, msg.token, request.user_id)
         indices = np.asarray(msg.indices, dtype=np.int64)
         nbytes = len(indices) * self._sample_bytes
         if nbytes > MAX_DATA_BYTES:
@@ -304,7 +246,7 @@ class Handlers:
                 f"{len(indices)} samples ({nbytes >> 20} MiB) exceed {MAX_DATA_BYTES >> 20} MiB "
                 "per data request",
             )
-        if ps.endpoint.in_flight(request.identity) + nbytes > MAX_IN_FLIGHT_BYTES:
+        if self.endpoint.in_flight(request.identity) + nbytes > MAX_IN_FLIGHT_BYTES:
             raise ProtocolError(
                 ErrorCode.BUSY, "too much data for this connection is still unread; read it first"
             )
@@ -317,36 +259,33 @@ class Handlers:
                 ErrorCode.BAD_FIELD, "data_request may only name indices of the training split"
             )
         loop = asyncio.get_running_loop()
-        x, y = await loop.run_in_executor(None, ps.reader.read_stored, indices)
-        ps.endpoint.reply(request.identity, request.request_id, DataReply(x=x, y=y))
+        x, y = await loop.run_in_executor(None, self.reader.read_stored, indices)
+        self.endpoint.reply(request.identity, request.request_id, DataReply(x=x, y=y))
 
     # --- parameter store (--shards 1) and shard registration --------------------------------
 
     async def store_chunk(self, request: Request, msg: GradientChunk) -> None:
         stores = self._local_stores("gradient_chunk")
-        await stores.service.on_gradient_chunk(request.identity, request.request_id, msg)
+        await stores.on_gradient_chunk(request.identity, request.request_id, msg)
 
     async def store_pull(self, request: Request, msg: PullRequest) -> None:
         stores = self._local_stores("pull_request")
-        await stores.service.on_pull(request.identity, request.request_id, msg)
+        await stores.on_pull(request.identity, request.request_id, msg)
 
-    def _local_stores(self, what: str) -> LocalStores:
-        stores = self.server.stores
-        if not isinstance(stores, LocalStores):
+    def _local_stores(self, what: str) -> StoreService:
+        stores = self.stores
+        if not isinstance(stores, StoreService):
             raise ProtocolError(
                 ErrorCode.BAD_FIELD, f"{what}: this run's parameters live on its shards"
             )
         return stores
 
     async def shard_hello(self, request: Request, msg: ShardHello) -> None:
-        await register_shard(self.server, request, msg)
-
-
-def _check_speed(speed: float) -> None:
-    if not (math.isfinite(speed) and MIN_SPEED <= speed <= MAX_SPEED):
-        raise ProtocolError(
-            ErrorCode.BAD_FIELD, f"speed must be in [{MIN_SPEED:g}, {MAX_SPEED:g}], got {speed}"
-        )
+        if self.shards is None:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD, "this server was not started with --shards K > 1"
+            )
+        await self.shards.register(request, msg)
 
 
 def _check_calibration(msg: TaskRequest) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -14,6 +15,7 @@ import numpy as np
 from common.errors import ErrorCode, ProtocolError
 from common.protocol.tokens import TokenBook
 from common.training.perfmodel import PerfModel
+from pserver.roundtiming import WorkerTiming
 
 MAX_NAME = 64
 MAX_HISTORY = 1024  # departed names remembered; beyond that their counters are pooled
@@ -72,7 +74,7 @@ class Waiter:
 
 @dataclasses.dataclass
 class WorkerInfo:
-    """One member of the run. Its task queue is written by the server alone."""
+    """One member of the run; only its ``Roster`` writes it."""
 
     worker_id: int
     name: str
@@ -94,6 +96,7 @@ class WorkerInfo:
     transfer_s: float = 0.0
     idle_s: float = 0.0  # waiting at sync barriers, summed over rounds
     released_at: float = 0.0  # monotonic time its last task was sent
+    released: int | None = None  # the id of the task it was last sent
     last_round: int = -1  # the last sync round it pushed in
     perf: PerfModel = dataclasses.field(default_factory=PerfModel)
     active: bool = True
@@ -155,15 +158,23 @@ class Roster:
         self.max_members = max_members
         self.workers: dict[int, WorkerInfo] = {}
         self.history: dict[str, dict[str, object]] = {}
+        self.emptied = asyncio.Event()  # set whenever the last member is gone
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._next_id = 1
 
     def add(
-        self, name: str, device: str, slowdown: float, threads: int, t: float, user_id: str = ""
+        self,
+        name: str,
+        device: str,
+        slowdown: float,
+        threads: int,
+        t: float,
+        user_id: str = "",
+        reply_fields: frozenset[str] = frozenset(),
     ) -> WorkerInfo:
         """A new member; a name already in use gets the worker id appended (and counts on
         while that is taken too), so every member's name, and each ``/metrics`` series, is
-        unique.
+        unique. ``reply_fields`` are the optional reply fields the worker reads.
 
         Raises:
             ProtocolError: BUSY when ``max_members`` are active.
@@ -176,6 +187,7 @@ class Roster:
         while unique in names:  # a member may already be called "name-<id>"
             unique, suffix = f"{name}-{suffix}", suffix + 1
         worker = WorkerInfo(self._next_id, unique, device[:MAX_NAME], slowdown, threads, t, user_id)
+        worker.reply_fields = reply_fields
         past = self.history.pop(unique, None)
         if past is not None:  # the same worker before it rejoined or the server restarted
             for counter in COUNTERS:
@@ -228,6 +240,120 @@ class Roster:
             timer.cancel()
         self.workers.pop(worker.worker_id, None)
         self._remember(worker.name, worker.summary())
+        if not self.members():
+            self.emptied.set()
+
+    # --- what a member does (the only writers of ``WorkerInfo``) ---------------------------
+
+    def calibrated(
+        self,
+        worker: WorkerInfo,
+        speed: float,
+        batches: list[int] | None,
+        seconds: list[float] | None,
+    ) -> bool:
+        """A task request reported the worker's speed (and calibration pairs).
+
+        Returns:
+            Whether the worker became ready only now.
+        """
+        worker.speed = speed
+        if batches:
+            worker.perf.seed(batches, seconds or [])
+        first = not worker.ready
+        worker.ready = True
+        return first
+
+    def wait(self, worker: WorkerInfo, waiter: Waiter) -> None:
+        """The worker's request waits for its next task (or its stop)."""
+        worker.waiter = waiter
+
+    def take_waiter(self, worker: WorkerInfo) -> Waiter | None:
+        """The worker's waiting request, now answered by the caller."""
+        waiter, worker.waiter = worker.waiter, None
+        return waiter
+
+    def released(self, worker: WorkerInfo, task: Task) -> Waiter | None:
+        """``task`` is sent to the worker now; returns the request that carries it."""
+        worker.released_at = time.monotonic()
+        worker.released = task.task_id
+        return self.take_waiter(worker)
+
+    def queue(self, worker: WorkerInfo, task: Task) -> None:
+        """Queue a planned task for the worker."""
+        worker.tasks.append(task)
+
+    def requeue(self, worker: WorkerInfo, task: Task) -> None:
+        """Put a task back first in the worker's queue (it recomputes the same samples)."""
+        worker.tasks.appendleft(task)
+
+    def take_tasks(self, worker: WorkerInfo) -> list[Task]:
+        """Empty the worker's queue; returns what it held."""
+        dropped = list(worker.tasks)
+        worker.tasks.clear()
+        return dropped
+
+    def begin_push(self, worker: WorkerInfo, task: Task) -> None:
+        """The worker's push of ``task`` is being checked."""
+        worker.pushing = task.task_id
+
+    def end_push(self, worker: WorkerInfo) -> None:
+        """The worker's push was decided (applied, refused or withdrawn)."""
+        worker.pushing = None
+
+    def accepted(
+        self,
+        worker: WorkerInfo,
+        task: Task,
+        speed: float,
+        compute_s: float,
+        transfer_s: float,
+        measure_transfer: bool,
+    ) -> None:
+        """The push of ``task`` (the head of the queue) passed every check: it counts now.
+
+        Args:
+            worker: who pushed.
+            task: what.
+            speed, compute_s, transfer_s: what the push reported.
+            measure_transfer: feed the time since the task was sent, less compute, to the
+                worker's model (async; sync rounds are timed when they close).
+        """
+        worker.tasks.popleft()
+        worker.speed = speed
+        worker.compute_s, worker.transfer_s = compute_s, transfer_s
+        worker.perf.add_compute(task.size, compute_s)
+        if measure_transfer and worker.released_at:
+            worker.perf.add_transfer(time.monotonic() - worker.released_at - compute_s)
+
+    def count(self, worker: WorkerInfo, counter: str) -> None:
+        """One more ``rejected``, ``non_finite`` or ``refused`` push of the worker."""
+        if counter not in ("rejected", "non_finite", "refused"):
+            raise ValueError(f"not a push counter: {counter}")
+        setattr(worker, counter, getattr(worker, counter) + 1)
+
+    def account_round(
+        self, worker: WorkerInfo, part: WorkerTiming | None, round_id: int
+    ) -> dict[str, object]:
+        """Feed a worker's round timing to its model and idle total; its ``round`` event
+        fields. Its time outside compute feeds the model only in a steady round
+        (``WorkerInfo.steady_in``)."""
+        if part is None:
+            return {}
+        worker.idle_s += part.idle_s
+        if worker.steady_in(round_id):
+            worker.perf.add_transfer(part.transfer_s)
+        worker.last_round = round_id
+        fields: dict[str, object] = {
+            k: round(getattr(part, k), 6) for k in ("compute_s", "transfer_s", "actual_s", "idle_s")
+        }
+        if part.predicted_s is not None:
+            fields["predicted_s"] = round(part.predicted_s, 6)
+        return fields
+
+    def restore_history(self, history: dict[str, dict[str, object]]) -> None:
+        """Departed workers' counters from a checkpoint."""
+        self.history = {str(k): dict(v) for k, v in history.items()}
 
     def credit(self, worker: WorkerInfo, samples: int) -> None:
         """Count an applied push of ``worker`` (also after it left: the push still counts)."""

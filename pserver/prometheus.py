@@ -102,7 +102,7 @@ def render(status: Mapping[str, Any], view: Mapping[str, Any] | None = None) -> 
     """Render the status map (and the live view's per-worker totals) as exposition text.
 
     Args:
-        status: what ``pserver status`` returns (``pserver.summary.status_of``).
+        status: what ``pserver status`` returns (``pserver.summary.StatusView.status``).
         view: ``LiveView.snapshot()`` (batch share, idle time, staleness), or None.
 
     Returns:

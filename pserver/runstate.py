@@ -1,21 +1,54 @@
-"""What a run has done so far, apart from the parameters: clocks, evaluations, epochs, the end.
+"""What a run has done so far, apart from the parameters: its phase and why training ended,
+clocks, evaluations, epochs.
 
-The summary and the checkpoints read this, not the server.
+The summary, the status view and the checkpoints read this, not the server.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
-COMPLETED = ("epochs", "max_steps", "target_oa")  # finish reasons of a run that reached its end
+
+class RunPhase(enum.Enum):
+    """Where a run is in its life; it only moves forward."""
+
+    WAITING = "waiting"  # for enough ready workers
+    TRAINING = "training"
+    ENDING = "ending"  # training ended: final checkpoint, evaluation, stopping workers, summary
+    DONE = "done"  # the summary is written
+
+
+class FinishReason(enum.Enum):
+    """Why training ended (its value is the ``finish`` event's and the summary's reason)."""
+
+    EPOCHS = "epochs"
+    MAX_STEPS = "max_steps"
+    TARGET_OA = "target_oa"
+    STOPPED = "stopped"  # a signal or ``request_stop``
+    FAILED = "failed"  # an error; the run's ``failure`` says which
+
+    @property
+    def completed(self) -> bool:
+        """The run reached its end (a resume does not train on)."""
+        return self in (FinishReason.EPOCHS, FinishReason.MAX_STEPS, FinishReason.TARGET_OA)
+
+
+COMPLETED = tuple(r.value for r in FinishReason if r.completed)  # reasons of a run at its end
+FAILED_PREFIX = "failed: "  # a failed run's finish reason reads "failed: <what went wrong>"
 
 
 @dataclasses.dataclass
 class RunState:
-    """A run's progress record.
+    """A run's progress record and lifecycle.
 
     Attributes:
+        phase: where the run is.
+        reason: why training ended (None while it runs).
+        failure: what went wrong, when ``reason`` is ``FAILED``.
+        stores_lost: a parameter shard is gone (no final checkpoint or evaluation then).
+        error: set when the run failed; the server then exits non-zero.
         train_start: run-clock time training started (None before).
         train_end: run-clock time training ended (None while it runs).
         eval_s: evaluation time that blocked training (always 0 on the server, where
@@ -23,30 +56,82 @@ class RunState:
         evals: every ``eval`` record, in the order they were logged.
         epochs_done: the highest epoch completed.
         time_to_target: training time when a version first reached ``--target-oa``.
-        finish_reason: why training ended (``epochs``, ``max_steps``, ``target_oa``,
-            ``stopped``, ``failed: ...``), empty while it runs.
-        error: set when the run failed; the server then exits non-zero.
     """
 
+    phase: RunPhase = RunPhase.WAITING
+    reason: FinishReason | None = None
+    failure: str = ""
+    stores_lost: bool = False
+    error: str = ""
     train_start: float | None = None
     train_end: float | None = None
     eval_s: float = 0.0
     evals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     epochs_done: int = 0
     time_to_target: float | None = None
-    finish_reason: str = ""
-    error: str = ""
+    _trained: bool = dataclasses.field(default=False, repr=False)
 
     @property
     def finished(self) -> bool:
         """Training has ended."""
-        return bool(self.finish_reason)
+        return self.reason is not None
+
+    @property
+    def training(self) -> bool:
+        """Training has started and not ended."""
+        return self.phase is RunPhase.TRAINING
+
+    @property
+    def started(self) -> bool:
+        """Training has started in this server (it may have ended since)."""
+        return self._trained
+
+    @property
+    def finish_reason(self) -> str:
+        """Why training ended, as the ``finish`` event and the summary say it ("" while it runs):
+        ``epochs``, ``max_steps``, ``target_oa``, ``stopped`` or ``failed: <what>``."""
+        if self.reason is None:
+            return ""
+        if self.reason is FinishReason.FAILED:
+            return f"{FAILED_PREFIX}{self.failure}"
+        return self.reason.value
+
+    @property
+    def failed(self) -> str | None:
+        """What went wrong, when a failure ended training (None otherwise)."""
+        return self.failure if self.reason is FinishReason.FAILED else None
+
+    def start_training(self, t: float) -> None:
+        """Training starts now (run-clock ``t``; a resumed run keeps its first start)."""
+        if self.phase is RunPhase.WAITING:
+            self.phase = RunPhase.TRAINING
+        self._trained = True
+        if self.train_start is None:
+            self.train_start = t
+
+    def finish(self, reason: FinishReason, t: float, failure: str = "") -> bool:
+        """Training ends now (run-clock ``t``).
+
+        Returns:
+            False if it had ended already (nothing changes then).
+        """
+        if self.finished:
+            return False
+        self.reason, self.failure = reason, failure
+        self.train_end = t
+        self.phase = RunPhase.ENDING
+        return True
+
+    def fail(self, failure: str, stores_lost: bool = False) -> None:
+        """Record an error that ends the run (the first one is kept)."""
+        self.stores_lost = self.stores_lost or stores_lost
+        self.error = self.error or failure
 
     @property
     def reply_reason(self) -> str | None:
         """The finish reason as stop and heartbeat replies carry it: without a failure's text
         (``failed: ...`` -> ``failed``; the ``failure`` field says it), None while training runs."""
-        return self.finish_reason.partition(":")[0] or None
+        return None if self.reason is None else self.reason.value
 
     def train_time(self, t: float) -> float:
         """Training time at run-clock time ``t``."""
@@ -73,5 +158,8 @@ class RunState:
         self.evals = list(meta["evals"])
         # A run stopped by a signal (scancel, a Slurm time limit) or by a failure goes on when
         # resumed; only a run that reached its end (epochs, steps, target) stays ended.
-        reason = meta.get("finish_reason", "")
-        self.finish_reason = reason if reason in COMPLETED else ""
+        values = {r.value: r for r in FinishReason}
+        reason = values.get(meta.get("finish_reason", ""))
+        if reason is not None and reason.completed:
+            self.reason = reason
+            self.phase = RunPhase.ENDING

@@ -1,11 +1,12 @@
-"""The parameter server (the coordinator): membership, planning, updates, evaluation, the end.
+"""The parameter server (the coordinator): it builds the run's components, each with exactly
+the collaborators it uses, and owns their lifecycle.
 
-It owns the roster, the sampler, the mode policy, the parameter stores (its own with
-``--shards 1``, else K shard servers; ``pserver.store.build``) and the run's records. Policies
-decide; this class acts: it queues the tasks a policy plans, applies the updates it asks for
-(one at a time, under the updater's lock; ``pserver.booking`` books each right after it is
-published, or hands a refused one's samples back), answers waiting workers and ends training
-(``pserver.shutdown``). Request handling lives in ``pserver.handlers``.
+``__init__`` builds them in order: the run directory, dataset and model; the run's books (its
+record and lifecycle, sampler, roster, policy), restored from a checkpoint when resuming;
+the transport and the parameter stores (its own with ``--shards 1``, else K shard servers);
+then the components that act on them: the updater, evaluations, snapshots, checkpointer,
+ledger, task desk, push path, status view, shutdown and request handlers. Policies decide;
+the components act (``pserver.pushes`` carries out each push's decision).
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from common.data.dataset import DatasetReader
-from common.errors import ErrorCode, ProtocolError, PSError, ShardLost
+from common.errors import ErrorCode
 from common.protocol.chunks import chunk_elems_for
-from common.protocol.messages import STORE_REQUESTS, WORKER_REQUESTS, TaskReply
+from common.protocol.messages import STORE_REQUESTS, WORKER_REQUESTS
 from common.protocol.security import shard_secret
 from common.protocol.shard_messages import ShardHello
 from common.protocol.tokens import TokenBook, new_key
@@ -31,28 +32,28 @@ from common.training.flat import FlatLayout, nonnegative_bounds
 from common.training.models import build_model, has_batchnorm
 from common.training.runlog import RunLog
 from pserver import checkpoint, rundir
-from pserver.booking import book, discard, refuse
+from pserver.booking import Ledger
+from pserver.checkpoint import Checkpointer
 from pserver.config import ServerConfig
+from pserver.desk import TaskDesk
 from pserver.evaluation import EvalScheduler
 from pserver.handlers import Handlers
 from pserver.membership import Roster, TaskFactory, WorkerInfo
-from pserver.policies import POLICIES, Update
+from pserver.policies import POLICIES
 from pserver.policies.weighted_sync import resolve_min_local_batch
-from pserver.runstate import RunState
+from pserver.pushes import Pushes
+from pserver.runstate import FinishReason, RunState
 from pserver.sampler import EpochSampler
-from pserver.shutdown import shutdown, watch_shards
-from pserver.snapshot_hooks import take as take_snapshot
-from pserver.snapshot_hooks import writer_for
-from pserver.snapshots import SnapshotWriter
+from pserver.shards import ShardRegistry
+from pserver.shutdown import Shutdown, watch_shards
+from pserver.snapshot_hooks import SnapshotHook
 from pserver.store.build import build_stores
-from pserver.store.stores import CapturedState, LocalStores, RemoteStores
-from pserver.summary import build_summary
+from pserver.store.stores import CapturedState, RemoteStores
+from pserver.summary import StatusView
 from pserver.transport import Endpoint, TaskOwner
 from pserver.updates import GradientGuard, Updater
 
 log = logging.getLogger(__name__)
-
-FAILED = "failed: "  # the finish reason of a run ended by ``fail``
 
 FLUSH_EVERY_S = 0.5
 
@@ -71,10 +72,11 @@ class ParameterServer:
     """
 
     def __init__(self, config: ServerConfig) -> None:
-        self.config = config
+        # 1. The run directory, the dataset and the model.
         resumed = rundir.prepare(config)
-        resume_at = resumed.meta["t"] if resumed else None
-        self.log = RunLog(config.run_dir, resume_at=resume_at, open_now=False)  # see start()
+        self.log = RunLog(
+            config.run_dir, resume_at=resumed.meta["t"] if resumed else None, open_now=False
+        )  # opened by start()
         self.reader = DatasetReader(config.dataset, cache_bytes=config.cache_mb << 20)
         self.meta = meta = self.reader.meta
         torch.set_num_threads(config.torch_threads)
@@ -85,64 +87,207 @@ class ParameterServer:
         layout = FlatLayout(model)
         self.num_params, self.state_size = layout.num_params, layout.size
         self.nonneg = nonnegative_bounds(model, layout)
-        self.initial = CapturedState(0, 0, [], layout.read_state().numpy(), np.zeros((0, 0)))
         train_count = len(self.reader.train_indices)
+
+        # 2. The run's books, restored when resuming.
         self.run = RunState()
         self.sampler = EpochSampler(train_count, config.seed, config.epochs)
         self.tasks = TaskFactory(self.reader.train_indices)
         self.policy = POLICIES[config.mode](config, self.sampler, self.tasks)
         self.tokens = TokenBook(new_key())
         self.store_tokens = self.tokens.derive("store")  # what the stores (and shards) check
-        self.shard_key = new_key()
-        self.shard_secret = (
-            shard_secret(config.shard_secret_file, config.curve_secret)
-            if config.shards > 1
-            else None
-        )
-        self.server_id = secrets.token_hex(8)
         self.roster = Roster(config.dead_after_s, self._on_dead, self.tokens, config.max_workers)
+        identity = checkpoint.identity_of(config, meta.fingerprint, self.state_size)
+        self.initial = CapturedState(0, 0, [], layout.read_state().numpy(), np.zeros((0, 0)))
+        if resumed is not None:
+            self.initial = checkpoint.restore(
+                resumed, identity, self.sampler, self.run, self.roster, self.policy, self.log
+            )
+
+        # 3. The transport and the parameter stores.
         self.owner = TaskOwner()
-        self.chunk_elems = chunk_elems_for(config.chunk_bytes, config.wire_dtype)
-        self.http: Any = None  # the status page (pserver.statuspage), with --http
+        chunk_elems = chunk_elems_for(config.chunk_bytes, config.wire_dtype)
         self.endpoint = Endpoint(
             config.bind,
             {**WORKER_REQUESTS, **STORE_REQUESTS, ShardHello.TYPE: ShardHello},
-            self.chunk_elems * 4 + (4 << 20),
+            chunk_elems * 4 + (4 << 20),
             self.owner,
             config.curve_secret,
             config.authorized_keys,
             allow_own_key=config.shards > 1,  # shards hold the server's key pair
         )
-        self.guard = GradientGuard(config.max_grad_norm, config.outlier_factor)
-        self.clip: dict[int, float] = {}
-        self.address = ""
-        self.started = False
-        self.done = asyncio.Event()
-        self.workers_gone = asyncio.Event()
-        self._checkpoint_lock = asyncio.Lock()
-        self.checkpoints_started = 0
-        self._flusher: asyncio.TimerHandle | None = None
-        self.stores_lost = False
-        if resumed is not None:
-            self.initial = checkpoint.restore_into(self, resumed)
-        self.stores: LocalStores | RemoteStores = build_stores(self)
+        shard_key = new_key()
+        self.stores = build_stores(
+            config,
+            self.initial,
+            self.num_params,
+            self.nonneg,
+            chunk_elems,
+            shard_key,
+            self.store_tokens,
+            self.endpoint,
+        )
+        self.shards = (
+            ShardRegistry(
+                config,
+                self.stores,
+                shard_secret(config.shard_secret_file, config.curve_secret),
+                shard_key,
+                self.store_tokens.key,
+                self.initial,
+                self.nonneg,
+                chunk_elems,
+                self.endpoint.context,
+                self.run,
+                self.log,
+                self.endpoint,
+            )
+            if isinstance(self.stores, RemoteStores)
+            else None
+        )
+
+        # 4. The components that act on the run.
         self.updater = Updater(config, self.stores, train_count)
         self.updater.restore(
             self.initial.version,
             int(resumed.meta["steps"]) if resumed else 0,
             int(resumed.meta["samples_applied"]) if resumed else 0,
         )
+        self.guard = GradientGuard(config.max_grad_norm, config.outlier_factor)
         self.evaluations = EvalScheduler(
             Evaluator(model, self.reader, meta.num_classes, config.eval_batch),
             self.log,
-            self.newest_state,
+            self.stores.newest_state,
             config.eval_samples,
             config.seed,
             self._on_eval,
         )
-        self.handlers = Handlers(self)
-        self.resumed = resumed is not None
-        self.snapshots: SnapshotWriter | None = None  # --snapshot-every-updates, see start()
+        self.snapshots = SnapshotHook(
+            config.run_dir,
+            config.snapshot_every_updates,
+            config.snapshot_limit,
+            {
+                "mode": config.mode,
+                "model": config.model,
+                "dataset": str(config.dataset.resolve()),
+                "fingerprint": meta.fingerprint,
+                "state_size": self.state_size,
+            },
+            self.initial.version if resumed else None,
+            self.updater,
+            self.evaluations,
+            self.run,
+            self.log,
+            self.stores.newest_state,
+        )
+        self.checkpointer = Checkpointer(
+            config.run_dir / "checkpoints" if config.run_dir is not None else None,
+            config.write_timeout_s,
+            identity,
+            self.updater,
+            self.stores,
+            self.sampler,
+            self.run,
+            self.roster,
+            self.policy,
+            self.log,
+        )
+        self.ledger = Ledger(
+            config, self.log, self.run, self.sampler, self.roster, self.updater, self.evaluations
+        )
+        self.desk = TaskDesk(
+            self.roster,
+            self.policy,
+            self.endpoint,
+            self.store_tokens,
+            self.updater,
+            self.run,
+            self.log,
+        )
+        self.pushes = Pushes(
+            config,
+            self.run,
+            self.roster,
+            self.stores,
+            self.guard,
+            self.policy,
+            self.updater,
+            self.ledger,
+            self.desk,
+            self.snapshots,
+            self.endpoint,
+            self.finish,
+            self.fail,
+            self._checkpoint_soon,
+        )
+        self.status = StatusView(
+            config,
+            meta,
+            self.run,
+            self.log,
+            self.updater,
+            self.roster,
+            self.policy,
+            self.sampler,
+            self.stores,
+            self.guard,
+            self.evaluations,
+            self.snapshots,
+        )
+        self.shutdown = Shutdown(
+            config.shutdown_timeout_s,
+            config.write_timeout_s,
+            self.run,
+            self.log,
+            self.updater,
+            self.roster,
+            self.evaluations,
+            self.snapshots,
+            self.checkpointer.save if config.run_dir is not None else None,
+            self.desk.stop_waiting,
+            self.status.summary,
+        )
+        mean, std = self.reader.codec.wire_stats()
+        join_terms = {
+            "mode": config.mode,
+            "model": config.model,
+            "in_channels": channels,
+            "num_classes": meta.num_classes,
+            "input_size": height,
+            "state_size": self.state_size,
+            "num_params": self.num_params,
+            "dataset_fingerprint": meta.fingerprint,
+            "seed": config.seed,
+            "server_id": secrets.token_hex(8),
+            "heartbeat_s": config.heartbeat_s,
+            "dead_after_s": config.dead_after_s,
+            "wire_dtype": config.wire_dtype,
+            "chunk_elems": chunk_elems,
+            "sample_dtype": self.reader.codec.dtype,
+            "norm_mean": mean,
+            "norm_std": std,
+        }
+        self.handlers = Handlers(
+            config,
+            self.run,
+            self.roster,
+            self.log,
+            self.endpoint,
+            self.reader,
+            self.stores,
+            self.tokens,
+            self.store_tokens,
+            join_terms,
+            self.status,
+            self.shards,
+            self.desk,
+            self.pushes,
+            lambda: self.updater.version,
+            self.drop_worker,
+        )
+        self.http: Any = None  # the status page (pserver.statuspage), with --http
+        self.address = ""
+        self._flusher: asyncio.TimerHandle | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -155,13 +300,15 @@ class ParameterServer:
             ConfigError: the address (or the status page's port) cannot be bound.
         """
         if self.config.http_port is not None:
-            from pserver.statuspage import start_for_server
+            from pserver.statuspage import start_page
 
-            self.http = await start_for_server(self)
+            self.http = await start_page(
+                self.status.status, self.log, self.config.http_bind, self.config.http_port
+            )
         self.address = self.endpoint.bind()
         rundir.clear(self.config)  # --overwrite
         self.log.open()
-        self.snapshots = writer_for(self, self.resumed)
+        self.snapshots.open()
         warm = self.reader.train_indices[:1]
         self.owner.spawn(asyncio.get_running_loop().run_in_executor(None, self.reader.read, warm))
         self.log.event(
@@ -188,9 +335,16 @@ class ParameterServer:
         )
         if self.run.finished:  # resumed a run that had already ended
             log.info("the run had already ended (%s); writing its summary", self.run.finish_reason)
-            self.owner.spawn(shutdown(self))
+            self.owner.spawn(self.shutdown.run_to_end())
         elif isinstance(self.stores, RemoteStores):
-            self.owner.spawn(watch_shards(self))
+            self.owner.spawn(
+                watch_shards(
+                    self.stores,
+                    self.config.heartbeat_s,
+                    self.run,
+                    lambda why: self.fail(why, stores_lost=True),
+                )
+            )
 
     def _schedule_flush(self) -> None:
         self.log.flush()
@@ -204,15 +358,15 @@ class ParameterServer:
         """
         receiver = asyncio.create_task(self.endpoint.receive_loop(self.handlers.dispatch))
         try:
-            await self.done.wait()
+            await self.shutdown.done.wait()
         finally:
             receiver.cancel()
             await asyncio.gather(receiver, return_exceptions=True)
-        return build_summary(self)
+        return self.status.summary()
 
     def request_stop(self) -> None:
         """End training now (signals call this); shutdown then proceeds within its timeout."""
-        self.finish("stopped")
+        self.finish(FinishReason.STOPPED)
 
     async def close(self) -> None:
         """Cancel outstanding tasks, close the sockets and release the dataset."""
@@ -221,8 +375,7 @@ class ParameterServer:
         if self._flusher is not None:
             self._flusher.cancel()
         await self.evaluations.close()
-        if self.snapshots is not None:
-            self.snapshots.close(1.0)  # drained (or abandoned) within the shutdown budget
+        self.snapshots.close(1.0)  # drained (or abandoned) within the shutdown budget
         await self.owner.cancel_all()
         await self.stores.close("the server closed")
         self.roster.close()
@@ -237,94 +390,18 @@ class ParameterServer:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    @property
+    def done(self) -> asyncio.Event:
+        """Set once the run has ended and its summary is written."""
+        return self.shutdown.done
+
     # --- what the server does ---------------------------------------------------------------
-
-    @property
-    def finished(self) -> bool:
-        """Training has ended."""
-        return self.run.finished
-
-    @property
-    def failure(self) -> str | None:
-        """The failure that ended training (``fail``), or None."""
-        reason = self.run.finish_reason or ""
-        return reason.removeprefix(FAILED) if reason.startswith(FAILED) else None
-
-    def plan(self) -> None:
-        """Queue whatever tasks the policy plans now."""
-        if self.finished or not self.started:
-            return
-        for worker, task in self.policy.plan(self.roster.ready()):
-            worker.tasks.append(task)
-
-    def release(self) -> None:
-        """Answer each waiting worker with its runnable task, or with stop once training ended."""
-        for worker in self.roster.members():
-            waiter = worker.waiter
-            if waiter is None:
-                continue
-            if self.finished:
-                self.stop_worker(worker)
-                continue
-            task = self.policy.runnable(worker)
-            if task is None:
-                continue
-            hint = self.policy.prefetch_hint(worker)
-            worker.waiter = None
-            worker.released_at = time.monotonic()
-            self.endpoint.reply(
-                waiter.identity,
-                waiter.request_id,
-                TaskReply(
-                    action="train",
-                    task_id=task.task_id,
-                    push_token=self.store_tokens.push_token(worker.worker_id, task.task_id),
-                    version=self.updater.version,
-                    epoch=task.epoch,
-                    indices=task.indices,
-                    prefetch=hint.indices if hint else [],
-                ),
-            )
-
-    def stop_worker(self, worker: WorkerInfo) -> None:
-        """Tell a waiting worker to stop; it leaves the run."""
-        waiter = worker.waiter
-        self.roster.remove(worker)
-        if waiter is not None:
-            self.endpoint.reply(
-                waiter.identity,
-                waiter.request_id,
-                TaskReply(
-                    action="stop",
-                    task_id=0,
-                    push_token="",
-                    version=self.updater.version,
-                    epoch=0,
-                    indices=[],
-                    prefetch=[],
-                    failure=self.failure,
-                    finish_reason=worker.finish_reason(self.run.reply_reason),
-                ),
-            )
-        self.log.event("leave", worker=worker.name, reason="stop")
-        if not self.roster.members():
-            self.workers_gone.set()
-
-    def start_training(self) -> None:
-        """Enough workers are ready: plan the first tasks."""
-        self.started = True
-        if self.run.train_start is None:  # not when resuming
-            self.run.train_start = self.log.now()
-        self.log.event(
-            "train_start", workers=len(self.roster.ready()), version=self.updater.version
-        )
 
     def drop_worker(self, worker: WorkerInfo, reason: str) -> None:
         """Remove a worker that left or died; samples of tasks it never pushed go back."""
         if not worker.active:
             return
-        dropped = list(worker.tasks)
-        worker.tasks.clear()
+        dropped = self.roster.take_tasks(worker)
         self.roster.remove(worker)
         for task in dropped:
             self.sampler.give_back(task.epoch, task.positions)
@@ -335,67 +412,37 @@ class ParameterServer:
             ids = [t.task_id for t in dropped]
             self.owner.spawn(self.stores.drop(ids, ErrorCode.UNKNOWN_WORKER, "the worker left"))
         if update is not None:
-            self.owner.spawn(self.run_update(update))
-        if not self.roster.members():
-            self.workers_gone.set()
-        self.plan()
-        self.release()
+            self.owner.spawn(self.pushes.run_update(update))
+        self.desk.plan()
+        self.desk.release()
 
     def _on_dead(self, worker: WorkerInfo) -> None:
         self.drop_worker(worker, f"dead: silent for {self.config.dead_after_s:g} s")
-
-    async def run_update(self, update: Update) -> bool:
-        """Apply an update the policy asked for and book it; or, if it is refused, answer its
-        pushes with the error and hand its samples out again.
-
-        Returns:
-            Whether it was applied.
-        """
-        async with self.updater.lock:
-            if self.finished:  # the final checkpoint and summary stand: nothing changes now
-                await discard(self, update)
-                return False
-            try:
-                tau = await self.updater.apply(update, self.clip)
-            except ProtocolError as exc:
-                await refuse(self, update, exc)
-                return False
-            except ShardLost as exc:
-                self.fail(str(exc), stores_lost=True)
-                return False
-            book(self, update, tau)
-            await take_snapshot(self)
-        self.plan()
-        self.release()
-        return True
-
-    # --- evaluation, checkpoints and the end of training ------------------------------------
-
-    async def newest_state(self) -> tuple[int, np.ndarray, Any]:
-        """The published version, its state and the call that releases it."""
-        if isinstance(self.stores, LocalStores):
-            version, state, lease = self.stores.published()
-            return version, state, lease.release
-        captured = await self.stores.capture(with_slots=False)
-        return captured.version, captured.state, lambda: None
 
     def _on_eval(self, record: dict[str, Any]) -> None:
         self.run.evals.append(record)
         target = self.config.target_oa
         if target is not None and record["oa"] >= target and self.run.time_to_target is None:
             self.run.time_to_target = record["train_t"]
-            self.finish("target_oa")
+            self.finish(FinishReason.TARGET_OA)
 
-    def finish(self, reason: str) -> None:
-        """End training: no more tasks; waiting workers are told to stop."""
-        if self.run.finished:
+    def _checkpoint_soon(self) -> None:
+        self.owner.spawn(self.checkpointer.save())
+
+    def finish(self, reason: FinishReason | str, failure: str = "") -> None:
+        """End training: no more tasks; waiting workers are told to stop; the end begins.
+
+        Args:
+            reason: why (a ``FinishReason`` or its value).
+            failure: what went wrong, for ``FAILED``.
+        """
+        reason = FinishReason(reason)
+        if not self.run.finish(reason, self.log.now(), failure):
             return
-        self.run.finish_reason = reason
-        self.run.train_end = self.log.now()
-        log.info("training finished (%s) at version %d", reason, self.updater.version)
-        self.log.event("finish", reason=reason, version=self.updater.version)
-        self.release()
-        self.owner.spawn(shutdown(self))
+        log.info("training finished (%s) at version %d", self.run.finish_reason, self.version)
+        self.log.event("finish", reason=self.run.finish_reason, version=self.version)
+        self.desk.release()
+        self.owner.spawn(self.shutdown.run_to_end())
 
     def fail(self, reason: str, stores_lost: bool = False) -> None:
         """End the run because of an error; the server will exit non-zero.
@@ -406,10 +453,8 @@ class ParameterServer:
                 (the last periodic checkpoint is the one to resume from).
         """
         log.error("%s", reason)
-        self.stores_lost = self.stores_lost or stores_lost
-        if not self.run.error:
-            self.run.error = reason
-        self.finish(f"{FAILED}{reason}")
+        self.run.fail(reason, stores_lost)
+        self.finish(FinishReason.FAILED, reason)
 
     async def save_checkpoint(self) -> bool:
         """Write a checkpoint now (one at a time); a failure is logged and training goes on.
@@ -417,11 +462,31 @@ class ParameterServer:
         Returns:
             Whether it was written.
         """
-        async with self._checkpoint_lock:
-            try:
-                await checkpoint.save(self)
-                return True
-            except (OSError, PSError) as exc:
-                log.error("checkpoint failed: %s", exc)
-                self.log.event("checkpoint_failed", error=str(exc)[:300])
-                return False
+        return await self.checkpointer.save()
+
+    @property
+    def version(self) -> int:
+        """The published version."""
+        return self.updater.version
+
+
+async def run_server(
+    config: ServerConfig, listening: Callable[[str, Callable[[], None]], None]
+) -> tuple[dict[str, Any], str]:
+    """Run a server from start to close.
+
+    Args:
+        config: the server configuration.
+        listening: called once the server listens, with its address and the call that stops
+            training (for signal handlers).
+
+    Returns:
+        The run summary and the run's error ("" when it did not fail).
+
+    Raises:
+        ConfigError, DatasetError, ModelError: as ``ParameterServer``.
+    """
+    async with ParameterServer(config) as server:
+        listening(server.address, server.request_stop)
+        summary = await server.serve()
+        return summary, server.run.error

@@ -182,7 +182,7 @@ class ShardServer:
         self._reason = reason
         log.info("shard %d stops: %s", self.index, reason)
         if self.service is not None:
-            self.service.close(reason)
+            self.service.stop(reason)
         self._done.set()
 
     def request_stop(self) -> None:
@@ -216,7 +216,7 @@ class ShardServer:
                 buffer_sq=report.buffer_sq if report.finite else 0.0,
             )
         elif isinstance(message, ApplyRequest):
-            ok, reason = await service.apply(
+            ok, reason = await service.prepare(
                 message.version,
                 message.task_ids,
                 message.weights,
@@ -225,19 +225,22 @@ class ShardServer:
             )
             reply = ApplyReply(ok=ok, reason=reason)
         elif isinstance(message, CommitRequest):
-            await service.commit(message.version, message.commit, message.code, message.message)
+            if message.commit:
+                await service.publish(message.version)
+            else:
+                await service.abort(message.version, message.code, message.message)
             reply = AckReply()
         elif isinstance(message, DropRequest):
             await service.drop(message.task_ids, message.code, message.message)
             reply = AckReply()
         elif isinstance(message, CaptureRequest):
-            version, steps, slots, state, rows = await service.capture(message.with_slots)
+            captured = await service.capture(message.with_slots)
             reply = StateReply(
-                version=version,
-                optimizer_steps=steps,
-                slots=slots,
-                state=state,
-                slot_state=rows.reshape(-1),
+                version=captured.version,
+                optimizer_steps=captured.optimizer_steps,
+                slots=captured.slots,
+                state=captured.state,
+                slot_state=captured.slot_state.reshape(-1),
             )
         elif isinstance(message, PingRequest):
             reply = PingReply(version=service.version, staged=len(service.store.staged))

@@ -4,65 +4,101 @@ after it is booked (and the final one at the end), while no other update is publ
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from common.errors import PSError
+from common.training.runlog import RunLog
+from pserver.evaluation import EvalScheduler
+from pserver.runstate import RunState
 from pserver.snapshots import SnapshotMeta, SnapshotWriter
-
-if TYPE_CHECKING:
-    from pserver.server import ParameterServer
+from pserver.updates import Updater
 
 log = logging.getLogger(__name__)
 
+StateSource = Callable[[], Awaitable[tuple[int, np.ndarray, Callable[[], None]]]]
 
-def writer_for(ps: ParameterServer, resumed: bool) -> SnapshotWriter | None:
-    """The run's snapshot writer, or None when snapshots are off.
+
+class SnapshotHook:
+    """Takes the run's snapshots (a no-op when snapshots are off).
 
     Args:
-        ps: the server (its state size, dataset and restored version are known).
-        resumed: the run continues from a checkpoint (later snapshots are dropped).
+        run_dir: the run directory (None: no snapshots).
+        every: ``--snapshot-every-updates`` (None: no snapshots).
+        limit: ``--snapshot-limit``.
+        info: what identifies the run in its snapshot files (mode, model, dataset, ...).
+        resumed_at: the version a resumed run continues from (later snapshots are dropped);
+            None for a new run.
+        updater: the published version and its counters.
+        evaluations: what is known of each version (epoch, samples, time).
+        run: the run's record (stores lost, epochs, training time).
+        log: the run log's clock.
+        newest_state: the published version, its state and the call that lets go of it.
     """
-    cfg = ps.config
-    if cfg.snapshot_every_updates is None or cfg.run_dir is None:
-        return None
-    info = {
-        "mode": cfg.mode,
-        "model": cfg.model,
-        "dataset": str(cfg.dataset.resolve()),
-        "fingerprint": ps.meta.fingerprint,
-        "state_size": ps.state_size,
-    }
-    resumed_at = ps.initial.version if resumed else None
-    return SnapshotWriter(
-        cfg.run_dir, cfg.snapshot_every_updates, cfg.snapshot_limit, info, resumed_at
-    )
 
+    def __init__(
+        self,
+        run_dir: Path | None,
+        every: int | None,
+        limit: int,
+        info: dict[str, Any],
+        resumed_at: int | None,
+        updater: Updater,
+        evaluations: EvalScheduler,
+        run: RunState,
+        log: RunLog,
+        newest_state: StateSource,
+    ) -> None:
+        self._options = (run_dir, every, limit, info, resumed_at)
+        self.updater, self.evaluations, self.run, self.log = updater, evaluations, run, log
+        self.newest_state = newest_state
+        self.writer: SnapshotWriter | None = None
 
-async def take(ps: ParameterServer, final: bool = False) -> None:
-    """Save the published version if the interval keeps it, or ``final`` and not yet saved
-    (call under the updater's lock; a failure is logged and training goes on)."""
-    writer = ps.snapshots
-    version = ps.updater.version
-    if writer is None or ps.stores_lost:
-        return
-    if not (writer.due(version) or (final and version not in writer.versions)):
-        return
-    info = ps.evaluations.versions.get(version)
-    meta = SnapshotMeta(
-        version,
-        info.epoch if info else ps.run.epochs_done,
-        info.samples if info else ps.updater.samples_applied,
-        round(info.train_t if info else ps.run.train_time(ps.log.now()), 6),
-        final,
-    )
-    try:
-        await writer.take(meta, ps.newest_state)
-    except PSError as exc:
-        log.error("snapshot of version %d failed: %s", version, exc)
+    def open(self) -> None:
+        """Start the writer (when the run directory is written, at the server's start)."""
+        run_dir, every, limit, info, resumed_at = self._options
+        if every is not None and run_dir is not None:
+            self.writer = SnapshotWriter(run_dir, every, limit, info, resumed_at)
 
+    async def take(self, final: bool = False) -> None:
+        """Save the published version if the interval keeps it, or ``final`` and not yet saved
+        (call under the updater's lock; a failure is logged and training goes on)."""
+        writer = self.writer
+        version = self.updater.version
+        if writer is None or self.run.stores_lost:
+            return
+        if not (writer.due(version) or (final and version not in writer.versions)):
+            return
+        info = self.evaluations.versions.get(version)
+        meta = SnapshotMeta(
+            version,
+            info.epoch if info else self.run.epochs_done,
+            info.samples if info else self.updater.samples_applied,
+            round(info.train_t if info else self.run.train_time(self.log.now()), 6),
+            final,
+        )
+        try:
+            await writer.take(meta, self.newest_state)
+        except PSError as exc:
+            log.error("snapshot of version %d failed: %s", version, exc)
 
-async def at_end(ps: ParameterServer) -> None:
-    """Save the final version and wait for every queued write (under the updater's lock)."""
-    if ps.snapshots is not None:
-        await take(ps, final=True)
-        await ps.snapshots.drain(ps.config.write_timeout_s)
+    async def at_end(self, timeout_s: float) -> None:
+        """Save the final version and wait for every queued write (under the updater's lock)."""
+        if self.writer is not None:
+            await self.take(final=True)
+            await self.writer.drain(timeout_s)
+
+    def close(self, timeout_s: float) -> None:
+        """Stop the writer; writes still running after ``timeout_s`` are abandoned."""
+        if self.writer is not None:
+            self.writer.close(timeout_s)
+
+    def summary(self) -> dict[str, Any] | None:
+        """The ``snapshots`` entry of the summary's details (None: snapshots are off)."""
+        writer = self.writer
+        if writer is None:
+            return None
+        return {"every": writer.every, "written": writer.written, "failed": writer.failed}

@@ -22,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from common.errors import ConfigError
+from common.training.runlog import RunLog
 from pserver import prometheus
 from pserver.liveview import LiveView
 
@@ -328,11 +329,16 @@ async def _headers(
     return response
 
 
-async def start_for_server(server: Any) -> StatusPage:
-    """Start the status page of a ``ParameterServer`` and attach it to its run log.
+async def start_page(
+    status: Callable[[], dict[str, Any]], run_log: RunLog, bind: str, port: int
+) -> StatusPage:
+    """Start a server's status page and attach it to its run log.
 
     Args:
-        server: the parameter server (its ``config.http_port``/``http_bind``, ``log``).
+        status: returns what ``pserver status`` answers.
+        run_log: the run log (its events feed the live view; the page's ``http`` event).
+        bind: ``--http-bind``.
+        port: ``--http``.
 
     Returns:
         The running page; close it with ``await page.close()``.
@@ -340,22 +346,12 @@ async def start_for_server(server: Any) -> StatusPage:
     Raises:
         ConfigError: the address cannot be bound.
     """
-    from pserver.summary import status_of
-
-    page = StatusPage(
-        lambda: status_of(server),
-        server.log.events,
-        server.log.now,
-        server.config.http_bind,
-        server.config.http_port,
-    )
+    page = StatusPage(status, run_log.events, run_log.now, bind, port)
     try:
         url = await page.start()
     except OSError as exc:
-        raise ConfigError(
-            f"--http {server.config.http_port} --http-bind {server.config.http_bind}: {exc}"
-        ) from exc
-    server.log.add_sink(page.on_event)
-    server.log.event("http", url=url)
+        raise ConfigError(f"--http {port} --http-bind {bind}: {exc}") from exc
+    run_log.add_sink(page.on_event)
+    run_log.event("http", url=url)
     log.info("status page on %s", url)
     return page

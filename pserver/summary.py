@@ -1,89 +1,130 @@
-"""What ``summary.json`` and ``pserver status`` report about a server."""
+"""What ``summary.json`` and ``pserver status`` report about a run."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from common.data.dataset import DatasetMeta
+from common.training.runlog import RunLog
 from common.training.summary import per_class_of, run_summary, scores_of
+from pserver.config import ServerConfig
+from pserver.evaluation import EvalScheduler
+from pserver.membership import Roster
+from pserver.policies import ModePolicy
+from pserver.runstate import RunState
+from pserver.sampler import EpochSampler
+from pserver.snapshot_hooks import SnapshotHook
+from pserver.store.stores import ParameterStores
+from pserver.updates import GradientGuard, Updater
 
-if TYPE_CHECKING:
-    from pserver.server import ParameterServer
 
+class StatusView:
+    """Reads the run's parts into the summary and the live status; changes nothing.
 
-def build_summary(ps: ParameterServer) -> dict[str, Any]:
-    """The run summary (docs/run-files.md), plus mode-specific extras under ``details``."""
-    cfg, run = ps.config, ps.run
-    now = ps.log.now()
-    return run_summary(
-        mode=cfg.mode,
-        model=cfg.model,
-        dataset=str(cfg.dataset),
-        wall_time_s=now,
-        train_time_s=run.train_time(now),
-        steps=ps.updater.steps,
-        epochs=run.epochs_done,
-        samples_seen=ps.updater.samples_applied,
-        evals=run.evals,
-        target_oa=cfg.target_oa,
-        time_to_target_s=run.time_to_target,
-        workers=[
-            w if cfg.is_sync else {**w, "idle_s": None}  # no barrier in async mode
-            for w in ps.roster.summaries()
-        ],
-        staleness=ps.policy.staleness(),
-        idle_share=ps.policy.idle_share(),
-        finish_reason=run.finish_reason,
-        global_batch=cfg.global_batch,
-        per_class=per_class_of(run.evals, ps.meta.class_names),
-        details={
-            **ps.policy.summary(),
-            "shards": cfg.shards,
-            "wire_dtype": cfg.wire_dtype,
-            "refused_pushes": ps.guard.refused,
-            "clipped_pushes": ps.guard.clipped,
-            "skipped_evaluations": ps.evaluations.skipped,
-            "snapshots": None
-            if ps.snapshots is None
-            else {
-                "every": ps.snapshots.every,
-                "written": ps.snapshots.written,
-                "failed": ps.snapshots.failed,
+    Args:
+        config: the server configuration.
+        meta: the dataset's description (class names).
+        run: the run's record.
+        log: the run log's clock.
+        updater: version and counters.
+        roster: the workers.
+        policy: mode-specific figures.
+        sampler: the epoch under way.
+        stores: where the parameters live (shard addresses, ranges, health).
+        guard: refused and clipped pushes.
+        evaluations: skipped evaluations.
+        snapshots: the snapshot writer's counters.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        meta: DatasetMeta,
+        run: RunState,
+        log: RunLog,
+        updater: Updater,
+        roster: Roster,
+        policy: ModePolicy,
+        sampler: EpochSampler,
+        stores: ParameterStores,
+        guard: GradientGuard,
+        evaluations: EvalScheduler,
+        snapshots: SnapshotHook,
+    ) -> None:
+        self.config, self.meta, self.run, self.log = config, meta, run, log
+        self.updater, self.roster, self.policy, self.sampler = updater, roster, policy, sampler
+        self.stores, self.guard = stores, guard
+        self.evaluations, self.snapshots = evaluations, snapshots
+
+    def summary(self) -> dict[str, Any]:
+        """The run summary (docs/run-files.md), plus mode-specific extras under ``details``."""
+        cfg, run = self.config, self.run
+        now = self.log.now()
+        return run_summary(
+            mode=cfg.mode,
+            model=cfg.model,
+            dataset=str(cfg.dataset),
+            wall_time_s=now,
+            train_time_s=run.train_time(now),
+            steps=self.updater.steps,
+            epochs=run.epochs_done,
+            samples_seen=self.updater.samples_applied,
+            evals=run.evals,
+            target_oa=cfg.target_oa,
+            time_to_target_s=run.time_to_target,
+            workers=[
+                w if cfg.is_sync else {**w, "idle_s": None}  # no barrier in async mode
+                for w in self.roster.summaries()
+            ],
+            staleness=self.policy.staleness(),
+            idle_share=self.policy.idle_share(),
+            finish_reason=run.finish_reason,
+            global_batch=cfg.global_batch,
+            per_class=per_class_of(run.evals, self.meta.class_names),
+            details={
+                **self.policy.summary(),
+                "shards": cfg.shards,
+                "wire_dtype": cfg.wire_dtype,
+                "refused_pushes": self.guard.refused,
+                "clipped_pushes": self.guard.clipped,
+                "skipped_evaluations": self.evaluations.skipped,
+                "snapshots": self.snapshots.summary(),
+                "error": run.error or None,
             },
-            "error": run.error or None,
-        },
-    )
+        )
 
-
-def status_of(ps: ParameterServer) -> dict[str, Any]:
-    """The live status map answered to ``pserver status``."""
-    run = ps.run
-    last = run.evals[-1] if run.evals else None
-    stores = ps.stores
-    return {
-        "mode": ps.config.mode,
-        "model": ps.config.model,
-        "version": ps.updater.version,
-        "epoch": ps.sampler.epoch if ps.started else 0,  # the epoch under way; 0: not started
-        "epochs_done": run.epochs_done,
-        "steps": ps.updater.steps,
-        "samples_seen": ps.updater.samples_applied,
-        "training": ps.started and not ps.finished,
-        "finished": ps.finished,
-        "finish_reason": run.finish_reason or None,
-        "waiting_for": 0 if ps.started else max(ps.config.workers - len(ps.roster.ready()), 0),
-        "last_eval": scores_of(last),
-        "shards": [
-            {
-                "index": i,
-                "address": address or "(this server)",
-                "state": [lo, hi],
-                **getattr(stores, "health", {}).get(i, {}),
-            }
-            for i, (address, lo, hi) in enumerate(
-                zip(stores.addresses, stores.bounds[:-1], stores.bounds[1:], strict=False)
-            )
-        ],
-        "workers": [
-            {"id": w.worker_id, "ready": w.ready, **w.summary()} for w in ps.roster.workers.values()
-        ],
-    }
+    def status(self) -> dict[str, Any]:
+        """The live status map answered to ``pserver status``."""
+        run = self.run
+        last = run.evals[-1] if run.evals else None
+        stores = self.stores
+        started = run.started
+        return {
+            "mode": self.config.mode,
+            "model": self.config.model,
+            "version": self.updater.version,
+            "epoch": self.sampler.epoch if started else 0,  # the epoch under way; 0: not started
+            "epochs_done": run.epochs_done,
+            "steps": self.updater.steps,
+            "samples_seen": self.updater.samples_applied,
+            "training": run.training,
+            "finished": run.finished,
+            "finish_reason": run.finish_reason or None,
+            "waiting_for": 0 if started else max(self.config.workers - len(self.roster.ready()), 0),
+            "last_eval": scores_of(last),
+            "shards": [
+                {
+                    "index": i,
+                    "address": address or "(this server)",
+                    "state": [lo, hi],
+                    **getattr(stores, "health", {}).get(i, {}),
+                }
+                for i, (address, lo, hi) in enumerate(
+                    zip(stores.addresses, stores.bounds[:-1], stores.bounds[1:], strict=False)
+                )
+            ],
+            "workers": [
+                {"id": w.worker_id, "ready": w.ready, **w.summary()}
+                for w in self.roster.workers.values()
+            ],
+        }

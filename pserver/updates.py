@@ -1,5 +1,5 @@
-"""Applying updates: one at a time, with the schedule's learning rate and staleness, a guard
-against absurd gradients, and the two-phase publish on the parameter stores."""
+"""Applying updates: one at a time, with the schedule's learning rate, a guard against absurd
+gradients, and the two-phase publish (prepare, then publish or abort) on the parameter stores."""
 
 from __future__ import annotations
 
@@ -110,39 +110,31 @@ class Updater:
         cfg = self.config
         return lr_factor(cfg.lr_schedule, self.progress(), cfg.warmup_fraction)
 
-    async def apply(self, update: Update, clip: dict[int, float]) -> int:
-        """Apply ``update`` (call with ``lock`` held).
-
-        Args:
-            update: the pushes to combine.
-            clip: task id -> clipping factor on its weight (absent: 1).
+    async def apply(self, update: Update) -> str | None:
+        """Apply ``update`` (call with ``lock`` held): every store prepares the new version,
+        then all publish it, or all abort it if any store found it invalid.
 
         Returns:
-            The staleness tau of the update.
+            None when it was published; else why the stores refused it (they answered the
+            pushes' chunks with REFUSED, and nothing was published).
 
         Raises:
-            ProtocolError: STALE (refused by the policy's staleness rule) or REFUSED (the
-                update would make the state invalid); nothing was published. The stores
-                already answered the pushes' chunks for REFUSED; for STALE the caller does.
+            ShardLost: a shard did not answer.
         """
-        version = self.version
-        tau = 0 if update.based_on is None else version - update.based_on
-        lr_scale = update.lr_scale(tau) * self.lr_factor()
-        weights = [
-            w * clip.get(t, 1.0) for t, w in zip(update.task_ids, update.weights, strict=True)
-        ]
-        ok, reason = await self.stores.apply(
-            version + 1, update.task_ids, weights, lr_scale, update.buffer_scale
+        version = self.version + 1
+        lr_scale = update.lr_scale * self.lr_factor()
+        ok, reason = await self.stores.prepare(
+            version, update.task_ids, update.clipped_weights, lr_scale, update.buffer_scale
         )
         if not ok:
             message = f"update refused: {reason}; the samples will be handed out again"
-            await self.stores.commit(version + 1, False, ErrorCode.REFUSED, message)
-            raise ProtocolError(ErrorCode.REFUSED, message)
-        await self.stores.commit(version + 1, True, 0, "")
-        self.version = version + 1
+            await self.stores.abort(version, ErrorCode.REFUSED, message)
+            return message
+        await self.stores.publish(version)
+        self.version = version
         self.steps += 1
         self.samples_applied += update.samples
-        return tau
+        return None
 
     def restore(self, version: int, steps: int, samples_applied: int) -> None:
         """Continue counting from a checkpoint."""

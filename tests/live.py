@@ -189,7 +189,7 @@ def push_request(member: Member, task: TaskReply, **changes: Any) -> PushRequest
 
 def published(ps: ParameterServer) -> torch.Tensor:
     """A copy of the single-server run's published state."""
-    return ps.stores.service.store.state.clone()  # type: ignore[union-attr]
+    return ps.stores.store.state.clone()  # type: ignore[union-attr]
 
 
 @contextlib.asynccontextmanager

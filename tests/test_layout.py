@@ -4,6 +4,7 @@ no import circles, workers import no dataset converter. A module's size follows 
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,3 +116,82 @@ def test_workers_import_no_dataset_converter() -> None:
             seen.add(name)
             todo += _imports(modules[name], modules, False)
     assert sorted(n for n in seen if n.startswith("common.data.convert")) == []
+
+
+def _server_reach_ins(source: str) -> list[str]:
+    """Where ``source`` imports ``ParameterServer`` or annotates anything as one."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            found += [f"imports {a.name}" for a in node.names if a.name == "ParameterServer"]
+        elif isinstance(node, ast.arg | ast.AnnAssign) and node.annotation is not None:
+            text = ast.unparse(node.annotation)
+            if "ParameterServer" in text:
+                found.append(f"annotation {text}")
+    return found
+
+
+def test_the_server_check_finds_a_reach_in() -> None:
+    source = "from pserver.server import ParameterServer\n\ndef book(ps: 'ParameterServer'): ..."
+    assert _server_reach_ins(source) == ["imports ParameterServer", "annotation 'ParameterServer'"]
+    assert _server_reach_ins("from pserver.server import run_server\n") == []
+
+
+def test_only_the_server_module_knows_the_server() -> None:
+    """Components are built with the collaborators they use: no module but pserver.server
+    imports ``ParameterServer`` or takes one (not even for type hints)."""
+    found = [
+        f"{name}: {what}"
+        for name, path in _modules().items()
+        if name != "pserver.server"
+        for what in _server_reach_ins(path.read_text(encoding="utf-8"))
+    ]
+    assert found == []
+
+
+def _worker_writes(source: str, fields: set[str]) -> list[str]:
+    """Where ``source`` assigns a ``WorkerInfo`` field of a ``worker`` or changes its queue."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            queue = node.func.value
+            if isinstance(queue, ast.Attribute) and queue.attr == "tasks":
+                targets = [queue] if node.func.attr != "copy" else []
+        for target in targets:
+            part = target
+            while isinstance(part, ast.Attribute | ast.Subscript):  # down to worker.<field>
+                base = part.value
+                if (
+                    isinstance(part, ast.Attribute)
+                    and part.attr in fields
+                    and isinstance(base, ast.Name)
+                    and base.id in ("worker", "w", "member")
+                ):
+                    found.append(ast.unparse(part))
+                part = base
+    return found
+
+
+def test_the_worker_write_check_finds_a_write() -> None:
+    fields = {"tasks", "pushing", "samples"}
+    source = "worker.pushing = None\nworker.samples += 3\nworker.tasks.appendleft(t)\nw.name = 1"
+    assert _worker_writes(source, fields) == ["worker.pushing", "worker.samples", "worker.tasks"]
+    assert _worker_writes("seen[worker.samples] = 1\nx = worker.tasks[0]", fields) == []
+
+
+def test_only_the_roster_writes_a_worker() -> None:
+    from pserver.membership import WorkerInfo
+
+    fields = {f.name for f in dataclasses.fields(WorkerInfo)}
+    found = [
+        f"{name}: {what}"
+        for name, path in _modules().items()
+        if name.startswith("pserver") and name != "pserver.membership"
+        for what in _worker_writes(path.read_text(encoding="utf-8"), fields)
+    ]
+    assert found == []

@@ -26,6 +26,7 @@ from common.protocol.messages import (
     error_frames,
     parse_message,
 )
+from common.protocol.tokens import TokenBook, new_key
 from common.protocol.wire import PROTOCOL_VERSION, decode_frames, encode_frames
 from common.training.perfmodel import Fit, PerfModel, RoundSpread, robust_line
 from common.training.planner import (
@@ -34,9 +35,8 @@ from common.training.planner import (
     plan_batches,
     plan_by_model,
 )
-from pserver.booking import account_round
 from pserver.config import ServerConfig
-from pserver.membership import TaskFactory, WorkerInfo
+from pserver.membership import Roster, TaskFactory, WorkerInfo
 from pserver.policies.weighted_sync import PROBE_EVERY, PROBE_EVERY_MAX, WeightedSync
 from pserver.sampler import EpochSampler
 from tests.live import AsyncClient, Member, clients, live_server
@@ -475,6 +475,7 @@ def test_weighted_sync_weighs_the_measured_spread_when_asked(plan_spread: bool) 
 
 def test_weighted_sync_measures_the_spread_on_members_of_consecutive_rounds() -> None:
     policy, workers = _policy("model")
+    roster = Roster(60.0, lambda worker: None, TokenBook(new_key()), 8)
     for round_id in (1, 2, 3):
         for worker, task in policy.plan(workers):  # this round's tasks and the next one's
             worker.tasks.append(task)
@@ -487,10 +488,11 @@ def test_weighted_sync_measures_the_spread_on_members_of_consecutive_rounds() ->
             )
             update = policy.accept(worker, task, push) or update
         assert update is not None
-        policy.applied(update, 0)
+        policy.applied(update)
         for worker, task, _ in update.entries:
             worker.tasks.remove(task)
-            account_round(worker, policy.last_timing.workers.get(worker.worker_id), round_id)
+            part = policy.last_timing.workers.get(worker.worker_id)
+            roster.account_round(worker, part, round_id)
         # round 1 is every member's first (no prefetch): only rounds 2 and 3 are measured
         assert [r for r, _ in policy.spread.recent] == list(range(2, round_id + 1))
         assert all(len(devs) == 2 for _, devs in policy.spread.recent)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -235,8 +236,9 @@ async def test_a_state_a_shard_hands_back_is_checked_before_a_checkpoint(
         for change, code in HOSTILE_STATES:
 
             async def hostile(with_slots: bool, change=change):
-                version, steps, slots, state, rows = await honest(with_slots)
-                return version, steps, slots, *change(state, rows.reshape(-1))
+                captured = await honest(with_slots)
+                state, rows = change(captured.state, captured.slot_state.reshape(-1))
+                return dataclasses.replace(captured, state=state, slot_state=rows)
 
             service.capture = hostile  # type: ignore[method-assign]
             with pytest.raises(ProtocolError) as refused:

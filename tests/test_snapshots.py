@@ -473,7 +473,7 @@ async def test_a_stuck_write_is_abandoned_and_the_server_still_ends_in_time(
             assert asyncio.get_running_loop().time() - begin < 5
             failed = [e for e in ps.log.events if e["event"] == "checkpoint_failed"]
             assert "did not finish within 1 s" in failed[0]["error"]
-            ps.snapshots.submit(snap.SnapshotMeta(1, 0, 0, 0.0), np.zeros(4, np.float32))
+            ps.snapshots.writer.submit(snap.SnapshotMeta(1, 0, 0, 0.0), np.zeros(4, np.float32))
             begin = asyncio.get_running_loop().time()
             ps.request_stop()
             await asyncio.wait_for(ps.done.wait(), 10)

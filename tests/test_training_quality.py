@@ -85,7 +85,7 @@ def _drive(policy_cls: type, n: int, batch: int, epochs: int) -> tuple[list[Upda
         for wid, task in current.tasks.items():
             update = policy.accept(by_id[wid], task, _push(task.task_id))
         assert update is not None
-        policy.applied(update, 0)
+        policy.applied(update)
         updates.append(update)
         for _, task, _ in update.entries:
             ledger = sampler.record_applied(task.epoch, task.positions)

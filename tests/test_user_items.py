@@ -162,7 +162,7 @@ async def test_stop_and_heartbeat_replies_say_why_training_ended(
         JoinRequest,
         TaskRequest,
     )
-    from pserver.runstate import COMPLETED, RunState
+    from pserver.runstate import COMPLETED, FinishReason, RunState
     from tests.live import clients
     from worker.ending import ENDINGS
 
@@ -193,8 +193,9 @@ async def test_stop_and_heartbeat_replies_say_why_training_ended(
         assert body["action"] == "stop" and "finish_reason" not in body  # an old worker parses it
     hosts = [(e["worker"], e["host"]) for e in ps.log.events if e["event"] == "join"]
     assert hosts == [("new", "node-7"), ("old", None)]
-    assert RunState(finish_reason="failed: shard 1 lost").reply_reason == "failed"
-    assert RunState(finish_reason="epochs").reply_reason == "epochs"
+    failed = RunState(reason=FinishReason.FAILED, failure="shard 1 lost")
+    assert failed.finish_reason == "failed: shard 1 lost" and failed.reply_reason == "failed"
+    assert RunState(reason=FinishReason.EPOCHS).reply_reason == "epochs"
     assert RunState().reply_reason is None
     # every reason the server can send has its words on the worker
     assert set(FINISH_REASONS) == {*COMPLETED, "stopped", "failed"} == set(ENDINGS)

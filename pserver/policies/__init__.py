@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pserver.policies.asynchronous import AsyncPolicy
-from pserver.policies.base import Assignment, ModePolicy, Update
+from pserver.policies.base import Assignment, Decision, Followup, ModePolicy, Update
 from pserver.policies.equal_sync import EqualSync
 from pserver.policies.weighted_sync import WeightedSync
 
@@ -17,7 +17,9 @@ __all__ = [
     "POLICIES",
     "Assignment",
     "AsyncPolicy",
+    "Decision",
     "EqualSync",
+    "Followup",
     "ModePolicy",
     "Update",
     "WeightedSync",

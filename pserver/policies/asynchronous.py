@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from common.errors import ErrorCode, ProtocolError
 from common.protocol.messages import PushRequest
 from common.training.planner import plan_batches
 from pserver.membership import Task, WorkerInfo
-from pserver.policies.base import Assignment, ModePolicy, Update
+from pserver.policies.base import Assignment, Decision, ModePolicy, Update
+from pserver.roundtiming import RoundTiming
 from pserver.staleness import staleness_function, too_stale
 
 QUEUE_DEPTH = 2  # the task being computed and the one being prefetched
@@ -44,37 +47,43 @@ class AsyncPolicy(ModePolicy):
                 made.append((worker, self.tasks.new(epoch, positions)))
         return made
 
-    def runnable(self, worker: WorkerInfo) -> Task | None:
-        if worker.pushing is not None or not worker.tasks:
+    def runnable_in(self, worker: WorkerInfo, queue: Sequence[Task]) -> Task | None:
+        if worker.pushing is not None or not queue:
             return None
-        return worker.tasks[0]
+        return queue[0]
 
-    def accept(self, worker: WorkerInfo, task: Task, push: PushRequest) -> Update:
-        share = task.size / self.config.global_batch
+    def decide(
+        self, worker: WorkerInfo, task: Task, push: PushRequest, version: int, clip: float
+    ) -> Decision:
+        """Apply the push now unless it is older than ``--max-staleness`` versions."""
+        tau = version - push.version
         limit = self.config.max_staleness
-
-        def lr_scale(tau: int) -> float:
-            if too_stale(tau, limit):
-                self.rejected += 1
-                worker.rejected += 1
-                raise ProtocolError(
-                    ErrorCode.STALE,
-                    f"push is {tau} versions old, more than --max-staleness "
-                    f"{limit}; pull the current parameters and recompute",
-                )
-            return share * self.f(tau)
-
-        return Update(
-            [(worker, task, 1.0)], buffer_scale=share, based_on=push.version, lr_scale=lr_scale
+        if too_stale(tau, limit):
+            self.rejected += 1
+            refusal = ProtocolError(
+                ErrorCode.STALE,
+                f"push is {tau} versions old, more than --max-staleness "
+                f"{limit}; pull the current parameters and recompute",
+            )
+            return Decision(refusal=refusal)
+        share = task.size / self.config.global_batch
+        clips = {task.task_id: clip} if clip != 1.0 else {}
+        update = Update(
+            [(worker, task, 1.0)],
+            buffer_scale=share,
+            lr_scale=share * self.f(tau),
+            staleness=tau,
+            clips=clips,
         )
+        return Decision(update=update)
 
     def leave(self, worker: WorkerInfo, dropped: list[Task]) -> Update | None:
         return None
 
-    def applied(self, update: Update, tau: int) -> None:
+    def applied(self, update: Update, timing: RoundTiming | None = None) -> None:
         self.applied_count += 1
-        self.staleness_sum += tau
-        self.staleness_max = max(self.staleness_max, tau)
+        self.staleness_sum += update.staleness
+        self.staleness_max = max(self.staleness_max, update.staleness)
 
     def staleness(self) -> dict[str, float] | None:
         """Mean and max staleness of applied pushes."""

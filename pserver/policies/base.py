@@ -1,26 +1,25 @@
 """The interface every mode policy implements. Policies decide; the server acts.
 
 A policy plans tasks (returning them; the server queues them), says which task a worker may
-run, and turns accepted pushes into ``Update``s. It never sends, applies or books anything:
-the server does, once per message.
+run, and answers each accepted push once with a ``Decision``: the update now due (if any), or
+the push refused. After the server applied an update it asks once more, for the tasks that
+follow (``Followup``). It never sends, applies or books anything: the server does.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Sequence
 
+from common.errors import ProtocolError
 from common.protocol.messages import PushRequest
 from pserver.config import ServerConfig
 from pserver.membership import Task, TaskFactory, WorkerInfo
+from pserver.roundtiming import RoundClock, RoundTiming
 from pserver.sampler import EpochSampler
 
 Assignment = tuple[WorkerInfo, Task]
-
-
-def _no_scaling(tau: int) -> float:
-    return 1.0
 
 
 @dataclasses.dataclass
@@ -30,17 +29,20 @@ class Update:
     Attributes:
         entries: the pushes it combines, in summation order (worker id), with their weights.
         buffer_scale: factor on the summed buffer changes.
-        based_on: async: the version the gradient was computed on (None: the current one).
-        lr_scale: factor on the scheduled learning rate for staleness tau; may raise
-            ``ProtocolError(STALE)`` to refuse the update.
+        lr_scale: factor on the scheduled learning rate (async: batch share and staleness).
+        staleness: versions published since its gradient's version (async; 0 in sync modes).
+        clips: task id -> clipping factor on its weight (``--max-grad-norm``; absent: 1).
         round_id: the sync round it closes (async: -1).
+        clock: the sync round's push times, to time it once it is published (async: None).
     """
 
     entries: list[tuple[WorkerInfo, Task, float]]
     buffer_scale: float
-    based_on: int | None = None
-    lr_scale: Callable[[int], float] = _no_scaling
+    lr_scale: float = 1.0
+    staleness: int = 0
+    clips: dict[int, float] = dataclasses.field(default_factory=dict)
     round_id: int = -1
+    clock: RoundClock | None = None
 
     @property
     def samples(self) -> int:
@@ -54,8 +56,44 @@ class Update:
 
     @property
     def weights(self) -> list[float]:
-        """Their weights, in summation order."""
+        """Their planned weights, in summation order."""
         return [weight for _, _, weight in self.entries]
+
+    @property
+    def clipped_weights(self) -> list[float]:
+        """The weights the stores sum the gradients with: planned weight times clip factor."""
+        return [w * self.clips.get(task.task_id, 1.0) for _, task, w in self.entries]
+
+
+@dataclasses.dataclass
+class Decision:
+    """A policy's one answer to an accepted push.
+
+    Attributes:
+        update: the step now due (it includes this push), or None: the push waits for its
+            round to close.
+        refusal: the push is refused (too stale) and nothing is applied; its task goes back
+            to the worker, which recomputes it on fresh parameters.
+        answer: the workers whose pushes are answered once ``update`` is published (each with
+            its next task, or with stop).
+    """
+
+    update: Update | None = None
+    refusal: ProtocolError | None = None
+    answer: list[WorkerInfo] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Followup:
+    """What follows a published update.
+
+    Attributes:
+        assignments: newly planned tasks, for the server to queue.
+        runnable: waiting workers that may run a task now: (worker, task, prefetch hint).
+    """
+
+    assignments: list[Assignment]
+    runnable: list[tuple[WorkerInfo, Task, Task | None]]
 
 
 class ModePolicy(abc.ABC):
@@ -76,32 +114,73 @@ class ModePolicy(abc.ABC):
     def plan(self, ready: list[WorkerInfo]) -> list[Assignment]:
         """New tasks for the ready workers (called whenever work may be planned)."""
 
-    @abc.abstractmethod
     def runnable(self, worker: WorkerInfo) -> Task | None:
         """The task ``worker`` may run now, if any (it is ``worker.tasks[0]``)."""
+        return self.runnable_in(worker, worker.tasks)
+
+    @abc.abstractmethod
+    def runnable_in(self, worker: WorkerInfo, queue: Sequence[Task]) -> Task | None:
+        """The task ``worker`` may run now if ``queue`` were its task queue."""
 
     def prefetch_hint(self, worker: WorkerInfo) -> Task | None:
         """The task the worker will most likely run after the current one."""
         return worker.tasks[1] if len(worker.tasks) > 1 else None
 
     @abc.abstractmethod
-    def accept(self, worker: WorkerInfo, task: Task, push: PushRequest) -> Update | None:
-        """A push for ``task`` arrived complete and passed every check; it now counts.
+    def decide(
+        self, worker: WorkerInfo, task: Task, push: PushRequest, version: int, clip: float
+    ) -> Decision:
+        """A push for ``task`` arrived complete and passed every check: what becomes of it.
 
-        Returns:
-            The update that is now due, if any.
+        Args:
+            worker: who pushed (``task`` is no longer in its queue).
+            task: the task pushed.
+            push: the request.
+            version: the published version (the caller holds the updater's lock, so it is
+                the version the update will be applied to).
+            clip: the factor on its gradient (``--max-grad-norm``; 1: not clipped).
         """
+
+    def after_update(
+        self,
+        update: Update,
+        timing: RoundTiming | None,
+        ready: list[WorkerInfo],
+        waiting: list[WorkerInfo],
+    ) -> Followup:
+        """``update`` was published: count it, plan what comes next, say who may run now.
+
+        Args:
+            update: the published update.
+            timing: its round's timing (sync modes).
+            ready: the workers to plan for (none once training ended).
+            waiting: the workers whose requests wait for a task.
+        """
+        self.applied(update, timing)
+        assignments = self.plan(ready)
+        queues: dict[int, list[Task]] = {w.worker_id: list(w.tasks) for w in waiting}
+        for worker, task in assignments:
+            if worker.worker_id in queues:
+                queues[worker.worker_id].append(task)
+        runnable = []
+        for worker in waiting:
+            queue = queues[worker.worker_id]
+            run = self.runnable_in(worker, queue)
+            if run is not None:
+                runnable.append((worker, run, queue[1] if len(queue) > 1 else None))
+        return Followup(assignments, runnable)
 
     @abc.abstractmethod
     def leave(self, worker: WorkerInfo, dropped: list[Task]) -> Update | None:
         """``worker`` is gone; ``dropped`` are its tasks that will never be pushed (the server
         gives their samples back). Returns an update that is now due, if any."""
 
-    def applied(self, update: Update, tau: int) -> None:  # noqa: B027 - optional hook
-        """``update`` was applied with staleness ``tau``."""
+    def applied(self, update: Update, timing: RoundTiming | None) -> None:  # noqa: B027
+        """``update`` was published (an optional hook of ``after_update``)."""
 
     def refused(self, update: Update) -> None:  # noqa: B027 - optional hook
-        """``update`` was not applied (stale or invalid); the server handles its tasks."""
+        """``update`` was not applied (invalid, or training ended); the server handles its
+        tasks."""
 
     def state(self) -> dict[str, object]:
         """JSON-able counters to keep in a checkpoint."""

@@ -11,13 +11,17 @@ import abc
 import collections
 import dataclasses
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
 from common.protocol.messages import PushRequest
 from common.training.planner import tail_scale
 from pserver.membership import Task, WorkerInfo
-from pserver.policies.base import Assignment, ModePolicy, Update
+from pserver.policies.base import Assignment, Decision, ModePolicy, Update
+from pserver.roundtiming import RoundClock, RoundTiming, WorkerTiming
+
+__all__ = ["ROUNDS_AHEAD", "Round", "RoundTiming", "SyncRounds", "WorkerTiming"]
 
 ROUNDS_AHEAD = 2  # the current round and the next (its samples are prefetched meanwhile)
 
@@ -35,6 +39,7 @@ class Round:
     closing: bool = False
     predicted: dict[int, float] = dataclasses.field(default_factory=dict)
     accepted: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    clips: dict[int, float] = dataclasses.field(default_factory=dict)  # task id -> factor
     scale: float = 1.0
 
     @property
@@ -52,35 +57,13 @@ class Round:
             (worker, task, self.scale * self.weights[wid] / weight_in)
             for wid, (worker, task) in sorted(self.received.items())
         ]
-        return Update(entries, buffer_scale=1.0, round_id=self.round_id)
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerTiming:
-    """One worker's part of a closed round, as the server measured it.
-
-    Attributes:
-        compute_s: compute time the worker reported (emulated slowdown included).
-        actual_s: from the round's start to its push being accepted (compute and transfer).
-        transfer_s: ``actual_s`` minus compute: parameters and gradient on the wire, data.
-        idle_s: from its push being accepted to the round's last push (waiting for others).
-        predicted_s: the planner's prediction of ``actual_s``, None without a fitted model.
-    """
-
-    compute_s: float
-    actual_s: float
-    transfer_s: float
-    idle_s: float
-    predicted_s: float | None
-
-
-@dataclasses.dataclass(frozen=True)
-class RoundTiming:
-    """A closed round: ``round_s = actual_s + idle_s + step_s`` for every worker in it."""
-
-    round_s: float
-    step_s: float
-    workers: dict[int, WorkerTiming]
+        steady = frozenset(
+            w for w, (worker, _) in self.received.items() if worker.steady_in(self.round_id)
+        )
+        clock = RoundClock(self.started, dict(self.accepted), dict(self.predicted), steady)
+        return Update(
+            entries, buffer_scale=1.0, clips=dict(self.clips), round_id=self.round_id, clock=clock
+        )
 
 
 class SyncRounds(ModePolicy):
@@ -143,23 +126,29 @@ class SyncRounds(ModePolicy):
             self.rounds[0].started = time.monotonic()
         return made
 
-    def runnable(self, worker: WorkerInfo) -> Task | None:
-        if not self.rounds or not worker.tasks:
+    def runnable_in(self, worker: WorkerInfo, queue: Sequence[Task]) -> Task | None:
+        if not self.rounds or not queue:
             return None
         current = self.rounds[0]
         task = current.tasks.get(worker.worker_id)
-        if (
-            task is not None
-            and task is worker.tasks[0]
-            and worker.worker_id not in current.received
-        ):
+        if task is not None and task is queue[0] and worker.worker_id not in current.received:
             return task
         return None
 
-    def accept(self, worker: WorkerInfo, task: Task, push: PushRequest) -> Update | None:
+    def decide(
+        self, worker: WorkerInfo, task: Task, push: PushRequest, version: int, clip: float
+    ) -> Decision:
+        return Decision(update=self.accept(worker, task, push, clip))
+
+    def accept(
+        self, worker: WorkerInfo, task: Task, push: PushRequest, clip: float = 1.0
+    ) -> Update | None:
+        """Count ``worker``'s push into the current round; the round's update once complete."""
         current = self.rounds[0]
         current.received[worker.worker_id] = (worker, task)
         current.accepted[worker.worker_id] = (time.monotonic(), push.compute_s)
+        if clip != 1.0:
+            current.clips[task.task_id] = clip
         return self._close_if_complete()
 
     def leave(self, worker: WorkerInfo, dropped: list[Task]) -> Update | None:
@@ -184,11 +173,13 @@ class SyncRounds(ModePolicy):
         current.closing = True
         return current.update()
 
-    def applied(self, update: Update, tau: int) -> None:
-        done = self._finish(update)
-        now = time.monotonic()
-        self.round_times.append(now - done.started)
-        self.last_timing = _timing(done, now)
+    def applied(self, update: Update, timing: RoundTiming | None = None) -> None:
+        self._finish(update)
+        if timing is None:
+            assert update.clock is not None
+            timing = update.clock.timing(time.monotonic())
+        self.round_times.append(timing.round_s)
+        self.last_timing = timing
         self.idle_total += sum(w.idle_s for w in self.last_timing.workers.values())
         self.worker_round_total += len(self.last_timing.workers) * self.last_timing.round_s
 
@@ -216,19 +207,3 @@ class SyncRounds(ModePolicy):
             "round_s_median": float(np.median(times)),
             "round_s_mean": float(times.mean()),
         }
-
-
-def _timing(done: Round, now: float) -> RoundTiming:
-    """How long each worker of a closed round computed, transferred and waited."""
-    last = max((t for t, _ in done.accepted.values()), default=now)
-    workers = {}
-    for wid, (at, compute) in done.accepted.items():
-        actual = max(at - done.started, 0.0)
-        workers[wid] = WorkerTiming(
-            compute_s=compute,
-            actual_s=actual,
-            transfer_s=max(actual - compute, 0.0),
-            idle_s=last - at,
-            predicted_s=done.predicted.get(wid),
-        )
-    return RoundTiming(round_s=now - done.started, step_s=max(now - last, 0.0), workers=workers)

@@ -12,6 +12,7 @@ from pserver.config import ServerConfig
 from pserver.membership import WorkerInfo
 from pserver.policies.base import Update
 from pserver.policies.sync_rounds import SyncRounds
+from pserver.roundtiming import RoundTiming
 
 __all__ = [
     "BATCHNORM_MIN_LOCAL_BATCH",
@@ -91,15 +92,15 @@ class WeightedSync(SyncRounds):
         """Whether plans weigh the spread of round times (the model planner, if asked)."""
         return self.config.planner == "model" and self.config.plan_spread
 
-    def applied(self, update: Update, tau: int) -> None:
-        super().applied(update, tau)
+    def applied(self, update: Update, timing: RoundTiming | None = None) -> None:
+        super().applied(update, timing)
         timing = self.last_timing
-        if timing is None:
+        if timing is None or update.clock is None:
             return
         steady = [
             part
             for worker, _, _ in update.entries
-            if worker.steady_in(update.round_id)
+            if worker.worker_id in update.clock.steady
             and (part := timing.workers.get(worker.worker_id)) is not None
             and part.predicted_s is not None
         ]

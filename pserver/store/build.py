@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from common.protocol.chunks import shard_bounds
+from common.protocol.tokens import TokenBook
 from pserver.config import ServerConfig
 from pserver.optimizer import FlatOptimizer
-from pserver.store.service import StoreService
+from pserver.store.service import CapturedState, Replier, StoreService
 from pserver.store.slices import SliceStore
-from pserver.store.stores import LocalStores, RemoteStores
-
-if TYPE_CHECKING:
-    from pserver.server import ParameterServer
+from pserver.store.stores import RemoteStores
 
 
 def make_optimizer(config: ServerConfig) -> FlatOptimizer:
@@ -25,31 +21,52 @@ def make_optimizer(config: ServerConfig) -> FlatOptimizer:
     )
 
 
-def build_stores(ps: ParameterServer) -> LocalStores | RemoteStores:
-    """The stores of ``ps``, starting from ``ps.initial`` (the initial or resumed state)."""
-    cfg, initial = ps.config, ps.initial
-    if cfg.shards > 1:
+def build_stores(
+    config: ServerConfig,
+    initial: CapturedState,
+    num_params: int,
+    nonneg: list[int],
+    chunk_elems: int,
+    shard_key: str,
+    store_tokens: TokenBook,
+    replier: Replier,
+) -> StoreService | RemoteStores:
+    """The stores of a run, starting from ``initial`` (the initial or resumed state).
+
+    Args:
+        config: the server configuration (shards, optimizer, wire format, timeouts).
+        initial: the state (and optimizer slots) the run starts from.
+        num_params: the parameters at the start of the flat state.
+        nonneg: flat ranges that must stay non-negative (``SliceStore``).
+        chunk_elems: elements per wire chunk.
+        shard_key: the key the shards' control requests carry.
+        store_tokens: checks the tokens of workers' chunks and pulls (``--shards 1``).
+        replier: answers workers' chunks and pulls (``--shards 1``: the server's endpoint).
+
+    Returns:
+        The server's own store service (``--shards 1``), or the links to K shards.
+    """
+    state_size = len(initial.state)
+    if config.shards > 1:
         return RemoteStores(
-            shard_bounds(ps.state_size, cfg.shards),
-            ps.shard_key,
-            cfg.shard_timeout_s,
-            ps.num_params,
-            make_optimizer(cfg).slots,
+            shard_bounds(state_size, config.shards),
+            shard_key,
+            config.shard_timeout_s,
+            num_params,
+            make_optimizer(config).slots,
         )
     store = SliceStore(
         0,
-        ps.state_size,
-        ps.num_params,
+        state_size,
+        num_params,
         torch.from_numpy(initial.state.astype(np.float32)),
-        make_optimizer(cfg),
-        ps.nonneg,
-        ps.chunk_elems,
+        make_optimizer(config),
+        nonneg,
+        chunk_elems,
         initial.version,
     )
     if initial.slots:
         store.load_slots(
             initial.slots, torch.from_numpy(initial.slot_state), initial.optimizer_steps
         )
-    return LocalStores(
-        StoreService(store, cfg.wire_dtype, ps.store_tokens, ps.endpoint, cfg.stage_timeout_s)
-    )
+    return StoreService(store, config.wire_dtype, store_tokens, replier, config.stage_timeout_s)

@@ -1,5 +1,7 @@
 """A ``SliceStore`` served on an event loop: workers' gradient chunks and pulls, and the
-coordinator's commands (staged? apply, commit, drop, capture).
+coordinator's commands (staged? prepare, publish or abort, drop, capture).
+
+With ``--shards 1`` the coordinator uses it directly as its parameter store.
 
 Tensor work runs on one dedicated thread when the slice is large (so the loop keeps
 serving) and inline when it is small (a thread hop costs more than the arithmetic); either
@@ -43,6 +45,17 @@ class Replier(Protocol):
 
     def reply_error(self, identity: bytes, request_id: int, code: ErrorCode, text: str) -> None:
         """Send an error reply."""
+
+
+@dataclasses.dataclass
+class CapturedState:
+    """The whole state (or a store's slice of it) at one version."""
+
+    version: int
+    optimizer_steps: int
+    slots: list[str]
+    state: np.ndarray
+    slot_state: np.ndarray  # (len(slots), parameters)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +193,7 @@ class StoreService:
             )
         return StageReport(staged.finite, staged.grad_sq, staged.buffer_sq)
 
-    async def apply(
+    async def prepare(
         self,
         version: int,
         task_ids: list[int],
@@ -193,23 +206,23 @@ class StoreService:
             self.store.prepare, version, task_ids, weights, lr_scale, buffer_scale
         )
 
-    async def commit(self, version: int, commit: bool, code: int, message: str) -> None:
-        """Publish the candidate and answer its tasks' chunks with the new parameters; or
-        discard it and answer them with error ``code``."""
-        if commit:
-            task_ids = await self._run(self.store.commit, version)
-            self._encoded = None
-            published, self._published = self._published, asyncio.Event()
-            published.set()
-            waiting = [entry for t in task_ids for entry in self._pending.pop(t, [])]
-            self._wake(task_ids)
-            for task_id in task_ids:  # applied: a replay of its chunks is refused
-                self._finished_ids[task_id] = None
-            while len(self._finished_ids) > CLOSED_TASKS:
-                self._finished_ids.popitem(last=False)
-            await self._send_chunks(waiting)
-        else:
-            await self.drop(await self._run(self.store.abort), code, message)
+    async def publish(self, version: int) -> None:
+        """Publish the candidate and answer its tasks' chunks with the new parameters."""
+        task_ids = await self._run(self.store.commit, version)
+        self._encoded = None
+        published, self._published = self._published, asyncio.Event()
+        published.set()
+        waiting = [entry for t in task_ids for entry in self._pending.pop(t, [])]
+        self._wake(task_ids)
+        for task_id in task_ids:  # applied: a replay of its chunks is refused
+            self._finished_ids[task_id] = None
+        while len(self._finished_ids) > CLOSED_TASKS:
+            self._finished_ids.popitem(last=False)
+        await self._send_chunks(waiting)
+
+    async def abort(self, version: int, code: int, message: str) -> None:
+        """Discard the candidate and answer its tasks' chunks with error ``code``."""
+        await self.drop(await self._run(self.store.abort), code, message)
 
     async def drop(self, task_ids: list[int], code: int, message: str) -> None:
         """Forget staged gradients and answer their chunks with error ``code`` (the task may be
@@ -228,17 +241,38 @@ class StoreService:
             if event is not None:
                 event.set()
 
-    async def capture(self, with_slots: bool) -> tuple[int, int, list[str], np.ndarray, np.ndarray]:
+    async def capture(self, with_slots: bool) -> CapturedState:
         """The published slice (a copy) and, if asked, the optimizer slots."""
 
-        def work() -> tuple[int, int, list[str], np.ndarray, np.ndarray]:
+        def work() -> CapturedState:
             state = self.store.state.numpy().copy()
             names, rows = self.store.slot_state() if with_slots else ([], torch.zeros(0))
-            return self.store.version, self.store.optimizer.steps, names, state, rows.numpy()
+            steps = self.store.optimizer.steps
+            return CapturedState(self.store.version, steps, names, state, rows.numpy())
 
         return await self._run(work)
 
-    def close(self, reason: str) -> None:
+    async def newest_state(self) -> tuple[int, np.ndarray, Callable[[], None]]:
+        """The published version and its state without a copy, and the call that lets go of
+        it (the buffer is not reused before)."""
+        store = self.store
+        return store.version, store.state.numpy(), store.lease.hold().release
+
+    @property
+    def addresses(self) -> list[str]:
+        """Where workers reach this store: the coordinator itself ("")."""
+        return [""]
+
+    @property
+    def bounds(self) -> list[int]:
+        """The slice's range boundaries."""
+        return [self.store.lo, self.store.hi]
+
+    async def close(self, reason: str) -> None:
+        """Answer everything pending with SHUTTING_DOWN and refuse new work."""
+        self.stop(reason)
+
+    def stop(self, reason: str) -> None:
         """Answer everything pending with SHUTTING_DOWN and refuse new work."""
         self._closed = True
         self._published.set()

@@ -1,10 +1,11 @@
-"""The coordinator's view of where parameters live: its own single store (``--shards 1``), or K
-shard servers. Both offer the same operations, so the push path does not care which.
+"""The coordinator's view of where parameters live: its own ``StoreService`` (``--shards 1``), or
+K shard servers (``RemoteStores``). Both offer the operations of ``ParameterStores``, so the push
+path does not care which.
 
 With shards every operation fans out to all of them at once and completes when all answered.
 An update is published in two phases: every shard computes and validates its candidate
-(``apply``), and only when all of them succeeded does any shard publish (``commit``);
-otherwise all discard it. So no version is ever half applied.
+(``prepare``), and only when all of them succeeded does any shard ``publish`` it; otherwise all
+``abort`` it. So no version is ever half applied.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -33,22 +34,12 @@ from common.protocol.shard_messages import (
     StagedRequest,
     StateReply,
 )
-from pserver.store.pool import Lease
-from pserver.store.service import StageReport, StoreService
+from pserver.store.service import CapturedState, StageReport
+
+__all__ = ["CapturedState", "ParameterStores", "RemoteStores", "ShardLink"]
 
 _T = TypeVar("_T")
 SHUTDOWN_S = 2.0  # how long a shard may take to acknowledge the end of the run
-
-
-@dataclasses.dataclass
-class CapturedState:
-    """The whole state at one version, gathered from the store(s)."""
-
-    version: int
-    optimizer_steps: int
-    slots: list[str]
-    state: np.ndarray
-    slot_state: np.ndarray  # (len(slots), num_params)
 
 
 class ParameterStores(Protocol):
@@ -65,7 +56,7 @@ class ParameterStores(Protocol):
     async def staged(self, task_id: int, worker_id: int, timeout_s: float) -> StageReport:
         """Wait until every chunk of a push arrived; its finiteness and squared norms."""
 
-    async def apply(
+    async def prepare(
         self,
         version: int,
         task_ids: list[int],
@@ -75,8 +66,11 @@ class ParameterStores(Protocol):
     ) -> tuple[bool, str]:
         """Compute version ``version`` everywhere as a candidate; ``(all valid, why not)``."""
 
-    async def commit(self, version: int, commit: bool, code: int, message: str) -> None:
-        """Publish the candidate everywhere, or discard it (answering its chunks with code)."""
+    async def publish(self, version: int) -> None:
+        """Publish the candidate everywhere (answering its chunks with the new parameters)."""
+
+    async def abort(self, version: int, code: int, message: str) -> None:
+        """Discard the candidate everywhere, answering its chunks with error ``code``."""
 
     async def drop(self, task_ids: list[int], code: int, message: str) -> None:
         """Forget staged gradients everywhere, answering their chunks with error ``code``."""
@@ -84,52 +78,11 @@ class ParameterStores(Protocol):
     async def capture(self, with_slots: bool) -> CapturedState:
         """The published state (and optimizer slots)."""
 
+    async def newest_state(self) -> tuple[int, np.ndarray, Callable[[], None]]:
+        """The published version, its state and the call that lets go of it."""
+
     async def close(self, reason: str) -> None:
         """Answer what is pending and stop."""
-
-
-class LocalStores:
-    """The coordinator's own store over the whole state (``--shards 1``: no extra hop).
-
-    Args:
-        service: the store service the coordinator's endpoint feeds with gradient chunks.
-    """
-
-    def __init__(self, service: StoreService) -> None:
-        self.service = service
-        self.addresses = [""]
-        self.bounds = [0, service.store.size]
-
-    async def staged(self, task_id: int, worker_id: int, timeout_s: float) -> StageReport:
-        return await self.service.staged(task_id, worker_id, timeout_s)
-
-    async def apply(
-        self,
-        version: int,
-        task_ids: list[int],
-        weights: list[float],
-        lr_scale: float,
-        buffer_scale: float,
-    ) -> tuple[bool, str]:
-        return await self.service.apply(version, task_ids, weights, lr_scale, buffer_scale)
-
-    async def commit(self, version: int, commit: bool, code: int, message: str) -> None:
-        await self.service.commit(version, commit, code, message)
-
-    async def drop(self, task_ids: list[int], code: int, message: str) -> None:
-        await self.service.drop(task_ids, code, message)
-
-    async def capture(self, with_slots: bool) -> CapturedState:
-        version, steps, slots, state, rows = await self.service.capture(with_slots)
-        return CapturedState(version, steps, slots, state, rows)
-
-    def published(self) -> tuple[int, np.ndarray, Lease]:
-        """The published version and state, without a copy; release the lease when done."""
-        store = self.service.store
-        return store.version, store.state.numpy(), store.lease.hold()
-
-    async def close(self, reason: str) -> None:
-        self.service.close(reason)
 
 
 @dataclasses.dataclass
@@ -222,7 +175,7 @@ class RemoteStores:
             sum(r.buffer_sq for r in replies),
         )
 
-    async def apply(
+    async def prepare(
         self,
         version: int,
         task_ids: list[int],
@@ -248,10 +201,17 @@ class RemoteStores:
             return False, f"{reply.reason} ({link.describe()})"
         return True, ""
 
-    async def commit(self, version: int, commit: bool, code: int, message: str) -> None:
+    async def publish(self, version: int) -> None:
+        request = CommitRequest(key=self.key, version=version, commit=True, code=0, message="")
+        await self._commit(request)
+
+    async def abort(self, version: int, code: int, message: str) -> None:
         request = CommitRequest(
-            key=self.key, version=version, commit=commit, code=code, message=message
+            key=self.key, version=version, commit=False, code=code, message=message
         )
+        await self._commit(request)
+
+    async def _commit(self, request: CommitRequest) -> None:
         await self._all(
             [s.connection.request(request, self.timeout_s, AckReply) for s in self.links],
             "commit",
@@ -288,6 +248,10 @@ class RemoteStores:
         return CapturedState(
             replies[0].version, replies[0].optimizer_steps, list(slots), state, rows
         )
+
+    async def newest_state(self) -> tuple[int, np.ndarray, Callable[[], None]]:
+        captured = await self.capture(with_slots=False)
+        return captured.version, captured.state, lambda: None
 
     def _check_state(self, link: ShardLink, reply: StateReply, with_slots: bool) -> None:
         """Refuse a state slice that is not what ``link`` holds, as a push would be refused:

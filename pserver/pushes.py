@@ -1,0 +1,261 @@
+"""The push path: a push is checked, its gradient awaited and checked, then decided once by the
+mode policy; the decision is carried out here (an update applied and booked, or the push
+refused), and the pushes it answers are answered from here."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+from common.errors import ErrorCode, ProtocolError, ShardLost
+from common.protocol.messages import PushRequest
+from pserver.booking import Ledger
+from pserver.config import ServerConfig
+from pserver.desk import TaskDesk
+from pserver.membership import Roster, Task, Waiter, WorkerInfo
+from pserver.policies import ModePolicy, Update
+from pserver.runstate import FinishReason, RunState
+from pserver.snapshot_hooks import SnapshotHook
+from pserver.store.service import Replier
+from pserver.store.stores import ParameterStores
+from pserver.transport import Request
+from pserver.updates import GradientGuard, Updater
+
+log = logging.getLogger(__name__)
+
+MIN_SPEED, MAX_SPEED = 1e-6, 1e9  # samples/s a worker may report
+
+
+class Pushes:
+    """Takes pushes and applies the updates they (or departures) make due.
+
+    Args:
+        config: the server configuration (mode, stage timeout).
+        run: the run (nothing is applied once training ended).
+        roster: the workers.
+        stores: where gradients are staged and updates published.
+        guard: refuses absurd gradients and clips (``--max-grad-norm``).
+        policy: decides each accepted push.
+        updater: applies updates, one at a time under its lock.
+        ledger: books applied updates.
+        desk: answers workers with their next task, or stop.
+        snapshots: a snapshot of a new version when one is due.
+        replier: error replies to pushes refused after they waited (the server's endpoint).
+        finish: ends training (a limit was reached).
+        fail: ends the run with an error (``stores_lost``: a shard is gone).
+        checkpoint: starts a periodic checkpoint.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        run: RunState,
+        roster: Roster,
+        stores: ParameterStores,
+        guard: GradientGuard,
+        policy: ModePolicy,
+        updater: Updater,
+        ledger: Ledger,
+        desk: TaskDesk,
+        snapshots: SnapshotHook,
+        replier: Replier,
+        finish: Callable[[FinishReason], None],
+        fail: Callable[[str, bool], None],
+        checkpoint: Callable[[], None],
+    ) -> None:
+        self.config, self.run, self.roster, self.stores = config, run, roster, stores
+        self.guard, self.policy, self.updater, self.ledger = guard, policy, updater, ledger
+        self.desk, self.snapshots, self.replier = desk, snapshots, replier
+        self.finish, self.fail, self.checkpoint = finish, fail, checkpoint
+
+    async def push(self, request: Request, msg: PushRequest) -> None:
+        """The one path of a push: check it, wait for its gradient to be complete in the
+        stores, check the gradient, then let the policy decide it and carry that out.
+
+        Raises:
+            ProtocolError: the push is refused (the endpoint answers it with the error).
+        """
+        roster = self.roster
+        worker = roster.member(msg.worker_id, msg.token, request.user_id)
+        waiter = Waiter(request.identity, request.request_id)
+        if self.run.finished:
+            roster.wait(worker, waiter)
+            self.desk.stop(worker)
+            return
+        if msg.task_id == worker.pushing:
+            raise ProtocolError(ErrorCode.WRONG_TASK, f"task {msg.task_id} is being pushed already")
+        try:
+            task = self._pushed_task(worker, msg)
+        except ProtocolError as exc:
+            if any(t.task_id == msg.task_id for t in worker.tasks):
+                # Its chunks may be in: drop them, so that a corrected push can resend them.
+                await self.stores.drop([msg.task_id], exc.code, str(exc))
+            raise
+        roster.begin_push(worker, task)
+        try:
+            report = await self.stores.staged(
+                task.task_id, worker.worker_id, self.config.stage_timeout_s
+            )
+            if not worker.active or not worker.tasks or worker.tasks[0] is not task:
+                raise ProtocolError(
+                    ErrorCode.WRONG_TASK, "the task was withdrawn (the worker left)"
+                )
+            if self.run.finished:  # training ended while the gradient arrived: just stop
+                roster.end_push(worker)
+                await self.stores.drop([task.task_id], ErrorCode.SHUTTING_DOWN, "training ended")
+                roster.wait(worker, waiter)
+                self.desk.stop(worker)
+                return
+            clip = self.guard.check(report)
+        except ProtocolError as exc:
+            roster.end_push(worker)
+            if exc.code == ErrorCode.NON_FINITE:
+                roster.count(worker, "non_finite")
+            elif exc.code == ErrorCode.REFUSED:
+                roster.count(worker, "refused")
+            await self.stores.drop([task.task_id], exc.code, str(exc))
+            raise
+        except BaseException:
+            roster.end_push(worker)
+            raise
+        # Accepted: the push counts from here on, even if the worker leaves.
+        roster.accepted(
+            worker,
+            task,
+            msg.speed,
+            msg.compute_s,
+            msg.transfer_s,
+            measure_transfer=not self.config.is_sync,  # sync: measured when rounds close
+        )
+        roster.wait(worker, waiter)
+        async with self.updater.lock:
+            if self.run.finished:  # the final checkpoint and summary stand: nothing changes
+                await self.stores.drop([task.task_id], ErrorCode.SHUTTING_DOWN, "training ended")
+                self.ledger.give_back_task(worker, task)
+                if worker.active:
+                    self.desk.stop(worker)
+                return
+            decision = self.policy.decide(worker, task, msg, self.updater.version, clip)
+            if self.config.is_sync:
+                roster.end_push(worker)
+            if decision.refusal is not None:
+                await self._refuse_push(worker, task, decision.refusal)
+            if decision.update is not None:
+                await self._apply(decision.update)
+
+    async def _refuse_push(self, worker: WorkerInfo, task: Task, refusal: ProtocolError) -> None:
+        """A push the policy refused (too stale): the worker recomputes the same samples on
+        fresh parameters; its request is answered with the refusal.
+
+        Raises:
+            ProtocolError: ``refusal``, always.
+        """
+        self.roster.count(worker, "rejected")
+        self.roster.end_push(worker)
+        await self.stores.drop([task.task_id], refusal.code, str(refusal))
+        if worker.active:
+            self.roster.requeue(worker, task)
+        self.roster.take_waiter(worker)
+        raise refusal
+
+    def _pushed_task(self, worker: WorkerInfo, msg: PushRequest) -> Task:
+        """The task a push answers, after checking every field of the push."""
+        task = worker.tasks[0] if worker.tasks else None
+        if (
+            task is None
+            or msg.task_id != task.task_id
+            or worker.pushing is not None
+            or worker.released != task.task_id
+        ):
+            raise ProtocolError(
+                ErrorCode.WRONG_TASK, f"task {msg.task_id} is not the task this worker is running"
+            )
+        if msg.batch_size != task.size:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"batch_size {msg.batch_size} differs from the task's {task.size}",
+            )
+        if not 0 <= msg.version <= self.updater.version:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"version {msg.version} was never served")
+        check_speed(msg.speed)
+        for name in ("compute_s", "transfer_s"):
+            if not 0 <= getattr(msg, name) < 1e6:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"{name} {getattr(msg, name)} is absurd")
+        return task
+
+    async def run_update(self, update: Update) -> None:
+        """Apply an update that a departure made due (a round closed without the worker)."""
+        async with self.updater.lock:
+            if self.run.finished:
+                await self._discard(update)
+                return
+            await self._apply(update)
+
+    async def _apply(self, update: Update) -> None:
+        """Apply ``update``, book it and answer the workers that may run now (call under the
+        updater's lock, while training runs)."""
+        try:
+            refused = await self.updater.apply(update)
+        except ShardLost as exc:
+            self.fail(str(exc), True)
+            return
+        if refused is not None:
+            self._refuse_update(update, refused)
+            return
+        booked = self.ledger.book(update)
+        if booked.checkpoint:
+            self.checkpoint()
+        if booked.finish is not None:
+            self.finish(booked.finish)
+        training = not self.run.finished
+        followup = self.policy.after_update(
+            update,
+            booked.timing,
+            self.roster.ready() if training else [],
+            self.desk.waiting(),
+        )
+        self.desk.queue(followup.assignments)
+        if training:
+            for worker, task, hint in followup.runnable:
+                self.desk.send(worker, task, hint)
+        else:
+            self.desk.stop_waiting()
+        await self.snapshots.take()
+
+    def _refuse_update(self, update: Update, message: str) -> None:
+        """An update the stores refused (it would make the state invalid; they answered its
+        chunks): its pushes are answered with the error, its samples go back."""
+        self.policy.refused(update)
+        self.ledger.give_back(update)
+        for worker, _, _ in update.entries:
+            self.roster.count(worker, "refused")
+            waiter = self.roster.take_waiter(worker)
+            if waiter is not None:
+                self.replier.reply_error(
+                    waiter.identity, waiter.request_id, ErrorCode.REFUSED, message
+                )
+        self.desk.plan()
+        self.desk.release()
+
+    async def _discard(self, update: Update) -> None:
+        """An update closed after training ended: its samples go back (a resume hands them
+        out again) and its workers are told to stop."""
+        self.policy.refused(update)
+        await self.stores.drop(update.task_ids, ErrorCode.SHUTTING_DOWN, "training ended")
+        self.ledger.give_back(update)
+        for worker, _, _ in update.entries:
+            if worker.active:
+                self.desk.stop(worker)
+
+
+def check_speed(speed: float) -> None:
+    """Refuse a speed no worker can have.
+
+    Raises:
+        ProtocolError: BAD_FIELD.
+    """
+    if not (math.isfinite(speed) and MIN_SPEED <= speed <= MAX_SPEED):
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD, f"speed must be in [{MIN_SPEED:g}, {MAX_SPEED:g}], got {speed}"
+        )
