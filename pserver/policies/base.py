@@ -73,14 +73,14 @@ class Decision:
         update: the step now due (it includes this push), or None: the push waits for its
             round to close.
         refusal: the push is refused (too stale) and nothing is applied; its task goes back
-            to the worker, which recomputes it on fresh parameters.
-        answer: the workers whose pushes are answered once ``update`` is published (each with
-            its next task, or with stop).
+            to the worker, which recomputes it on fresh parameters, and its request is
+            answered with this error.
+
+    The pushes an update answers get their replies once it is published (``Followup``).
     """
 
     update: Update | None = None
     refusal: ProtocolError | None = None
-    answer: list[WorkerInfo] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
