@@ -10,8 +10,12 @@ STAMP := $(VENV)/.installed-$(TORCH)
 SHARED ?= ../shared
 JASPER := $(SHARED)/datasets/jasper_ridge
 DEMO_DIR ?= runs/demo
+# Extra pytest options, e.g. PYTEST_ARGS="--require data,browser,slurm,netns,cgroup" (.ci/run).
+PYTEST_ARGS ?=
+# Processes the fast lane runs its tests in (pytest-xdist).
+TEST_JOBS ?= 2
 
-.PHONY: setup test lint cli-doc demo bench clean ci-deps slurm-testbed slurm-testbed-down
+.PHONY: setup test test-fast lint cli-doc demo bench clean ci-deps slurm-testbed slurm-testbed-down
 
 setup: $(STAMP)
 
@@ -28,7 +32,7 @@ endif
 	touch $(STAMP)
 
 # System packages the CI needs: Debian's Chromium and ChromeDriver for the browser test
-# (REQUIRE_BROWSER=1 in .ci/run); installed only where missing, with a bounded wait for
+# (--require browser in .ci/run); installed only where missing, with a bounded wait for
 # the dpkg lock.
 ci-deps:
 	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then \
@@ -39,10 +43,15 @@ ci-deps:
 			chromium chromium-driver; \
 	fi
 
+# The whole suite: unit tests, then end-to-end tests (tests/e2e/) that start processes.
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+# The unit tests that are not marked slow, in $(TEST_JOBS) processes.
+test-fast: setup
+	$(PY) -m pytest -q -ra -m "unit and not slow" -n $(TEST_JOBS) $(PYTEST_ARGS)
 
 lint: setup
 	$(PY) -m ruff check .
@@ -64,7 +73,8 @@ bench: setup
 	$(PY) -m bench report
 
 # A real Slurm on this machine for the tests marked 'slurm' (needs root: installs Debian's
-# slurm-wlm and munge when missing, starts a controller and 3 nodes on 127.0.0.1).
+# slurm-wlm and munge when missing, starts a controller and 3 nodes on 127.0.0.1). The tests
+# only use a testbed started here; they start and install nothing.
 slurm-testbed:
 	bash launch/slurm/testbed.sh up
 

@@ -1,27 +1,56 @@
-"""Shared pytest fixtures: real Jasper Ridge data, the Slurm testbed and network namespaces
-(skipped when absent)."""
+"""Shared pytest set-up: the ``--require`` option, the ``unit``/``e2e`` markers (from where a
+test lives: ``tests/e2e/`` holds every test that starts processes), and fixtures for real Jasper
+Ridge data, small synthetic data, the Slurm testbed and network namespaces (skipped when
+absent, failed when required)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-JASPER_DIR = Path(__file__).resolve().parents[2] / "shared/datasets/jasper_ridge"
+from tests.support import requirements
+from tests.support.paths import JASPER_DIR
+
 JASPER_FILES = ("JasperRidge.mat", "JasperRidge_gt.mat")
+E2E_DIR = Path(__file__).resolve().parent / "e2e"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    requirements.add_option(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    requirements.configure(config)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test ``e2e`` (under tests/e2e/) or ``unit`` (everywhere else)."""
+    misplaced = []
+    for item in items:
+        if item.path.resolve().is_relative_to(E2E_DIR):
+            item.add_marker(pytest.mark.e2e)
+        elif item.get_closest_marker("e2e") is not None:
+            misplaced.append(item.nodeid)
+        else:
+            item.add_marker(pytest.mark.unit)
+    if misplaced:
+        raise pytest.UsageError(
+            f"tests marked e2e outside {E2E_DIR}: {', '.join(misplaced)}; move them there"
+        )
 
 
 @pytest.fixture(scope="session")
-def jasper_dir() -> Path:
-    """The Jasper Ridge folder; skips the test when it is absent, fails if REQUIRE_REAL_DATA=1."""
+def jasper_dir(pytestconfig: pytest.Config) -> Path:
+    """The Jasper Ridge folder; skips the test when it is absent, fails under --require data."""
     missing = [name for name in JASPER_FILES if not (JASPER_DIR / name).is_file()]
-    if not missing:
-        return JASPER_DIR
-    reason = f"real data missing: {', '.join(missing)} not found in {JASPER_DIR}"
-    if os.environ.get("REQUIRE_REAL_DATA") == "1":
-        pytest.fail(f"{reason} (REQUIRE_REAL_DATA=1 requires it)")
-    pytest.skip(reason)
+    if missing:
+        requirements.missing(
+            pytestconfig,
+            "data",
+            f"real data missing: {', '.join(missing)} not found in {JASPER_DIR}",
+        )
+    return JASPER_DIR
 
 
 @pytest.fixture(scope="session")
@@ -53,53 +82,21 @@ def small_hsi(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def netns_ok() -> None:
-    """Skips without root or iproute2; fails instead when REQUIRE_NETNS=1."""
+def netns_ok(pytestconfig: pytest.Config) -> None:
+    """Skips without root or iproute2; fails instead under --require netns."""
     from launch.cluster.netns import available
 
     reason = available()
-    if reason is None:
-        return
-    if os.environ.get("REQUIRE_NETNS") == "1":
-        pytest.fail(f"{reason} (REQUIRE_NETNS=1 requires it)")
-    pytest.skip(reason)
-
-
-TESTBED = Path(__file__).resolve().parents[1] / "launch/slurm/testbed.sh"
-TESTBED_MARK = "# rs-pserver Slurm testbed"
-
-
-def _slurm_problem() -> str | None:
-    """Why the project's Slurm testbed is not usable (None: it is up); starts it as root."""
-    import shutil
-    import subprocess
-
-    conf = Path("/etc/slurm/slurm.conf")
-    if conf.is_file() and not conf.read_text(encoding="utf-8").startswith(TESTBED_MARK):
-        return f"{conf} belongs to another Slurm, not the project's testbed"
-    if os.geteuid() != 0:
-        if shutil.which("sinfo") is None:
-            return "Slurm is not installed, and installing the testbed needs root"
-        up = subprocess.run([str(TESTBED), "status"], capture_output=True, text=True, timeout=60)
-        return None if up.returncode == 0 else "the Slurm testbed is down (start it as root)"
-    try:
-        done = subprocess.run(
-            ["bash", str(TESTBED), "up"], capture_output=True, text=True, timeout=900
-        )
-    except subprocess.TimeoutExpired:
-        return "launch/slurm/testbed.sh up took more than 900 s"
-    if done.returncode != 0:
-        return f"launch/slurm/testbed.sh up failed: {done.stderr.strip()[-2000:]}"
-    return None
+    if reason is not None:
+        requirements.missing(pytestconfig, "netns", reason)
 
 
 @pytest.fixture(scope="session")
-def slurm_testbed() -> None:
-    """The project's Slurm testbed, started when needed; skips where it cannot run, fails
-    when REQUIRE_SLURM=1."""
-    reason = _slurm_problem()
-    if reason is None:
-        return
-    if os.environ.get("REQUIRE_SLURM") == "1":
-        pytest.fail(f"{reason} (REQUIRE_SLURM=1 requires Slurm)")
-    pytest.skip(reason)
+def slurm_testbed(pytestconfig: pytest.Config) -> None:
+    """The project's Slurm testbed, started beforehand by ``make slurm-testbed``; skips when it
+    is not up, fails under --require slurm."""
+    from tests.support.slurm_jobs import testbed_problem
+
+    reason = testbed_problem()
+    if reason is not None:
+        requirements.missing(pytestconfig, "slurm", reason)

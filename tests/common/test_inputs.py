@@ -64,6 +64,7 @@ def assert_same(a: dict[str, object], b: dict[str, object]) -> None:
 
 
 @pytest.mark.realdata
+@pytest.mark.slow
 def test_envi_and_geotiff_give_the_mat_dataset(
     jasper_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

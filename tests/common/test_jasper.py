@@ -10,7 +10,7 @@ import pytest
 from common.data.convert.matfile import load_mat_array
 from common.data.dataset import DatasetReader, describe
 
-pytestmark = pytest.mark.realdata
+pytestmark = [pytest.mark.realdata, pytest.mark.slow]
 
 
 def test_jasper_mat_files(jasper_dir: Path) -> None:

@@ -71,6 +71,7 @@ def test_resnet18_small_patches_keep_spatial_maps() -> None:
     model(torch.randn(1, 198, 5, 5)).sum().backward()
 
 
+@pytest.mark.slow
 def test_resnet18_learns_a_batch() -> None:
     torch.manual_seed(1)
     x, y = torch.randn(16, 6, 8, 8), torch.arange(16) % 4

@@ -39,7 +39,7 @@ from pserver.config import ServerConfig
 from pserver.membership import Roster, TaskFactory, WorkerInfo
 from pserver.policies.weighted_sync import PROBE_EVERY, PROBE_EVERY_MAX, WeightedSync
 from pserver.sampler import EpochSampler
-from tests.live import AsyncClient, Member, clients, live_server
+from tests.support.live import AsyncClient, Member, clients, live_server
 from worker.config import WorkerConfig
 from worker.loop import Worker
 

@@ -9,31 +9,11 @@ import pytest
 import scipy.io
 from click.testing import CliRunner
 
-from common.data.convert.hsi import prepare_hsi
 from common.data.convert.layout import abundance_labels, load_scene, parse_shape
-from common.data.convert.matfile import load_class_names, load_mat_array
 from common.data.dataset import DatasetReader
 from common.errors import DatasetError
 from pserver.data_cli import data_group
-
-
-def to_matrix(cube: np.ndarray) -> np.ndarray:
-    """(rows, cols, bands) -> bands x pixels with pixels in column-major (MATLAB) order."""
-    return cube.transpose(2, 1, 0).reshape(cube.shape[2], -1)
-
-
-def abundances_for(gt: np.ndarray, k: int) -> np.ndarray:
-    """End-members x pixels abundances whose argmax (at >= 0.5) gives back the class map.
-
-    A labelled pixel of class c has 0.7 for c and the rest shared; an unlabelled one has a
-    largest abundance of 0.4, below the 0.5 at which Jasper Ridge's class map was made.
-    """
-    rows, cols = gt.shape
-    maps = np.full((rows, cols, k), 0.3 / (k - 1))
-    for c in range(1, k + 1):
-        maps[gt == c, c - 1] = 0.7
-    maps[gt == 0] = [0.4] + [0.6 / (k - 1)] * (k - 1)
-    return to_matrix(maps)
+from tests.support.scenes import abundances_for, to_matrix
 
 
 def test_column_major_pixels_land_where_matlab_puts_them() -> None:
@@ -121,80 +101,3 @@ def test_cli_prepares_a_distributed_scene_and_says_so(tmp_path: Path) -> None:
     with DatasetReader(tmp_path / "o.h5") as r:
         assert r.meta.class_names == ("soil", "tree", "water")
         assert r.meta.num_samples == rows * cols
-
-
-def distributed_jasper(jasper_dir: Path, out: Path, crop: int | None = None) -> tuple[Path, Path]:
-    """Write Jasper Ridge as the benchmark ships it: ``Y`` (Jasper) or ``V`` (Samson, cropped).
-
-    Returns:
-        ``(scene.mat, abundances.mat)``.
-    """
-    cube = load_mat_array(str(jasper_dir / "JasperRidge.mat"))
-    gt = load_mat_array(str(jasper_dir / "JasperRidge_gt.mat:jasper_ridge_gt"))
-    names = load_class_names(jasper_dir / "JasperRidge_gt.mat")
-    assert names is not None
-    if crop is not None:  # Samson's shape: 95 x 95 pixels, 156 bands
-        cube, gt = cube[:crop, :crop, :156], gt[:crop, :crop]
-    rows, cols, bands = cube.shape
-    key = "V" if crop is not None else "Y"
-    scene, ends = out / f"{key}_R{bands}.mat", out / f"end{len(names)}.mat"
-    scipy.io.savemat(
-        scene,
-        {
-            key: to_matrix(cube).astype(np.float64),
-            "nRow": float(rows),
-            "nCol": float(cols),
-            "nBand": float(bands),
-            "maxValue": float(cube.max()),
-            "SlectBands": np.arange(1, bands + 1, dtype=np.float64)[:, None],
-        },
-    )
-    scipy.io.savemat(
-        ends,
-        {
-            "A": abundances_for(gt.astype(np.int64), len(names)),
-            "M": np.ones((bands, len(names))),
-            "cood": np.array(names, dtype=object),
-        },
-    )
-    return scene, ends
-
-
-@pytest.mark.realdata
-@pytest.mark.parametrize("crop", [None, 95], ids=["jasper-Y", "samson-V-95x95x156"])
-def test_distributed_jasper_gives_the_preconverted_samples(
-    jasper_dir: Path, tmp_path: Path, crop: int | None
-) -> None:
-    scene, ends = distributed_jasper(jasper_dir, tmp_path, crop)
-    cube = load_mat_array(str(jasper_dir / "JasperRidge.mat"))
-    gt = load_mat_array(str(jasper_dir / "JasperRidge_gt.mat:jasper_ridge_gt"))
-    if crop is not None:
-        cube, gt = cube[:crop, :crop, :156], gt[:crop, :crop]
-    scipy.io.savemat(tmp_path / "cube.mat", {"cube": cube})
-    scipy.io.savemat(
-        tmp_path / "gt.mat", {"gt": gt, "class_names": ["tree", "water", "dirt", "road"]}
-    )
-    ref = prepare_hsi(str(tmp_path / "cube.mat"), str(tmp_path / "gt.mat"), tmp_path / "ref.h5")
-    got = prepare_hsi(str(scene), str(ends), tmp_path / "dist.h5", gt_abundance=True)
-    assert got.class_names == ref.class_names == ("tree", "water", "dirt", "road")
-    assert got.class_counts == ref.class_counts and got.num_samples == ref.num_samples
-    with DatasetReader(ref.path) as a, DatasetReader(got.path) as b:
-        np.testing.assert_array_equal(a.train_indices, b.train_indices)
-        xa, ya = a.read(np.arange(a.meta.num_samples))
-        xb, yb = b.read(np.arange(b.meta.num_samples))
-    np.testing.assert_array_equal(ya, yb)
-    np.testing.assert_allclose(xa, xb, atol=1e-5)
-
-
-@pytest.mark.realdata
-def test_distributed_jasper_trains_like_the_preconverted_file(
-    jasper_dir: Path, jasper_h5: Path, tmp_path: Path
-) -> None:
-    from tests.runs import train
-
-    scene, ends = distributed_jasper(jasper_dir, tmp_path)
-    dist = prepare_hsi(str(scene), str(ends), tmp_path / "dist.h5", gt_abundance=True)
-    ref = train(jasper_h5, tmp_path / "ref", "hsi-cnn", epochs=1, workers=1)
-    got = train(Path(dist.path), tmp_path / "dist", "hsi-cnn", epochs=1, workers=1)
-    assert ref["final"]["oa"] > 0.7
-    assert abs(got["final"]["oa"] - ref["final"]["oa"]) <= 0.02, (got["final"], ref["final"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -19,7 +18,9 @@ from typing import Any
 import pytest
 
 from common.procs import Child
-from tests.cluster import ROOT, start_server, start_worker
+from tests.support import requirements
+from tests.support.cluster import start_server, start_worker
+from tests.support.paths import ROOT
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser")
 DRAW_TIMEOUT_S = 120.0
@@ -37,24 +38,25 @@ CHROMIUM_FLAGS = (
 )
 
 
-def _missing(reason: str) -> None:
-    if os.environ.get("REQUIRE_BROWSER") == "1":
-        pytest.fail(f"{reason} (REQUIRE_BROWSER=1 requires it; 'make ci-deps' installs it)")
-    pytest.skip(reason)
-
-
 @pytest.fixture
-def browser(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """A headless Debian Chromium driven by chromedriver; never downloads anything."""
+def browser(
+    pytestconfig: pytest.Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Any]:
+    """A headless Debian Chromium driven by chromedriver; never downloads anything (skipped
+    without it, failed under --require browser; 'make ci-deps' installs it)."""
     chromium = next((p for p in map(shutil.which, CHROMIUM_NAMES) if p), None)
     driver_path = shutil.which("chromedriver")
     if chromium is None or driver_path is None:
-        _missing("Chromium or chromedriver not installed (Debian: chromium, chromium-driver)")
+        requirements.missing(
+            pytestconfig,
+            "browser",
+            "Chromium or chromedriver not installed (Debian: chromium, chromium-driver)",
+        )
     try:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service
     except ImportError:
-        _missing("selenium is not installed")
+        requirements.missing(pytestconfig, "browser", "selenium is not installed")
     monkeypatch.setenv("SE_OFFLINE", "true")  # Selenium Manager must not try the network
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
@@ -97,7 +99,6 @@ def _drawn(driver: Any) -> bool:
     )
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["weighted-sync", "async"])
 def test_live_page_in_chromium(browser: Any, small_hsi: Path, tmp_path: Path, mode: str) -> None:
     from selenium.webdriver.support.ui import WebDriverWait

@@ -24,15 +24,15 @@ from common.procs import Child
 from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
 from launch.settings import TrainSettings
-from tests.cluster import (
+from tests.support.launches import (
     MARK,
     processes_marked,
     start_pslaunch,
     stop_launcher,
     wait_for_training,
 )
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 WAIT_S = 120.0
 
 

@@ -20,7 +20,7 @@ from launch.cluster.spec import parse_cluster, rate_bits
 from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
 from launch.settings import TrainSettings
-from tests.cluster import start_pslaunch, stop_launcher, wait_for_training
+from tests.support.launches import start_pslaunch, stop_launcher, wait_for_training
 
 WAIT_S = 120.0
 

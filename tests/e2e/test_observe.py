@@ -13,7 +13,7 @@ from common.data.convert.synth import synth_hsi
 from launch.compare import CompareConfig, run_compare
 from launch.figures import confusion_of
 from launch.settings import TrainSettings
-from tests.test_tensorboard import scalars
+from tests.support.tensorboard import scalars
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MODES = ("weighted-sync", "async", "ddp")
@@ -62,7 +62,6 @@ def _events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     return [e for e in map(json.loads, lines) if e["event"] == kind]
 
 
-@pytest.mark.e2e
 def test_every_run_has_an_oa_scalar_per_evaluation(compared: tuple[dict, str]) -> None:
     data, _ = compared
     assert [r.get("error") for r in data["runs"]] == [None] * len(MODES)
@@ -89,7 +88,6 @@ def test_every_run_has_an_oa_scalar_per_evaluation(compared: tuple[dict, str]) -
                 assert 0 < shares[-1].value <= 1  # a worker may take a whole round
 
 
-@pytest.mark.e2e
 def test_report_figures(compared: tuple[dict, str]) -> None:
     data, logged = compared
     initial = data["initial"]

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from pserver.rundir import RUN_FILES
-from tests.cluster import (
-    ROOT,
+from tests.support.cluster import (
     events,
     start_module,
     start_pserver,
@@ -27,8 +26,8 @@ from tests.cluster import (
     start_worker,
     summary,
 )
+from tests.support.paths import ROOT
 
-pytestmark = pytest.mark.e2e
 QUICK = ("--epochs", "3", "--global-batch", "16", "--shutdown-timeout", "20")
 
 

@@ -6,14 +6,11 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
-
-from tests.cluster import events, start_server, start_worker, summary
+from tests.support.cluster import events, start_server, start_worker, summary
 
 TRAIN = ("--lr", "0.05", "--lr-schedule", "cosine")
 
 
-@pytest.mark.e2e
 def test_kill_9_of_a_worker_mid_round_in_weighted_sync(jasper_h5: Path, tmp_path: Path) -> None:
     server, address = start_server(
         jasper_h5,
@@ -53,7 +50,6 @@ def test_kill_9_of_a_worker_mid_round_in_weighted_sync(jasper_h5: Path, tmp_path
     assert result["final"]["oa"] >= 0.85
 
 
-@pytest.mark.e2e
 def test_late_joiner_is_used_and_a_leaver_is_not_waited_for(
     small_hsi: Path, tmp_path: Path
 ) -> None:
@@ -99,7 +95,6 @@ def test_late_joiner_is_used_and_a_leaver_is_not_waited_for(
     assert any(w["worker"] == "late" for r in rounds for w in r["workers"])
 
 
-@pytest.mark.e2e
 def test_kill_9_of_the_server_then_resume_with_the_same_workers(
     jasper_h5: Path, tmp_path: Path
 ) -> None:
@@ -150,7 +145,6 @@ def test_kill_9_of_the_server_then_resume_with_the_same_workers(
     assert {w["name"] for w in result["workers"]} == {"w1", "w2"}
 
 
-@pytest.mark.e2e
 def test_sigterm_stops_the_round_checkpoints_and_workers_exit_0_server_non_zero(
     small_hsi: Path, tmp_path: Path
 ) -> None:
@@ -186,7 +180,6 @@ def test_sigterm_stops_the_round_checkpoints_and_workers_exit_0_server_non_zero(
     assert (tmp_path / "checkpoints").is_dir()
 
 
-@pytest.mark.e2e
 def test_a_worker_with_a_mismatched_local_copy_is_refused(small_hsi: Path, tmp_path: Path) -> None:
     from common.data.convert.synth import synth_hsi
 

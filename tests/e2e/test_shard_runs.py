@@ -8,12 +8,9 @@ import statistics
 import time
 from pathlib import Path
 
-import pytest
-
 from common.procs import Child
-from tests.cluster import events, start_server, start_shard, start_worker, summary
+from tests.support.cluster import events, start_server, start_shard, start_worker, summary
 
-pytestmark = pytest.mark.e2e
 TRAIN = ("--lr", "0.05", "--lr-schedule", "cosine", "--chunk-mb", "0.1")
 
 

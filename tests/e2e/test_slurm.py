@@ -17,7 +17,7 @@ from launch.slurm.groups import Group
 from launch.slurm.jobs import SlurmRuns, run_job
 from launch.slurm.script import resources
 from launch.slurm.submit import wait_job
-from tests.slurm_jobs import (
+from tests.support.slurm_jobs import (
     JOB_TIMEOUT_S,
     ROOT,
     events,

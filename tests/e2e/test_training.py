@@ -13,6 +13,7 @@ import pytest
 from common.training.evaluator import EVAL_KEYS
 from common.training.summary import SUMMARY_KEYS
 from launch.local import LocalCluster, run_local
+from tests.support.paths import ROOT
 
 EPOCHS = 10
 
@@ -22,7 +23,6 @@ def _events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["weighted-sync", "async"])
 def test_jasper_ridge_three_heterogeneous_workers(
     jasper_h5: Path, tmp_path: Path, mode: str
@@ -111,9 +111,8 @@ def test_jasper_ridge_three_heterogeneous_workers(
         assert all("predicted_s" in w for w in planned)  # calibrated: every plan has a model
 
 
-@pytest.mark.e2e
 def test_demo_runs_every_mode_and_prints_a_results_table(tmp_path: Path) -> None:
-    shared = Path(__file__).resolve().parents[2] / "shared"
+    shared = ROOT.parent / "shared"
     out = subprocess.run(
         [
             sys.executable,

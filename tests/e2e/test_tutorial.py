@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from common.data.dataset import DatasetReader
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 TUTORIAL = ROOT / "docs" / "tutorial.md"
 BLOCK = re.compile(r"^```bash tutorial\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 TIMEOUT_S = 540  # about a minute on two quiet cores; far more when other jobs share them
@@ -33,7 +33,6 @@ def test_tutorial_marks_its_steps() -> None:
         assert step in commands, f"the tutorial's runnable blocks lack {step!r}"
 
 
-@pytest.mark.e2e
 @pytest.mark.realdata
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_tutorial_runs_end_to_end(jasper_dir: Path, tmp_path: Path) -> None:

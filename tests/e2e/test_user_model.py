@@ -12,8 +12,6 @@ import pytest
 from common.data.convert.synth import synth_hsi
 from launch.local import LocalCluster, run_local
 
-pytestmark = pytest.mark.e2e
-
 USER_MODULE = '''
 """A user's model, outside the project: a linear classifier on the patch's mean spectrum."""
 

@@ -5,61 +5,25 @@ hierarchy or the process table after a normal end, a child's failure or SIGTERM.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
-import psutil
 import pytest
 from click.testing import CliRunner
 
 from common.cpu_quota import CpuHierarchy, find_cpu_hierarchy, quota_cores
 from common.errors import ConfigError
-from common.polling import poll_until
-from common.procs import Child, is_running
 from launch.cli import main
 from launch.cluster.budgets import (
-    PREFIX,
-    CpuBudgets,
     check_total,
     quota_period_us,
-    require_hierarchy,
     usable_cores,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 V1_MOUNTINFO = (
     "25 20 0:22 / /sys/fs/cgroup rw - tmpfs tmpfs rw,mode=755\n"
     "30 25 0:26 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu\n"
     "31 25 0:27 / /sys/fs/cgroup/cpuacct rw,relatime - cgroup cgroup rw,cpuacct\n"
 )
-
-
-def cgroups() -> CpuHierarchy:
-    """The cpu hierarchy as root; skips without one, fails when REQUIRE_CGROUP=1."""
-    try:
-        return require_hierarchy()
-    except ConfigError as exc:
-        if os.environ.get("REQUIRE_CGROUP") == "1":
-            pytest.fail(f"{exc} (REQUIRE_CGROUP=1 requires it)")
-        pytest.skip(str(exc))
-
-
-def run_launcher(args: list[str], timeout_s: float) -> tuple[int, int, str]:
-    """Run ``args``; returns the launcher's pid (its groups are ``pslaunch-<pid>``), exit code
-    and stderr."""
-    launcher = Child(
-        "pslaunch", args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr_only=True
-    )
-    try:
-        code = launcher.wait(timeout_s)
-    finally:
-        if launcher.code is None:
-            launcher.kill()
-    return launcher.pid, code, launcher.output()
 
 
 def test_quota_and_period_keep_the_kernel_minimum() -> None:
@@ -129,148 +93,3 @@ def test_pslaunch_refuses_oversubscription_in_one_line(small_hsi: Path, tmp_path
     message = result.output.strip().splitlines()[-1]
     assert "budgets sum to" in message and "--allow-oversubscribe" in message
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing was started
-
-
-STEP_SCRIPT = """
-import json, torch
-from common.cpu_quota import own_quota_cores
-from common.training.device import ComputeTimer
-torch.set_num_threads(1)
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
-x = torch.randn(128, 512)
-timer = ComputeTimer(torch.device("cpu"))
-for _ in range(3):
-    model(x).sum().backward()
-total = 0.0
-for _ in range({steps}):
-    timer.start()
-    model(x).sum().backward()
-    total += timer.stop().compute_s
-print(json.dumps({{"quota": own_quota_cores(), "compute_s": total}}))
-"""
-
-
-def test_budgets_slow_a_cpu_bound_step_in_proportion(tmp_path: Path) -> None:
-    budgets = CpuBudgets(cgroups(), tag=f"{os.getpid()}-test")
-    results = {}
-    try:
-        for cores in (0.4, 0.1):
-            group = budgets.group(f"c{cores:g}", cores)
-            out = subprocess.run(
-                CpuBudgets.wrap(group, [sys.executable, "-c", STEP_SCRIPT.format(steps=40)]),
-                capture_output=True,
-                text=True,
-                timeout=60,
-                cwd=ROOT,
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
-                check=True,
-            )
-            results[cores] = json.loads(out.stdout.strip().splitlines()[-1])
-    finally:
-        budgets.close()
-    assert not budgets.parent.exists()
-    assert results[0.4]["quota"] == pytest.approx(0.4)
-    assert results[0.1]["quota"] == pytest.approx(0.1)
-    ratio = results[0.1]["compute_s"] / results[0.4]["compute_s"]
-    assert ratio >= 3.0, results
-
-
-def _local_args(dataset: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "launch.cli",
-        "local",
-        "--dataset",
-        str(dataset),
-        "--model",
-        "hsi-cnn",
-        "--run-dir",
-        str(run_dir),
-        "--no-progress",
-        *extra,
-    ]
-
-
-@pytest.fixture(scope="module")
-def cpu_bound_hsi(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Synthetic HSI patches large enough that a step is CPU-bound for several ms."""
-    from common.data.convert.synth import synth_hsi
-
-    out = tmp_path_factory.mktemp("budget") / "hsi_p9.h5"
-    synth_hsi(out, bands=32, size=32, classes=4, patch=9, train_fraction=0.5, seed=0)
-    return out
-
-
-def test_planner_speeds_follow_the_budgets(cpu_bound_hsi: Path, tmp_path: Path) -> None:
-    hierarchy = cgroups()
-    run_dir = tmp_path / "run"
-    args = ["--mode", "weighted-sync", "--node-cpus", "0.4,0.1", "--server-cpus", "0.5"]
-    args += ["--epochs", "3", "--global-batch", "128"]
-    pid, code, stderr = run_launcher(_local_args(cpu_bound_hsi, run_dir, *args), 120)
-    assert code == 0, stderr
-    summary = json.loads((run_dir / "summary.json").read_text())
-    workers = {w["name"]: w for w in summary["workers"]}
-    fast, slow = workers["w0-x1"], workers["w1-x1"]
-    assert (fast["cpus"], slow["cpus"]) == (0.4, 0.1)
-    assert fast["link"] is None and slow["link"] is None
-    assert fast["speed"] >= 3.0 * slow["speed"], workers  # what the planner plans on
-    assert fast["samples"] >= 2.5 * slow["samples"], workers  # and what it planned
-    assert summary["cluster"]["server"]["cpus"] == 0.5
-    assert not (hierarchy.mount / f"{PREFIX}{pid}").exists()
-
-
-def _group_pids(hierarchy: CpuHierarchy, pid: int) -> set[int]:
-    parent = hierarchy.mount / f"{PREFIX}{pid}"
-    pids: set[int] = set()
-    for procs in parent.glob("*/cgroup.procs"):
-        pids |= {int(p) for p in procs.read_text().split()}
-    return pids
-
-
-def test_sigterm_leaves_no_group_and_no_process(small_hsi: Path, tmp_path: Path) -> None:
-    hierarchy = cgroups()
-    args = ["--mode", "weighted-sync", "--node-cpus", "0.3,0.3", "--server-cpus", "0.3"]
-    args += ["--epochs", "100000", "--global-batch", "16"]
-    launcher = Child(
-        "pslaunch",
-        _local_args(small_hsi, tmp_path / "run", *args),
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    try:
-        parent = hierarchy.mount / f"{PREFIX}{launcher.pid}"
-        seen: set[int] = set()
-
-        def all_started() -> bool:  # the server and both workers
-            if parent.exists():
-                seen.update(_group_pids(hierarchy, launcher.pid))
-            return len(seen) >= 3
-
-        poll_until(all_started, 60, 0.2, f"the server and both workers in {parent}")
-        launcher.popen.send_signal(signal.SIGTERM)
-        assert launcher.wait(timeout=60) != 0
-    finally:
-        if launcher.code is None:
-            launcher.kill()
-    assert not parent.exists()
-    assert not [pid for pid in seen if is_running(pid)]
-
-
-def test_child_failure_leaves_no_group_and_no_process(small_hsi: Path, tmp_path: Path) -> None:
-    hierarchy = cgroups()
-    args = ["--mode", "weighted-sync", "--node-cpus", "0.3,0.3", "--server-cpus", "0.3"]
-    args += ["--epochs", "1", "--devices", "cuda:99"]  # every worker fails at start
-    pid, code, stderr = run_launcher(_local_args(small_hsi, tmp_path / "run", *args), 120)
-    assert code != 0
-    assert "cuda" in stderr.lower()
-    assert not (hierarchy.mount / f"{PREFIX}{pid}").exists()  # removed only once empty
-    run_dir = str(tmp_path / "run")
-    leftovers = [
-        proc.pid
-        for proc in psutil.process_iter(["cmdline", "status"])
-        if any(run_dir in part for part in proc.info["cmdline"] or ())
-        and proc.info["status"] != psutil.STATUS_ZOMBIE
-    ]
-    assert leftovers == []

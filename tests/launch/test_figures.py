@@ -11,7 +11,7 @@ import pytest
 
 from launch import figures
 from launch.initial import initial_scores
-from tests.live import live_server, published
+from tests.support.live import live_server, published
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

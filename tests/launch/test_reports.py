@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import matplotlib.pyplot as plt
-import pytest
 
 from common.training.tables import files_written, natural_key, summary_tables
 from launch.cluster.spec import ClusterSpec, parse_cluster
 from launch.figures import _draw_timeline
-from launch.report import render_markdown, setup_section
+from launch.report import render_markdown
 from launch.setup_info import collect_setup, setup_lines, worker_devices
-from tests.cluster import start_server, start_worker
 
 
 def _run(mode: str, oa: float, run_dir: Path | None = None) -> dict:
@@ -132,24 +129,3 @@ def test_timeline_and_worker_rows_are_sorted_by_name() -> None:
                "final": {}, "workers": workers}  # fmt: skip
     table = summary_tables(summary)
     assert table.index("w2-x1") < table.index("w10-x1")
-
-
-@pytest.mark.e2e
-def test_hand_started_server_ends_with_the_tables_and_the_summary_path(
-    small_hsi: Path, tmp_path: Path
-) -> None:
-    quick = ("--epochs", "1", "--global-batch", "16", "--shutdown-timeout", "20")
-    server, address = start_server(small_hsi, tmp_path, *quick)
-    worker = start_worker(address, "w0")
-    try:
-        line = server.wait_for("summary: ", 120)
-        assert server.wait() == 0 and worker.wait() == 0
-        out = server.output()
-    finally:
-        server.kill()
-        worker.kill()
-    assert line.strip() == f"summary: {tmp_path / 'summary.json'}"
-    data = {"settings": {}, "runs": [{"run_dir": str(tmp_path)}]}
-    assert f"- workers' hosts: `{socket.gethostname()}`: w0" in setup_section(data)
-    assert "mode " in out and "train s" in out and "worker " in out
-    assert '"workers": [' not in out  # not the JSON summary

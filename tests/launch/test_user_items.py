@@ -16,7 +16,7 @@ from launch.cli import main as pslaunch_main
 from launch.cli_options import build_workers
 from launch.progress import RunProgress
 from pserver.cli import main as pserver_main
-from tests.live import live_server
+from tests.support.live import live_server
 from worker.cli import main as worker_main
 from worker.resolve import check_server_host
 
@@ -134,7 +134,7 @@ async def test_requests_refused_while_a_run_ends_are_no_warnings(
 
     from common.errors import ErrorCode
     from common.protocol.messages import JoinRequest
-    from tests.live import clients
+    from tests.support.live import clients
 
     caplog.set_level(logging.DEBUG, logger="pserver")
     async with (

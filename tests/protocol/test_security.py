@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,12 +10,10 @@ import zmq
 import zmq.asyncio
 
 from common.errors import ErrorCode, RemoteError
-from common.procs import Child
 from common.protocol.messages import REPLIES, StatusReply, StatusRequest, parse_message
 from common.protocol.security import generate, hello_proof, is_loopback, load_client_keys
 from common.protocol.shard_messages import CONTROL_REPLIES, ShardHello
-from tests.cluster import events, start_server, start_shard, start_worker, summary
-from tests.live import live_server
+from tests.support.live import live_server
 
 NO_REPLY_S = 1.5
 
@@ -60,17 +56,6 @@ async def _status_reply(
         ctx.term()
 
 
-def _curve_worker(address: str, keys: dict[str, Path]) -> Child:
-    """An authorized worker joining over CURVE."""
-    curve = (
-        "--curve-server-key",
-        str(keys["server"]),
-        "--curve-secret",
-        str(keys["worker_secret"]),
-    )
-    return start_worker(address, "trusted", 1.0, *curve)
-
-
 async def test_plain_and_unknown_clients_get_no_reply(small_hsi: Path, keys) -> None:
     async with live_server(
         small_hsi, curve_secret=keys["server_secret"], authorized_keys=keys["authorized_keys"]
@@ -82,76 +67,11 @@ async def test_plain_and_unknown_clients_get_no_reply(small_hsi: Path, keys) -> 
         assert await _status_reply(ps.address, keys) is not None  # still serving
 
 
-def test_keygen_cli_writes_key_pairs_and_authorizes_the_worker(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "pserver.cli", "keygen", str(tmp_path / "k")],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout
-    for name in (
-        "server.key",
-        "server.key_secret",
-        "worker.key",
-        "worker.key_secret",
-        "authorized_keys/worker.key",
-    ):
-        assert (tmp_path / "k" / name).is_file(), out
-    assert (tmp_path / "k" / "server.key_secret").stat().st_mode & 0o077 == 0
-
-
-@pytest.mark.e2e
-def test_an_authorized_worker_trains_over_curve(small_hsi: Path, tmp_path: Path, keys) -> None:
-    server, address = start_server(
-        small_hsi,
-        tmp_path / "run",
-        "--epochs",
-        "3",
-        "--curve-secret",
-        str(keys["server_secret"]),
-        "--authorized-keys",
-        str(keys["authorized_keys"]),
-    )
-    worker = _curve_worker(address, keys)
-    try:
-        assert server.wait() == 0 and worker.wait() == 0
-    finally:
-        server.kill()
-        worker.kill()
-    result = summary(tmp_path / "run")
-    assert result["epochs"] == 3 and result["workers"][0]["samples"] > 0
-
-
 def test_clear_text_warning_only_off_loopback() -> None:
     assert is_loopback("tcp://127.0.0.1:5555") and is_loopback("tcp://[::1]:5555")
     assert is_loopback("tcp://localhost:1") and is_loopback("ipc:///tmp/x")
     assert not is_loopback("tcp://0.0.0.0:5555") and not is_loopback("tcp://*:5555")
     assert not is_loopback("tcp://10.1.2.3:5555")
-
-
-@pytest.mark.e2e
-def test_shards_register_and_train_over_curve(small_hsi: Path, tmp_path: Path, keys) -> None:
-    """Set up as docs/operations.md says: shards take the server's two CURVE options and
-    prove a secret derived from the server key; nothing else is needed."""
-    curve = ("--curve-secret", str(keys["server_secret"]))
-    curve += ("--authorized-keys", str(keys["authorized_keys"]))
-    run_dir = tmp_path / "run"
-    server, address = start_server(
-        small_hsi, run_dir, "--epochs", "1", "--shards", "2", "--chunk-mb", "0.05", *curve
-    )
-    shards = [start_shard(address, f"shard{i}", *curve) for i in range(2)]
-    worker = _curve_worker(address, keys)
-    try:
-        assert server.wait(90) == 0, server.tail(30)
-        assert worker.wait(30) == 0 and all(s.wait(30) == 0 for s in shards)
-    finally:
-        for proc in (server, worker, *shards):
-            proc.kill()
-    registered = [e for e in events(run_dir) if e["event"] == "shard"]
-    assert sorted(e["index"] for e in registered) == [0, 1]
-    result = summary(run_dir)
-    assert result["details"]["shards"] == 2 and result["epochs"] == 1
 
 
 async def test_a_worker_key_cannot_register_a_shard(small_hsi: Path, keys) -> None:

@@ -10,7 +10,7 @@ import pytest
 from common.polling import poll_until_async
 from launch.progress import eval_label
 from pserver.evaluation import MIN_AUTO_SUBSET, auto_subset_size
-from tests.live import clients, live_server
+from tests.support.live import clients, live_server
 
 
 def test_auto_subset_fits_half_the_interval() -> None:
@@ -55,6 +55,7 @@ async def test_evaluations_falling_behind_warn_once_with_the_remedy(
 
 
 @pytest.mark.realdata
+@pytest.mark.slow
 async def test_skipping_moves_in_run_evaluations_to_a_subset(jasper_h5) -> None:
     async with (
         live_server(

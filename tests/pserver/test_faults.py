@@ -25,7 +25,7 @@ from common.protocol.messages import (
     TaskRequest,
 )
 from common.training.planner import plan_batches
-from tests.live import clients, live_server, published, push_request
+from tests.support.live import clients, live_server, published, push_request
 
 REPLY_S = 15.0
 

@@ -24,7 +24,7 @@ from common.protocol.messages import (
     TaskRequest,
 )
 from common.protocol.wire import PROTOCOL_VERSION
-from tests.live import Member, clients, live_server, published, push_request
+from tests.support.live import Member, clients, live_server, published, push_request
 
 MESSAGES = 10_000
 BATCH = 200

@@ -34,7 +34,7 @@ from common.protocol.wire import PROTOCOL_VERSION, encode_frames
 from pserver.config import ShardConfig
 from pserver.shard_server import ShardServer
 from pserver.store.stores import RemoteStores
-from tests.live import AsyncClient, Member, clients, live_server, live_sharded
+from tests.support.live import AsyncClient, Member, clients, live_server, live_sharded
 
 ROUNDS = 5
 # The speed planner: the model planner follows measured round times, which no script repeats.

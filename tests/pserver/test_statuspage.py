@@ -19,7 +19,7 @@ from common.protocol.messages import JoinRequest, StatusReply, StatusRequest
 from pserver.cli import main as pserver_main
 from pserver.config import ServerConfig
 from pserver.statuspage import MAX_CONNECTIONS, REFRESH_S, StatusPage
-from tests.live import clients, live_server
+from tests.support.live import clients, live_server
 
 TIMEOUT = aiohttp.ClientTimeout(total=20)
 ODD_NAME = 'we"ird\\name\nline <b>'

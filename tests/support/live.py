@@ -230,7 +230,7 @@ async def live_sharded(dataset: Path, shards: int, **options: Any) -> AsyncItera
     """A started coordinator with ``shards`` shard servers, all on this event loop."""
     from pserver.config import ShardConfig
     from pserver.shard_server import ShardServer
-    from tests.cluster import shard_secret
+    from tests.support.cluster import shard_secret
 
     servers: list[ShardServer] = []
     running: list[asyncio.Task[str]] = []

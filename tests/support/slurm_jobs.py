@@ -1,10 +1,12 @@
-"""Helpers for tests that run real Slurm jobs: launch, wait for events, cancel, show logs."""
+"""Helpers for tests that run real Slurm jobs: whether the testbed is up, launch, wait for
+events, cancel, show logs."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,9 +15,32 @@ from typing import Any
 
 from common.errors import WaitTimeout
 from common.polling import poll_until
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 300.0
+TESTBED = ROOT / "launch/slurm/testbed.sh"
+TESTBED_MARK = "# rs-pserver Slurm testbed"
+SLURM_CONF = Path("/etc/slurm/slurm.conf")
+
+
+def testbed_problem() -> str | None:
+    """Why the project's Slurm testbed is not usable here, or None when it is up.
+
+    It only looks: ``make slurm-testbed`` (as root) installs and starts the testbed.
+    """
+    if SLURM_CONF.is_file() and not SLURM_CONF.read_text(encoding="utf-8").startswith(TESTBED_MARK):
+        return f"{SLURM_CONF} belongs to another Slurm, not the project's testbed"
+    if shutil.which("sinfo") is None:
+        return "Slurm is not installed ('make slurm-testbed' installs and starts the testbed)"
+    try:
+        up = subprocess.run(
+            ["bash", str(TESTBED), "status"], capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired:
+        return "launch/slurm/testbed.sh status took more than 60 s"
+    if up.returncode != 0:
+        return "the Slurm testbed is down ('make slurm-testbed' starts it)"
+    return None
 
 
 def pslaunch(

@@ -2,40 +2,16 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from common.errors import ConfigError, DeviceError
+from common.errors import ConfigError
 from common.training.device import ComputeTimer, resolve_device
 from common.training.models import build_model
 from common.training.slowdown import SlowdownSchedule
 from common.training.speed import SpeedMeter
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present on this machine")
-def test_cuda_without_a_gpu_is_a_clear_error() -> None:
-    with pytest.raises(DeviceError, match="no CUDA device"):
-        resolve_device("cuda:0")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "worker.cli",
-            "join",
-            "--server",
-            "tcp://127.0.0.1:9",
-            "--device",
-            "cuda:0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode != 0 and "no CUDA device" in proc.stderr
 
 
 def test_cpu_device_resolves() -> None:

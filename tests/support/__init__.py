@@ -1,0 +1,1 @@
+"""Helpers shared by the tests: processes, live in-process servers, Slurm jobs, real parts."""
