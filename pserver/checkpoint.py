@@ -151,8 +151,8 @@ def read(path: Path) -> Checkpoint:
     Raises:
         ConfigError: the file is damaged or not a checkpoint of a known format.
     """
-    try:
-        with np.load(path, allow_pickle=False) as data:
+    try:  # our handle: numpy leaves its own open when the zip directory is damaged
+        with open(path, "rb") as handle, np.load(handle, allow_pickle=False) as data:
             arrays = {key: data[key] for key in data.files}
         meta = json.loads(arrays.pop("meta").tobytes().decode())
     except (OSError, ValueError, KeyError, EOFError, MemoryError, zipfile.BadZipFile) as exc:
