@@ -1,0 +1,101 @@
+"""Checkpoints: atomic files, the newest few kept, a damaged newest skipped on read, and a
+live server that resumes from its run directory with the parameters it saved, bit for bit."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.errors import ConfigError
+from common.protocol.messages import StatusReply, StatusRequest
+from pserver import checkpoint
+from pserver.checkpoint import Checkpoint
+from tests.support.cluster import events
+from tests.support.live import clients, live_server, published
+
+
+def made(version: int) -> Checkpoint:
+    state = np.arange(6, dtype=np.float32) * version
+    return Checkpoint(arrays={"state": state}, meta={"version": version, "note": "é"})
+
+
+def test_a_checkpoint_reads_back_as_written(tmp_path: Path) -> None:
+    path = checkpoint.write(tmp_path, made(7))
+    assert path.name == "ckpt-0000000007.npz"
+    back = checkpoint.read(path)
+    assert back.version == 7 and back.meta["note"] == "é"
+    assert back.meta["format"] == checkpoint.FORMAT
+    assert np.array_equal(back.arrays["state"], made(7).arrays["state"])
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file is left
+
+
+def test_only_the_newest_are_kept(tmp_path: Path) -> None:
+    for version in (3, 1, 12, 5, 9):
+        checkpoint.write(tmp_path, made(version))
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == [f"ckpt-{v:010d}.npz" for v in (5, 9, 12)][-checkpoint.KEEP :]
+    assert checkpoint.latest(tmp_path) == tmp_path / "ckpt-0000000012.npz"
+    assert checkpoint.latest(tmp_path / "absent") is None
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    checkpoint.write(tmp_path, made(4))
+    newest = checkpoint.write(tmp_path, made(8))
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    with pytest.raises(ConfigError, match="cannot read checkpoint"):
+        checkpoint.read(newest)
+    with caplog.at_level(logging.WARNING, logger="pserver.checkpoint"):
+        assert checkpoint.read_newest(tmp_path).version == 4
+    assert any("trying the previous checkpoint" in r.message for r in caplog.records)
+    (tmp_path / "ckpt-0000000004.npz").write_bytes(b"not a zip file")
+    with pytest.raises(ConfigError, match="no readable checkpoint"):
+        checkpoint.read_newest(tmp_path)
+
+
+def test_a_file_of_an_unknown_format_is_refused(tmp_path: Path) -> None:
+    document = np.frombuffer(b'{"format": 99, "version": 1}', dtype=np.uint8)
+    path = tmp_path / "ckpt-0000000001.npz"
+    np.savez(path, meta=document)
+    with pytest.raises(ConfigError, match="unknown format"):
+        checkpoint.read(path)
+
+
+def test_only_temporary_files_of_interrupted_writes_are_removed(tmp_path: Path) -> None:
+    kept = checkpoint.write(tmp_path, made(2))
+    (tmp_path / ".ckpt-0000000003.npz.tmp").write_bytes(b"torn")
+    (tmp_path / "notes.tmp").write_text("not ours")
+    assert checkpoint.remove_stale_tmp(tmp_path) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([kept.name, "notes.tmp"])
+
+
+async def test_a_resumed_server_starts_from_the_saved_parameters(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    rng = np.random.default_rng(0)
+    options = dict(mode="async", epochs=100, run_dir=tmp_path, checkpoint_every=1)
+    async with live_server(small_hsi, **options) as ps, clients(ps.address, 1) as (c,):
+        member, task = await c.join("w")
+        for _ in range(2):
+            gradient = rng.normal(0, 1e-3, ps.state_size).astype(np.float32)
+            task = await c.push(member, task, gradient)
+        saved = published(ps)
+    files = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert files[-1] == "ckpt-0000000002.npz"
+    on_disk = checkpoint.read_newest(tmp_path / "checkpoints")
+    assert np.array_equal(on_disk.arrays["state"], saved.numpy())
+
+    async with (
+        live_server(small_hsi, **{**options, "resume": True}) as ps,
+        clients(ps.address, 1) as (c,),
+    ):
+        status = await c.request(StatusRequest())
+        assert isinstance(status, StatusReply) and status.status["version"] == 2
+        assert torch.equal(published(ps), saved)
+    resumed = [e for e in events(tmp_path) if e["event"] == "resume"]
+    assert [e["version"] for e in resumed] == [2]

@@ -1,0 +1,210 @@
+"""The coordinator's and shards' ROUTER endpoint on a real socket: every request is answered,
+malformed frames and failing handlers with error replies, slow handlers hold up nobody, and
+the tasks it owns end when cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+import zmq.asyncio
+
+from common.errors import ConfigError, ErrorCode, ProtocolError, RemoteError
+from common.protocol.base import Message, error_frames
+from common.protocol.messages import (
+    REPLIES,
+    DataReply,
+    StatusReply,
+    StatusRequest,
+    parse_message,
+)
+from common.protocol.wire import PROTOCOL_VERSION
+from pserver.transport import Endpoint, Request, TaskOwner
+
+REPLY_TIMEOUT_S = 10.0
+Handler = Callable[[Endpoint, Request, Message], Awaitable[None]]
+
+
+class Served:
+    """An endpoint serving ``handler`` on 127.0.0.1 and one DEALER client talking to it."""
+
+    def __init__(self, endpoint: Endpoint, client: zmq.asyncio.Socket) -> None:
+        self.endpoint, self.client = endpoint, client
+
+    async def send(self, frames: list[bytes]) -> None:
+        await self.client.send_multipart(frames)
+
+    async def reply(self) -> tuple[Message, int]:
+        """The next reply, parsed (raises RemoteError for an error reply)."""
+        frames = await asyncio.wait_for(self.client.recv_multipart(), REPLY_TIMEOUT_S)
+        return parse_message(frames, REPLIES)
+
+    async def error(self) -> RemoteError:
+        """The next reply, which must be an error reply."""
+        with pytest.raises(RemoteError) as caught:
+            await self.reply()
+        return caught.value
+
+
+async def answer_status(endpoint: Endpoint, request: Request, message: Message) -> None:
+    """Answer a status request with the request id it carried."""
+    reply = StatusReply(status={"asked": request.request_id})
+    endpoint.reply(request.identity, request.request_id, reply)
+
+
+@contextlib.asynccontextmanager
+async def serving(handler: Handler) -> AsyncIterator[Served]:
+    owner = TaskOwner()
+    endpoint = Endpoint("tcp://127.0.0.1:0", {StatusRequest.TYPE: StatusRequest}, 1 << 20, owner)
+    address = endpoint.bind()
+    loop = owner.spawn(
+        endpoint.receive_loop(lambda request, message: handler(endpoint, request, message))
+    )
+    client = endpoint.context.socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    client.connect(address)
+    try:
+        yield Served(endpoint, client)
+    finally:
+        client.close(linger=0)
+        await owner.cancel_all()
+        assert loop.cancelled()
+        endpoint.close()
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[Served]:
+    async with serving(answer_status) as it:
+        yield it
+
+
+def raw_header(**fields: object) -> bytes:
+    header = {"v": PROTOCOL_VERSION, "type": "status_request", "id": 7, "body": {}, "tensors": []}
+    header.update(fields)
+    return msgpack.packb(header)
+
+
+async def test_each_request_is_answered_under_its_own_id(served: Served) -> None:
+    for request_id in (1, 2, 99):
+        await served.send(StatusRequest().to_wire(request_id))
+    replies = [await served.reply() for _ in range(3)]
+    assert [(r.status["asked"], rid) for r, rid in replies] == [(1, 1), (2, 2), (99, 99)]
+
+
+@pytest.mark.parametrize(
+    ("frames", "code"),
+    [
+        ([b"\x00\xffnot msgpack"], ErrorCode.BAD_FRAME),
+        ([raw_header(v=PROTOCOL_VERSION + 1)], ErrorCode.BAD_VERSION),
+        ([raw_header(type="drop_tables")], ErrorCode.UNKNOWN_TYPE),
+        ([raw_header(type="join_request")], ErrorCode.UNKNOWN_TYPE),  # not this endpoint's
+        (error_frames(7, ErrorCode.STALE, "a reply sent as a request"), ErrorCode.BAD_FIELD),
+    ],
+    ids=["garbage", "other-version", "unknown-type", "type-served-elsewhere", "error-reply"],
+)
+async def test_malformed_frames_get_an_error_and_the_next_request_its_answer(
+    served: Served, frames: list[bytes], code: ErrorCode
+) -> None:
+    await served.send(frames)
+    assert (await served.error()).code == code
+    await served.send(StatusRequest().to_wire(8))
+    reply, request_id = await served.reply()
+    assert request_id == 8 and reply.status == {"asked": 8}
+
+
+async def test_handler_failures_become_error_replies(caplog: pytest.LogCaptureFixture) -> None:
+    async def failing(endpoint: Endpoint, request: Request, message: Message) -> None:
+        if request.request_id == 1:
+            raise ProtocolError(ErrorCode.STALE, "computed on version 3, now 9")
+        raise RuntimeError("the handler broke")
+
+    async with serving(failing) as served:
+        await served.send(StatusRequest().to_wire(1))
+        refused = await served.error()
+        assert (refused.code, refused.request_id) == (ErrorCode.STALE, 1)
+        assert "computed on version 3, now 9" in str(refused)
+        with caplog.at_level(logging.ERROR, logger="pserver.transport"):
+            await served.send(StatusRequest().to_wire(2))
+            broke = await served.error()
+        assert (broke.code, broke.request_id) == (ErrorCode.INTERNAL, 2)
+        assert "RuntimeError: the handler broke" in str(broke)
+        assert any("failed to handle status_request" in r.message for r in caplog.records)
+
+
+async def test_a_slow_handler_holds_up_no_other_request() -> None:
+    second_answered = asyncio.Event()
+
+    async def first_waits(endpoint: Endpoint, request: Request, message: Message) -> None:
+        if request.request_id == 1:
+            await asyncio.wait_for(second_answered.wait(), REPLY_TIMEOUT_S)
+        await answer_status(endpoint, request, message)
+        if request.request_id == 2:
+            second_answered.set()
+
+    async with serving(first_waits) as served:
+        await served.send(StatusRequest().to_wire(1))
+        await served.send(StatusRequest().to_wire(2))
+        order = [(await served.reply())[1] for _ in range(2)]
+        assert order == [2, 1]
+
+
+async def test_binding_a_taken_address_is_a_config_error_naming_it(served: Served) -> None:
+    taken = served.endpoint.address
+    other = Endpoint(taken, {StatusRequest.TYPE: StatusRequest}, 1 << 20, TaskOwner())
+    try:
+        with pytest.raises(ConfigError, match=f"cannot listen on {taken}"):
+            other.bind()
+    finally:
+        other.close()
+
+
+async def test_large_replies_count_in_flight_until_handed_to_the_network() -> None:
+    identities: list[bytes] = []
+
+    async def remember(endpoint: Endpoint, request: Request, message: Message) -> None:
+        identities.append(request.identity)
+
+    async with serving(remember) as served:
+        await served.send(StatusRequest().to_wire(1))
+        await asyncio.wait_for(_until(lambda: bool(identities)), REPLY_TIMEOUT_S)
+        peer, endpoint = identities[0], served.endpoint
+        small = DataReply(x=np.zeros((4, 4), np.float32), y=np.zeros(4, np.int64))
+        endpoint.reply(peer, 1, small)
+        assert endpoint.in_flight(peer) == 0  # small replies are not counted
+        big = DataReply(x=np.ones((256, 256), np.float32), y=np.zeros(256, np.int64))
+        endpoint.reply(peer, 2, big)
+        assert endpoint.in_flight(peer) >= big.x.nbytes + big.y.nbytes
+        first, second = await served.reply(), await served.reply()
+        assert (first[1], second[1]) == (1, 2)
+        assert np.array_equal(second[0].x, big.x)
+        await asyncio.wait_for(_until(lambda: endpoint.in_flight(peer) == 0), REPLY_TIMEOUT_S)
+
+
+async def test_the_owner_logs_failures_and_cancels_what_is_left(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    owner = TaskOwner()
+    forever = owner.spawn(asyncio.Event().wait())
+
+    async def fail() -> None:
+        raise ValueError("background work broke")
+
+    with caplog.at_level(logging.ERROR, logger="pserver.transport"):
+        failed = owner.spawn(fail())
+        await asyncio.wait_for(asyncio.wait([failed]), REPLY_TIMEOUT_S)
+    assert any(r.exc_info and "background work broke" in str(r.exc_info[1]) for r in caplog.records)
+    assert not forever.done()
+    await asyncio.wait_for(owner.cancel_all(), REPLY_TIMEOUT_S)
+    assert forever.cancelled()
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    """Return once ``condition`` holds (callers bound the wait)."""
+    while not condition():
+        await asyncio.sleep(0.01)
