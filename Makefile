@@ -49,9 +49,10 @@ test: setup
 	$(PY) -m mypy
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
 
-# The unit tests that are not marked slow, in $(TEST_JOBS) processes.
+# The unit tests that are not marked slow, in $(TEST_JOBS) processes of one compute thread
+# each (more threads than cores make torch's OpenMP workers spin against each other).
 test-fast: setup
-	$(PY) -m pytest -q -ra -m "unit and not slow" -n $(TEST_JOBS) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -m "unit and not slow" -n $(TEST_JOBS) $(PYTEST_ARGS)
 
 lint: setup
 	$(PY) -m ruff check .

@@ -1,6 +1,6 @@
 """How long one call of the model planner takes at 4, 64 and 1024 workers: the planner against
 the step-by-step reference (re-plan after every dropped member, as its rules read; the one in
-tests/test_planner_reference.py), side by side in one run.
+tests/common/test_planner_reference.py), side by side in one run.
 
 The cluster is the one of bench/simulate_speed.py: three node groups in a 1 : 1 : 2 ratio at
 0.75, 1.7 and 4.8 ms per sample, 5 ms per step (the third group's speeds lognormal with sigma
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from bench.harness.record import parse_settings
 from common.training.perfmodel import Fit
 from common.training.planner import plan_by_model
-from tests.test_planner_reference import reference_plan
+from tests.common.test_planner_reference import reference_plan
 
 PER_SAMPLE_S = (0.00075, 0.0017, 0.0048, 0.0048)  # groups in a 1 : 1 : 2 ratio
 FIXED_S = 0.005

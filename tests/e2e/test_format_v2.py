@@ -66,7 +66,7 @@ def test_a_worker_trains_on_raw_samples_served_at_half_the_bytes(
     jasper_raw: Path, tmp_path: Path
 ) -> None:
     """The server sends uint16 samples, the worker normalises them: training reaches the
-    accuracy the float32 file gives (tests/test_e2e.py)."""
+    accuracy the float32 file gives (tests/e2e/test_training.py)."""
     from tests.support.cluster import start_server, start_worker, summary
 
     server, address = start_server(

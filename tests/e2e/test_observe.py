@@ -23,7 +23,8 @@ MODES = ("weighted-sync", "async", "ddp")
 def compared(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
     """Three modes, one run each, two epochs of a small synthetic scene; and the log.
 
-    (Repeats and the band over them are covered by tests/test_figures.py on hand-made data.)"""
+    (Repeats and the band over them are covered by tests/launch/test_figures.py on hand-made
+    data.)"""
     root = tmp_path_factory.mktemp("observe")
     data = root / "hsi.h5"
     synth_hsi(data, samples=400, bands=16, size=32, classes=4, train_fraction=0.3, seed=4)

@@ -21,8 +21,6 @@ from launch.local import LocalCluster, run_local
 from pserver import snapshots as snap
 from pserver.cli import main
 
-INFO = {"model": "m", "dataset": "d.h5", "fingerprint": "f", "state_size": 10, "mode": "async"}
-
 EVERY = 4
 
 
