@@ -81,6 +81,19 @@ def small_hsi(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def curve_keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """CURVE key pairs as ``pserver keygen`` makes them, plus ``stranger_secret``: a valid
+    worker key that was never authorized."""
+    from common.protocol.security import generate
+
+    root = tmp_path_factory.mktemp("keys")
+    made = generate(root / "cluster")
+    stranger = generate(root / "stranger")
+    made["stranger_secret"] = stranger["worker_secret"]
+    return made
+
+
 @pytest.fixture
 def netns_ok(pytestconfig: pytest.Config) -> None:
     """Skips without root or iproute2; fails instead under --require netns."""

@@ -7,20 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from common.procs import Child
-from common.protocol.security import generate
 from tests.support.cluster import events, start_server, start_shard, start_worker, summary
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("keys")
-    made = generate(root / "cluster")
-    stranger = generate(root / "stranger")  # a valid key pair that was never authorized
-    made["stranger_secret"] = stranger["worker_secret"]
-    return made
 
 
 def _curve_worker(address: str, keys: dict[str, Path]) -> Child:
@@ -53,18 +41,20 @@ def test_keygen_cli_writes_key_pairs_and_authorizes_the_worker(tmp_path: Path) -
     assert (tmp_path / "k" / "server.key_secret").stat().st_mode & 0o077 == 0
 
 
-def test_an_authorized_worker_trains_over_curve(small_hsi: Path, tmp_path: Path, keys) -> None:
+def test_an_authorized_worker_trains_over_curve(
+    small_hsi: Path, tmp_path: Path, curve_keys
+) -> None:
     server, address = start_server(
         small_hsi,
         tmp_path / "run",
         "--epochs",
         "3",
         "--curve-secret",
-        str(keys["server_secret"]),
+        str(curve_keys["server_secret"]),
         "--authorized-keys",
-        str(keys["authorized_keys"]),
+        str(curve_keys["authorized_keys"]),
     )
-    worker = _curve_worker(address, keys)
+    worker = _curve_worker(address, curve_keys)
     try:
         assert server.wait() == 0 and worker.wait() == 0
     finally:
@@ -74,17 +64,17 @@ def test_an_authorized_worker_trains_over_curve(small_hsi: Path, tmp_path: Path,
     assert result["epochs"] == 3 and result["workers"][0]["samples"] > 0
 
 
-def test_shards_register_and_train_over_curve(small_hsi: Path, tmp_path: Path, keys) -> None:
+def test_shards_register_and_train_over_curve(small_hsi: Path, tmp_path: Path, curve_keys) -> None:
     """Set up as docs/operations.md says: shards take the server's two CURVE options and
     prove a secret derived from the server key; nothing else is needed."""
-    curve = ("--curve-secret", str(keys["server_secret"]))
-    curve += ("--authorized-keys", str(keys["authorized_keys"]))
+    curve = ("--curve-secret", str(curve_keys["server_secret"]))
+    curve += ("--authorized-keys", str(curve_keys["authorized_keys"]))
     run_dir = tmp_path / "run"
     server, address = start_server(
         small_hsi, run_dir, "--epochs", "1", "--shards", "2", "--chunk-mb", "0.05", *curve
     )
     shards = [start_shard(address, f"shard{i}", *curve) for i in range(2)]
-    worker = _curve_worker(address, keys)
+    worker = _curve_worker(address, curve_keys)
     try:
         assert server.wait(90) == 0, server.tail(30)
         assert worker.wait(30) == 0 and all(s.wait(30) == 0 for s in shards)

@@ -11,20 +11,11 @@ import zmq.asyncio
 
 from common.errors import ErrorCode, RemoteError
 from common.protocol.messages import REPLIES, StatusReply, StatusRequest, parse_message
-from common.protocol.security import generate, hello_proof, is_loopback, load_client_keys
+from common.protocol.security import hello_proof, is_loopback, load_client_keys
 from common.protocol.shard_messages import CONTROL_REPLIES, ShardHello
 from tests.support.live import live_server
 
 NO_REPLY_S = 1.5
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("keys")
-    made = generate(root / "cluster")
-    stranger = generate(root / "stranger")  # a valid key pair that was never authorized
-    made["stranger_secret"] = stranger["worker_secret"]
-    return made
 
 
 async def _status_reply(
@@ -56,15 +47,17 @@ async def _status_reply(
         ctx.term()
 
 
-async def test_plain_and_unknown_clients_get_no_reply(small_hsi: Path, keys) -> None:
+async def test_plain_and_unknown_clients_get_no_reply(small_hsi: Path, curve_keys) -> None:
     async with live_server(
-        small_hsi, curve_secret=keys["server_secret"], authorized_keys=keys["authorized_keys"]
+        small_hsi,
+        curve_secret=curve_keys["server_secret"],
+        authorized_keys=curve_keys["authorized_keys"],
     ) as ps:
-        authorized = await _status_reply(ps.address, keys)
+        authorized = await _status_reply(ps.address, curve_keys)
         assert authorized is not None and authorized.status["mode"] == "weighted-sync"
         assert await _status_reply(ps.address, None) is None
-        assert await _status_reply(ps.address, keys, "stranger_secret") is None
-        assert await _status_reply(ps.address, keys) is not None  # still serving
+        assert await _status_reply(ps.address, curve_keys, "stranger_secret") is None
+        assert await _status_reply(ps.address, curve_keys) is not None  # still serving
 
 
 def test_clear_text_warning_only_off_loopback() -> None:
@@ -74,22 +67,22 @@ def test_clear_text_warning_only_off_loopback() -> None:
     assert not is_loopback("tcp://10.1.2.3:5555")
 
 
-async def test_a_worker_key_cannot_register_a_shard(small_hsi: Path, keys) -> None:
+async def test_a_worker_key_cannot_register_a_shard(small_hsi: Path, curve_keys) -> None:
     """Under CURVE the worker key reaches the coordinator, but a hello must prove the secret
     derived from the server key, which workers do not hold."""
     async with live_server(
         small_hsi,
         shards=2,
-        curve_secret=keys["server_secret"],
-        authorized_keys=keys["authorized_keys"],
+        curve_secret=curve_keys["server_secret"],
+        authorized_keys=curve_keys["authorized_keys"],
     ) as ps:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        load_client_keys(keys["server"], keys["worker_secret"]).apply(sock)
+        load_client_keys(curve_keys["server"], curve_keys["worker_secret"]).apply(sock)
         sock.connect(ps.address)
         try:
-            worker_secret = zmq.auth.load_certificate(keys["worker_secret"])[1]
+            worker_secret = zmq.auth.load_certificate(curve_keys["worker_secret"])[1]
             assert worker_secret is not None
             for secret in (worker_secret, b"guess" * 4):
                 address = "tcp://127.0.0.1:5999"
