@@ -10,6 +10,7 @@ from pathlib import Path
 
 from bench.multihost.stages import STAGES, rounds
 from common import stagetrace
+from tests.support.paths import ROOT
 
 MARKER = (
     "from common import stagetrace; stagetrace.start('worker'); stagetrace.mark('w_task', task=7)"
@@ -17,7 +18,7 @@ MARKER = (
 
 
 def run_marker(env: dict[str, str]) -> None:
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(ROOT)
     subprocess.run(
         [sys.executable, "-c", MARKER],
         env={**os.environ, "PYTHONPATH": root, **env},
