@@ -17,8 +17,8 @@ import pytest
 from common.errors import WaitTimeout
 from common.polling import poll_until, poll_until_async
 from common.procs import Child, ChildError, Children, is_running
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
