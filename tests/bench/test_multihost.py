@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.multihost.config import BenchConfig, Variant
 from bench.multihost.jobs import _rounds
 from bench.multihost.report import table
-from bench.multihost.config import BenchConfig, Variant
 from common.errors import ConfigError
 from launch.cluster.netns import NetConfig, available
 from launch.cluster.spec import rate_bits

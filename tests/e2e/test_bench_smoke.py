@@ -36,8 +36,8 @@ from bench.report import (
     render,
     with_readme_table,
 )
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 SMOKE_TIMEOUT_S = 600.0
 
 # A bench's smallest run, and what it needs beyond the project: "data" (Jasper Ridge),
@@ -130,7 +130,6 @@ def _require(kind: str, request: pytest.FixtureRequest) -> None:
             pytest.skip("py-spy is not installed (pip install py-spy)")
 
 
-@pytest.mark.e2e
 @pytest.mark.timeout(SMOKE_TIMEOUT_S + 60)
 @pytest.mark.parametrize(
     "name",

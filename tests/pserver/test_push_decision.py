@@ -11,7 +11,7 @@ import pytest
 from common.protocol.messages import TaskReply
 from pserver import server as server_module
 from pserver.policies import POLICIES
-from tests.live import clients, live_server
+from tests.support.live import clients, live_server
 
 
 class Recording:
