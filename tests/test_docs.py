@@ -228,3 +228,12 @@ def test_links_between_documents_resolve() -> None:
             ):
                 broken.append(f"{page.name}: {target} (no such heading)")
     assert not broken, f"links to missing files or headings: {broken}"
+
+
+def test_readme_is_a_short_front_door() -> None:
+    """At most 160 lines; the two commands first; the way from a model to a map in it."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 160
+    commands = re.findall(r"^make \w+", text, flags=re.MULTILINE)
+    assert commands[:2] == ["make demo", "make test"], commands
+    assert "pserver export" in text and "pserver predict" in text
