@@ -21,7 +21,7 @@ import torch
 from bench.harness.record import parse_settings
 from bench.wire_model import RESNET18_PARAMS
 from pserver import checkpoint
-from pserver.optimizer import FlatOptimizer
+from pserver.store.optimizer import FlatOptimizer
 from pserver.store.service import StoreService  # noqa: F401  (the path the server uses)
 from pserver.store.slices import SliceStore
 

@@ -23,8 +23,8 @@ from bench.harness.record import parse_settings
 from common.data.convert.synth import synth_hsi
 from common.training.runlog import RunLog
 from launch.local import LocalCluster, run_local
-from pserver import liveview
-from pserver.statuspage import BODIES, REFRESH_S, StatusPage
+from pserver.observe import liveview
+from pserver.observe.statuspage import BODIES, REFRESH_S, StatusPage
 
 WARMUP = 10
 URL = re.compile(r"status page on (\S+)")

@@ -29,8 +29,8 @@ from bench.harness.record import parse_settings
 from common.data.convert.synth import synth_hsi
 from common.logsetup import setup_logging
 from launch.local import LocalCluster, run_local
-from pserver import snapshots as snap
-from pserver.snapshot_eval import SnapshotEvalConfig, evaluate_snapshots
+from pserver.snapshots import snapshots as snap
+from pserver.snapshots.snapshot_eval import SnapshotEvalConfig, evaluate_snapshots
 
 
 def run(data: Path, run_dir: Path, epochs: int, every: int | None) -> dict:

@@ -20,7 +20,7 @@ import torch
 
 from bench.harness.record import parse_settings
 from common.protocol.chunks import encode
-from pserver.optimizer import FlatOptimizer
+from pserver.store.optimizer import FlatOptimizer
 from pserver.store.slices import SliceStore
 
 

@@ -36,7 +36,7 @@ class TrainSettings:
         global_batch: B, samples per update (split over workers or ranks).
         optimizer: ``sgd`` or ``adam``.
         lr, momentum, nesterov, weight_decay: optimizer settings.
-        lr_schedule, warmup_fraction: the schedule of ``pserver.optimizer.lr_factor``.
+        lr_schedule, warmup_fraction: the schedule of ``pserver.store.optimizer.lr_factor``.
         epochs, max_steps, target_oa: when training stops (at least one must be set).
         seed: model initialisation and epoch permutations.
     """

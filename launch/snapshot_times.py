@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import PSError
-from pserver.snapshot_eval import SnapshotEvalConfig, evaluate_snapshots
+from pserver.snapshots.snapshot_eval import SnapshotEvalConfig, evaluate_snapshots
 
 log = logging.getLogger(__name__)
 

@@ -45,8 +45,8 @@ from pserver.desk import TaskDesk
 from pserver.membership import MAX_NAME, Roster, Waiter, WorkerInfo
 from pserver.pushes import Pushes, check_speed
 from pserver.runstate import RunState
-from pserver.shards import ShardRegistry
 from pserver.store.service import StoreService
+from pserver.store.shards import ShardRegistry
 from pserver.store.stores import RemoteStores
 from pserver.summary import StatusView
 from pserver.transport import Endpoint, Request

@@ -16,7 +16,7 @@ from pserver.desk import TaskDesk
 from pserver.membership import Roster, Task, Waiter, WorkerInfo
 from pserver.policies import ModePolicy, Update
 from pserver.runstate import FinishReason, RunState
-from pserver.snapshot_hooks import SnapshotHook
+from pserver.snapshots.snapshot_hooks import SnapshotHook
 from pserver.store.service import Replier
 from pserver.store.stores import ParameterStores
 from pserver.transport import Request

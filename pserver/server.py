@@ -44,10 +44,10 @@ from pserver.policies.weighted_sync import resolve_min_local_batch
 from pserver.pushes import Pushes
 from pserver.runstate import FinishReason, RunState
 from pserver.sampler import EpochSampler
-from pserver.shards import ShardRegistry
 from pserver.shutdown import Shutdown, watch_shards
-from pserver.snapshot_hooks import SnapshotHook
+from pserver.snapshots.snapshot_hooks import SnapshotHook
 from pserver.store.build import build_stores
+from pserver.store.shards import ShardRegistry
 from pserver.store.stores import CapturedState, RemoteStores
 from pserver.summary import StatusView
 from pserver.transport import Endpoint, TaskOwner
@@ -285,7 +285,7 @@ class ParameterServer:
             lambda: self.updater.version,
             self.drop_worker,
         )
-        self.http: Any = None  # the status page (pserver.statuspage), with --http
+        self.http: Any = None  # the status page (pserver.observe.statuspage), with --http
         self.address = ""
         self._flusher: asyncio.TimerHandle | None = None
 
@@ -300,7 +300,7 @@ class ParameterServer:
             ConfigError: the address (or the status page's port) cannot be bound.
         """
         if self.config.http_port is not None:
-            from pserver.statuspage import start_page
+            from pserver.observe.statuspage import start_page
 
             self.http = await start_page(
                 self.status.status, self.log, self.config.http_bind, self.config.http_port

@@ -14,7 +14,7 @@ from common.training.runlog import RunLog
 from pserver.evaluation import EvalScheduler
 from pserver.membership import Roster
 from pserver.runstate import RunPhase, RunState
-from pserver.snapshot_hooks import SnapshotHook
+from pserver.snapshots.snapshot_hooks import SnapshotHook
 from pserver.store.stores import RemoteStores
 from pserver.updates import Updater
 

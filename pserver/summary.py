@@ -13,7 +13,7 @@ from pserver.membership import Roster
 from pserver.policies import ModePolicy
 from pserver.runstate import RunState
 from pserver.sampler import EpochSampler
-from pserver.snapshot_hooks import SnapshotHook
+from pserver.snapshots.snapshot_hooks import SnapshotHook
 from pserver.store.stores import ParameterStores
 from pserver.updates import GradientGuard, Updater
 

@@ -15,7 +15,7 @@ from common.training.speed import SpeedMeter
 from common.training.summary import per_class_of, run_summary
 from launch.ddp.launcher import DDPConfig
 from launch.ddp.step import StepResult
-from pserver.snapshots import SnapshotMeta, SnapshotWriter
+from pserver.snapshots.snapshots import SnapshotMeta, SnapshotWriter
 
 log = logging.getLogger(__name__)
 

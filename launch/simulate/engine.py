@@ -33,7 +33,7 @@ from launch.simulate.costs import (
     worker_cpu_s,
 )
 from launch.simulate.spec import FP32_BYTES, Cluster
-from pserver.staleness import staleness_function, too_stale
+from pserver.policies.staleness import staleness_function, too_stale
 
 SIM_MODES = ("weighted-sync", "equal-sync", "async", "ddp")
 MIN_COMPUTE_SHARE = 0.2  # jitter never makes a step shorter than this share of its mean

@@ -17,7 +17,7 @@ import torch
 from common.protocol.chunks import as_tensor, chunk_elems_for, decode_into, encode, shard_bounds
 from launch.simulate.spec import FP32_BYTES, WIRE_BYTES, ServerCosts
 from pserver.config import ServerConfig
-from pserver.optimizer import FlatOptimizer
+from pserver.store.optimizer import FlatOptimizer
 from pserver.store.slices import SliceStore
 
 

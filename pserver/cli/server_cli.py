@@ -28,6 +28,9 @@ from common.protocol.messages import StatusReply, StatusRequest
 from common.protocol.security import generate, load_client_keys
 from common.protocol.wire import WIRE_DTYPES
 from common.training.models import NORMS, with_norm
+from pserver.cli.data_cli import data_group
+from pserver.cli.model_cli import COMMANDS as MODEL_COMMANDS
+from pserver.cli.snapshot_cli import evaluate_snapshots_cmd
 from pserver.config import (
     MODES,
     OPTIMIZERS,
@@ -37,10 +40,7 @@ from pserver.config import (
     ServerConfig,
     ShardConfig,
 )
-from pserver.data_cli import data_group
-from pserver.model_cli import COMMANDS as MODEL_COMMANDS
 from pserver.policies.weighted_sync import BATCHNORM_MIN_LOCAL_BATCH
-from pserver.snapshot_cli import evaluate_snapshots_cmd
 
 CONTEXT = {"auto_envvar_prefix": "PSERVER", "show_default": True}
 
@@ -378,7 +378,7 @@ def shard(log_level: str, **options: Any) -> None:
     """Serve one parameter shard for a coordinator started with --shards K."""
     setup_logging(log_level, "shard ")
     try:
-        from pserver.shard_server import serve_shard
+        from pserver.store.shard_server import serve_shard
 
         reason = asyncio.run(serve_shard(ShardConfig(**options)))
     except PSError as exc:

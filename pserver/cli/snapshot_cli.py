@@ -1,4 +1,4 @@
-"""``pserver evaluate-snapshots``: the command line of ``pserver.snapshot_eval``."""
+"""``pserver evaluate-snapshots``: the command line of ``pserver.snapshots.snapshot_eval``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from common.errors import PSError
-from pserver.model_cli import allow_model_option
+from pserver.cli.model_cli import allow_model_option
 
 
 @click.command("evaluate-snapshots")
@@ -42,7 +42,7 @@ def evaluate_snapshots_cmd(
     Writes RUN_DIR/snapshots.jsonl (version, epoch, train_time_s, samples, final, oa, aa,
     kappa, loss) and prints the first version reaching the target and its training time.
     """
-    from pserver.snapshot_eval import SnapshotEvalConfig, describe, evaluate_snapshots
+    from pserver.snapshots.snapshot_eval import SnapshotEvalConfig, describe, evaluate_snapshots
 
     try:
         config = SnapshotEvalConfig(

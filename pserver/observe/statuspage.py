@@ -23,8 +23,8 @@ from aiohttp import web
 
 from common.errors import ConfigError
 from common.training.runlog import RunLog
-from pserver import prometheus
-from pserver.liveview import LiveView
+from pserver.observe import prometheus
+from pserver.observe.liveview import LiveView
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,11 @@ BODIES = ("status.json", "history.json", "metrics")
 def _page() -> tuple[bytes, str]:
     """The page's bytes and its Content-Security-Policy (only its own inline script and style,
     fetches to this server only: the browser itself refuses any external resource)."""
-    html = resources.files("pserver").joinpath("static/status.html").read_text(encoding="utf-8")
+    html = (
+        resources.files("pserver.observe")
+        .joinpath("static/status.html")
+        .read_text(encoding="utf-8")
+    )
 
     def digest(tag: str) -> str:
         match = re.search(rf"<{tag}>(.*?)</{tag}>", html, re.S)

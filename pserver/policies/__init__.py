@@ -1,4 +1,4 @@
-"""Mode policies: how pushes are combined into updates. One module per mode."""
+"""Mode policies: how pushes are combined into updates. One module per mode, plus staleness."""
 
 from __future__ import annotations
 

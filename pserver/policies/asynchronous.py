@@ -9,8 +9,8 @@ from common.protocol.messages import PushRequest
 from common.training.planner import plan_batches
 from pserver.membership import Task, WorkerInfo
 from pserver.policies.base import Assignment, Decision, ModePolicy, Update
+from pserver.policies.staleness import staleness_function, too_stale
 from pserver.roundtiming import RoundTiming
-from pserver.staleness import staleness_function, too_stale
 
 QUEUE_DEPTH = 2  # the task being computed and the one being prefetched
 

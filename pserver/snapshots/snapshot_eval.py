@@ -22,7 +22,7 @@ from common.errors import ConfigError
 from common.safefile import write_atomic
 from common.training.evaluator import Evaluator
 from common.training.models import build_model, check_allowed
-from pserver import snapshots as snap
+from pserver.snapshots import snapshots as snap
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from common.errors import PSError
 from common.training.runlog import RunLog
 from pserver.evaluation import EvalScheduler
 from pserver.runstate import RunState
-from pserver.snapshots import SnapshotMeta, SnapshotWriter
+from pserver.snapshots.snapshots import SnapshotMeta, SnapshotWriter
 from pserver.updates import Updater
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ import torch
 from common.protocol.chunks import shard_bounds
 from common.protocol.tokens import TokenBook
 from pserver.config import ServerConfig
-from pserver.optimizer import FlatOptimizer
+from pserver.store.optimizer import FlatOptimizer
 from pserver.store.service import CapturedState, Replier, StoreService
 from pserver.store.slices import SliceStore
 from pserver.store.stores import RemoteStores

@@ -46,7 +46,7 @@ from common.protocol.shard_messages import (
 )
 from common.protocol.tokens import TokenBook
 from pserver.config import ShardConfig, advertised
-from pserver.optimizer import FlatOptimizer
+from pserver.store.optimizer import FlatOptimizer
 from pserver.store.service import StoreService
 from pserver.store.slices import SliceStore
 from pserver.transport import Endpoint, Request, TaskOwner

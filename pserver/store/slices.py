@@ -16,7 +16,7 @@ import torch
 
 from common.errors import ErrorCode, ProtocolError
 from common.protocol.chunks import chunk_spans
-from pserver.optimizer import FlatOptimizer
+from pserver.store.optimizer import FlatOptimizer
 from pserver.store.pool import BufferPool, Lease
 
 MAX_STAGED_PER_WORKER = 2  # the task being pushed and a re-push after a rejection

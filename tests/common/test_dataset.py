@@ -15,7 +15,7 @@ from common.data.dataset import DatasetReader, describe
 from common.data.splits import stratified_split
 from common.data.writer import DatasetWriter
 from common.errors import DatasetError
-from pserver.data_cli import data_group
+from pserver.cli.data_cli import data_group
 
 SHAPE = (3, 4, 4)
 

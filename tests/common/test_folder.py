@@ -14,7 +14,7 @@ from PIL import Image
 from common.data.convert.folder import prepare_folder, read_image, scan_folder
 from common.data.dataset import DatasetReader
 from common.errors import DatasetError
-from pserver.data_cli import data_group
+from pserver.cli.data_cli import data_group
 from tests.support.images import CLASSES, make_tiff_folder
 
 

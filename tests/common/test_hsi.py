@@ -14,7 +14,7 @@ from common.data.convert.hsi import prepare_hsi
 from common.data.convert.matfile import load_class_names, load_mat_array, split_spec
 from common.data.dataset import DatasetReader
 from common.errors import DatasetError
-from pserver.data_cli import data_group
+from pserver.cli.data_cli import data_group
 
 ROWS, COLS, BANDS = 14, 12, 4
 NAMES = ["grass", "water", "roof"]

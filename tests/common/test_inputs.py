@@ -19,7 +19,7 @@ from common.data.convert.geotiff import GeoTiffCube
 from common.data.convert.hsi import prepare_hsi
 from common.data.convert.patches import padded_rows, reflect_indices
 from common.errors import DatasetError
-from pserver.data_cli import data_group
+from pserver.cli.data_cli import data_group
 
 NAMES = ["tree", "water", "dirt", "road"]
 CRS = "EPSG:32610"

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from common.data.convert.layout import abundance_labels, load_scene, parse_shape
 from common.data.dataset import DatasetReader
 from common.errors import DatasetError
-from pserver.data_cli import data_group
+from pserver.cli.data_cli import data_group
 from tests.support.scenes import abundances_for, to_matrix
 
 

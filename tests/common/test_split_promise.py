@@ -17,7 +17,7 @@ from common.data.split_report import (
     within_tolerance,
 )
 from common.data.splits import disjoint_split
-from pserver.data_cli import data_group
+from pserver.cli.data_cli import data_group
 
 
 def landsat_like(rows: int = 60, cols: int = 80) -> tuple[np.ndarray, np.ndarray]:

@@ -13,7 +13,7 @@ from torch import nn
 from common.data.convert.synth import synth_hsi, synth_hsi_cube, synth_scenes
 from common.data.dataset import DatasetReader, describe
 from common.errors import DatasetError
-from pserver.data_cli import data_group
+from pserver.cli.data_cli import data_group
 
 
 def nearest_mean_accuracy(xtr: np.ndarray, ytr: np.ndarray, xte: np.ndarray, yte: np.ndarray):

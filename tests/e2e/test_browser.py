@@ -179,7 +179,7 @@ def test_live_page_in_chromium(browser: Any, small_hsi: Path, tmp_path: Path, mo
 @contextlib.contextmanager
 def _page_in_thread(status: dict[str, Any], events: list[dict[str, Any]]) -> Iterator[str]:
     """A StatusPage with a fixed status map, served from its own event loop on a thread."""
-    from pserver.statuspage import StatusPage
+    from pserver.observe.statuspage import StatusPage
 
     loop = asyncio.new_event_loop()
     page = StatusPage(lambda: status, events, lambda: 5.0)

@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from numpy.lib import format as npy_format
 
 from launch.local import LocalCluster, run_local
-from pserver import snapshots as snap
 from pserver.cli import main
+from pserver.snapshots import snapshots as snap
 
 EVERY = 4
 

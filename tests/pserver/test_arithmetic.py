@@ -15,11 +15,11 @@ from common.training.flat import FlatLayout
 from common.training.models import build_model
 from common.training.planner import plan_batches, plan_equal
 from common.training.schedule import lr_factor
-from pserver.optimizer import FlatOptimizer
 from pserver.policies.equal_sync import EqualSync
+from pserver.policies.staleness import staleness_function
 from pserver.policies.weighted_sync import WeightedSync
 from pserver.sampler import EpochSampler
-from pserver.staleness import staleness_function
+from pserver.store.optimizer import FlatOptimizer
 from pserver.store.slices import SliceStore
 
 

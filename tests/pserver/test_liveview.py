@@ -8,8 +8,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.training.rounds import breakdown, idle_share
-from pserver import liveview, prometheus
-from pserver.liveview import LiveView
+from pserver.observe import liveview, prometheus
+from pserver.observe.liveview import LiveView
 
 
 def test_breakdown_prefers_recorded_times_and_derives_the_rest() -> None:

@@ -179,7 +179,7 @@ def test_a_program_file_never_evaluates_its_graph(tmp_path: Path, four_band_cube
 def test_user_models_named_in_files_are_refused_unless_allowed(
     tmp_path: Path, four_band_cube: Path, small_hsi: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pserver import snapshots as snap
+    from pserver.snapshots import snapshots as snap
 
     package = tmp_path / "code"
     package.mkdir()

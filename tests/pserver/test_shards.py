@@ -32,7 +32,7 @@ from common.protocol.shard_messages import (
 )
 from common.protocol.wire import PROTOCOL_VERSION, encode_frames
 from pserver.config import ShardConfig
-from pserver.shard_server import ShardServer
+from pserver.store.shard_server import ShardServer
 from pserver.store.stores import RemoteStores
 from tests.support.live import AsyncClient, Member, clients, live_server, live_sharded
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from common.errors import ConfigError
-from pserver import snapshots as snap
 from pserver.config import ServerConfig
+from pserver.snapshots import snapshots as snap
 
 INFO = {"model": "m", "dataset": "d.h5", "fingerprint": "f", "state_size": 10, "mode": "async"}
 

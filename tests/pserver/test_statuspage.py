@@ -18,7 +18,7 @@ from common.errors import ConfigError
 from common.protocol.messages import JoinRequest, StatusReply, StatusRequest
 from pserver.cli import main as pserver_main
 from pserver.config import ServerConfig
-from pserver.statuspage import MAX_CONNECTIONS, REFRESH_S, StatusPage
+from pserver.observe.statuspage import MAX_CONNECTIONS, REFRESH_S, StatusPage
 from tests.support.live import clients, live_server
 
 TIMEOUT = aiohttp.ClientTimeout(total=20)

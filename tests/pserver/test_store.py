@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.errors import ErrorCode, ProtocolError
-from pserver.optimizer import FlatOptimizer
+from pserver.store.optimizer import FlatOptimizer
 from pserver.store.pool import BufferPool
 from pserver.store.service import StageReport
 from pserver.store.slices import SliceStore

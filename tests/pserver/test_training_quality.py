@@ -25,7 +25,6 @@ from launch.ddp.step import ComputeOnlyStep
 from launch.report import RESULT_COLUMNS, render_markdown
 from pserver.config import ServerConfig
 from pserver.membership import TaskFactory, WorkerInfo
-from pserver.optimizer import FlatOptimizer
 from pserver.policies.base import Update
 from pserver.policies.equal_sync import EqualSync
 from pserver.policies.sync_rounds import Round
@@ -36,6 +35,7 @@ from pserver.policies.weighted_sync import (
     resolve_min_local_batch,
 )
 from pserver.sampler import EpochSampler
+from pserver.store.optimizer import FlatOptimizer
 from pserver.store.slices import SliceStore
 
 

@@ -229,7 +229,7 @@ async def clients(address: str, count: int) -> AsyncIterator[list[AsyncClient]]:
 async def live_sharded(dataset: Path, shards: int, **options: Any) -> AsyncIterator[Any]:
     """A started coordinator with ``shards`` shard servers, all on this event loop."""
     from pserver.config import ShardConfig
-    from pserver.shard_server import ShardServer
+    from pserver.store.shard_server import ShardServer
     from tests.support.cluster import shard_secret
 
     servers: list[ShardServer] = []

@@ -1,0 +1,1 @@
+"""Watching a running server: the status page, its live view and the ``/metrics`` exposition."""

@@ -1,0 +1,1 @@
+"""Model snapshots: the file format and writer, the hook that takes them, their evaluation."""
