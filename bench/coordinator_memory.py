@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench import ROOT
 from bench.harness.record import parse_settings
-from common.cli_env import child_environment
+from bench.harness.served import served_run
 from common.data.convert.synth import synth_scenes
-from launch.procs import Children, new_events, start_offset, wait_for_address
+from launch.procs import new_events
 
 SAMPLE_S = 0.2
 
@@ -50,48 +48,26 @@ def measure(data: Path, run_dir: Path, code: Path, args: argparse.Namespace) -> 
         ``{"peak_mb", "training_peak_mb", "final"}``: the server's peak RSS over the run and
         until the last round, and the summary's final scores.
     """
-    env = child_environment(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(code))
-    run_dir.mkdir(parents=True)
-    log = (run_dir / "cluster.log").open("w", encoding="utf-8")
-    children = Children(log, env)
-    py = [sys.executable, "-m"]
-    metrics = run_dir / "metrics.jsonl"
-    mark = start_offset(metrics)
-    here = Path.cwd()
-    os.chdir(code)  # 'python -m' puts the working directory first on the children's path
-    server = children.start(
-        "server",
-        [
-            *(*py, "pserver.cli", "start", "--bind", "tcp://127.0.0.1:0", "--dataset", str(data)),
-            *("--model", args.model, "--mode", "weighted-sync", "--workers", str(args.workers)),
-            *("--global-batch", str(args.batch * args.workers), "--max-steps", str(args.steps)),
-            *("--cache-mb", str(args.cache_mb), "--seed", "1", "--run-dir", str(run_dir)),
-            *("--shutdown-timeout", "900"),  # the final evaluation runs within it
-        ],
-        stderr_only=True,
-    )
     peak, training_peak = 0.0, None
-    try:
-        address = wait_for_address(server, metrics, mark, 300)
-        for i in range(args.workers):
-            children.start(f"w{i}", [*py, "worker.cli", "join", "--server", address])
-        os.chdir(here)
-        while server.code is None:
+    options = [
+        *("--dataset", str(data), "--model", args.model, "--mode", "weighted-sync"),
+        *("--workers", str(args.workers), "--global-batch", str(args.batch * args.workers)),
+        *("--max-steps", str(args.steps), "--cache-mb", str(args.cache_mb), "--seed", "1"),
+        *("--shutdown-timeout", "900"),  # the final evaluation runs within it
+    ]
+    with served_run(
+        code, run_dir, options, args.workers, start_timeout_s=300, stop_grace_s=120
+    ) as run:
+        while run.server.code is None:
             try:
-                peak = max(peak, status_mb(server.popen.pid, "VmHWM"))
+                peak = max(peak, status_mb(run.server.popen.pid, "VmHWM"))
             except (OSError, RuntimeError):
                 break
             if training_peak is None:
-                rounds = [e for e in new_events(metrics, mark) if e.get("event") == "round"]
+                rounds = [e for e in new_events(run.metrics, run.mark) if e.get("event") == "round"]
                 if len(rounds) >= args.steps:
                     training_peak = peak
             time.sleep(SAMPLE_S)
-    finally:
-        os.chdir(here)
-        children.stop(server, first_grace_s=120)
-        children.close()
-        mark.close()
-        log.close()
     summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
     return {"peak_mb": peak, "training_peak_mb": training_peak, "final": summary["final"]}
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,10 +22,9 @@ import psutil
 
 from bench import ROOT
 from bench.harness.record import parse_settings
-from common.cli_env import child_environment
+from bench.harness.served import served_run
 from common.data.convert.synth import synth_hsi
-from common.procs import Children
-from launch.procs import new_events, start_offset, wait_for_address
+from launch.procs import new_events
 
 SAMPLE_S = 0.5
 
@@ -58,47 +55,24 @@ def measure(
     data: Path, run_dir: Path, versions: int, code: Path, mode: str
 ) -> list[tuple[int, float]]:
     """(version, server RSS MB) samples of one run whose processes import ``code``."""
-    env = child_environment(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(code))
-    run_dir.mkdir(parents=True)
-    log = (run_dir / "cluster.log").open("w", encoding="utf-8")
-    children = Children(log, env)
-    py = [sys.executable, "-m"]
-    metrics = run_dir / "metrics.jsonl"
-    mark = start_offset(metrics)
-    here = Path.cwd()
-    os.chdir(code)  # 'python -m' puts the working directory first on the children's path
-    server = children.start(
-        "server",
-        [
-            *(*py, "pserver.cli", "start", "--bind", "tcp://127.0.0.1:0", "--dataset", str(data)),
-            *("--model", "hsi-cnn", "--mode", mode, "--global-batch", "8", "--workers", "2"),
-            *("--max-steps", str(versions), "--eval-every", "1000", "--eval-samples", "64"),
-            *("--run-dir", str(run_dir)),
-        ],
-        stderr_only=True,
-    )
+    options = [
+        *("--dataset", str(data), "--model", "hsi-cnn", "--mode", mode),
+        *("--global-batch", "8", "--workers", "2", "--max-steps", str(versions)),
+        *("--eval-every", "1000", "--eval-samples", "64"),
+    ]
     samples: list[tuple[int, float]] = []
-    try:
-        address = wait_for_address(server, metrics, mark, 120)
-        for i in range(2):
-            children.start(f"w{i}", [*py, "worker.cli", "join", "--server", address])
-        os.chdir(here)
+    with served_run(code, run_dir, options, 2, start_timeout_s=120, stop_grace_s=60) as run:
         offset = 0
         version = 0
-        while server.code is None:
-            newest, offset = newest_version(metrics, offset)
+        while run.server.code is None:
+            newest, offset = newest_version(run.metrics, offset)
             version = max(version, newest)
             try:
-                samples.append((version, rss_mb(server.popen.pid)))
+                samples.append((version, rss_mb(run.server.popen.pid)))
             except psutil.Error:
                 break
             time.sleep(SAMPLE_S)
-    finally:
-        os.chdir(here)
-        children.stop(server, first_grace_s=60)
-        children.close()
-        mark.close()
-        log.close()
+    metrics = run_dir / "metrics.jsonl"
     assert new_events(metrics, 0), f"no events in {metrics}"
     return samples
 
