@@ -428,8 +428,22 @@ def is_running(pid: int) -> bool:
 
 
 def peak_rss_bytes(children: bool = False) -> int:
-    """The peak resident set size of this process, or of the largest of its reaped children
-    (``resource.getrusage``; Linux reports kibibytes, macOS bytes)."""
+    """The peak resident set size of this program, or of the largest of its reaped children.
+
+    Linux's ``getrusage`` carries the parent's size at fork into a child's maximum across
+    ``exec``, so a small program started by a large one would report the large one's size:
+    this program's own peak is read from ``VmHWM`` in ``/proc/self/status`` (its address space
+    since ``exec``) where that exists. The children's figure is ``getrusage``'s, with that
+    caveat (Linux reports kibibytes, macOS bytes).
+    """
+    if not children:
+        try:
+            with open("/proc/self/status", encoding="ascii") as status:
+                for line in status:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
     who = resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF
     peak = resource.getrusage(who).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024

@@ -168,3 +168,17 @@ def test_peak_rss_of_this_process_and_of_its_reaped_children() -> None:
     assert before == 0  # no child reaped yet
     assert children >= 200 * 2**20  # the child touched every page of 200 MiB
     assert own > 0
+
+
+def test_a_small_program_started_by_a_large_one_reports_its_own_peak() -> None:
+    code = (
+        "import subprocess, sys\n"
+        "x = bytearray(300 * 2**20); x[::4096] = b'1' * len(x[::4096])\n"
+        "child = 'from common.procs import peak_rss_bytes; print(peak_rss_bytes())'\n"
+        "print(subprocess.run([sys.executable, '-c', child], capture_output=True, text=True,"
+        " check=True, timeout=60).stdout.strip())\n"
+    )
+    done = subprocess.run(
+        [PY, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert int(done.stdout) < 200 * 2**20  # not the parent's 300 MiB
