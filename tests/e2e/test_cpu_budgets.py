@@ -79,7 +79,7 @@ def test_budgets_slow_a_cpu_bound_step_in_proportion(cgroups: CpuHierarchy, tmp_
                 CpuBudgets.wrap(group, [sys.executable, "-c", STEP_SCRIPT.format(steps=40)]),
                 capture_output=True,
                 text=True,
-                timeout=60,
+                timeout=240,  # at 0.1 core importing torch alone takes 20-40 s of wall time
                 cwd=ROOT,
                 env={**os.environ, "PYTHONPATH": str(ROOT)},
                 check=True,
