@@ -26,6 +26,7 @@ import numpy as np
 
 from common.data.splits import take_stratified
 from common.training.evaluator import Evaluator, lower_thread_priority, record_evaluation
+from common.training.metrics import Scores
 from common.training.runlog import RunLog
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class EvalScheduler:
         self._skip_interval: float | None = None  # set when first behind, until the subset fits
         self._fell_behind = False
         self._wanted = False
-        self._last: dict[str, Any] | None = None
+        self._last: tuple[int, Scores, int] | None = None  # version, scores, samples (all)
         self._runner: asyncio.Task[None] | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="eval", initializer=lower_thread_priority
@@ -176,14 +177,14 @@ class EvalScheduler:
         )
 
     async def final(self, version: int) -> dict[str, Any] | None:
-        """Wait for a running evaluation, then score the final ``version`` on the whole test
-        split (unless that evaluation just happened)."""
+        """Wait for a running evaluation, then record the final ``version`` scored on the
+        whole test split (reusing the scores when the last in-run evaluation just did that)."""
         self._wanted = False
         if self._runner is not None:
             await asyncio.gather(self._runner, return_exceptions=True)
-        last = self._last
-        if last is not None and last["version"] == version and self.subset is None:
-            return last
+        if self._last is not None and self._last[0] == version:
+            _, scores, scored = self._last
+            return self._record(version, scores, scored, eval_s=0.0, final=True)
         return await self._evaluate(None, final=True)
 
     async def _evaluate(self, indices: np.ndarray | None, final: bool) -> dict[str, Any] | None:
@@ -199,6 +200,13 @@ class EvalScheduler:
         self._rate = scored / max(eval_s, 1e-6)
         if self._skip_interval is not None and not final:
             self._fit_subset()
+        self._last = (version, scores, scored) if indices is None else None
+        return self._record(version, scores, scored, eval_s=eval_s, final=final)
+
+    def _record(
+        self, version: int, scores: Scores, scored: int, eval_s: float, final: bool
+    ) -> dict[str, Any]:
+        """Log the evaluation of ``version`` and pass it on."""
         info = self.versions.get(version, VersionInfo(0, 0, self.log.now(), 0.0))
         record = record_evaluation(
             self.log,
@@ -213,7 +221,6 @@ class EvalScheduler:
             test_samples=scored,
             final=final,
         )
-        self._last = record
         self.on_record(record)
         return record
 

@@ -49,9 +49,27 @@ async def test_evaluations_falling_behind_warn_once_with_the_remedy(
     assert len(warnings) == 1, warnings  # once, when evaluations first fall behind
     assert "--eval-samples" in warnings[0]
     evals = [e for e in ps.log.events if e["event"] == "eval"]
-    assert evals[-1]["epochs_done"] == pytest.approx(3.0)
-    done = [e["epochs_done"] for e in evals]
+    assert evals[-1]["final"] and evals[-1]["epochs_done"] == pytest.approx(3.0)
+    done = [e["epochs_done"] for e in evals if not e["final"]]
     assert done == sorted(done) and len(set(done)) == len(done)  # each places its version
+
+
+async def test_a_final_version_already_scored_in_run_is_recorded_as_final(small_hsi) -> None:
+    async with (
+        live_server(small_hsi, mode="async", workers=1, epochs=100, eval_every_updates=1) as ps,
+        clients(ps.address, 1) as (client,),
+    ):  # fmt: skip
+        member, task = await client.join("fast")
+        await client.push(member, task, np.full(ps.state_size, 1e-4, dtype=np.float32))
+        await poll_until_async(lambda: ps.run.evals, 60, 0.01, "the in-run evaluation")
+        ps.request_stop()
+        await poll_until_async(
+            lambda: ps.run.evals[-1].get("final"), 60, 0.01, "the final evaluation"
+        )
+    in_run, final = [e for e in ps.log.events if e["event"] == "eval"]
+    assert (in_run["version"], in_run["final"], final["version"]) == (1, False, 1)
+    assert final["oa"] == in_run["oa"] and final["test_samples"] == in_run["test_samples"]
+    assert final["eval_s"] == 0  # the scores of the in-run evaluation, not scored twice
 
 
 @pytest.mark.realdata
