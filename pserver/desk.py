@@ -3,12 +3,16 @@ their next task or with stop."""
 
 from __future__ import annotations
 
-from common.protocol.messages import TaskReply
+from collections.abc import Callable
+from typing import Any
+
+from common.protocol.messages import ParamsChunk, TaskParamsReply, TaskReply
 from common.protocol.tokens import TokenBook
 from common.training.runlog import RunLog
 from pserver.membership import Roster, Task, WorkerInfo
 from pserver.policies import Assignment, ModePolicy
 from pserver.runstate import RunState
+from pserver.store.pool import Lease
 from pserver.store.service import Replier
 from pserver.updates import Updater
 
@@ -24,6 +28,8 @@ class TaskDesk:
         updater: the published version, which each reply names.
         run: the run (no tasks once training ended; a failure named in stop replies).
         log: the run log (``leave`` events of stopped workers).
+        whole_params: the published parameters as one chunk with their lease, or None (for
+            replies to pushes that carried their gradient; None when the run cannot fuse).
     """
 
     def __init__(
@@ -35,9 +41,11 @@ class TaskDesk:
         updater: Updater,
         run: RunState,
         log: RunLog,
+        whole_params: Callable[[], tuple[ParamsChunk, Lease | None] | None] | None = None,
     ) -> None:
         self.roster, self.policy, self.replier = roster, policy, replier
         self.store_tokens, self.updater, self.run, self.log = store_tokens, updater, run, log
+        self.whole_params = whole_params
 
     def plan(self) -> None:
         """Queue whatever tasks the policy plans now."""
@@ -64,23 +72,29 @@ class TaskDesk:
                 self.send(worker, task, self.policy.prefetch_hint(worker))
 
     def send(self, worker: WorkerInfo, task: Task, hint: Task | None) -> None:
-        """Answer ``worker``'s waiting request with ``task`` to run (and ``hint`` to prefetch)."""
+        """Answer ``worker``'s waiting request with ``task`` to run (and ``hint`` to prefetch);
+        a push that carried its gradient gets the published parameters in the same reply."""
         waiter = self.roster.released(worker, task)
         if waiter is None:
             return
-        self.replier.reply(
-            waiter.identity,
-            waiter.request_id,
-            TaskReply(
-                action="train",
-                task_id=task.task_id,
-                push_token=self.store_tokens.push_token(worker.worker_id, task.task_id),
-                version=self.updater.version,
-                epoch=task.epoch,
-                indices=task.indices,
-                prefetch=hint.indices if hint else [],
-            ),
+        fields: dict[str, Any] = dict(
+            action="train",
+            task_id=task.task_id,
+            push_token=self.store_tokens.push_token(worker.worker_id, task.task_id),
+            version=self.updater.version,
+            epoch=task.epoch,
+            indices=task.indices,
+            prefetch=hint.indices if hint else [],
         )
+        whole = self.whole_params() if waiter.with_params and self.whole_params else None
+        if whole is None:
+            self.replier.reply(waiter.identity, waiter.request_id, TaskReply(**fields))
+            return
+        params, lease = whole
+        reply = TaskParamsReply(
+            **fields, params_version=params.version, scale=params.scale, params=params.params
+        )
+        self.replier.reply(waiter.identity, waiter.request_id, reply, lease=lease)
 
     def stop_waiting(self) -> None:
         """Tell every waiting worker to stop."""

@@ -24,6 +24,7 @@ from common.protocol.messages import (
     DataReply,
     DataRequest,
     GradientChunk,
+    GradientPushRequest,
     HeartbeatReply,
     HeartbeatRequest,
     JoinReply,
@@ -116,6 +117,7 @@ class Handlers:
             JoinRequest: self.join,
             TaskRequest: self.task,
             PushRequest: self.push,
+            GradientPushRequest: self.gradient_push,
             DataRequest: self.data,
             StatusRequest: self.status,
             HeartbeatRequest: self.heartbeat,
@@ -233,6 +235,17 @@ class Handlers:
 
     async def push(self, request: Request, msg: PushRequest) -> None:
         await self.pushes.push(request, msg)
+
+    async def gradient_push(self, request: Request, msg: GradientPushRequest) -> None:
+        """A push with its gradient inside: staged in the coordinator's own store, then the
+        push path as for ``push_request``."""
+        stores = self._local_stores("gradient_push_request")
+        await stores.on_gradient_push(msg)
+        try:
+            await self.pushes.push(request, msg)
+        except ProtocolError as exc:  # refused: the gradient it brought goes with it
+            await stores.drop([msg.task_id], exc.code, str(exc))
+            raise
 
     # --- data -------------------------------------------------------------------------------
 

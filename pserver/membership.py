@@ -66,10 +66,12 @@ class TaskFactory:
 
 @dataclasses.dataclass
 class Waiter:
-    """A request whose reply is deferred until the worker has a task to run."""
+    """A request whose reply is deferred until the worker has a task to run; ``with_params``:
+    the reply carries the published parameters (the request was a ``gradient_push_request``)."""
 
     identity: bytes
     request_id: int
+    with_params: bool = False
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 
 from common.errors import ErrorCode, ProtocolError, ShardLost
-from common.protocol.messages import PushRequest
+from common.protocol.messages import GradientPushRequest, PushRequest
 from pserver.booking import Ledger
 from pserver.config import ServerConfig
 from pserver.desk import TaskDesk
@@ -78,7 +78,7 @@ class Pushes:
         """
         roster = self.roster
         worker = roster.member(msg.worker_id, msg.token, request.user_id)
-        waiter = Waiter(request.identity, request.request_id)
+        waiter = Waiter(request.identity, request.request_id, isinstance(msg, GradientPushRequest))
         if self.run.finished:
             roster.wait(worker, waiter)
             self.desk.stop(worker)

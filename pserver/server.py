@@ -47,6 +47,7 @@ from pserver.sampler import EpochSampler
 from pserver.shutdown import Shutdown, watch_shards
 from pserver.snapshots.snapshot_hooks import SnapshotHook
 from pserver.store.build import build_stores
+from pserver.store.service import StoreService
 from pserver.store.shards import ShardRegistry
 from pserver.store.stores import CapturedState, RemoteStores
 from pserver.summary import StatusView
@@ -203,6 +204,9 @@ class ParameterServer:
             self.updater,
             self.run,
             self.log,
+            self.stores.whole_params
+            if isinstance(self.stores, StoreService) and self.stores.one_chunk
+            else None,
         )
         self.pushes = Pushes(
             config,

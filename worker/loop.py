@@ -11,6 +11,7 @@ import math
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import zmq
@@ -27,11 +28,13 @@ from common.errors import (
 from common.protocol.client import Connection
 from common.protocol.messages import (
     OPTIONAL_REPLY_FIELDS,
+    GradientPushRequest,
     JoinReply,
     JoinRequest,
     LeaveReply,
     LeaveRequest,
     PushRequest,
+    TaskParamsReply,
     TaskReply,
     TaskRequest,
 )
@@ -357,7 +360,7 @@ class Worker:
                 self.speed.speed,
             )
         assert self.conn is not None
-        push = PushRequest(
+        fields: dict[str, Any] = dict(
             worker_id=self.worker_id,
             token=self.token,
             task_id=task.task_id,
@@ -368,20 +371,32 @@ class Worker:
             transfer_s=stores.transfer_s,
             loss=loss,
         )
-        replica.finish_push(task, stores)
+        push: PushRequest
+        if stores.whole_on_coordinator:  # one message each way: the gradient goes inside
+            gradient, scale = stores.encode_whole(replica.gradient_on_host())
+            push = GradientPushRequest(
+                **fields, push_token=task.push_token, scale=scale, gradient=gradient
+            )
+        else:
+            push = PushRequest(**fields)
+            replica.finish_push(task, stores)
         stagetrace.mark("w_push", task=task.task_id)
         try:
             reply = self.conn.request(push, expect=TaskReply)
             stagetrace.mark("w_reply", task=task.task_id)
         except RemoteError as exc:
-            self._drain()
+            if not stores.whole_on_coordinator:
+                self._drain()
             if exc.code not in RETRY_CODES:
                 raise
             self.stats.rejected += 1
             log.info("push rejected (%s); pulling fresh parameters", exc)
             replica.loaded_version = -1
             return self._request_task()
-        if reply.action == "train":
+        if isinstance(reply, TaskParamsReply):
+            replica.loaded_version = stores.load_whole(reply, replica.host_state)
+            stagetrace.mark("w_params", task=task.task_id, version=replica.loaded_version)
+        elif reply.action == "train" and not stores.whole_on_coordinator:
             try:
                 replica.loaded_version = stores.collect(
                     replica.host_state, self.config.reply_timeout_s

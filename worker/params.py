@@ -5,6 +5,8 @@ Each store (the coordinator itself with ``--shards 1``, else each shard) gets it
 A push sends every chunk of the gradient without waiting; each chunk is answered with the same
 range of the next parameters once the update is published, and those chunks are written into
 the host state buffer as they arrive. A pull asks every chunk of the parameters at once.
+When the coordinator is the only store and the state is one chunk, the gradient travels inside
+the push request and the parameters inside its reply instead (``whole_on_coordinator``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import itertools
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import zmq
 
@@ -20,7 +23,13 @@ from common import stagetrace
 from common.errors import ErrorCode, NetworkTimeout, ProtocolError, RemoteError, ServerLost
 from common.protocol.base import parse_message
 from common.protocol.chunks import as_tensor, chunk_spans, decode_into, encode
-from common.protocol.messages import REPLIES, GradientChunk, ParamsChunk, PullRequest
+from common.protocol.messages import (
+    REPLIES,
+    GradientChunk,
+    ParamsChunk,
+    PullRequest,
+    TaskParamsReply,
+)
 from common.protocol.security import ClientKeys
 
 
@@ -84,6 +93,26 @@ class StoreClient:
         self._push: tuple[int, str, int] = (0, "", 0)
         self._unsent: set[int] = set()
         self._chunks = [span for spans in self._spans for span in spans]
+        self.whole_on_coordinator = list(addresses) == [""] and len(self._chunks) == 1
+
+    def encode_whole(self, gradient: torch.Tensor) -> tuple[np.ndarray, float]:
+        """The whole gradient in the wire format and its scale, to travel inside the push
+        (``whole_on_coordinator`` runs only)."""
+        return encode(gradient, self.wire)
+
+    def load_whole(self, reply: TaskParamsReply, state: torch.Tensor) -> int:
+        """Write the parameters a push's reply carried into ``state``; returns their version.
+
+        Raises:
+            ProtocolError: they are not the whole state in the run's wire format.
+        """
+        span = self._chunks[0]
+        chunk = ParamsChunk(
+            version=reply.params_version, offset=span[0], scale=reply.scale, params=reply.params
+        )
+        self._load(chunk, span, state)
+        self.transfer_s = 0.0  # they came with the reply, not chunk by chunk
+        return reply.params_version
 
     @property
     def chunks(self) -> list[tuple[int, int]]:

@@ -137,6 +137,11 @@ class Replica:
         self.overlapped = overlap
         return value
 
+    def gradient_on_host(self) -> torch.Tensor:
+        """The last step's gradient (and buffer change) in the host buffer."""
+        self.flat.push_into(self.host_grad)
+        return self.host_grad
+
     def finish_push(self, task: TaskReply, stores: StoreClient) -> None:
         """Send what backward did not already push, right before the push request: chunks
         and request then reach the server together and wake it once, not twice."""
@@ -144,8 +149,7 @@ class Replica:
             assert self.overlap is not None
             self.overlap.finish()
             return
-        self.flat.push_into(self.host_grad)
-        stores.push(task.task_id, task.push_token, task.version, self.host_grad)
+        stores.push(task.task_id, task.push_token, task.version, self.gradient_on_host())
 
     def ensure_params(self, task: TaskReply, stores: StoreClient, timeout_s: float) -> None:
         """Make sure the parameters of ``task.version`` (or newer) are loaded."""

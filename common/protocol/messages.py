@@ -32,6 +32,7 @@ __all__ = [
     "DataReply",
     "DataRequest",
     "GradientChunk",
+    "GradientPushRequest",
     "HeartbeatReply",
     "HeartbeatRequest",
     "JoinReply",
@@ -44,6 +45,7 @@ __all__ = [
     "PushRequest",
     "StatusReply",
     "StatusRequest",
+    "TaskParamsReply",
     "TaskReply",
     "TaskRequest",
     "error_frames",
@@ -119,6 +121,19 @@ class PushRequest(Message):
     compute_s: float
     transfer_s: float
     loss: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GradientPushRequest(PushRequest):
+    """A push that carries its gradient, for runs whose coordinator is the only store and whose
+    state is one chunk: ``push_token``, ``scale`` and ``gradient`` as in ``gradient_chunk``
+    (offset 0, the whole state). Answered as ``push_request`` is; a task to train comes as a
+    ``task_params_reply`` with the new parameters inside."""
+
+    TYPE: ClassVar[str] = "gradient_push_request"
+    push_token: str
+    scale: float
+    gradient: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,6 +263,17 @@ class TaskReply(Message):
     finish_reason: str | None = None
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskParamsReply(TaskReply):
+    """A ``task_reply`` to a ``gradient_push_request`` that also carries the published
+    parameters: the whole state of ``params_version`` in the wire format, times ``scale``."""
+
+    TYPE: ClassVar[str] = "task_params_reply"
+    params_version: int
+    scale: float
+    params: np.ndarray
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamsChunk(Message):
     """Parameters ``[offset, offset + n)`` of ``version`` in the wire format, times ``scale``."""
@@ -303,6 +329,7 @@ WORKER_REQUESTS: dict[str, type[Message]] = {
         JoinRequest,
         TaskRequest,
         PushRequest,
+        GradientPushRequest,
         DataRequest,
         HeartbeatRequest,
         StatusRequest,
@@ -315,6 +342,7 @@ REPLIES: dict[str, type[Message]] = {
     for m in (
         JoinReply,
         TaskReply,
+        TaskParamsReply,
         ParamsChunk,
         DataReply,
         HeartbeatReply,

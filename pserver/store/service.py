@@ -23,10 +23,16 @@ import torch
 
 from common.errors import ErrorCode, ProtocolError
 from common.protocol.chunks import as_tensor, encode
-from common.protocol.messages import GradientChunk, Message, ParamsChunk, PullRequest
+from common.protocol.messages import (
+    GradientChunk,
+    GradientPushRequest,
+    Message,
+    ParamsChunk,
+    PullRequest,
+)
 from common.protocol.tokens import TokenBook
 from pserver.store.pool import Lease
-from pserver.store.slices import SliceStore
+from pserver.store.slices import SliceStore, StagedGradient
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +110,7 @@ class StoreService:
         self._complete: dict[int, asyncio.Event] = {}
         self._published = asyncio.Event()
         self._encoded: _Encoded | None = None
+        self._whole: _Encoded | None = None  # one-chunk slices: the published one, held
         self._finished_ids: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._closed = False
 
@@ -119,19 +126,56 @@ class StoreService:
 
     # --- from workers -----------------------------------------------------------------------
 
+    @property
+    def one_chunk(self) -> bool:
+        """The slice is one chunk: pushes may carry their gradient (``gradient_push_request``)."""
+        return len(self.store.spans) == 1
+
     async def on_gradient_chunk(self, identity: bytes, request_id: int, msg: GradientChunk) -> None:
         """Stage one chunk; its reply waits for the update the gradient goes into."""
-        self._check_open()
-        self.tokens.check_push(msg.worker_id, msg.task_id, msg.token)
-        if msg.task_id in self._finished_ids:
-            raise ProtocolError(ErrorCode.WRONG_TASK, f"task {msg.task_id} is already closed")
-        data = as_tensor(msg.gradient, self.wire, "gradient")
-        staged = await self._run(
-            self.store.stage, msg.task_id, msg.worker_id, msg.version, msg.offset, msg.scale, data
+        staged = await self._stage(
+            msg.worker_id, msg.task_id, msg.token, msg.version, msg.offset, msg.scale, msg.gradient
         )
         self._pending[msg.task_id].append((identity, request_id, msg.offset))
         if staged.complete(self.store.size):
             self._event(msg.task_id).set()
+
+    async def on_gradient_push(self, msg: GradientPushRequest) -> None:
+        """Stage the whole gradient that came inside its push; no chunk reply waits (the
+        push's reply carries the parameters).
+
+        Raises:
+            ProtocolError: BAD_FIELD when the slice is more than one chunk; as a chunk is
+                refused otherwise.
+        """
+        if not self.one_chunk:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"the state is {len(self.store.spans)} chunks: send them as gradient_chunk",
+            )
+        staged = await self._stage(
+            msg.worker_id, msg.task_id, msg.push_token, msg.version, self.store.lo, msg.scale,
+            msg.gradient,
+        )  # fmt: skip
+        if staged.complete(self.store.size):
+            self._event(msg.task_id).set()
+
+    async def _stage(
+        self,
+        worker_id: int,
+        task_id: int,
+        push_token: str,
+        version: int,
+        offset: int,
+        scale: float,
+        gradient: np.ndarray,
+    ) -> StagedGradient:
+        self._check_open()
+        self.tokens.check_push(worker_id, task_id, push_token)
+        if task_id in self._finished_ids:
+            raise ProtocolError(ErrorCode.WRONG_TASK, f"task {task_id} is already closed")
+        data = as_tensor(gradient, self.wire, "gradient")
+        return await self._run(self.store.stage, task_id, worker_id, version, offset, scale, data)
 
     async def on_pull(self, identity: bytes, request_id: int, msg: PullRequest) -> None:
         """Answer with one chunk of the published parameters, once ``min_version`` is out."""
@@ -218,7 +262,23 @@ class StoreService:
             self._finished_ids[task_id] = None
         while len(self._finished_ids) > CLOSED_TASKS:
             self._finished_ids.popitem(last=False)
+        if self.one_chunk:
+            whole, self._whole = self._whole, await self._run(self._encode)
+            if whole is not None and whole.lease is not None:
+                whole.lease.release()
         await self._send_chunks(waiting)
+
+    def whole_params(self) -> tuple[ParamsChunk, Lease | None] | None:
+        """The published parameters as one chunk and the lease that keeps its buffer, for the
+        reply to a push that carried its gradient; None when the slice is more than one chunk
+        or nothing new was published yet."""
+        whole = self._whole
+        if whole is None or whole.version != self.store.version:
+            return None
+        data, scale = whole.chunks[self.store.lo]
+        return ParamsChunk(version=whole.version, offset=self.store.lo, scale=scale, params=data), (
+            whole.lease
+        )
 
     async def abort(self, version: int, code: int, message: str) -> None:
         """Discard the candidate and answer its tasks' chunks with error ``code``."""

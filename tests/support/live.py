@@ -20,6 +20,7 @@ from common.protocol.chunks import chunk_spans, encode
 from common.protocol.messages import (
     REPLIES,
     GradientChunk,
+    GradientPushRequest,
     JoinReply,
     JoinRequest,
     Message,
@@ -185,6 +186,16 @@ def push_request(member: Member, task: TaskReply, **changes: Any) -> PushRequest
     )
     fields.update(changes)
     return PushRequest(**fields)
+
+
+def gradient_push(
+    member: Member, task: TaskReply, gradient: np.ndarray, **changes: Any
+) -> GradientPushRequest:
+    """The push answering ``task`` with ``gradient`` inside (fields may be changed)."""
+    data, scale = encode(torch.from_numpy(gradient), member.join.wire_dtype)
+    fields = {**vars(push_request(member, task)), "push_token": task.push_token}
+    fields.update({"scale": scale, "gradient": data, **changes})
+    return GradientPushRequest(**fields)
 
 
 def published(ps: ParameterServer) -> torch.Tensor:
