@@ -38,10 +38,13 @@ from launch.procs import EventsMark, new_events, wait_for_address
 # (stage, markers): a sample belongs to the first stage with a marker in its stack, markers
 # tried innermost frame first. Order matters: more specific stages come first.
 WORKER_STAGES = [
-    ("push: encode + send chunks", ("OverlappedPush._send", "StoreClient.send_chunk")),
+    (
+        "push: encode + send gradient",
+        ("OverlappedPush._send", "StoreClient.send_chunk", "StoreClient.encode_whole"),
+    ),
     ("backward", ("Tensor.backward",)),
     ("forward + loss", ("Replica.compute",)),
-    ("fused params: receive + decode", ("StoreClient.collect",)),
+    ("fused params: receive + decode", ("StoreClient.collect", "StoreClient.load_whole")),
     ("load params into the model", ("Replica.ensure_params",)),
     ("data hand-off (prefetched batch)", ("Replica.batch",)),
     ("wait for the server's reply", ("Poller.poll",)),
@@ -50,7 +53,10 @@ WORKER_STAGES = [
 SERVER_STAGES = [
     ("idle (event loop waits)", ("EpollSelector.select",)),
     ("data requests (prefetch)", ("Handlers.data",)),
-    ("stage gradient chunk: decode + checks", ("StoreService.on_gradient_chunk",)),
+    (
+        "stage gradient: decode + checks",
+        ("StoreService.on_gradient_chunk", "StoreService.on_gradient_push"),
+    ),
     ("accumulate + optimizer step + checks", ("SliceStore.prepare",)),
     ("snapshot/publish + reply params", ("StoreService.publish",)),
     ("book the round (metrics, ledger)", ("Ledger.book",)),
