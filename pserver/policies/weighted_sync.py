@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from common.protocol.messages import PushRequest
 from common.training.perfmodel import RoundSpread
 from common.training.planner import plan_by_model, plan_by_speed
 from common.training.probes import PROBE_EVERY, PROBE_EVERY_MAX, ProbeSchedule
 from pserver.config import ServerConfig
-from pserver.membership import WorkerInfo
-from pserver.policies.base import Update
+from pserver.membership import Task, WorkerInfo
+from pserver.policies.base import Decision, Update
 from pserver.policies.sync_rounds import SyncRounds
 from pserver.roundtiming import RoundTiming
 
@@ -60,6 +61,14 @@ class WeightedSync(SyncRounds):
         super().__init__(*args, **kwargs)
         self.probes = ProbeSchedule()
         self.spread = RoundSpread()
+
+    def decide(
+        self, worker: WorkerInfo, task: Task, push: PushRequest, version: int, clip: float
+    ) -> Decision:
+        decision = super().decide(worker, task, push, version, clip)
+        if decision.update is None and self.config.planner != "speed":
+            worker.perf.fit()  # refit while the round waits: one model less when it closes
+        return decision
 
     def batch_sizes(self, workers: list[WorkerInfo], total: int) -> dict[int, int]:
         speeds = {w.worker_id: w.speed for w in workers}

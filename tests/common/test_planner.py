@@ -496,3 +496,32 @@ def test_weighted_sync_measures_the_spread_on_members_of_consecutive_rounds() ->
         # round 1 is every member's first (no prefetch): only rounds 2 and 3 are measured
         assert [r for r, _ in policy.spread.recent] == list(range(2, round_id + 1))
         assert all(len(devs) == 2 for _, devs in policy.spread.recent)
+
+
+def test_weighted_sync_refits_a_pushers_model_while_its_round_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The plan made when a round closes refits only the models of pushes that closed it."""
+    policy, workers = _policy("model")
+    for worker, task in policy.plan(workers):
+        worker.tasks.append(task)
+    refits: list[str] = []
+    refit = PerfModel._refit
+
+    def counted(model: PerfModel) -> Fit | None:
+        refits.append(next(w.name for w in workers if w.perf is model))
+        return refit(model)
+
+    monkeypatch.setattr(PerfModel, "_refit", counted)
+    decisions = []
+    for worker in workers:
+        task = policy.runnable(worker)
+        assert task is not None
+        worker.perf.add_compute(task.size, 0.002 + task.size * 1e-3)
+        push = PushRequest(worker.worker_id, "tok", task.task_id, 0, task.size, 1.0, 0.01, 0.0, 1.0)
+        decisions.append(policy.decide(worker, task, push, 0, 1.0))
+        if worker is workers[0]:
+            assert decisions[0].update is None and refits == ["w1"]  # refitted while it waits
+    assert decisions[1].update is not None and refits == ["w1"]  # the closing push: not yet
+    policy.batch_sizes(workers, 64)
+    assert refits == ["w1", "w2"]  # the plan refits only the closing pusher's model
