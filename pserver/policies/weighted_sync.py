@@ -72,14 +72,10 @@ class WeightedSync(SyncRounds):
 
     def batch_sizes(self, workers: list[WorkerInfo], total: int) -> dict[int, int]:
         speeds = {w.worker_id: w.speed for w in workers}
-        probe = self.probes.due(speeds)
-        if len(workers) == 1 and total > 0:  # a round of one member: it takes the whole batch
-            sizes = {workers[0].worker_id: total}
-            self.probes.planned(speeds, sizes, probe)
-            return sizes
         minimum = self.min_local_batch
         fits = {w.worker_id: w.perf.fit() for w in workers}
         sizes = None
+        probe = self.probes.due(speeds)
         if self.config.planner != "speed" and all(f is not None for f in fits.values()):
             if self.config.planner == "compute":  # the same model without transfer time
                 fits = {w: dataclasses.replace(f, transfer_s=0.0) for w, f in fits.items() if f}

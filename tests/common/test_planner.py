@@ -34,7 +34,6 @@ from common.training.planner import (
     expected_round_s,
     plan_batches,
     plan_by_model,
-    plan_by_speed,
 )
 from pserver.config import ServerConfig
 from pserver.membership import Roster, TaskFactory, WorkerInfo
@@ -526,14 +525,3 @@ def test_weighted_sync_refits_a_pushers_model_while_its_round_waits(
     assert decisions[1].update is not None and refits == ["w1"]  # the closing push: not yet
     policy.batch_sizes(workers, 64)
     assert refits == ["w1", "w2"]  # the plan refits only the closing pusher's model
-
-
-@pytest.mark.parametrize("total", [1, 4, 7, 64])
-def test_weighted_sync_gives_a_lone_member_the_whole_batch_as_the_planners_do(total: int) -> None:
-    policy, (worker, _) = _policy("model")
-    fit = worker.perf.fit()
-    assert fit is not None
-    expected = {worker.worker_id: total}
-    assert plan_by_model({worker.worker_id: fit}, total, (), 0.0, 8) == expected
-    assert plan_by_speed({worker.worker_id: worker.speed}, total, (), 8) == expected
-    assert policy.batch_sizes([worker], total) == expected
