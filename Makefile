@@ -47,7 +47,7 @@ ci-deps:
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=25 $(PYTEST_ARGS)
 
 # The unit tests that are not marked slow, in $(TEST_JOBS) processes of one compute thread
 # each (more threads than cores make torch's OpenMP workers spin against each other).

@@ -221,8 +221,10 @@ class StoreService:
         Raises:
             ProtocolError: INCOMPLETE after ``timeout_s``; WRONG_TASK if another worker staged it.
         """
+        event = self._event(task_id)
         try:
-            await asyncio.wait_for(self._event(task_id).wait(), timeout_s)
+            if not event.is_set():  # (a gradient that came inside its push is in already)
+                await asyncio.wait_for(event.wait(), timeout_s)
         except TimeoutError:
             raise ProtocolError(
                 ErrorCode.INCOMPLETE,
