@@ -15,7 +15,8 @@ main``) every PS run is also made with that code, right after this code's (the o
 every repeat), so a change is measured side by side on the same noisy machine.
 
 A round's overhead is its median round time minus the median in-process step of the same
-repeat. The last lines print the medians over repeats and ``overhead_ms=X.X`` (one worker).
+repeat. The last lines print the medians over repeats and the kept figures: ``overhead_ms``
+(one worker), ``overhead_N_workers_ms`` and, with a baseline, the same prefixed ``baseline_``.
 
 Needs the Jasper Ridge files (``--jasper``, default ../shared/datasets/jasper_ridge).
 
@@ -189,9 +190,11 @@ def main(argv: list[str] | None = None) -> None:
                 f"{n} worker(s): baseline round / this round = {ratio:.2f} "
                 f"(10th percentiles: {ratio_low:.2f})"
             )
-    if 1 in counts:
-        over = [r[0] - s[0] for r, s in zip(ps["this", 1], local, strict=True)]
-        print(f"overhead_ms={statistics.median(over) * 1e3:.1f}")
+    for (name, n), runs in ps.items():  # the kept figures: overhead_ms is this code's, 1 worker
+        over = [r[0] - s[0] for r, s in zip(runs, local, strict=True)]
+        prefix = "" if name == "this" else f"{name}_"
+        suffix = "" if n == 1 else f"_{n}_workers"
+        print(f"{prefix}overhead{suffix}_ms={statistics.median(over) * 1e3:.2f}")
 
 
 if __name__ == "__main__":
