@@ -298,9 +298,10 @@ def eval_curve(run_dir: Path) -> list[dict[str, float]]:
         run_dir: a run directory with ``metrics.jsonl``.
 
     Returns:
-        One point per eval event, in order of samples seen.
+        One point per evaluated version, in order of samples seen; a version scored twice
+        (in-run, then again as the final evaluation) keeps the later, final scores.
     """
-    start, points = 0.0, []
+    start, by_version = 0.0, {}
     with (run_dir / "metrics.jsonl").open(encoding="utf-8") as f:
         for line in f:
             event = json.loads(line)
@@ -308,14 +309,12 @@ def eval_curve(run_dir: Path) -> list[dict[str, float]]:
                 start = event["t"]
             elif event["event"] == "eval":
                 time_s = event.get("train_t", event["t"] - start)
-                points.append(
-                    {
-                        "time_s": round(max(time_s, 0.0), 4),
-                        "samples": event["samples"],
-                        **{k: event[k] for k in ("oa", "aa", "kappa")},
-                    }
-                )
-    return sorted(points, key=lambda p: (p["samples"], p["time_s"]))
+                by_version[event["version"]] = {
+                    "time_s": round(max(time_s, 0.0), 4),
+                    "samples": event["samples"],
+                    **{k: event[k] for k in ("oa", "aa", "kappa")},
+                }
+    return sorted(by_version.values(), key=lambda p: (p["samples"], p["time_s"]))
 
 
 def time_to_target(curve: list[dict[str, float]], target: float | None) -> float | None:

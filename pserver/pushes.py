@@ -107,7 +107,7 @@ class Pushes:
                 roster.wait(worker, waiter)
                 self.desk.stop(worker)
                 return
-            clip = self.guard.check(report)
+            clip = self.guard.check(report, task.task_id)
         except ProtocolError as exc:
             roster.end_push(worker)
             if exc.code == ErrorCode.NON_FINITE:

@@ -23,6 +23,11 @@ GUARD_WARMUP = 8
 # Before enough norms are known, only pushes beyond these are refused (no sane model has them).
 GRAD_NORM_CAP = 1e8
 BUFFER_NORM_CAP = 1e8
+# A task whose gradient was refused this many times, recomputed on fresh parameters each time,
+# is taken clipped to the limit: its norm is what the samples give, and a sync round (whose
+# parameters cannot change until it closes) would otherwise refuse it forever.
+REFUSALS_BEFORE_CLIP = 3
+REMEMBERED_REFUSALS = 1024
 
 
 class GradientGuard:
@@ -30,7 +35,9 @@ class GradientGuard:
 
     By default nothing is clipped, so weighted-sync stays exact: a push is refused only when
     its gradient (or buffer change) norm exceeds ``outlier_factor`` times the median of the
-    last accepted ones (or a fixed cap while fewer than 8 are known).
+    last accepted ones (or a fixed cap while fewer than 8 are known). A task whose gradient
+    was refused ``REFUSALS_BEFORE_CLIP - 1`` times is then taken with its gradient clipped to
+    the limit, so training cannot stall on it.
 
     Args:
         max_grad_norm: clip pushes to this gradient norm (None: never clip).
@@ -43,14 +50,15 @@ class GradientGuard:
         self._buffers: collections.deque[float] = collections.deque(maxlen=GUARD_WINDOW)
         self.refused = 0
         self.clipped = 0
+        self._refusals: collections.OrderedDict[int, int] = collections.OrderedDict()
 
     def _limit(self, recent: collections.deque[float], cap: float) -> float:
         if len(recent) < GUARD_WARMUP:
             return cap
         return self.outlier_factor * max(statistics.median(recent), 1e-6)
 
-    def check(self, report: StageReport) -> float:
-        """The factor to apply to this push (1.0 unless clipped).
+    def check(self, report: StageReport, task_id: int) -> float:
+        """The factor to apply to this push of ``task_id`` (1.0 unless clipped).
 
         Raises:
             ProtocolError: NON_FINITE for NaN/Inf; REFUSED for an absurd norm.
@@ -59,23 +67,43 @@ class GradientGuard:
             raise ProtocolError(ErrorCode.NON_FINITE, "pushed gradient contains NaN or Inf")
         grad = math.sqrt(report.grad_sq)
         buffers = math.sqrt(report.buffer_sq)
+        factor = 1.0
+        refusals = self._refusals.get(task_id, 0)
         for norm, recent, cap, what in (
             (grad, self._grads, GRAD_NORM_CAP, "gradient"),
             (buffers, self._buffers, BUFFER_NORM_CAP, "buffer change"),
         ):
             limit = self._limit(recent, cap)
-            if norm > limit:
-                self.refused += 1
-                raise ProtocolError(
-                    ErrorCode.REFUSED,
-                    f"{what} norm {norm:.3g} is far beyond recent pushes (limit {limit:.3g})",
+            if norm <= limit:
+                continue
+            if what == "gradient" and refusals + 1 >= REFUSALS_BEFORE_CLIP and limit < cap:
+                log.warning(
+                    "gradient norm %.3g of task %d was refused %d times (limit %.3g); taking "
+                    "it clipped to the limit",
+                    norm,
+                    task_id,
+                    refusals,
+                    limit,
                 )
-        self._grads.append(grad)
+                factor = limit / norm
+                continue
+            self._refusals[task_id] = refusals + 1
+            self._refusals.move_to_end(task_id)
+            while len(self._refusals) > REMEMBERED_REFUSALS:
+                self._refusals.popitem(last=False)
+            self.refused += 1
+            raise ProtocolError(
+                ErrorCode.REFUSED,
+                f"{what} norm {norm:.3g} is far beyond recent pushes (limit {limit:.3g})",
+            )
+        self._refusals.pop(task_id, None)
+        self._grads.append(grad * factor)
         self._buffers.append(buffers)
-        if self.max_grad_norm is not None and grad > self.max_grad_norm:
+        if self.max_grad_norm is not None and grad * factor > self.max_grad_norm:
+            factor = self.max_grad_norm / grad
+        if factor != 1.0:
             self.clipped += 1
-            return self.max_grad_norm / grad
-        return 1.0
+        return factor
 
 
 class Updater:

@@ -239,7 +239,8 @@ def main() -> None:
 @_opt(
     "outlier_factor",
     type=float,
-    help="Refuse a push whose gradient norm exceeds this many times the median of recent ones.",
+    help="Refuse a push whose gradient norm exceeds this many times the median of recent ones "
+    "(the third push of the same task is taken, clipped to that limit).",
 )
 @_opt(
     "stage_timeout_s",

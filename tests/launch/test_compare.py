@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from launch.cluster.spec import PRESETS, parse_cluster
-from launch.compare import time_to_target
+from launch.compare import eval_curve, time_to_target
 from launch.report import aggregate, render_markdown, speedup
 
 
@@ -85,3 +88,14 @@ def test_time_to_target_takes_the_first_crossing() -> None:
     assert time_to_target(curve, 0.8) == 2.0
     assert time_to_target(curve, 0.9) is None
     assert time_to_target(curve, None) is None
+
+
+def test_eval_curve_has_one_point_per_version_with_the_final_scores(tmp_path: Path) -> None:
+    def ev(version: int, oa: float, **extra: object) -> dict:
+        return {"event": "eval", "t": 1.0 + version, "version": version, "samples": 10 * version,
+                "train_t": float(version), "oa": oa, "aa": oa, "kappa": oa, **extra}  # fmt: skip
+
+    events = [{"event": "train_start", "t": 0.5}, ev(1, 0.5), ev(2, 0.6), ev(2, 0.7, final=True)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    curve = eval_curve(tmp_path)
+    assert [p["samples"] for p in curve] == [10, 20] and curve[-1]["oa"] == 0.7

@@ -12,7 +12,7 @@ from pserver.store.optimizer import FlatOptimizer
 from pserver.store.pool import BufferPool
 from pserver.store.service import StageReport
 from pserver.store.slices import SliceStore
-from pserver.updates import GUARD_WARMUP, GradientGuard
+from pserver.updates import GUARD_WARMUP, REFUSALS_BEFORE_CLIP, GradientGuard
 
 
 @dataclasses.dataclass
@@ -87,13 +87,38 @@ def test_the_guard_refuses_outliers_and_clips_only_when_asked() -> None:
     guard = GradientGuard(max_grad_norm=None, outlier_factor=100.0)
     normal = StageReport(True, 4.0, 0.01)
     for _ in range(GUARD_WARMUP):
-        assert guard.check(normal) == 1.0  # never clipped by default
+        assert guard.check(normal, 1) == 1.0  # never clipped by default
     with pytest.raises(ProtocolError) as refused:
-        guard.check(StageReport(True, 4.0 * 200**2, 0.01))  # norm 400 against a median of 2
+        guard.check(StageReport(True, 4.0 * 200**2, 0.01), 2)  # norm 400 against a median of 2
     assert refused.value.code == ErrorCode.REFUSED
     with pytest.raises(ProtocolError) as refused:
-        guard.check(StageReport(False, 0.0, 0.0))
+        guard.check(StageReport(False, 0.0, 0.0), 3)
     assert refused.value.code == ErrorCode.NON_FINITE
-    assert guard.check(StageReport(True, 4.0 * 50**2, 0.01)) == 1.0  # large, but plausible
+    assert guard.check(StageReport(True, 4.0 * 50**2, 0.01), 4) == 1.0  # large, but plausible
     clipping = GradientGuard(max_grad_norm=1.0, outlier_factor=100.0)
-    assert clipping.check(normal) == pytest.approx(0.5)  # norm 2 clipped to 1
+    assert clipping.check(normal, 1) == pytest.approx(0.5)  # norm 2 clipped to 1
+
+
+def test_the_guard_takes_a_task_refused_repeatedly_clipped_to_the_limit() -> None:
+    """A gradient recomputed on fresh parameters keeps its norm; in a sync round the
+    parameters cannot change until the round closes, so refusing it forever would stall
+    training: the third try is taken, clipped to the limit."""
+    guard = GradientGuard(max_grad_norm=None, outlier_factor=100.0)
+    normal = StageReport(True, 4.0, 0.01)  # norm 2
+    for _ in range(GUARD_WARMUP):
+        guard.check(normal, task_id=1)
+    outlier = StageReport(True, 400.0**2, 0.01)  # norm 400 against a limit of 200
+    for _ in range(REFUSALS_BEFORE_CLIP - 1):
+        with pytest.raises(ProtocolError) as refused:
+            guard.check(outlier, task_id=7)
+        assert refused.value.code == ErrorCode.REFUSED
+    with pytest.raises(ProtocolError):
+        guard.check(outlier, task_id=8)  # another task starts its own count
+    assert guard.check(outlier, task_id=7) == pytest.approx(0.5)  # taken, clipped to 200
+    assert guard.clipped == 1 and guard.refused == REFUSALS_BEFORE_CLIP
+    with pytest.raises(ProtocolError):
+        guard.check(outlier, task_id=7)  # the count starts again after it was taken
+    bad_buffers = StageReport(True, 4.0, 1e6)
+    for _ in range(REFUSALS_BEFORE_CLIP + 1):  # buffer changes are never clipped: refused
+        with pytest.raises(ProtocolError):
+            guard.check(bad_buffers, task_id=9)
