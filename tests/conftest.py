@@ -5,6 +5,7 @@ absent, failed when required)."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     requirements.configure(config)
+
+
+@pytest.fixture(autouse=True)
+def _children_take_sigint() -> None:
+    """Tests interrupt servers and workers with SIGINT (Ctrl-C), and children inherit an
+    ignored or blocked SIGINT (a suite run as a background job of a script starts with it
+    ignored; code under test may block it for a while): each test starts with the default."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -80,8 +80,9 @@ def test_late_joiner_is_used_and_a_leaver_is_not_waited_for(
         server.wait_for(" done at version")  # an epoch ends with the late worker in the rounds
         server.wait_for(" done at version")
         assert first[1].popen.poll() is None, "the run ended before b could be interrupted"
+        masks = _signal_masks(first[1].popen.pid)
         first[1].popen.send_signal(signal.SIGINT)  # Ctrl-C: a graceful leave
-        assert first[1].wait() != 0
+        assert first[1].wait() != 0, (masks, list(first[1].lines)[-5:])
         server.wait_for("is gone: left: interrupted")
         assert server.wait() == 0
         assert first[0].wait() == 0 and late.wait() == 0
@@ -205,3 +206,10 @@ def test_a_worker_with_a_mismatched_local_copy_is_refused(small_hsi: Path, tmp_p
         server.wait()
         worker.kill()
         server.kill()
+
+
+def _signal_masks(pid: int) -> dict[str, str]:
+    """The signal masks of a process (Linux /proc): blocked, ignored, caught."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in status) if k in
+            ("SigBlk", "SigIgn", "SigCgt")}  # fmt: skip

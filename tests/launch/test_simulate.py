@@ -290,8 +290,8 @@ def test_stage_costs_are_measured_with_the_servers_code() -> None:
         assert costs.step_s_per_byte > 0 and costs.decode_s_per_byte > 0
         assert costs.worker_decode_s_per_byte > 0
     # fp32 pieces are views of the state; bf16 pieces are casts of it
-    assert bf16.worker_encode_s_per_byte > 10 * fp32.worker_encode_s_per_byte
-    assert bf16.encode_s_per_byte > 10 * fp32.encode_s_per_byte
+    assert bf16.worker_encode_s_per_byte > 3 * fp32.worker_encode_s_per_byte
+    assert bf16.encode_s_per_byte > 3 * fp32.encode_s_per_byte  # 10x to 60x measured
 
 
 def test_validation_compares_each_prediction_with_the_run_next_to_it(tmp_path: Path) -> None:
