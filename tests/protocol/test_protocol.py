@@ -71,35 +71,23 @@ from common.protocol.wire import (
 
 STATE = np.arange(10, dtype=np.float32)
 TOKEN = "0123456789abcdef0123456789abcdef"
+PUSH = PushRequest(
+    worker_id=3,
+    token=TOKEN,
+    task_id=9,
+    version=4,
+    batch_size=12,
+    speed=800.0,
+    compute_s=0.02,
+    transfer_s=0.01,
+    loss=0.7,
+)
 
 EXAMPLES = [
     JoinRequest(name="gpu-0", device="cuda:0", slowdown=1.0, threads=4),
     TaskRequest(worker_id=3, token=TOKEN, speed=812.5),
-    PushRequest(
-        worker_id=3,
-        token=TOKEN,
-        task_id=9,
-        version=4,
-        batch_size=12,
-        speed=800.0,
-        compute_s=0.02,
-        transfer_s=0.01,
-        loss=0.7,
-    ),
-    GradientPushRequest(
-        worker_id=3,
-        token=TOKEN,
-        task_id=9,
-        version=4,
-        batch_size=12,
-        speed=800.0,
-        compute_s=0.02,
-        transfer_s=0.0,
-        loss=0.7,
-        push_token=TOKEN,
-        scale=1.0,
-        gradient=STATE,
-    ),
+    PUSH,
+    GradientPushRequest(**vars(PUSH), push_token=TOKEN, scale=1.0, gradient=STATE),
     GradientChunk(
         worker_id=3, token=TOKEN, task_id=9, version=4, offset=0, scale=1.0, gradient=STATE
     ),
