@@ -3,10 +3,11 @@
 Every run goes through the launcher on one emulated cluster (``--links``: the server on its own
 host, each worker or DDP rank on its own, every link capped both ways): weighted-sync with
 ``--wire-dtype bf16`` and one parameter shard on each worker host (``ws-bf16``), DDP with
-fp32 gradients (``ddp-fp32``) and DDP with PyTorch's bf16 compression hook (``ddp-bf16``,
-``bench/multihost/ddp_bf16.py``). The runs alternate within each repeat, with the same seed, data
-(synthetic 3-band scenes) and model (``resnet18``, 11.2 M parameters). Slow nodes are
-emulated with ``--slowdowns``.
+fp32 gradients (``ddp-fp32``) and DDP with PyTorch's bf16 compression hook on its reducer
+(``ddp-bf16``, ``pslaunch ddp --grad-compression bf16``). The runs alternate within each repeat,
+with the same seed, data (synthetic 3-band scenes) and model (``resnet18``, 11.2 M parameters).
+Slow nodes are emulated by CPU budgets (``--cluster hosts-3x1g`` or ``--node-cpus``; DDP's ranks
+get their workers' budgets) or by ``--slowdowns``.
 
 Printed per mode: the epoch time (training time / epochs) and the final OA, min / median / max
 over repeats; per mode, from the round records, the slowest node's compute per step and the
@@ -16,6 +17,7 @@ the pull and the round's coordination), medians. The last lines are
 ``oa_diff_<ddp mode>_vs_ws=X.XXXX``. Needs root (prints why and exits 0 otherwise).
 
 Usage: python -m bench multihost-train [--workers 3] [--links 1gbit] [--slowdowns 1,1,2]
+       [--cluster hosts-3x1g | --node-cpus 0.5,0.5,0.25 --server-cpus 0.5] [--allow-oversubscribe]
        [--global-batch 24] [--epochs 3] [--repeats 2] [--samples 750] [--out runs/mh_train]
 """
 
@@ -37,7 +39,7 @@ from bench.multihost.config import scenes_dataset
 from common.errors import PSError
 from common.logsetup import setup_logging
 from launch.cluster.netns import available
-from launch.cluster.spec import ClusterSpec, parse_cluster
+from launch.cluster.spec import PRESETS, ClusterSpec, parse_cluster
 from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
 from launch.settings import TrainSettings
@@ -71,6 +73,7 @@ def run_mode(
             shards=len(slowdowns),
             run_timeout_s=RUN_TIMEOUT_S,
             nodes=spec,
+            allow_oversubscribe=args.allow_oversubscribe,
         )
         return run_local(cluster)
     config = DDPConfig(
@@ -81,9 +84,10 @@ def run_mode(
         train=train,
         run_timeout_s=RUN_TIMEOUT_S,
         nodes=spec,
+        allow_oversubscribe=args.allow_oversubscribe,
+        grad_compression="bf16" if mode == "ddp-bf16" else "none",
     )
-    module = "bench.multihost.ddp_bf16" if mode == "ddp-bf16" else "launch.ddp.rank"
-    return run_ddp(config, rank_module=module)
+    return run_ddp(config)
 
 
 def step_split(run_dir: Path) -> tuple[float, float]:
@@ -115,7 +119,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=fmt)
     p.add_argument("--workers", type=int, default=3, help="worker hosts (DDP ranks)")
     p.add_argument("--links", default="1gbit", help="every node's link rate (tc units)")
-    p.add_argument("--slowdowns", default="1,1,2", help="slowdown per worker (and rank)")
+    p.add_argument(
+        "--slowdowns",
+        default=None,
+        help="slowdown per worker (and rank) (default: 1,1,2 without budgets, 1 with them)",
+    )
+    p.add_argument("--cluster", choices=sorted(PRESETS), help="a named emulated cluster")
+    p.add_argument("--node-cpus", help="CPU budget per worker host, e.g. 0.5,0.5,0.25")
+    p.add_argument("--server-cpus", type=float, help="the server's (and each shard's) budget")
+    p.add_argument(
+        "--allow-oversubscribe",
+        action="store_true",
+        help="run budgets that sum to more cores than the machine has",
+    )
     p.add_argument("--model", default="resnet18", help="model for every run")
     p.add_argument("--size", type=int, default=32, help="image side of the synthetic scenes")
     p.add_argument("--samples", type=int, default=750, help="scenes (80 %% train)")
@@ -134,9 +150,16 @@ def main(argv: list[str] | None = None) -> int:
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
     modes = tuple(m for m in args.modes.split(",") if m)
-    slowdowns = parse_slowdowns(args.slowdowns, args.workers)
-    spec = parse_cluster(args.workers, links=args.links)
+    spec = parse_cluster(
+        args.workers,
+        preset=args.cluster,
+        node_cpus=args.node_cpus,
+        server_cpus=args.server_cpus,
+        links=args.links,
+    )
     assert spec is not None
+    default_slowdowns = "1" if spec.budgets else "1,1,2"
+    slowdowns = parse_slowdowns(args.slowdowns or default_slowdowns, len(spec.workers))
     args.out.mkdir(parents=True, exist_ok=True)
     dataset = scenes_dataset(args.out, args.samples, args.size)
     out = args.out / time.strftime("%Y%m%d-%H%M%S")
@@ -164,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
             runs[mode].append(record)
             log.info("%s r%d: %s", mode, repeat, json.dumps(record))
     print(
-        f"multi-host training: {args.workers} worker hosts + server host, links {args.links}, "
-        f"slowdowns {args.slowdowns}, {args.model}, scenes {args.size}px x {args.samples}, "
+        f"multi-host training: {len(spec.workers)} worker hosts + server host, "
+        f"{spec.summary_line()}, slowdowns {','.join(f'{x:g}' for x in slowdowns)}, "
+        f"{args.model}, scenes {args.size}px x {args.samples}, "
         f"B={args.global_batch}, {args.epochs} epochs, {args.repeats} repeats, "
         f"{time.monotonic() - started:.0f} s"
     )

@@ -236,15 +236,46 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def multihost(spec: Path = MULTIHOST_SPEC, repeats: int = 5) -> dict[str, Any]:
+def bench_figures(results: Path) -> dict[str, Any]:
+    """The multi-host bench's figures from the ``results.json`` a run of ``python -m bench
+    multihost`` wrote, in ``MULTIHOST_MEASURED``'s shape (layouts it did not run are left out).
+
+    Raises:
+        ValueError: the file holds no all-reduce reference (gloo failed in that run).
+    """
+    data = json.loads(results.read_text(encoding="utf-8"))
+    figures = data["figures"]
+    if not figures.get("reference"):
+        raise ValueError(f"{results} holds no all-reduce reference")
+    comm = {"ddp": figures["reference"]["allreduce_s"]}
+    for layout in MULTIHOST_LAYOUTS:
+        row = figures["variants"].get(layout)
+        if row is not None:
+            comm[layout] = row["comm_s_median"]
+    return {
+        "source": str(results),
+        "compute_s": figures["reference"]["compute_s"],
+        "communication_s": comm,
+    }
+
+
+def multihost(
+    spec: Path = MULTIHOST_SPEC, repeats: int = 5, measured: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The multi-host bench's layouts simulated twice, on the links alone and with the CPU
     stages (rates measured now by ``measure_stage_costs`` for the bench's model, 3 shards and
     3 members, every process on the machine's cores), against the bench's figures.
 
+    Args:
+        spec: the bench's cluster as a simulator spec file.
+        repeats: measurements per stage cost (the fastest counts).
+        measured: the bench's figures (``bench_figures``); default ``MULTIHOST_MEASURED``.
+
     Returns:
-        ``{"measured": MULTIHOST_MEASURED, "stage_costs": {wire: rates in ms per MB},
+        ``{"measured": the figures, "stage_costs": {wire: rates in ms per MB},
         "load": load average at the measurement, "rows": [...]}``.
     """
+    measured = measured or MULTIHOST_MEASURED
     base = cluster_from_spec(read_spec_file(spec))
     cores = os.cpu_count() or 1
     load = os.getloadavg()
@@ -252,10 +283,12 @@ def multihost(spec: Path = MULTIHOST_SPEC, repeats: int = 5) -> dict[str, Any]:
         wire: measure_stage_costs(base.model_params, 3, len(base.nodes), wire, repeats)
         for wire in ("fp32", "bf16")
     }
-    measured = MULTIHOST_MEASURED["communication_s"]
-    assert isinstance(measured, dict)
+    communication = measured["communication_s"]
+    assert isinstance(communication, dict)
     rows = []
     for layout, (mode, shards, colocated, wire) in MULTIHOST_LAYOUTS.items():
+        if layout not in communication:
+            continue
         plain = dataclasses.replace(base, shards=shards, colocated=colocated, wire_dtype=wire)
         with_cpu = dataclasses.replace(plain, server=costs[wire], shared_cores=float(cores))
         if mode == "ddp":  # the stages are the parameter server's; gloo's are in its figure
@@ -268,13 +301,16 @@ def multihost(spec: Path = MULTIHOST_SPEC, repeats: int = 5) -> dict[str, Any]:
         rows.append(
             {
                 "layout": layout,
-                "measured_s": measured[layout],
+                "measured_s": communication[layout],
                 **{f"{k}_s": round(v, 4) for k, v in predicted.items()},
-                **{f"{k}_error": round(v / measured[layout] - 1, 4) for k, v in predicted.items()},
+                **{
+                    f"{k}_error": round(v / communication[layout] - 1, 4)
+                    for k, v in predicted.items()
+                },
             }
         )
     return {
-        "measured": MULTIHOST_MEASURED,
+        "measured": measured,
         "stage_costs": {
             wire: {
                 k: round(v * 1e3 * 1e6, 4)
@@ -332,11 +368,22 @@ def main(argv: list[str] | None = None) -> int:
         help="Also compare the multi-host bench's figures with the simulator, with CPU stage "
         "costs measured now.",
     )
+    parser.add_argument(
+        "--multihost-results",
+        type=Path,
+        help="The results.json of a `python -m bench multihost` run to compare with (default: "
+        "the figures kept in this module).",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    if not set(modes) <= set(MODES):
+        parser.error(f"--modes takes a comma-separated list of {', '.join(MODES)}")
+    if not modes and not args.multihost:
+        parser.error("nothing to validate: give --modes or --multihost")
     dataset = args.out / "jasper_p5_tf10.h5"
-    if not dataset.exists():
+    if modes and not dataset.exists():
         prepare_hsi(
             str(args.jasper_dir / "JasperRidge.mat"),
             str(args.jasper_dir / "JasperRidge_gt.mat"),
@@ -346,20 +393,19 @@ def main(argv: list[str] | None = None) -> int:
             split="random",
             seed=0,
         )
-    modes = tuple(m.strip() for m in args.modes.split(","))
-    if not modes or not set(modes) <= set(MODES):
-        parser.error(f"--modes takes a comma-separated list of {', '.join(MODES)}")
     setup = Setup(
         args.out, dataset, args.model, args.slowdowns, args.calibration_ddp_slowdowns,
         args.epochs, args.global_batch, args.repeats, modes,
     )  # fmt: skip
     runs_file = args.out / "measured.json"
-    if args.reuse:
-        measured = json.loads(runs_file.read_text())
-    else:
-        measured = measure(setup)
-        runs_file.write_text(json.dumps(measured, indent=1) + "\n")
-    rows = predict(setup, measured)
+    rows: list[dict[str, Any]] = []
+    if modes:
+        if args.reuse:
+            measured = json.loads(runs_file.read_text())
+        else:
+            measured = measure(setup)
+            runs_file.write_text(json.dumps(measured, indent=1) + "\n")
+        rows = predict(setup, measured)
     result: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
@@ -368,9 +414,11 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     if args.multihost:
-        result["multihost"] = multihost()
+        figures = bench_figures(args.multihost_results) if args.multihost_results else None
+        result["multihost"] = multihost(measured=figures)
     (args.out / "validate.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(markdown(rows))
+    if rows:
+        print(markdown(rows))
     if args.multihost:
         print()
         print(multihost_markdown(result["multihost"]))

@@ -19,7 +19,7 @@ from launch.simulate.engine import simulate
 from launch.simulate.fromrun import cluster_from_runs
 from launch.simulate.spec import GBIT, Cluster, Node, ServerCosts, cluster_from_spec
 from launch.simulate.stagecosts import measure_stage_costs
-from launch.simulate.validate import ORDER, Setup, markdown, predict
+from launch.simulate.validate import ORDER, Setup, bench_figures, markdown, predict
 
 MODEL = 25_000_000  # parameters: 100 MB in fp32
 
@@ -372,3 +372,20 @@ def test_validation_of_some_modes_runs_only_what_their_predictions_need(tmp_path
     ]  # fmt: skip
     everything = Setup(tmp_path, tmp_path / "x.h5", "hsi-cnn", "1,2", "1,1", 1, 64, 1)
     assert everything.order() == list(ORDER)
+
+
+def test_multihost_figures_come_from_a_bench_run(tmp_path: Path) -> None:
+    results = tmp_path / "results.json"
+    variants = {
+        "ps-kN": {"comm_s_median": 0.61},
+        "ps-kN-bf16": {"comm_s_median": 0.33},
+        "ps-kN-pull": {"comm_s_median": 0.7},  # not a simulated layout
+    }
+    figures = {"reference": {"allreduce_s": 0.52, "compute_s": 0.27}, "variants": variants}
+    results.write_text(json.dumps({"figures": figures}))
+    measured = bench_figures(results)
+    assert measured["compute_s"] == 0.27
+    assert measured["communication_s"] == {"ddp": 0.52, "ps-kN": 0.61, "ps-kN-bf16": 0.33}
+    results.write_text(json.dumps({"figures": {"reference": None, "variants": variants}}))
+    with pytest.raises(ValueError, match="no all-reduce reference"):
+        bench_figures(results)
