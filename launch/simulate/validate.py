@@ -10,9 +10,10 @@ step); back to back in ``ORDER``, each measured run between calibration runs of 
 ``--repeats`` times. Every prediction comes from calibration runs only, never from the run it
 is compared with (``PREDICTIONS`` says which), is the mean of the predictions from the runs
 before and after it, and is compared with the measured train time per epoch of the run
-between them; the table gives every repeat and the median error. ``--multihost`` also
-compares the multi-host bench's figures with the simulator, with CPU stage costs measured
-now. Writes ``DIR/validate.json`` and prints the tables (Markdown) that docs/scale.md keeps.
+between them; the table gives every repeat and the median error. With ``--node-cpus`` (and
+``--server-cpus``) every run is on the emulated cluster, each node in its own CPU budget.
+``--multihost`` also compares the multi-host bench's figures (kept here, or a run's
+``--multihost-results``) with the simulator, with CPU stage costs measured now. Writes ``DIR/validate.json`` and prints the tables (Markdown) that docs/scale.md keeps.
 """
 
 from __future__ import annotations
@@ -81,6 +82,20 @@ class Setup:
     global_batch: int
     repeats: int
     modes: tuple[str, ...] = MODES
+    node_cpus: str = ""
+    server_cpus: str = ""
+
+    def budget_args(self, equal: bool = False) -> list[str]:
+        """``pslaunch``'s budget options (none without budgets); ``equal`` gives every node
+        the largest budget (the DDP calibration that measures the all-reduce of equal ranks).
+        """
+        args = []
+        if self.node_cpus:
+            cpus = max(self.node_cpus.split(","), key=float) if equal else self.node_cpus
+            args += ["--node-cpus", cpus]
+        if self.server_cpus:
+            args += ["--server-cpus", self.server_cpus]
+        return args
 
     def predictions(self) -> list[tuple[str, tuple[str, ...], str]]:
         """The rows of ``PREDICTIONS`` for the modes measured."""
@@ -96,8 +111,11 @@ class Setup:
         ]
 
 
-def _pslaunch(setup: Setup, mode: str, slowdowns: str, run_dir: Path) -> dict[str, Any]:
-    """Run one configuration to the end and return its ``summary.json``."""
+def _pslaunch(
+    setup: Setup, mode: str, slowdowns: str, run_dir: Path, equal: bool = False
+) -> dict[str, Any]:
+    """Run one configuration to the end and return its ``summary.json`` (``equal``: every
+    node gets the largest budget)."""
     command = "ddp" if mode == "ddp" else "local"
     args = [
         sys.executable, "-m", "launch.cli", command,
@@ -105,6 +123,7 @@ def _pslaunch(setup: Setup, mode: str, slowdowns: str, run_dir: Path) -> dict[st
         "--slowdowns", slowdowns, "--epochs", str(setup.epochs),
         "--global-batch", str(setup.global_batch), "--run-dir", str(run_dir), "--no-progress",
     ]  # fmt: skip
+    args += setup.budget_args(equal)
     if mode != "ddp":  # evaluations only at the end: here they would take a core from training
         args += ["--mode", mode, "--server-opt=--eval-every=0"]
     log.info("measuring %s slowdowns %s -> %s", mode, slowdowns, run_dir)
@@ -148,7 +167,7 @@ def measure(setup: Setup) -> dict[str, Any]:
                 mode, slowdowns, folder = calibration[name]
                 dirs = done["calibration"].setdefault(name, [])
                 run_dir = setup.out / f"{folder}-{repeat}{'-after' if dirs else ''}"
-                _pslaunch(setup, mode, slowdowns, run_dir)
+                _pslaunch(setup, mode, slowdowns, run_dir, equal=name == "ddp_equal")
                 dirs.append(str(run_dir))
             else:
                 run_dir = setup.out / f"{name}-{repeat}"
@@ -351,6 +370,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="hsi-cnn")
     parser.add_argument("--slowdowns", default="1,2,4")
     parser.add_argument("--calibration-ddp-slowdowns", default="1,1,1")
+    parser.add_argument(
+        "--node-cpus",
+        default="",
+        help="CPU budget per worker (or DDP rank), as pslaunch takes it (root); the equal-"
+        "speed DDP calibration gives every rank the largest.",
+    )
+    parser.add_argument("--server-cpus", default="", help="The server's CPU budget (root).")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
@@ -395,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     setup = Setup(
         args.out, dataset, args.model, args.slowdowns, args.calibration_ddp_slowdowns,
-        args.epochs, args.global_batch, args.repeats, modes,
+        args.epochs, args.global_batch, args.repeats, modes, args.node_cpus, args.server_cpus,
     )  # fmt: skip
     runs_file = args.out / "measured.json"
     rows: list[dict[str, Any]] = []

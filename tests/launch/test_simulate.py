@@ -389,3 +389,11 @@ def test_multihost_figures_come_from_a_bench_run(tmp_path: Path) -> None:
     results.write_text(json.dumps({"figures": {"reference": None, "variants": variants}}))
     with pytest.raises(ValueError, match="no all-reduce reference"):
         bench_figures(results)
+
+
+def test_validation_runs_take_the_budgets_and_equal_ranks_the_largest(tmp_path: Path) -> None:
+    plain = Setup(tmp_path, tmp_path / "x.h5", "hsi-cnn", "1", "1,1,1", 1, 64, 1)
+    assert plain.budget_args() == [] and plain.budget_args(equal=True) == []
+    budgets = dataclasses.replace(plain, node_cpus="0.6,0.3,0.15", server_cpus="0.4")
+    assert budgets.budget_args() == ["--node-cpus", "0.6,0.3,0.15", "--server-cpus", "0.4"]
+    assert budgets.budget_args(equal=True) == ["--node-cpus", "0.6", "--server-cpus", "0.4"]
