@@ -61,6 +61,7 @@ class Variant:
         return [opt.replace("{shards}", count) for opt in self.options]
 
 
+MODES = ("weighted-sync", "equal-sync")
 SHARDED = ("--shards",)
 SHARD_CMD = ("shard",)
 VARIANTS = (
@@ -191,6 +192,9 @@ class BenchConfig:
         job_timeout: seconds one job (a PS run or the gloo baseline) may take.
         out: where datasets, run dirs, logs and results.json go.
         prefix: namespace name prefix.
+        mode: the parameter server's mode: ``weighted-sync`` plans batches (on shared cores
+            it may leave workers out of a round), ``equal-sync`` gives every worker ``batch``
+            samples every round, as the ring's ranks have.
     """
 
     workers: int = 3
@@ -209,6 +213,7 @@ class BenchConfig:
     job_timeout: float = 900.0
     out: Path = Path("runs/multihost")
     prefix: str = "mh"
+    mode: str = "weighted-sync"
 
     def validate(self) -> BenchConfig:
         """Check every field.
@@ -228,6 +233,8 @@ class BenchConfig:
             )
         for rate in self.rates:
             rate_bits(rate)
+        if self.mode not in MODES:
+            raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         known = {v.name for v in VARIANTS}
         unknown = [name for name in self.variants if name not in known]
         if unknown:

@@ -92,8 +92,8 @@ def run_gloo(net: Network, cfg: BenchConfig, dataset: Path, log_dir: Path) -> di
 def run_ps(
     net: Network, cfg: BenchConfig, variant: Variant, dataset: Path, run_dir: Path
 ) -> dict[str, Any]:
-    """One weighted-sync run: ``pserver start`` on host 0, ``worker join`` on each worker host,
-    ``pserver shard`` where the variant puts shards; ``cfg.steps`` updates.
+    """One parameter-server run in ``cfg.mode``: ``pserver start`` on host 0, ``worker join``
+    on each worker host, ``pserver shard`` where the variant puts shards; ``cfg.steps`` updates.
 
     Args:
         net: the emulated hosts.
@@ -135,7 +135,7 @@ def run_ps(
                     "--model",
                     cfg.model,
                     "--mode",
-                    "weighted-sync",
+                    cfg.mode,
                     "--workers",
                     str(n),
                     "--global-batch",

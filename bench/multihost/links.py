@@ -7,7 +7,8 @@ links, interleaved over ``--repeats``:
 
 - the DDP baseline: one gloo rank per worker host; the flat all-reduce of the gradient, one
   step's compute measured alone (ranks take turns), and whole DDP steps;
-- each parameter-server variant (``--variants``): ``pserver start`` weighted-sync on host 0,
+- each parameter-server variant (``--variants``): ``pserver start`` on host 0 (``--mode``,
+  weighted-sync by default; equal-sync keeps every worker in every round, as the ring's ranks),
   ``worker join`` on each worker host (and ``pserver shard`` on worker hosts for sharded
   variants); round times from the run's ``metrics.jsonl``.
 
@@ -19,7 +20,8 @@ the installed ``pserver`` lacks are reported as not available. Needs root (print
 exits 0 otherwise). Every namespace is removed at the end, also on failure, Ctrl-C or SIGTERM.
 
 Usage: python -m bench multihost [--workers 3] [--rate 1gbit | --rates 1gbit,1gbit,1gbit,100mbit]
-       [--variants ps-k1,ps-k1-local,...] [--repeats 3] [--steps 12] [--out runs/multihost]
+       [--variants ps-k1,ps-k1-local,...] [--mode equal-sync] [--repeats 3] [--steps 12]
+       [--out runs/multihost]
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from bench import ROOT
 from bench.harness.record import parse_settings
 from bench.multihost.config import (
     DEFAULT_VARIANTS,
+    MODES,
     VARIANTS,
     BenchConfig,
     missing_features,
@@ -89,6 +92,13 @@ def parse(argv: list[str] | None) -> BenchConfig:
         default=0.0,
         help="one step's compute (s) for the ratios, e.g. a GPU's; 0: fastest solo step here",
     )
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="weighted-sync",
+        help="the parameter server's mode (equal-sync: every worker in every round, as the "
+        "ring's ranks)",
+    )
     p.add_argument("--job-timeout", type=float, default=900.0, help="seconds one job may take")
     p.add_argument("--out", type=Path, default=ROOT / "runs/multihost", help="output directory")
     p.add_argument("--prefix", default="mh", help="namespace name prefix")
@@ -111,6 +121,7 @@ def parse(argv: list[str] | None) -> BenchConfig:
         job_timeout=a.job_timeout,
         out=a.out,
         prefix=a.prefix,
+        mode=a.mode,
     ).validate()
 
 
