@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     fmt = argparse.ArgumentDefaultsHelpFormatter
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=fmt)
     p.add_argument("--workers", type=int, default=3, help="worker hosts (DDP ranks)")
-    p.add_argument("--links", default="1gbit", help="every node's link rate (tc units)")
+    p.add_argument(
+        "--links", help="every node's link rate (tc units) (default: the preset's, else 1gbit)"
+    )
     p.add_argument(
         "--slowdowns",
         default=None,
@@ -155,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         preset=args.cluster,
         node_cpus=args.node_cpus,
         server_cpus=args.server_cpus,
-        links=args.links,
+        links=args.links or (None if args.cluster and PRESETS[args.cluster].links else "1gbit"),
     )
     assert spec is not None
     default_slowdowns = "1" if spec.budgets else "1,1,2"
