@@ -34,7 +34,7 @@ reports it). The last lines are ``max_drop_<regime>_<mode>_median|max=X.XXX`` an
 
 Usage: python -m bench time-to-target [--repeats 1] [--regimes small,heavy] [--snapshot-every 2]
        [--seed 0] [--same-seed] [--epochs E] [--modes ...] [--cluster small-1124]
-       [--slowdowns 1,1,2,4] [--reuse]
+       [--slowdowns 1,1,2,4] [--worker-data] [--reuse]
 """
 
 from __future__ import annotations
@@ -106,7 +106,10 @@ def finished(config: CompareConfig) -> dict | None:
         return None
     data = json.loads(path.read_text(encoding="utf-8"))
     wanted = json.loads(json.dumps(config.settings()))
-    keys = ("dataset", "model", "modes", "slowdowns", "train", "target_oa", "snapshot_every")
+    keys = (
+        "dataset", "model", "modes", "slowdowns", "train", "target_oa", "snapshot_every",
+        "worker_options",
+    )  # fmt: skip
     same = all(data.get("settings", {}).get(k) == wanted.get(k) for k in keys)
     complete = {r["mode"] for r in data.get("runs", [])} == set(config.modes)
     return data if same and complete and "max_drop" in data else None
@@ -139,6 +142,7 @@ def run_regime(name: str, args: argparse.Namespace) -> list[str]:
             snapshot_every=args.snapshot_every or None,
             nodes=emulated,
             allow_oversubscribe=args.allow_oversubscribe,
+            worker_options=("--data", str(data)) if args.worker_data else (),
         )
         done = finished(config) if args.reuse else None
         found = done or run_compare(config, show_progress=sys.stderr.isatty())
@@ -180,6 +184,8 @@ def run_regime(name: str, args: argparse.Namespace) -> list[str]:
         "kappa",
     ]
     print(f"on {cluster_label(emulated)}")
+    if args.worker_data:
+        print("workers read a local copy of the dataset (worker join --data), as DDP's ranks do")
     print(format_table(headers, rows))
     lines = []
     singles = [r for r in runs if r["mode"] == "single" and "error" not in r]
@@ -229,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=2,
         help="updates between snapshots for time to target (0: per-epoch evaluations; default 2)",
+    )
+    parser.add_argument(
+        "--worker-data",
+        action="store_true",
+        help="parameter-server workers read a local copy of the dataset (worker join --data), "
+        "as DDP's ranks do, instead of pulling samples from the server",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the first repeat (default 0)")
     parser.add_argument(

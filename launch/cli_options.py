@@ -292,14 +292,21 @@ def progress_option(func: F) -> F:
 
 
 def run_options(func: F) -> F:
-    """--threads, --server-opt and --progress/--no-progress (local and compare)."""
+    """--threads, --server-opt, --worker-opt and --progress/--no-progress (local and
+    compare)."""
     server_opt = click.option(
         "--server-opt",
         multiple=True,
         help="Extra 'pserver start' option for the parameter-server runs, e.g. "
         "--server-opt=--staleness-a=1.",
     )
-    return _apply(func, [threads_option, server_opt, progress_option])
+    worker_opt = click.option(
+        "--worker-opt",
+        multiple=True,
+        help="Extra 'worker join' option for every worker of the parameter-server runs, e.g. "
+        "--worker-opt=--data=COPY.h5 (read a local copy of the dataset, as DDP's ranks do).",
+    )
+    return _apply(func, [threads_option, server_opt, worker_opt, progress_option])
 
 
 def server_mode_args(staleness: str | None, max_staleness: int | None) -> tuple[str, ...]:

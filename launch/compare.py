@@ -63,6 +63,8 @@ class CompareConfig:
         target_oa: the test OA whose time to reach is reported (runs are not stopped there).
         staleness, max_staleness: async options (None: the server's default).
         server_options: further ``pserver start`` options for the parameter-server modes.
+        worker_options: further ``worker join`` options for the parameter-server modes (e.g.
+            ``--data COPY``: workers read a local copy, as DDP's ranks do).
         threads: torch CPU threads per worker and per DDP rank.
         launcher: ``local`` (processes on this machine) or ``slurm`` (one job per run).
         slurm: how runs become Slurm jobs (``launcher="slurm"`` only).
@@ -89,6 +91,7 @@ class CompareConfig:
     staleness: str | None = None
     max_staleness: int | None = None
     server_options: tuple[str, ...] = ()
+    worker_options: tuple[str, ...] = ()
     threads: int = 1
     launcher: str = "local"
     slurm: SlurmRuns = dataclasses.field(default_factory=SlurmRuns)
@@ -196,7 +199,7 @@ class CompareConfig:
             server_options=(*options, *self.server_options),
             devices=self.devices,
             slowdown_schedules=self.slowdown_schedules,
-            worker_options=("--threads", str(self.threads)),
+            worker_options=("--threads", str(self.threads), *self.worker_options),
             nodes=self.nodes,
             allow_oversubscribe=self.allow_oversubscribe,
         )
@@ -251,6 +254,7 @@ class CompareConfig:
             server_options=(*self._server_mode_options(mode), *self.server_options)
             if server_mode
             else (),
+            worker_options=self.worker_options if server_mode else (),
         )
 
     def settings(self) -> dict[str, Any]:

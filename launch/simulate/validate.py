@@ -13,7 +13,8 @@ before and after it, and is compared with the measured train time per epoch of t
 between them; the table gives every repeat and the median error. With ``--node-cpus`` (and
 ``--server-cpus``) every run is on the emulated cluster, each node in its own CPU budget.
 ``--multihost`` also compares the multi-host bench's figures (kept here, or a run's
-``--multihost-results``) with the simulator, with CPU stage costs measured now. Writes ``DIR/validate.json`` and prints the tables (Markdown) that docs/scale.md keeps.
+``--multihost-results``) with the simulator, with CPU stage costs measured now. Writes
+``DIR/validate.json`` and prints the tables (Markdown) that docs/scale.md keeps.
 """
 
 from __future__ import annotations

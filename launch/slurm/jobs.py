@@ -65,6 +65,7 @@ class SlurmRuns:
         train: TrainSettings,
         cpus: int,
         server_options: tuple[str, ...] = (),
+        worker_options: tuple[str, ...] = (),
     ) -> SlurmJob:
         """One run as a plain job: a server and one worker task per slowdown, or DDP ranks.
 
@@ -76,6 +77,7 @@ class SlurmRuns:
             train: the training settings every run shares.
             cpus: CPUs (and torch threads) per worker or rank.
             server_options: further ``pserver start`` options (server modes only).
+            worker_options: further ``worker join`` options (server modes only).
 
         Returns:
             The validated job. The time-limit warning comes a third of the limit (at most
@@ -93,6 +95,7 @@ class SlurmRuns:
             groups=(Group(name="workers", slowdowns=slowdowns, cpus=cpus),),
             train=train,
             server_options=server_options if mode != DDP else (),
+            worker_options=worker_options if mode != DDP else (),
             partition=self.partition,
             time=self.time,
             signal_before_s=min(180, limit // 3),

@@ -16,7 +16,9 @@ from common.cli_env import envvar_name, walk_options
 from common.training.tables import summary_tables
 from launch.cli import local_cluster
 from launch.cli import main as pslaunch
+from launch.compare import CompareConfig
 from launch.progress import RunProgress
+from launch.settings import TrainSettings
 from pserver.cli import main as pserver
 from tests.support.paths import ROOT
 from worker.cli import main as worker
@@ -165,6 +167,7 @@ def test_local_passes_the_training_options_to_the_server_and_workers(small_hsi: 
     args += ["--slowdowns", "1,4", "--momentum", "0.8", "--weight-decay", "0"]
     args += ["--lr-schedule", "cosine", "--warmup-fraction", "0.1", "--max-steps", "7"]
     args += ["--threads", "2", "--staleness", "poly", "--shards", "2", "--no-progress"]
+    args += ["--worker-opt=--data=copy.h5", "--worker-opt=--cache-mb=0"]
     ctx = pslaunch.commands["local"].make_context("local", args)
     ctx.params.pop("progress")
     cluster, train = local_cluster(**ctx.params)
@@ -173,8 +176,27 @@ def test_local_passes_the_training_options_to_the_server_and_workers(small_hsi: 
         assert expected in options
     assert "--warmup-fraction 0.1" in options and "--max-steps 7" in options
     assert "--staleness poly" in options and "--no-nesterov" in options
-    assert cluster.worker_options == ("--threads", "2")
+    assert cluster.worker_options == ("--threads", "2", "--data=copy.h5", "--cache-mb=0")
     assert cluster.slowdowns == (1.0, 4.0) and cluster.shards == 2 and train.max_steps == 7
+
+
+def test_compare_passes_worker_options_to_the_parameter_server_runs_only(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    config = CompareConfig(
+        dataset=small_hsi,
+        model="hsi-cnn",
+        modes=("weighted-sync", "ddp"),
+        slowdowns=(1.0, 2.0),
+        out=tmp_path,
+        train=TrainSettings(epochs=1),
+        worker_options=("--data", str(small_hsi)),
+    )
+    cluster = config.cluster("weighted-sync", tmp_path / "ws")
+    assert cluster.worker_options == ("--threads", "1", "--data", str(small_hsi))
+    job = config.slurm_job("weighted-sync", tmp_path / "ws")
+    assert job.worker_options == ("--data", str(small_hsi))
+    assert config.slurm_job("ddp", tmp_path / "ddp").worker_options == ()
 
 
 def test_the_progress_bar_counts_samples_and_shows_epoch_version_and_oa() -> None:
