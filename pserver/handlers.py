@@ -190,12 +190,21 @@ class Handlers:
         )
 
     async def heartbeat(self, request: Request, msg: HeartbeatRequest) -> None:
-        worker = self.roster.member(msg.worker_id, msg.token, request.user_id)
+        try:
+            worker = self.roster.member(msg.worker_id, msg.token, request.user_id)
+            finish_reason = worker.finish_reason(self.run.reply_reason)
+        except ProtocolError:
+            # A member told to stop leaves the roster at once, and its heartbeat may come
+            # before it has read the stop reply: after training, its token learns that.
+            if not self.run.finished:
+                raise
+            self.roster.tokens.check(msg.worker_id, msg.token)
+            finish_reason = None  # its reply fields went with it
         reply = HeartbeatReply(
             server_id=self.join_terms["server_id"],
             finished=self.run.finished,
             failure=self.run.failed,
-            finish_reason=worker.finish_reason(self.run.reply_reason),
+            finish_reason=finish_reason,
         )
         self.endpoint.reply(request.identity, request.request_id, reply)
 

@@ -201,5 +201,11 @@ async def test_after_the_last_step_heartbeats_say_finished_and_joins_are_refused
         assert isinstance(reply, TaskReply) and reply.action == "stop" and reply.version == 1
         beat = await idle.request(HeartbeatRequest(worker_id=idler.worker_id, token=idler.token))
         assert isinstance(beat, HeartbeatReply) and beat.finished and beat.failure is None
+        # ``a`` left the roster with its stop reply; a heartbeat sent before it read that reply
+        # learns that training ended (not that it is unknown), and only with its own token.
+        stopped = await a.request(HeartbeatRequest(worker_id=member.worker_id, token=member.token))
+        assert isinstance(stopped, HeartbeatReply) and stopped.finished
+        forged = HeartbeatRequest(worker_id=member.worker_id, token=idler.token)
+        assert (await a.expect_error(forged)).code == ErrorCode.UNKNOWN_WORKER
         refused = await late.expect_error(join_request("late"))
         assert refused.code == ErrorCode.SHUTTING_DOWN
