@@ -147,7 +147,13 @@ README_ROWS = (
         "time-to-target-cluster-heavy",
         "heavy",
         "`small-1124`",
-        "heavy: 11×11, 50 % train, B=128, target 0.84",
+        "heavy: 11×11, 50 % train, B=128, target 0.84; samples pulled from the server",
+    ),
+    (
+        "time-to-target-cluster-heavy-local-data",
+        "heavy",
+        "`small-1124`",
+        "heavy, workers read a local copy (`--worker-data`) as DDP's ranks do",
     ),
     (
         "time-to-target-cluster-wide",
