@@ -18,6 +18,7 @@ from matplotlib.patches import Patch
 
 from common.training.rounds import breakdown
 from common.training.tables import natural_key
+from launch.cluster.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,8 @@ def representative(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def settings_title(settings: dict[str, Any]) -> str:
-    """One line naming what was compared: data, model, slowdowns, batch, optimizer, epochs."""
+    """One line naming what was compared: data, model, slowdowns, batch, optimizer, epochs, and
+    the emulated cluster when there was one."""
     train = settings.get("train", {})
     slowdowns = ",".join(f"{s:g}" for s in settings.get("slowdowns", []))
     stop = (
@@ -57,7 +59,15 @@ def settings_title(settings: dict[str, Any]) -> str:
         f"slowdowns {slowdowns} · B={train.get('global_batch')} · {train.get('optimizer')} "
         f"lr {train.get('lr')} ({train.get('lr_schedule')}) · {stop} · seed "
         f"{train.get('seed')} · {settings.get('repeats')} repeat(s)"
+        + _cluster_words(settings.get("cluster"))
     )
+
+
+def _cluster_words(described: dict[str, Any] | None) -> str:
+    """`` · cluster ...`` for an emulated cluster's description, empty without one."""
+    if not described:
+        return ""
+    return f" · cluster {ClusterSpec.from_description(described).summary_line()}"
 
 
 def curve_points(run: dict[str, Any], key: str, initial: float | None) -> np.ndarray:

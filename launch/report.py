@@ -174,6 +174,7 @@ def render_markdown(data: dict[str, Any]) -> str:
         f"({train['lr_schedule']}), {', '.join(limits)}, seed {train['seed']}, "
         f"repeats {repeats}",
         f"- target OA: {target if target is not None else 'none'}",
+        *option_lines(settings),
         *cluster_lines(settings.get("cluster")),
         "",
         *setup_section(data),
@@ -212,6 +213,18 @@ def setup_section(data: dict[str, Any]) -> list[str]:
     run_dirs = [r["run_dir"] for r in data["runs"] if r.get("run_dir")]
     lines = setup_lines(settings.get("setup"), worker_devices(run_dirs), worker_hosts(run_dirs))
     return ["## Setup", "", *lines, ""] if lines else []
+
+
+def option_lines(settings: dict[str, Any]) -> list[str]:
+    """The extra ``pserver start`` and ``worker join`` options the parameter-server runs had."""
+    return [
+        f"- extra {program} options (parameter-server runs): `{' '.join(options)}`"
+        for program, options in (
+            ("pserver start", settings.get("server_options") or ()),
+            ("worker join", settings.get("worker_options") or ()),
+        )
+        if options
+    ]
 
 
 def cluster_lines(described: dict[str, Any] | None) -> list[str]:

@@ -77,6 +77,10 @@ def test_aggregate_and_speedups_by_hand() -> None:
     markdown = render_markdown(data)
     assert "- emulated cluster: small-1124: workers 0.4/0.4/0.2/0.1 cores, server 0.5" in markdown
     assert PRESETS["small-1124"].description in markdown  # a preset is printed in full
+    assert "extra worker join options" not in markdown
+    data["settings"]["worker_options"] = ["--data", "copy.h5"]
+    markdown = render_markdown(data)
+    assert "- extra worker join options (parameter-server runs): `--data copy.h5`" in markdown
 
 
 def test_time_to_target_takes_the_first_crossing() -> None:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from launch import figures
+from launch.cluster.spec import PRESETS
 from launch.initial import initial_scores
 from tests.support.live import live_server, published
 
@@ -68,6 +69,10 @@ def test_settings_title_names_the_settings() -> None:
     title = figures.settings_title(_settings(["async"]))
     for part in ("jasper.h5", "hsi-cnn", "slowdowns 1,4", "B=64", "lr 0.05 (cosine)", "3 epochs"):
         assert part in title
+    assert "cluster" not in title
+    preset = PRESETS["small-1124"].spec("small-1124")
+    emulated = {**_settings(["async"]), "cluster": preset.describe()}
+    assert "cluster small-1124: workers 0.4/0.4/0.2/0.1 cores" in figures.settings_title(emulated)
 
 
 def _round(t: float, round_s: float, batches: tuple[int, int]) -> dict:
