@@ -3,7 +3,9 @@
 Links are full duplex with a rate and a one-way latency. A sharded parameter server splits the
 model into K byte-balanced pieces; shard s sits on node s (co-located) or on its own server
 host. A synchronous round is: every member pulls the K pieces (each shard's egress sends one
-piece per remote member), computes, then pushes K pieces; each shard takes pieces first come,
+piece per remote member), computes, then pushes K pieces, chunk by chunk as backward finishes
+them, so a push can start up to the backward pass before the compute ends (its last chunk
+leaves after); each shard takes pieces first come,
 first served at its ingress rate (or its decode rate, if slower; pieces that arrive together
 share the link and finish together), and steps its piece once the last is in. A piece between
 a node and the shard on that node does not touch a link. The protocol's CPU stages (a worker
@@ -121,6 +123,10 @@ class ShardedRound:
         )
         self.lat = lat
         self.send_s = self.member_bytes / rate + lat  # a member's pieces leave in parallel
+        # the push may lead the compute's end by the backward pass, less its last chunk's time
+        last_chunk = np.minimum(cluster.chunk_mb * MB, self.member_bytes)
+        self.max_lead_s = (self.member_bytes - last_chunk) / rate
+        self.backward_share = cluster.backward_share
         server = cluster.server
         slice_bytes = cluster.model_params * FP32_BYTES / k
         shards_busy, members_busy = cpu_stretch(cluster, k), cpu_stretch(cluster, m)
@@ -152,7 +158,9 @@ class ShardedRound:
             The round's times.
         """
         measured = ~np.isnan(transfer_s)
-        ready = self.pull_s + self.worker_cpu_s + compute_s  # (m,)
+        computed = self.pull_s + self.worker_cpu_s + compute_s  # (m,)
+        # a push starts while backward runs, as far ahead as its chunks after the first allow
+        ready = computed - np.minimum(self.backward_share * compute_s, self.max_lead_s)
         arrive = ready + self.lat  # pieces stream in from here, at the slower end's rate
         order = np.argsort(arrive, kind="stable")
         cost = self.cost[:, order]  # (k, m) in arrival order

@@ -128,7 +128,10 @@ class Cluster:
         ddp_bucket_mb: DDP's gradient bucket size (torch's default 25 MB).
         ddp_allreduce_s: measured all-reduce time per DDP step; replaces the ring model.
         backward_share: share of a step's compute spent in the backward pass (DDP overlaps
-            its all-reduce with it).
+            its all-reduce with it; a parameter-server worker sends each gradient chunk as
+            backward finishes it).
+        chunk_mb: a push's chunk on the wire (``pserver start --chunk-mb``): the last one
+            leaves after backward ends.
         shared_cores: every host's processes run on one machine with this many cores (an
             emulated cluster): a CPU stage that P hosts run at the same time takes
             max(1, P / shared_cores) times as long. None: every host has its own processor.
@@ -149,6 +152,7 @@ class Cluster:
     ddp_bucket_mb: float = 25.0
     ddp_allreduce_s: float | None = None
     backward_share: float = 2.0 / 3.0
+    chunk_mb: float = 4.0
     shared_cores: float | None = None
 
     def __post_init__(self) -> None:
@@ -164,6 +168,7 @@ class Cluster:
         )
         _check(self.ddp_bucket_mb > 0, f"ddp_bucket_mb must be > 0, got {self.ddp_bucket_mb}")
         _check(0 <= self.backward_share <= 1, "backward_share must be in [0, 1]")
+        _check(self.chunk_mb > 0, f"chunk_mb must be > 0, got {self.chunk_mb}")
         _check(
             self.shared_cores is None or self.shared_cores > 0,
             f"shared_cores must be > 0, got {self.shared_cores}",
@@ -247,7 +252,7 @@ def cluster_from_spec(spec: Mapping[str, Any], seed: int = 0) -> Cluster:
     known = {
         "model_params", "model_mb", "global_batch", "samples", "wire_dtype", "shards",
         "colocated", "link", "server", "groups", "staleness", "max_staleness",
-        "ddp_bucket_mb", "backward_share", "shared_cores",
+        "ddp_bucket_mb", "backward_share", "chunk_mb", "shared_cores",
     }  # fmt: skip
     unknown = set(spec) - known
     _check(not unknown, f"unknown cluster spec keys {sorted(unknown)}; known: {sorted(known)}")
@@ -284,6 +289,7 @@ def cluster_from_spec(spec: Mapping[str, Any], seed: int = 0) -> Cluster:
         max_staleness=None if max_staleness is None else int(max_staleness),
         ddp_bucket_mb=_number(spec, "ddp_bucket_mb", 25.0),
         backward_share=_number(spec, "backward_share", 2.0 / 3.0),
+        chunk_mb=_number(spec, "chunk_mb", 4.0),
         shared_cores=None if spec.get("shared_cores") is None else _number(spec, "shared_cores"),
     )
 

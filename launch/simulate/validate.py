@@ -35,26 +35,33 @@ from typing import Any
 from common.data.convert.hsi import prepare_hsi
 from launch.simulate.engine import simulate
 from launch.simulate.fromrun import cluster_from_runs
-from launch.simulate.spec import cluster_from_spec, read_spec_file
+from launch.simulate.spec import Cluster, Node, cluster_from_spec, read_spec_file
 from launch.simulate.stagecosts import measure_stage_costs
 
 log = logging.getLogger(__name__)
 JASPER_DIR = Path(__file__).resolve().parents[3] / "shared/datasets/jasper_ridge"
 MULTIHOST_SPEC = Path(__file__).resolve().parents[2] / "docs/clusters/multihost3.yaml"
-# The multi-host bench's figures that docs/benchmarks.md keeps (2026-11-22, `sudo
-# .venv/bin/python bench/multihost.py --rate 1gbit --workers 3`, 3 repeats x 12 steps, every
-# process on this machine's 2 cores): communication = round time after the slowest worker's
-# compute; one step's compute measured alone, 0.269 s.
+# The multi-host bench's figures kept in bench/results/multihost-1gbit-equal-sync.json
+# (2026-11-26, `python -m bench multihost --workers 3 --rate 1gbit --mode equal-sync`, 3 repeats
+# x 12 steps, every process on this machine's 2 cores, nothing else running): communication =
+# round time after the slowest worker's compute (DDP: the all-reduce alone); compute = the
+# slowest worker's compute per round (one step measured alone: 0.246 s).
 MULTIHOST_MEASURED = {
-    "source": "docs/benchmarks.md: 2026-11-22, sudo .venv/bin/python bench/multihost.py "
-    "--rate 1gbit --workers 3",
-    "compute_s": 0.269,
+    "source": "bench/results/multihost-1gbit-equal-sync.json: 2026-11-26, python -m bench "
+    "multihost --workers 3 --rate 1gbit --mode equal-sync",
+    "compute_s": 0.246,
     "communication_s": {
-        "ddp": 0.521,
-        "ps-k1": 2.287,
-        "ps-k1-bf16": 1.146,
-        "ps-kN": 0.693,
-        "ps-kN-bf16": 0.509,
+        "ddp": 0.501,
+        "ps-k1": 1.915,
+        "ps-k1-bf16": 0.787,
+        "ps-kN": 0.364,
+        "ps-kN-bf16": 0.241,
+    },
+    "layout_compute_s": {
+        "ps-k1": 0.499,
+        "ps-k1-bf16": 0.534,
+        "ps-kN": 0.585,
+        "ps-kN-bf16": 0.514,
     },
 }
 # layout -> (mode, shards, co-located, wire dtype)
@@ -268,14 +275,18 @@ def bench_figures(results: Path) -> dict[str, Any]:
     if not figures.get("reference"):
         raise ValueError(f"{results} holds no all-reduce reference")
     comm = {"ddp": figures["reference"]["allreduce_s"]}
+    compute = {}
     for layout in MULTIHOST_LAYOUTS:
         row = figures["variants"].get(layout)
         if row is not None:
             comm[layout] = row["comm_s_median"]
+            if row.get("compute_s_median") is not None:
+                compute[layout] = row["compute_s_median"]
     return {
         "source": str(results),
         "compute_s": figures["reference"]["compute_s"],
         "communication_s": comm,
+        "layout_compute_s": compute,
     }
 
 
@@ -304,12 +315,19 @@ def multihost(
         for wire in ("fp32", "bf16")
     }
     communication = measured["communication_s"]
-    assert isinstance(communication, dict)
+    layout_compute = measured.get("layout_compute_s", {})
+    assert isinstance(communication, dict) and isinstance(layout_compute, dict)
     rows = []
     for layout, (mode, shards, colocated, wire) in MULTIHOST_LAYOUTS.items():
         if layout not in communication:
             continue
-        plain = dataclasses.replace(base, shards=shards, colocated=colocated, wire_dtype=wire)
+        plain = dataclasses.replace(
+            base,
+            nodes=_computing(base, layout_compute.get(layout)),
+            shards=shards,
+            colocated=colocated,
+            wire_dtype=wire,
+        )
         with_cpu = dataclasses.replace(plain, server=costs[wire], shared_cores=float(cores))
         if mode == "ddp":  # the stages are the parameter server's; gloo's are in its figure
             with_cpu = plain
@@ -342,6 +360,19 @@ def multihost(
         "load": [round(x, 2) for x in load],
         "rows": rows,
     }
+
+
+def _computing(cluster: Cluster, compute_s: float | None) -> tuple[Node, ...]:
+    """The cluster's nodes, each computing ``compute_s`` per equal-sync step (the bench's
+    slowest worker per round), so that pushes overlap backward as in the run; None keeps the
+    spec's compute."""
+    if compute_s is None:
+        return cluster.nodes
+    per_worker = cluster.global_batch / len(cluster.nodes)
+    return tuple(
+        dataclasses.replace(node, alpha_s=0.0, beta_s=compute_s / per_worker)
+        for node in cluster.nodes
+    )
 
 
 def multihost_markdown(result: dict[str, Any]) -> str:

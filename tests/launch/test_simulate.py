@@ -17,7 +17,7 @@ from launch.cli import main
 from launch.simulate.costs import ring_allreduce_s
 from launch.simulate.engine import simulate
 from launch.simulate.fromrun import cluster_from_runs
-from launch.simulate.spec import GBIT, Cluster, Node, ServerCosts, cluster_from_spec
+from launch.simulate.spec import GBIT, MB, Cluster, Node, ServerCosts, cluster_from_spec
 from launch.simulate.stagecosts import measure_stage_costs
 from launch.simulate.validate import ORDER, Setup, bench_figures, markdown, predict
 
@@ -377,7 +377,7 @@ def test_validation_of_some_modes_runs_only_what_their_predictions_need(tmp_path
 def test_multihost_figures_come_from_a_bench_run(tmp_path: Path) -> None:
     results = tmp_path / "results.json"
     variants = {
-        "ps-kN": {"comm_s_median": 0.61},
+        "ps-kN": {"comm_s_median": 0.61, "compute_s_median": 0.58},
         "ps-kN-bf16": {"comm_s_median": 0.33},
         "ps-kN-pull": {"comm_s_median": 0.7},  # not a simulated layout
     }
@@ -386,6 +386,7 @@ def test_multihost_figures_come_from_a_bench_run(tmp_path: Path) -> None:
     measured = bench_figures(results)
     assert measured["compute_s"] == 0.27
     assert measured["communication_s"] == {"ddp": 0.52, "ps-kN": 0.61, "ps-kN-bf16": 0.33}
+    assert measured["layout_compute_s"] == {"ps-kN": 0.58}  # what the run recorded
     results.write_text(json.dumps({"figures": {"reference": None, "variants": variants}}))
     with pytest.raises(ValueError, match="no all-reduce reference"):
         bench_figures(results)
@@ -397,3 +398,17 @@ def test_validation_runs_take_the_budgets_and_equal_ranks_the_largest(tmp_path: 
     budgets = dataclasses.replace(plain, node_cpus="0.6,0.3,0.15", server_cpus="0.4")
     assert budgets.budget_args() == ["--node-cpus", "0.6,0.3,0.15", "--server-cpus", "0.4"]
     assert budgets.budget_args(equal=True) == ["--node-cpus", "0.6", "--server-cpus", "0.4"]
+
+
+@pytest.mark.parametrize("compute_s", [0.05, 0.2, 2.0])
+def test_pushes_leave_while_backward_runs_all_but_the_last_chunk(compute_s: float) -> None:
+    n = 4
+    per_sample = compute_s / (256 / n)
+    nodes = [Node(f"gpu#{i}", 0.0, per_sample, link_bytes_s=GBIT, latency_s=0.0) for i in range(n)]
+    cluster = _cluster(nodes, shards=n, colocated=True, chunk_mb=4.0, backward_share=0.5)
+    one_way = (n - 1) / n * MODEL * 4 / GBIT  # what the ring moves each way
+    lead = min(0.5 * compute_s, one_way - 4 * MB / GBIT)
+    overlapped = simulate(cluster, "equal-sync").round_s
+    assert overlapped == pytest.approx(2 * one_way + compute_s - lead, rel=0.01)
+    after = simulate(dataclasses.replace(cluster, backward_share=0.0), "equal-sync").round_s
+    assert after == pytest.approx(2 * one_way + compute_s, rel=0.01)
