@@ -281,3 +281,16 @@ def scenes_dataset(out: Path, samples: int, size: int) -> Path:
         argv += ["--classes", "10", "--seed", "0"]
         subprocess.run(argv, check=True, timeout=SYNTH_TIMEOUT_S, cwd=ROOT, capture_output=True)
     return path
+
+
+def hsi_dataset(out: Path, size: int, patch: int) -> Path:
+    """``patch`` x ``patch`` patches of every labelled pixel of a synthetic 32-band, 6-class
+    hyperspectral scene of side ``size`` (half of each class for training) through ``pserver
+    data synth``, made once per (size, patch) in ``out``."""
+    path = out / f"hsi-{size}px-p{patch}.h5"
+    if not path.exists():
+        argv = python("pserver.cli", "data", "synth", "--kind", "hsi", "--out", str(path))
+        argv += ["--bands", "32", "--size", str(size), "--patch", str(patch)]
+        argv += ["--classes", "6", "--train-fraction", "0.5", "--seed", "0"]
+        subprocess.run(argv, check=True, timeout=SYNTH_TIMEOUT_S, cwd=ROOT, capture_output=True)
+    return path

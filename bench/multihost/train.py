@@ -5,7 +5,12 @@ host, each worker or DDP rank on its own, every link capped both ways): weighted
 ``--wire-dtype bf16`` and one parameter shard on each worker host (``ws-bf16``), DDP with
 fp32 gradients (``ddp-fp32``) and DDP with PyTorch's bf16 compression hook on its reducer
 (``ddp-bf16``, ``pslaunch ddp --grad-compression bf16``). The runs alternate within each repeat,
-with the same seed, data (synthetic 3-band scenes) and model (``resnet18``, 11.2 M parameters).
+with the same seed, data and model (``resnet18``, 11.2 M parameters). The default data
+(``--data hsi``) are 11x11 patches of a synthetic 32-band hyperspectral scene, which resnet18
+learns to above 0.95 OA in three epochs, so the final OAs say whether the modes train equally
+well; ``--data scenes`` (synthetic 3-band images) stays near chance in a few epochs. The learning
+rate follows a cosine schedule by default (``--lr-schedule``), so the final OA is not the noise of
+the last steps at full rate.
 Slow nodes are emulated by CPU budgets (``--cluster hosts-3x1g`` or ``--node-cpus``; DDP's ranks
 get their workers' budgets) or by ``--slowdowns``.
 
@@ -18,7 +23,8 @@ the pull and the round's coordination), medians. The last lines are
 
 Usage: python -m bench multihost-train [--workers 3] [--links 1gbit] [--slowdowns 1,1,2]
        [--cluster hosts-3x1g | --node-cpus 0.5,0.5,0.25 --server-cpus 0.5] [--allow-oversubscribe]
-       [--global-batch 24] [--epochs 3] [--repeats 2] [--samples 750] [--out runs/mh_train]
+       [--data hsi|scenes] [--size S] [--patch 11] [--samples 750] [--global-batch 36]
+       [--epochs 3] [--lr-schedule cosine] [--repeats 2] [--out runs/mh_train]
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from typing import Any
 
 from bench import ROOT
 from bench.harness.record import parse_settings
-from bench.multihost.config import scenes_dataset
+from bench.multihost.config import hsi_dataset, scenes_dataset
 from common.errors import PSError
 from common.logsetup import setup_logging
 from launch.cluster.netns import available
@@ -60,7 +66,12 @@ def run_mode(
     run_dir: Path,
 ) -> dict[str, Any]:
     """One run of ``mode`` through the launcher; its summary."""
-    train = TrainSettings(epochs=args.epochs, global_batch=args.global_batch, seed=seed)
+    train = TrainSettings(
+        epochs=args.epochs,
+        global_batch=args.global_batch,
+        lr_schedule=args.lr_schedule,
+        seed=seed,
+    )
     if mode == "ws-bf16":
         cluster = LocalCluster(
             dataset=dataset,
@@ -135,10 +146,25 @@ def main(argv: list[str] | None = None) -> int:
         help="run budgets that sum to more cores than the machine has",
     )
     p.add_argument("--model", default="resnet18", help="model for every run")
-    p.add_argument("--size", type=int, default=32, help="image side of the synthetic scenes")
-    p.add_argument("--samples", type=int, default=750, help="scenes (80 %% train)")
-    p.add_argument("--global-batch", type=int, default=24, help="global batch B")
+    p.add_argument(
+        "--data",
+        choices=("hsi", "scenes"),
+        default="hsi",
+        help="synthetic hyperspectral patches (32 bands, 6 classes) or 3-band scenes (10 classes)",
+    )
+    p.add_argument(
+        "--size", type=int, help="hsi: the scene's side (default 64); scenes: image side (32)"
+    )
+    p.add_argument("--patch", type=int, default=11, help="hsi: patch side")
+    p.add_argument("--samples", type=int, default=750, help="scenes: images (80 %% train)")
+    p.add_argument("--global-batch", type=int, default=36, help="global batch B")
     p.add_argument("--epochs", type=int, default=3, help="epochs per run")
+    p.add_argument(
+        "--lr-schedule",
+        choices=("constant", "cosine", "step"),
+        default="cosine",
+        help="for every run",
+    )
     p.add_argument("--repeats", type=int, default=2, help="interleaved repeats (seed = repeat)")
     p.add_argument("--modes", default=",".join(MODES), help=f"among {', '.join(MODES)}")
     p.add_argument("--out", type=Path, default=ROOT / "runs/mh_train", help="output directory")
@@ -163,7 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     default_slowdowns = "1" if spec.budgets else "1,1,2"
     slowdowns = parse_slowdowns(args.slowdowns or default_slowdowns, len(spec.workers))
     args.out.mkdir(parents=True, exist_ok=True)
-    dataset = scenes_dataset(args.out, args.samples, args.size)
+    if args.data == "hsi":
+        dataset = hsi_dataset(args.out, args.size or 64, args.patch)
+        data_line = f"hsi {args.size or 64}px scene, {args.patch}x{args.patch} patches"
+    else:
+        dataset = scenes_dataset(args.out, args.samples, args.size or 32)
+        data_line = f"scenes {args.size or 32}px x {args.samples}"
     out = args.out / time.strftime("%Y%m%d-%H%M%S")
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     failures: list[str] = []
@@ -191,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"multi-host training: {len(spec.workers)} worker hosts + server host, "
         f"{spec.summary_line()}, slowdowns {','.join(f'{x:g}' for x in slowdowns)}, "
-        f"{args.model}, scenes {args.size}px x {args.samples}, "
-        f"B={args.global_batch}, {args.epochs} epochs, {args.repeats} repeats, "
+        f"{args.model}, {data_line}, B={args.global_batch}, {args.epochs} epochs, "
+        f"lr schedule {args.lr_schedule}, {args.repeats} repeats, "
         f"{time.monotonic() - started:.0f} s"
     )
     print(

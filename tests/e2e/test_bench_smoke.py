@@ -72,7 +72,7 @@ SMOKE: dict[str, tuple[tuple[str, ...], str]] = {
     "multihost-train": (
         (
             *("--workers", "2", "--slowdowns", "1,2", "--epochs", "1", "--repeats", "1"),
-            *("--model", "scene-cnn", "--size", "16", "--samples", "40", "--global-batch", "8"),
+            *("--model", "hsi-cnn", "--size", "10", "--patch", "5", "--global-batch", "8"),
         ),
         "netns",
     ),
