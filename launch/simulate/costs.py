@@ -5,9 +5,9 @@ model into K byte-balanced pieces; shard s sits on node s (co-located) or on its
 host. A synchronous round is: every member pulls the K pieces (each shard's egress sends one
 piece per remote member), computes, then pushes K pieces, chunk by chunk as backward finishes
 them, so a push can start up to the backward pass before the compute ends (its last chunk
-leaves after); each shard takes pieces first come,
-first served at its ingress rate (or its decode rate, if slower; pieces that arrive together
-share the link and finish together), and steps its piece once the last is in. A piece between
+leaves after); each shard takes pieces first come, first served at its ingress rate (or its
+decode rate, if slower; pieces that arrive together share the link and finish together), and
+steps its piece once the last is in. A piece between
 a node and the shard on that node does not touch a link. The protocol's CPU stages (a worker
 taking parameters in and turning its gradient into pieces, a shard's update and reply pieces)
 add to the round; on ``shared_cores`` the stages that several hosts run at once stretch.
@@ -123,9 +123,8 @@ class ShardedRound:
         )
         self.lat = lat
         self.send_s = self.member_bytes / rate + lat  # a member's pieces leave in parallel
-        # the push may lead the compute's end by the backward pass, less its last chunk's time
-        last_chunk = np.minimum(cluster.chunk_mb * MB, self.member_bytes)
-        self.max_lead_s = (self.member_bytes - last_chunk) / rate
+        # a push's last chunk leaves after backward ends
+        self.last_chunk_s = np.minimum(cluster.chunk_mb * MB, self.member_bytes) / rate + lat
         self.backward_share = cluster.backward_share
         server = cluster.server
         slice_bytes = cluster.model_params * FP32_BYTES / k
@@ -159,8 +158,27 @@ class ShardedRound:
         """
         measured = ~np.isnan(transfer_s)
         computed = self.pull_s + self.worker_cpu_s + compute_s  # (m,)
-        # a push starts while backward runs, as far ahead as its chunks after the first allow
-        ready = computed - np.minimum(self.backward_share * compute_s, self.max_lead_s)
+        accepted = self._accepted(computed)
+        if self.backward_share > 0:
+            # chunks leave as backward finishes them: a push starts up to the backward pass
+            # before the compute ends, but no earlier than its duration (over its own link or
+            # the busiest shard's) less its last chunk, which leaves after the compute
+            push_s = accepted - computed
+            lead = np.minimum(
+                self.backward_share * compute_s, np.maximum(push_s - self.last_chunk_s, 0.0)
+            )
+            accepted = np.maximum(self._accepted(computed - lead), computed + self.last_chunk_s)
+        accepted = np.where(measured, compute_s + np.nan_to_num(transfer_s), accepted)
+        return RoundTimes(
+            accepted_s=accepted,
+            round_s=float(accepted.max()) + self.step_s,
+            worker_bytes=self.worker_bytes,
+            shard_bytes=self.shard_bytes,
+        )
+
+    def _accepted(self, ready: np.ndarray) -> np.ndarray:
+        """When each member's push is in on every shard, if member j starts it at
+        ``ready[j]``: each shard takes pieces first come, first served."""
         arrive = ready + self.lat  # pieces stream in from here, at the slower end's rate
         order = np.argsort(arrive, kind="stable")
         cost = self.cost[:, order]  # (k, m) in arrival order
@@ -174,14 +192,7 @@ class ShardedRound:
         done_sorted = np.repeat(group_end, np.diff(np.r_[starts, len(arrived)]), axis=1)
         done = np.empty_like(done_sorted)
         done[:, order] = done_sorted
-        accepted = np.maximum(done.max(axis=0), ready + self.send_s)
-        accepted = np.where(measured, compute_s + np.nan_to_num(transfer_s), accepted)
-        return RoundTimes(
-            accepted_s=accepted,
-            round_s=float(accepted.max()) + self.step_s,
-            worker_bytes=self.worker_bytes,
-            shard_bytes=self.shard_bytes,
-        )
+        return np.maximum(done.max(axis=0), ready + self.send_s)
 
 
 def cpu_stretch(cluster: Cluster, busy: int) -> float:

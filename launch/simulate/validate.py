@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -467,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})",
-        "command": "python -m launch.simulate.validate " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m launch.simulate.validate " + shlex.join(argv or sys.argv[1:]),
         "setup": {k: str(v) for k, v in dataclasses.asdict(setup).items()},
         "rows": rows,
     }
