@@ -221,6 +221,7 @@ class Pushes:
                 self.desk.send(worker, task, hint)
         else:
             self.desk.stop_waiting()
+        self.policy.settle(update)
         await self.snapshots.take()
 
     def _refuse_update(self, update: Update, message: str) -> None:

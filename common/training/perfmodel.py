@@ -190,9 +190,15 @@ class PerfModel:
         self._dirty = True
         return True
 
-    def fit(self) -> Fit | None:
-        """The current fit, or None before any compute measurement."""
-        if self._dirty:
+    def fit(self, refit: bool = True) -> Fit | None:
+        """The current fit, or None before any compute measurement.
+
+        Args:
+            refit: take in the measurements since the last fit; False returns the last fit
+                as it is (refitting only when there is none yet), for a plan that must not
+                wait for a refit.
+        """
+        if self._dirty and (refit or self._fit is None):
             self._fit = self._refit()
             self._dirty = False
         return self._fit

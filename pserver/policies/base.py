@@ -178,6 +178,10 @@ class ModePolicy(abc.ABC):
     def applied(self, update: Update, timing: RoundTiming | None) -> None:  # noqa: B027
         """``update`` was published (an optional hook of ``after_update``)."""
 
+    def settle(self, update: Update) -> None:  # noqa: B027 - optional hook
+        """Work ``update``'s workers need not wait for, done once they have their next
+        tasks."""
+
     def refused(self, update: Update) -> None:  # noqa: B027 - optional hook
         """``update`` was not applied (invalid, or training ended); the server handles its
         tasks."""

@@ -106,7 +106,7 @@ class SyncRounds(ModePolicy):
                     tasks[worker.worker_id] = task
                     made.append((worker, task))
                     offset += n
-            fits = {w.worker_id: w.perf.fit() for w in ready}
+            fits = {w.worker_id: w.perf.fit(refit=False) for w in ready}
             predicted = {
                 w: fit.predict(n) for w, n in sizes.items() if (fit := fits.get(w)) is not None
             }
@@ -182,6 +182,12 @@ class SyncRounds(ModePolicy):
         self.last_timing = timing
         self.idle_total += sum(w.idle_s for w in self.last_timing.workers.values())
         self.worker_round_total += len(self.last_timing.workers) * self.last_timing.round_s
+
+    def settle(self, update: Update) -> None:
+        """Refit the models of the update's workers: the plan made when their round closed
+        used their fits before that round (a refit per plan would delay every reply)."""
+        for worker, _, _ in update.entries:
+            worker.perf.fit()
 
     def idle_share(self) -> float | None:
         """Sum of idle time over sum of worker round time, over every applied round."""

@@ -73,7 +73,7 @@ class WeightedSync(SyncRounds):
     def batch_sizes(self, workers: list[WorkerInfo], total: int) -> dict[int, int]:
         speeds = {w.worker_id: w.speed for w in workers}
         minimum = self.min_local_batch
-        fits = {w.worker_id: w.perf.fit() for w in workers}
+        fits = {w.worker_id: w.perf.fit(refit=False) for w in workers}
         sizes = None
         probe = self.probes.due(speeds)
         if self.config.planner != "speed" and all(f is not None for f in fits.values()):

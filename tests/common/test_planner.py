@@ -447,6 +447,7 @@ def test_weighted_sync_falls_back_to_speed_and_reprobes_a_worker_at_zero() -> No
     assert policy.batch_sizes([fast, fresh], 60) == plan_batches({1: 100.0, 3: 200.0}, 60)
     slow.perf.add_transfer(0.5)
     slow.perf.add_transfer(0.5)  # now 0.5 s per round on the wire: it cannot contribute
+    slow.perf.fit()  # as the server refits a pusher's model after its round (settle)
     plans = [policy.batch_sizes([fast, slow], 64) for _ in range(1000)]
     assert plans[0] == {1: 64}
     probes = [i for i, plan in enumerate(plans) if plan.get(2)]
@@ -456,6 +457,7 @@ def test_weighted_sync_falls_back_to_speed_and_reprobes_a_worker_at_zero() -> No
     assert waits == [20, 40, 80, 160, 320, 320] and PROBE_EVERY_MAX == 320
     slow.perf.transfer.clear()  # its link recovers (as a probe would measure): it is back
     slow.perf.add_transfer(0.0)
+    slow.perf.fit()
     plans = [policy.batch_sizes([fast, slow], 64) for _ in range(PROBE_EVERY_MAX + 1)]
     back = next(i for i, plan in enumerate(plans) if plan.get(2))
     assert all(plan.get(2, 0) > 1 for plan in plans[back:])
@@ -501,7 +503,8 @@ def test_weighted_sync_measures_the_spread_on_members_of_consecutive_rounds() ->
 def test_weighted_sync_refits_a_pushers_model_while_its_round_waits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The plan made when a round closes refits only the models of pushes that closed it."""
+    """A waiting pusher's model is refitted while its round waits; the closing pusher's only
+    after the plan, which takes its last fit."""
     policy, workers = _policy("model")
     for worker, task in policy.plan(workers):
         worker.tasks.append(task)
@@ -522,6 +525,9 @@ def test_weighted_sync_refits_a_pushers_model_while_its_round_waits(
         decisions.append(policy.decide(worker, task, push, 0, 1.0))
         if worker is workers[0]:
             assert decisions[0].update is None and refits == ["w1"]  # refitted while it waits
-    assert decisions[1].update is not None and refits == ["w1"]  # the closing push: not yet
+    update = decisions[1].update
+    assert update is not None and refits == ["w1"]  # the closing push: not yet
     policy.batch_sizes(workers, 64)
-    assert refits == ["w1", "w2"]  # the plan refits only the closing pusher's model
+    assert refits == ["w1"]  # the plan takes the closing pusher's last fit as it is
+    policy.settle(update)
+    assert refits == ["w1", "w2"]  # refitted once the replies are out (w1's is current)

@@ -34,7 +34,7 @@ class Recording:
 
 
 @pytest.mark.parametrize("mode", ["async", "weighted-sync", "equal-sync"])
-async def test_one_push_crosses_into_the_policy_twice(
+async def test_one_push_is_decided_published_and_settled_once_each(
     small_hsi, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
     calls: list[str] = []
@@ -52,4 +52,4 @@ async def test_one_push_crosses_into_the_policy_twice(
         reply = await client.push(member, task, gradient)
         assert isinstance(reply, TaskReply) and reply.action == "train"
         assert ps.updater.version == 1
-        assert calls == ["decide", "after_update"]
+        assert calls == ["decide", "after_update", "settle"]  # settle after the reply
