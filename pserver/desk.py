@@ -94,8 +94,7 @@ class TaskDesk:
         reply = TaskParamsReply(
             **fields, params_version=params.version, scale=params.scale, params=params.params
         )
-        # one such reply per worker at most is queued: it answers the worker's one request
-        self.replier.reply(waiter.identity, waiter.request_id, reply, lease=lease, copy=True)
+        self.replier.reply(waiter.identity, waiter.request_id, reply, lease=lease)
 
     def stop_waiting(self) -> None:
         """Tell every waiting worker to stop."""

@@ -17,7 +17,6 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from common.errors import ConfigError, ErrorCode, ProtocolError, RemoteError
 from common.protocol.base import Message, error_frames, parse_message
 from common.protocol.security import AuthorizedKeys, is_loopback, load_server_secret
-from common.protocol.wire import COPY_BELOW, frames_nbytes
 from pserver.errorlog import RateLimitedLog
 from pserver.store.pool import Lease
 
@@ -170,15 +169,9 @@ class Endpoint:
         return total
 
     def send(
-        self,
-        identity: bytes,
-        frames: list[Any],
-        lease: Lease | None = None,
-        nbytes: int = 0,
-        copy: bool = False,
+        self, identity: bytes, frames: list[Any], lease: Lease | None = None, nbytes: int = 0
     ) -> None:
-        """Queue frames for ``identity``, zero-copy (``lease`` is held until they are sent) or,
-        with ``copy``, copied into ZeroMQ's queue (``lease`` is held until they are queued)."""
+        """Queue frames for ``identity`` (zero-copy; ``lease`` is held until they are sent)."""
         if self._sock is None:
             return
         if lease is not None:
@@ -187,30 +180,22 @@ class Endpoint:
         if nbytes:
             entry = [nbytes, None]
             self._in_flight.setdefault(identity, _InFlight()).entries.append(entry)
-        track = not copy and (lease is not None or entry is not None)
+        track = lease is not None or entry is not None
         future = cast(
             "asyncio.Future[Any]",
-            self._sock.send_multipart([identity, *frames], copy=copy, track=track),
+            self._sock.send_multipart([identity, *frames], copy=False, track=track),
         )
-        if lease is not None or entry is not None:
+        if track:
             future.add_done_callback(lambda f: _tracked(f, lease, entry))
         self.owner.spawn(future)
 
     def reply(
-        self,
-        identity: bytes,
-        request_id: int,
-        message: Message,
-        lease: Lease | None = None,
-        copy: bool = False,
+        self, identity: bytes, request_id: int, message: Message, lease: Lease | None = None
     ) -> None:
-        """Send ``message`` as the reply to ``request_id``. ``copy``: the caller bounds how
-        many such replies a peer can have queued, and a message of at most ``COPY_BELOW``
-        bytes is copied rather than sent zero-copy (see ``COPY_BELOW``)."""
+        """Send ``message`` as the reply to ``request_id``."""
         frames = message.to_wire(request_id)
-        nbytes = frames_nbytes(frames)
-        copy = copy and nbytes <= COPY_BELOW
-        self.send(identity, frames, lease, nbytes if nbytes > 1 << 16 else 0, copy)
+        nbytes = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+        self.send(identity, frames, lease, nbytes if nbytes > 1 << 16 else 0)
 
     def reply_error(self, identity: bytes, request_id: int, code: ErrorCode, text: str) -> None:
         """Send an error reply (and log it, rate-limited per code; SHUTTING_DOWN, the expected

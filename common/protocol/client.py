@@ -18,7 +18,6 @@ from common.errors import (
 )
 from common.protocol.messages import REPLIES, Message, parse_message
 from common.protocol.security import ClientKeys
-from common.protocol.wire import COPY_BELOW, frames_nbytes
 
 M = TypeVar("M", bound=Message)
 
@@ -91,8 +90,7 @@ class Connection:
             ProtocolError: the reply is malformed or not an ``expect``.
         """
         request_id = next(self._ids)
-        frames = message.to_wire(request_id)
-        self._sock.send_multipart(frames, copy=frames_nbytes(frames) <= COPY_BELOW)
+        self._sock.send_multipart(message.to_wire(request_id), copy=False)
         limit = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
         while True:

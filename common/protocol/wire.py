@@ -15,9 +15,6 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 8
 MAX_NDIM = 8
 BFLOAT16 = "bfloat16"
-# A message up to this many bytes is copied into ZeroMQ's queue when it is sent: cheaper than
-# a zero-copy send, which costs a tracker and a wake-up of pyzmq's garbage-collector thread.
-COPY_BELOW = 1 << 20
 WIRE_DTYPES = ("fp32", "bf16", "fp16")  # formats of gradients and parameters on the wire
 # Only plain numeric dtypes may cross the wire; object, string and void dtypes never do.
 # bfloat16 has no numpy dtype: it travels as 16-bit words, tagged by ``BFloat16Array``.
@@ -52,11 +49,6 @@ def bfloat16_words(words: np.ndarray) -> BFloat16Array:
 
 def _numpy_dtype(name: str) -> np.dtype:
     return np.dtype(np.uint16 if name == BFLOAT16 else name)
-
-
-def frames_nbytes(frames: Sequence[Any]) -> int:
-    """Bytes in ``frames`` (``bytes`` or buffers such as numpy arrays)."""
-    return sum(len(f) if isinstance(f, bytes) else memoryview(f).nbytes for f in frames)
 
 
 def encode_frames(header: dict[str, Any], tensors: Sequence[np.ndarray] = ()) -> list[Any]:

@@ -45,15 +45,9 @@ class Replier(Protocol):
     """How the service answers requests (the server's endpoint)."""
 
     def reply(
-        self,
-        identity: bytes,
-        request_id: int,
-        message: Message,
-        lease: Lease | None = None,
-        copy: bool = False,
+        self, identity: bytes, request_id: int, message: Message, lease: Lease | None = None
     ) -> None:
-        """Send ``message`` as the reply; hold ``lease`` until the frames are on the wire
-        (``copy``: a small message may be copied instead)."""
+        """Send ``message`` as the reply; hold ``lease`` until the frames are on the wire."""
 
     def reply_error(self, identity: bytes, request_id: int, code: ErrorCode, text: str) -> None:
         """Send an error reply."""
