@@ -50,6 +50,7 @@ from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
 from launch.settings import TrainSettings
 from launch.slowdowns import parse_slowdowns
+from pserver.config import SCHEDULES
 
 log = logging.getLogger("mh_train")
 MODES = ("ws-bf16", "ddp-fp32", "ddp-bf16")
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=3, help="epochs per run")
     p.add_argument(
         "--lr-schedule",
-        choices=("constant", "cosine", "step"),
+        choices=SCHEDULES,
         default="cosine",
         help="for every run",
     )
