@@ -2,9 +2,10 @@
 and the worker's own code: a shard staging pushed pieces (``SliceStore.stage``), its update
 from one and from several gradients (``SliceStore.prepare`` and ``commit``, SGD with momentum
 as ``pserver start`` runs it), the wire pieces of a new version (``encode``), and a worker
-taking pulled parameters in (``as_tensor``, ``decode_into``) and turning its gradient into
-pieces (``encode``). One thread, as the server, shards and workers run torch; each stage's
-fastest of ``repeats`` runs (the machine's other jobs only ever add to it)."""
+taking pulled parameters into its model (``as_tensor``, ``decode_into``, ``FlatModel.load``)
+and turning its gradient into pieces (``encode``). One thread, as the server, shards and
+workers run torch; each stage's fastest of ``repeats`` runs (the machine's other jobs only
+ever add to it)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from common.protocol.chunks import as_tensor, chunk_elems_for, decode_into, encode, shard_bounds
+from common.training.flat import FlatModel
 from launch.simulate.spec import FP32_BYTES, WIRE_BYTES, ServerCosts
 from pserver.config import ServerConfig
 from pserver.store.optimizer import FlatOptimizer
@@ -116,9 +119,15 @@ def _measure(model_params: int, shards: int, members: int, wire: str, repeats: i
     into = torch.empty(model_params)
     pulled = encode(model, wire)
     worker_encode_s = _fastest(lambda: encode(model, wire), repeats)
-    worker_decode_s = _fastest(
-        lambda: decode_into(as_tensor(pulled[0], wire, "params"), pulled[1], into), repeats
-    )
+    holder = nn.Module()
+    holder.weight = nn.Parameter(torch.zeros(model_params))
+    flat = FlatModel(holder)
+
+    def take_in() -> None:
+        decode_into(as_tensor(pulled[0], wire, "params"), pulled[1], into)
+        flat.load(into)
+
+    worker_decode_s = _fastest(take_in, repeats)
     slice_bytes = (hi - lo) * FP32_BYTES
     wire_piece = (hi - lo) * WIRE_BYTES[wire]
     return ServerCosts(

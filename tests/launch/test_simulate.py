@@ -9,10 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 
 from common.errors import ConfigError
+from common.training.flat import FlatModel
 from launch.cli import main
 from launch.simulate.costs import ring_allreduce_s
 from launch.simulate.engine import simulate
@@ -283,8 +285,17 @@ def test_cpu_stages_on_shared_cores_add_to_the_round_in_closed_form() -> None:
         assert simulate(cluster, "equal-sync").round_s == pytest.approx(expected, rel=0.01)
 
 
-def test_stage_costs_are_measured_with_the_servers_code() -> None:
+def test_stage_costs_are_measured_with_the_servers_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    loads: list[int] = []
+    real_load = FlatModel.load
+
+    def counted(flat: FlatModel, host_state: torch.Tensor) -> None:
+        loads.append(host_state.numel())
+        real_load(flat, host_state)
+
+    monkeypatch.setattr(FlatModel, "load", counted)
     fp32 = measure_stage_costs(300_000, 2, 3, "fp32", repeats=3)
+    assert loads == [300_000] * 3  # a worker's take-in ends with the load into its model
     bf16 = measure_stage_costs(300_000, 2, 3, "bf16", repeats=3)
     for costs in (fp32, bf16):
         assert costs.step_s_per_byte > 0 and costs.decode_s_per_byte > 0
