@@ -37,6 +37,7 @@ from bench.report import (
     with_readme_table,
 )
 from tests.support.paths import ROOT
+from tests.support.requirements import missing
 
 SMOKE_TIMEOUT_S = 600.0
 
@@ -127,7 +128,7 @@ def _require(kind: str, request: pytest.FixtureRequest) -> None:
     elif kind == "py-spy":
         spy = Path(sys.executable).parent / "py-spy"
         if shutil.which("py-spy") is None and not spy.exists():
-            pytest.skip("py-spy is not installed (pip install py-spy)")
+            missing(request.config, "profiler", "py-spy is not installed (make setup)")
 
 
 @pytest.mark.timeout(SMOKE_TIMEOUT_S + 60)

@@ -1,9 +1,10 @@
-"""Real parts some tests need (data, a browser, Slurm, network namespaces, control groups).
+"""Real parts some tests need (data, a browser, Slurm, network namespaces, control groups, a
+sampling profiler).
 
 A test whose part is missing skips with the reason, or fails when the run requires that part:
-``pytest --require data,browser,slurm,netns,cgroup`` (what ``.ci/run`` passes). The variables
-``REQUIRE_REAL_DATA=1``, ``REQUIRE_BROWSER=1``, ``REQUIRE_SLURM=1``, ``REQUIRE_NETNS=1`` and
-``REQUIRE_CGROUP=1`` require the same parts.
+``pytest --require data,browser,slurm,netns,cgroup,profiler`` (what ``.ci/run`` passes). The
+variables ``REQUIRE_REAL_DATA=1``, ``REQUIRE_BROWSER=1``, ``REQUIRE_SLURM=1``,
+``REQUIRE_NETNS=1``, ``REQUIRE_CGROUP=1`` and ``REQUIRE_PROFILER=1`` require the same parts.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ PARTS = {
     "slurm": "REQUIRE_SLURM",
     "netns": "REQUIRE_NETNS",
     "cgroup": "REQUIRE_CGROUP",
+    "profiler": "REQUIRE_PROFILER",
 }
 _REQUIRED = pytest.StashKey[frozenset[str]]()
 
