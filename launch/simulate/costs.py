@@ -7,10 +7,10 @@ piece per remote member), computes, then pushes K pieces, chunk by chunk as back
 them, so a push can start up to the backward pass before the compute ends (its last chunk
 leaves after); each shard takes pieces first come, first served at its ingress rate (or its
 decode rate, if slower; pieces that arrive together share the link and finish together), and
-steps its piece once the last is in. A piece between
-a node and the shard on that node does not touch a link. The protocol's CPU stages (a worker
-taking parameters in and turning its gradient into pieces, a shard's update and reply pieces)
-add to the round; on ``shared_cores`` the stages that several hosts run at once stretch.
+steps its piece once the last is in. A piece between a node and the shard on that node does
+not touch a link. The protocol's CPU stages (a worker taking parameters in and turning its
+gradient into pieces, a shard's update and reply pieces) add to the round; on
+``shared_cores`` the stages that several hosts run at once stretch.
 """
 
 from __future__ import annotations
@@ -167,7 +167,8 @@ class ShardedRound:
             lead = np.minimum(
                 self.backward_share * compute_s, np.maximum(push_s - self.last_chunk_s, 0.0)
             )
-            accepted = np.maximum(self._accepted(computed - lead), computed + self.last_chunk_s)
+            if lead.any():
+                accepted = np.maximum(self._accepted(computed - lead), computed + self.last_chunk_s)
         accepted = np.where(measured, compute_s + np.nan_to_num(transfer_s), accepted)
         return RoundTimes(
             accepted_s=accepted,
