@@ -196,11 +196,13 @@ def run(cfg: BenchConfig) -> int:
 
 def figure_lines(figures: dict[str, Any]) -> str:
     """The table's headline figures as ``name=value`` words: the reference, then per variant
-    its median round, communication and ratio to all-reduce + compute."""
+    its median round, communication, slowest worker's compute and ratio to all-reduce +
+    compute."""
     words = [f"{k}={v:.4f}" for k, v in (figures.get("reference") or {}).items()]
     for name, row in figures["variants"].items():
         words.append(f"round_s_{name}={row['round_s']['median']:.4f}")
         words.append(f"comm_s_{name}={row['comm_s_median']:.4f}")
+        words.append(f"compute_s_{name}={row['compute_s_median']:.4f}")
         if "ratio_reference" in row:
             words.append(f"ratio_{name}={row['ratio_reference']:.3f}")
     return "\n".join(words)

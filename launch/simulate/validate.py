@@ -42,29 +42,12 @@ from launch.simulate.stagecosts import measure_stage_costs
 log = logging.getLogger(__name__)
 JASPER_DIR = Path(__file__).resolve().parents[3] / "shared/datasets/jasper_ridge"
 MULTIHOST_SPEC = Path(__file__).resolve().parents[2] / "docs/clusters/multihost3.yaml"
-# The multi-host bench's figures kept in bench/results/multihost-1gbit-equal-sync.json
-# (2026-11-26, `python -m bench multihost --workers 3 --rate 1gbit --mode equal-sync`, 3 repeats
-# x 12 steps, every process on this machine's 2 cores, nothing else running): communication =
-# round time after the slowest worker's compute (DDP: the all-reduce alone); compute = the
-# slowest worker's compute per round (one step measured alone: 0.246 s).
-MULTIHOST_MEASURED = {
-    "source": "bench/results/multihost-1gbit-equal-sync.json: 2026-11-26, python -m bench "
-    "multihost --workers 3 --rate 1gbit --mode equal-sync",
-    "compute_s": 0.246,
-    "communication_s": {
-        "ddp": 0.501,
-        "ps-k1": 1.915,
-        "ps-k1-bf16": 0.787,
-        "ps-kN": 0.364,
-        "ps-kN-bf16": 0.241,
-    },
-    "layout_compute_s": {
-        "ps-k1": 0.499,
-        "ps-k1-bf16": 0.534,
-        "ps-kN": 0.585,
-        "ps-kN-bf16": 0.514,
-    },
-}
+# The multi-host bench's figures this validation compares with by default: the equal-sync run
+# kept by `python -m bench multihost --workers 3 --rate 1gbit --mode equal-sync` (every process
+# on this machine's 2 cores, nothing else running).
+MULTIHOST_KEPT = (
+    Path(__file__).resolve().parents[2] / "bench/results/multihost-1gbit-equal-sync.json"
+)
 # layout -> (mode, shards, co-located, wire dtype)
 MULTIHOST_LAYOUTS = {
     "ddp": ("ddp", 1, False, "fp32"),
@@ -264,9 +247,30 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def kept_figures(kept: Path = MULTIHOST_KEPT) -> dict[str, Any]:
+    """The figures of a kept multi-host bench record (``bench/results/NAME.json``), in
+    ``bench_figures``' shape: communication = round time after the slowest worker's compute
+    (DDP: the all-reduce alone), and each layout's slowest worker's compute per round."""
+    record = json.loads(kept.read_text(encoding="utf-8"))
+    figures = record["figures"]
+    comm = {"ddp": figures["allreduce_s"]}
+    compute = {}
+    for layout in MULTIHOST_LAYOUTS:
+        if f"comm_s_{layout}" in figures:
+            comm[layout] = figures[f"comm_s_{layout}"]
+        if f"compute_s_{layout}" in figures:
+            compute[layout] = figures[f"compute_s_{layout}"]
+    return {
+        "source": f"{kept.name}: {record['date']}, {record['command']}",
+        "compute_s": figures["compute_s"],
+        "communication_s": comm,
+        "layout_compute_s": compute,
+    }
+
+
 def bench_figures(results: Path) -> dict[str, Any]:
     """The multi-host bench's figures from the ``results.json`` a run of ``python -m bench
-    multihost`` wrote, in ``MULTIHOST_MEASURED``'s shape (layouts it did not run are left out).
+    multihost`` wrote, in ``kept_figures``' shape (layouts it did not run are left out).
 
     Raises:
         ValueError: the file holds no all-reduce reference (gloo failed in that run).
@@ -301,13 +305,13 @@ def multihost(
     Args:
         spec: the bench's cluster as a simulator spec file.
         repeats: measurements per stage cost (the fastest counts).
-        measured: the bench's figures (``bench_figures``); default ``MULTIHOST_MEASURED``.
+        measured: the bench's figures (``bench_figures``); default ``kept_figures()``.
 
     Returns:
         ``{"measured": the figures, "stage_costs": {wire: rates in ms per MB},
         "load": load average at the measurement, "rows": [...]}``.
     """
-    measured = measured or MULTIHOST_MEASURED
+    measured = measured or kept_figures()
     base = cluster_from_spec(read_spec_file(spec))
     cores = os.cpu_count() or 1
     load = os.getloadavg()
@@ -431,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         "--multihost-results",
         type=Path,
         help="The results.json of a `python -m bench multihost` run to compare with (default: "
-        "the figures kept in this module).",
+        "the kept record bench/results/multihost-1gbit-equal-sync.json).",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -21,7 +21,15 @@ from launch.simulate.engine import simulate
 from launch.simulate.fromrun import cluster_from_runs
 from launch.simulate.spec import GBIT, MB, Cluster, Node, ServerCosts, cluster_from_spec
 from launch.simulate.stagecosts import measure_stage_costs
-from launch.simulate.validate import ORDER, Setup, bench_figures, markdown, predict
+from launch.simulate.validate import (
+    MULTIHOST_LAYOUTS,
+    ORDER,
+    Setup,
+    bench_figures,
+    kept_figures,
+    markdown,
+    predict,
+)
 
 MODEL = 25_000_000  # parameters: 100 MB in fp32
 
@@ -423,3 +431,10 @@ def test_pushes_leave_while_backward_runs_all_but_the_last_chunk(compute_s: floa
     assert overlapped == pytest.approx(2 * one_way + compute_s - lead, rel=0.01)
     after = simulate(dataclasses.replace(cluster, backward_share=0.0), "equal-sync").round_s
     assert after == pytest.approx(2 * one_way + compute_s, rel=0.01)
+
+
+def test_multihost_figures_default_to_the_kept_bench_record() -> None:
+    measured = kept_figures()
+    assert set(measured["communication_s"]) == set(MULTIHOST_LAYOUTS)
+    assert set(measured["layout_compute_s"]) == set(MULTIHOST_LAYOUTS) - {"ddp"}
+    assert measured["source"].startswith("multihost-1gbit-equal-sync.json")
