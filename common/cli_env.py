@@ -49,13 +49,15 @@ def show_envvars(command: click.Command) -> None:
 
 
 PROGRAMS = ("PSERVER", "WORKER", "PSLAUNCH")
+# Not options: variables of the same prefix that every process of a run should see.
+PASSED_ON = ("PSERVER_STAGE_TRACE",)
 
 
 def child_environment(environ: Mapping[str, str], **extra: str) -> dict[str, str]:
     """The environment for a process a launcher starts: ``environ`` without any variable of
     this scheme, so a variable set for one command (``PSERVER_START_OVERWRITE=1`` for a
     ``pserver start``) cannot change the children of another; the launcher passes what it
-    means as options.
+    means as options. ``PASSED_ON`` variables (the stage trace) do reach the children.
 
     Args:
         environ: the launcher's environment (``os.environ``).
@@ -65,5 +67,9 @@ def child_environment(environ: Mapping[str, str], **extra: str) -> dict[str, str
         The children's environment.
     """
     prefixes = tuple(f"{program}_" for program in PROGRAMS)
-    kept = {name: value for name, value in environ.items() if not name.startswith(prefixes)}
+    kept = {
+        name: value
+        for name, value in environ.items()
+        if not name.startswith(prefixes) or name in PASSED_ON
+    }
     return {**kept, **extra}

@@ -66,14 +66,25 @@ class Ledger:
         self.evaluations = evaluations
         self.checkpoints_started = 0
 
-    def book(self, update: Update) -> Booked:
-        """Count an update right after it was published (under the updater's lock).
+    def may_finish(self) -> bool:
+        """Whether booking the update just published could end training (its step reached
+        ``--max-steps``, or the last epoch's samples are all handed out)."""
+        steps = self.config.max_steps
+        return (steps is not None and self.updater.steps >= steps) or self.sampler.exhausted
+
+    def book(self, update: Update, timing: RoundTiming | None = None) -> Booked:
+        """Count an update after it was published (under the updater's lock).
+
+        Args:
+            update: the update.
+            timing: its round's timing, when taken already (sync modes; timed now if None).
 
         Returns:
             What it made due.
         """
         version = self.updater.version
-        timing = None if update.clock is None else update.clock.timing(time.monotonic())
+        if timing is None and update.clock is not None:
+            timing = update.clock.timing(time.monotonic())
         now = self.log.now()
         epoch = update.entries[0][1].epoch if update.entries else 0
         workers = []

@@ -8,9 +8,10 @@ reject a request (the endpoint turns it into an error reply). Pushes go to the p
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -113,7 +114,11 @@ class Handlers:
 
     async def dispatch(self, request: Request, message: Message) -> None:
         """Route a parsed request to its handler."""
-        handler = {
+        await self._handlers[type(message)](request, message)
+
+    @functools.cached_property
+    def _handlers(self) -> dict[type[Message], Callable[[Request, Any], Awaitable[None]]]:
+        return {
             JoinRequest: self.join,
             TaskRequest: self.task,
             PushRequest: self.push,
@@ -125,8 +130,7 @@ class Handlers:
             GradientChunk: self.store_chunk,
             PullRequest: self.store_pull,
             ShardHello: self.shard_hello,
-        }[type(message)]
-        await handler(request, message)  # type: ignore[operator]
+        }
 
     # --- membership -------------------------------------------------------------------------
 

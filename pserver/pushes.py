@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 
+from common import stagetrace
 from common.errors import ErrorCode, ProtocolError, ShardLost
 from common.protocol.messages import GradientPushRequest, PushRequest
 from pserver.booking import Ledger
@@ -15,6 +17,7 @@ from pserver.config import ServerConfig
 from pserver.desk import TaskDesk
 from pserver.membership import Roster, Task, Waiter, WorkerInfo
 from pserver.policies import ModePolicy, Update
+from pserver.roundtiming import RoundTiming
 from pserver.runstate import FinishReason, RunState
 from pserver.snapshots.snapshot_hooks import SnapshotHook
 from pserver.store.service import Replier
@@ -107,6 +110,7 @@ class Pushes:
                 roster.wait(worker, waiter)
                 self.desk.stop(worker)
                 return
+            stagetrace.mark("c_staged", task=task.task_id)
             clip = self.guard.check(report, task.task_id)
         except ProtocolError as exc:
             roster.end_push(worker)
@@ -136,6 +140,7 @@ class Pushes:
                 if worker.active:
                     self.desk.stop(worker)
                 return
+            stagetrace.mark("c_decide", task=task.task_id)
             decision = self.policy.decide(worker, task, msg, self.updater.version, clip)
             if self.config.is_sync:
                 roster.end_push(worker)
@@ -200,29 +205,45 @@ class Pushes:
         except ShardLost as exc:
             self.fail(str(exc), True)
             return
+        stagetrace.mark("c_applied", version=self.updater.version)
         if refused is not None:
             self._refuse_update(update, refused)
             return
-        booked = self.ledger.book(update)
+        # A sync round that cannot end training: its workers get their next tasks first, and
+        # the round is booked (metrics, epoch ledgers) while they compute.
+        early = update.clock is not None and not self.ledger.may_finish()
+        timing = update.clock.timing(time.monotonic()) if early and update.clock else None
+        if early:
+            self._answer(update, timing)
+        booked = self.ledger.book(update, timing)
+        stagetrace.mark("c_booked", version=self.updater.version)
         if booked.checkpoint:
             self.checkpoint()
         if booked.finish is not None:
             self.finish(booked.finish)
+        if not early:
+            self._answer(update, booked.timing)
+        self.policy.settle(update)
+        await self.snapshots.take()
+        stagetrace.mark("c_settled", version=self.updater.version)
+
+    def _answer(self, update: Update, timing: RoundTiming | None) -> None:
+        """Plan what follows a published update and answer the workers that may run now (or
+        tell them to stop, once training ended)."""
         training = not self.run.finished
         followup = self.policy.after_update(
             update,
-            booked.timing,
+            timing,
             self.roster.ready() if training else [],
             self.desk.waiting(),
         )
+        stagetrace.mark("c_planned", version=self.updater.version)
         self.desk.queue(followup.assignments)
         if training:
             for worker, task, hint in followup.runnable:
                 self.desk.send(worker, task, hint)
         else:
             self.desk.stop_waiting()
-        self.policy.settle(update)
-        await self.snapshots.take()
 
     def _refuse_update(self, update: Update, message: str) -> None:
         """An update the stores refused (it would make the state invalid; they answered its

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common import stagetrace
 from common.data.dataset import DatasetReader
 from common.errors import ErrorCode
 from common.protocol.chunks import chunk_elems_for
@@ -106,6 +107,7 @@ class ParameterServer:
             )
 
         # 3. The transport and the parameter stores.
+        stagetrace.start("server")
         self.owner = TaskOwner()
         chunk_elems = chunk_elems_for(config.chunk_bytes, config.wire_dtype)
         self.endpoint = Endpoint(

@@ -27,7 +27,8 @@ class AheadReader(abc.ABC):
 
     With ``cache_bytes``, samples read are kept (the first ones until the budget is full, none
     evicted) and only the samples not kept are read: once every sample of a task is kept, the
-    task needs no read and no thread hop. The dataset does not change during a run, so a kept
+    task needs no read, and a started task's batch is gathered from the kept samples on the
+    thread, off the training loop. The dataset does not change during a run, so a kept
     sample equals a fresh read.
 
     Args:
@@ -52,10 +53,15 @@ class AheadReader(abc.ABC):
         """Release the source once the thread has stopped."""
 
     def start(self, indices: list[int]) -> None:
-        """Begin reading ``indices`` (those not kept) in the background (no-op when none)."""
+        """Begin reading ``indices`` (those not kept) in the background; when every one is
+        kept, gather the batch there instead, so ``get`` finds it assembled."""
+        if not indices:
+            return
         missing = self._cache.missing(indices)
-        if missing:
-            self._pending = (tuple(indices), missing, self._pool.submit(self._fetch, missing))
+        work = self._pool.submit(self._fetch, missing) if missing else self._pool.submit(
+            self._cache.batch, indices
+        )
+        self._pending = (tuple(indices), missing, work)
 
     def get(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """The samples for ``indices``, in order: float32 (n, C, H, W) and int64 (n,).
@@ -63,22 +69,27 @@ class AheadReader(abc.ABC):
         Raises:
             NetworkTimeout, RemoteError, DatasetError: the source did not deliver them.
         """
-        missing = self._cache.missing(indices)
-        if indices and not missing:
-            self.cache_hits += 1
-            self._pending = None
-            return self._cache.batch(indices)
-        begin = time.perf_counter()
-        key = tuple(indices)
-        if self._pending is not None and self._pending[0] == key:
-            _, missing, future = self._pending
-        else:
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] != tuple(indices):
+            if not pending[1]:
+                concurrent.futures.wait([pending[2]])  # a gather must not overlap ``add``
+            pending = None
+        if pending is None:
+            missing = self._cache.missing(indices)
+            if indices and not missing:
+                self.cache_hits += 1
+                return self._cache.batch(indices)
             future = self._pool.submit(self._fetch, missing)
-        self._pending = None
+        else:
+            _, missing, future = pending
+        begin = time.perf_counter()
         try:
             x, y = future.result()
         finally:
             self.wait_s += time.perf_counter() - begin
+        if indices and not missing:  # gathered from the kept samples in the background
+            self.cache_hits += 1
+            return x, y
         self._cache.add(missing, x, y)
         return self._cache.merge(indices, missing, x, y)
 

@@ -209,6 +209,8 @@ def plan_by_model(
         return None
     if total <= 0 or not fits:
         return {}
+    if len(fits) == 1:  # a lone member takes the whole batch, whatever its model
+        return {next(iter(fits)): total}
     models = _Models(fits)
     members, batch = models.equal_finish(np.arange(len(models.ids)), total)
     if math.isfinite(spread_s) and 0 < spread_s <= MAX_SECONDS:

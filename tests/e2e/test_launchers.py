@@ -125,8 +125,14 @@ def test_a_variable_for_pserver_start_does_not_reach_the_launchers_server(
 def test_children_get_no_variable_of_the_option_scheme() -> None:
     environ = {"PATH": "/bin", "PSERVER_START_MODE": "async", "WORKER_JOIN_NAME": "w"}
     environ |= {"PSLAUNCH_LOCAL_WORKERS": "3", "RS_PSERVER_TEST_MARK": "m"}
+    environ |= {"PSERVER_STAGE_TRACE": "/tmp/trace"}  # not an option: every process sees it
     env = child_environment(environ, PYTHONUNBUFFERED="1")
-    assert env == {"PATH": "/bin", "RS_PSERVER_TEST_MARK": "m", "PYTHONUNBUFFERED": "1"}
+    assert env == {
+        "PATH": "/bin",
+        "RS_PSERVER_TEST_MARK": "m",
+        "PSERVER_STAGE_TRACE": "/tmp/trace",
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 def _interrupt(launcher: Child, send: Callable[[], None], mark: str) -> None:

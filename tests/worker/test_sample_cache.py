@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -95,3 +96,35 @@ def test_tasks_overlapping_kept_samples_read_only_the_others(
     np.testing.assert_array_equal(x, want_x)
     np.testing.assert_array_equal(y, want_y)
     assert source.reads[-2:] == [first, train[8:]]
+
+
+def test_a_started_kept_task_is_gathered_on_the_reading_thread(small_hsi: Path) -> None:
+    with DatasetReader(small_hsi, cache_bytes=0) as reference:
+        train = [int(i) for i in reference.train_indices[:12]]
+        source = CountingReader(small_hsi, 1 << 20)
+        gathered_on: list[str] = []
+        try:
+            source.get(train)  # every sample kept from here on
+            batch = source._cache.batch
+
+            def recording(indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
+                gathered_on.append(threading.current_thread().name)
+                return batch(indices)
+
+            source._cache.batch = recording  # type: ignore[method-assign]
+            ahead, other = train[::-1], train[2:9]
+            source.start(ahead)
+            x, y = source.get(ahead)
+            source.start(ahead)
+            x2, y2 = source.get(other)  # not the task started: gathered here, after it
+            want_x, want_y = reference.read(ahead)
+            want_x2, want_y2 = reference.read(other)
+        finally:
+            source.close()
+    np.testing.assert_array_equal(x, want_x)
+    np.testing.assert_array_equal(y, want_y)
+    np.testing.assert_array_equal(x2, want_x2)
+    np.testing.assert_array_equal(y2, want_y2)
+    main = threading.current_thread().name
+    assert gathered_on[0].startswith("test-read") and gathered_on[-1] == main
+    assert len(source.reads) == 1 and source.cache_hits == 2
