@@ -55,6 +55,7 @@ BENCHES: dict[str, Bench] = {
     ),
     "observe": Bench("bench.observe", "cost of TensorBoard events, status renders and polling"),
     "planner-speed": Bench("bench.planner_speed", "one model-planner call at 4 to 1024 workers"),
+    "round-floor": Bench("bench.round_floor", "raw ZeroMQ round trip and idle cost, loopback"),
     "round-overhead": Bench("bench.round_overhead", "a weighted-sync round against a local step"),
     "round-profile": Bench("bench.round_profile", "where a round's time goes (py-spy samples)"),
     "scene-memory": Bench("bench.scene_memory", "peak memory preparing and predicting a scene"),

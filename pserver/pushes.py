@@ -209,11 +209,11 @@ class Pushes:
         if refused is not None:
             self._refuse_update(update, refused)
             return
-        # A sync round that cannot end training: its workers get their next tasks first, and
-        # the round is booked (metrics, epoch ledgers) while they compute.
-        early = update.clock is not None and not self.ledger.may_finish()
-        timing = update.clock.timing(time.monotonic()) if early and update.clock else None
-        if early:
+        timing = None
+        if update.clock is not None and not self.ledger.may_finish():
+            # A sync round that cannot end training: its workers get their next tasks first,
+            # and the round is booked (metrics, epoch ledgers) while they compute.
+            timing = update.clock.timing(time.monotonic())
             self._answer(update, timing)
         booked = self.ledger.book(update, timing)
         stagetrace.mark("c_booked", version=self.updater.version)
@@ -221,7 +221,7 @@ class Pushes:
             self.checkpoint()
         if booked.finish is not None:
             self.finish(booked.finish)
-        if not early:
+        if timing is None:  # booked first: its workers may be told to stop
             self._answer(update, booked.timing)
         self.policy.settle(update)
         await self.snapshots.take()

@@ -58,8 +58,10 @@ class AheadReader(abc.ABC):
         if not indices:
             return
         missing = self._cache.missing(indices)
-        work = self._pool.submit(self._fetch, missing) if missing else self._pool.submit(
-            self._cache.batch, indices
+        work = (
+            self._pool.submit(self._fetch, missing)
+            if missing
+            else self._pool.submit(self._cache.batch, indices)
         )
         self._pending = (tuple(indices), missing, work)
 

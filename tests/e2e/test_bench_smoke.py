@@ -79,6 +79,7 @@ SMOKE: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     "observe": (("--events", "200", "--rounds", "12", "--repeats", "1"), ""),
     "planner-speed": (("--workers", "4", "--repeats", "1"), ""),
+    "round-floor": (("--requests", "40", "--compute-ms", "1"), ""),
     "round-overhead": (("--rounds", "12", "--repeats", "1", "--workers", "1"), "data"),
     "round-profile": (("--seconds", "2"), "py-spy"),
     "scene-memory": (("--rows", "64", "--cols", "64", "--bands", "8"), ""),
