@@ -209,11 +209,14 @@ class Pushes:
         if refused is not None:
             self._refuse_update(update, refused)
             return
+        answered = not self.ledger.may_finish()
         timing = None
-        if update.clock is not None and not self.ledger.may_finish():
-            # A sync round that cannot end training: its workers get their next tasks first,
-            # and the round is booked (metrics, epoch ledgers) while they compute.
-            timing = update.clock.timing(time.monotonic())
+        if answered:
+            # An update that cannot end training: its workers get their next tasks first, and
+            # it is booked (metrics, credits, epoch ledgers) while they compute.
+            timing = None if update.clock is None else update.clock.timing(time.monotonic())
+            for worker, _, _ in update.entries:
+                self.roster.end_push(worker)
             self._answer(update, timing)
         booked = self.ledger.book(update, timing)
         stagetrace.mark("c_booked", version=self.updater.version)
@@ -221,7 +224,7 @@ class Pushes:
             self.checkpoint()
         if booked.finish is not None:
             self.finish(booked.finish)
-        if timing is None:  # booked first: its workers may be told to stop
+        if not answered:  # booked first: its workers may be told to stop
             self._answer(update, booked.timing)
         self.policy.settle(update)
         await self.snapshots.take()
