@@ -195,7 +195,7 @@ class Endpoint:
     ) -> None:
         """Send ``message`` as the reply to ``request_id``."""
         frames = message.to_wire(request_id)
-        stagetrace.mark("c_reply", type=message.TYPE)
+        stagetrace.mark("reply", type=message.TYPE)
         nbytes = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
         self.send(identity, frames, lease, nbytes if nbytes > 1 << 16 else 0)
 
@@ -228,7 +228,7 @@ class Endpoint:
                     identity, 0, ErrorCode.BAD_FIELD, f"servers take requests, not errors ({exc})"
                 )
                 continue
-            stagetrace.mark("c_in", type=message.TYPE)
+            stagetrace.mark("request", type=message.TYPE)
             request = Request(identity, request_id, _user_id(frames[1]))
             self.owner.spawn(self._handle(dispatch, request, message))
 

@@ -33,7 +33,7 @@ def test_replies_go_out_before_booking_except_where_training_may_end(
     for mark in marks:
         if mark["ev"] == "c_applied":
             updates.append([])
-        elif updates and mark["ev"] in ("c_reply", "c_booked"):
+        elif updates and mark["ev"] in ("reply", "c_booked"):
             updates[-1].append(mark["ev"] if mark["ev"] == "c_booked" else mark["type"])
     answered_first = [r for r in updates if r[:2] == ["task_params_reply", "c_booked"]]
     booked_first = [r for r in updates if r and r[0] == "c_booked"]
