@@ -89,7 +89,6 @@ class Ledger:
         epoch = update.entries[0][1].epoch if update.entries else 0
         workers = []
         for worker, task, _ in update.entries:
-            self.roster.end_push(worker)
             self.roster.credit(worker, task.size)
             entry = {"worker": worker.name, "batch": task.size, "speed": round(worker.speed, 3)}
             if timing is not None:

@@ -209,14 +209,14 @@ class Pushes:
         if refused is not None:
             self._refuse_update(update, refused)
             return
+        for worker, _, _ in update.entries:  # their pushes are decided: they may get tasks
+            self.roster.end_push(worker)
         answered = not self.ledger.may_finish()
         timing = None
         if answered:
             # An update that cannot end training: its workers get their next tasks first, and
             # it is booked (metrics, credits, epoch ledgers) while they compute.
             timing = None if update.clock is None else update.clock.timing(time.monotonic())
-            for worker, _, _ in update.entries:
-                self.roster.end_push(worker)
             self._answer(update, timing)
         booked = self.ledger.book(update, timing)
         stagetrace.mark("c_booked", version=self.updater.version)
