@@ -11,6 +11,11 @@ shared slow links: water-filling leaves most workers out one by one). Checks tha
 the same plan; prints the median time per call of each over ``--repeats`` interleaved calls,
 their ratio, and ``planner_<n>_<case>_ms=`` / ``reference_<n>_<case>_ms=`` lines.
 
+Before a plan, the server refits the speed model (``PerfModel``) of every worker that pushed in
+the round. Per size, ``refit_<n>_ms=`` is the median time of one round's refits: each of the
+``n`` workers has a full window of noisy measurements of its cluster fit (calibration pairs at
+four batch sizes, pushes near its share), takes one more push and is refitted.
+
 Usage: python -m bench planner-speed [--workers 4,64,1024] [--repeats 3]
 """
 
@@ -24,7 +29,7 @@ import time
 from collections.abc import Callable
 
 from bench.harness.record import parse_settings
-from common.training.perfmodel import Fit
+from common.training.perfmodel import MAX_CALIBRATION, WINDOW, Fit, PerfModel
 from common.training.planner import plan_by_model
 from tests.common.test_planner_reference import reference_plan
 
@@ -33,6 +38,8 @@ FIXED_S = 0.005
 BATCH_PER_WORKER = 32
 SPREAD_SHARE = 1.0
 CASES = ("steady", "spread", "links")
+CALIBRATION_BATCHES = (8, 16, 32, 64)
+NOISE = 0.05  # relative spread of a measured time
 
 
 def cluster(n: int, case: str, seed: int = 0) -> tuple[dict[int, Fit], float]:
@@ -47,6 +54,47 @@ def cluster(n: int, case: str, seed: int = 0) -> tuple[dict[int, Fit], float]:
         fits[w] = Fit(FIXED_S, beta, rng.uniform(*outside))
     predicted = max(f.predict(BATCH_PER_WORKER) for f in fits.values())
     return fits, SPREAD_SHARE * predicted if case == "spread" else 0.0
+
+
+def _measured(seconds: float, rng: random.Random) -> float:
+    return seconds * rng.uniform(1 - NOISE, 1 + NOISE)
+
+
+def _push(model: PerfModel, fit: Fit, rng: random.Random) -> None:
+    batch = BATCH_PER_WORKER + rng.randint(-2, 2)
+    model.add_compute(batch, _measured(fit.alpha_s + fit.beta_s_per_sample * batch, rng))
+    model.add_transfer(_measured(fit.transfer_s, rng))
+
+
+def speed_models(fits: dict[int, Fit], seed: int = 0) -> list[tuple[PerfModel, Fit]]:
+    """Each worker's speed model with a full window of measurements of its fit."""
+    rng = random.Random(seed)
+    models = []
+    for fit in fits.values():
+        model = PerfModel()
+        batches = [
+            b
+            for _ in range(MAX_CALIBRATION // len(CALIBRATION_BATCHES))
+            for b in CALIBRATION_BATCHES
+        ]
+        model.seed(
+            batches, [_measured(fit.alpha_s + fit.beta_s_per_sample * b, rng) for b in batches]
+        )
+        for _ in range(WINDOW):
+            _push(model, fit, rng)
+        model.fit()
+        models.append((model, fit))
+    return models
+
+
+def round_refits_s(models: list[tuple[PerfModel, Fit]], rng: random.Random) -> float:
+    """Seconds to refit every model after one more push each (the pushes not timed)."""
+    for model, fit in models:
+        _push(model, fit, rng)
+    began = time.perf_counter()
+    for model, _ in models:
+        model.fit()
+    return time.perf_counter() - began
 
 
 Planner = Callable[[dict[int, Fit], int, tuple[int, ...], float], dict[int, int] | None]
@@ -88,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{ref_ms / our_ms:6.1f}x")  # fmt: skip
             print(f"reference_{n}_{case}_ms={ref_ms:.3f}")
             print(f"planner_{n}_{case}_ms={our_ms:.3f}")
+        models, rng = speed_models(cluster(n, "steady")[0]), random.Random(1)
+        refit_ms = 1e3 * statistics.median(round_refits_s(models, rng) for _ in range(args.repeats))
+        print(f"{n:7d} one round's refits of the speed models: {refit_ms:.2f} ms")
+        print(f"refit_{n}_ms={refit_ms:.3f}")
     return 0
 
 
