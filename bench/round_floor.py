@@ -80,7 +80,7 @@ class _MomentumStep:
     def __call__(self, gradient: torch.Tensor) -> memoryview:
         self.momentum.mul_(MOMENTUM).add_(gradient)
         self.params.add_(self.momentum, alpha=-LR)
-        return memoryview(self.params.numpy())
+        return self.params.numpy().data
 
 
 def _asyncio_step_echo(requests: int, address_out: Connection) -> None:
