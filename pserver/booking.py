@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from typing import Any
 
 import numpy as np
@@ -28,12 +27,10 @@ class Booked:
     """What booking an update found due.
 
     Attributes:
-        timing: the round's timing (sync modes; None in async).
         checkpoint: a periodic checkpoint (``--checkpoint-every``).
         finish: training is over, and why.
     """
 
-    timing: RoundTiming | None
     checkpoint: bool
     finish: FinishReason | None
 
@@ -72,19 +69,17 @@ class Ledger:
         steps = self.config.max_steps
         return (steps is not None and self.updater.steps >= steps) or self.sampler.exhausted
 
-    def book(self, update: Update, timing: RoundTiming | None = None) -> Booked:
+    def book(self, update: Update, timing: RoundTiming | None) -> Booked:
         """Count an update after it was published (under the updater's lock).
 
         Args:
             update: the update.
-            timing: its round's timing, when taken already (sync modes; timed now if None).
+            timing: its round's timing (sync modes; None in async).
 
         Returns:
             What it made due.
         """
         version = self.updater.version
-        if timing is None and update.clock is not None:
-            timing = update.clock.timing(time.monotonic())
         now = self.log.now()
         epoch = update.entries[0][1].epoch if update.entries else 0
         workers = []
@@ -107,7 +102,7 @@ class Ledger:
             wanted = wanted or (done is not None and every_epochs > 0 and done % every_epochs == 0)
         if wanted:
             self.evaluations.request()
-        return Booked(timing, self._checkpoint_due(), self._finish_due())
+        return Booked(self._checkpoint_due(), self._finish_due())
 
     def give_back(self, update: Update) -> None:
         """An update that will never be applied: its samples go back to the sampler."""

@@ -211,12 +211,11 @@ class Pushes:
             return
         for worker, _, _ in update.entries:  # their pushes are decided: they may get tasks
             self.roster.end_push(worker)
+        timing = None if update.clock is None else update.clock.timing(time.monotonic())
         answered = not self.ledger.may_finish()
-        timing = None
         if answered:
             # An update that cannot end training: its workers get their next tasks first, and
             # it is booked (metrics, credits, epoch ledgers) while they compute.
-            timing = None if update.clock is None else update.clock.timing(time.monotonic())
             self._answer(update, timing)
         booked = self.ledger.book(update, timing)
         stagetrace.mark("c_booked", version=self.updater.version)
@@ -225,7 +224,7 @@ class Pushes:
         if booked.finish is not None:
             self.finish(booked.finish)
         if not answered:  # booked first: its workers may be told to stop
-            self._answer(update, booked.timing)
+            self._answer(update, timing)
         self.policy.settle(update)
         await self.snapshots.take()
         stagetrace.mark("c_settled", version=self.updater.version)
