@@ -49,6 +49,10 @@ VALUES = 87_108  # hsi-cnn's state: parameters and BatchNorm buffers
 WARMUP = 30
 JOIN_TIMEOUT_S = 30.0
 REPLY_TIMEOUT_MS = 10_000
+# The echo processes close with this linger: a close with linger 0 right after the last send
+# may discard that reply before ZeroMQ's I/O thread has written it, and the client then waits
+# for it in vain.
+FLUSH_LINGER_MS = 10_000
 LR, MOMENTUM = 0.01, 0.9
 
 
@@ -67,7 +71,7 @@ def _echo(requests: int, address_out: Connection) -> None:
             identity, *_ = sock.recv_multipart(copy=False)
             sock.send_multipart([identity.bytes, b"h", values], copy=False)
     finally:
-        sock.close(linger=0)
+        sock.close(linger=FLUSH_LINGER_MS)
         context.term()
 
 
@@ -104,7 +108,7 @@ def _asyncio_step_echo(requests: int, address_out: Connection) -> None:
                 params = step(torch.frombuffer(gradient.buffer, dtype=torch.float32))
                 await sock.send_multipart([identity.bytes, b"h", params], copy=False)
         finally:
-            sock.close(linger=0)
+            sock.close(linger=FLUSH_LINGER_MS)
             context.term()
 
     torch.set_num_threads(1)
