@@ -95,9 +95,10 @@ class Nodes:
             self.budgets.close()
 
     def total_budgets(self) -> list[float]:
-        """Every budgeted process's cores: workers (or ranks), the server and its shards."""
+        """Every budgeted process's cores (a scheduled node's largest): workers (or ranks), the
+        server and its shards."""
         assert self.spec is not None
-        cores = [n.cpus for n in self.spec.workers if n.cpus is not None]
+        cores = [n.peak_cpus for n in self.spec.workers if n.peak_cpus is not None]
         if self.has_server and self.spec.server.cpus is not None:
             cores += [self.spec.server.cpus] * (1 + self.shards)
         return cores

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from common.errors import ConfigError
+from launch.cluster.schedule import Change, parse_schedule, schedule_text
 
 RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$")
 RATE_UNITS = {"bit": 1, "kbit": 1_000, "mbit": 1_000_000, "gbit": 1_000_000_000}
@@ -52,24 +53,52 @@ class NodeSpec:
     """One emulated node.
 
     Attributes:
-        cpus: the node's CPU budget in cores (e.g. 0.4), None for no budget.
+        cpus: the node's CPU budget in cores (e.g. 0.4) at the start, None for no budget.
         link: the node's link rate as tc writes it (e.g. ``1gbit``), None for no own link.
+        schedule: later changes of the budget, and the node leaving and returning
+            (``launch.cluster.schedule``); empty for a static node.
     """
 
     cpus: float | None = None
     link: str | None = None
+    schedule: tuple[Change, ...] = ()
+
+    @property
+    def peak_cpus(self) -> float | None:
+        """The largest budget the node ever has (None without a budget)."""
+        if self.cpus is None:
+            return None
+        return max([self.cpus, *(c.cores for c in self.schedule if c.cores is not None)])
 
     def validate(self, what: str) -> NodeSpec:
-        """Check the budget and the rate; ``what`` names the node in errors.
+        """Check the budgets and the rate; ``what`` names the node in errors.
 
         Raises:
             ConfigError: quoting the bad value.
         """
-        if self.cpus is not None and not 0.01 <= self.cpus <= 1024:
-            raise ConfigError(f"{what}: a CPU budget is in [0.01, 1024] cores, got {self.cpus}")
+        if self.schedule and self.cpus is None:
+            raise ConfigError(f"{what}: a budget schedule needs a starting budget")
+        for cores in (self.cpus, *(c.cores for c in self.schedule)):
+            if cores is not None and not 0.01 <= cores <= 1024:
+                raise ConfigError(f"{what}: a CPU budget is in [0.01, 1024] cores, got {cores}")
         if self.link is not None:
             rate_bits(self.link)
         return self
+
+    def describe(self) -> dict[str, Any]:
+        """The node as JSON-ready data (the schedule as ``parse_schedule`` reads it)."""
+        return {
+            "cpus": self.cpus,
+            "link": self.link,
+            "schedule": schedule_text(self.cpus, self.schedule) if self.schedule else None,
+        }
+
+    @classmethod
+    def from_description(cls, data: Mapping[str, Any]) -> NodeSpec:
+        """The node ``describe`` wrote (descriptions without a schedule are static nodes)."""
+        text = data.get("schedule")
+        cpus, schedule = parse_schedule(text) if text else (data["cpus"], ())
+        return cls(cpus=cpus, link=data["link"], schedule=schedule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +121,11 @@ class ClusterSpec:
     def budgets(self) -> bool:
         """Whether any process runs under a CPU budget."""
         return self.server.cpus is not None or any(n.cpus is not None for n in self.workers)
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether any worker node's budget changes, or the node leaves, during the run."""
+        return any(n.schedule for n in self.workers)
 
     @property
     def links(self) -> bool:
@@ -121,8 +155,8 @@ class ClusterSpec:
         """The spec as JSON-ready data, as reports, compare.json and summaries record it."""
         return {
             "name": self.name,
-            "workers": [dataclasses.asdict(n) for n in self.workers],
-            "server": dataclasses.asdict(self.server),
+            "workers": [n.describe() for n in self.workers],
+            "server": self.server.describe(),
             "link_delay": self.link_delay,
         }
 
@@ -135,8 +169,8 @@ class ClusterSpec:
         """
         try:
             return cls(
-                workers=tuple(NodeSpec(**n) for n in data["workers"]),
-                server=NodeSpec(**data["server"]),
+                workers=tuple(NodeSpec.from_description(n) for n in data["workers"]),
+                server=NodeSpec.from_description(data["server"]),
                 link_delay=data.get("link_delay"),
                 name=data.get("name"),
             ).validate()
@@ -148,7 +182,9 @@ class ClusterSpec:
 
         def node(n: NodeSpec) -> str:
             cpus = "-" if n.cpus is None else f"{n.cpus:g}"
-            return cpus + (f"@{n.link}" if n.link else "")
+            if n.schedule:
+                cpus = f"({schedule_text(n.cpus, n.schedule)})"
+            return cpus + (f" on {n.link}" if n.link else "")
 
         workers = "/".join(node(n) for n in self.workers)
         text = f"workers {workers} cores, server {node(self.server)}"
@@ -159,10 +195,11 @@ class ClusterSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    """A named emulated cluster: per-worker budgets and links, slowdowns, the server's node."""
+    """A named emulated cluster: per-worker budgets (each a ``--node-cpus`` entry, so it may be
+    a schedule) and links, the server's node."""
 
     description: str
-    node_cpus: tuple[float, ...]
+    node_cpus: tuple[str, ...]
     server_cpus: float | None = None
     links: tuple[str, ...] | None = None
     server_link: str | None = None
@@ -170,29 +207,43 @@ class Preset:
     def spec(self, name: str) -> ClusterSpec:
         """The preset as a cluster spec named ``name``."""
         links = self.links or (None,) * len(self.node_cpus)
+        nodes = []
+        for entry, link in zip(self.node_cpus, links, strict=True):
+            cpus, schedule = parse_schedule(entry)
+            nodes.append(NodeSpec(cpus, link, schedule))
         return ClusterSpec(
-            workers=tuple(NodeSpec(c, lk) for c, lk in zip(self.node_cpus, links, strict=True)),
-            server=NodeSpec(self.server_cpus, self.server_link),
-            name=name,
+            workers=tuple(nodes), server=NodeSpec(self.server_cpus, self.server_link), name=name
         ).validate()
 
 
 PRESETS: Mapping[str, Preset] = {
     "small-1124": Preset(
         "four CPU nodes at 0.4/0.4/0.2/0.1 cores (speeds 4:4:2:1), server 0.5 core",
-        node_cpus=(0.4, 0.4, 0.2, 0.1),
+        node_cpus=("0.4", "0.4", "0.2", "0.1"),
+        server_cpus=0.5,
+    ),
+    "shifting-load": Preset(
+        "small-1124 whose node 0 drops from 0.4 to 0.05 core for the middle third of the run "
+        "while node 3 rises from 0.1 to 0.4 core, server 0.5 core",
+        node_cpus=("0.4;0.05@33.3%;0.4@66.7%", "0.4", "0.2", "0.1;0.4@33.3%;0.1@66.7%"),
+        server_cpus=0.5,
+    ),
+    "leave-return": Preset(
+        "small-1124 whose node 1 (0.4 core) is off for the middle third of the run, server "
+        "0.5 core",
+        node_cpus=("0.4", "0.4;off@33.3%;on@66.7%", "0.2", "0.1"),
         server_cpus=0.5,
     ),
     "wide-70-25-5": Preset(
         "three nodes at 0.7/0.25/0.05 cores (a fast, a middling and a very slow node), "
         "server 0.5 core",
-        node_cpus=(0.7, 0.25, 0.05),
+        node_cpus=("0.7", "0.25", "0.05"),
         server_cpus=0.5,
     ),
     "hosts-3x1g": Preset(
         "three worker hosts at 0.5/0.5/0.25 cores, each on its own 1 Gbit/s link; the server "
         "on its own 1 Gbit/s host with 0.5 core",
-        node_cpus=(0.5, 0.5, 0.25),
+        node_cpus=("0.5", "0.5", "0.25"),
         server_cpus=0.5,
         links=("1gbit", "1gbit", "1gbit"),
         server_link="1gbit",
@@ -212,13 +263,6 @@ def _per_worker(text: str, option: str, count: int) -> list[str]:
     return items
 
 
-def _cores(text: str, option: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise ConfigError(f"{option} takes cores such as 0.4, got {text!r}") from None
-
-
 def parse_cluster(
     workers: int,
     preset: str | None = None,
@@ -235,7 +279,8 @@ def parse_cluster(
     Args:
         workers: the number of workers (or DDP ranks).
         preset: a name from ``PRESETS``.
-        node_cpus: cores per worker, comma-separated, or one value for all.
+        node_cpus: cores per worker, comma-separated, or one value for all; an entry may be
+            a schedule (``launch.cluster.schedule``).
         server_cpus: the server's cores.
         links: a tc rate per worker, comma-separated, or one for all.
         server_link: the server's rate (default: the fastest worker link).
@@ -263,9 +308,10 @@ def parse_cluster(
     nodes = list(base.workers) if base else [NodeSpec()] * workers
     if node_cpus:
         cpus = _per_worker(node_cpus, "--node-cpus", workers)
+        parsed = [parse_schedule(c) for c in cpus]
         nodes = [
-            dataclasses.replace(n, cpus=_cores(c, "--node-cpus"))
-            for n, c in zip(nodes, cpus, strict=True)
+            dataclasses.replace(n, cpus=c, schedule=schedule)
+            for n, (c, schedule) in zip(nodes, parsed, strict=True)
         ]
     if links:
         rates = _per_worker(links, "--links", workers)

@@ -1,0 +1,115 @@
+"""A node's budget schedule: its CPU budget changes, or the node leaves and returns, at points
+of the run.
+
+Written per node in ``--node-cpus`` as steps separated by ``;``: the first is the starting
+budget, every later one ``VALUE@POINT``. ``VALUE`` is a budget in cores, ``off`` (the node's
+process is killed) or ``on`` (it is started again, with the budget it had when it left).
+``POINT`` is ``N%``, a share of the run's training work (samples: epochs x the training split;
+updates with only ``--max-steps``), so every mode meets a change after the same work, or
+``Ns``, seconds of training. Example: ``0.4;0.05@33.3%;0.4@66.7%`` (a 0.4-core node slowed to
+0.05 core for the middle third), ``0.4;off@33.3%;on@66.7%`` (off for the middle third).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from common.errors import ConfigError
+
+STEP = re.compile(r"^(?P<value>[^@]+)@(?P<at>\d+(?:\.\d+)?)(?P<unit>%|s)?$")
+OFF, ON = "off", "on"
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """One step of a schedule.
+
+    Attributes:
+        at: the point: a share of the run's work in (0, 1) (``share``) or seconds of training.
+        share: True when ``at`` is a share of the run, False when it is seconds.
+        cores: the node's budget from this point on; None while it is off.
+        action: ``budget`` (a new budget), ``off`` or ``on``.
+    """
+
+    at: float
+    share: bool
+    cores: float | None
+    action: str = "budget"
+
+    def reached(self, share: float, seconds: float) -> bool:
+        """Whether a run that did ``share`` of its work in ``seconds`` of training is past it."""
+        return (share if self.share else seconds) >= self.at
+
+    def text(self) -> str:
+        """The step as written on the command line."""
+        value = self.action if self.action != "budget" else f"{self.cores:g}"
+        return f"{value}@{self.at * 100:g}%" if self.share else f"{value}@{self.at:g}s"
+
+
+def parse_schedule(text: str, option: str = "--node-cpus") -> tuple[float, tuple[Change, ...]]:
+    """Parse one node's entry: a budget, or a budget followed by ``;VALUE@POINT`` steps.
+
+    Args:
+        text: the node's entry, e.g. ``0.4;off@33.3%;on@66.7%``.
+        option: the option named in errors.
+
+    Returns:
+        The starting budget and the later changes, in order.
+
+    Raises:
+        ConfigError: a step that is not ``VALUE@POINT``, points not increasing or not within
+            the run, ``on`` without ``off`` before it, a budget while the node is off, or a
+            node still off at the end of the run.
+    """
+    first, *rest = (part.strip() for part in text.split(";"))
+    start = _cores(first.removesuffix("@0%").removesuffix("@0"), option, text)
+    changes: list[Change] = []
+    cores: float | None = start
+    last = 0.0
+    for part in rest:
+        match = STEP.match(part)
+        if match is None:
+            raise ConfigError(f"{option} step {part!r} of {text!r} is not VALUE@N% or VALUE@Ns")
+        share = match["unit"] != "s"
+        at = round(float(match["at"]) / (100 if share else 1), 9)
+        if changes and changes[-1].share != share:
+            raise ConfigError(f"{option} {text!r} mixes % and s points; give one kind per node")
+        if at <= last or (share and at >= 1):
+            raise ConfigError(
+                f"{option} {text!r}: points must increase and lie inside the run, got {part!r}"
+            )
+        last, value = at, match["value"].strip().lower()
+        if value == OFF:
+            if cores is None:
+                raise ConfigError(f"{option} {text!r}: the node is already off at {part!r}")
+            changes.append(Change(at, share, None, OFF))
+            kept, cores = cores, None
+        elif value == ON:
+            if cores is not None:
+                raise ConfigError(f"{option} {text!r}: 'on' at {part!r} without 'off' before it")
+            cores = kept
+            changes.append(Change(at, share, cores, ON))
+        else:
+            if cores is None:
+                raise ConfigError(f"{option} {text!r}: a budget at {part!r} while the node is off")
+            cores = _cores(value, option, text)
+            changes.append(Change(at, share, cores))
+    if cores is None:
+        raise ConfigError(f"{option} {text!r}: the node must come back ('on@...') before the end")
+    return start, tuple(changes)
+
+
+def schedule_text(cores: float | None, changes: tuple[Change, ...]) -> str:
+    """A node's entry as ``parse_schedule`` reads it ("-" for no budget)."""
+    return ";".join(["-" if cores is None else f"{cores:g}", *(c.text() for c in changes)])
+
+
+def _cores(value: str, option: str, text: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(
+            f"{option} takes cores such as 0.4 (or a schedule such as 0.4;0.05@33%;0.4@66%), "
+            f"got {text!r}"
+        ) from None

@@ -1,0 +1,75 @@
+"""Budget schedules of emulated nodes: parsing, refusals, presets and descriptions."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.errors import ConfigError
+from launch.cluster.schedule import Change, parse_schedule, schedule_text
+from launch.cluster.spec import PRESETS, ClusterSpec, parse_cluster
+
+
+def test_a_plain_budget_has_no_changes() -> None:
+    assert parse_schedule("0.4") == (0.4, ())
+    assert parse_schedule("0.4@0") == (0.4, ())
+
+
+def test_budget_steps_by_share_and_by_seconds() -> None:
+    start, changes = parse_schedule("0.4;0.05@33.3%;0.4@66.7%")
+    assert start == 0.4
+    assert changes == (Change(0.333, True, 0.05), Change(0.667, True, 0.4))
+    _, timed = parse_schedule("0.2;0.1@12s")
+    assert timed == (Change(12.0, False, 0.1),)
+    assert timed[0].reached(share=0.9, seconds=12.0)
+    assert not timed[0].reached(share=0.9, seconds=11.9)
+    assert changes[0].reached(share=0.333, seconds=0.0)
+
+
+def test_off_and_on_return_with_the_budget_the_node_left_with() -> None:
+    start, changes = parse_schedule("0.4;0.2@10%;off@33%;on@66%")
+    assert [c.action for c in changes] == ["budget", "off", "on"]
+    assert changes[1].cores is None and changes[2].cores == 0.2
+    assert schedule_text(start, changes) == "0.4;0.2@10%;off@33%;on@66%"
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("fast", "takes cores"),
+        ("0.4;0.1", "VALUE@N%"),
+        ("0.4;0.1@50%;0.2@40%", "must increase"),
+        ("0.4;0.1@100%", "inside the run"),
+        ("0.4;0.1@10%;0.2@5s", "mixes"),
+        ("0.4;on@10%", "without 'off'"),
+        ("0.4;off@10%;off@20%", "already off"),
+        ("0.4;off@10%;0.2@20%", "while the node is off"),
+        ("0.4;off@10%", "come back"),
+    ],
+)
+def test_bad_schedules_are_refused_naming_the_entry(text: str, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        parse_schedule(text)
+
+
+def test_node_cpus_takes_a_schedule_per_node_and_checks_every_budget() -> None:
+    spec = parse_cluster(2, node_cpus="0.4;0.05@50%,0.1", server_cpus=0.5)
+    assert spec is not None and spec.scheduled
+    assert spec.workers[0].cpus == 0.4 and spec.workers[0].peak_cpus == 0.4
+    assert spec.workers[1].schedule == ()
+    with pytest.raises(ConfigError, match=r"\[0.01, 1024\]"):
+        parse_cluster(1, node_cpus="0.4;0.001@50%")
+
+
+def test_presets_with_changes_are_small_1124_with_a_disturbed_middle_third() -> None:
+    base = PRESETS["small-1124"].spec("small-1124")
+    for name in ("shifting-load", "leave-return"):
+        spec = PRESETS[name].spec(name)
+        assert [n.cpus for n in spec.workers] == [n.cpus for n in base.workers]
+        assert spec.server == base.server and spec.scheduled
+        assert ClusterSpec.from_description(spec.describe()) == spec
+    shifting = PRESETS["shifting-load"].spec("shifting-load").workers
+    assert [c.cores for c in shifting[0].schedule] == [0.05, 0.4]
+    assert [c.cores for c in shifting[3].schedule] == [0.4, 0.1]
+    leaving = PRESETS["leave-return"].spec("leave-return").workers[1]
+    assert [(c.action, c.at) for c in leaving.schedule] == [("off", 0.333), ("on", 0.667)]
+    assert "off@33.3%" in PRESETS["leave-return"].spec("leave-return").summary_line()
