@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from common.errors import ConfigError
 
@@ -113,3 +116,81 @@ def _cores(value: str, option: str, text: str) -> float:
             f"{option} takes cores such as 0.4 (or a schedule such as 0.4;0.05@33%;0.4@66%), "
             f"got {text!r}"
         ) from None
+
+
+class ScheduleFollower:
+    """Which schedule changes a run has reached, from the events of its ``metrics.jsonl``.
+
+    The run's work is counted as ``RunProgress`` counts it (samples of ``round`` and ``push``
+    events; updates with only ``max_steps``); a ``resume`` event that carries ``samples`` (a
+    restart from a checkpoint) sets the count back to it. Seconds of training run from the
+    ``train_start`` event, on this process's clock.
+
+    Args:
+        schedules: per node, its changes (``NodeSpec.schedule``).
+        epochs: the run's ``--epochs`` (None: not given).
+        max_steps: the run's ``--max-steps`` (None: not given).
+        clock: seconds, monotonic.
+    """
+
+    def __init__(
+        self,
+        schedules: Sequence[tuple[Change, ...]],
+        *,
+        epochs: int | None,
+        max_steps: int | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.schedules = list(schedules)
+        self.next = [0] * len(self.schedules)
+        self.epochs, self.max_steps, self.clock = epochs, max_steps, clock
+        self.work = 0
+        self.total: int | None = max_steps if epochs is None else None
+        self.started: float | None = None
+
+    def feed(self, record: dict[str, Any]) -> None:
+        """Take one event into account (unknown events are ignored)."""
+        kind = record.get("event")
+        if kind == "start" and self.epochs is not None and _count(record.get("train")):
+            self.total = self.epochs * record["train"]
+        elif kind == "train_start" and self.started is None:
+            self.started = self.clock()
+        elif kind == "resume" and _count(record.get("samples")) is not None:
+            self.work = record["samples"] if self.epochs is not None else self.work
+        elif kind in ("round", "push"):
+            if self.epochs is None:
+                self.work += 1
+            elif kind == "round":
+                self.work += sum(_count(w.get("batch")) or 0 for w in record.get("workers") or ())
+            else:
+                self.work += _count(record.get("batch")) or 0
+
+    @property
+    def share(self) -> float:
+        """The share of the run's work done (0 until the run's size is known)."""
+        return self.work / self.total if self.total else 0.0
+
+    @property
+    def seconds(self) -> float:
+        """Seconds of training so far (0 before training starts)."""
+        return 0.0 if self.started is None else self.clock() - self.started
+
+    def due(self) -> list[tuple[int, Change]]:
+        """The changes reached since the last call, in order: (node index, change)."""
+        reached: list[tuple[int, Change]] = []
+        share, seconds = self.share, self.seconds
+        if self.started is None:
+            return reached
+        for node, changes in enumerate(self.schedules):
+            while self.next[node] < len(changes) and changes[self.next[node]].reached(
+                share, seconds
+            ):
+                reached.append((node, changes[self.next[node]]))
+                self.next[node] += 1
+        return reached
+
+
+def _count(value: Any) -> int | None:
+    """A non-negative int field of an event, or None."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return value if ok else None

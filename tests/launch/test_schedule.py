@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.errors import ConfigError
-from launch.cluster.schedule import Change, parse_schedule, schedule_text
+from launch.cluster.schedule import Change, ScheduleFollower, parse_schedule, schedule_text
 from launch.cluster.spec import PRESETS, ClusterSpec, parse_cluster
 
 
@@ -73,3 +73,35 @@ def test_presets_with_changes_are_small_1124_with_a_disturbed_middle_third() -> 
     leaving = PRESETS["leave-return"].spec("leave-return").workers[1]
     assert [(c.action, c.at) for c in leaving.schedule] == [("off", 0.333), ("on", 0.667)]
     assert "off@33.3%" in PRESETS["leave-return"].spec("leave-return").summary_line()
+
+
+def test_the_follower_reports_each_change_once_when_the_run_reaches_it() -> None:
+    now = [100.0]
+    spec = PRESETS["leave-return"].spec("leave-return")
+    timed = parse_schedule("0.2;0.1@5s")[1]
+    follower = ScheduleFollower(
+        [n.schedule for n in spec.workers] + [timed], epochs=3, max_steps=None, clock=lambda: now[0]
+    )
+    follower.feed({"event": "start", "train": 100})
+    follower.feed({"event": "round", "workers": [{"batch": 60}, {"batch": 39}]})
+    assert follower.due() == []  # training has not started: no clock, no share
+    follower.feed({"event": "train_start"})
+    assert follower.due() == [] and follower.share == pytest.approx(0.33)
+    follower.feed({"event": "push", "batch": 1})
+    assert follower.due() == [(1, spec.workers[1].schedule[0])]
+    assert follower.due() == []
+    now[0] += 5.0
+    assert follower.due() == [(4, timed[0])]
+    follower.feed({"event": "resume", "samples": 50})  # a restart from a checkpoint
+    assert follower.share == pytest.approx(1 / 6)
+    follower.feed({"event": "round", "workers": [{"batch": 150}]})
+    assert follower.due() == [(1, spec.workers[1].schedule[1])]
+
+
+def test_the_follower_counts_updates_with_only_max_steps() -> None:
+    follower = ScheduleFollower([parse_schedule("0.4;0.1@50%")[1]], epochs=None, max_steps=4)
+    follower.feed({"event": "train_start"})
+    follower.feed({"event": "round", "workers": [{"batch": 99}]})
+    assert follower.due() == []
+    follower.feed({"event": "push", "batch": 7})
+    assert [c.cores for _, c in follower.due()] == [0.1]
