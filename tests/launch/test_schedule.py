@@ -94,7 +94,7 @@ def test_the_follower_reports_each_change_once_when_the_run_reaches_it() -> None
     assert follower.due() == [(4, timed[0])]
     follower.feed({"event": "resume", "samples": 50})  # a restart from a checkpoint
     assert follower.share == pytest.approx(1 / 6)
-    follower.feed({"event": "round", "workers": [{"batch": 150}]})
+    follower.feed({"event": "round", "workers": [{"batch": 160}]})
     assert follower.due() == [(1, spec.workers[1].schedule[1])]
 
 
