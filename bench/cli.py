@@ -1,7 +1,9 @@
 """``python -m bench NAME [options]``: run one bench and keep its result; ``report`` renders them.
 
 Each bench keeps its own options (``python -m bench NAME --help``); the run's figures, settings
-and machine go to ``bench/results/NAME.json`` unless ``--out`` names another file.
+and machine go to ``bench/results/NAME.json`` unless ``--out`` names another file. Where a bench
+puts its run folders and scratch files (its own ``--out DIR`` or ``--dir DIR``) is left out of
+the kept command and settings: it changes no figure, and a kept result names no local path.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import importlib
 import shlex
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
@@ -28,6 +31,7 @@ from bench.harness.record import (
 from bench.report import README, RESULTS_DOC, readme_table, render, with_readme_table
 
 RERUN_TIMEOUT_S = 4 * 3600.0
+PLACE_OPTIONS = ("--out", "--dir")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,36 +43,27 @@ class Bench:
 
 
 BENCHES: dict[str, Bench] = {
-    "checkpoint": Bench("bench.checkpoint", "checkpoint write and restore time, 11.7 M values"),
     "coordinator-memory": Bench(
         "bench.coordinator_memory", "the coordinator's peak memory serving a 1.7 GB file"
     ),
-    "data-wait": Bench("bench.data_wait", "share of worker time waiting for data: pull vs local"),
     "ddp-fidelity": Bench("bench.ddp_fidelity", "pslaunch ddp against a plain DDP loop"),
-    "heartbeat": Bench("bench.heartbeat", "round time with heartbeats on against off"),
     "heterogeneity": Bench("bench.heterogeneity", "epoch time: weighted-sync, equal-sync, DDP"),
     "idle-share": Bench("bench.idle_share", "idle share at the round barrier per planner"),
-    "memory": Bench("bench.memory", "peak memory converting and serving a large dataset"),
+    "memory": Bench("bench.memory", "peak memory of large datasets and scenes, step by step"),
     "multihost": Bench("bench.multihost.links", "PS rounds against gloo over capped links (root)"),
     "multihost-train": Bench(
         "bench.multihost.train", "training end to end on emulated hosts, PS against DDP (root)"
     ),
-    "observe": Bench("bench.observe", "cost of TensorBoard events, status renders and polling"),
+    "observe": Bench("bench.observe", "cost of TensorBoard events, status renders and pollers"),
     "planner-speed": Bench("bench.planner_speed", "one model-planner call at 4 to 1024 workers"),
     "round-floor": Bench("bench.round_floor", "raw ZeroMQ round trip and idle cost, loopback"),
     "round-overhead": Bench("bench.round_overhead", "a weighted-sync round against a local step"),
     "round-profile": Bench("bench.round_profile", "where a round's time goes (py-spy samples)"),
-    "scene-memory": Bench("bench.scene_memory", "peak memory preparing and predicting a scene"),
-    "server-memory": Bench("bench.server_memory", "server memory against model version"),
     "simulate-speed": Bench("bench.simulate_speed", "simulator time for 1024 workers"),
     "snapshots": Bench("bench.snapshots", "cost of snapshots for time to target"),
     "staleness": Bench("bench.staleness", "async: staleness functions and bounds"),
-    "status-pollers": Bench("bench.status_pollers", "training rate while the page is polled"),
-    "store-update": Bench("bench.store_update", "one shard's update alone: wall and CPU time"),
-    "sync-round": Bench("bench.sync_round", "round time: equal-sync over weighted-sync"),
     "tail-rounds": Bench("bench.tail_rounds", "epoch-tail rules replayed in one process"),
     "time-to-target": Bench("bench.time_to_target", "every mode on Jasper Ridge: time to target"),
-    "wire": Bench("bench.wire", "fused push+pull against a raw ZeroMQ round trip"),
 }
 
 
@@ -96,13 +91,24 @@ def cli(ctx: click.Context, out: Path | None, note: str) -> None:
     ctx.obj = {"out": out, "note": note}
 
 
+def without_places(args: Sequence[str]) -> list[str]:
+    """``args`` without the options that only say where run folders and scratch files go."""
+    words = list(args)
+    for i in reversed(range(len(words))):
+        if words[i] in PLACE_OPTIONS:
+            del words[i : i + 2]
+        elif words[i].split("=", 1)[0] in PLACE_OPTIONS:
+            del words[i]
+    return words
+
+
 def _bench_command(name: str, bench: Bench) -> click.Command:
     """A command that hands its arguments to the bench's ``main`` and records the run."""
 
     @click.pass_context
     def run(ctx: click.Context, args: tuple[str, ...]) -> None:
         main = importlib.import_module(bench.module).main
-        command = shlex.join(["python", "-m", "bench", name, *args])
+        command = shlex.join(["python", "-m", "bench", name, *without_places(args)])
         with recording(prog=f"python -m bench {name}") as kept:
             try:
                 code = main(list(args))
@@ -113,6 +119,8 @@ def _bench_command(name: str, bench: Bench) -> click.Command:
                 ctx.exit(exc.code or 0)
         if code not in (None, 0):
             ctx.exit(code if isinstance(code, int) else 1)
+        for option in PLACE_OPTIONS:
+            kept.settings.pop(option.lstrip("-"), None)
         result = make_result(name, command, kept, note=ctx.obj["note"])
         if not result.figures:
             click.echo("no name=value figures printed: no result kept", err=True)

@@ -33,6 +33,7 @@ from bench.harness.cluster import (
     worker_count,
 )
 from bench.harness.record import parse_settings
+from bench.harness.stats import spread_text
 from common.data.convert.synth import synth_scenes
 from common.logsetup import setup_logging
 from common.training.tables import format_table
@@ -50,14 +51,6 @@ def paired(runs: list[dict], base: str, mode: str) -> list[float]:
         for (m, rep) in by
         if m == mode and (base, rep) in by
     ]
-
-
-def spread_text(values: list[float], digits: int = 3) -> str:
-    """``min / median / max`` of ``values``."""
-    if not values:
-        return "-"
-    lo, mid, hi = min(values), statistics.median(values), max(values)
-    return f"{lo:.{digits}f} / {mid:.{digits}f} / {hi:.{digits}f}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
-"""Peak memory of converting and serving a large (~2 GB) dataset, against the file's size.
+"""Peak memory of large data, step by step: a ~2 GB dataset converted and served, or a large
+GeoTIFF scene prepared and predicted.
 
 Each step runs in a fresh interpreter that reports its own peak resident set size
-(``getrusage``), so the steps do not inherit each other's peaks:
+(``getrusage``), so the steps do not inherit each other's peaks. ``--kinds dataset``:
 
 1. convert: ``synth_scenes`` writes N EuroSAT-shaped images (13 x 64 x 64 float32 by default;
    9800 images are 2.0 GB) in blocks;
@@ -9,10 +10,21 @@ Each step runs in a fresh interpreter that reports its own peak resident set siz
    random training batches until it has read as many samples as the file holds;
 3. evaluate: ``iter_blocks`` over the test split in blocks of 512 (what evaluation does).
 
-Prints one line per step (peak RSS, peak minus the interpreter's start-up, ratio to the file
-size, time) and deletes the file at the end unless ``--keep`` is given.
+``--kinds scene`` writes a ROWS x COLS x BANDS uint16 GeoTIFF (in row blocks) and a class map
+labelling 1 % of the pixels:
 
-Usage: python -m bench memory [--samples 9800] [--bands 13] [--size 64] [--dir DIR] [--keep]
+1. prepare: ``prepare_hsi`` from the GeoTIFF cube and class map (5 x 5 patches);
+2. predict, windowed: ``predict_scene`` on the GeoTIFF, a band of rows at a time;
+3. predict, whole: the same on the cube loaded into memory first (what a .mat cube costs).
+
+Prediction uses a tiny model (one 1x1 convolution) behind the real ``RawInput`` wrapper, so
+the figures are those of the streaming pipeline, not of a network. Prints per step the peak
+RSS, the peak above the interpreter's start-up, the peak over the data's size (the dataset
+file; the scene as a float32 cube) and the time, then ``<step>_peak_mib=`` lines; the files
+are deleted at the end.
+
+Usage: python -m bench memory [--kinds dataset,scene] [--samples 9800] [--bands B] [--size 64]
+       [--rows 1200] [--cols 1200] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -25,51 +37,116 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from bench import ROOT
 from bench.harness.record import parse_settings
 
+STEP_TIMEOUT_S = 3600.0
 PEAK = """
-import json, sys, time
+import json, sys
+from pathlib import Path
 from common.procs import peak_rss_bytes
 def peak_mb():
     return peak_rss_bytes() / 2**20
+folder, args = Path(sys.argv[1]), json.loads(sys.argv[2])
 """
-
+MODEL = """
+import numpy as np, torch
+from common.data.convert.cube import ArrayCube, open_cube
+from pserver.outputs.export import RawInput
+from pserver.outputs.model_file import LoadedModel
+from pserver.outputs.predict import predict_scene
+bands = args["bands"]
+net = torch.nn.Sequential(
+    torch.nn.Conv2d(bands, 4, 1), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()
+)
+module = RawInput(net, np.zeros(bands), np.ones(bands)).eval()
+meta = {"kind": "hsi", "bands": bands, "patch": 5, "class_names": list("abcd")}
+model = LoadedModel(Path("tiny"), meta, module, torch.device("cpu"))
+"""
 STEPS = {
-    "convert": """
+    "dataset": {
+        "convert": """
 from common.data.convert.synth import synth_scenes
-args = json.loads(sys.argv[2])
 base = peak_mb()
-synth_scenes(sys.argv[1], classes=10, seed=0, **args)
+synth_scenes(folder / "scenes.h5", classes=10, seed=0, **args)
 """,
-    "serve": """
+        "serve": """
 import numpy as np
 from common.data.dataset import DatasetReader
 base = peak_mb()
 rng = np.random.default_rng(0)
 seen = 0
-with DatasetReader(sys.argv[1], cache_bytes=0) as reader:
+with DatasetReader(folder / "scenes.h5", cache_bytes=0) as reader:
     while seen < reader.meta.num_samples:
         x, y = reader.read(rng.choice(reader.train_indices, 256))
         seen += len(y)
 """,
-    "evaluate": """
+        "evaluate": """
 from common.data.dataset import DatasetReader
 base = peak_mb()
-with DatasetReader(sys.argv[1], cache_bytes=0) as reader:
+with DatasetReader(folder / "scenes.h5", cache_bytes=0) as reader:
     for x, y in reader.iter_blocks(reader.test_indices, 512):
         pass
 """,
+    },
+    "scene": {
+        "prepare": """
+from common.data.convert.hsi import prepare_hsi
+base = peak_mb()
+prepare_hsi(str(folder / "cube.tif"), str(folder / "gt.tif"), folder / "out.h5", patch=5)
+""",
+        "predict, windowed": MODEL
+        + """
+base = peak_mb()
+with open_cube(str(folder / "cube.tif")) as cube:
+    classes = predict_scene(model, cube, batch=1024, progress=False)
+""",
+        "predict, whole": MODEL
+        + """
+base = peak_mb()
+with open_cube(str(folder / "cube.tif")) as cube:
+    whole = ArrayCube(cube.read_rows(0, cube.shape[0]), "whole")
+classes = predict_scene(model, whole, batch=1024, progress=False)
+""",
+    },
 }
 
 
-def run_step(step: str, path: Path, args: dict[str, int]) -> dict[str, float]:
+def write_scene(folder: Path, rows: int, cols: int, bands: int) -> None:
+    """A uint16 GeoTIFF cube written in row blocks, and a class map labelling 1 % of pixels."""
+    import rasterio
+    from rasterio.transform import Affine
+    from rasterio.windows import Window
+
+    profile = {"driver": "GTiff", "height": rows, "width": cols, "dtype": "uint16"}
+    geo = {"crs": "EPSG:32610", "transform": Affine(20.0, 0.0, 5.0e5, 0.0, -20.0, 4.1e6)}
+    rng = np.random.default_rng(0)
+    step = 64
+    with rasterio.open(folder / "cube.tif", "w", count=bands, tiled=True, **profile, **geo) as f:
+        for start in range(0, rows, step):
+            n = min(step, rows - start)
+            block = rng.integers(0, 4000, size=(bands, n, cols), dtype=np.uint16)
+            f.write(block, window=Window(0, start, cols, n))
+    gt = np.zeros((rows, cols), dtype=np.uint8)
+    picked = rng.random((rows, cols)) < 0.01
+    quarter = (np.arange(rows) * 4 // rows + 1)[:, None]  # classes 1..4 by row quarter
+    gt[picked] = np.broadcast_to(quarter, (rows, cols))[picked]
+    with rasterio.open(
+        folder / "gt.tif", "w", count=1, **{**profile, "dtype": "uint8"}, **geo
+    ) as f:
+        f.write(gt, 1)
+
+
+def run_step(kind: str, step: str, folder: Path, args: dict[str, int]) -> dict[str, float]:
     """Run one step in a fresh interpreter.
 
     Args:
-        step: a key of ``STEPS``.
-        path: the dataset file.
-        args: ``synth_scenes`` arguments (convert only).
+        kind: ``dataset`` or ``scene``.
+        step: a step of ``STEPS[kind]``.
+        folder: where the step's files are.
+        args: the data's sizes (``synth_scenes`` arguments; the scene's bands).
 
     Returns:
         ``{"base_mb", "peak_mb", "seconds"}``.
@@ -77,13 +154,14 @@ def run_step(step: str, path: Path, args: dict[str, int]) -> dict[str, float]:
     Raises:
         RuntimeError: the child failed.
     """
-    code = PEAK + STEPS[step] + '\nprint(json.dumps({"base_mb": base, "peak_mb": peak_mb()}))\n'
+    code = PEAK + STEPS[kind][step] + '\nprint(json.dumps({"base_mb": base, "peak_mb": peak_mb()}))'
     start = time.perf_counter()
     res = subprocess.run(
-        [sys.executable, "-c", code, str(path), json.dumps(args)],
+        [sys.executable, "-c", code, str(folder), json.dumps(args)],
         cwd=ROOT,
         capture_output=True,
         text=True,
+        timeout=STEP_TIMEOUT_S,
     )
     if res.returncode != 0:
         raise RuntimeError(f"step {step} failed:\n{res.stderr[-3000:]}")
@@ -92,38 +170,46 @@ def run_step(step: str, path: Path, args: dict[str, int]) -> dict[str, float]:
     return stats
 
 
+def measure(kind: str, opts: argparse.Namespace, folder: Path) -> None:
+    """Write the data of ``kind`` into ``folder``, run its steps and print their peaks."""
+    if kind == "dataset":
+        bands = opts.bands or 13
+        args = {"samples": opts.samples, "bands": bands, "size": opts.size}
+        print(f"dataset: {opts.samples} images of {bands}x{opts.size}x{opts.size} float32")
+    else:
+        args = {"bands": opts.bands or 64}
+        write_scene(folder, opts.rows, opts.cols, args["bands"])
+        print(f"scene: {opts.rows} x {opts.cols} x {args['bands']} uint16 GeoTIFF")
+    rows = [(step, run_step(kind, step, folder, args)) for step in STEPS[kind]]
+    if kind == "dataset":  # the file as written
+        data_mb = (folder / "scenes.h5").stat().st_size / 2**20
+    else:  # the cube as float32
+        data_mb = opts.rows * opts.cols * args["bands"] * 4 / 2**20
+    print(f"data: {data_mb:.0f} MiB")
+    print(f"{'step':<20}{'peak RSS MiB':>14}{'above start MiB':>17}{'peak/data':>11}{'s':>8}")
+    for step, s in rows:
+        above, ratio = s["peak_mb"] - s["base_mb"], s["peak_mb"] / data_mb
+        print(f"{step:<20}{s['peak_mb']:>14.0f}{above:>17.0f}{ratio:>11.3f}{s['seconds']:>8.1f}")
+    for step, s in rows:
+        print(f"{step.replace(', ', '_').replace(' ', '_')}_peak_mib={s['peak_mb']:.0f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=9800, help="images (default 9800)")
-    parser.add_argument("--bands", type=int, default=13, help="bands per image (default 13)")
-    parser.add_argument("--size", type=int, default=64, help="image side (default 64)")
-    parser.add_argument("--dir", type=Path, default=None, help="where to write the file")
-    parser.add_argument("--keep", action="store_true", help="keep the file afterwards")
+    parser.add_argument("--kinds", default="dataset", help="dataset and/or scene (default dataset)")
+    parser.add_argument("--samples", type=int, default=9800, help="dataset: images (default 9800)")
+    parser.add_argument("--bands", type=int, help="bands (default 13 in a dataset, 64 in a scene)")
+    parser.add_argument("--size", type=int, default=64, help="dataset: image side (default 64)")
+    parser.add_argument("--rows", type=int, default=1200, help="scene: rows (default 1200)")
+    parser.add_argument("--cols", type=int, default=1200, help="scene: columns (default 1200)")
+    parser.add_argument("--dir", type=Path, default=None, help="where to write the files")
     opts = parse_settings(parser, argv)
-    args = {"samples": opts.samples, "bands": opts.bands, "size": opts.size}
-    folder = Path(tempfile.mkdtemp(prefix="bench-memory-", dir=opts.dir))
-    path = folder / "scenes.h5"
-    try:
-        print(
-            f"dataset: {opts.samples} images of {opts.bands}x{opts.size}x{opts.size} float32 "
-            f"({opts.samples * opts.bands * opts.size**2 * 4 / 2**30:.2f} GiB of samples)"
-        )
-        rows = [(step, run_step(step, path, args)) for step in STEPS]
-        size_mb = path.stat().st_size / 2**20
-        print(f"file: {size_mb:.0f} MiB ({path})")
-        print(f"{'step':<10}{'peak RSS MiB':>14}{'above start MiB':>17}{'peak/file':>11}{'s':>8}")
-        for step, s in rows:
-            above = s["peak_mb"] - s["base_mb"]
-            ratio = s["peak_mb"] / size_mb
-            print(
-                f"{step:<10}{s['peak_mb']:>14.0f}{above:>17.0f}{ratio:>11.3f}{s['seconds']:>8.1f}"
-            )
-        for step, s in rows:
-            print(f"{step}_peak_mib={s['peak_mb']:.0f}")
-    finally:
-        if not opts.keep:
-            path.unlink(missing_ok=True)
-            folder.rmdir()
+    kinds = opts.kinds.split(",")
+    if not set(kinds) <= set(STEPS):
+        parser.error(f"--kinds {opts.kinds!r}: any of {', '.join(STEPS)}")
+    for kind in kinds:
+        with tempfile.TemporaryDirectory(prefix=f"bench-memory-{kind}-", dir=opts.dir) as tmp:
+            measure(kind, opts, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -1,33 +1,45 @@
 """Cost of watching a run: the TensorBoard sink per run-log event, the server-loop time of one
 render of each status-page body with a full live view (the page serves cached bodies from its
-own thread; bench/status_pollers.py measures many pollers), and sync round time while the page
-is polled 10 times a second (ten times the page's own rate), in one run.
+own thread), and the training rate of a weighted-sync run polled by many clients against the
+same run unpolled, side by side.
 
-Usage: python -m bench observe [--events 20000] [--rounds 300] [--repeats 3]
+In the polled runs a separate process keeps ``--clients`` keep-alive connections, each asking
+for ``/status.json`` once a second (the page's own rate) from a random phase. Runs alternate
+(unpolled, polled) ``--repeats`` times; the figure is the ratio of the training rates (samples
+applied per second of training time, medians over repeats).
+
+Usage: python -m bench observe [--events 20000] [--clients 200] [--steps 300] [--repeats 3]
+       python -m bench observe --poll URL [--clients 200]   (the poller process)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import asyncio
+import contextlib
+import random
 import re
+import signal
 import statistics
+import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+from bench import ROOT
 from bench.harness.record import parse_settings
 from common.data.convert.synth import synth_hsi
+from common.procs import Child
 from common.training.runlog import RunLog
 from launch.local import LocalCluster, run_local
 from pserver.observe import liveview
 from pserver.observe.statuspage import BODIES, REFRESH_S, StatusPage
 
-WARMUP = 10
 URL = re.compile(r"status page on (\S+)")
+PERIOD_S = 1.0
 ROUND: dict[str, Any] = {
     "round": 1,
     "epoch": 1,
@@ -92,70 +104,111 @@ def request_costs(count: int) -> dict[str, float]:
     return costs
 
 
-class Poller:
-    """A log sink that, once the server prints its page URL, polls it until stopped."""
+async def _client(host: str, port: int, counts: dict[str, int], stop: asyncio.Event) -> None:
+    """One poller: a keep-alive connection, one GET /status.json a second."""
+    request = f"GET /status.json HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    await asyncio.sleep(random.uniform(0, PERIOD_S))
+    reader = writer = None
+    while not stop.is_set():
+        try:
+            if writer is None:
+                reader, writer = await asyncio.open_connection(host, port)
+            assert reader is not None
+            writer.write(request)
+            status = (await asyncio.wait_for(reader.readline(), 10)).split(b" ")[1:2]
+            length = 0
+            while (line := await asyncio.wait_for(reader.readline(), 10)) not in (b"\r\n", b""):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+                if line.lower().startswith(b"connection: close"):
+                    assert writer is not None
+                    writer.close()
+                    writer = None
+            if reader is not None and length:
+                await asyncio.wait_for(reader.readexactly(length), 10)
+            key = status[0].decode() if status else "none"
+            counts[key] = counts.get(key, 0) + 1
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError):
+            counts["failed"] = counts.get("failed", 0) + 1
+            if writer is not None:
+                writer.close()
+            writer = None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), PERIOD_S)
+    if writer is not None:
+        writer.close()
 
-    def __init__(self, period_s: float) -> None:
-        self.period_s = period_s
-        self.stop = threading.Event()
-        self.requests = 0
-        self.thread: threading.Thread | None = None
+
+async def poll(url: str, clients: int) -> dict[str, int]:
+    """Poll until SIGTERM; the answers counted by status code."""
+    parts = urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    counts: dict[str, int] = {}
+    await asyncio.gather(
+        *(_client(parts.hostname, parts.port, counts, stop) for _ in range(clients))
+    )
+    return counts
+
+
+class Pollers:
+    """A log sink that starts the poller process once the server prints its page URL."""
+
+    def __init__(self, clients: int) -> None:
+        self.clients = clients
+        self.process: Child | None = None
+        self.counts = ""
+        self._lock = threading.Lock()
 
     def write(self, text: str) -> int:
         match = URL.search(text)
-        if match and self.thread is None:
-            self.thread = threading.Thread(target=self._poll, args=(match.group(1),))
-            self.thread.start()
+        with self._lock:
+            if match and self.process is None and self.clients:
+                command = [sys.executable, "-m", "bench.observe", "--poll", match.group(1)]
+                argv = [*command, "--clients", str(self.clients)]
+                self.process = Child("pollers", argv, cwd=ROOT)
         return len(text)
 
     def flush(self) -> None:
         pass
 
-    def _poll(self, url: str) -> None:
-        while not self.stop.wait(self.period_s):
-            try:
-                for path in ("status.json", "history.json"):
-                    with urllib.request.urlopen(url + path, timeout=5) as response:
-                        response.read()
-                    self.requests += 1
-            except OSError:
-                return  # the server has gone
-
     def close(self) -> None:
-        self.stop.set()
-        if self.thread is not None:
-            self.thread.join(10)
+        if self.process is not None:
+            self.process.popen.send_signal(signal.SIGTERM)
+            self.process.wait(timeout=60)
+            self.counts = (self.process.output().strip().splitlines() or [""])[-1]
 
 
-def median_round(data: Path, run_dir: Path, rounds: int, polled: bool) -> tuple[float, int]:
-    """Median round time of a weighted-sync run (after warm-up) and the page requests made."""
-    options = ["--max-steps", str(rounds), "--global-batch", "32"]
-    if polled:
-        options += ["--http", "0"]
-    poller = Poller(0.1)
+def training_rate(data: Path, run_dir: Path, steps: int, clients: int) -> tuple[float, str]:
+    """Samples applied per second of training time, and the pollers' answer counts."""
+    pollers = Pollers(clients)
     cluster = LocalCluster(
         dataset=data,
         model="hsi-cnn",
         mode="weighted-sync",
-        slowdowns=(1.0, 2.0),
+        slowdowns=(1.0, 1.0),
         run_dir=run_dir,
-        server_options=tuple(options),
+        server_options=("--max-steps", str(steps), "--global-batch", "32", "--http", "0"),
     )
     try:
-        run_local(cluster, log_stream=poller)
+        summary = run_local(cluster, log_stream=pollers)
     finally:
-        poller.close()
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    times = [json.loads(x)["round_s"] for x in lines if '"event": "round"' in x][WARMUP:]
-    return statistics.median(times), poller.requests
+        pollers.close()
+    return summary["samples_seen"] / summary["train_time_s"], pollers.counts
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--events", type=int, default=20000)
-    parser.add_argument("--rounds", type=int, default=300)
+    parser.add_argument("--events", type=int, default=20000, help="run-log events timed")
+    parser.add_argument("--clients", type=int, default=200, help="pollers of the status page")
+    parser.add_argument("--steps", type=int, default=300, help="updates per training run")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--poll", default=None, help=argparse.SUPPRESS)
     args = parse_settings(parser, argv)
+    if args.poll:
+        print(asyncio.run(poll(args.poll, args.clients)))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         costs: dict[bool, list[float]] = {False: [], True: []}
@@ -172,30 +225,29 @@ def main(argv: list[str] | None = None) -> None:
         written = statistics.median(writer_cost(root / f"w{i}", 3000) for i in range(3))
         print(f"TensorBoard writer thread: {1e6 * written:.0f} us per 4-worker round event")
         print(f"event_us={1e6 * plain:.1f} event_tensorboard_us={1e6 * boarded:.1f}")
-        render_costs = request_costs(300)
-        print(
-            f"server-loop time per render (at most 1 per {REFRESH_S} s and body), live view full: "
-            + ", ".join(f"{path} {1e6 * cost:.0f} us" for path, cost in render_costs.items())
-        )
+        print(f"tensorboard_writer_us={1e6 * written:.0f}")
+        print(f"server-loop time per render (at most 1 per {REFRESH_S} s and body), full view:")
+        print(" ".join(f"render_{path}_us={1e6 * s:.0f}" for path, s in request_costs(300).items()))
         data = root / "hsi.h5"
         synth_hsi(data, bands=16, size=32, classes=4, train_fraction=0.5, seed=1)
-        rounds: dict[bool, list[float]] = {False: [], True: []}
-        requests = []
+        rates: dict[bool, list[float]] = {False: [], True: []}
         for repeat in range(args.repeats):
             for polled in (False, True):
                 run_dir = root / f"run-{polled}-{repeat}"
-                median, made = median_round(data, run_dir, args.rounds, polled)
-                rounds[polled].append(median)
-                if polled:
-                    requests.append(made)
-        off, on = statistics.median(rounds[False]), statistics.median(rounds[True])
+                rate, counts = training_rate(
+                    data, run_dir, args.steps, args.clients if polled else 0
+                )
+                rates[polled].append(rate)
+                shown = f", answers {counts}" if polled else ""
+                print(f"repeat {repeat + 1}: {'polled' if polled else 'unpolled'} {rate:.0f} "
+                      f"samples/s{shown}", flush=True)  # fmt: skip
+        off, on = statistics.median(rates[False]), statistics.median(rates[True])
         print(
-            f"weighted-sync median round: {1000 * off:.2f} ms without the page, "
-            f"{1000 * on:.2f} ms polled 10/s ({min(requests)}-{max(requests)} requests per run); "
-            f"ratio {on / off:.2f}"
+            f"weighted-sync, 2 workers: {off:.0f} samples/s unpolled, {on:.0f} with "
+            f"{args.clients} pollers of /status.json at 1/s (medians of {args.repeats})"
         )
-        print(f"round_ms={1000 * off:.2f} round_polled_ms={1000 * on:.2f}")
-        print(f"ratio_round_polled_vs_off={on / off:.3f}")
+        print(f"samples_per_s={off:.1f} samples_per_s_polled={on:.1f}")
+        print(f"ratio_polled_vs_unpolled={on / off:.3f}")
 
 
 if __name__ == "__main__":

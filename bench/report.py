@@ -1,7 +1,8 @@
-"""docs/results.md rendered from the kept bench results: one dated table per result.
+"""docs/results.md and the README's results table, rendered from the kept bench results.
 
-The page is a function of the records alone (sorted, numbers formatted one way), so rendering
-the same records twice gives the same bytes.
+The page shows, per bench, the newest result of each command: the command, one line of when
+and on what machine it ran, and the figures as the bench printed them. It is a function of the
+records alone (sorted, numbers formatted one way), so the same records give the same bytes.
 """
 
 from __future__ import annotations
@@ -20,12 +21,11 @@ HEADER = """\
 
 <!-- Rendered by `python -m bench report` from bench/results/*.json: edit those, not this page. -->
 
-Every figure here comes from a result a bench kept: the date, the machine, the command and its
-settings stand beside its table. How each bench measures and what its figures mean is in
-[benchmarks.md](benchmarks.md); terms are in the [glossary](glossary.md). Absolute times drift on
-a shared machine; ratios are measured side by side in one run. A run on an *emulated cluster*
-gives every node its own CPU budget; a run on *shared cores* (oversubscribed) has every process
-compete for the same cores.
+The figures the benches kept, the newest for each command. What a bench measures and what its
+figures mean is in [benchmarks.md](benchmarks.md); terms are in the [glossary](glossary.md).
+Absolute times drift on a shared machine; ratios are measured side by side in one run. On an
+*emulated cluster* every node has its own CPU budget; on *shared cores* (oversubscribed) every
+process competes for the same cores.
 """
 
 # How the machine line names each fact, in this order; other keys follow, sorted.
@@ -88,33 +88,21 @@ def _date(iso: str) -> str:
     return f"{day} {time[:5]} UTC" if time else day
 
 
-def _settings(settings: dict[str, Any]) -> str:
-    return ", ".join(f"`{k}={_cell(settings[k])}`" for k in sorted(settings)) or "defaults"
+def newest(results: Sequence[Result]) -> list[Result]:
+    """The newest result of each bench and command, in the order of ``results``."""
+    latest = {(r.bench, r.command): r for r in sorted(results, key=lambda r: r.date)}
+    return [r for r in results if latest[(r.bench, r.command)] is r]
 
 
 def render_result(result: Result) -> list[str]:
-    """The lines of one result: date, command, machine, settings, note, then its tables."""
-    options = result.command.split(f" bench {result.bench}", 1)[-1].strip()
-    lines = [
-        f"### {_date(result.date)}: {options or 'default options'}",
-        "",
-        f"`{result.command}`",
-        "",
-        f"- machine: {_machine(result.machine)}",
-        f"- settings: {_settings(result.settings)}",
-    ]
-    if result.note:
-        lines.append(f"- note: {result.note}")
-    for table in result.tables:
-        lines += ["", f"{table['title']}:", "", *_table(table["columns"], table["rows"])]
-    if result.figures:
-        rows = [(f"`{name}`", result.figures[name]) for name in sorted(result.figures)]
-        lines += ["", *_table(("figure", "value"), rows)]
-    return lines
+    """The lines of one result: its command, when and on what machine it ran, its figures."""
+    where = "; ".join(part for part in (_machine(result.machine), result.note) if part)
+    figures = (f"`{name}={_number(result.figures[name])}`" for name in sorted(result.figures))
+    return [f"### `{result.command}`", "", f"{_date(result.date)}: {where}", "", " ".join(figures)]
 
 
 def render(results: Sequence[Result]) -> str:
-    """The whole page for ``results`` (ordered by bench, then date).
+    """The whole page for ``results``: per bench, the newest result of each command.
 
     Args:
         results: the kept records, each bench's in date order (as ``read_results`` gives them).
@@ -123,7 +111,7 @@ def render(results: Sequence[Result]) -> str:
         The Markdown text, ending in one newline.
     """
     lines = [HEADER.rstrip("\n")]
-    ordered = sorted(results, key=_bench_order)  # stable: dates stay in order within a bench
+    ordered = sorted(newest(results), key=_bench_order)  # stable: dates stay in order
     for bench, group in groupby(ordered, key=lambda r: r.bench):
         lines += ["", f"## {bench}"]
         for result in group:
@@ -135,12 +123,12 @@ README = ROOT / "README.md"
 README_START = "<!-- results table: rendered by `python -m bench report` from bench/results/ -->"
 README_END = "<!-- end of the results table -->"
 # The README's table: which kept result fills each row, its regime, and how the row names the
-# cluster and the regime.
+# cluster and the regime. A row whose result is not kept is left out until a run keeps it.
 README_ROWS = (
     (
         "time-to-target-cluster-small",
         "small",
-        "`small-1124`: 0.4/0.4/0.2/0.1 cores, server 0.5",
+        "`small-1124`",
         "small: 5×5 patches, 10 % train, B=64, target 0.90",
     ),
     (
@@ -155,12 +143,7 @@ README_ROWS = (
         "`small-1124`",
         "heavy, workers read a local copy (`--worker-data`) as DDP's ranks do",
     ),
-    (
-        "time-to-target-cluster-wide",
-        "heavy",
-        "`wide-70-25-5`: 0.7/0.25/0.05 cores, server 0.5",
-        "heavy",
-    ),
+    ("time-to-target-cluster-wide", "heavy", "`wide-70-25-5`", "heavy"),
 )
 README_COLUMNS = (
     "cluster (preset)",
@@ -195,12 +178,11 @@ def readme_table(results: dict[str, Result]) -> str:
 
     Returns:
         The marked block, markers included.
-
-    Raises:
-        KeyError: a row's result is not kept.
     """
     rows = []
     for stem, regime, cluster, regime_text in README_ROWS:
+        if stem not in results:
+            continue
         result = results[stem]
         figures = result.figures
         ws, ddp = f"{regime}_weighted_sync", f"{regime}_ddp"

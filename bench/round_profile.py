@@ -31,9 +31,9 @@ import psutil
 from bench import ROOT
 from bench.harness.jasper import JASPER_DIR, jasper
 from bench.harness.record import parse_settings
+from bench.harness.served import served_run
 from common.polling import poll_until
-from common.procs import Child
-from launch.procs import EventsMark, new_events, wait_for_address
+from launch.procs import new_events
 
 # (stage, markers): a sample belongs to the first stage with a marker in its stack, markers
 # tried innermost frame first. Order matters: more specific stages come first.
@@ -109,79 +109,32 @@ def profile(tree: Path, dataset: Path, tmp: Path, seconds: int, rate: int) -> di
         ``round_ms`` (median), per process ``{stage: ms per round}`` and ``cpu_ms`` per round.
     """
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    run_dir = tmp / f"run-{tree.name}"
     steps = 200 + seconds * 400  # more than the window can use at 2.5 ms a round
-    metrics = run_dir / "metrics.jsonl"
-    mark = EventsMark(metrics)
-    server = Child(
-        "server",
-        [
-            sys.executable,
-            "-m",
-            "pserver.cli",
-            "start",
-            "--bind",
-            "tcp://127.0.0.1:0",
-            "--dataset",
-            str(dataset),
-            "--model",
-            "hsi-cnn",
-            "--mode",
-            "weighted-sync",
-            "--workers",
-            "1",
-            "--global-batch",
-            "64",
-            "--eval-every",
-            "1000000",
-            "--max-steps",
-            str(steps),
-            "--run-dir",
-            str(run_dir),
-        ],
-        cwd=tree,
-    )
-    children = [server]
-    try:
-        address = wait_for_address(server, metrics, mark, 60)
-        worker = Child(
-            "worker", [sys.executable, "-m", "worker.cli", "join", "--server", address], cwd=tree
-        )
-        children.append(worker)
-        before = len(wait_rounds(metrics, 100, 120))
-        procs = {"server": server, "worker": worker}
+    options = [
+        *("--dataset", str(dataset), "--model", "hsi-cnn", "--mode", "weighted-sync"),
+        *("--workers", "1", "--global-batch", "64", "--eval-every", "1000000"),
+        *("--max-steps", str(steps)),
+    ]
+    run_dir = tmp / f"run-{tree.name}"
+    with served_run(tree, run_dir, options, 1, start_timeout_s=60, stop_grace_s=10) as run:
+        before = len(wait_rounds(run.metrics, 100, 120))
+        procs = {"server": run.server, "worker": run.workers[0]}
         cpu0 = {name: cpu_s(proc.pid) for name, proc in procs.items()}
         spies = [
-            Child(
+            run.children.start(
                 f"py-spy {name}",
                 [
-                    spy,
-                    "record",
-                    "--idle",
-                    "-p",
-                    str(proc.pid),
-                    "-r",
-                    str(rate),
-                    "-d",
-                    str(seconds),
-                    "-f",
-                    "raw",
-                    "-o",
-                    str(tmp / f"{name}.raw"),
+                    *(spy, "record", "--idle", "-p", str(proc.pid), "-r", str(rate)),
+                    *("-d", str(seconds), "-f", "raw", "-o", str(tmp / f"{name}.raw")),
                 ],
             )
             for name, proc in procs.items()
         ]
-        children += spies
         for spy_proc in spies:
             spy_proc.wait(timeout=seconds + 60)
         cpu = {name: cpu_s(proc.pid) - cpu0[name] for name, proc in procs.items()}
-        rounds = wait_rounds(metrics, before + 1, 10)[before:]
-        done = len(wait_rounds(metrics, 0, 1)) - before
-    finally:
-        mark.close()
-        for child in reversed(children):
-            child.kill()
+        rounds = wait_rounds(run.metrics, before + 1, 10)[before:]
+        done = len(wait_rounds(run.metrics, 0, 1)) - before
     result: dict[str, Any] = {
         "round_ms": statistics.median(r["round_s"] for r in rounds) * 1e3,
         "cpu_ms": {name: c / max(done, 1) * 1e3 for name, c in cpu.items()},

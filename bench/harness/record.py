@@ -44,15 +44,13 @@ class Result:
 
     Attributes:
         bench: the bench's name (``python -m bench NAME``).
-        date: when the run ended, ISO 8601 in UTC (a date alone for a figure recorded by hand).
-        command: the command line that produced the figures.
+        date: when the run ended, ISO 8601 in UTC.
+        command: the command line that produced the figures (where run folders went left out).
         settings: the bench's options as parsed, defaults included.
         machine: ``machine_facts()`` of the machine that ran it.
         git_commit: the code's commit (with ``+dirty`` when the checkout had changes).
         figures: the ``name=value`` lines the bench printed.
-        tables: figures kept as the bench printed them: ``{"title", "columns", "rows"}``.
-        note: conditions worth stating (e.g. other load on the machine), or where a figure
-            recorded by hand came from.
+        note: conditions worth stating beside the machine (e.g. other load on it).
     """
 
     bench: str
@@ -62,7 +60,6 @@ class Result:
     machine: dict[str, Any]
     git_commit: str
     figures: dict[str, float]
-    tables: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     note: str = ""
 
     def to_json(self) -> str:
@@ -87,7 +84,7 @@ class Result:
         """
         data = json.loads(text)
         names = {f.name for f in dataclasses.fields(cls)}
-        if not isinstance(data, dict) or not names >= data.keys() >= names - {"tables", "note"}:
+        if not isinstance(data, dict) or not names >= data.keys() >= names - {"note"}:
             raise ValueError(f"not a bench result: keys {sorted(data)}")
         return cls(**data)
 

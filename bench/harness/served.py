@@ -17,11 +17,14 @@ from launch.procs import EventsMark, start_offset, wait_for_address
 
 @dataclass(frozen=True)
 class ServedRun:
-    """A running job: its server and where its events begin."""
+    """A running job: its server and workers, where its events begin, and the group that
+    stops them (and any other child started with it) when the job ends."""
 
     server: Child
+    workers: list[Child]
     metrics: Path
     mark: EventsMark
+    children: Children
 
 
 @contextlib.contextmanager
@@ -65,9 +68,11 @@ def served_run(
         )
         try:
             address = wait_for_address(server, metrics, mark, start_timeout_s)
-            for i in range(workers):
+            joined = [
                 children.start(f"w{i}", [*python, "worker.cli", "join", "--server", address])
-            yield ServedRun(server, metrics, mark)
+                for i in range(workers)
+            ]
+            yield ServedRun(server, joined, metrics, mark, children)
         finally:
             children.stop(server, first_grace_s=stop_grace_s)
             children.close()

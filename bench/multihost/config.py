@@ -1,14 +1,12 @@
 """What the multi-host bench runs: its validated config and the declarative PS variants.
 
-A variant is a few lines: a name, extra ``pserver start`` options, where shard servers go,
-whether workers read a local copy, and the options the installed ``pserver`` must know. A
-variant whose options are missing is reported as not available, never run without them.
+A variant is a few lines: a name, extra ``pserver start`` options, where shard servers go and
+whether workers read a local copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import subprocess
 from pathlib import Path
 
@@ -17,8 +15,6 @@ from bench.procs import python
 from common.errors import ConfigError
 from launch.cluster.spec import rate_bits
 
-HELP_TIMEOUT_S = 60.0
-
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
@@ -26,24 +22,18 @@ class Variant:
 
     Attributes:
         name: the row label.
-        about: one line for the table's legend.
         options: extra ``pserver start`` options; ``{shards}`` becomes the shard count.
         shards: ``""`` (no shard servers), ``"workers"`` (one ``pserver shard`` per worker
             host) or ``"fast"`` (one per worker host whose link is the fastest, so none on a
             slow host).
         local_data: workers read the dataset's local copy (``worker join --data``) instead of
             pulling samples from the server over the capped links.
-        requires: options ``pserver start --help`` must list.
-        requires_commands: ``pserver`` subcommands that must exist.
     """
 
     name: str
-    about: str
     options: tuple[str, ...] = ()
     shards: str = ""
     local_data: bool = False
-    requires: tuple[str, ...] = ()
-    requires_commands: tuple[str, ...] = ()
 
     def shard_hosts(self, rates: tuple[str, ...]) -> list[int]:
         """Indices of the worker hosts (1..N) that run a shard server, given every host's rate."""
@@ -62,112 +52,20 @@ class Variant:
 
 
 MODES = ("weighted-sync", "equal-sync")
-SHARDED = ("--shards",)
-SHARD_CMD = ("shard",)
-VARIANTS = (
-    Variant("ps-k1", "one server (K = 1), fp32; samples pulled from the server"),
-    Variant("ps-k1-local", "one server (K = 1), fp32; samples from a local copy", local_data=True),
-    Variant(
-        "ps-k1-bf16",
-        "one server (K = 1), bf16 on the wire; local copy",
-        options=("--wire-dtype", "bf16"),
-        local_data=True,
-        requires=("--wire-dtype",),
-    ),
-    Variant(
-        "ps-kN",
-        "K = N shards on the worker hosts, fp32; local copy",
-        options=("--shards", "{shards}", "--wire-dtype", "fp32"),
-        shards="workers",
-        local_data=True,
-        requires=(*SHARDED, "--wire-dtype"),
-        requires_commands=SHARD_CMD,
-    ),
-    Variant(
-        "ps-kN-pull",
-        "K = N shards on the worker hosts, fp32; samples pulled from the coordinator",
-        options=("--shards", "{shards}", "--wire-dtype", "fp32"),
-        shards="workers",
-        requires=(*SHARDED, "--wire-dtype"),
-        requires_commands=SHARD_CMD,
-    ),
-    Variant(
-        "ps-kN-bf16",
-        "K = N shards on the worker hosts, bf16 on the wire; local copy",
-        options=("--shards", "{shards}", "--wire-dtype", "bf16"),
-        shards="workers",
-        local_data=True,
-        requires=(*SHARDED, "--wire-dtype"),
-        requires_commands=SHARD_CMD,
-    ),
-    Variant(
-        "ps-kfast",
-        "shards only on the fastest-linked worker hosts (slow-link case), fp32; local copy",
-        options=("--shards", "{shards}"),
-        shards="fast",
-        local_data=True,
-        requires=SHARDED,
-        requires_commands=SHARD_CMD,
-    ),
-    # The planner variants compare `pserver start --planner model|compute|speed`.
-    Variant(
-        "ps-k1-compute-plan",
-        "one server, batches planned on compute alone (--planner compute); local copy",
-        options=("--planner", "compute"),
-        local_data=True,
-        requires=("--planner",),
-    ),
-    Variant(
-        "ps-k1-transfer-plan",
-        "one server, batches planned with transfer times (--planner model); local copy",
-        options=("--planner", "model"),
-        local_data=True,
-        requires=("--planner",),
-    ),
-    Variant(
-        "ps-kfast-transfer-plan",
-        "shards on the fastest-linked worker hosts only, --planner model; local copy",
-        options=("--shards", "{shards}", "--planner", "model"),
-        shards="fast",
-        local_data=True,
-        requires=(*SHARDED, "--planner"),
-        requires_commands=SHARD_CMD,
-    ),
+SHARDS = ("--shards", "{shards}")
+VARIANTS = (  # what each is for: docs/benchmarks.md, "Multi-host benches"
+    Variant("ps-k1"),
+    Variant("ps-k1-local", local_data=True),
+    Variant("ps-k1-bf16", ("--wire-dtype", "bf16"), local_data=True),
+    Variant("ps-kN", (*SHARDS, "--wire-dtype", "fp32"), "workers", local_data=True),
+    Variant("ps-kN-pull", (*SHARDS, "--wire-dtype", "fp32"), "workers"),
+    Variant("ps-kN-bf16", (*SHARDS, "--wire-dtype", "bf16"), "workers", local_data=True),
+    Variant("ps-kfast", SHARDS, "fast", local_data=True),
+    Variant("ps-k1-compute-plan", ("--planner", "compute"), local_data=True),
+    Variant("ps-k1-transfer-plan", ("--planner", "model"), local_data=True),
+    Variant("ps-kfast-transfer-plan", (*SHARDS, "--planner", "model"), "fast", local_data=True),
 )
 DEFAULT_VARIANTS = ("ps-k1", "ps-k1-local", "ps-k1-bf16", "ps-kN", "ps-kN-pull", "ps-kN-bf16")
-
-
-def _help(*args: str) -> str:
-    done = subprocess.run(
-        python("pserver.cli", *args, "--help"),
-        capture_output=True,
-        text=True,
-        timeout=HELP_TIMEOUT_S,
-        cwd=ROOT,
-        check=False,
-    )
-    return done.stdout
-
-
-def missing_features(variants: tuple[Variant, ...]) -> dict[str, list[str]]:
-    """What each variant needs that the installed ``pserver`` lacks.
-
-    Args:
-        variants: the variants to check.
-
-    Returns:
-        ``{variant name: [missing option or command, ...]}``; an empty list means available.
-    """
-    start_help = _help("start")
-    top_help = _help()
-    options = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", start_help))
-    commands = set(re.findall(r"^\s{2}([a-z][a-z-]*)\s", top_help.split("Commands:")[-1], re.M))
-    report = {}
-    for v in variants:
-        gone = [opt for opt in v.requires if opt not in options]
-        gone += [f"pserver {cmd}" for cmd in v.requires_commands if cmd not in commands]
-        report[v.name] = gone
-    return report
 
 
 @dataclasses.dataclass(frozen=True)

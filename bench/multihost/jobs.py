@@ -53,30 +53,12 @@ def run_gloo(net: Network, cfg: BenchConfig, dataset: Path, log_dir: Path) -> di
         for rank, host in enumerate(hosts):
             argv = python(
                 "bench.multihost.gloo",
-                "--rank",
-                str(rank),
-                "--world",
-                str(len(hosts)),
-                "--master",
-                hosts[0].address,
-                "--port",
-                str(GLOO_PORT),
-                "--dataset",
-                str(dataset),
-                "--model",
-                cfg.model,
-                "--batch",
-                str(cfg.batch),
-                "--threads",
-                str(cfg.threads),
-                "--compute-steps",
-                str(max(5, cfg.steps // 2)),
-                "--allreduce-repeats",
-                str(cfg.steps),
-                "--ddp-steps",
-                str(cfg.steps),
-                "--timeout",
-                str(cfg.job_timeout),
+                *("--rank", str(rank), "--world", str(len(hosts)), "--master", hosts[0].address),
+                *("--port", str(GLOO_PORT), "--dataset", str(dataset), "--model", cfg.model),
+                *("--batch", str(cfg.batch), "--threads", str(cfg.threads)),
+                *("--compute-steps", str(max(5, cfg.steps // 2))),
+                *("--allreduce-repeats", str(cfg.steps), "--ddp-steps", str(cfg.steps)),
+                *("--timeout", str(cfg.job_timeout)),
             )
             env = {"GLOO_SOCKET_IFNAME": host.interface}
             children.append(start(f"gloo{rank}", host.argv(argv), log_dir / f"gloo{rank}.log", env))
@@ -122,42 +104,16 @@ def run_ps(
     env = {stagetrace.ENV: str(run_dir / "trace")} if stagetrace.enabled() else None
     try:
         mark = EventsMark(run_dir / "metrics.jsonl")
-        server = start(
-            "server",
-            server_host.argv(
-                python(
-                    "pserver.cli",
-                    "start",
-                    "--bind",
-                    f"tcp://{server_host.address}:0",
-                    "--dataset",
-                    str(dataset),
-                    "--model",
-                    cfg.model,
-                    "--mode",
-                    cfg.mode,
-                    "--workers",
-                    str(n),
-                    "--global-batch",
-                    str(cfg.batch * n),
-                    "--max-steps",
-                    str(cfg.steps),
-                    "--eval-every",
-                    "1000000",
-                    "--torch-threads",
-                    "1",
-                    "--shutdown-timeout",
-                    "120",
-                    "--run-dir",
-                    str(run_dir),
-                    "--shard-secret-file",
-                    str(secret),
-                    *variant.server_options(net.config.rates),
-                )
-            ),
-            run_dir / "server.log",
-            env,
+        argv = python(
+            "pserver.cli",
+            *("start", "--bind", f"tcp://{server_host.address}:0", "--dataset", str(dataset)),
+            *("--model", cfg.model, "--mode", cfg.mode, "--workers", str(n)),
+            *("--global-batch", str(cfg.batch * n), "--max-steps", str(cfg.steps)),
+            *("--eval-every", "1000000", "--torch-threads", "1", "--shutdown-timeout", "120"),
+            *("--run-dir", str(run_dir), "--shard-secret-file", str(secret)),
+            *variant.server_options(net.config.rates),
         )
+        server = start("server", server_host.argv(argv), run_dir / "server.log", env)
         children.append(server)
         endpoint = wait_for_address(server, run_dir / "metrics.jsonl", mark, STARTUP_TIMEOUT_S)
         mark.close()
@@ -165,14 +121,8 @@ def run_ps(
         for index in variant.shard_hosts(net.config.rates):
             host = net.hosts[index]
             argv = python(
-                "pserver.cli",
-                "shard",
-                "--coordinator",
-                endpoint,
-                "--bind",
-                f"tcp://{host.address}:0",
-                "--secret-file",
-                str(secret),
+                *("pserver.cli", "shard", "--coordinator", endpoint),
+                *("--bind", f"tcp://{host.address}:0", "--secret-file", str(secret)),
             )
             shards.append(
                 start(f"shard@{host.netns}", host.argv(argv), run_dir / f"shard{index}.log", env)
@@ -181,16 +131,8 @@ def run_ps(
         joined = []
         for i, host in enumerate(workers, start=1):
             argv = python(
-                "worker.cli",
-                "join",
-                "--server",
-                endpoint,
-                "--name",
-                f"w{i}",
-                "--threads",
-                str(cfg.threads),
-                "--log-every",
-                "1000000",
+                *("worker.cli", "join", "--server", endpoint, "--name", f"w{i}"),
+                *("--threads", str(cfg.threads), "--log-every", "1000000"),
             )
             if variant.local_data:
                 argv += ["--data", str(dataset)]

@@ -15,9 +15,8 @@ links, interleaved over ``--repeats``:
 Fairness on a machine whose few cores every process shares: a PS round's communication time
 is its round time minus the slowest worker's compute in that round, and is compared after
 adding one step's compute measured with the CPU to itself, against (all-reduce + that same
-compute); raw round times on the shared cores are shown beside them. Variants whose options
-the installed ``pserver`` lacks are reported as not available. Needs root (prints why and
-exits 0 otherwise). Every namespace is removed at the end, also on failure, Ctrl-C or SIGTERM.
+compute); raw round times on the shared cores are shown beside them. Needs root (prints why
+and exits 0 otherwise). Every namespace is removed at the end, also on failure, Ctrl-C or SIGTERM.
 
 Usage: python -m bench multihost [--workers 3] [--rate 1gbit | --rates 1gbit,1gbit,1gbit,100mbit]
        [--variants ps-k1,ps-k1-local,...] [--mode equal-sync] [--repeats 3] [--steps 12]
@@ -45,7 +44,6 @@ from bench.multihost.config import (
     MODES,
     VARIANTS,
     BenchConfig,
-    missing_features,
     scenes_dataset,
 )
 from bench.multihost.jobs import run_gloo, run_ps
@@ -104,25 +102,9 @@ def parse(argv: list[str] | None) -> BenchConfig:
     p.add_argument("--prefix", default="mh", help="namespace name prefix")
     a = parse_settings(p, argv)
     rates = tuple(a.rates.split(",")) if a.rates else (a.rate,) * (a.workers + 1)
-    return BenchConfig(
-        workers=a.workers,
-        rates=rates,
-        variants=tuple(v for v in a.variants.split(",") if v),
-        model=a.model,
-        size=a.size,
-        samples=a.samples,
-        batch=a.batch,
-        steps=a.steps,
-        warmup=a.warmup,
-        repeats=a.repeats,
-        threads=a.threads,
-        probe_mb=a.probe_mb,
-        compute_s=a.compute_s,
-        job_timeout=a.job_timeout,
-        out=a.out,
-        prefix=a.prefix,
-        mode=a.mode,
-    ).validate()
+    variants = tuple(v for v in a.variants.split(",") if v)
+    named = {field.name: getattr(a, field.name) for field in dataclasses.fields(BenchConfig)}
+    return BenchConfig(**{**named, "rates": rates, "variants": variants}).validate()
 
 
 def check_links(net: Network, cfg: BenchConfig) -> list[str]:
@@ -144,14 +126,12 @@ def check_links(net: Network, cfg: BenchConfig) -> list[str]:
 def run(cfg: BenchConfig) -> int:
     """Build the hosts, run every job, print the table; returns the exit code."""
     variants = tuple(cfg.variant(name) for name in cfg.variants)
-    lacking = {name: gone for name, gone in missing_features(variants).items() if gone}
-    runnable = [v for v in variants if v.name not in lacking]
     cfg.out.mkdir(parents=True, exist_ok=True)
     dataset = scenes_dataset(cfg.out, cfg.samples, cfg.size)
     cfg = dataclasses.replace(cfg, out=cfg.out / time.strftime("%Y%m%d-%H%M%S"))
     cfg.out.mkdir()
     gloo_runs: list[dict[str, Any]] = []
-    ps_runs: dict[str, list[dict[str, Any]]] = {v.name: [] for v in runnable}
+    ps_runs: dict[str, list[dict[str, Any]]] = {v.name: [] for v in variants}
     failures: dict[str, list[str]] = {}
     with Network(NetConfig(rates=cfg.rates, prefix=cfg.prefix)) as net:
         links = check_links(net, cfg)
@@ -164,7 +144,7 @@ def run(cfg: BenchConfig) -> int:
             except ChildError as exc:
                 failures.setdefault("gloo", []).append(str(exc).splitlines()[0])
                 log.error("repeat %d gloo failed: %s", repeat, exc)
-            for variant in runnable:
+            for variant in variants:
                 run_dir = cfg.out / f"{variant.name}-r{repeat}"
                 try:
                     ps_runs[variant.name].append(run_ps(net, cfg, variant, dataset, run_dir))
@@ -174,7 +154,7 @@ def run(cfg: BenchConfig) -> int:
                 except ChildError as exc:
                     failures.setdefault(variant.name, []).append(str(exc).splitlines()[0])
                     log.error("repeat %d %s failed: %s", repeat, variant.name, exc)
-    text, figures = table(cfg, gloo_runs, ps_runs, lacking, failures)
+    text, figures = table(cfg, gloo_runs, ps_runs, failures)
     params = gloo_runs[0]["params"] if gloo_runs else None
     print("\n".join(links))
     print(text)
@@ -184,7 +164,6 @@ def run(cfg: BenchConfig) -> int:
         "config": {k: str(v) for k, v in vars(cfg).items()},
         "links": links,
         "figures": figures,
-        "unavailable": lacking,
         "failures": failures,
         "gloo": gloo_runs,
         "ps": ps_runs,

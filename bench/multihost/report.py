@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
 from typing import Any
 
+from bench.harness.stats import spread_text
 from bench.multihost.config import BenchConfig
-
-
-def _spread(values: Sequence[float]) -> str:
-    if not values:
-        return "-"
-    return f"{statistics.median(values):.3f} / {min(values):.3f} / {max(values):.3f}"
 
 
 def _pooled(runs: list[dict[str, Any]], key: str) -> list[float]:
@@ -49,7 +43,6 @@ def table(
     cfg: BenchConfig,
     gloo_runs: list[dict[str, Any]],
     ps_runs: dict[str, list[dict[str, Any]]],
-    unavailable: dict[str, list[str]],
     failures: dict[str, list[str]],
 ) -> tuple[str, dict[str, Any]]:
     """Format the results as a Markdown table and collect the figures it shows.
@@ -58,7 +51,6 @@ def table(
         cfg: the bench settings.
         gloo_runs: ``run_gloo`` results, one per repeat.
         ps_runs: per variant, ``run_ps`` results, one per successful repeat.
-        unavailable: per variant that could not run, what the installed ``pserver`` lacks.
         failures: per variant, the errors of failed repeats.
 
     Returns:
@@ -66,7 +58,7 @@ def table(
     """
     ref = reference(gloo_runs, cfg.compute_s) if gloo_runs else None
     lines = [
-        "| variant | samples from | round median / min / max (s) | communication median (s) "
+        "| variant | samples from | round min / median / max (s) | communication median (s) "
         "| worker compute median (s, shared cores) | est. round, own cores (s) "
         "| × (all-reduce + compute) | communication × all-reduce "
         "| × DDP step (both on shared cores) |",
@@ -76,7 +68,7 @@ def table(
     if ref is not None:
         lines.append(
             f"| gloo all-reduce of the flat gradient | - | "
-            f"{_spread(_pooled(gloo_runs, 'allreduce_s'))} | {ref['allreduce_s']:.3f} "
+            f"{spread_text(_pooled(gloo_runs, 'allreduce_s'))} | {ref['allreduce_s']:.3f} "
             "| - | - | - | 1.00 | - |"
         )
         lines.append(
@@ -90,17 +82,11 @@ def table(
         )
         lines.append(
             f"| DDP step (gloo, bucketed, ranks compute at once) | local copy | "
-            f"{_spread(_pooled(gloo_runs, 'ddp_step_s'))} | - | - | - | - | - | 1.00 |"
+            f"{spread_text(_pooled(gloo_runs, 'ddp_step_s'))} | - | - | - | - | - | 1.00 |"
         )
     for name in cfg.variants:
         variant = cfg.variant(name)
         source = "local copy" if variant.local_data else "server, over the links"
-        if name in unavailable:
-            lines.append(
-                f"| {name} | {source} | not available: needs "
-                f"{', '.join(unavailable[name])} | | | | | | |"
-            )
-            continue
         runs = ps_runs.get(name, [])
         if not runs:
             why = "; ".join(failures.get(name, ["no run"]))[:200]
@@ -134,7 +120,7 @@ def table(
             ]
         figures["variants"][name] = row
         lines.append(
-            f"| {name} | {source} | {_spread(rounds)} | {row['comm_s_median']:.3f} | "
+            f"| {name} | {source} | {spread_text(rounds)} | {row['comm_s_median']:.3f} | "
             f"{row['compute_s_median']:.3f} | {' | '.join(cells)} |"
         )
     return "\n".join(lines), figures

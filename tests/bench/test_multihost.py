@@ -37,12 +37,12 @@ def test_rates_and_config_validation() -> None:
 
 def test_shard_placement_skips_the_slow_host() -> None:
     rates = ("1gbit", "1gbit", "1gbit", "100mbit")
-    every = Variant("a", "", options=("--shards", "{shards}"), shards="workers")
-    fast = Variant("b", "", options=("--shards", "{shards}"), shards="fast")
+    every = Variant("a", options=("--shards", "{shards}"), shards="workers")
+    fast = Variant("b", options=("--shards", "{shards}"), shards="fast")
     assert every.shard_hosts(rates) == [1, 2, 3]
     assert fast.shard_hosts(rates) == [1, 2]
     assert fast.server_options(rates) == ["--shards", "2"]
-    assert Variant("c", "").shard_hosts(rates) == []
+    assert Variant("c").shard_hosts(rates) == []
 
 
 def test_round_records_give_communication_time(tmp_path: Path) -> None:
@@ -86,7 +86,7 @@ def test_table_ratios_by_hand() -> None:
         ],
         "ps-k1-local": [],
     }  # fmt: skip
-    text, figures = table(cfg, gloo, ps, {"ps-kN": ["--shards"]}, {"ps-k1-local": ["it broke"]})
+    text, figures = table(cfg, gloo, ps, {"ps-k1-local": ["it broke"], "ps-kN": ["no run"]})
     assert figures["reference"]["reference_s"] == pytest.approx(0.75)  # 0.5 + fastest 0.25
     row = figures["variants"]["ps-k1"]
     assert row["estimated_round_s"] == pytest.approx(2.25 + 0.25)  # median comm + solo compute
@@ -95,8 +95,8 @@ def test_table_ratios_by_hand() -> None:
     assert row["ratio_ddp_step"] == pytest.approx(2.75 / 1.0)
     lines = text.splitlines()
     assert all(line.count("|") == 10 for line in lines)
-    assert any("ps-kN" in line and "not available: needs --shards" in line for line in lines)
+    assert any("ps-kN" in line and "failed: no run" in line for line in lines)
     assert any("ps-k1-local" in line and "failed: it broke" in line for line in lines)
     given = BenchConfig(variants=("ps-k1",), compute_s=0.05)
-    _, figures = table(given, gloo, ps, {}, {})
+    _, figures = table(given, gloo, ps, {})
     assert figures["variants"]["ps-k1"]["ratio_reference"] == pytest.approx(2.3 / 0.55)

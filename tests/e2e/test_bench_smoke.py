@@ -44,14 +44,8 @@ SMOKE_TIMEOUT_S = 600.0
 # A bench's smallest run, and what it needs beyond the project: "data" (Jasper Ridge),
 # "netns" (root and iproute2), "py-spy".
 SMOKE: dict[str, tuple[tuple[str, ...], str]] = {
-    "checkpoint": (("--repeats", "1", "--values", "1000000"), ""),
     "coordinator-memory": (("--samples", "200", "--steps", "3"), ""),
-    "data-wait": (
-        ("--samples", "200", "--epochs", "1", "--global-batch", "32", "--slowdowns", "1,2"),
-        "",
-    ),
     "ddp-fidelity": (("--repeats", "1", "--epochs", "1", "--slowdowns", "1,2"), "data"),
-    "heartbeat": (("--rounds", "12", "--repeats", "1"), ""),
     "heterogeneity": (
         (
             *("--repeats", "1", "--epochs", "1", "--samples", "128", "--global-batch", "32"),
@@ -60,7 +54,13 @@ SMOKE: dict[str, tuple[tuple[str, ...], str]] = {
         "",
     ),
     "idle-share": (("--repeats", "1", "--epochs", "1", "--configs", "weighted-sync/model"), ""),
-    "memory": (("--samples", "200", "--size", "16"), ""),
+    "memory": (
+        (
+            *("--kinds", "dataset,scene", "--samples", "200", "--size", "16", "--bands", "8"),
+            *("--rows", "64", "--cols", "64"),
+        ),
+        "",
+    ),
     "multihost": (
         (
             *("--workers", "1", "--variants", "ps-k1-local", "--repeats", "1"),
@@ -77,28 +77,22 @@ SMOKE: dict[str, tuple[tuple[str, ...], str]] = {
         ),
         "netns",
     ),
-    "observe": (("--events", "200", "--rounds", "12", "--repeats", "1"), ""),
+    "observe": (("--events", "200", "--clients", "2", "--steps", "20", "--repeats", "1"), ""),
     "planner-speed": (("--workers", "4", "--repeats", "1"), ""),
     "round-floor": (("--requests", "40", "--compute-ms", "1"), ""),
     "round-overhead": (("--rounds", "12", "--repeats", "1", "--workers", "1"), "data"),
     "round-profile": (("--seconds", "2"), "py-spy"),
-    "scene-memory": (("--rows", "64", "--cols", "64", "--bands", "8"), ""),
-    "server-memory": (("--versions", "60", "--from", "20"), ""),
     "simulate-speed": (("--workers", "16", "--shards", "2", "--rounds", "5"), ""),
     "snapshots": (("--repeats", "1", "--epochs", "1"), ""),
     "staleness": (
         ("--repeats", "1", "--epochs", "1", "--functions", "inverse", "--bounds", "4"),
         "data",
     ),
-    "status-pollers": (("--clients", "2", "--steps", "20", "--repeats", "1"), ""),
-    "store-update": (("--elems", "100000", "--rounds", "2"), ""),
-    "sync-round": (("--rounds", "4", "--global-batch", "32"), ""),
     "tail-rounds": (("--seeds", "0", "--epochs", "1", "--variants", "baseline"), "data"),
     "time-to-target": (
         ("--regimes", "small", "--epochs", "1", "--modes", "weighted-sync,ddp"),
         "data",
     ),
-    "wire": (("--rounds", "2", "--warmup", "1"), ""),
 }
 
 # Benches that write run folders take --out; the smoke run keeps them in the test's folder.
@@ -113,7 +107,7 @@ RUN_FOLDER_OPTION = {
     "tail-rounds",
     "time-to-target",
 }
-SCRATCH_OPTION = {"memory": "--dir", "scene-memory": "--dir", "coordinator-memory": "--dir"}
+SCRATCH_OPTION = {"memory": "--dir", "coordinator-memory": "--dir"}
 
 
 def test_every_bench_has_a_smoke_run() -> None:
@@ -161,7 +155,8 @@ def test_bench_runs_and_keeps_a_result(
     assert result.bench == name
     assert result.figures, f"{name} printed no name=value figure"
     assert result.command.startswith(f"python -m bench {name} ")
-    assert result.settings, f"{name} kept no settings"
+    assert not {"--out", "--dir"} & set(result.command.split()), result.command  # no local path
+    assert result.settings and not {"out", "dir"} & set(result.settings), result.settings
     assert result.machine["cores"] >= 1 and result.machine["python"]
 
 
@@ -271,7 +266,7 @@ def test_rerun_runs_a_kept_command_again_into_its_own_file(tmp_path: Path) -> No
         machine={},
         git_commit="",
         figures={"planner_4_steady_ms": -1.0},
-        note="recorded by hand",
+        note="other jobs running",
     )
     (tmp_path / "planner-speed-small.json").write_text(kept.to_json(), encoding="utf-8")
     done = subprocess.run(

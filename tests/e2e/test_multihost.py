@@ -1,5 +1,4 @@
-"""The multi-host bench's emulated hosts with capped links (root) and the features it asks the
-commands for."""
+"""The multi-host bench's emulated hosts with capped links (root)."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.multihost.config import Variant, missing_features
 from bench.multihost.netprobe import measure_rate
 from bench.procs import start
 from common.procs import Child
@@ -66,12 +64,3 @@ def test_teardown_on_failure(netns_ok: None, tmp_path: Path) -> None:
     finally:
         if sleeper is not None:
             sleeper.stop()
-
-
-def test_missing_options_are_reported() -> None:
-    known = Variant("known", "", options=("--max-steps", "3"), requires=("--max-steps",))
-    absent = Variant(
-        "absent", "", requires=("--no-such-option",), requires_commands=("no-such-command",)
-    )
-    report = missing_features((known, absent))
-    assert report == {"known": [], "absent": ["--no-such-option", "pserver no-such-command"]}
