@@ -162,12 +162,9 @@ def _pair(figures: dict[str, float], first: str, second: str) -> str:
     return f"{figures[first]:.3f} / {figures[second]:.3f}"
 
 
-def _load(load: Any) -> str:
-    """A load average in a few words: the 1-minute figure, or a recorded text up to its
-    parenthesis."""
-    if isinstance(load, list) and load:
-        return _cell(float(load[0]))
-    return str(load or "not recorded").split(" (")[0]
+def _load(load: list[float] | None) -> str:
+    """A load average in a few words: its 1-minute figure."""
+    return _cell(float(load[0])) if load else "not recorded"
 
 
 def readme_table(results: dict[str, Result]) -> str:

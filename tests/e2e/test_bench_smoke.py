@@ -209,6 +209,28 @@ def test_report_renders_the_committed_results_page_and_readme_table() -> None:
     assert with_readme_table(readme, table) == readme
 
 
+def test_the_page_shows_the_newest_result_of_each_command_of_any_bench() -> None:
+    def kept(bench: str, args: str, date: str, value: float) -> Result:
+        command = f"python -m bench {bench} {args}".strip()
+        machine = {"cores": 2, "load_average": [1.5, 1.0, 0.5]}
+        return Result(bench, date, command, {}, machine, "", {"ratio": value}, note="pinned")
+
+    page = render(
+        [
+            kept("a-new-bench", "--repeats 3", "2026-01-01T10:00:00+00:00", 1.25),
+            kept("a-new-bench", "--repeats 3", "2026-01-02T10:00:00+00:00", 1.5),
+            kept("a-new-bench", "", "2026-01-01", 2.0),
+        ]
+    )
+    section = page.partition("## a-new-bench\n")[2]
+    assert "`ratio=1.25`" not in section and section.count("### `python -m bench a-new-bench") == 2
+    assert (
+        "2026-01-02 10:00 UTC: 2 cores; load average 1.5 / 1 / 0.5; pinned\n\n`ratio=1.5`"
+        in section
+    )
+    assert "### `python -m bench a-new-bench`\n\n2026-01-01: 2 cores" in section
+
+
 def test_report_command_writes_the_same_bytes_twice(tmp_path: Path) -> None:
     doc, readme = tmp_path / "results.md", tmp_path / "README.md"
     readme.write_text(f"# Title\n\n{README_START}\nold\n{README_END}\n\nEnd.\n", encoding="utf-8")
