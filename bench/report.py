@@ -39,7 +39,14 @@ MACHINE_LABELS = {
     "system": "{}",
 }
 # The benches the README and the choice of a mode rest on come first; the rest by name.
-LEADING = ("time-to-target", "heterogeneity", "idle-share", "ddp-fidelity", "multihost")
+LEADING = (
+    "own-ground",
+    "time-to-target",
+    "heterogeneity",
+    "idle-share",
+    "ddp-fidelity",
+    "multihost",
+)
 
 
 def _number(value: float) -> str:
@@ -187,8 +194,61 @@ def _load(load: Any) -> str:
     return str(load or "not recorded").split(" (")[0]
 
 
+README_NOTE = (
+    "A ratio can exceed the linear ideal of the budgets (their sum over the slowest node's "
+    "times the node count: 2.75× for `small-1124`): the slowest DDP rank pays its fixed "
+    "per-step cost at a tenth of a core on every step, while the planner sits that node out. "
+    "The figures need a quiet machine: a budget caps a node's CPU, it does not reserve a core, "
+    "so other load on the machine shrinks every ratio."
+)
+OWN_GROUND = "own-ground"  # the kept result of `python -m bench own-ground`
+OWN_GROUND_CLUSTERS = (("", "static `small-1124`"), ("shifting_load_", "`shifting-load`"))
+OWN_GROUND_CLUSTERS += (("leave_return_", "`leave-return`"),)
+OWN_GROUND_BASES = (
+    ("ddp", "DDP"),
+    ("ddp_kept", "DDP on the kept nodes"),
+    ("weighted_ddp", "weighted DDP"),
+    ("weighted_ddp_rebalance", "weighted DDP, rebalanced each epoch"),
+    ("equal_sync", "equal-sync"),
+    ("async", "async"),
+)
+
+
+def own_ground_table(result: Result) -> list[str]:
+    """The README's table of ``python -m bench own-ground``: per cluster and regime,
+    weighted-sync's time to target against each baseline (epoch time in brackets), its final
+    OA less the static cluster's, and whether every epoch used every sample exactly once."""
+    figures, rows = result.figures, []
+    for prefix, cluster in OWN_GROUND_CLUSTERS:
+        for regime in ("small", "heavy"):
+            label = f"{prefix}{regime}"
+            if f"runs_{label}_weighted_sync" not in figures:
+                continue
+            row = [cluster, f"{regime}; {figures[f'runs_{label}_weighted_sync']:.0f} seeds"]
+            for base, _ in OWN_GROUND_BASES:
+                ttt = figures.get(f"ratio_{label}_ttt_weighted_sync_vs_{base}")
+                epoch = figures.get(f"ratio_{label}_epoch_weighted_sync_vs_{base}")
+                row.append("–" if ttt is None or epoch is None else f"{ttt:.2f}× ({epoch:.2f}×)")
+            diff = figures.get(f"final_oa_diff_{label}_weighted_sync_vs_static")
+            once = figures.get(f"exactly_once_{label}_weighted_sync")
+            row.append("–" if diff is None else f"{diff:+.3f}")
+            row.append("–" if once is None else ("yes" if once else "**no**"))
+            rows.append(row)
+    columns = ("cluster", "regime", *(f"vs {name}" for _, name in OWN_GROUND_BASES))
+    columns += ("final OA vs static", "every sample once")
+    return [
+        "",
+        f"Weighted-sync on its own ground (`{result.command}`, {result.date[:10]}, load "
+        f"{_load(result.machine.get('load_average'))}): the baseline's time to target over "
+        "weighted-sync's (epoch time in brackets); > 1: weighted-sync is faster.",
+        "",
+        *_table(columns, rows),
+    ]
+
+
 def readme_table(results: dict[str, Result]) -> str:
-    """The README's results table (between its markers) from the kept results by file stem.
+    """The README's results table (between its markers) from the kept results by file stem,
+    the own-ground table when that result is kept, and a note on reading them.
 
     Args:
         results: kept results by file name without ``.json``.
@@ -219,7 +279,9 @@ def readme_table(results: dict[str, Result]) -> str:
                 f"{result.date[:10]}, load {_load(result.machine.get('load_average'))}",
             ]
         )
-    return "\n".join([README_START, *_table(README_COLUMNS, rows), README_END])
+    own = own_ground_table(results[OWN_GROUND]) if OWN_GROUND in results else []
+    block = [README_START, *_table(README_COLUMNS, rows), *own, "", README_NOTE, README_END]
+    return "\n".join(block)
 
 
 def with_readme_table(readme: str, table: str) -> str:
