@@ -202,8 +202,8 @@ README_NOTE = (
     "so other load on the machine shrinks every ratio."
 )
 OWN_GROUND = "own-ground"  # the kept result of `python -m bench own-ground`
-OWN_GROUND_CLUSTERS = (("", "static `small-1124`"), ("shifting_load_", "`shifting-load`"))
-OWN_GROUND_CLUSTERS += (("leave_return_", "`leave-return`"),)
+OWN_GROUND_CLUSTERS = {"": "static `small-1124`", "shifting_load_": "`shifting-load`"}
+OWN_GROUND_CLUSTERS["leave_return_"] = "`leave-return`"
 OWN_GROUND_BASES = (
     ("ddp", "DDP"),
     ("ddp_kept", "DDP on the kept nodes"),
@@ -219,7 +219,7 @@ def own_ground_table(result: Result) -> list[str]:
     weighted-sync's time to target against each baseline (epoch time in brackets), its final
     OA less the static cluster's, and whether every epoch used every sample exactly once."""
     figures, rows = result.figures, []
-    for prefix, cluster in OWN_GROUND_CLUSTERS:
+    for prefix, cluster in OWN_GROUND_CLUSTERS.items():
         for regime in ("small", "heavy"):
             label = f"{prefix}{regime}"
             if f"runs_{label}_weighted_sync" not in figures:
@@ -232,8 +232,7 @@ def own_ground_table(result: Result) -> list[str]:
             diff = figures.get(f"final_oa_diff_{label}_weighted_sync_vs_static")
             once = figures.get(f"exactly_once_{label}_weighted_sync")
             row.append("–" if diff is None else f"{diff:+.3f}")
-            row.append("–" if once is None else ("yes" if once else "**no**"))
-            rows.append(row)
+            rows.append([*row, "–" if once is None else ("yes" if once else "**no**")])
     columns = ("cluster", "regime", *(f"vs {name}" for _, name in OWN_GROUND_BASES))
     columns += ("final OA vs static", "every sample once")
     return [

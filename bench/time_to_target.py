@@ -187,7 +187,7 @@ def run_regime(name: str, cluster: str, args: argparse.Namespace) -> tuple[list[
         found = done or run_compare(config, show_progress=sys.stderr.isatty())
         for run in found["runs"]:
             runs.append({**run, "repeat": repeat})
-    rows = []
+    rows, lines = [], []
     for mode in modes:
         mine = [r for r in runs if r["mode"] == mode and "error" not in r]
         finals = [r["summary"]["final"] for r in mine]
@@ -200,11 +200,21 @@ def run_regime(name: str, cluster: str, args: argparse.Namespace) -> tuple[list[
                 spread_text([r["epoch_time_s"] for r in mine]),
                 spread_text([r["time_to_target_s"] for r in mine], 2),
                 spread_text(drops),
-                spread_text([f["oa"] for f in finals], 4),
-                spread_text([f["aa"] for f in finals], 4),
-                spread_text([f["kappa"] for f in finals], 4),
+                *(spread_text([f[k] for f in finals], 4) for k in ("oa", "aa", "kappa")),
             ]
         )
+        tag, flags = f"{label}_{_name(mode)}", [exactly_once(r) for r in mine]
+        if drops:
+            lines.append(f"max_drop_{tag}_median={statistics.median(drops):.3f}")
+            lines.append(f"max_drop_{tag}_max={max(drops):.3f}")
+        if finals:
+            lines.append(f"final_oa_{tag}_median={statistics.median(f['oa'] for f in finals):.4f}")
+            lines.append(f"runs_{tag}={len(finals)}")
+        if any(f is not None for f in flags):
+            lines.append(f"exactly_once_{tag}={int(all(flags))}")
+        if mode == "single" and mine:
+            step_ms = statistics.median(map(step_compute_ms, mine))
+            lines.append(f"step_compute_ms_{label}_single={step_ms:.1f}")
     print(
         f"\n== {name}{'' if cluster == STATIC else f' on {cluster}'}: hsi-cnn, Jasper Ridge "
         f"{patch}x{patch} patches, {fraction:.0%} train, "
@@ -213,40 +223,11 @@ def run_regime(name: str, cluster: str, args: argparse.Namespace) -> tuple[list[
         + f"(seeds {seeds[0]}-{seeds[-1]}) (min / median / max); time to target from "
         + (f"snapshots every {args.snapshot_every} updates" if args.snapshot_every else "epochs")
     )
-    headers = [
-        "mode",
-        "runs",
-        "epoch time s",
-        "time to target s",
-        "max OA drop",
-        "final OA",
-        "AA",
-        "kappa",
-    ]
+    headers = ["mode", "runs", "epoch time s", "time to target s", "max OA drop", "final OA"]
     print(f"on {cluster_label(emulated)}")
     if args.worker_data:
         print("workers read a local copy of the dataset (worker join --data), as DDP's ranks do")
-    print(format_table(headers, rows))
-    lines = []
-    singles = [r for r in runs if r["mode"] == "single" and "error" not in r]
-    if singles:
-        lines.append(
-            f"step_compute_ms_{label}_single={statistics.median(map(step_compute_ms, singles)):.1f}"
-        )
-    for mode in modes:
-        drops = [r["max_drop"] for r in runs if r["mode"] == mode and r.get("max_drop") is not None]
-        if drops:
-            tag = f"{label}_{mode.replace('-', '_')}"
-            lines.append(f"max_drop_{tag}_median={statistics.median(drops):.3f}")
-            lines.append(f"max_drop_{tag}_max={max(drops):.3f}")
-    for mode in modes:
-        finals = [
-            r["summary"]["final"]["oa"] for r in runs if r["mode"] == mode and "error" not in r
-        ]
-        if finals:
-            tag = f"{label}_{mode.replace('-', '_')}"
-            lines.append(f"final_oa_{tag}_median={statistics.median(finals):.4f}")
-            lines.append(f"runs_{tag}={len(finals)}")
+    print(format_table([*headers, "AA", "kappa"], rows))
     pairs = [(m, "ddp") for m in modes if m != "ddp"]
     if "weighted-sync" in modes:
         pairs += [("weighted-sync", b) for b in modes if b not in ("weighted-sync", "ddp")]
@@ -255,10 +236,6 @@ def run_regime(name: str, cluster: str, args: argparse.Namespace) -> tuple[list[
             ratios = paired(runs, mode, key, base)
             value = f"{statistics.median(ratios):.2f}" if ratios else "nan"
             lines.append(f"ratio_{label}_{quantity}_{_name(mode)}_vs_{_name(base)}={value}")
-    for mode in modes:
-        flags = [exactly_once(r) for r in runs if r["mode"] == mode and "error" not in r]
-        if any(f is not None for f in flags):
-            lines.append(f"exactly_once_{label}_{_name(mode)}={int(all(flags))}")
     return lines, runs
 
 

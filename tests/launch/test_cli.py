@@ -263,7 +263,7 @@ def test_workers_on_budgets_are_named_and_tabled_by_their_budget(
             {**worker, "name": "w1-0.4c", "cpus": 0.4, "schedule": "0.4;off@33.3%;on@66.7%"},
         ],
     }
-    header, rule, first, second = summary_tables(summary).split("\n\n")[1].splitlines()[:4]
+    header, _, first, second = summary_tables(summary).split("\n\n")[1].splitlines()[:4]
     assert "CPU budget" in header and "slowdown" not in header
     assert first.split()[:2] == ["w0-0.4c", "0.4"] and "0.4;off@33.3%;on@66.7%" in second
     summary["workers"][1]["slowdown"] = 2.0
