@@ -6,7 +6,7 @@ the same records twice gives the same bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import groupby
 from typing import Any
 
@@ -204,45 +204,42 @@ README_NOTE = (
 OWN_GROUND = "own-ground"  # the kept result of `python -m bench own-ground`
 OWN_GROUND_CLUSTERS = {"": "static `small-1124`", "shifting_load_": "`shifting-load`"}
 OWN_GROUND_CLUSTERS["leave_return_"] = "`leave-return`"
-OWN_GROUND_BASES = (
-    ("ddp", "DDP"),
-    ("ddp_kept", "DDP on the kept nodes"),
-    ("weighted_ddp", "weighted DDP"),
-    ("weighted_ddp_rebalance", "weighted DDP, rebalanced each epoch"),
-    ("equal_sync", "equal-sync"),
-    ("async", "async"),
-)
+OWN_GROUND_BASES = {"ddp": "DDP", "ddp_kept": "DDP on kept nodes", "weighted_ddp": "weighted DDP"}
+OWN_GROUND_BASES |= {
+    "weighted_ddp_rebalance": "weighted DDP rebalanced",
+    "equal_sync": "equal-sync",
+}
+OWN_GROUND_BASES["async"] = "async"
 
 
 def own_ground_table(result: Result) -> list[str]:
-    """The README's table of ``python -m bench own-ground``: per cluster and regime,
-    weighted-sync's time to target against each baseline (epoch time in brackets), its final
-    OA less the static cluster's, and whether every epoch used every sample exactly once."""
-    figures, rows = result.figures, []
+    """The README's table of ``python -m bench own-ground``: per cluster, weighted-sync's time
+    to target against each baseline (the baseline's over weighted-sync's), its final OA less
+    the static cluster's, and whether every epoch used every sample once; each cell is
+    ``small / heavy``."""
+
+    def cell(name: str, form: Callable[[float], str]) -> str:
+        values = [result.figures.get(name.format(regime=r)) for r in ("small", "heavy")]
+        return " / ".join("–" if v is None else form(v) for v in values)
+
+    rows = []
     for prefix, cluster in OWN_GROUND_CLUSTERS.items():
-        for regime in ("small", "heavy"):
-            label = f"{prefix}{regime}"
-            if f"runs_{label}_weighted_sync" not in figures:
-                continue
-            row = [cluster, f"{regime}; {figures[f'runs_{label}_weighted_sync']:.0f} seeds"]
-            for base, _ in OWN_GROUND_BASES:
-                ttt = figures.get(f"ratio_{label}_ttt_weighted_sync_vs_{base}")
-                epoch = figures.get(f"ratio_{label}_epoch_weighted_sync_vs_{base}")
-                row.append("–" if ttt is None or epoch is None else f"{ttt:.2f}× ({epoch:.2f}×)")
-            diff = figures.get(f"final_oa_diff_{label}_weighted_sync_vs_static")
-            once = figures.get(f"exactly_once_{label}_weighted_sync")
-            row.append("–" if diff is None else f"{diff:+.3f}")
-            rows.append([*row, "–" if once is None else ("yes" if once else "**no**")])
-    columns = ("cluster", "regime", *(f"vs {name}" for _, name in OWN_GROUND_BASES))
-    columns += ("final OA vs static", "every sample once")
-    return [
-        "",
-        f"Weighted-sync on its own ground (`{result.command}`, {result.date[:10]}, load "
-        f"{_load(result.machine.get('load_average'))}): the baseline's time to target over "
-        "weighted-sync's (epoch time in brackets); > 1: weighted-sync is faster.",
-        "",
-        *_table(columns, rows),
-    ]
+        label = f"{prefix}{{regime}}"
+        seeds = cell(f"runs_{label}_weighted_sync", "{:.0f}".format)
+        if seeds == "– / –":
+            continue
+        row = [f"{cluster} ({seeds} seeds)"]
+        for base in OWN_GROUND_BASES:
+            row.append(cell(f"ratio_{label}_ttt_weighted_sync_vs_{base}", "{:.2f}×".format))
+        row.append(cell(f"final_oa_diff_{label}_weighted_sync_vs_static", "{:+.3f}".format))
+        once = cell(f"exactly_once_{label}_weighted_sync", lambda v: "yes" if v else "**no**")
+        rows.append([*row, once])
+    title = (
+        f"own ground, time to target small / heavy ({result.date[:10]}, load "
+        f"{_load(result.machine.get('load_average'))})"
+    )
+    columns = [title, *(f"vs {name}" for name in OWN_GROUND_BASES.values())]
+    return ["", *_table([*columns, "final OA vs static", "every sample once"], rows)]
 
 
 def readme_table(results: dict[str, Result]) -> str:

@@ -84,7 +84,8 @@ SMOKE: dict[str, tuple[tuple[str, ...], str]] = {
     "own-ground": (
         (
             *("--regimes", "small", "--epochs", "1", "--repeats", "1"),
-            *("--modes", "weighted-sync,equal-sync", "--clusters", "static,leave-return"),
+            *("--modes", "weighted-sync,equal-sync", "--clusters", "leave-return"),
+            *("--snapshot-every", "0"),
         ),
         "data,cgroup",
     ),
@@ -180,6 +181,9 @@ def test_bench_runs_and_keeps_a_result(
     assert result.command.startswith(f"python -m bench {name} ")
     assert result.settings, f"{name} kept no settings"
     assert result.machine["cores"] >= 1 and result.machine["python"]
+    if name == "own-ground":  # a node left and returned: every epoch still used each sample once
+        assert result.figures["exactly_once_leave_return_small_weighted_sync"] == 1
+        assert "ratio_leave_return_small_epoch_weighted_sync_vs_equal_sync" in result.figures
 
 
 def test_figures_are_read_from_name_value_words() -> None:
@@ -319,13 +323,12 @@ def test_rerun_runs_a_kept_command_again_into_its_own_file(tmp_path: Path) -> No
 def test_the_own_ground_result_renders_its_readme_table() -> None:
     figures = {
         "runs_small_weighted_sync": 3.0,
+        "runs_heavy_weighted_sync": 3.0,
         "ratio_small_ttt_weighted_sync_vs_ddp": 4.5,
-        "ratio_small_epoch_weighted_sync_vs_ddp": 3.5,
+        "ratio_heavy_ttt_weighted_sync_vs_ddp": 2.25,
         "ratio_small_ttt_weighted_sync_vs_weighted_ddp": 2.5,
-        "ratio_small_epoch_weighted_sync_vs_weighted_ddp": 2.25,
         "runs_leave_return_heavy_weighted_sync": 3.0,
         "ratio_leave_return_heavy_ttt_weighted_sync_vs_ddp": 1.5,
-        "ratio_leave_return_heavy_epoch_weighted_sync_vs_ddp": 1.25,
         "final_oa_diff_leave_return_heavy_weighted_sync_vs_static": -0.004,
         "exactly_once_leave_return_heavy_weighted_sync": 1.0,
     }
@@ -339,14 +342,16 @@ def test_the_own_ground_result_renders_its_readme_table() -> None:
         figures=figures,
     )
     kept = results_by_name(RESULTS_DIR)
-    without = readme_table(kept)
-    table = readme_table({**kept, "own-ground": own})
+    without, table = readme_table(kept), readme_table({**kept, "own-ground": own})
     assert "own ground" not in without and "\n".join(own_ground_table(own)) in table
     lines = table.splitlines()
-    row = next(line for line in lines if line.startswith("| static `small-1124` | small"))
-    assert row.split(" | ")[2:5] == ["4.50× (3.50×)", "–", "2.50× (2.25×)"]
-    row = next(line for line in lines if line.startswith("| `leave-return` | heavy; 3 seeds"))
-    assert row.endswith("| 1.50× (1.25×) | – | – | – | – | – | -0.004 | yes |")
-    assert not any(line.startswith("| `shifting-load`") for line in lines)
-    assert "load 0.4" in table and "exceed the linear ideal" in table
+    assert "own ground, time to target small / heavy (2026-12-01, load 0.4)" in table
+    row = next(line for line in lines if line.startswith("| static `small-1124` (3 / 3 seeds)"))
+    assert row.split(" | ")[1:4] == ["4.50× / 2.25×", "– / –", "2.50× / –"]
+    row = next(line for line in lines if line.startswith("| `leave-return` (– / 3 seeds)"))
+    assert row.endswith(
+        "| – / 1.50× | – / – | – / – | – / – | – / – | – / – | – / -0.004 | – / yes |"
+    )
+    assert not any(line.startswith("| `shifting-load`") for line in lines)  # not run
+    assert "exceed the linear ideal" in table
     assert table.startswith(README_START) and table.endswith(README_END)
