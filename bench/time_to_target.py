@@ -32,21 +32,13 @@ reports it). The last lines are ``max_drop_<regime>_<mode>_median|max=X.XXX`` an
 ``ratio_<regime>_<quantity>_<mode>_vs_ddp=X.XX``: the median over repeats of the paired ratio
 (DDP's time / the mode's time in the same repeat; > 1: the mode is faster).
 
-``--clusters`` runs every regime on several clusters: ``static`` is the one ``--cluster`` or
-``--node-cpus`` gives (shared cores without one), any other entry a preset, e.g.
-``shifting-load`` or ``leave-return`` (the nodes' budgets change, or a node leaves and returns,
-during each run; ``pslaunch compare``'s parameter-server runs follow those schedules). Figures of
-a cluster other than ``static`` carry its name: ``ratio_leave_return_small_...``. Beside the
-ratios against DDP, the last lines give weighted-sync against every other baseline
-(``ratio_<label>_<quantity>_weighted_sync_vs_<mode>``), whether every epoch of a mode's runs used
-every sample exactly once (``exactly_once_<label>_<mode>=1``, from the epoch events of the
-parameter-server runs), and for a cluster run beside ``static`` the median over seeds of its
-final OA less the static run's of the same seed (``final_oa_diff_<label>_<mode>_vs_static``).
-
-``python -m bench own-ground`` is this bench with the defaults of the parameter server's own
-ground: clusters static (``small-1124``), ``shifting-load`` and ``leave-return``; modes
-weighted-sync, equal-sync, async, ddp, ddp-kept, weighted-ddp and weighted-ddp-rebalance; both
-regimes; 3 seeds.
+``--clusters`` runs every regime on each cluster: ``static`` (the one ``--cluster`` or
+``--node-cpus`` gives) or a preset such as ``shifting-load`` or ``leave-return``, whose figure
+names carry it (``ratio_leave_return_small_...``). Further lines: weighted-sync against every
+other mode (``ratio_<label>_<quantity>_weighted_sync_vs_<mode>``), ``exactly_once_<label>_<mode>``
+(every epoch used every sample once) and ``final_oa_diff_<label>_<mode>_vs_static`` (the median
+over seeds of the final OA less the static run's). ``python -m bench own-ground`` is this bench
+with ``OWN_GROUND``'s defaults.
 
 Usage: python -m bench time-to-target [--repeats 1] [--regimes small,heavy] [--snapshot-every 2]
        [--seed 0] [--same-seed] [--epochs E] [--modes ...] [--cluster small-1124]
