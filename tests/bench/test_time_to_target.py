@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from bench.time_to_target import final_oa_diffs, paired
+from bench.harness.pairs import paired
+from bench.time_to_target import final_oa_diffs
 
 
 def _run(mode: str, repeat: int, oa: float, epoch_s: float) -> dict:
