@@ -199,7 +199,7 @@ README_NOTE = (
     "times the node count: 2.75× for `small-1124`): the slowest DDP rank pays its fixed "
     "per-step cost at a tenth of a core on every step, while the planner sits that node out. "
     "The figures need a quiet machine: a budget caps a node's CPU, it does not reserve a core, "
-    "so other load on the machine shrinks every ratio."
+    "so other load on the machine takes from the nodes and moves the ratios."
 )
 OWN_GROUND = "own-ground"  # the kept result of `python -m bench own-ground`
 OWN_GROUND_CLUSTERS = {"": "static `small-1124`", "shifting_load_": "`shifting-load`"}

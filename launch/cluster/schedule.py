@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from common.errors import ConfigError
+from launch.progress import RunProgress
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ def _cores(value: str, option: str, text: str) -> float:
         ) from None
 
 
-class ScheduleFollower:
+class ScheduleFollower(RunProgress):
     """Which schedule changes a run has reached, from the events of its ``metrics.jsonl``.
 
     The run's work is counted as ``RunProgress`` counts it (samples of ``round`` and ``push``
@@ -145,38 +146,30 @@ class ScheduleFollower:
         max_steps: int | None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        super().__init__(epochs, max_steps, enabled=False)
         self.schedules = list(schedules)
         self.next = [0] * len(self.schedules)
-        self.epochs, self.max_steps, self.clock = epochs, max_steps, clock
-        self.work = 0
-        self.total: int | None = max_steps if epochs is None else None
+        self.clock = clock
         self.started: float | None = None
         self.lag: float | None = None  # this clock less the run's, at the quickest reading
 
     def feed(self, record: dict[str, Any]) -> None:
         """Take one event into account (unknown events are ignored)."""
+        super().feed(record)
         kind, t = record.get("event"), record.get("t")
         if isinstance(t, int | float) and not isinstance(t, bool):
             lag = self.clock() - t
             self.lag = lag if self.lag is None else min(self.lag, lag)
-        if kind == "start" and self.epochs is not None and _count(record.get("train")):
-            self.total = self.epochs * record["train"]
-        elif kind == "train_start" and self.started is None:
+        if kind == "train_start" and self.started is None:
             self.started = t if isinstance(t, int | float) else self.now()
-        elif kind == "resume" and _count(record.get("samples")) is not None:
-            self.work = record["samples"] if self.epochs is not None else self.work
-        elif kind in ("round", "push"):
-            if self.epochs is None:
-                self.work += 1
-            elif kind == "round":
-                self.work += sum(_count(w.get("batch")) or 0 for w in record.get("workers") or ())
-            else:
-                self.work += _count(record.get("batch")) or 0
+        elif kind == "resume" and isinstance(record.get("samples"), int) and not self.by_steps:
+            self.samples = record["samples"]
 
     @property
     def share(self) -> float:
         """The share of the run's work done (0 until the run's size is known)."""
-        return self.work / self.total if self.total else 0.0
+        total = self.bar.total
+        return (self.steps if self.by_steps else self.samples) / total if total else 0.0
 
     def now(self) -> float:
         """Seconds on the run's clock (this process's clock before any event had a ``t``)."""
@@ -249,9 +242,3 @@ class ScheduleRunner:
                     self.actions.rejoin(node)
             record = {"node": node, "change": change.text(), "cores": change.cores}
             self.applied.append({**record, "t": round(t, 3), "train_t": round(train_t, 3)})
-
-
-def _count(value: Any) -> int | None:
-    """A non-negative int field of an event, or None."""
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-    return value if ok else None
