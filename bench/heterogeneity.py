@@ -32,7 +32,6 @@ from bench.harness.cluster import (
     cluster_label,
     worker_count,
 )
-from bench.harness.pairs import paired, spread_text
 from bench.harness.record import parse_settings
 from common.data.convert.synth import synth_scenes
 from common.logsetup import setup_logging
@@ -41,6 +40,24 @@ from launch.compare import CompareConfig, run_compare
 from launch.settings import TrainSettings
 
 MODES = ("weighted-sync", "equal-sync", "ddp")
+
+
+def paired(runs: list[dict], base: str, mode: str) -> list[float]:
+    """Per repeat, epoch time of ``base`` / epoch time of ``mode``."""
+    by = {(r["mode"], r["repeat"]): r for r in runs if "error" not in r}
+    return [
+        by[(base, rep)]["epoch_time_s"] / by[(mode, rep)]["epoch_time_s"]
+        for (m, rep) in by
+        if m == mode and (base, rep) in by
+    ]
+
+
+def spread_text(values: list[float], digits: int = 3) -> str:
+    """``min / median / max`` of ``values``."""
+    if not values:
+        return "-"
+    lo, mid, hi = min(values), statistics.median(values), max(values)
+    return f"{lo:.{digits}f} / {mid:.{digits}f} / {hi:.{digits}f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                 len(mine),
                 spread_text([r["epoch_time_s"] for r in mine]),
                 spread_text(rounds, 4),
-                spread_text(paired(runs, "weighted-sync", "epoch_time_s", mode), 2),
+                spread_text(paired(runs, mode, "weighted-sync"), 2),
                 shares[0] if shares else "-",
             ]
         )
@@ -127,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"failed runs: {', '.join(failed)}")
     for base in (mode for mode in modes if mode != "weighted-sync"):
         name = base.replace("-", "_")
-        ratios = paired(runs, "weighted-sync", "epoch_time_s", base)
+        ratios = paired(runs, base, "weighted-sync")
         value = statistics.median(ratios) if ratios else float("nan")
         print(f"ratio_weighted_sync_vs_{name}={value:.2f}")
     return 1 if failed else 0

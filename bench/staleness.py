@@ -23,7 +23,6 @@ from pathlib import Path
 
 from bench import ROOT
 from bench.harness.jasper import jasper_prologue
-from bench.harness.pairs import spread_text
 from bench.harness.record import parse_settings
 from common.errors import PSError
 from common.logsetup import setup_logging
@@ -33,6 +32,15 @@ from launch.local import LocalCluster, run_local
 from launch.settings import TrainSettings
 
 FUNCTIONS = ("inverse", "poly", "hinge", "exp", "constant")
+
+
+def spread_text(values: list[float | None], digits: int = 3) -> str:
+    """``min / median / max`` of the values that are not None."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return "-"
+    lo, mid, hi = min(present), statistics.median(present), max(present)
+    return f"{lo:.{digits}f} / {mid:.{digits}f} / {hi:.{digits}f}"
 
 
 def variants(functions: list[str], bounds: list[int]) -> list[tuple[str, str, int | None]]:

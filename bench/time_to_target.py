@@ -61,7 +61,6 @@ from bench.harness.cluster import (
     worker_count,
 )
 from bench.harness.jasper import jasper, jasper_missing
-from bench.harness.pairs import paired, spread_text
 from bench.harness.record import parse_settings
 from common.logsetup import setup_logging
 from common.training.tables import format_table
@@ -83,6 +82,26 @@ REGIMES = {
     "small": (5, 0.1, 64, "constant", 6, 0.90),
     "heavy": (11, 0.5, 128, "cosine", 4, 0.84),
 }
+
+
+def spread_text(values: list[float], digits: int = 3) -> str:
+    """``min / median / max`` of the values that are not None."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    lo, mid, hi = min(values), statistics.median(values), max(values)
+    return f"{lo:.{digits}f} / {mid:.{digits}f} / {hi:.{digits}f}"
+
+
+def paired(runs: list[dict], mode: str, key: str, base: str = "ddp") -> list[float]:
+    """Per repeat where both have it, ``base``'s ``key`` / ``mode``'s ``key``."""
+    by = {(r["mode"], r["repeat"]): r for r in runs if "error" not in r}
+    out = []
+    for (m, rep), run in by.items():
+        other = by.get((base, rep))
+        if m == mode and other and run[key] and other[key]:
+            out.append(other[key] / run[key])
+    return out
 
 
 def exactly_once(run: dict) -> bool | None:

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 from bench import ROOT
-from bench.harness.pairs import spread_text
 from bench.harness.record import parse_settings
 from bench.multihost.config import hsi_dataset, scenes_dataset
 from common.errors import PSError
@@ -116,6 +115,13 @@ def step_split(run_dir: Path) -> tuple[float, float]:
         compute.append(slowest)
         rest.append(float(event["round_s"]) - slowest)
     return statistics.median(compute), statistics.median(rest)
+
+
+def spread(values: list[float], digits: int = 3) -> str:
+    """``min / median / max``."""
+    return " / ".join(
+        f"{v:.{digits}f}" for v in (min(values), statistics.median(values), max(values))
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     for mode, records in runs.items():
         if records:
             print(
-                f"{mode} | {spread_text([r['epoch_time_s'] for r in records], 2)} | "
-                f"{spread_text([r['oa'] for r in records], 4)} | "
+                f"{mode} | {spread([r['epoch_time_s'] for r in records], 2)} | "
+                f"{spread([r['oa'] for r in records], 4)} | "
                 f"{statistics.median(r['slowest_compute_s'] for r in records):.3f} | "
                 f"{statistics.median(r['rest_of_step_s'] for r in records):.3f}"
             )

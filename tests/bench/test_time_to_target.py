@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from bench.harness.pairs import paired
-from bench.time_to_target import final_oa_diffs
+from bench.time_to_target import final_oa_diffs, paired
 
 
 def _run(mode: str, repeat: int, oa: float, epoch_s: float) -> dict:
