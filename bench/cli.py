@@ -36,10 +36,12 @@ PLACE_OPTIONS = ("--out", "--dir")
 
 @dataclasses.dataclass(frozen=True)
 class Bench:
-    """A bench as the command line offers it: its module (with ``main(argv)``) and one line."""
+    """A bench as the command line offers it: its module, one line, and the module's function
+    that takes the arguments (``main(argv)``)."""
 
     module: str
     summary: str
+    function: str = "main"
 
 
 BENCHES: dict[str, Bench] = {
@@ -55,6 +57,11 @@ BENCHES: dict[str, Bench] = {
         "bench.multihost.train", "training end to end on emulated hosts, PS against DDP (root)"
     ),
     "observe": Bench("bench.observe", "cost of TensorBoard events, status renders and pollers"),
+    "own-ground": Bench(
+        "bench.time_to_target",
+        "static, shifting and leave-return clusters: weighted-sync against every baseline",
+        "own_ground",
+    ),
     "planner-speed": Bench("bench.planner_speed", "one model-planner call at 4 to 1024 workers"),
     "round-floor": Bench("bench.round_floor", "raw ZeroMQ round trip and idle cost, loopback"),
     "round-overhead": Bench("bench.round_overhead", "a weighted-sync round against a local step"),
@@ -107,7 +114,7 @@ def _bench_command(name: str, bench: Bench) -> click.Command:
 
     @click.pass_context
     def run(ctx: click.Context, args: tuple[str, ...]) -> None:
-        main = importlib.import_module(bench.module).main
+        main = getattr(importlib.import_module(bench.module), bench.function)
         command = shlex.join(["python", "-m", "bench", name, *without_places(args)])
         with recording(prog=f"python -m bench {name}") as kept:
             try:

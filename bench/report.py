@@ -7,7 +7,7 @@ records alone (sorted, numbers formatted one way), so the same records give the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import groupby
 from typing import Any
 
@@ -39,7 +39,14 @@ MACHINE_LABELS = {
     "system": "{}",
 }
 # The benches the README and the choice of a mode rest on come first; the rest by name.
-LEADING = ("time-to-target", "heterogeneity", "idle-share", "ddp-fidelity", "multihost")
+LEADING = (
+    "own-ground",
+    "time-to-target",
+    "heterogeneity",
+    "idle-share",
+    "ddp-fidelity",
+    "multihost",
+)
 
 
 def _number(value: float) -> str:
@@ -167,8 +174,57 @@ def _load(load: list[float] | None) -> str:
     return _cell(float(load[0])) if load else "not recorded"
 
 
+README_NOTE = (
+    "A ratio can exceed the linear ideal of the budgets (their sum over the slowest node's "
+    "times the node count: 2.75× for `small-1124`): the slowest DDP rank pays its fixed "
+    "per-step cost at a tenth of a core on every step, while the planner sits that node out. "
+    "The figures need a quiet machine: a budget caps a node's CPU, it does not reserve a core, "
+    "so other load on the machine takes from the nodes and moves the ratios."
+)
+OWN_GROUND = "own-ground"  # the kept result of `python -m bench own-ground`
+OWN_GROUND_CLUSTERS = {"": "static `small-1124`", "shifting_load_": "`shifting-load`"}
+OWN_GROUND_CLUSTERS["leave_return_"] = "`leave-return`"
+OWN_GROUND_BASES = {"ddp": "DDP", "ddp_kept": "DDP on kept nodes", "weighted_ddp": "weighted DDP"}
+OWN_GROUND_BASES |= {
+    "weighted_ddp_rebalance": "weighted DDP rebalanced",
+    "equal_sync": "equal-sync",
+}
+OWN_GROUND_BASES["async"] = "async"
+
+
+def own_ground_table(result: Result) -> list[str]:
+    """The README's table of ``python -m bench own-ground``: per cluster, weighted-sync's time
+    to target against each baseline (the baseline's over weighted-sync's), its final OA less
+    the static cluster's, and whether every epoch used every sample once; each cell is
+    ``small / heavy``."""
+
+    def cell(name: str, form: Callable[[float], str]) -> str:
+        values = [result.figures.get(name.format(regime=r)) for r in ("small", "heavy")]
+        return " / ".join("–" if v is None else form(v) for v in values)
+
+    rows = []
+    for prefix, cluster in OWN_GROUND_CLUSTERS.items():
+        label = f"{prefix}{{regime}}"
+        seeds = cell(f"runs_{label}_weighted_sync", "{:.0f}".format)
+        if seeds == "– / –":
+            continue
+        row = [f"{cluster} ({seeds} seeds)"]
+        for base in OWN_GROUND_BASES:
+            row.append(cell(f"ratio_{label}_ttt_weighted_sync_vs_{base}", "{:.2f}×".format))
+        row.append(cell(f"final_oa_diff_{label}_weighted_sync_vs_static", "{:+.3f}".format))
+        once = cell(f"exactly_once_{label}_weighted_sync", lambda v: "yes" if v else "**no**")
+        rows.append([*row, once])
+    title = (
+        f"own ground, time to target small / heavy ({result.date[:10]}, load "
+        f"{_load(result.machine.get('load_average'))})"
+    )
+    columns = [title, *(f"vs {name}" for name in OWN_GROUND_BASES.values())]
+    return ["", *_table([*columns, "final OA vs static", "every sample once"], rows)]
+
+
 def readme_table(results: dict[str, Result]) -> str:
-    """The README's results table (between its markers) from the kept results by file stem.
+    """The README's results table (between its markers) from the kept results by file stem,
+    the own-ground table when that result is kept, and a note on reading them.
 
     Args:
         results: kept results by file name without ``.json``.
@@ -198,7 +254,9 @@ def readme_table(results: dict[str, Result]) -> str:
                 f"{result.date[:10]}, load {_load(result.machine.get('load_average'))}",
             ]
         )
-    return "\n".join([README_START, *_table(README_COLUMNS, rows), README_END])
+    own = own_ground_table(results[OWN_GROUND]) if OWN_GROUND in results else []
+    block = [README_START, *_table(README_COLUMNS, rows), *own, "", README_NOTE, README_END]
+    return "\n".join(block)
 
 
 def with_readme_table(readme: str, table: str) -> str:

@@ -32,9 +32,17 @@ reports it). The last lines are ``max_drop_<regime>_<mode>_median|max=X.XXX`` an
 ``ratio_<regime>_<quantity>_<mode>_vs_ddp=X.XX``: the median over repeats of the paired ratio
 (DDP's time / the mode's time in the same repeat; > 1: the mode is faster).
 
+``--clusters`` runs every regime on each cluster: ``static`` (the one ``--cluster`` or
+``--node-cpus`` gives) or a preset such as ``shifting-load`` or ``leave-return``, whose figure
+names carry it (``ratio_leave_return_small_...``). Further lines: weighted-sync against every
+other mode (``ratio_<label>_<quantity>_weighted_sync_vs_<mode>``), ``exactly_once_<label>_<mode>``
+(every epoch used every sample once) and ``final_oa_diff_<label>_<mode>_vs_static`` (the median
+over seeds of the final OA less the static run's). ``python -m bench own-ground`` is this bench
+with ``OWN_GROUND``'s defaults.
+
 Usage: python -m bench time-to-target [--repeats 1] [--regimes small,heavy] [--snapshot-every 2]
        [--seed 0] [--same-seed] [--epochs E] [--modes ...] [--cluster small-1124]
-       [--slowdowns 1,1,2,4] [--worker-data] [--reuse]
+       [--clusters static,leave-return] [--slowdowns 1,1,2,4] [--worker-data] [--reuse]
 """
 
 from __future__ import annotations
@@ -56,10 +64,19 @@ from bench.harness.jasper import jasper, jasper_missing
 from bench.harness.record import parse_settings
 from common.logsetup import setup_logging
 from common.training.tables import format_table
-from launch.compare import CompareConfig, run_compare
+from launch.cluster.spec import PRESETS, parse_cluster
+from launch.compare import COMPARE_MODES, CompareConfig, run_compare
 from launch.settings import TrainSettings
 
 MODES = ("weighted-sync", "equal-sync", "async", "ddp", "single")
+STATIC = "static"
+OWN_GROUND = {
+    "modes": "weighted-sync,equal-sync,async,ddp,ddp-kept,weighted-ddp,weighted-ddp-rebalance",
+    "clusters": f"{STATIC},shifting-load,leave-return",
+    "cluster": "small-1124",
+    "repeats": 3,
+    "out": ROOT / "runs/bench/own_ground",
+}
 REGIMES = {
     # name: (patch, train fraction, global batch, lr schedule, epochs, target OA)
     "small": (5, 0.1, 64, "constant", 6, 0.90),
@@ -76,15 +93,23 @@ def spread_text(values: list[float], digits: int = 3) -> str:
     return f"{lo:.{digits}f} / {mid:.{digits}f} / {hi:.{digits}f}"
 
 
-def paired(runs: list[dict], mode: str, key: str) -> list[float]:
-    """Per repeat where both reached it, DDP's ``key`` / ``mode``'s ``key``."""
+def paired(runs: list[dict], mode: str, key: str, base: str = "ddp") -> list[float]:
+    """Per repeat where both have it, ``base``'s ``key`` / ``mode``'s ``key``."""
     by = {(r["mode"], r["repeat"]): r for r in runs if "error" not in r}
     out = []
     for (m, rep), run in by.items():
-        base = by.get(("ddp", rep))
-        if m == mode and base and run[key] and base[key]:
-            out.append(base[key] / run[key])
+        other = by.get((base, rep))
+        if m == mode and other and run[key] and other[key]:
+            out.append(other[key] / run[key])
     return out
+
+
+def exactly_once(run: dict) -> bool | None:
+    """Whether every epoch event of the run says each sample was used exactly once (None: its
+    epoch events do not say)."""
+    with (Path(run["run_dir"]) / "metrics.jsonl").open(encoding="utf-8") as f:
+        flags = [e["exactly_once"] for e in map(json.loads, f) if "exactly_once" in e]
+    return all(flags) if flags else None
 
 
 def step_compute_ms(run: dict) -> float:
@@ -108,22 +133,28 @@ def finished(config: CompareConfig) -> dict | None:
     wanted = json.loads(json.dumps(config.settings()))
     keys = (
         "dataset", "model", "modes", "slowdowns", "train", "target_oa", "snapshot_every",
-        "worker_options",
+        "worker_options", "cluster",
     )  # fmt: skip
     same = all(data.get("settings", {}).get(k) == wanted.get(k) for k in keys)
     complete = {r["mode"] for r in data.get("runs", [])} == set(config.modes)
     return data if same and complete and "max_drop" in data else None
 
 
-def run_regime(name: str, args: argparse.Namespace) -> list[str]:
-    """Compare every mode in one regime; print its table; return its ratio lines."""
+def run_regime(name: str, cluster: str, args: argparse.Namespace) -> tuple[list[str], list[dict]]:
+    """Compare every mode in one regime on one cluster; print its table; return its figure
+    lines and its runs."""
     patch, fraction, batch, schedule, epochs, target = REGIMES[name]
-    out = args.out / name
+    out = args.out / name if cluster == STATIC else args.out / cluster / name
     out.mkdir(parents=True, exist_ok=True)
     epochs = args.epochs or epochs
     data = jasper(args.out, patch, fraction)
-    count = worker_count(args, args.slowdowns)
-    emulated = cluster_from_args(args, count)
+    if cluster == STATIC:
+        count = worker_count(args, args.slowdowns)
+        emulated = cluster_from_args(args, count)
+    else:
+        count = len(PRESETS[cluster].node_cpus)
+        emulated = parse_cluster(count, preset=cluster)
+    label = _label(cluster, name)
     text = args.slowdowns or ("1" if emulated is not None else "1,1,2,4")
     slowdowns = tuple(float(s) for s in text.split(","))
     slowdowns = slowdowns * count if len(slowdowns) == 1 else slowdowns
@@ -148,7 +179,7 @@ def run_regime(name: str, args: argparse.Namespace) -> list[str]:
         found = done or run_compare(config, show_progress=sys.stderr.isatty())
         for run in found["runs"]:
             runs.append({**run, "repeat": repeat})
-    rows = []
+    rows, lines = [], []
     for mode in modes:
         mine = [r for r in runs if r["mode"] == mode and "error" not in r]
         finals = [r["summary"]["final"] for r in mine]
@@ -161,80 +192,106 @@ def run_regime(name: str, args: argparse.Namespace) -> list[str]:
                 spread_text([r["epoch_time_s"] for r in mine]),
                 spread_text([r["time_to_target_s"] for r in mine], 2),
                 spread_text(drops),
-                spread_text([f["oa"] for f in finals], 4),
-                spread_text([f["aa"] for f in finals], 4),
-                spread_text([f["kappa"] for f in finals], 4),
+                *(spread_text([f[k] for f in finals], 4) for k in ("oa", "aa", "kappa")),
             ]
         )
+        tag, flags = f"{label}_{_name(mode)}", [exactly_once(r) for r in mine]
+        if drops:
+            lines.append(f"max_drop_{tag}_median={statistics.median(drops):.3f}")
+            lines.append(f"max_drop_{tag}_max={max(drops):.3f}")
+        if finals:
+            lines.append(f"final_oa_{tag}_median={statistics.median(f['oa'] for f in finals):.4f}")
+            lines.append(f"runs_{tag}={len(finals)}")
+        if any(f is not None for f in flags):
+            lines.append(f"exactly_once_{tag}={int(all(flags))}")
+        if mode == "single" and mine:
+            step_ms = statistics.median(map(step_compute_ms, mine))
+            lines.append(f"step_compute_ms_{label}_single={step_ms:.1f}")
     print(
-        f"\n== {name}: hsi-cnn, Jasper Ridge {patch}x{patch} patches, {fraction:.0%} train, "
+        f"\n== {name}{'' if cluster == STATIC else f' on {cluster}'}: hsi-cnn, Jasper Ridge "
+        f"{patch}x{patch} patches, {fraction:.0%} train, "
         f"B={batch}, {schedule} lr, {epochs} epochs, target OA {target}, "
         f"slowdowns {','.join(f'{x:g}' for x in slowdowns)}, {args.repeats} repeats "
         + f"(seeds {seeds[0]}-{seeds[-1]}) (min / median / max); time to target from "
         + (f"snapshots every {args.snapshot_every} updates" if args.snapshot_every else "epochs")
     )
-    headers = [
-        "mode",
-        "runs",
-        "epoch time s",
-        "time to target s",
-        "max OA drop",
-        "final OA",
-        "AA",
-        "kappa",
-    ]
+    headers = ["mode", "runs", "epoch time s", "time to target s", "max OA drop", "final OA"]
     print(f"on {cluster_label(emulated)}")
     if args.worker_data:
         print("workers read a local copy of the dataset (worker join --data), as DDP's ranks do")
-    print(format_table(headers, rows))
-    lines = []
-    singles = [r for r in runs if r["mode"] == "single" and "error" not in r]
-    if singles:
-        lines.append(
-            f"step_compute_ms_{name}_single={statistics.median(map(step_compute_ms, singles)):.1f}"
-        )
-    for mode in modes:
-        drops = [r["max_drop"] for r in runs if r["mode"] == mode and r.get("max_drop") is not None]
-        if drops:
-            label = f"{name}_{mode.replace('-', '_')}"
-            lines.append(f"max_drop_{label}_median={statistics.median(drops):.3f}")
-            lines.append(f"max_drop_{label}_max={max(drops):.3f}")
-    for mode in modes:
-        finals = [
-            r["summary"]["final"]["oa"] for r in runs if r["mode"] == mode and "error" not in r
-        ]
-        if finals:
-            label = f"{name}_{mode.replace('-', '_')}"
-            lines.append(f"final_oa_{label}_median={statistics.median(finals):.4f}")
-            lines.append(f"runs_{label}={len(finals)}")
-    for mode in modes:
-        if mode == "ddp":
-            continue
-        for key, label in (("time_to_target_s", "ttt"), ("epoch_time_s", "epoch")):
-            ratios = paired(runs, mode, key)
+    print(format_table([*headers, "AA", "kappa"], rows))
+    pairs = [(m, "ddp") for m in modes if m != "ddp"]
+    if "weighted-sync" in modes:
+        pairs += [("weighted-sync", b) for b in modes if b not in ("weighted-sync", "ddp")]
+    for mode, base in pairs:
+        for key, quantity in (("time_to_target_s", "ttt"), ("epoch_time_s", "epoch")):
+            ratios = paired(runs, mode, key, base)
             value = f"{statistics.median(ratios):.2f}" if ratios else "nan"
-            lines.append(f"ratio_{name}_{label}_{mode.replace('-', '_')}_vs_ddp={value}")
-    return lines
+            lines.append(f"ratio_{label}_{quantity}_{_name(mode)}_vs_{_name(base)}={value}")
+    return lines, runs
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the regimes and print their tables, then every ratio line."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=1, help="runs per mode (default 1)")
-    parser.add_argument("--regimes", default="small,heavy", help="regimes (default small,heavy)")
+def _name(mode: str) -> str:
+    """A mode as figure names spell it."""
+    return mode.replace("-", "_")
+
+
+def _label(cluster: str, regime: str) -> str:
+    """How figure names name a regime on a cluster: the regime alone on ``static``."""
+    return regime if cluster == STATIC else _name(f"{cluster}_{regime}")
+
+
+def final_oa_diffs(label: str, runs: list[dict], static: list[dict]) -> list[str]:
+    """Per mode, the median over seeds of a run's final OA less the static cluster's run of the
+    same mode and seed, as ``final_oa_diff_<label>_<mode>_vs_static`` lines."""
+    base = {(r["mode"], r["repeat"]): r for r in static if "error" not in r}
+    diffs: dict[str, list[float]] = {}
+    for run in runs:
+        other = base.get((run["mode"], run["repeat"]))
+        if "error" not in run and other is not None:
+            mine, theirs = run["summary"]["final"]["oa"], other["summary"]["final"]["oa"]
+            diffs.setdefault(run["mode"], []).append(mine - theirs)
+    return [
+        f"final_oa_diff_{label}_{_name(mode)}_vs_static={statistics.median(values):+.4f}"
+        for mode, values in diffs.items()
+    ]
+
+
+def main(argv: list[str] | None = None, defaults: dict | None = None) -> int:
+    """Run the regimes on each cluster and print their tables, then every figure line.
+
+    Args:
+        argv: the options (None: the command line's).
+        defaults: other defaults for the options (``OWN_GROUND`` for ``own-ground``).
+    """
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="runs per mode")
+    parser.add_argument("--regimes", default="small,heavy", help="regimes")
     parser.add_argument(
         "--slowdowns",
         default=None,
-        help="worker slowdowns (default 1,1,2,4 on shared cores, 1 on an emulated cluster)",
+        help="worker slowdowns (none: 1,1,2,4 on shared cores, 1 on an emulated cluster)",
     )
-    parser.add_argument("--epochs", type=int, default=None, help="epochs (default: the regime's)")
-    parser.add_argument("--modes", default=",".join(MODES), help="modes to compare")
+    parser.add_argument("--epochs", type=int, default=None, help="epochs (none: the regime's)")
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="modes to compare, among pslaunch compare's and weighted-ddp-rebalance",
+    )
     add_cluster_arguments(parser)
+    parser.add_argument(
+        "--clusters",
+        default=STATIC,
+        help=f"clusters to run each regime on: {STATIC} (--cluster or --node-cpus, else shared "
+        f"cores) or presets among {', '.join(sorted(PRESETS))}",
+    )
     parser.add_argument(
         "--snapshot-every",
         type=int,
         default=2,
-        help="updates between snapshots for time to target (0: per-epoch evaluations; default 2)",
+        help="updates between snapshots for time to target (0: per-epoch evaluations)",
     )
     parser.add_argument(
         "--worker-data",
@@ -242,9 +299,9 @@ def main(argv: list[str] | None = None) -> int:
         help="parameter-server workers read a local copy of the dataset (worker join --data), "
         "as DDP's ranks do, instead of pulling samples from the server",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the first repeat (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the first repeat")
     parser.add_argument(
-        "--same-seed", action="store_true", help="every repeat uses --seed (default: seed + r - 1)"
+        "--same-seed", action="store_true", help="every repeat uses --seed (else seed + r - 1)"
     )
     parser.add_argument(
         "--out", type=Path, default=ROOT / "runs/bench/time_to_target", help="output directory"
@@ -255,18 +312,39 @@ def main(argv: list[str] | None = None) -> int:
         help="take a repeat whose compare.json already holds every mode with the same settings "
         "from --out instead of running it again",
     )
+    parser.set_defaults(**(defaults or {}))
     args = parse_settings(parser, argv)
     setup_logging("WARNING")
+    clusters = [c.strip() for c in args.clusters.split(",")]
+    missing = [m for m in args.modes.split(",") if m.strip() not in COMPARE_MODES]
+    unknown = [c for c in clusters if c != STATIC and c not in PRESETS]
+    if missing or unknown:
+        print(
+            f"not modes of this build's pslaunch compare: {', '.join(missing) or '-'}; not "
+            f"clusters: {', '.join(unknown) or '-'} (modes: {', '.join(COMPARE_MODES)})"
+        )
+        return 2
     if (reason := jasper_missing()) is not None:
         print(reason)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    lines = []
-    for name in args.regimes.split(","):
-        lines += run_regime(name.strip(), args)
+    lines, runs = [], {}
+    for cluster in clusters:
+        for name in (n.strip() for n in args.regimes.split(",")):
+            found, runs[cluster, name] = run_regime(name, cluster, args)
+            lines += found
+            if cluster != STATIC and (STATIC, name) in runs:
+                lines += final_oa_diffs(
+                    _label(cluster, name), runs[cluster, name], runs[STATIC, name]
+                )
     print()
     print("\n".join(lines))
     return 0
+
+
+def own_ground(argv: list[str] | None = None) -> int:
+    """``python -m bench own-ground``: ``main`` with the ``OWN_GROUND`` defaults."""
+    return main(argv, OWN_GROUND)
 
 
 if __name__ == "__main__":

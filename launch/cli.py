@@ -29,6 +29,7 @@ from launch.cli_options import (
     server_mode_args,
     threads_option,
     train_options,
+    warn_unbudgeted_server,
 )
 from launch.compare import MODES_HELP, CompareConfig, run_compare
 from launch.ddp.launcher import BACKENDS, GRAD_COMPRESSION, DDPConfig, run_ddp
@@ -75,6 +76,7 @@ def local(progress: bool, **params: Any) -> None:
     summary."""
     setup_logging("INFO", "pslaunch ")
     cluster, train = local_cluster(**params)
+    warn_unbudgeted_server(cluster.nodes)
     click.echo(
         f"pslaunch: {cluster.mode} with {len(cluster.slowdowns)} workers "
         f"(slowdowns {list(cluster.slowdowns)})"
@@ -296,6 +298,7 @@ def compare(
         nodes=nodes,
         **options,
     )
+    warn_unbudgeted_server(nodes)
     data = _run(lambda c: run_compare(c, show_progress=progress), config)
     click.echo((config.out / "report.md").read_text(encoding="utf-8"))
     click.echo(files_written(config.out, data.get("report") or {}))

@@ -119,7 +119,12 @@ def budget_options(func: F) -> F:
                 default=None,
                 help="CPU budget in cores per worker (or DDP rank), comma-separated in "
                 "--slowdowns order, one value for all: each runs in its own CPU-quota control "
-                "group (root; cgroup v2 cpu.max or v1 cfs quota, 10 ms period).",
+                "group (root; cgroup v2 cpu.max or v1 cfs quota, 10 ms period). An entry may be "
+                "a schedule: its budget, then ;VALUE@N% (a share of the run's work: epochs x "
+                "training samples) or ;VALUE@Ns (seconds of training) steps, VALUE a budget, "
+                "off (the process is killed) or on (started again with the budget it left "
+                "with), e.g. '0.4;0.05@33.3%;0.4@66.7%,0.4;off@33.3%;on@66.7%,0.2,0.1'; the "
+                "presets shifting-load and leave-return are such schedules (--cluster).",
             ),
             click.option(
                 "--server-cpus",
@@ -186,6 +191,17 @@ def build_nodes(
         )
     except ConfigError as exc:
         raise click.BadParameter(str(exc)) from exc
+
+
+def warn_unbudgeted_server(nodes: ClusterSpec | None) -> None:
+    """Say in one line (on stderr) that the server runs without a CPU budget while workers
+    have one."""
+    if nodes is not None and nodes.server.cpus is None and any(n.cpus for n in nodes.workers):
+        click.echo(
+            "pslaunch: warning: --node-cpus without --server-cpus: the server (and each shard) "
+            "runs without a CPU budget, on whatever cores the nodes leave",
+            err=True,
+        )
 
 
 def train_options(func: F) -> F:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,17 @@ def plot_curves(data: dict[str, Any], stem: Path) -> list[str]:
     """
     settings = data["settings"]
     initial = (data.get("initial") or {}).get("oa")
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), constrained_layout=True)
+    scheduled = scheduled_runs(data)
+    mosaic: list[Any] = [["time", "samples"], *([f"budget {m}", "samples"] for m in scheduled)]
+    fig, axes = plt.subplot_mosaic(
+        mosaic,
+        figsize=(13, 5 + 1.4 * len(scheduled)),
+        height_ratios=[3.6] + [1] * len(scheduled),
+        constrained_layout=True,
+    )
+    left, right = axes["time"], axes["samples"]
+    for mode, run in scheduled.items():
+        draw_budgets(axes[f"budget {mode}"], mode, run, settings["cluster"], left)
     target = settings.get("target_oa")
     for index, mode in enumerate(settings["modes"]):
         runs = [r for r in data["runs"] if r["mode"] == mode and "error" not in r and r["curve"]]
@@ -150,11 +161,63 @@ def plot_curves(data: dict[str, Any], stem: Path) -> list[str]:
     )
     left.set_title("OA against training time", fontsize=10)
     right.set_title("OA against samples seen", fontsize=10)
-    fig.suptitle(
-        f"{settings_title(settings)}\n{points}line: median over repeats; band: min–max; {start}",
-        fontsize=9,
+    budgets = "; below: each node's CPU budget in the mode's median run" if scheduled else ""
+    suptitle(
+        fig,
+        f"{settings_title(settings)}\n{points}line: median over repeats; band: min–max; "
+        f"{start}{budgets}",
+        9,
     )
     return _save(fig, stem)
+
+
+def suptitle(fig: Any, text: str, fontsize: float) -> None:
+    """The figure's title, each line wrapped to the figure's width so that none is cut off."""
+    width = int(fig.get_figwidth() * 72 / (0.62 * fontsize))  # an average glyph: 0.62 em
+    lines = [textwrap.fill(line, width) for line in text.split("\n")]
+    fig.suptitle("\n".join(lines), fontsize=fontsize)
+
+
+def scheduled_runs(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per mode whose runs recorded the schedule they applied (``summary["schedule"]``), its
+    run of median epoch time; empty without an emulated cluster."""
+    out = {}
+    for mode in data["settings"]["modes"]:
+        runs = [r for r in data["runs"] if r["mode"] == mode and "error" not in r]
+        runs = [r for r in runs if r["summary"].get("schedule") is not None]
+        if runs and data["settings"].get("cluster"):
+            out[mode] = representative(runs)
+    return out
+
+
+def budget_steps(
+    cluster: dict[str, Any], applied: list[dict[str, Any]], end: float
+) -> list[tuple[list[float], list[float]]]:
+    """Each worker node's budget over training time: per node ``(times, cores)`` for a step
+    line, from its starting budget at 0 through each change ``applied`` (off = 0) to ``end``."""
+    lines = []
+    for index, node in enumerate(cluster["workers"]):
+        times, cores = [0.0], [node["cpus"] or 0.0]
+        for change in (a for a in applied if a["node"] == index):
+            times.append(change["train_t"])
+            cores.append(change["cores"] or 0.0)
+        lines.append(([*times, max(end, times[-1])], [*cores, cores[-1]]))
+    return lines
+
+
+def draw_budgets(
+    axis: Any, mode: str, run: dict[str, Any], cluster: dict[str, Any], shared: Any
+) -> None:
+    """One mode's panel of node budgets over training time, on the x axis of ``shared``."""
+    axis.sharex(shared)
+    end = run["summary"].get("train_time_s") or 0.0
+    for index, (times, cores) in enumerate(budget_steps(cluster, run["summary"]["schedule"], end)):
+        axis.step(times, cores, where="post", label=f"node {index}", linewidth=1.4)
+    axis.set_ylim(bottom=0)
+    axis.set_ylabel("cores", fontsize=8)
+    axis.set_title(f"{mode}, repeat {run['repeat']}: CPU budget per node", fontsize=8)
+    axis.grid(alpha=0.3)
+    axis.legend(loc="upper right", fontsize=7, ncols=len(cluster["workers"]))
 
 
 def round_events(run_dir: Path) -> list[dict[str, Any]]:

@@ -19,7 +19,8 @@ from common.errors import ConfigError, PSError
 from common.procs import Child, Children, TextSink, python_module
 from common.protocol.security import write_shard_secret
 from launch.cluster.netns import Host, Placement, cluster_hosts
-from launch.cluster.nodes import Nodes
+from launch.cluster.nodes import Node, Nodes
+from launch.cluster.schedule import ScheduleFollower, ScheduleRunner
 from launch.cluster.spec import ClusterSpec
 from launch.procs import (
     EventsMark,
@@ -29,7 +30,7 @@ from launch.procs import (
     start_offset,
     wait_for_address,
 )
-from launch.progress import RunProgress
+from launch.progress import EventTail, RunProgress
 from pserver.config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -161,13 +162,18 @@ def run_local(
                     children.start(n, budgets.shard(i).argv(c))
                     for i, (n, c) in enumerate(shard_commands)
                 ]
-                workers = [
-                    children.start(n, budgets.worker(i).argv(c))
-                    for i, (n, c) in enumerate(_workers(cluster, address, hosts))
-                ]
-                code = children.wait(
-                    server, cluster.run_timeout_s, lambda: _check(workers, shards, metrics, mark)
-                )
+                commands = _workers(cluster, address, hosts)
+                nodes = [budgets.worker(i) for i in range(len(commands))]
+                workers = [children.start(n, nodes[i].argv(c)) for i, (n, c) in enumerate(commands)]
+                rejoins = _Rejoins(children, budgets, workers, commands, nodes)
+                runner, tail = _schedule(cluster, rejoins), EventTail(metrics, mark)
+
+                def check() -> None:
+                    _check(workers, shards, metrics, mark, rejoins.left)
+                    if runner is not None:
+                        runner.step(tail.read())
+
+                code = children.wait(server, cluster.run_timeout_s, check)
             if code == 0:
                 children.wait_all(ENDING_S)  # workers and shards end when the server does
             children.stop()  # any straggler is stopped
@@ -188,7 +194,7 @@ def run_local(
     if code != 0:
         raise PSError(f"{server.failure()}; see the log")
     failed = [w.code for w in workers]
-    if any(failed):
+    if any(w.code for w in workers if w not in rejoins.left):
         log.warning("worker exit codes: %s", failed)
     shard_codes = [s.code for s in shards]
     if any(shard_codes):
@@ -196,16 +202,18 @@ def run_local(
     summary_path = cluster.run_dir / "summary.json"
     if not summary_path.exists():
         raise PSError(f"the server wrote no {summary_path}")
-    summary = _record_nodes(summary_path, cluster)
+    summary = _record_nodes(summary_path, cluster, None if runner is None else runner.applied)
     summary["worker_exit_codes"] = failed
     if shards:
         summary["shard_exit_codes"] = shard_codes
     return summary
 
 
-def _record_nodes(summary_path: Path, cluster: LocalCluster) -> dict[str, Any]:
-    """The run's summary, each worker's emulated ``cpus`` and ``link`` written into it (the
-    server cannot know them)."""
+def _record_nodes(
+    summary_path: Path, cluster: LocalCluster, applied: list[dict[str, Any]] | None
+) -> dict[str, Any]:
+    """The run's summary, each worker's emulated ``cpus``, ``schedule`` and ``link`` written
+    into it (the server cannot know them), and the schedule changes ``applied``."""
     summary = json.loads(summary_path.read_text(encoding="utf-8"))
     if cluster.nodes is None:
         return summary
@@ -213,9 +221,11 @@ def _record_nodes(summary_path: Path, cluster: LocalCluster) -> dict[str, Any]:
     for worker in summary.get("workers", []):
         index = names.get(worker.get("name"))
         if index is not None:
-            node = cluster.nodes.workers[index]
-            worker["cpus"], worker["link"] = node.cpus, node.link
+            node = cluster.nodes.workers[index].describe()
+            worker.update({k: node[k] for k in ("cpus", "schedule", "link")})
     summary["cluster"] = cluster.nodes.describe()
+    if applied is not None:
+        summary["schedule"] = applied
     tmp = summary_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     tmp.replace(summary_path)
@@ -289,7 +299,9 @@ def _workers(
     commands = []
     for i, slowdown in enumerate(cluster.slowdowns):
         device = cluster.devices[i if len(cluster.devices) > 1 else 0]
-        name = f"w{i}-x{slowdown:g}"
+        name = worker_name(
+            i, slowdown, None if cluster.nodes is None else cluster.nodes.workers[i].cpus
+        )
         schedule = cluster.slowdown_schedules[i] if cluster.slowdown_schedules else ""
         args = ["--server", address, "--device", device, "--slowdown", str(slowdown)]
         args += ["--name", name, "--slowdown-schedule", schedule]
@@ -300,13 +312,25 @@ def _workers(
     return commands
 
 
-def _check(workers: list[Child], shards: list[Child], metrics: Path, mark: EventsMark) -> None:
+def worker_name(index: int, slowdown: float, cores: float | None) -> str:
+    """A worker's name: ``w<index>-<cores>c`` on a node with a CPU budget (its starting
+    budget, e.g. ``w3-0.1c``), followed by ``-x<slowdown>`` when it is slowed too; else
+    ``w<index>-x<slowdown>`` (``w1-x2``)."""
+    if cores is None:
+        return f"w{index}-x{slowdown:g}"
+    return f"w{index}-{cores:g}c" + (f"-x{slowdown:g}" if slowdown != 1 else "")
+
+
+def _check(
+    workers: list[Child], shards: list[Child], metrics: Path, mark: EventsMark, left: list[Child]
+) -> None:
     """Fail when a worker failed before it joined (the server would wait for it), once every
     worker has exited and one of them failed, or when a shard failed while the server runs.
 
-    A worker that fails after joining has left the run, which goes on without it.
+    A worker that fails after joining has left the run, which goes on without it; one its
+    node's schedule killed (``left``) has not failed.
     """
-    failed = [w for w in workers if w.code not in (None, 0)]
+    failed = [w for w in workers if w.code not in (None, 0) and w not in left]
     if failed:
         joined = joined_names(metrics, mark)
         never_joined = [w for w in failed if w.name not in joined]
@@ -317,12 +341,62 @@ def _check(workers: list[Child], shards: list[Child], metrics: Path, mark: Event
         raise PSError("; ".join(s.failure() for s in failed))
 
 
+def _option(options: Sequence[str], name: str) -> str | None:
+    """The last value ``options`` give the option ``name`` (``--name V`` or ``--name=V``)."""
+    value = None
+    for i, option in enumerate(options):
+        if option == name and i + 1 < len(options):
+            value = options[i + 1]
+        elif option.startswith(f"{name}="):
+            value = option.split("=", 1)[1]
+    return value
+
+
 def _shutdown_budget_s(server_options: Sequence[str]) -> float:
     """How long the server may take to stop: its ``--shutdown-timeout`` and a margin."""
-    budget = ServerConfig.shutdown_timeout_s
-    for i, option in enumerate(server_options):
-        if option == "--shutdown-timeout" and i + 1 < len(server_options):
-            budget = float(server_options[i + 1])
-        elif option.startswith("--shutdown-timeout="):
-            budget = float(option.split("=", 1)[1])
-    return budget + SHUTDOWN_MARGIN_S
+    budget = _option(server_options, "--shutdown-timeout")
+    return (
+        ServerConfig.shutdown_timeout_s if budget is None else float(budget)
+    ) + SHUTDOWN_MARGIN_S
+
+
+class _Rejoins:
+    """What a node's schedule does to a local cluster's workers: rewrite a worker's quota,
+    SIGKILL it (the server drops it as any dead worker), start it again with its command
+    (same name, node and budget: it joins again). ``workers`` is updated in place."""
+
+    def __init__(
+        self,
+        children: Children,
+        budgets: Nodes,
+        workers: list[Child],
+        commands: list[tuple[str, list[str]]],
+        nodes: list[Node],
+    ) -> None:
+        self.children, self.budgets, self.workers = children, budgets, workers
+        self.commands, self.nodes = commands, nodes
+        self.left: list[Child] = []  # killed by their schedule: not failures
+
+    def set_budget(self, index: int, cores: float) -> None:
+        self.budgets.set_budget(index, cores)
+
+    def leave(self, index: int) -> None:
+        self.left.append(self.workers[index])
+        self.workers[index].kill()
+
+    def rejoin(self, index: int) -> None:
+        name, argv = self.commands[index]
+        self.workers[index] = self.children.start(name, self.nodes[index].argv(argv))
+
+
+def _schedule(cluster: LocalCluster, rejoins: _Rejoins) -> ScheduleRunner | None:
+    """The runner of the workers' schedules (None: no node has one)."""
+    if cluster.nodes is None or not cluster.nodes.scheduled:
+        return None
+    epochs, steps = (_option(cluster.server_options, o) for o in ("--epochs", "--max-steps"))
+    follower = ScheduleFollower(
+        [n.schedule for n in cluster.nodes.workers],
+        epochs=None if epochs is None else int(epochs),
+        max_steps=None if steps is None else int(steps),
+    )
+    return ScheduleRunner(follower, rejoins)

@@ -113,7 +113,7 @@ class RunProgress:
         left, stops the thread and closes the bar.
         """
         stop = threading.Event()
-        tail = _Tail(metrics, mark)
+        tail = EventTail(metrics, mark)
         thread = threading.Thread(target=self._follow, args=(tail, stop), daemon=True)
         thread.start()
         try:
@@ -124,11 +124,11 @@ class RunProgress:
             self._feed_all(tail)
             self.close()
 
-    def _follow(self, tail: _Tail, stop: threading.Event) -> None:
+    def _follow(self, tail: EventTail, stop: threading.Event) -> None:
         while not stop.wait(POLL_S):
             self._feed_all(tail)
 
-    def _feed_all(self, tail: _Tail) -> None:
+    def _feed_all(self, tail: EventTail) -> None:
         with self._lock:
             records = tail.read()
             for record in records:
@@ -137,9 +137,14 @@ class RunProgress:
                 self.bar.refresh()
 
 
-class _Tail:
+class EventTail:
     """The complete JSON lines a server appended to a file since the last read; a file that
-    replaces the one read so far is read from its start."""
+    replaces the one read so far is read from its start.
+
+    Args:
+        path: the run's ``metrics.jsonl``.
+        mark: where this launch's events begin (``launch.procs.start_offset``).
+    """
 
     def __init__(self, path: Path, mark: EventsMark) -> None:
         self.path, self.mark = path, mark
@@ -148,6 +153,7 @@ class _Tail:
         self._lock = threading.Lock()
 
     def read(self) -> list[dict[str, Any]]:
+        """The events appended since the last call, in order."""
         with self._lock:
             try:
                 with self.path.open("rb") as f:

@@ -197,11 +197,32 @@ def render_markdown(data: dict[str, Any]) -> str:
         _table(headers, results),
         "",
         *speedup_section(stats, target),
+        *schedule_section(data),
         *per_class_section(data),
         "![OA against training time and samples seen](report.png)",
         "",
     ]
     return "\n".join(lines)
+
+
+def schedule_section(data: dict[str, Any]) -> list[str]:
+    """When each mode's runs met each change of the nodes' schedules (``summary["schedule"]``):
+    the training time, min / median / max over repeats; no lines without schedules."""
+    met: dict[str, dict[str, list[float]]] = {}
+    for run in data["runs"]:
+        for change in (run.get("summary") or {}).get("schedule") or ():
+            name = f"node {change['node']}: {change['change']}"
+            met.setdefault(name, {}).setdefault(run["mode"], []).append(change["train_t"])
+    modes = [m for m in data["settings"]["modes"] if any(m in by for by in met.values())]
+    if not modes:
+        return []
+    rows = [[m, *(_cell(spread(by.get(m, [])), 1) for by in met.values())] for m in modes]
+    return [
+        "## Schedule as applied (training time in s at each change; min / median / max)",
+        "",
+        _table(["mode", *met], rows),
+        "",
+    ]
 
 
 def setup_section(data: dict[str, Any]) -> list[str]:
@@ -240,6 +261,13 @@ def cluster_lines(described: dict[str, Any] | None) -> list[str]:
     preset = PRESETS.get(spec.name or "")
     if preset is not None:
         lines.append(f"  (preset {spec.name}: {preset.description})")
+    if spec.scheduled:
+        nodes = [(i, n.get("schedule")) for i, n in enumerate(described["workers"])]
+        lines.append(
+            "  schedules (a budget, then VALUE@N% of the run's work or VALUE@Ns of training; "
+            "off/on: the node leaves and returns): "
+            + "; ".join(f"node {i}: `{text}`" for i, text in nodes if text)
+        )
     lines.append(
         "  each worker, DDP rank, the server and each shard ran in its own CPU-quota control "
         "group; DDP ranks had the budgets of the workers they stand for"
@@ -322,19 +350,6 @@ def per_class_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
-def plot(data: dict[str, Any], path: Path) -> list[str]:
-    """OA against training time and samples seen: median line and min–max band over repeats.
-
-    Args:
-        data: compare.json content.
-        path: the PNG to write (an SVG is written beside it).
-
-    Returns:
-        The paths written.
-    """
-    return figures.plot_curves(data, path.with_suffix(""))
-
-
 def write_report(data: dict[str, Any], out: Path) -> dict[str, str]:
     """Write ``report.md``, ``report.png``/``.svg`` and the timeline and confusion figures.
 
@@ -350,7 +365,7 @@ def write_report(data: dict[str, Any], out: Path) -> dict[str, str]:
     markdown = out / "report.md"
     markdown.write_text(render_markdown(data), encoding="utf-8")
     paths = {"markdown": str(markdown)}
-    paths["png"], paths["svg"] = plot(data, out / "report.png")
+    paths["png"], paths["svg"] = figures.plot_curves(data, out / "report")
     for name, draw in (("timeline", figures.plot_timeline), ("confusion", figures.plot_confusion)):
         written = draw(data, out / name)
         if written:

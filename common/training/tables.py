@@ -42,8 +42,9 @@ RUN_LEGEND = (
     "any evaluation; to target s: training time until --target-oa was first reached; "
     "staleness: how many versions behind an async push was (mean/max)."
 )
+SLOWDOWN_LEGEND = "slowdown: the emulated factor (x4 = four times slower); "
 WORKER_LEGEND = (
-    "slowdown: the emulated factor (x4 = four times slower); speed: measured compute speed; "
+    "speed: measured compute speed; "
     "samples: training samples the worker computed; share: its part of all samples "
     "(weighted-sync gives faster workers more, equal-sync the same to all); pushes: "
     "gradients it sent (one per round in sync modes)."
@@ -101,12 +102,20 @@ def summary_tables(summary: dict[str, Any]) -> str:
         ],
     )
     total = sum(w["samples"] for w in summary["workers"]) or 1
+    budgets = any(w.get("cpus") is not None for w in summary["workers"])
+    slowed = not budgets or any(w["slowdown"] != 1 for w in summary["workers"])
     workers = format_table(
-        ["worker", "slowdown", "speed (samples/s)", "samples", "share", "pushes", *MODEL_COLUMNS],
+        [
+            "worker",
+            *(["slowdown"] if slowed else []),
+            *(["CPU budget"] if budgets else []),
+            *("speed (samples/s)", "samples", "share", "pushes", *MODEL_COLUMNS),
+        ],
         [
             [
                 w["name"],
-                f"x{w['slowdown']:g}",
+                *([f"x{w['slowdown']:g}"] if slowed else []),
+                *([budget(w)] if budgets else []),
                 f"{w['speed']:.0f}",
                 w["samples"],
                 f"{100 * w['samples'] / total:.1f} %",
@@ -119,7 +128,21 @@ def summary_tables(summary: dict[str, Any]) -> str:
     plan = PLAN_LEGEND if summary["mode"] == "weighted-sync" else MODEL_LEGEND
     if summary["mode"] == "async":
         plan += ASYNC_SPEED_NOTE
-    return f"{run}\n{legend(RUN_LEGEND)}\n\n{workers}\n{legend(WORKER_LEGEND + ' ' + plan)}"
+    words = (SLOWDOWN_LEGEND if slowed else "") + (BUDGET_LEGEND if budgets else "")
+    return f"{run}\n{legend(RUN_LEGEND)}\n\n{workers}\n{legend(words + WORKER_LEGEND + ' ' + plan)}"
+
+
+BUDGET_LEGEND = (
+    "CPU budget: the cores of the worker's emulated node, or its schedule (its budget, then "
+    "VALUE@N% steps at a share of the run's work, or @Ns at seconds of training; off and on: "
+    "the node left and returned). "
+)
+
+
+def budget(worker: dict[str, Any]) -> str:
+    """A worker's CPU budget for a table: its schedule, its cores, or ``-``."""
+    cpus = worker.get("cpus")
+    return worker.get("schedule") or ("-" if cpus is None else f"{cpus:g}")
 
 
 ASYNC_SPEED_NOTE = (

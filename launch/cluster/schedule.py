@@ -13,12 +13,16 @@ updates with only ``--max-steps``), so every mode meets a change after the same 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 from common.errors import ConfigError
+from launch.progress import RunProgress
+
+log = logging.getLogger(__name__)
 
 STEP = re.compile(r"^(?P<value>[^@]+)@(?P<at>\d+(?:\.\d+)?)(?P<unit>%|s)?$")
 OFF, ON = "off", "on"
@@ -118,13 +122,14 @@ def _cores(value: str, option: str, text: str) -> float:
         ) from None
 
 
-class ScheduleFollower:
+class ScheduleFollower(RunProgress):
     """Which schedule changes a run has reached, from the events of its ``metrics.jsonl``.
 
     The run's work is counted as ``RunProgress`` counts it (samples of ``round`` and ``push``
     events; updates with only ``max_steps``); a ``resume`` event that carries ``samples`` (a
-    restart from a checkpoint) sets the count back to it. Seconds of training run from the
-    ``train_start`` event, on this process's clock.
+    restart from a checkpoint) sets the count back to it. Times are on the run's clock (the
+    events' ``t``), read off this process's clock less the smallest lag seen between an
+    event's ``t`` and its reading; seconds of training run from the ``train_start`` event.
 
     Args:
         schedules: per node, its changes (``NodeSpec.schedule``).
@@ -141,39 +146,39 @@ class ScheduleFollower:
         max_steps: int | None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        super().__init__(epochs, max_steps, enabled=False)
         self.schedules = list(schedules)
         self.next = [0] * len(self.schedules)
-        self.epochs, self.max_steps, self.clock = epochs, max_steps, clock
-        self.work = 0
-        self.total: int | None = max_steps if epochs is None else None
+        self.clock = clock
         self.started: float | None = None
+        self.lag: float | None = None  # this clock less the run's, at the quickest reading
 
     def feed(self, record: dict[str, Any]) -> None:
         """Take one event into account (unknown events are ignored)."""
-        kind = record.get("event")
-        if kind == "start" and self.epochs is not None and _count(record.get("train")):
-            self.total = self.epochs * record["train"]
-        elif kind == "train_start" and self.started is None:
-            self.started = self.clock()
-        elif kind == "resume" and _count(record.get("samples")) is not None:
-            self.work = record["samples"] if self.epochs is not None else self.work
-        elif kind in ("round", "push"):
-            if self.epochs is None:
-                self.work += 1
-            elif kind == "round":
-                self.work += sum(_count(w.get("batch")) or 0 for w in record.get("workers") or ())
-            else:
-                self.work += _count(record.get("batch")) or 0
+        super().feed(record)
+        kind, t = record.get("event"), record.get("t")
+        if isinstance(t, int | float) and not isinstance(t, bool):
+            lag = self.clock() - t
+            self.lag = lag if self.lag is None else min(self.lag, lag)
+        if kind == "train_start" and self.started is None:
+            self.started = t if isinstance(t, int | float) else self.now()
+        elif kind == "resume" and isinstance(record.get("samples"), int) and not self.by_steps:
+            self.samples = record["samples"]
 
     @property
     def share(self) -> float:
         """The share of the run's work done (0 until the run's size is known)."""
-        return self.work / self.total if self.total else 0.0
+        total = self.bar.total
+        return (self.steps if self.by_steps else self.samples) / total if total else 0.0
+
+    def now(self) -> float:
+        """Seconds on the run's clock (this process's clock before any event had a ``t``)."""
+        return self.clock() - (self.lag or 0.0)
 
     @property
     def seconds(self) -> float:
         """Seconds of training so far (0 before training starts)."""
-        return 0.0 if self.started is None else self.clock() - self.started
+        return 0.0 if self.started is None else self.now() - self.started
 
     def due(self) -> list[tuple[int, Change]]:
         """The changes reached since the last call, in order: (node index, change)."""
@@ -190,7 +195,50 @@ class ScheduleFollower:
         return reached
 
 
-def _count(value: Any) -> int | None:
-    """A non-negative int field of an event, or None."""
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-    return value if ok else None
+class NodeActions(Protocol):
+    """What a launcher does to worker node ``index`` when its schedule says so."""
+
+    def set_budget(self, index: int, cores: float) -> None:
+        """Rewrite the node's CPU quota (its process keeps running)."""
+
+    def leave(self, index: int) -> None:
+        """Kill the node's process (SIGKILL: the node is gone, as after a failure)."""
+
+    def rejoin(self, index: int) -> None:
+        """Start the node's process again, under the same name, node and budget."""
+
+
+class ScheduleRunner:
+    """Applies the schedule changes a run reaches, in order, and records each.
+
+    Args:
+        follower: which changes are due, from the run's events.
+        actions: what is done at a change (a budget rewrite; ``off`` leaves; ``on`` sets the
+            budget the node left with and rejoins).
+    """
+
+    def __init__(self, follower: ScheduleFollower, actions: NodeActions) -> None:
+        self.follower, self.actions = follower, actions
+        self.applied: list[dict[str, Any]] = []
+
+    def step(self, records: Iterable[dict[str, Any]]) -> None:
+        """Take new events into account, then apply every change now due.
+
+        ``applied`` gets one ``{"node", "change", "cores", "t", "train_t"}`` per change: the
+        node's index, the step as written (``off@33.3%``), its budget from then on (None while
+        off), the run's clock and the training time when it was applied.
+        """
+        for record in records:
+            self.follower.feed(record)
+        for node, change in self.follower.due():
+            t, train_t = self.follower.now(), self.follower.seconds
+            log.info("node %d: %s at %.1f s of training", node, change.text(), train_t)
+            if change.action == OFF:
+                self.actions.leave(node)
+            else:
+                assert change.cores is not None
+                self.actions.set_budget(node, change.cores)
+                if change.action == ON:
+                    self.actions.rejoin(node)
+            record = {"node": node, "change": change.text(), "cores": change.cores}
+            self.applied.append({**record, "t": round(t, 3), "train_t": round(train_t, 3)})

@@ -32,17 +32,20 @@ from bench.report import (
     README_END,
     README_START,
     RESULTS_DOC,
+    own_ground_table,
     readme_table,
     render,
     with_readme_table,
 )
+from common.errors import ConfigError
+from launch.cluster.budgets import require_hierarchy
 from tests.support.paths import ROOT
 from tests.support.requirements import missing
 
 SMOKE_TIMEOUT_S = 600.0
 
-# A bench's smallest run, and what it needs beyond the project: "data" (Jasper Ridge),
-# "netns" (root and iproute2), "py-spy".
+# A bench's smallest run, and what it needs beyond the project, comma-separated: "data" (Jasper
+# Ridge), "netns" (root and iproute2), "cgroup" (root and a cpu controller), "py-spy".
 SMOKE: dict[str, tuple[tuple[str, ...], str]] = {
     "coordinator-memory": (("--samples", "200", "--steps", "3"), ""),
     "ddp-fidelity": (("--repeats", "1", "--epochs", "1", "--slowdowns", "1,2"), "data"),
@@ -78,6 +81,14 @@ SMOKE: dict[str, tuple[tuple[str, ...], str]] = {
         "netns",
     ),
     "observe": (("--events", "200", "--clients", "2", "--steps", "20", "--repeats", "1"), ""),
+    "own-ground": (
+        (
+            *("--regimes", "small", "--epochs", "1", "--repeats", "1"),
+            *("--modes", "weighted-sync,equal-sync", "--clusters", "leave-return"),
+            *("--snapshot-every", "0"),
+        ),
+        "data,cgroup",
+    ),
     "planner-speed": (("--workers", "4", "--repeats", "1"), ""),
     "round-floor": (("--requests", "40", "--compute-ms", "1"), ""),
     "round-overhead": (("--rounds", "12", "--repeats", "1", "--workers", "1"), "data"),
@@ -102,6 +113,7 @@ RUN_FOLDER_OPTION = {
     "idle-share",
     "multihost",
     "multihost-train",
+    "own-ground",
     "snapshots",
     "staleness",
     "tail-rounds",
@@ -114,23 +126,29 @@ def test_every_bench_has_a_smoke_run() -> None:
     assert set(SMOKE) == set(BENCHES)
 
 
-def _require(kind: str, request: pytest.FixtureRequest) -> None:
+def _require(needs: str, request: pytest.FixtureRequest) -> None:
     """Skip (or fail, when the CI requires it) a bench whose needs this machine lacks."""
-    if kind == "data":
-        request.getfixturevalue("jasper_dir")
-    elif kind == "netns":
-        request.getfixturevalue("netns_ok")
-    elif kind == "py-spy":
-        spy = Path(sys.executable).parent / "py-spy"
-        if shutil.which("py-spy") is None and not spy.exists():
-            missing(request.config, "profiler", "py-spy is not installed (make setup)")
+    for kind in needs.split(","):
+        if kind == "data":
+            request.getfixturevalue("jasper_dir")
+        elif kind == "netns":
+            request.getfixturevalue("netns_ok")
+        elif kind == "cgroup":
+            try:
+                require_hierarchy()
+            except ConfigError as exc:
+                missing(request.config, "cgroup", str(exc))
+        elif kind == "py-spy":
+            spy = Path(sys.executable).parent / "py-spy"
+            if shutil.which("py-spy") is None and not spy.exists():
+                missing(request.config, "profiler", "py-spy is not installed (make setup)")
 
 
 @pytest.mark.timeout(SMOKE_TIMEOUT_S + 60)
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(name, marks=[pytest.mark.realdata] if SMOKE[name][1] == "data" else [])
+        pytest.param(name, marks=[pytest.mark.realdata] if "data" in SMOKE[name][1] else [])
         for name in sorted(SMOKE)
     ],
 )
@@ -158,6 +176,9 @@ def test_bench_runs_and_keeps_a_result(
     assert not {"--out", "--dir"} & set(result.command.split()), result.command  # no local path
     assert result.settings and not {"out", "dir"} & set(result.settings), result.settings
     assert result.machine["cores"] >= 1 and result.machine["python"]
+    if name == "own-ground":  # a node left and returned: every epoch still used each sample once
+        assert result.figures["exactly_once_leave_return_small_weighted_sync"] == 1
+        assert "ratio_leave_return_small_epoch_weighted_sync_vs_equal_sync" in result.figures
 
 
 def test_figures_are_read_from_name_value_words() -> None:
@@ -314,3 +335,40 @@ def test_rerun_runs_a_kept_command_again_into_its_own_file(tmp_path: Path) -> No
         timeout=120,
     )
     assert refused.returncode != 0 and "not a python -m bench command" in refused.stderr
+
+
+def test_the_own_ground_result_renders_its_readme_table() -> None:
+    figures = {
+        "runs_small_weighted_sync": 3.0,
+        "runs_heavy_weighted_sync": 3.0,
+        "ratio_small_ttt_weighted_sync_vs_ddp": 4.5,
+        "ratio_heavy_ttt_weighted_sync_vs_ddp": 2.25,
+        "ratio_small_ttt_weighted_sync_vs_weighted_ddp": 2.5,
+        "runs_leave_return_heavy_weighted_sync": 3.0,
+        "ratio_leave_return_heavy_ttt_weighted_sync_vs_ddp": 1.5,
+        "final_oa_diff_leave_return_heavy_weighted_sync_vs_static": -0.004,
+        "exactly_once_leave_return_heavy_weighted_sync": 1.0,
+    }
+    own = Result(
+        bench="own-ground",
+        date="2026-12-01T10:00:00+00:00",
+        command="python -m bench own-ground",
+        settings={},
+        machine={"load_average": [0.4, 0.3, 0.2]},
+        git_commit="",
+        figures=figures,
+    )
+    kept = results_by_name(RESULTS_DIR)
+    without, table = readme_table(kept), readme_table({**kept, "own-ground": own})
+    assert "own ground" not in without and "\n".join(own_ground_table(own)) in table
+    lines = table.splitlines()
+    assert "own ground, time to target small / heavy (2026-12-01, load 0.4)" in table
+    row = next(line for line in lines if line.startswith("| static `small-1124` (3 / 3 seeds)"))
+    assert row.split(" | ")[1:4] == ["4.50× / 2.25×", "– / –", "2.50× / –"]
+    row = next(line for line in lines if line.startswith("| `leave-return` (– / 3 seeds)"))
+    assert row.endswith(
+        "| – / 1.50× | – / – | – / – | – / – | – / – | – / – | – / -0.004 | – / yes |"
+    )
+    assert not any(line.startswith("| `shifting-load`") for line in lines)  # not run
+    assert "exceed the linear ideal" in table
+    assert table.startswith(README_START) and table.endswith(README_END)

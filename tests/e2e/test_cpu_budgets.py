@@ -22,6 +22,8 @@ from launch.cluster.budgets import (
     CpuBudgets,
     require_hierarchy,
 )
+from launch.cluster.nodes import Nodes
+from launch.cluster.spec import parse_cluster
 from tests.support import requirements
 from tests.support.paths import ROOT
 
@@ -132,7 +134,7 @@ def test_planner_speeds_follow_the_budgets(
     assert code == 0, stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     workers = {w["name"]: w for w in summary["workers"]}
-    fast, slow = workers["w0-x1"], workers["w1-x1"]
+    fast, slow = workers["w0-0.4c"], workers["w1-0.1c"]
     assert (fast["cpus"], slow["cpus"]) == (0.4, 0.1)
     assert fast["link"] is None and slow["link"] is None
     # What the planner plans on, and what it planned. Not the full 4x: a quota is refilled every
@@ -201,3 +203,71 @@ def test_child_failure_leaves_no_group_and_no_process(
         and proc.info["status"] != psutil.STATUS_ZOMBIE
     ]
     assert leftovers == []
+
+
+def test_a_budget_is_rewritten_while_its_process_runs(cgroups: CpuHierarchy) -> None:
+    spec = parse_cluster(1, node_cpus="0.4;0.05@50%")
+    with Nodes(spec) as nodes:
+        node = nodes.worker(0)
+        assert node.group is not None
+        sleeper = Child("sleeper", node.argv([sys.executable, "-c", "import time; time.sleep(60)"]))
+        try:
+            poll_until(lambda: (node.group / "cgroup.procs").read_text().strip(), 10, 0.05)
+            nodes.set_budget(0, 0.05)
+            assert own_quota_of(node.group) == pytest.approx(0.05)
+            assert sleeper.code is None
+            nodes.set_budget(0, 0.4)
+            assert own_quota_of(node.group) == pytest.approx(0.4)
+        finally:
+            sleeper.kill()
+    assert not nodes.budgets.parent.exists()
+
+
+def own_quota_of(group: Path) -> float:
+    """The budget in cores a v1 or v2 group's files say."""
+    if (group / "cpu.max").exists():
+        quota, period = (group / "cpu.max").read_text().split()
+    else:
+        quota = (group / "cpu.cfs_quota_us").read_text()
+        period = (group / "cpu.cfs_period_us").read_text()
+    return int(quota) / int(period)
+
+
+def test_nodes_follow_their_schedules_a_worker_leaves_and_rejoins(
+    cgroups: CpuHierarchy, small_hsi: Path, tmp_path: Path
+) -> None:
+    """Node 0's budget drops at 20 % of the work; node 1 is killed at 20 % and started again
+    at 45 %: training ends, the returned worker pushes again, every epoch uses every sample
+    exactly once, and the run's summary records what was applied."""
+    run_dir = tmp_path / "run"
+    node_cpus = "0.3;0.1@20%,0.8;off@20%;on@45%,0.2"
+    args = ["--mode", "weighted-sync", "--node-cpus", node_cpus, "--server-cpus", "0.5"]
+    args += ["--epochs", "60", "--global-batch", "16", "--server-opt=--dead-after=2"]
+    pid, code, stderr = run_launcher(_local_args(small_hsi, run_dir, *args), 400)
+    assert code == 0, stderr
+    assert not (cgroups.mount / f"{PREFIX}{pid}").exists()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["epochs"] == 60
+    assert "exit code" not in stderr  # the worker its schedule killed did not fail
+    applied = [(a["node"], a["change"], a["cores"]) for a in summary["schedule"]]
+    assert sorted(applied) == [(0, "0.1@20%", 0.1), (1, "off@20%", None), (1, "on@45%", 0.8)]
+    returned = next(a for a in summary["schedule"] if a["change"] == "on@45%")
+    off = next(a for a in summary["schedule"] if a["change"] == "off@20%")
+    assert 0 < off["train_t"] < returned["train_t"] < summary["train_time_s"]
+    workers = {w["name"]: w for w in summary["workers"]}
+    assert workers["w1-0.8c"]["schedule"] == "0.8;off@20%;on@45%"
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    epochs = [e for e in events if e["event"] == "epoch"]
+    assert len(epochs) == 60 and all(e["exactly_once"] for e in epochs)
+    left = [e for e in events if e["event"] == "leave" and e["worker"] == "w1-0.8c"]
+    assert left[0]["reason"].startswith("dead"), left
+    rejoined = [
+        i for i, e in enumerate(events) if e["event"] == "join" and e["worker"] == "w1-0.8c"
+    ]
+    assert len(rejoined) == 2, rejoined
+    pushed_after = [
+        e
+        for e in events[rejoined[1] :]
+        if e["event"] == "round" and any(w["worker"] == "w1-0.8c" for w in e["workers"])
+    ]
+    assert pushed_after, "the returned worker took no part in a round"

@@ -242,6 +242,39 @@ def test_the_summary_tables_define_their_columns() -> None:
         assert word in text, text
 
 
+def test_workers_on_budgets_are_named_and_tabled_by_their_budget(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from launch.cli_options import warn_unbudgeted_server
+    from launch.cluster.spec import parse_cluster
+    from launch.local import worker_name
+
+    assert [worker_name(0, 1.0, None), worker_name(1, 2.0, None)] == ["w0-x1", "w1-x2"]
+    assert [worker_name(3, 1.0, 0.1), worker_name(1, 2.0, 0.4)] == ["w3-0.1c", "w1-0.4c-x2"]
+    worker = {"slowdown": 1.0, "speed": 100.0, "samples": 10, "pushes": 2}
+    summary = {
+        "mode": "weighted-sync",
+        "epochs": 1,
+        "steps": 2,
+        "train_time_s": 1.0,
+        "final": None,
+        "workers": [
+            {**worker, "name": "w0-0.4c", "cpus": 0.4, "schedule": None},
+            {**worker, "name": "w1-0.4c", "cpus": 0.4, "schedule": "0.4;off@33.3%;on@66.7%"},
+        ],
+    }
+    header, _, first, second = summary_tables(summary).split("\n\n")[1].splitlines()[:4]
+    assert "CPU budget" in header and "slowdown" not in header
+    assert first.split()[:2] == ["w0-0.4c", "0.4"] and "0.4;off@33.3%;on@66.7%" in second
+    summary["workers"][1]["slowdown"] = 2.0
+    assert "slowdown" in summary_tables(summary)
+    warn_unbudgeted_server(parse_cluster(2, node_cpus="0.4,0.1"))
+    assert "--node-cpus without --server-cpus" in capsys.readouterr().err
+    warn_unbudgeted_server(parse_cluster(2, node_cpus="0.4,0.1", server_cpus=0.5))
+    warn_unbudgeted_server(None)
+    assert capsys.readouterr().err == ""
+
+
 def test_a_launch_finds_the_new_server_after_it_replaced_the_file(tmp_path: Path) -> None:
     """--overwrite removes the old metrics.jsonl: the new server's start event is at byte 0 of
     a new file, not after the old file's end."""

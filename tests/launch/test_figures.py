@@ -12,6 +12,7 @@ import pytest
 from launch import figures
 from launch.cluster.spec import PRESETS
 from launch.initial import initial_scores
+from launch.report import cluster_lines, schedule_section
 from tests.support.live import live_server, published
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -122,6 +123,48 @@ def test_figures_are_written_as_png_and_svg(
     matrix, names = figures.confusion_of({"per_class": confusion})
     assert matrix.tolist() == [[9, 1], [3, 3]] and names == ["water", "soil"]
     assert figures.confusion_of({"per_class": {"confusion": [[1, 2]]}}) is None  # not square
+
+
+def test_budgets_are_drawn_under_the_curves_and_no_text_leaves_the_canvas(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cluster = PRESETS["leave-return"].spec("leave-return").describe()
+    applied = [
+        {"node": 1, "change": "off@33.3%", "cores": None, "t": 9.0, "train_t": 4.0},
+        {"node": 1, "change": "on@66.7%", "cores": 0.4, "t": 15.0, "train_t": 10.0},
+    ]
+    assert figures.budget_steps(cluster, applied, 12.0)[1] == ([0, 4, 10, 12], [0.4, 0, 0.4, 0.4])
+    assert figures.budget_steps(cluster, applied, 12.0)[3] == ([0, 12], [0.1, 0.1])
+    summary = {"schedule": applied, "train_time_s": 12.0}
+    data = {
+        "settings": {
+            **_settings(["weighted-sync", "ddp"]),
+            "dataset": "/data/jasper_ridge_11x11_patches_half_of_each_class_for_training.h5",
+            "cluster": cluster,
+        },
+        "runs": [
+            _run("weighted-sync", 1, [(6.0, 100, 0.6), (12.0, 200, 0.8)], summary=summary),
+            _run("ddp", 1, [(8.0, 100, 0.6)], summary={"train_time_s": 8.0}),  # no schedule
+        ],
+    }
+    assert list(figures.scheduled_runs(data)) == ["weighted-sync"]
+    assert "node 1: `0.4;off@33.3%;on@66.7%`" in "\n".join(cluster_lines(cluster))  # in full
+    table = schedule_section(data)[2].splitlines()
+    assert table[0] == "| mode | node 1: off@33.3% | node 1: on@66.7% |"
+    assert table[2:] == ["| weighted-sync | 4.0 | 10.0 |"]  # ddp recorded no schedule
+    drawn: list = []
+    monkeypatch.setattr(figures, "_save", lambda fig, stem: drawn.append(fig) or [])
+    figures.plot_curves(data, Path("report"))
+    fig = drawn[0]
+    budgets = next(a for a in fig.axes if "CPU budget per node" in a.get_title())
+    time_axis = next(a for a in fig.axes if a.get_title() == "OA against training time")
+    assert budgets.get_shared_x_axes().joined(budgets, time_axis)
+    assert [line.get_ydata().tolist() for line in budgets.get_lines()][1] == [0.4, 0, 0.4, 0.4]
+    fig.canvas.draw()
+    drawn_box = fig.get_tightbbox(fig.canvas.get_renderer())  # all that is drawn, in inches
+    width, height = fig.get_size_inches()
+    assert drawn_box.x0 >= 0 and drawn_box.y0 >= 0, drawn_box
+    assert drawn_box.x1 <= width + 1e-3 and drawn_box.y1 <= height + 1e-3, (drawn_box, width)
 
 
 async def test_initial_scores_are_the_servers_version_zero(small_hsi: Path) -> None:

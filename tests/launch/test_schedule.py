@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from common.errors import ConfigError
-from launch.cluster.schedule import Change, ScheduleFollower, parse_schedule, schedule_text
+from launch.cluster.schedule import (
+    Change,
+    ScheduleFollower,
+    ScheduleRunner,
+    parse_schedule,
+    schedule_text,
+)
 from launch.cluster.spec import PRESETS, ClusterSpec, parse_cluster
 
 
@@ -105,3 +111,51 @@ def test_the_follower_counts_updates_with_only_max_steps() -> None:
     assert follower.due() == []
     follower.feed({"event": "push", "batch": 7})
     assert [c.cores for _, c in follower.due()] == [0.1]
+
+
+class FakeNodes:
+    """Records what a schedule runner asks of the nodes."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, float | None]] = []
+
+    def set_budget(self, index: int, cores: float) -> None:
+        self.calls.append(("budget", index, cores))
+
+    def leave(self, index: int) -> None:
+        self.calls.append(("leave", index, None))
+
+    def rejoin(self, index: int) -> None:
+        self.calls.append(("rejoin", index, None))
+
+
+def test_the_runner_applies_each_change_once_and_records_it_on_the_runs_clock() -> None:
+    now = [1000.0]  # this process's clock; the run's clock reads 1000 - 990 = 10 s here
+    spec = parse_cluster(3, node_cpus="0.4;0.05@30%;0.4@60%,0.4;off@30%;on@60%,0.2")
+    assert spec is not None
+    follower = ScheduleFollower(
+        [n.schedule for n in spec.workers], epochs=1, max_steps=None, clock=lambda: now[0]
+    )
+    nodes = FakeNodes()
+    runner = ScheduleRunner(follower, nodes)
+    runner.step([{"event": "start", "t": 9.0, "train": 100}, {"event": "train_start", "t": 9.5}])
+    runner.step([{"event": "round", "t": 10.0, "workers": [{"batch": 29}]}])
+    assert nodes.calls == [] and runner.applied == []
+    now[0] = 1010.0
+    runner.step([{"event": "round", "t": 19.0, "workers": [{"batch": 1}]}])  # read 1 s late
+    assert nodes.calls == [("budget", 0, 0.05), ("leave", 1, None)]
+    assert runner.applied == [
+        {"node": 0, "change": "0.05@30%", "cores": 0.05, "t": 20.0, "train_t": 10.5},
+        {"node": 1, "change": "off@30%", "cores": None, "t": 20.0, "train_t": 10.5},
+    ]
+    runner.step([{"event": "push", "t": 19.5, "batch": 29}])  # 58 %: nothing more
+    assert len(nodes.calls) == 2
+    now[0] = 1015.0
+    runner.step([{"event": "push", "t": 24.9, "batch": 2}, {"event": "push", "batch": 40}])
+    assert nodes.calls[2:] == [("budget", 0, 0.4), ("budget", 1, 0.4), ("rejoin", 1, None)]
+    assert [(a["node"], a["change"], a["cores"], a["train_t"]) for a in runner.applied[2:]] == [
+        (0, "0.4@60%", 0.4, 15.5),
+        (1, "on@60%", 0.4, 15.5),
+    ]
+    runner.step([])
+    assert len(runner.applied) == 4
