@@ -289,7 +289,7 @@ def test_rerun_runs_a_kept_command_again_into_its_own_file(tmp_path: Path) -> No
     assert done.returncode == 0, done.stderr
     again = Result.from_json((tmp_path / "planner-speed-small.json").read_text(encoding="utf-8"))
     assert again.command == kept.command and again.date > kept.date and not again.note
-    assert again.settings == {"workers": "4", "repeats": 1}
+    assert again.settings == {"workers": "4", "repeats": 1, "follow_only": False}
     assert again.figures["planner_4_steady_ms"] > 0
 
     foreign = dataclasses.replace(kept, command="python tools/planner.py --workers 4")
