@@ -16,7 +16,16 @@ the round. Per size, ``refit_<n>_ms=`` is the median time of one round's refits:
 ``n`` workers has a full window of noisy measurements of its cluster fit (calibration pairs at
 four batch sizes, pushes near its share), takes one more push and is refitted.
 
-Usage: python -m bench planner-speed [--workers 4,64,1024] [--repeats 3]
+How soon plans follow a change of speed (deterministic, untimed; ``--follow-only``: alone). Four
+workers of that cluster, B = 128, times scattered by ``FOLLOW_JITTER``, each round's pushes
+fed to the models before the next plan. Worker 0 (57 % of the batch, in every round) becomes
+``SLOWER`` times slower, then as fast as before: ``pushes_to_follow_slowdown=`` and
+``pushes_to_follow_speedup=`` count its pushes until every later plan gives it a share within
+``FOLLOW_TOLERANCE`` of the one its new speed gets. One of its pushes takes ``STALL`` times as
+long for twin models: ``stall_plan_shift=`` is the largest relative change of its planned
+batch that caused.
+
+Usage: python -m bench planner-speed [--workers 4,64,1024] [--repeats 3] [--follow-only]
 """
 
 from __future__ import annotations
@@ -40,6 +49,11 @@ SPREAD_SHARE = 1.0
 CASES = ("steady", "spread", "links")
 CALIBRATION_BATCHES = (8, 16, 32, 64)
 NOISE = 0.05  # relative spread of a measured time
+FOLLOW_WORKERS = 4  # the change replay: B = 128
+FOLLOW_ROUNDS = 40  # rounds of each phase
+FOLLOW_JITTER = 0.1  # relative spread of a measured time
+FOLLOW_TOLERANCE = 0.1  # a share within this (relative) of the new one has followed
+SLOWER, STALL, STALL_ROUND = 8.0, 10.0, 4
 
 
 def cluster(n: int, case: str, seed: int = 0) -> tuple[dict[int, Fit], float]:
@@ -97,6 +111,46 @@ def round_refits_s(models: list[tuple[PerfModel, Fit]], rng: random.Random) -> f
     return time.perf_counter() - began
 
 
+def replay(factors: list[float]) -> list[tuple[int, int]]:
+    """Worker 0's planned batch before each round of the change replay, where its compute takes
+    ``factors[r]`` times as long in round r, and the same for twin models that also see its
+    push of round ``STALL_ROUND`` take ``STALL`` times as long."""
+    fits = cluster(FOLLOW_WORKERS, "steady")[0]
+    twins = [[m for m, _ in speed_models(fits)] for _ in range(2)]
+    rng, batches = random.Random(2), []
+    for r, factor in enumerate(factors):
+        fitted = [dict(enumerate(m.fit() for m in t)) for t in twins]  # all with measurements
+        plain, seen = (plan_by_model(f, 128) or {} for f in fitted)  # type: ignore[arg-type]
+        batches.append((plain[0], seen.get(0, 0)))
+        for w, b in plain.items():
+            compute, transfer = (
+                rng.uniform(1 - FOLLOW_JITTER, 1 + FOLLOW_JITTER) for _ in range(2)
+            )
+            compute *= (fits[w].alpha_s + fits[w].beta_s_per_sample * b) * (factor if w == 0 else 1)
+            stalls = (1, STALL if (r, w) == (STALL_ROUND, 0) else 1)
+            for models, stall in zip(twins, stalls, strict=True):
+                models[w].add_compute(b, compute * stall)
+                models[w].add_transfer(fits[w].transfer_s * transfer)
+    return batches
+
+
+def follow_figures() -> tuple[int, int, float]:
+    """``pushes_to_follow_slowdown``, ``pushes_to_follow_speedup`` and ``stall_plan_shift``."""
+    n, fits = FOLLOW_ROUNDS, cluster(FOLLOW_WORKERS, "steady")[0]
+    plain, seen = zip(*replay([1.0] * n + [SLOWER] * n + [1.0] * n), strict=True)
+    follows = []
+    for factor, batches in ((SLOWER, plain[n : 2 * n]), (1.0, plain[2 * n :])):
+        scaled = Fit(
+            fits[0].alpha_s * factor, fits[0].beta_s_per_sample * factor, fits[0].transfer_s
+        )
+        target = (plan_by_model({**fits, 0: scaled}, 128) or {})[0]
+        off = [k for k, b in enumerate(batches) if abs(b - target) > FOLLOW_TOLERANCE * target]
+        follows.append(off[-1] + 1 if off else 0)
+    after = slice(STALL_ROUND + 1, n)
+    stall = max(abs(s / p - 1) for p, s in zip(plain[after], seen[after], strict=True))
+    return follows[0], follows[1], stall
+
+
 Planner = Callable[[dict[int, Fit], int, tuple[int, ...], float], dict[int, int] | None]
 
 
@@ -113,7 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--workers", default="4,64,1024")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--follow-only", action="store_true", help="only the change replay")
     args = parse_settings(parser, argv)
+    slower, faster, stall = follow_figures()
+    print(f"worker 0 {SLOWER:g}x slower: plan followed after {slower} pushes; back: {faster}; "
+          f"one {STALL:g}x stall moved its batch by {100 * stall:.1f} %")  # fmt: skip
+    print(f"pushes_to_follow_slowdown={slower}")
+    print(f"pushes_to_follow_speedup={faster}")
+    print(f"stall_plan_shift={stall:.4f}")
+    if args.follow_only:
+        return 0
     print(f"{'workers':>7} {'case':>6} {'members':>7} {'reference ms':>12} "
           f"{'planner ms':>10} {'ratio':>7}")  # fmt: skip
     for n in (int(v) for v in args.workers.split(",")):

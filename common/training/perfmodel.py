@@ -5,7 +5,8 @@ the time per round the worker spends outside compute (parameters and gradient on
 data hand-off). Compute pairs ``(batch, seconds)`` come from calibration at join (kept) and
 from accepted pushes (a recent window); transfer times from the rounds. Both are fitted by
 Huber-weighted least squares, so a few outliers (a stalled step, a GC pause) barely move the
-fit. Absurd input (not finite, not positive, beyond ``MAX_SECONDS``) is ignored.
+fit, and a lasting change is followed within a few pushes (``Shift``). Absurd input (not
+finite, not positive, beyond ``MAX_SECONDS``) is ignored.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import collections
 import dataclasses
 import itertools
 import math
+import statistics
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +30,11 @@ IRLS_STEPS = 8
 MIN_SPREAD = 0.05  # batch sizes must spread this much (relative) to show a slope
 MIN_BETA = 1e-9  # seconds per sample: a slope below this is no slope
 TOLERANCE = 1e-6  # relative change at which the reweighting has converged
+CHANGE_RUN = 3  # measurements in a row beyond CHANGE_Z sigmas on one side make a change point
+CHANGE_Z = 4.0  # robust sigmas of the log ratio measured / predicted
+MIN_NOISE = 0.05  # floor of that sigma: changes below about 20 % are left to the window
+CHANGE_MIN_POINTS = 8  # measurements a window needs before its scatter is trusted
+NOISE_FLOOR_S = 1e-4  # added to both sides of a ratio, so near-zero times do not blow it up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +82,18 @@ def _batch(value: object) -> int | None:
     return int(value)
 
 
+def _median(values: np.ndarray) -> float:
+    """``np.median`` of a non-empty 1-D array, by partition (a tenth of its cost on a window)."""
+    k = len(values) // 2
+    if len(values) % 2:
+        return float(np.partition(values, k)[k])
+    part = np.partition(values, (k - 1, k))
+    return 0.5 * float(part[k - 1] + part[k])
+
+
 def _scale(residuals: np.ndarray, floor: float) -> float:
     """Robust sigma of residuals: 1.4826 times their median absolute value."""
-    return max(1.4826 * float(np.median(np.abs(residuals))), floor)
+    return max(1.4826 * _median(np.abs(residuals)), floor)
 
 
 def _huber_weights(residuals: np.ndarray, sigma: float) -> np.ndarray:
@@ -87,7 +104,7 @@ def _huber_weights(residuals: np.ndarray, sigma: float) -> np.ndarray:
 def robust_location(values: Sequence[float]) -> float:
     """Huber M-estimate of the centre of ``values`` (which must not be empty)."""
     xs = np.asarray(values, dtype=np.float64)
-    centre = float(np.median(xs))
+    centre = _median(xs)
     sigma = _scale(xs - centre, 1e-6 * abs(centre) + 1e-12)
     for _ in range(IRLS_STEPS):
         weights = _huber_weights(xs - centre, sigma)
@@ -116,9 +133,9 @@ def robust_line(points: Sequence[tuple[int, float]]) -> tuple[float, float] | No
     # scale taken from it holds for every reweighting step.
     db, dt = bs[:, None] - bs[None, :], ts[:, None] - ts[None, :]
     distinct = db > 0
-    beta = float(np.median(dt[distinct] / db[distinct]))
-    alpha = float(np.median(ts - beta * bs))
-    sigma = _scale(ts - alpha - beta * bs, 1e-6 * float(np.median(ts)) + 1e-12)
+    beta = _median(dt[distinct] / db[distinct])
+    alpha = _median(ts - beta * bs)
+    sigma = _scale(ts - alpha - beta * bs, 1e-6 * _median(ts) + 1e-12)
     weights = _huber_weights(ts - alpha - beta * bs, sigma)
     for _ in range(IRLS_STEPS):
         sw = weights.sum()
@@ -143,8 +160,55 @@ def robust_line(points: Sequence[tuple[int, float]]) -> tuple[float, float] | No
     return alpha, beta
 
 
+def log_ratio(measured_s: Any, predicted_s: Any) -> Any:
+    """ln(measured / predicted) of floats or arrays, both lifted by ``NOISE_FLOOR_S``."""
+    return np.log((measured_s + NOISE_FLOOR_S) / (np.maximum(predicted_s, 0.0) + NOISE_FLOOR_S))
+
+
+class Shift:
+    """Change points of a measured series (docs/planner.md): ``CHANGE_RUN`` measurements in a
+    row whose ``log_ratio`` to their prediction lies more than ``CHANGE_Z`` sigmas from the
+    window's centre, on one side. A lone stalled step never makes one.
+
+    Attributes:
+        centre, sigma: the median log ratio of the window to the fit, and 1.4826 x the median
+            absolute deviation from it (at least ``MIN_NOISE``; infinite, so nothing is far,
+            for fewer than ``CHANGE_MIN_POINTS`` measurements).
+        found: change points so far.
+    """
+
+    def __init__(self) -> None:
+        self.centre, self.sigma, self.found = 0.0, math.inf, 0
+        self.run: list[float] = []
+
+    def add(self, measured_s: float, predicted_s: float) -> float | None:
+        """One measurement and its prediction (> 0). Returns the factor of the change point it
+        completes (the run's median of measured / predicted, over exp(centre)), or None."""
+        far = abs(log_ratio(measured_s, predicted_s) - self.centre) > CHANGE_Z * self.sigma
+        ratio = measured_s / predicted_s / math.exp(self.centre)
+        if not far or (self.run and (ratio > 1) != (self.run[0] > 1)):
+            self.run = []
+        if far:
+            self.run.append(ratio)
+        if len(self.run) < CHANGE_RUN:
+            return None
+        factor, self.run, self.found = statistics.median(self.run), [], self.found + 1
+        return factor
+
+    def measure(self, measured_s: np.ndarray, predicted_s: np.ndarray | float) -> None:
+        """``centre`` and ``sigma`` from a window and its predictions by the current fit."""
+        ratios = log_ratio(measured_s, predicted_s)
+        self.centre = _median(ratios)
+        few = len(ratios) < CHANGE_MIN_POINTS
+        self.sigma = math.inf if few else _scale(ratios - self.centre, MIN_NOISE)
+
+
 class PerfModel:
     """One worker's model, refitted on demand after new measurements.
+
+    A change point of its compute or transfer times (``Shift``, against the last fit) scales
+    the series' older measurements (and the calibration, keeping the slope's shape) by its
+    factor; the next fit, even ``fit(refit=False)``, follows at once.
 
     Args:
         window: recent pushes (and transfer times) the fit follows.
@@ -154,8 +218,10 @@ class PerfModel:
         self.calibration: list[tuple[int, float]] = []
         self.compute: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
         self.transfer: collections.deque[float] = collections.deque(maxlen=window)
+        self.compute_shift, self.transfer_shift = Shift(), Shift()
         self._fit: Fit | None = None
         self._dirty = False
+        self._changed = False
 
     def seed(self, batches: Iterable[object], seconds: Iterable[object]) -> int:
         """Calibration pairs from join: kept for good (they carry the slope).
@@ -178,6 +244,14 @@ class PerfModel:
         if b is None or s is None or s <= 0:
             return False
         self.compute.append((b, s))
+        if self._fit is not None:
+            predicted = self._fit.alpha_s + self._fit.beta_s_per_sample * b
+            factor = self.compute_shift.add(s, predicted)
+            if factor is not None:  # the run is the new level: the rest is scaled to it
+                self.calibration = [(cb, ct * factor) for cb, ct in self.calibration]
+                for i in range(len(self.compute) - CHANGE_RUN):
+                    self.compute[i] = (self.compute[i][0], self.compute[i][1] * factor)
+                self._changed = True
         self._dirty = True
         return True
 
@@ -187,6 +261,12 @@ class PerfModel:
         if s is None:
             return False
         self.transfer.append(s)
+        if self._fit is not None and self._fit.transfer_s > 0:
+            factor = self.transfer_shift.add(s, self._fit.transfer_s)
+            if factor is not None:
+                for i in range(len(self.transfer) - CHANGE_RUN):
+                    self.transfer[i] *= factor
+                self._changed = True
         self._dirty = True
         return True
 
@@ -195,25 +275,32 @@ class PerfModel:
 
         Args:
             refit: take in the measurements since the last fit; False returns the last fit
-                as it is (refitting only when there is none yet), for a plan that must not
-                wait for a refit.
+                as it is (refitting only when there is none yet or a change point was
+                found), for a plan that must not wait for a refit.
         """
-        if self._dirty and (refit or self._fit is None):
+        if self._dirty and (refit or self._fit is None or self._changed):
             self._fit = self._refit()
-            self._dirty = False
+            self._dirty = self._changed = False
         return self._fit
 
     def _refit(self) -> Fit | None:
         points = [*self.calibration, *self.compute]
         if not points:
             return None
-        transfer = robust_location(list(self.transfer)) if self.transfer else 0.0
+        transfer = max(robust_location(list(self.transfer)) if self.transfer else 0.0, 0.0)
         line = robust_line(points)
         if line is None:  # one batch size: assume time proportional to the batch
             per_sample = robust_location([t / b for b, t in points])
-            return Fit(0.0, max(per_sample, MIN_BETA), max(transfer, 0.0), proportional=True)
-        alpha, beta = line
-        return Fit(alpha, beta, max(transfer, 0.0))
+            fit = Fit(0.0, max(per_sample, MIN_BETA), transfer, proportional=True)
+        else:
+            fit = Fit(line[0], line[1], transfer)
+        # the window, filled up with the calibration while it is short
+        recent = np.asarray(points[-(self.compute.maxlen or WINDOW) :], dtype=np.float64)
+        predicted = fit.alpha_s + fit.beta_s_per_sample * recent[:, 0]
+        self.compute_shift.measure(recent[:, 1], predicted)
+        if self.transfer:
+            self.transfer_shift.measure(np.asarray(self.transfer, dtype=np.float64), transfer)
+        return fit
 
 
 class RoundSpread:
@@ -265,4 +352,4 @@ class RoundSpread:
         if len(self.recent) < self.min_rounds:
             return 0.0
         d = np.fromiter(itertools.chain.from_iterable(v for _, v in self.recent), np.float64)
-        return _scale(d - float(np.median(d)), 0.0)
+        return _scale(d - _median(d), 0.0)

@@ -4,7 +4,9 @@ local batch of a BatchNorm model).
 A worker planned at 0 is probed after ``PROBE_EVERY`` rounds at 0; each probe that leaves it at
 0 doubles the wait for the next, up to ``PROBE_EVERY_MAX`` (a worker that stays slow, such as
 one behind a 100 Mbit/s link, costs fewer slow rounds). Planned in again, its wait is back to
-``PROBE_EVERY``. The server's weighted-sync policy and the cluster simulator both plan with it.
+``PROBE_EVERY``. A worker whose last probe ran far faster than its model predicts (the start
+of a change point, see ``perfmodel.Shift``) is probed again at once, so a recovery is confirmed
+within a few rounds. The server's weighted-sync policy and the cluster simulator both plan with it.
 """
 
 from __future__ import annotations
@@ -22,9 +24,16 @@ class ProbeSchedule:
         self.idle_rounds: dict[int, int] = {}  # worker id -> rounds planned at 0 in a row
         self.probe_after: dict[int, int] = {}  # worker id -> rounds at 0 before its next probe
 
-    def due(self, workers: Collection[int]) -> list[int]:
-        """The workers among ``workers`` to give a probe sample in the next plan."""
-        return [w for w, n in self.idle_rounds.items() if n >= self._wait(w) and w in workers]
+    def due(self, workers: Collection[int], recovering: Collection[int] = ()) -> list[int]:
+        """The workers among ``workers`` to give a probe sample in the next plan: those at 0
+        for their wait, and at once those in ``recovering`` (their last steps ran far faster
+        than predicted) that are at 0 or were just probed."""
+        return [
+            w
+            for w in workers
+            if self.idle_rounds.get(w, 0) >= self._wait(w)
+            or (w in recovering and (w in self.idle_rounds or w in self.probe_after))
+        ]
 
     def planned(
         self, workers: Collection[int], sizes: Mapping[int, int], probe: Collection[int]

@@ -53,7 +53,8 @@ class WeightedSync(SyncRounds):
     g = sum_i (b_i / B) g_i, one global-batch step. The model planner also weighs the measured
     spread of round times (``--plan-spread``): a worker that adds more wait than it saves sits
     out. A worker whose share would fall below ``--min-local-batch`` sits out too. Workers
-    planned at 0 are probed now and then with the minimum local batch."""
+    planned at 0 are probed now and then with the minimum local batch, and again at once
+    while their probes run far faster than their model predicts (a recovery)."""
 
     name = "weighted-sync"
 
@@ -75,7 +76,9 @@ class WeightedSync(SyncRounds):
         minimum = self.min_local_batch
         fits = {w.worker_id: w.perf.fit(refit=False) for w in workers}
         sizes = None
-        probe = self.probes.due(speeds)
+        # a run of faster steps under way: probe again at once to make (or break) the change
+        faster = [w.worker_id for w in workers if (run := w.perf.compute_shift.run) and run[0] < 1]
+        probe = self.probes.due(speeds, faster)
         if self.config.planner != "speed" and all(f is not None for f in fits.values()):
             if self.config.planner == "compute":  # the same model without transfer time
                 fits = {w: dataclasses.replace(f, transfer_s=0.0) for w, f in fits.items() if f}

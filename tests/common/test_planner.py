@@ -464,6 +464,26 @@ def test_weighted_sync_falls_back_to_speed_and_reprobes_a_worker_at_zero() -> No
     assert slow.worker_id not in policy.probe_after  # a later loss starts again at 20 rounds
 
 
+def test_weighted_sync_probes_a_recovering_worker_again_at_once() -> None:
+    """A worker left at 0 since it became 50x slower gets its probe after PROBE_EVERY plans;
+    the probe runs as fast as before, so the next plan probes it again, and the third such
+    probe is a change point of its model that plans it back in."""
+    policy, (fast, slow) = _policy("model")
+    for factor in [1] * 10 + [50] * 3:  # its share, then 50x slower: a change point
+        slow.perf.add_compute(22, factor * (0.002 + 0.022))
+        slow.perf.fit()
+    plans = []
+    for _ in range(PROBE_EVERY + 4):
+        plans.append(policy.batch_sizes([fast, slow], 64))
+        if plans[-1].get(2):  # as the server refits a pusher's model after its round
+            slow.perf.add_compute(plans[-1][2], 0.002 + 0.001 * plans[-1][2])
+            slow.perf.fit()
+    assert plans[0] == {1: 64}
+    assert [i for i, plan in enumerate(plans) if plan.get(2) == 1] == [20, 21, 22]
+    assert plans[PROBE_EVERY + 3] == {1: 42, 2: 22}  # its model is back: the plan as before
+    assert slow.perf.compute_shift.found == 2  # its slowdown, then its recovery
+
+
 @pytest.mark.parametrize("plan_spread", [True, False])
 def test_weighted_sync_weighs_the_measured_spread_when_asked(plan_spread: bool) -> None:
     policy, workers = _policy("model", plan_spread)

@@ -204,8 +204,13 @@ def test_a_bench_run_in_process_keeps_its_options_and_output() -> None:
 
     with recording("python -m bench planner-speed") as kept:
         planner_speed.main(["--workers", "4", "--repeats", "1"])
-    assert kept.settings == {"workers": "4", "repeats": 1}
-    assert set(figures_in(kept.lines)) >= {"planner_4_steady_ms", "reference_4_steady_ms"}
+    assert kept.settings == {"workers": "4", "repeats": 1, "follow_only": False}
+    figures = figures_in(kept.lines)
+    assert set(figures) >= {"planner_4_steady_ms", "reference_4_steady_ms"}
+    # the change replay is deterministic: its figures are the planner's, at any size
+    assert 1 <= figures["pushes_to_follow_slowdown"] <= 4
+    assert 1 <= figures["pushes_to_follow_speedup"] <= 4
+    assert figures["stall_plan_shift"] <= 0.1
 
 
 def test_a_record_reads_back_and_a_foreign_file_is_refused(tmp_path: Path) -> None:
@@ -322,7 +327,7 @@ def test_rerun_runs_a_kept_command_again_into_its_own_file(tmp_path: Path) -> No
     assert done.returncode == 0, done.stderr
     again = Result.from_json((tmp_path / "planner-speed-small.json").read_text(encoding="utf-8"))
     assert again.command == kept.command and again.date > kept.date and not again.note
-    assert again.settings == {"workers": "4", "repeats": 1}
+    assert again.settings == {"workers": "4", "repeats": 1, "follow_only": False}
     assert again.figures["planner_4_steady_ms"] > 0
 
     foreign = dataclasses.replace(kept, command="python tools/planner.py --workers 4")

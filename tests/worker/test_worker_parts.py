@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from common.errors import ConfigError
 from common.training.device import ComputeTimer, resolve_device
 from common.training.models import build_model
+from common.training.perfmodel import HUBER_K, MIN_NOISE
 from common.training.slowdown import SlowdownSchedule
 from common.training.speed import SpeedMeter
 
@@ -18,10 +20,22 @@ def test_cpu_device_resolves() -> None:
     assert resolve_device("cpu").type == "cpu"
 
 
-def test_speed_meter_smooths_samples_per_second() -> None:
+def test_speed_meter_ignores_a_stall_and_follows_a_lasting_change() -> None:
     meter = SpeedMeter(smoothing=0.5)
     assert meter.update(100, 1.0) == 100.0
-    assert meter.update(300, 1.0) == 200.0
+    clip = HUBER_K * MIN_NOISE  # a step far off moves the speed by at most this log ratio
+    meter.update(100, 10.0)  # one step 10x slower: beyond 4 sigmas (a run of one)
+    assert meter.speed == pytest.approx(100 * math.exp(-0.5 * clip), rel=1e-3)
+    meter.update(100, 1.0)  # as before: the run is over, the speed half-way back
+    assert meter.speed == pytest.approx(100 * math.exp(-0.25 * clip), rel=1e-3)
+    level = meter.speed
+    for _ in range(3):  # now 4x slower: the third such step is a change point
+        meter.update(100, 4.0)
+    # the run's ratios: 4 / (100 / speed) at the speeds before each (the first two clipped);
+    # their median is the second's, and the speed is divided by it after the third step
+    second = level * math.exp(-0.5 * clip)
+    assert meter.speed == pytest.approx(second * math.exp(-0.5 * clip) / (4 * second / 100))
+    assert meter.shift.found == 1
 
 
 def test_slowdown_schedule_factors_and_emulated_time() -> None:
