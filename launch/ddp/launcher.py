@@ -17,9 +17,11 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import os
 import socket
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ from common.procs import POLL_S, Children, TextSink
 from common.training.slowdown import SlowdownSchedule
 from launch.cluster.netns import HOST_INTERFACE, cluster_hosts
 from launch.cluster.nodes import Nodes
-from launch.cluster.spec import ClusterSpec, NodeSpec
+from launch.cluster.spec import ClusterSpec
 from launch.procs import EventsMark, second_signal_kills, signals_interrupt
 from launch.progress import RunProgress
 from launch.settings import TrainSettings, server_default
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "gloo", "nccl")
 GRAD_COMPRESSION = ("none", "bf16")
+REBALANCE = ("none", "epoch")
 HOSTED_STORE_PORT = 29500  # rank 0's store on its emulated host
 
 
@@ -69,6 +72,11 @@ class DDPConfig:
         allow_oversubscribe: run budgets that sum to more cores than the machine has.
         grad_compression: ``none``, or ``bf16``: the gradients travel as bfloat16 through
             PyTorch's ``bf16_compress_hook`` on DDP's reducer.
+        weighted: weighted DDP: each rank's local batch is proportional to its speed and the
+            gradients are combined as sum_r (b_r / B) g_r (False: plain DDP, equal batches).
+        shares: weighted DDP's given speeds, one per rank (>= 0; empty: measured at start).
+        rebalance: ``none`` or ``epoch`` (re-split by the last epoch's step times).
+        names: the ranks' names in the records (empty: ``r<rank>-x<slowdown>``).
     """
 
     dataset: Path
@@ -90,6 +98,15 @@ class DDPConfig:
     nodes: ClusterSpec | None = None
     allow_oversubscribe: bool = False
     grad_compression: str = "none"
+    weighted: bool = False
+    shares: tuple[float, ...] = ()
+    rebalance: str = "none"
+    names: tuple[str, ...] = ()
+
+    @property
+    def mode(self) -> str:
+        """``ddp`` or ``weighted-ddp``, as the records name the run."""
+        return "weighted-ddp" if self.weighted else "ddp"
 
     @property
     def world_size(self) -> int:
@@ -114,7 +131,27 @@ class DDPConfig:
 
     def rank_name(self, rank: int) -> str:
         """The rank's name in metrics (like a worker's ``w0-x1``)."""
-        return f"r{rank}-x{self.slowdowns[rank]:g}"
+        return self.names[rank] if self.names else f"r{rank}-x{self.slowdowns[rank]:g}"
+
+    def subset(self, ranks: Sequence[int]) -> DDPConfig:
+        """The same run on the ranks ``ranks`` only, which keep their names, slowdowns,
+        devices, shares and nodes."""
+
+        def pick(values: tuple[Any, ...]) -> tuple[Any, ...]:
+            return tuple(values[r] for r in ranks) if len(values) > 1 else values
+
+        nodes = self.nodes
+        if nodes is not None:
+            nodes = dataclasses.replace(nodes, workers=pick(nodes.workers))
+        return dataclasses.replace(
+            self,
+            slowdowns=pick(self.slowdowns),
+            slowdown_schedules=pick(self.slowdown_schedules),
+            devices=pick(self.devices),
+            shares=pick(self.shares),
+            names=tuple(self.rank_name(r) for r in ranks),
+            nodes=nodes,
+        )
 
     def validate(self) -> DDPConfig:
         """Check every field.
@@ -170,12 +207,28 @@ class DDPConfig:
                 f"--grad-compression {self.grad_compression!r} is not one of "
                 f"{', '.join(GRAD_COMPRESSION)}"
             )
+        if (self.shares or self.rebalance != "none") and not self.weighted:
+            raise ConfigError("--shares and --rebalance apply to weighted DDP: add --weighted")
+        if self.rebalance not in REBALANCE:
+            raise ConfigError(f"--rebalance {self.rebalance!r} is not one of none, epoch")
+        if self.shares and (
+            len(self.shares) != self.world_size
+            or not all(0 <= s < math.inf for s in self.shares)
+            or not any(self.shares)
+        ):
+            raise ConfigError(
+                f"--shares {','.join(f'{s:g}' for s in self.shares)!r}: give one share >= 0 "
+                f"per rank ({self.world_size}), not all 0"
+            )
+        if self.names and len(self.names) != self.world_size:
+            raise ConfigError(f"{len(self.names)} rank names for {self.world_size} ranks")
         return self
 
     def to_json(self) -> str:
         """The configuration as JSON (what the rank processes read)."""
         data = dataclasses.asdict(self)
         data["dataset"], data["run_dir"] = str(self.dataset), str(self.run_dir)
+        data["nodes"] = None if self.nodes is None else self.nodes.describe()
         return json.dumps(data, indent=2)
 
     @classmethod
@@ -189,16 +242,10 @@ class DDPConfig:
             data = json.loads(text)
             data["dataset"], data["run_dir"] = Path(data["dataset"]), Path(data["run_dir"])
             data["train"] = TrainSettings(**data["train"])
-            for key in ("slowdowns", "slowdown_schedules", "devices"):
+            for key in ("slowdowns", "slowdown_schedules", "devices", "shares", "names"):
                 data[key] = tuple(data[key])
             if data.get("nodes") is not None:
-                nodes = data["nodes"]
-                data["nodes"] = ClusterSpec(
-                    workers=tuple(NodeSpec(**n) for n in nodes["workers"]),
-                    server=NodeSpec(**nodes["server"]),
-                    link_delay=nodes["link_delay"],
-                    name=nodes["name"],
-                )
+                data["nodes"] = ClusterSpec.from_description(data["nodes"])
             return cls(**data)
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"not a DDP configuration: {exc}") from exc

@@ -49,10 +49,11 @@ class RunRecorder:
         self.train_start = 0.0
         self.time_to_target: float | None = None
         self.epochs_done = 0
+        self.last_shares: list[int] = []
         meta = evaluator.reader.meta
         self.snapshots: SnapshotWriter | None = None
         if config.snapshot_every_steps is not None:
-            info: dict[str, Any] = {"mode": "ddp", "model": config.model}
+            info: dict[str, Any] = {"mode": config.mode, "model": config.model}
             info.update(dataset=str(config.dataset.resolve()), fingerprint=meta.fingerprint)
             info["state_size"] = layout.size
             self.snapshots = SnapshotWriter(
@@ -60,7 +61,7 @@ class RunRecorder:
             )
         self.log.event(
             "start",
-            mode="ddp",
+            mode=config.mode,
             model=config.model,
             dataset=str(config.dataset),
             backend=config.resolved_backend(),
@@ -123,6 +124,19 @@ class RunRecorder:
             round_s=round(round_s, 6),
             loss=round(result.loss, 6),
             workers=workers,
+        )
+
+    def shares(self, batches: list[int], speeds: list[float], source: str) -> None:
+        """Record weighted DDP's split of the global batch: every rank's local batch and the
+        speed it came from (``source``: ``given``, ``probe`` or ``epoch``)."""
+        self.last_shares = batches
+        self.log.event(
+            "shares",
+            source=source,
+            workers=[
+                {"worker": self.config.rank_name(r), "batch": b, "speed": round(s, 3)}
+                for r, (b, s) in enumerate(zip(batches, speeds, strict=True))
+            ],
         )
 
     def snapshot(self, epoch: int, version: int, samples: int, final: bool = False) -> None:
@@ -204,10 +218,10 @@ class RunRecorder:
     def _summary(
         self, reason: str, version: int, samples: int, train_time: float
     ) -> dict[str, Any]:
-        """The shared summary schema, for mode ``ddp``."""
+        """The shared summary schema, for mode ``ddp`` or ``weighted-ddp``."""
         times = np.array(self.round_times) if self.round_times else np.zeros(1)
         summary = run_summary(
-            mode="ddp",
+            mode=self.config.mode,
             model=self.config.model,
             dataset=str(self.config.dataset),
             wall_time_s=self.log.now(),
@@ -245,6 +259,11 @@ class RunRecorder:
                 "eval_s_total": round(self.eval_total_s, 4),
                 "slowdown": "compute-only (launch.ddp.step)",
                 "grad_compression": self.config.grad_compression,
+                **(
+                    {"shares": self.last_shares, "rebalance": self.config.rebalance}
+                    if self.config.weighted
+                    else {}
+                ),
             },
         )
         if self.config.nodes is not None:

@@ -6,10 +6,11 @@ import json
 import statistics
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from common.data.convert.synth import synth_scenes
+from common.data.convert.synth import synth_hsi, synth_scenes
 from common.training.evaluator import EVAL_KEYS
 from common.training.summary import SUMMARY_KEYS
 from launch.cli import main
@@ -113,3 +114,76 @@ def test_compute_only_slowdown_does_not_feed_back(
     third = len(ratios) // 3
     early, late = statistics.median(ratios[:third]), statistics.median(ratios[-third:])
     assert late < 1.5 * early, ratios
+
+
+@pytest.fixture(scope="module")
+def small_hsi(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("hsi") / "hsi.h5"
+    synth_hsi(out, bands=8, size=24, classes=3, patch=5, train_fraction=0.3, seed=1)
+    return out  # 153 training samples: 19 steps of 8 and a tail of 1 per epoch
+
+
+def _final_state(run_dir: Path) -> np.ndarray:
+    newest = max((run_dir / "snapshots").glob("snap-*.npz"))
+    with np.load(newest) as data:
+        return data["state"]
+
+
+def test_weighted_ddp_on_uneven_ranks_ends_where_one_process_ends(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    """Ranks computing 5, 2, 1 and 0 of every 8 samples (GroupNorm, fp32) apply the updates
+    one process computing all 8 applies: same final parameters and test loss."""
+    runs = {}
+    for name, slowdowns, extra in (
+        ("one", "1", []),
+        ("weighted", "1,1,1,1", ["--weighted", "--shares", "5,2,1,0"]),
+    ):
+        runs[name] = tmp_path / name
+        args = ["ddp", "--dataset", str(small_hsi), "--model", "hsi-cnn", "--norm", "group"]
+        args += ["--slowdowns", slowdowns, "--epochs", "2", "--global-batch", "8"]
+        args += ["--snapshot-every-steps", "1000", "--run-dir", str(runs[name]), *extra]
+        result = CliRunner().invoke(main, [*args, "--no-progress"])
+        assert result.exit_code == 0, result.output
+    one, weighted = (json.loads((runs[n] / "summary.json").read_text()) for n in runs)
+    assert weighted["mode"] == "weighted-ddp" and one["mode"] == "ddp"
+    assert weighted["steps"] == one["steps"] == 40
+    assert abs(weighted["final"]["loss"] - one["final"]["loss"]) <= 1e-6
+    np.testing.assert_allclose(
+        _final_state(runs["weighted"]), _final_state(runs["one"]), rtol=1e-5, atol=1e-6
+    )
+    assert [w["samples"] for w in weighted["workers"]] == [5 * 38 + 2, 2 * 38, 38, 0]
+    events = _events(runs["weighted"])
+    assert [e["mode"] for e in events if e["event"] == "start"] == ["weighted-ddp"]
+    shares = [e for e in events if e["event"] == "shares"]
+    assert [[w["batch"] for w in e["workers"]] for e in shares] == [[5, 2, 1, 0]]
+    rounds = [[w["batch"] for w in e["workers"]] for e in events if e["event"] == "round"]
+    assert rounds.count([5, 2, 1, 0]) == 38 and rounds.count([1, 0, 0, 0]) == 2  # the tails
+    for epoch in (e for e in events if e["event"] == "epoch"):
+        assert epoch["samples"] == 153 and epoch["exactly_once"]
+
+
+def test_weighted_ddp_measures_its_shares_and_rebalances_each_epoch(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    """Without --shares the ranks time a probe batch: the rank slowed 4x gets the smaller part;
+    --rebalance epoch splits again from the first epoch's step times."""
+    config = DDPConfig(
+        dataset=small_hsi,
+        model="hsi-cnn",
+        slowdowns=(1.0, 4.0),
+        run_dir=tmp_path / "run",
+        train=TrainSettings(epochs=2, global_batch=16),
+        weighted=True,
+        rebalance="epoch",
+    )
+    summary = run_ddp(config)
+    events = _events(config.run_dir)
+    shares = [e for e in events if e["event"] == "shares"]
+    assert [e["source"] for e in shares] == ["probe", "epoch"]
+    for split in shares:
+        fast, slow = (w["batch"] for w in split["workers"])
+        assert fast + slow == 16 and fast > 2 * slow, split
+    assert summary["details"]["shares"] == [w["batch"] for w in shares[-1]["workers"]]
+    epochs = [e for e in events if e["event"] == "epoch"]
+    assert [e["samples"] for e in epochs] == [153, 153]
