@@ -16,6 +16,7 @@ import logging
 import math
 import shutil
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -40,10 +41,14 @@ log = logging.getLogger(__name__)
 # What makes a directory hold a comparison (``--overwrite`` then replaces the whole directory).
 COMPARISON_FILES = ("compare.json", "report.md", "report.png", "runs")
 SINGLE = "single"
-COMPARE_MODES = (*MODES, "ddp", SINGLE)
+WEIGHTED_DDP, DDP_KEPT = "weighted-ddp", "ddp-kept"
+COMPARE_MODES = (*MODES, "ddp", WEIGHTED_DDP, DDP_KEPT, SINGLE)
+KEPT_SHARE = 0.05  # ddp-kept: the nodes that computed at least this share of weighted-sync's
 MODES_HELP = (
     f"Comma-separated modes among {', '.join(COMPARE_MODES)}; '{SINGLE}' is the --workers 1 "
-    "reference (one DDP process, slowdown 1, the whole global batch)."
+    "reference (one DDP process, slowdown 1, the whole global batch); weighted-ddp is pslaunch "
+    "ddp --weighted; ddp-kept is plain DDP on the nodes that computed >= 5 % of the samples "
+    "of the same repeat's weighted-sync run (list weighted-sync before it)."
 )
 
 
@@ -117,6 +122,14 @@ class CompareConfig:
             )
         if len(set(self.modes)) != len(self.modes):
             raise ConfigError(f"--modes {','.join(self.modes)!r} names a mode twice")
+        if DDP_KEPT in self.modes and (
+            "weighted-sync" not in self.modes
+            or self.modes.index("weighted-sync") > self.modes.index(DDP_KEPT)
+        ):
+            raise ConfigError(
+                f"--modes {','.join(self.modes)!r}: ddp-kept runs DDP on the nodes the same "
+                "repeat's weighted-sync run kept, so list weighted-sync before it"
+            )
         if self.train.epochs is None and self.train.max_steps is None:
             raise ConfigError(
                 "compare needs --epochs (or --max-steps): every run sees as many samples"
@@ -162,6 +175,11 @@ class CompareConfig:
         """Refuse what Slurm runs do not support; build one job of each kind as a check."""
         if any(self.slowdown_schedules):
             raise ConfigError("--slowdown-schedules is not supported with --launcher slurm")
+        if {WEIGHTED_DDP, DDP_KEPT} & set(self.modes):
+            raise ConfigError(
+                "--launcher slurm runs plain ddp only: weighted-ddp and ddp-kept need "
+                "--launcher local"
+            )
         if self.nodes is not None and self.nodes.links:
             raise ConfigError("--links emulates hosts on this machine: use --launcher local")
         if self.nodes is not None and self.nodes.budgets:
@@ -204,8 +222,9 @@ class CompareConfig:
             allow_oversubscribe=self.allow_oversubscribe,
         )
 
-    def ddp(self, mode: str, run_dir: Path) -> DDPConfig:
-        """The DDP run (``ddp``) or the single-process reference (``single``)."""
+    def ddp(self, mode: str, run_dir: Path, kept: Sequence[int] = ()) -> DDPConfig:
+        """The DDP run (``ddp``, ``weighted-ddp``, or ``ddp-kept`` on the nodes ``kept``) or
+        the single-process reference (``single``)."""
         if mode == SINGLE:
             return DDPConfig(
                 dataset=self.dataset,
@@ -219,7 +238,7 @@ class CompareConfig:
                 nodes=self._single_node(),
                 allow_oversubscribe=self.allow_oversubscribe,
             )
-        return DDPConfig(
+        config = DDPConfig(
             dataset=self.dataset,
             model=self.model,
             slowdowns=self.slowdowns,
@@ -231,7 +250,17 @@ class CompareConfig:
             snapshot_every_steps=self.snapshot_every,
             nodes=self.nodes,
             allow_oversubscribe=self.allow_oversubscribe,
+            weighted=mode == WEIGHTED_DDP,
         )
+        return config.subset(kept) if mode == DDP_KEPT else config
+
+    def kept_nodes(self, summary: dict[str, Any]) -> list[int]:
+        """The nodes of a weighted-sync run (its summary) that computed at least
+        ``KEPT_SHARE`` of its samples, by index."""
+        index = {f"w{i}-x{s:g}": i for i, s in enumerate(self.slowdowns)}  # pslaunch local's
+        samples = {index[w["name"]]: w["samples"] for w in summary["workers"] if w["name"] in index}
+        total = sum(samples.values())
+        return sorted(i for i, n in samples.items() if total and n >= KEPT_SHARE * total)
 
     def _single_node(self) -> ClusterSpec | None:
         """The reference run's one node: the worker node with the largest CPU budget."""
@@ -418,7 +447,8 @@ def run_compare(config: CompareConfig, show_progress: bool = True) -> dict[str, 
     with tqdm(total=total, desc="compare", unit="run", disable=not show_progress) as bar:
         for repeat in range(1, config.repeats + 1):
             for mode in config.modes:
-                data["runs"].append(_run_one(config, mode, repeat, bar, epoch_samples))
+                kept = _kept(config, data["runs"], repeat) if mode == DDP_KEPT else None
+                data["runs"].append(_run_one(config, mode, repeat, bar, epoch_samples, kept))
                 bar.update(1)
                 _write_json(config.out / "compare.json", data)
     data["max_drop"] = drop_stats(data["runs"], config.modes)
@@ -427,31 +457,48 @@ def run_compare(config: CompareConfig, show_progress: bool = True) -> dict[str, 
     return data
 
 
+def _kept(config: CompareConfig, runs: list[dict[str, Any]], repeat: int) -> list[int] | str:
+    """The nodes this repeat's weighted-sync run kept, or why there are none."""
+    run = next(r for r in runs if r["mode"] == "weighted-sync" and r["repeat"] == repeat)
+    if "error" in run:
+        return f"no nodes to keep: weighted-sync #{repeat} failed"
+    return config.kept_nodes(run["summary"]) or f"weighted-sync #{repeat} kept no node"
+
+
 def _run_one(
-    config: CompareConfig, mode: str, repeat: int, bar: tqdm, epoch_samples: int
+    config: CompareConfig,
+    mode: str,
+    repeat: int,
+    bar: tqdm,
+    epoch_samples: int,
+    kept: list[int] | str | None = None,
 ) -> dict[str, Any]:
     run_dir = config.out / "runs" / f"{mode}-{repeat}"
     label = f"{mode} #{repeat}/{config.repeats}"
     log.info("compare: %s in %s", label, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     status = RunStatus(bar, label)
+    noted = {} if kept is None or isinstance(kept, str) else {"kept_nodes": kept}
     with (run_dir / "cluster.log").open("w", encoding="utf-8") as log_file:
         try:
+            if isinstance(kept, str):
+                raise PSError(kept)
             if config.launcher == "slurm":
                 summary = _run_slurm(config, mode, run_dir, log_file, status)
             elif mode in MODES:
                 summary = run_local(config.cluster(mode, run_dir), log_file, status)
             else:
-                summary = run_ddp(config.ddp(mode, run_dir), log_file, status)
+                summary = run_ddp(config.ddp(mode, run_dir, kept or ()), log_file, status)
         except PSError as exc:
             log.error("compare: %s failed: %s", label, exc)
-            return {"mode": mode, "repeat": repeat, "run_dir": str(run_dir), "error": str(exc)}
+            failed = {"mode": mode, "repeat": repeat, "run_dir": str(run_dir), "error": str(exc)}
+            return {**failed, **noted}
     every = config.snapshot_every if config.launcher == "local" or mode in MODES else None
     if every is not None:  # Slurm DDP jobs keep no snapshots: their per-epoch evaluations count
         status.show("scoring snapshots")
     user_model = (config.model,) if ":" in config.model else ()  # the model compare was given
     scored = score_run(run_dir, config.target_oa, every, config.threads, user_model)
-    record = {**run_record(mode, repeat, run_dir, summary, config.target_oa), **scored}
+    record = {**run_record(mode, repeat, run_dir, summary, config.target_oa), **scored, **noted}
     curve = record.get("snapshot_curve") or record["curve"]
     return {**record, "max_drop": max_drop(curve, epoch_samples)}
 

@@ -100,7 +100,7 @@ def speedup_section(stats: dict[str, dict[str, Any]], target: float | None) -> l
     with a target); a sentence instead when no baseline ran."""
     columns = []
     for key, name in (("epoch_time_s", "epoch time"), ("time_to_target_s", "time to target")):
-        for base in ("ddp", "equal-sync"):
+        for base in ("ddp", "weighted-ddp", "equal-sync"):
             if base in stats and (key == "epoch_time_s" or target is not None):
                 columns.append((key, base, f"{name} vs {base}"))
     heading = "## Speed-up (median of the baseline / median of the mode; > 1 is faster)"
@@ -176,6 +176,7 @@ def render_markdown(data: dict[str, Any]) -> str:
         f"- target OA: {target if target is not None else 'none'}",
         *option_lines(settings),
         *cluster_lines(settings.get("cluster")),
+        *kept_lines(data),
         "",
         *setup_section(data),
         (
@@ -245,6 +246,21 @@ def cluster_lines(described: dict[str, Any] | None) -> list[str]:
         "group; DDP ranks had the budgets of the workers they stand for"
     )
     return lines
+
+
+def kept_lines(data: dict[str, Any]) -> list[str]:
+    """The line naming the nodes each ``ddp-kept`` run had (none without such runs)."""
+    kept = [
+        f"repeat {r['repeat']}: {', '.join(str(i) for i in r['kept_nodes'])}"
+        for r in data["runs"]
+        if "kept_nodes" in r
+    ]
+    if not kept:
+        return []
+    return [
+        "- ddp-kept: plain DDP on the nodes (by index) that computed >= 5 % of the samples "
+        f"of the same repeat's weighted-sync run: {'; '.join(kept)}"
+    ]
 
 
 def target_source(data: dict[str, Any]) -> str:
