@@ -21,6 +21,7 @@ from launch.cli_options import (
     build_nodes,
     build_train,
     build_workers,
+    checkpoint_option,
     cluster_options,
     emulated_workers,
     link_options,
@@ -185,6 +186,18 @@ def local_cluster(
     help="Weighted DDP: epoch re-splits the global batch at each epoch's start by the speeds "
     "the last epoch's steps measured; none keeps the first split.",
 )
+@checkpoint_option
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace a run --run-dir holds (its metrics.jsonl, summary.json, checkpoints and "
+    "snapshots); without it, or --resume, such a directory is refused.",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue the run in --run-dir from its newest checkpoint (its clock and records go on).",
+)
 @progress_option
 @link_options
 @budget_options
@@ -199,6 +212,7 @@ def ddp(
     server_link: str | None,
     link_delay: str | None,
     shares: str | None,
+    ddp_checkpoint_every: int,
     **options: Any,
 ) -> None:
     """Run the torch.distributed DDP baseline (one process per rank) and print the summary.
@@ -220,6 +234,7 @@ def ddp(
         devices=device_list,
         nodes=nodes,
         shares=_shares(shares),
+        checkpoint_every=ddp_checkpoint_every,
         **options,
     )
     click.echo(
@@ -272,6 +287,7 @@ def ddp(
     help="Seconds to wait for one Slurm job, queueing included; then it is cancelled.",
 )
 @link_options
+@checkpoint_option
 @click.option(
     "--overwrite",
     is_flag=True,
@@ -345,7 +361,9 @@ def _run(runner: Callable[[Any], dict[str, Any]], config: Any) -> dict[str, Any]
     except PSError as exc:
         raise click.ClickException(str(exc)) from exc
     except KeyboardInterrupt:
-        click.echo("pslaunch: interrupted; the processes were stopped", err=True)
+        summary = Path(getattr(config, "run_dir", "")) / "summary.json"
+        written = f"; summary: {summary}" if summary.is_file() else ""
+        click.echo(f"pslaunch: interrupted; the processes were stopped{written}", err=True)
         sys.exit(130)
 
 

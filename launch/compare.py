@@ -81,6 +81,7 @@ class CompareConfig:
         allow_oversubscribe: run CPU budgets that sum to more cores than the machine has.
         overwrite: replace an earlier comparison in ``out`` (the whole directory); without
             it such a directory is refused.
+        ddp_checkpoint_every: DDP runs checkpoint every this many epochs.
     """
 
     dataset: Path
@@ -104,6 +105,7 @@ class CompareConfig:
     nodes: ClusterSpec | None = None
     overwrite: bool = False
     allow_oversubscribe: bool = False
+    ddp_checkpoint_every: int = 1
 
     def validate(self) -> CompareConfig:
         """Check every field.
@@ -237,6 +239,7 @@ class CompareConfig:
                 snapshot_every_steps=self.snapshot_every,
                 nodes=self._single_node(),
                 allow_oversubscribe=self.allow_oversubscribe,
+                checkpoint_every=self.ddp_checkpoint_every,
             )
         config = DDPConfig(
             dataset=self.dataset,
@@ -251,6 +254,7 @@ class CompareConfig:
             nodes=self.nodes,
             allow_oversubscribe=self.allow_oversubscribe,
             weighted=mode == WEIGHTED_DDP,
+            checkpoint_every=self.ddp_checkpoint_every,
         )
         return config.subset(kept) if mode == DDP_KEPT else config
 

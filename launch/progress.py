@@ -90,6 +90,10 @@ class RunProgress:
             self.steps += 1
             self.version = _int(record.get("version")) or self.version
             self.epoch = _int(record.get("epoch")) or self.epoch
+        elif kind == "resume" and _int(record.get("samples")):  # a DDP group restarted
+            self.samples = record["samples"]
+            if not self.by_steps:
+                self.bar.n = self.samples
         elif kind == "eval" and isinstance(record.get("oa"), int | float):
             self.oa = float(record["oa"])
         else:
@@ -113,7 +117,7 @@ class RunProgress:
         left, stops the thread and closes the bar.
         """
         stop = threading.Event()
-        tail = _Tail(metrics, mark)
+        tail = EventTail(metrics, mark)
         thread = threading.Thread(target=self._follow, args=(tail, stop), daemon=True)
         thread.start()
         try:
@@ -124,11 +128,11 @@ class RunProgress:
             self._feed_all(tail)
             self.close()
 
-    def _follow(self, tail: _Tail, stop: threading.Event) -> None:
+    def _follow(self, tail: EventTail, stop: threading.Event) -> None:
         while not stop.wait(POLL_S):
             self._feed_all(tail)
 
-    def _feed_all(self, tail: _Tail) -> None:
+    def _feed_all(self, tail: EventTail) -> None:
         with self._lock:
             records = tail.read()
             for record in records:
@@ -137,7 +141,7 @@ class RunProgress:
                 self.bar.refresh()
 
 
-class _Tail:
+class EventTail:
     """The complete JSON lines a server appended to a file since the last read; a file that
     replaces the one read so far is read from its start."""
 

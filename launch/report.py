@@ -198,6 +198,7 @@ def render_markdown(data: dict[str, Any]) -> str:
         _table(headers, results),
         "",
         *speedup_section(stats, target),
+        *restart_section(data),
         *per_class_section(data),
         "![OA against training time and samples seen](report.png)",
         "",
@@ -246,6 +247,34 @@ def cluster_lines(described: dict[str, Any] | None) -> list[str]:
         "group; DDP ranks had the budgets of the workers they stand for"
     )
     return lines
+
+
+def restart_section(data: dict[str, Any]) -> list[str]:
+    """The table of the DDP groups' restarts (nodes that left and returned): per mode their
+    count, the samples they threw away and their time; none when no run records restarts."""
+    rows = []
+    for mode in data["settings"]["modes"]:
+        found = [
+            r["summary"]["restarts"]
+            for r in data["runs"]
+            if r["mode"] == mode and "error" not in r and r["summary"].get("restarts")
+        ]
+        if found:
+            cells = [spread([f[k] for f in found]) for k in ("count", "lost_samples", "restart_s")]
+            rows.append([mode, _cell(cells[0], 0), _cell(cells[1], 0), _cell(cells[2], 2)])
+    if not rows:
+        return []
+    headers = ["mode", "restarts", "samples lost", "restart time s"]
+    return [
+        "## Restarts",
+        "",
+        "A DDP group restarts from its last checkpoint when a node leaves and when it returns; "
+        "samples lost = samples applied after that checkpoint and thrown away; restart time = "
+        "seconds from the failure to the next group's first step (both in training time).",
+        "",
+        _table(headers, rows),
+        "",
+    ]
 
 
 def kept_lines(data: dict[str, Any]) -> list[str]:

@@ -133,14 +133,22 @@ class CpuBudgets:
         path = self.parent / name
         path.mkdir()
         self.groups.append(path)
+        self.set_quota(path, cores)
+        return path
+
+    def set_quota(self, group: Path, cores: float) -> None:
+        """Give ``group`` a budget of ``cores`` (at creation, or while its process runs).
+
+        Raises:
+            PSError: the quota cannot be written.
+        """
         quota, period = quota_period_us(cores)
         if self.hierarchy.version == 2:
-            self._write(path / "cpu.max", f"{quota} {period}")
+            self._write(group / "cpu.max", f"{quota} {period}")
         else:
-            self._write(path / "cpu.cfs_period_us", str(period))
-            self._write(path / "cpu.cfs_quota_us", str(quota))
-        log.debug("control group %s: %d us per %d us", path, quota, period)
-        return path
+            self._write(group / "cpu.cfs_period_us", str(period))
+            self._write(group / "cpu.cfs_quota_us", str(quota))
+        log.debug("control group %s: %d us per %d us", group, quota, period)
 
     @staticmethod
     def wrap(group: Path, command: list[str]) -> list[str]:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+from common.errors import PSError
 from launch.cluster.budgets import CpuBudgets, check_total, require_hierarchy
 from launch.cluster.spec import ClusterSpec, NodeSpec
 
@@ -114,6 +115,17 @@ class Nodes:
         if self.spec is None:
             return Node(f"w{index}")
         return self._node(f"w{index}", self.spec.workers[index])
+
+    def set_budget(self, index: int, cores: float) -> None:
+        """Rewrite the CPU quota of worker (or DDP rank) ``index`` to ``cores``; what runs in
+        its group keeps running under the new budget.
+
+        Raises:
+            PSError: the launch has no CPU budgets, or the quota cannot be written.
+        """
+        if self.budgets is None:
+            raise PSError(f"worker {index} has no CPU budget to change")
+        self.budgets.set_quota(self.budgets.parent / f"w{index}", cores)
 
     def server(self) -> Node:
         """The server's node."""

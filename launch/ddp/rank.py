@@ -8,9 +8,11 @@ import faulthandler
 import inspect
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
+from types import FrameType
 
 import numpy as np
 import torch
@@ -26,9 +28,11 @@ from common.training.flat import FlatLayout
 from common.training.models import build_model
 from common.training.planner import plan_batches, plan_equal, tail_scale
 from common.training.schedule import lr_factor
+from launch.ddp import checkpoint
 from launch.ddp.launcher import DDPConfig
-from launch.ddp.record import RunRecorder
+from launch.ddp.record import INTERRUPTED, RunRecorder
 from launch.ddp.step import ComputeOnlyStep
+from pserver import checkpoint as checkpoint_file
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +141,7 @@ class RankTrainer:
             grads_in_backward=self.world_size > 1 and config.grad_compression != "none",
         )
         self.optimizer = _optimizer(self.model, config)
+        self.layout = FlatLayout(self.model)
         self.recorder: RunRecorder | None = None
         if rank == 0:
             evaluator = Evaluator(
@@ -145,16 +150,31 @@ class RankTrainer:
                 meta.num_classes,
                 config.eval_batch,
             )
-            self.recorder = RunRecorder(config, evaluator, FlatLayout(self.model))
-        self.steps = 0
-        self.samples = 0
+            self.recorder = RunRecorder(config, evaluator, self.layout)
+        self.steps = self.samples = 0
+        self.epoch, self.cursor = 1, 0  # the epoch in progress and its samples done
+        self.stopping = False  # a signal asked to stop: every rank stops after the next step
+        if config.resume:
+            self._resume()
         self.sizes: list[int] = []  # weighted DDP: every rank's part of a full global batch
         self.speeds: list[float] = []
         self.work = [0.0] * self.world_size  # this epoch's samples and emulated seconds
         self.seconds = [0.0] * self.world_size
 
+    def _resume(self) -> None:
+        """Continue from the run's newest checkpoint: state, optimizer, position, record."""
+        saved = checkpoint_file.read_newest(self.config.run_dir / checkpoint.DIRECTORY)
+        if self.recorder is not None:
+            self.recorder.restore(saved.meta)  # first: it refuses another run's checkpoint
+        checkpoint.restore(saved, self.layout, self.optimizer)
+        meta = saved.meta
+        self.steps, self.samples = int(meta["version"]), int(meta["samples"])
+        self.epoch, self.cursor = int(meta["epoch"]), int(meta["cursor"])
+        log.info("resumed at step %d (epoch %d, sample %d)", self.steps, self.epoch, self.cursor)
+
     def run(self) -> None:
-        """Train until the epochs, the step limit or the target accuracy say stop."""
+        """Train until the epochs, the step limit, the target accuracy or a signal say stop;
+        checkpoint every ``checkpoint_every`` epochs and when stopped by a signal."""
         cfg = self.config.train
         train_idx = self.reader.train_indices
         count = len(train_idx)
@@ -162,28 +182,43 @@ class RankTrainer:
         self.collective.barrier()
         if self.recorder is not None:
             self.recorder.train_started()
-        reason, epoch = "", 0
+        reason = ""
         while not reason:
-            epoch += 1
-            if epoch > 1 and self.config.rebalance == "epoch":
-                self._rebalance()
+            if self.cursor == count:  # the epoch is done
+                self.epoch, self.cursor = self.epoch + 1, 0
+                if self.config.rebalance == "epoch":
+                    self._rebalance()
+            epoch = self.epoch
             perm = np.random.default_rng(cfg.seed + epoch).permutation(count)
-            for start in range(0, count, cfg.global_batch):
-                self._step(epoch, train_idx[perm[start : start + cfg.global_batch]])
+            while self.cursor < count and not reason:
+                indices = train_idx[perm[self.cursor : self.cursor + cfg.global_batch]]
+                stop = self._step(epoch, indices)
+                self.cursor += len(indices)
                 if cfg.max_steps is not None and self.steps >= cfg.max_steps:
                     reason = "max_steps"
-                    break
-            else:
-                reached = False
-                if self.recorder is not None:
-                    reached = self.recorder.epoch_done(epoch, self.steps, self.samples)
-                if self.collective.decide(reached):
-                    reason = "target_oa"
-                elif cfg.epochs is not None and epoch >= cfg.epochs:
-                    reason = "epochs"
+                elif stop:
+                    reason = INTERRUPTED
+            if reason:
+                break
+            reached = False
+            if self.recorder is not None:
+                reached = self.recorder.epoch_done(epoch, self.steps, self.samples)
+            if self.collective.decide(reached):
+                reason = "target_oa"
+            elif cfg.epochs is not None and epoch >= cfg.epochs:
+                reason = "epochs"
+            if epoch % self.config.checkpoint_every == 0:
+                self._checkpoint()
+        if reason == INTERRUPTED:
+            self._checkpoint()
         if self.recorder is not None:
-            self.recorder.finish(reason, epoch, self.steps, self.samples)
+            self.recorder.finish(reason, self.epoch, self.steps, self.samples)
         self.collective.barrier()  # leave together: a rank exiting early breaks gloo's teardown
+
+    def _checkpoint(self) -> None:
+        if self.recorder is not None:  # every replica holds the same state: rank 0 writes it
+            position = (self.epoch, self.cursor, self.steps, self.samples)
+            self.recorder.checkpoint(*position, self.optimizer)
 
     def _split(self, batch: int) -> list[int]:
         """Every rank's part of a global batch of ``batch`` samples: equal parts, or
@@ -239,6 +274,8 @@ class RankTrainer:
         if count % batch:
             sizes.add(self._split(count % batch)[self.rank])
         local = max(max(sizes), 1)
+        if not self.step_fn.schedule.slows:
+            sizes = set()  # nothing to calibrate: a rank that is not slowed never sleeps
         calibrated: dict[int, float] = {}
         for turn in range(self.world_size):
             if turn == self.rank:
@@ -260,7 +297,8 @@ class RankTrainer:
         self.collective.all_reduce(speeds)
         return [float(s) for s in speeds.tolist()]
 
-    def _step(self, epoch: int, indices: np.ndarray) -> None:
+    def _step(self, epoch: int, indices: np.ndarray) -> bool:
+        """One step over the global batch ``indices``; returns whether a rank asked to stop."""
         begin = time.perf_counter()
         batches = self._split(len(indices))
         offset, size = sum(batches[: self.rank]), batches[self.rank]
@@ -271,7 +309,7 @@ class RankTrainer:
         t = self.config.train
         weight = size / len(indices) if self.config.weighted else None
         scale = tail_scale(len(indices), t.global_batch)
-        result = self.step_fn.run(self.steps, x, y, scale, weight)
+        result = self.step_fn.run(self.steps, x, y, scale, weight, self.stopping)
         for r, b in enumerate(batches):
             if b:
                 self.work[r] += b
@@ -287,6 +325,7 @@ class RankTrainer:
         if self.recorder is not None:
             self.recorder.round(epoch, self.steps, batches, result, time.perf_counter() - begin)
             self.recorder.snapshot(epoch, self.steps, self.samples)
+        return result.stop
 
     def close(self) -> None:
         """Release the dataset, the run log and the DDP wrapper."""
@@ -331,7 +370,13 @@ def run_rank(
         )
     trainer = None
     try:
-        trainer = RankTrainer(config, rank, Collective(rank, config.world_size, device))
+        trainer = active = RankTrainer(config, rank, Collective(rank, config.world_size, device))
+
+        def stop(_signum: int, _frame: FrameType | None) -> None:
+            active.stopping = True  # every rank ends after the same step (the step's tail)
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, stop)
         trainer.run()
     finally:
         if trainer is not None:

@@ -11,7 +11,8 @@ one's wait grows the other's: the step time feeds back without bound. So a step 
    number of ranks that had samples: the plain mean of the ranks' mean gradients, exactly
    what equal-sync computes (an epoch's last, short step of b samples is then weighted by
    b / B, as the parameter server weighs it); the tail carries each rank's compute and
-   emulated time and its loss, so rank 0 learns every rank's speed without another collective;
+   emulated time, its loss and whether it was asked to stop, so rank 0 learns every rank's
+   speed, and all ranks stop after the same step, without another collective;
 3. after the optimizer step, ``sleep``: (F-1)·t̂, so this rank looks F times slower, where t̂
    is this rank's compute time for its local batch size calibrated before training (the
    fastest of several passes before the clock starts, ``warm_up``; ranks take turns). A fixed
@@ -77,12 +78,14 @@ class StepResult:
         compute_s: per rank, the measured compute time t_r.
         emulated_s: per rank, the emulated compute time t_r + (F_r-1)·t̂_r.
         active: how many ranks had samples.
+        stop: some rank asked to stop after this step (``run``'s ``stop``).
     """
 
     loss: float
     compute_s: tuple[float, ...]
     emulated_s: tuple[float, ...]
     active: int
+    stop: bool = False
 
 
 class ComputeOnlyStep:
@@ -124,10 +127,11 @@ class ComputeOnlyStep:
         self.num_buffers = sum(b.numel() for b in self.buffers)
         self.calibrated: dict[int, float] = {}
         self._pause_s = 0.0  # the last step's emulated slowdown, slept by ``sleep``
-        # [gradients (p), buffer changes (b), active, loss sum, samples, t_r (w), F_r·t_r (w)]:
+        # [gradients (p), buffer changes (b), active, loss sum, samples, stop, t_r (w),
+        # F_r·t_r (w)]:
         # what one all-reduce sums. The gradients are views into it (backward accumulates
         # there), so a step copies no gradient before or after its all-reduce.
-        self.flat = torch.zeros(self.num_params + self.num_buffers + 3 + 2 * world_size)
+        self.flat = torch.zeros(self.num_params + self.num_buffers + 4 + 2 * world_size)
         self.flat = self.flat.to(device)
         with torch.no_grad():
             offset = 0
@@ -219,6 +223,7 @@ class ComputeOnlyStep:
         y: torch.Tensor,
         scale: float = 1.0,
         weight: float | None = None,
+        stop: bool = False,
     ) -> StepResult:
         """Compute this rank's gradients on ``(x, y)`` and combine them over the ranks.
 
@@ -234,6 +239,7 @@ class ComputeOnlyStep:
                 (``common.training.planner.tail_scale``), as the parameter server weighs it.
             weight: weighted DDP: this rank's share of the step's samples (the shares of all
                 ranks sum to 1); None: the plain mean.
+            stop: this rank asks every rank to stop after this step (it was interrupted).
 
         Returns:
             The step's loss and per-rank timings.
@@ -263,11 +269,12 @@ class ComputeOnlyStep:
             if weight is not None:
                 flat[p:head].mul_(weight)
             flat[head : head + 3] = torch.tensor([1.0, loss * samples, float(samples)])
-        flat[head + 3 + self.rank] = compute
-        flat[head + 3 + w + self.rank] = emulated
+        flat[head + 3] = float(stop)
+        flat[head + 4 + self.rank] = compute
+        flat[head + 4 + w + self.rank] = emulated
         if w > 1:
             self.all_reduce(flat[p:] if self.grads_in_backward else flat)
-        active, loss_sum, total, *times = flat[head:].tolist()
+        active, loss_sum, total, stops, *times = flat[head:].tolist()
         if weight is not None:  # already the weighted sum
             flat[:head].mul_(scale)
         elif self.grads_in_backward:  # the reducer's mean is over every rank
@@ -281,6 +288,7 @@ class ComputeOnlyStep:
             compute_s=tuple(times[:w]),
             emulated_s=tuple(times[w:]),
             active=round(active),
+            stop=stops > 0,
         )
 
     def _write_buffers(self, values: torch.Tensor) -> None:
