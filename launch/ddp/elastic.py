@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -47,10 +48,6 @@ class Restarts:
     count: int = 0
     lost_samples: int = 0
     restart_s: float = 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        """As ``summary.json`` records it."""
-        return {"count": self.count, "lost_samples": self.lost_samples, "restart_s": self.restart_s}
 
 
 class ElasticGroups:
@@ -90,7 +87,10 @@ class ElasticGroups:
             if changes is None:
                 self.group.close()
                 return self.restarts
-            self.group.kill_groups()  # the departed rank first: SIGKILL, as a failing node
+            for index, action in changes:  # a departing node's rank dies first, as it fails
+                if action == OFF:
+                    self.group.children[members.index(index)].signal_group(signal.SIGKILL)
+            self.group.kill_groups()  # the group cannot go on: the others are stopped
             for child in self.group.children:
                 child.wait()
             self.group.close()

@@ -182,7 +182,13 @@ class RankTrainer:
         self.collective.barrier()
         if self.recorder is not None:
             self.recorder.train_started()
+        if not self.config.resume:
+            self._checkpoint()  # a group that fails before an epoch ends restarts from here
         reason = ""
+        if cfg.max_steps is not None and self.steps >= cfg.max_steps:
+            reason = "max_steps"  # resumed where it had ended
+        elif self.cursor == count and cfg.epochs is not None and self.epoch >= cfg.epochs:
+            reason = "epochs"
         while not reason:
             if self.cursor == count:  # the epoch is done
                 self.epoch, self.cursor = self.epoch + 1, 0

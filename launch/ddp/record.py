@@ -55,6 +55,7 @@ class RunRecorder:
         self.round_times: list[float] = []
         self.evals: list[dict[str, Any]] = []
         self.eval_total_s = 0.0
+        self.checkpoint_total_s = 0.0  # checkpoint writes block training as evaluations do
         self.train_start = 0.0
         self.time_to_target: float | None = None
         self.epochs_done = 0
@@ -102,6 +103,7 @@ class RunRecorder:
         check_identity(meta, self.identity)
         record = meta["record"]
         self.train_start, self.eval_total_s = record["train_start"], record["eval_total_s"]
+        self.checkpoint_total_s = record["checkpoint_total_s"]
         self.time_to_target, self.epochs_done = record["time_to_target"], meta["epoch"] - 1
         self.evals, self.round_times = record["evals"], record["round_times"]
         self.others = dict(record["workers"])  # ranks outside this group keep their counts
@@ -124,6 +126,7 @@ class RunRecorder:
         return {
             "train_start": self.train_start,
             "eval_total_s": self.eval_total_s,
+            "checkpoint_total_s": self.checkpoint_total_s,
             "time_to_target": self.time_to_target,
             "evals": self.evals,
             "round_times": self.round_times,
@@ -140,7 +143,7 @@ class RunRecorder:
             version, samples: steps and training samples applied.
             optimizer: the optimizer whose state is saved.
         """
-        begin = time.perf_counter()
+        begin, t = time.perf_counter(), self.log.now()
         meta: dict[str, Any] = {"version": version, "epoch": epoch, "cursor": cursor}
         meta["samples"] = samples
         meta.update(self.identity, t=self.log.now(), record=self.state())
@@ -150,6 +153,8 @@ class RunRecorder:
             log.error("checkpoint failed: %s", exc)
             self.log.event("checkpoint_failed", error=str(exc)[:300])
             return
+        finally:
+            self.checkpoint_total_s += self.log.now() - t
         write_s = round(time.perf_counter() - begin, 4)
         self.log.event(
             "checkpoint", version=version, samples=samples, path=str(path), write_s=write_s
@@ -173,8 +178,9 @@ class RunRecorder:
             )
 
     def train_clock(self, t: float) -> float:
-        """Training time at log time ``t``: since the start, minus blocking evaluations."""
-        return max(t - self.train_start - self.eval_total_s, 0.0)
+        """Training time at log time ``t``: since the start, minus blocking evaluations and
+        checkpoint writes."""
+        return max(t - self.train_start - self.eval_total_s - self.checkpoint_total_s, 0.0)
 
     def round(
         self, epoch: int, version: int, batches: list[int], result: StepResult, round_s: float
@@ -348,6 +354,7 @@ class RunRecorder:
                 "world_size": self.world_size,
                 "backend": self.config.resolved_backend(),
                 "eval_s_total": round(self.eval_total_s, 4),
+                "checkpoint_s_total": round(self.checkpoint_total_s, 4),
                 "slowdown": "compute-only (launch.ddp.step)",
                 "grad_compression": self.config.grad_compression,
                 **(
