@@ -38,7 +38,7 @@ from launch.ddp import checkpoint
 from launch.procs import EventsMark, second_signal_kills, signals_interrupt
 from launch.progress import EventTail, RunProgress
 from launch.settings import TrainSettings, server_default
-from pserver.checkpoint import read_newest
+from pserver.checkpoint import read_newest, remove_stale_tmp
 from pserver.rundir import remove_run, run_files
 
 log = logging.getLogger(__name__)
@@ -297,8 +297,10 @@ def run_ddp(
 ) -> dict[str, Any]:
     """Run every rank to completion and return rank 0's summary.
 
-    If a rank fails, or on Ctrl-C, SIGTERM or the run timeout, every rank still running is
-    terminated (then killed with its process group) and reaped.
+    On nodes with budget schedules the ranks follow them, and the group restarts from its last
+    checkpoint when a node leaves or returns (``launch.ddp.elastic``). If a rank fails, or on
+    Ctrl-C, SIGTERM or the run timeout, every rank still running is terminated (then killed
+    with its process group) and reaped.
 
     Args:
         config: what to run.
@@ -344,6 +346,7 @@ def run_ddp(
             def start(members: Sequence[int], resume: bool) -> Children:
                 """The ranks of the nodes ``members`` (rank r on node members[r])."""
                 group = dataclasses.replace(config.subset(members), resume=resume)
+                remove_stale_tmp(config.run_dir / checkpoint.DIRECTORY)  # a killed rank 0's
                 path = config.run_dir / "ddp_config.json"
                 path.write_text(group.to_json(), encoding="utf-8")
                 rendezvous: list[str] = []
