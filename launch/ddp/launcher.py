@@ -33,6 +33,7 @@ from common.safefile import write_atomic
 from common.training.slowdown import SlowdownSchedule
 from launch.cluster.netns import HOST_INTERFACE, cluster_hosts
 from launch.cluster.nodes import Nodes
+from launch.cluster.schedule import OFF
 from launch.cluster.spec import ClusterSpec
 from launch.ddp import checkpoint
 from launch.procs import EventsMark, second_signal_kills, signals_interrupt
@@ -215,6 +216,13 @@ class DDPConfig:
             raise ConfigError(
                 f"the emulated cluster has {len(self.nodes.workers)} worker nodes for "
                 f"{self.world_size} ranks"
+            )
+        if self.nodes is not None and all(
+            any(c.action == OFF for c in n.schedule) for n in self.nodes.workers
+        ):
+            raise ConfigError(
+                "every node's schedule takes it off: a DDP group restarts on the nodes left, "
+                "so keep one node on throughout"
             )
         if self.grad_compression not in GRAD_COMPRESSION:
             raise ConfigError(

@@ -12,6 +12,7 @@ from common.errors import ConfigError
 from common.protocol.base import MAX_INDICES
 from common.training.planner import plan_batches
 from common.training.slowdown import SlowdownSchedule
+from launch.cluster.spec import parse_cluster
 from launch.ddp.launcher import DDPConfig
 from launch.ddp.step import ComputeOnlyStep
 from launch.settings import TrainSettings
@@ -162,6 +163,9 @@ def test_config_rejects_bad_values(tmp_path: Path) -> None:
             DDPConfig(
                 data, "hsi-cnn", (1.0, 1.0), tmp_path, good, weighted=True, shares=shares
             ).validate()
+    alone = parse_cluster(1, node_cpus="0.4;off@30%;on@60%")
+    with pytest.raises(ConfigError, match="keep one node on"):
+        DDPConfig(data, "hsi-cnn", (1.0,), tmp_path, good, nodes=alone).validate()
     with pytest.raises(ConfigError, match="STEP:FACTOR"):
         DDPConfig(
             data, "hsi-cnn", (1.0,), tmp_path, TrainSettings(epochs=1), slowdown_schedules=("x",)
