@@ -193,6 +193,7 @@ def run_pslaunch(data: Path, factors: list[float], args: argparse.Namespace, out
         run_dir=out / "pslaunch",
         train=job(args),
         run_timeout_s=TIMEOUT_S,
+        overwrite=True,  # each repeat replaces the last
     )
     summary = run_ddp(config)
     with (config.run_dir / "metrics.jsonl").open(encoding="utf-8") as f:

@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None, defaults: dict | None = None) -> int:
     parser.add_argument(
         "--modes",
         default=",".join(MODES),
-        help="modes to compare, among pslaunch compare's and weighted-ddp-rebalance",
+        help="modes to compare, among pslaunch compare's",
     )
     add_cluster_arguments(parser)
     parser.add_argument(

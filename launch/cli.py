@@ -21,6 +21,7 @@ from launch.cli_options import (
     build_nodes,
     build_train,
     build_workers,
+    checkpoint_option,
     cluster_options,
     emulated_workers,
     link_options,
@@ -32,7 +33,7 @@ from launch.cli_options import (
     warn_unbudgeted_server,
 )
 from launch.compare import MODES_HELP, CompareConfig, run_compare
-from launch.ddp.launcher import BACKENDS, GRAD_COMPRESSION, DDPConfig, run_ddp
+from launch.ddp.launcher import BACKENDS, GRAD_COMPRESSION, REBALANCE, DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
 from launch.progress import RunProgress
 from launch.settings import TrainSettings
@@ -168,6 +169,37 @@ def local_cluster(
     help="bf16: gradients travel as bfloat16 through PyTorch's bf16_compress_hook on DDP's "
     "reducer (compare with a bf16 parameter-server wire).",
 )
+@click.option(
+    "--weighted",
+    is_flag=True,
+    help="Weighted DDP: each rank's local batch proportional to its speed (measured on a few "
+    "steps at start), gradients combined as the sum of (b_i / B) g_i; plain DDP without it.",
+)
+@click.option(
+    "--shares",
+    default=None,
+    help="Weighted DDP: the ranks' speeds, comma-separated in --slowdowns order (>= 0, not "
+    "all 0; a rank with 0 computes nothing), instead of measuring them.",
+)
+@click.option(
+    "--rebalance",
+    type=click.Choice(REBALANCE),
+    default="none",
+    help="Weighted DDP: epoch re-splits the global batch at each epoch's start by the speeds "
+    "the last epoch's steps measured; none keeps the first split.",
+)
+@checkpoint_option
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace a run --run-dir holds (its metrics.jsonl, summary.json, checkpoints and "
+    "snapshots); without it, or --resume, such a directory is refused.",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue the run in --run-dir from its newest checkpoint (its clock and records go on).",
+)
 @progress_option
 @link_options
 @budget_options
@@ -181,6 +213,8 @@ def ddp(
     links: str | None,
     server_link: str | None,
     link_delay: str | None,
+    shares: str | None,
+    ddp_checkpoint_every: int,
     **options: Any,
 ) -> None:
     """Run the torch.distributed DDP baseline (one process per rank) and print the summary.
@@ -201,10 +235,12 @@ def ddp(
         slowdown_schedules=schedules,
         devices=device_list,
         nodes=nodes,
+        shares=_shares(shares),
+        checkpoint_every=ddp_checkpoint_every,
         **options,
     )
     click.echo(
-        f"pslaunch: ddp with {len(factors)} ranks (slowdowns {list(factors)})"
+        f"pslaunch: {config.mode} with {len(factors)} ranks (slowdowns {list(factors)})"
         + (f" on {config.nodes.summary_line()}" if config.nodes else "")
         + f"; logs in {config.run_dir / 'cluster.log'}"
     )
@@ -253,6 +289,7 @@ def ddp(
     help="Seconds to wait for one Slurm job, queueing included; then it is cancelled.",
 )
 @link_options
+@checkpoint_option
 @click.option(
     "--overwrite",
     is_flag=True,
@@ -307,6 +344,19 @@ def compare(
         raise click.ClickException(f"runs failed: {', '.join(failed)}; see their cluster.log")
 
 
+def _shares(text: str | None) -> tuple[float, ...]:
+    """``--shares`` as numbers (validated with the configuration).
+
+    Raises:
+        click.BadParameter: an entry is not a number.
+    """
+    try:
+        return tuple(float(v) for v in text.split(",")) if text else ()
+    except ValueError:
+        message = f"--shares {text!r} takes numbers such as 0.4,0.4,0.2,0.1"
+        raise click.BadParameter(message) from None
+
+
 def _run(runner: Callable[[Any], dict[str, Any]], config: Any) -> dict[str, Any]:
     """Run ``runner(config)``, turning project errors and Ctrl-C into CLI exits."""
     try:
@@ -314,7 +364,9 @@ def _run(runner: Callable[[Any], dict[str, Any]], config: Any) -> dict[str, Any]
     except PSError as exc:
         raise click.ClickException(str(exc)) from exc
     except KeyboardInterrupt:
-        click.echo("pslaunch: interrupted; the processes were stopped", err=True)
+        summary = Path(getattr(config, "run_dir", "")) / "summary.json"
+        written = f"; summary: {summary}" if summary.is_file() else ""
+        click.echo(f"pslaunch: interrupted; the processes were stopped{written}", err=True)
         sys.exit(130)
 
 

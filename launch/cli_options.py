@@ -298,6 +298,17 @@ def threads_option(func: F) -> F:
     )(func)
 
 
+def checkpoint_option(func: F) -> F:
+    """--ddp-checkpoint-every (ddp and compare)."""
+    return click.option(
+        "--ddp-checkpoint-every",
+        type=click.IntRange(min=1),
+        default=1,
+        help="DDP runs write a checkpoint every E epochs (and when stopped by a signal), which "
+        "--resume and the restarts of a node that leaves and returns continue from.",
+    )(func)
+
+
 def progress_option(func: F) -> F:
     """--progress/--no-progress (local, compare and ddp)."""
     return click.option(

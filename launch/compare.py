@@ -16,6 +16,7 @@ import logging
 import math
 import shutil
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -24,9 +25,9 @@ from tqdm import tqdm
 from common.data.dataset import DatasetReader
 from common.errors import ConfigError, PSError
 from launch.cluster.nodes import Nodes
-from launch.cluster.spec import ClusterSpec
+from launch.cluster.spec import ClusterSpec, NodeSpec
 from launch.ddp.launcher import DDPConfig, run_ddp
-from launch.local import LocalCluster, run_local
+from launch.local import LocalCluster, run_local, worker_name
 from launch.progress import RunProgress, eval_label
 from launch.settings import TrainSettings
 from launch.slurm.config import SlurmJob
@@ -40,10 +41,16 @@ log = logging.getLogger(__name__)
 # What makes a directory hold a comparison (``--overwrite`` then replaces the whole directory).
 COMPARISON_FILES = ("compare.json", "report.md", "report.png", "runs")
 SINGLE = "single"
-COMPARE_MODES = (*MODES, "ddp", SINGLE)
+WEIGHTED_DDP, DDP_KEPT = "weighted-ddp", "ddp-kept"
+WEIGHTED_DDP_REBALANCE = "weighted-ddp-rebalance"
+COMPARE_MODES = (*MODES, "ddp", WEIGHTED_DDP, WEIGHTED_DDP_REBALANCE, DDP_KEPT, SINGLE)
+KEPT_SHARE = 0.05  # ddp-kept: the nodes that computed at least this share of weighted-sync's
 MODES_HELP = (
     f"Comma-separated modes among {', '.join(COMPARE_MODES)}; '{SINGLE}' is the --workers 1 "
-    "reference (one DDP process, slowdown 1, the whole global batch)."
+    "reference (one DDP process, slowdown 1, the whole global batch); weighted-ddp is pslaunch "
+    "ddp --weighted, weighted-ddp-rebalance adds --rebalance epoch; ddp-kept is plain DDP on "
+    "the nodes that computed >= 5 % of the samples of the same repeat's weighted-sync run (list "
+    "weighted-sync before it)."
 )
 
 
@@ -76,6 +83,7 @@ class CompareConfig:
         allow_oversubscribe: run CPU budgets that sum to more cores than the machine has.
         overwrite: replace an earlier comparison in ``out`` (the whole directory); without
             it such a directory is refused.
+        ddp_checkpoint_every: DDP runs checkpoint every this many epochs.
     """
 
     dataset: Path
@@ -99,6 +107,7 @@ class CompareConfig:
     nodes: ClusterSpec | None = None
     overwrite: bool = False
     allow_oversubscribe: bool = False
+    ddp_checkpoint_every: int = 1
 
     def validate(self) -> CompareConfig:
         """Check every field.
@@ -117,6 +126,14 @@ class CompareConfig:
             )
         if len(set(self.modes)) != len(self.modes):
             raise ConfigError(f"--modes {','.join(self.modes)!r} names a mode twice")
+        if DDP_KEPT in self.modes and (
+            "weighted-sync" not in self.modes
+            or self.modes.index("weighted-sync") > self.modes.index(DDP_KEPT)
+        ):
+            raise ConfigError(
+                f"--modes {','.join(self.modes)!r}: ddp-kept runs DDP on the nodes the same "
+                "repeat's weighted-sync run kept, so list weighted-sync before it"
+            )
         if self.train.epochs is None and self.train.max_steps is None:
             raise ConfigError(
                 "compare needs --epochs (or --max-steps): every run sees as many samples"
@@ -162,6 +179,11 @@ class CompareConfig:
         """Refuse what Slurm runs do not support; build one job of each kind as a check."""
         if any(self.slowdown_schedules):
             raise ConfigError("--slowdown-schedules is not supported with --launcher slurm")
+        if {WEIGHTED_DDP, WEIGHTED_DDP_REBALANCE, DDP_KEPT} & set(self.modes):
+            raise ConfigError(
+                "--launcher slurm runs plain ddp only: weighted-ddp, weighted-ddp-rebalance "
+                "and ddp-kept need --launcher local"
+            )
         if self.nodes is not None and self.nodes.links:
             raise ConfigError("--links emulates hosts on this machine: use --launcher local")
         if self.nodes is not None and self.nodes.budgets:
@@ -204,8 +226,9 @@ class CompareConfig:
             allow_oversubscribe=self.allow_oversubscribe,
         )
 
-    def ddp(self, mode: str, run_dir: Path) -> DDPConfig:
-        """The DDP run (``ddp``) or the single-process reference (``single``)."""
+    def ddp(self, mode: str, run_dir: Path, kept: Sequence[int] = ()) -> DDPConfig:
+        """The DDP run (``ddp``, ``weighted-ddp``, or ``ddp-kept`` on the nodes ``kept``) or
+        the single-process reference (``single``)."""
         if mode == SINGLE:
             return DDPConfig(
                 dataset=self.dataset,
@@ -218,8 +241,9 @@ class CompareConfig:
                 snapshot_every_steps=self.snapshot_every,
                 nodes=self._single_node(),
                 allow_oversubscribe=self.allow_oversubscribe,
+                checkpoint_every=self.ddp_checkpoint_every,
             )
-        return DDPConfig(
+        config = DDPConfig(
             dataset=self.dataset,
             model=self.model,
             slowdowns=self.slowdowns,
@@ -231,7 +255,23 @@ class CompareConfig:
             snapshot_every_steps=self.snapshot_every,
             nodes=self.nodes,
             allow_oversubscribe=self.allow_oversubscribe,
+            weighted=mode in (WEIGHTED_DDP, WEIGHTED_DDP_REBALANCE),
+            rebalance="epoch" if mode == WEIGHTED_DDP_REBALANCE else "none",
+            checkpoint_every=self.ddp_checkpoint_every,
         )
+        return config.subset(kept) if mode == DDP_KEPT else config
+
+    def kept_nodes(self, summary: dict[str, Any]) -> list[int]:
+        """The nodes of a weighted-sync run (its summary) that computed at least
+        ``KEPT_SHARE`` of its samples, by index."""
+        nodes = self.nodes.workers if self.nodes else [NodeSpec()] * len(self.slowdowns)
+        index = {
+            worker_name(i, s, n.cpus): i
+            for i, (s, n) in enumerate(zip(self.slowdowns, nodes, strict=True))
+        }
+        samples = {index[w["name"]]: w["samples"] for w in summary["workers"] if w["name"] in index}
+        total = sum(samples.values())
+        return sorted(i for i, n in samples.items() if total and n >= KEPT_SHARE * total)
 
     def _single_node(self) -> ClusterSpec | None:
         """The reference run's one node: the worker node with the largest CPU budget."""
@@ -418,7 +458,8 @@ def run_compare(config: CompareConfig, show_progress: bool = True) -> dict[str, 
     with tqdm(total=total, desc="compare", unit="run", disable=not show_progress) as bar:
         for repeat in range(1, config.repeats + 1):
             for mode in config.modes:
-                data["runs"].append(_run_one(config, mode, repeat, bar, epoch_samples))
+                kept = _kept(config, data["runs"], repeat) if mode == DDP_KEPT else None
+                data["runs"].append(_run_one(config, mode, repeat, bar, epoch_samples, kept))
                 bar.update(1)
                 _write_json(config.out / "compare.json", data)
     data["max_drop"] = drop_stats(data["runs"], config.modes)
@@ -427,31 +468,48 @@ def run_compare(config: CompareConfig, show_progress: bool = True) -> dict[str, 
     return data
 
 
+def _kept(config: CompareConfig, runs: list[dict[str, Any]], repeat: int) -> list[int] | str:
+    """The nodes this repeat's weighted-sync run kept, or why there are none."""
+    run = next(r for r in runs if r["mode"] == "weighted-sync" and r["repeat"] == repeat)
+    if "error" in run:
+        return f"no nodes to keep: weighted-sync #{repeat} failed"
+    return config.kept_nodes(run["summary"]) or f"weighted-sync #{repeat} kept no node"
+
+
 def _run_one(
-    config: CompareConfig, mode: str, repeat: int, bar: tqdm, epoch_samples: int
+    config: CompareConfig,
+    mode: str,
+    repeat: int,
+    bar: tqdm,
+    epoch_samples: int,
+    kept: list[int] | str | None = None,
 ) -> dict[str, Any]:
     run_dir = config.out / "runs" / f"{mode}-{repeat}"
     label = f"{mode} #{repeat}/{config.repeats}"
     log.info("compare: %s in %s", label, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     status = RunStatus(bar, label)
+    noted = {} if kept is None or isinstance(kept, str) else {"kept_nodes": kept}
     with (run_dir / "cluster.log").open("w", encoding="utf-8") as log_file:
         try:
+            if isinstance(kept, str):
+                raise PSError(kept)
             if config.launcher == "slurm":
                 summary = _run_slurm(config, mode, run_dir, log_file, status)
             elif mode in MODES:
                 summary = run_local(config.cluster(mode, run_dir), log_file, status)
             else:
-                summary = run_ddp(config.ddp(mode, run_dir), log_file, status)
+                summary = run_ddp(config.ddp(mode, run_dir, kept or ()), log_file, status)
         except PSError as exc:
             log.error("compare: %s failed: %s", label, exc)
-            return {"mode": mode, "repeat": repeat, "run_dir": str(run_dir), "error": str(exc)}
+            failed = {"mode": mode, "repeat": repeat, "run_dir": str(run_dir), "error": str(exc)}
+            return {**failed, **noted}
     every = config.snapshot_every if config.launcher == "local" or mode in MODES else None
     if every is not None:  # Slurm DDP jobs keep no snapshots: their per-epoch evaluations count
         status.show("scoring snapshots")
     user_model = (config.model,) if ":" in config.model else ()  # the model compare was given
     scored = score_run(run_dir, config.target_oa, every, config.threads, user_model)
-    record = {**run_record(mode, repeat, run_dir, summary, config.target_oa), **scored}
+    record = {**run_record(mode, repeat, run_dir, summary, config.target_oa), **scored, **noted}
     curve = record.get("snapshot_curve") or record["curve"]
     return {**record, "max_drop": max_drop(curve, epoch_samples)}
 

@@ -90,6 +90,10 @@ class RunProgress:
             self.steps += 1
             self.version = _int(record.get("version")) or self.version
             self.epoch = _int(record.get("epoch")) or self.epoch
+        elif kind == "resume" and isinstance(record.get("samples"), int):  # from a checkpoint
+            self.samples = record["samples"]
+            if not self.by_steps:
+                self.bar.n = self.samples
         elif kind == "eval" and isinstance(record.get("oa"), int | float):
             self.oa = float(record["oa"])
         else:

@@ -100,7 +100,7 @@ def speedup_section(stats: dict[str, dict[str, Any]], target: float | None) -> l
     with a target); a sentence instead when no baseline ran."""
     columns = []
     for key, name in (("epoch_time_s", "epoch time"), ("time_to_target_s", "time to target")):
-        for base in ("ddp", "equal-sync"):
+        for base in ("ddp", "weighted-ddp", "equal-sync"):
             if base in stats and (key == "epoch_time_s" or target is not None):
                 columns.append((key, base, f"{name} vs {base}"))
     heading = "## Speed-up (median of the baseline / median of the mode; > 1 is faster)"
@@ -176,6 +176,7 @@ def render_markdown(data: dict[str, Any]) -> str:
         f"- target OA: {target if target is not None else 'none'}",
         *option_lines(settings),
         *cluster_lines(settings.get("cluster")),
+        *kept_lines(data),
         "",
         *setup_section(data),
         (
@@ -198,6 +199,7 @@ def render_markdown(data: dict[str, Any]) -> str:
         "",
         *speedup_section(stats, target),
         *schedule_section(data),
+        *restart_section(data),
         *per_class_section(data),
         "![OA against training time and samples seen](report.png)",
         "",
@@ -273,6 +275,49 @@ def cluster_lines(described: dict[str, Any] | None) -> list[str]:
         "group; DDP ranks had the budgets of the workers they stand for"
     )
     return lines
+
+
+def restart_section(data: dict[str, Any]) -> list[str]:
+    """The table of the DDP groups' restarts (nodes that left and returned): per mode their
+    count, the samples they threw away and their time; none when no run records restarts."""
+    rows = []
+    for mode in data["settings"]["modes"]:
+        found = [
+            r["summary"]["restarts"]
+            for r in data["runs"]
+            if r["mode"] == mode and "error" not in r and r["summary"].get("restarts")
+        ]
+        if found:
+            cells = [spread([f[k] for f in found]) for k in ("count", "lost_samples", "restart_s")]
+            rows.append([mode, _cell(cells[0], 0), _cell(cells[1], 0), _cell(cells[2], 2)])
+    if not rows:
+        return []
+    headers = ["mode", "restarts", "samples lost", "restart time s"]
+    return [
+        "## Restarts",
+        "",
+        "A DDP group restarts from its last checkpoint when a node leaves and when it returns; "
+        "samples lost = samples applied after that checkpoint and thrown away; restart time = "
+        "seconds from the failure to the next group's first step (both in training time).",
+        "",
+        _table(headers, rows),
+        "",
+    ]
+
+
+def kept_lines(data: dict[str, Any]) -> list[str]:
+    """The line naming the nodes each ``ddp-kept`` run had (none without such runs)."""
+    kept = [
+        f"repeat {r['repeat']}: {', '.join(str(i) for i in r['kept_nodes'])}"
+        for r in data["runs"]
+        if "kept_nodes" in r
+    ]
+    if not kept:
+        return []
+    return [
+        "- ddp-kept: plain DDP on the nodes (by index) that computed >= 5 % of the samples "
+        f"of the same repeat's weighted-sync run: {'; '.join(kept)}"
+    ]
 
 
 def target_source(data: dict[str, Any]) -> str:

@@ -313,6 +313,22 @@ class Checkpointer:
         return path
 
 
+def check_identity(meta: dict[str, Any], identity: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose ``meta`` differs from ``identity`` in a key both have.
+
+    Raises:
+        ConfigError: naming each option that differs.
+    """
+    differs = {k: (meta.get(k), v) for k, v in identity.items() if k in meta and meta[k] != v}
+    if differs:
+        raise ConfigError(
+            "the checkpoint does not match this run's arguments: "
+            + ", ".join(
+                f"--{k.replace('_', '-')} was {a!r}, now {b!r}" for k, (a, b) in differs.items()
+            )
+        )
+
+
 def restore(
     checkpoint: Checkpoint,
     identity: dict[str, Any],
@@ -334,14 +350,7 @@ def restore(
         ConfigError: the checkpoint belongs to another mode, model, dataset or seed.
     """
     meta = checkpoint.meta
-    differs = {k: (meta.get(k), v) for k, v in identity.items() if k in meta and meta[k] != v}
-    if differs:
-        raise ConfigError(
-            "the checkpoint does not match this server's arguments: "
-            + ", ".join(
-                f"--{k.replace('_', '-')} was {a!r}, now {b!r}" for k, (a, b) in differs.items()
-            )
-        )
+    check_identity(meta, identity)
     state = checkpoint.arrays["state"].astype(np.float32)
     if state.size != identity["state_size"]:
         raise ConfigError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from pathlib import Path
 
 from common.errors import ConfigError
 from pserver import checkpoint
@@ -35,7 +36,7 @@ def prepare(config: ServerConfig) -> checkpoint.Checkpoint | None:
         log.warning("removed %d unfinished checkpoint files", removed)
     if config.resume:
         return checkpoint.read_newest(run_dir / "checkpoints")
-    present = _run_files(config)
+    present = run_files(run_dir)
     if present and not config.overwrite:
         raise ConfigError(
             f"--run-dir {run_dir} already holds a run ({', '.join(present)}); give --resume "
@@ -49,17 +50,22 @@ def clear(config: ServerConfig) -> None:
     run has been checked and its sockets are bound, so a failed start keeps the old run)."""
     if config.run_dir is None or config.resume or not config.overwrite:
         return
-    present = _run_files(config)
+    remove_run(config.run_dir)
+
+
+def remove_run(run_dir: Path) -> None:
+    """Remove the run files ``run_files`` finds in ``run_dir`` (``--overwrite``)."""
+    present = run_files(run_dir)
     for name in present:
-        path = config.run_dir / name
+        path = run_dir / name
         if path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink()
     if present:
-        log.info("--overwrite: removed %s from %s", ", ".join(present), config.run_dir)
+        log.info("--overwrite: removed %s from %s", ", ".join(present), run_dir)
 
 
-def _run_files(config: ServerConfig) -> list[str]:
-    assert config.run_dir is not None
-    return [name for name in RUN_FILES if (config.run_dir / name).exists()]
+def run_files(run_dir: Path) -> list[str]:
+    """The files in ``run_dir`` that make it hold a run (empty: a new run may start there)."""
+    return [name for name in RUN_FILES if (run_dir / name).exists()]

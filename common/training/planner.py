@@ -30,7 +30,7 @@ import numpy as np
 from common.training.perfmodel import MAX_SECONDS, Fit
 
 
-def plan_batches(speeds: dict[int, float], total: int) -> dict[int, int]:
+def plan_batches(speeds: dict[int, float], total: int, every_worker: bool = True) -> dict[int, int]:
     """Batch sizes proportional to speed that sum to ``total``.
 
     Uses largest remainders, and gives every worker at least one sample when
@@ -39,14 +39,16 @@ def plan_batches(speeds: dict[int, float], total: int) -> dict[int, int]:
     Args:
         speeds: worker id -> samples per second (> 0).
         total: the global batch to split (>= 0).
+        every_worker: False keeps the largest-remainder split as it is, where a worker may
+            get 0 samples.
 
     Returns:
-        worker id -> batch size (>= 0), summing to ``total``; ids with 0 are omitted.
+        worker id -> batch size, summing to ``total`` (ids with 0 samples may be omitted).
     """
     if total <= 0 or not speeds:
         return {}
     order = sorted(speeds, key=lambda w: (-speeds[w], w))
-    if total < len(order):
+    if every_worker and total < len(order):
         return {w: 1 for w in order[:total]}
     top = speeds[order[0]]
     relative = {w: speeds[w] / top for w in order}  # in (0, 1]: no overflow for any input
@@ -58,7 +60,7 @@ def plan_batches(speeds: dict[int, float], total: int) -> dict[int, int]:
     for w in by_remainder[:left]:
         sizes[w] += 1
     for w in order:  # every worker takes part: lend one sample from the largest batch
-        if sizes[w] == 0:
+        if sizes[w] == 0 and every_worker:
             largest = max(order, key=lambda v: (sizes[v], -v))
             sizes[largest] -= 1
             sizes[w] = 1

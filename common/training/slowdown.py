@@ -43,6 +43,11 @@ class SlowdownSchedule:
         self._steps = [s for s, _ in points]
         self._factors = [f for _, f in points]
 
+    @property
+    def slows(self) -> bool:
+        """Whether any factor is above 1 (else nothing is ever slept)."""
+        return max(self._factors) > 1
+
     def factor(self, step: int) -> float:
         """The factor in force at local step ``step``."""
         return self._factors[bisect.bisect_right(self._steps, step) - 1]

@@ -162,8 +162,6 @@ class ScheduleFollower(RunProgress):
             self.lag = lag if self.lag is None else min(self.lag, lag)
         if kind == "train_start" and self.started is None:
             self.started = t if isinstance(t, int | float) else self.now()
-        elif kind == "resume" and isinstance(record.get("samples"), int) and not self.by_steps:
-            self.samples = record["samples"]
 
     @property
     def share(self) -> float:

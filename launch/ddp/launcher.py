@@ -17,28 +17,36 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import os
 import socket
 import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from common.cli_env import child_environment
 from common.errors import ConfigError, PSError
-from common.polling import poll_until
-from common.procs import POLL_S, Children, TextSink
+from common.procs import Children, TextSink
+from common.safefile import write_atomic
 from common.training.slowdown import SlowdownSchedule
 from launch.cluster.netns import HOST_INTERFACE, cluster_hosts
 from launch.cluster.nodes import Nodes
-from launch.cluster.spec import ClusterSpec, NodeSpec
+from launch.cluster.schedule import OFF
+from launch.cluster.spec import ClusterSpec
+from launch.ddp import checkpoint
 from launch.procs import EventsMark, second_signal_kills, signals_interrupt
-from launch.progress import RunProgress
+from launch.progress import EventTail, RunProgress
 from launch.settings import TrainSettings, server_default
+from pserver.checkpoint import read_newest, remove_stale_tmp
+from pserver.rundir import remove_run, run_files
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "gloo", "nccl")
 GRAD_COMPRESSION = ("none", "bf16")
+REBALANCE = ("none", "epoch")
 HOSTED_STORE_PORT = 29500  # rank 0's store on its emulated host
 
 
@@ -69,6 +77,17 @@ class DDPConfig:
         allow_oversubscribe: run budgets that sum to more cores than the machine has.
         grad_compression: ``none``, or ``bf16``: the gradients travel as bfloat16 through
             PyTorch's ``bf16_compress_hook`` on DDP's reducer.
+        weighted: weighted DDP: each rank's local batch is proportional to its speed and the
+            gradients are combined as sum_r (b_r / B) g_r (False: plain DDP, equal batches).
+        shares: weighted DDP's given speeds, one per rank (>= 0; empty: measured at start).
+        rebalance: ``none`` or ``epoch`` (re-split by the last epoch's step times).
+        names: the ranks' names in the records (empty: ``r<rank>-x<slowdown>``).
+        checkpoint_every: rank 0 writes a checkpoint every this many epochs (and when
+            stopped by a signal) to ``run_dir/checkpoints``.
+        resume: continue the run in ``run_dir`` from its newest checkpoint.
+        overwrite: replace a run ``run_dir`` holds (without it, or ``resume``, one is refused).
+        origin: the run's start on the monotonic clock, which rank 0's events count from
+            (set by the launcher; None: rank 0's own start).
     """
 
     dataset: Path
@@ -90,6 +109,19 @@ class DDPConfig:
     nodes: ClusterSpec | None = None
     allow_oversubscribe: bool = False
     grad_compression: str = "none"
+    weighted: bool = False
+    shares: tuple[float, ...] = ()
+    rebalance: str = "none"
+    names: tuple[str, ...] = ()
+    checkpoint_every: int = 1
+    resume: bool = False
+    overwrite: bool = False
+    origin: float | None = None
+
+    @property
+    def mode(self) -> str:
+        """``ddp`` or ``weighted-ddp``, as the records name the run."""
+        return "weighted-ddp" if self.weighted else "ddp"
 
     @property
     def world_size(self) -> int:
@@ -114,7 +146,27 @@ class DDPConfig:
 
     def rank_name(self, rank: int) -> str:
         """The rank's name in metrics (like a worker's ``w0-x1``)."""
-        return f"r{rank}-x{self.slowdowns[rank]:g}"
+        return self.names[rank] if self.names else f"r{rank}-x{self.slowdowns[rank]:g}"
+
+    def subset(self, ranks: Sequence[int]) -> DDPConfig:
+        """The same run on the ranks ``ranks`` only, which keep their names, slowdowns,
+        devices, shares and nodes."""
+
+        def pick(values: tuple[Any, ...]) -> tuple[Any, ...]:
+            return tuple(values[r] for r in ranks) if len(values) > 1 else values
+
+        nodes = self.nodes
+        if nodes is not None:
+            nodes = dataclasses.replace(nodes, workers=pick(nodes.workers))
+        return dataclasses.replace(
+            self,
+            slowdowns=pick(self.slowdowns),
+            slowdown_schedules=pick(self.slowdown_schedules),
+            devices=pick(self.devices),
+            shares=pick(self.shares),
+            names=tuple(self.rank_name(r) for r in ranks),
+            nodes=nodes,
+        )
 
     def validate(self) -> DDPConfig:
         """Check every field.
@@ -165,17 +217,44 @@ class DDPConfig:
                 f"the emulated cluster has {len(self.nodes.workers)} worker nodes for "
                 f"{self.world_size} ranks"
             )
+        if self.nodes is not None and all(
+            any(c.action == OFF for c in n.schedule) for n in self.nodes.workers
+        ):
+            raise ConfigError(
+                "every node's schedule takes it off: a DDP group restarts on the nodes left, "
+                "so keep one node on throughout"
+            )
         if self.grad_compression not in GRAD_COMPRESSION:
             raise ConfigError(
                 f"--grad-compression {self.grad_compression!r} is not one of "
                 f"{', '.join(GRAD_COMPRESSION)}"
             )
+        if (self.shares or self.rebalance != "none") and not self.weighted:
+            raise ConfigError("--shares and --rebalance apply to weighted DDP: add --weighted")
+        if self.rebalance not in REBALANCE:
+            raise ConfigError(f"--rebalance {self.rebalance!r} is not one of none, epoch")
+        if self.shares and (
+            len(self.shares) != self.world_size
+            or not all(0 <= s < math.inf for s in self.shares)
+            or not any(self.shares)
+        ):
+            raise ConfigError(
+                f"--shares {','.join(f'{s:g}' for s in self.shares)!r}: give one share >= 0 "
+                f"per rank ({self.world_size}), not all 0"
+            )
+        if self.checkpoint_every < 1:
+            raise ConfigError(f"--ddp-checkpoint-every must be >= 1, got {self.checkpoint_every}")
+        if self.resume and self.overwrite:
+            raise ConfigError("give --resume or --overwrite, not both")
+        if self.names and len(self.names) != self.world_size:
+            raise ConfigError(f"{len(self.names)} rank names for {self.world_size} ranks")
         return self
 
     def to_json(self) -> str:
         """The configuration as JSON (what the rank processes read)."""
         data = dataclasses.asdict(self)
         data["dataset"], data["run_dir"] = str(self.dataset), str(self.run_dir)
+        data["nodes"] = None if self.nodes is None else self.nodes.describe()
         return json.dumps(data, indent=2)
 
     @classmethod
@@ -189,16 +268,10 @@ class DDPConfig:
             data = json.loads(text)
             data["dataset"], data["run_dir"] = Path(data["dataset"]), Path(data["run_dir"])
             data["train"] = TrainSettings(**data["train"])
-            for key in ("slowdowns", "slowdown_schedules", "devices"):
+            for key in ("slowdowns", "slowdown_schedules", "devices", "shares", "names"):
                 data[key] = tuple(data[key])
             if data.get("nodes") is not None:
-                nodes = data["nodes"]
-                data["nodes"] = ClusterSpec(
-                    workers=tuple(NodeSpec(**n) for n in nodes["workers"]),
-                    server=NodeSpec(**nodes["server"]),
-                    link_delay=nodes["link_delay"],
-                    name=nodes["name"],
-                )
+                data["nodes"] = ClusterSpec.from_description(data["nodes"])
             return cls(**data)
         except (ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"not a DDP configuration: {exc}") from exc
@@ -232,8 +305,10 @@ def run_ddp(
 ) -> dict[str, Any]:
     """Run every rank to completion and return rank 0's summary.
 
-    If a rank fails, or on Ctrl-C, SIGTERM or the run timeout, every rank still running is
-    terminated (then killed with its process group) and reaped.
+    On nodes with budget schedules the ranks follow them, and the group restarts from its last
+    checkpoint when a node leaves or returns (``launch.ddp.elastic``). If a rank fails, or on
+    Ctrl-C, SIGTERM or the run timeout, every rank still running is terminated (then killed
+    with its process group) and reaped.
 
     Args:
         config: what to run.
@@ -251,71 +326,110 @@ def run_ddp(
     """
     from torch.distributed import TCPStore  # torch only when a run starts
 
-    config.validate()
-    config.run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = config.run_dir / "ddp_config.json"
-    config_path.write_text(config.to_json(), encoding="utf-8")
-    (config.run_dir / "summary.json").unlink(missing_ok=True)
+    from launch.ddp.elastic import ElasticGroups
+
+    config = _prepare_run_dir(config.validate())
     metrics = config.run_dir / "metrics.jsonl"
-    metrics.unlink(missing_ok=True)  # rank 0 writes it afresh; the progress bar reads it
     own_log = None
     if log_stream is None:
-        log_stream = own_log = (config.run_dir / "cluster.log").open("w", encoding="utf-8")
+        log_file = config.run_dir / "cluster.log"
+        own_log = log_file.open("a" if config.resume else "w", encoding="utf-8")
+        log_stream = own_log
     sink = log_stream
-    store = None
-    rendezvous: list[str] = []
-    children = Children(sink, _rank_env(config.nodes is not None and config.nodes.links))
+    stores: list[Any] = []  # the rendezvous of the running group
+    env = _rank_env(config.nodes is not None and config.nodes.links)
     hosts_scope = contextlib.ExitStack()  # closed after the ranks have been stopped
     budgets = Nodes(config.nodes, server=False, allow_oversubscribe=config.allow_oversubscribe)
+    mark = EventsMark(metrics)  # a resumed run's events start after the earlier ones
+    groups: ElasticGroups | None = None
     try:
         with signals_interrupt():
             budgets.open()
+            if config.overwrite:
+                remove_run(config.run_dir)
+            (config.run_dir / "summary.json").unlink(missing_ok=True)  # a resumed run's
             hosts = hosts_scope.enter_context(cluster_hosts(config.nodes))
-            if hosts is not None and config.world_size > 1:
-                address = f"{hosts.workers[0].address}:{HOSTED_STORE_PORT}"
-                rendezvous = ["--store", address, "--host-store"]
-            elif config.world_size > 1:
-                timeout = datetime.timedelta(seconds=config.startup_timeout_s)
-                store = TCPStore(
-                    "127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False
-                )
-                rendezvous = ["--store", f"127.0.0.1:{store.port}"]
-            for rank in range(config.world_size):
-                cmd = [sys.executable, "-m", rank_module, "--config", str(config_path)]
-                cmd += ["--rank", str(rank), *rendezvous]
-                cmd = cmd if hosts is None else hosts.workers[rank].argv(cmd)
-                children.start(config.rank_name(rank), budgets.worker(rank).argv(cmd))
-            mark = EventsMark(metrics)  # no file: rank 0's events start at byte 0
+            nodes = [budgets.worker(i) for i in range(config.world_size)]
+
+            def start(members: Sequence[int], resume: bool) -> Children:
+                """The ranks of the nodes ``members`` (rank r on node members[r])."""
+                group = dataclasses.replace(config.subset(members), resume=resume)
+                remove_stale_tmp(config.run_dir / checkpoint.DIRECTORY)  # a killed rank 0's
+                path = config.run_dir / "ddp_config.json"
+                path.write_text(group.to_json(), encoding="utf-8")
+                rendezvous: list[str] = []
+                stores.clear()
+                if hosts is not None and group.world_size > 1:
+                    port = HOSTED_STORE_PORT + (groups.restarts.count if groups else 0)
+                    address = f"{hosts.workers[members[0]].address}:{port}"
+                    rendezvous = ["--store", address, "--host-store"]
+                elif group.world_size > 1:
+                    timeout = datetime.timedelta(seconds=config.startup_timeout_s)
+                    store = TCPStore(
+                        "127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False
+                    )
+                    stores.append(store)
+                    rendezvous = ["--store", f"127.0.0.1:{store.port}"]
+                children = Children(sink, env)
+                for rank, index in enumerate(members):
+                    cmd = [sys.executable, "-m", rank_module, "--config", str(path)]
+                    cmd += ["--rank", str(rank), *rendezvous]
+                    cmd = cmd if hosts is None else hosts.workers[index].argv(cmd)
+                    children.start(group.rank_name(rank), nodes[index].argv(cmd))
+                return children
+
+            tail = EventTail(metrics, mark)
+            groups = ElasticGroups(config=config, start=start, budgets=budgets, metrics=tail)
             watch = (
                 progress.follow(metrics, mark) if progress is not None else contextlib.nullcontext()
             )
             with watch:
-                _wait_all(children, config.run_timeout_s)
+                restarts = groups.run(config.run_timeout_s)
     except BaseException:
-        with second_signal_kills(children):
-            children.stop()
+        if groups is not None and groups.group is not None:
+            with second_signal_kills(groups.group):
+                groups.stop()
         raise
     finally:
-        children.close()
         budgets.close()
+        mark.close()
         if own_log is not None:
             own_log.close()
-        del store  # closes the rendezvous
+        stores.clear()  # closes the rendezvous
         hosts_scope.close()
     summary_path = config.run_dir / "summary.json"
     if not summary_path.exists():
         raise PSError(f"rank 0 wrote no {summary_path}")
-    return json.loads(summary_path.read_text(encoding="utf-8"))
+    summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    if config.nodes is not None and config.nodes.scheduled:
+        summary["restarts"] = {
+            **dataclasses.asdict(restarts),
+            "restart_s": round(restarts.restart_s, 3),
+        }
+        summary["schedule"] = groups.runner.applied if groups is not None else []
+        text = json.dumps(summary, indent=2) + "\n"
+        write_atomic(summary_path, lambda handle: handle.write(text.encode()))
+    return summary
 
 
-def _wait_all(children: Children, timeout_s: float) -> None:
-    """Wait until every rank exits; raise at the first failure or when time runs out."""
-    ranks = list(children.children)
+def _prepare_run_dir(config: DDPConfig) -> DDPConfig:
+    """Check ``run_dir`` as ``pserver start`` checks its own, before anything is written, and
+    create it; returns the configuration with its clock's origin (a resumed run's clock goes
+    on from its checkpoint).
 
-    def all_exited() -> bool:
-        for child in ranks:
-            if child.code not in (None, 0):
-                raise PSError(f"DDP rank {child.failure()}")
-        return all(child.code is not None for child in ranks)
-
-    poll_until(all_exited, timeout_s, POLL_S, "every DDP rank to finish")
+    Raises:
+        ConfigError: the directory holds a run and neither ``resume`` nor ``overwrite`` was
+            given, or ``resume`` finds no readable checkpoint.
+    """
+    origin = time.monotonic()
+    if config.resume:
+        saved = read_newest(config.run_dir / checkpoint.DIRECTORY)
+        origin -= float(saved.meta.get("t", 0.0))
+    elif run_files(config.run_dir) and not config.overwrite:
+        raise ConfigError(
+            f"--run-dir {config.run_dir} already holds a run "
+            f"({', '.join(run_files(config.run_dir))}); give --resume to continue it or "
+            "--overwrite to replace it"
+        )
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    return dataclasses.replace(config, origin=origin)

@@ -8,9 +8,11 @@ import faulthandler
 import inspect
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
+from types import FrameType
 
 import numpy as np
 import torch
@@ -24,13 +26,17 @@ from common.training.device import resolve_device
 from common.training.evaluator import Evaluator
 from common.training.flat import FlatLayout
 from common.training.models import build_model
-from common.training.planner import plan_equal, tail_scale
+from common.training.planner import plan_batches, plan_equal, tail_scale
 from common.training.schedule import lr_factor
+from launch.ddp import checkpoint
 from launch.ddp.launcher import DDPConfig
-from launch.ddp.record import RunRecorder
+from launch.ddp.record import INTERRUPTED, RunRecorder
 from launch.ddp.step import ComputeOnlyStep
+from pserver import checkpoint as checkpoint_file
 
 log = logging.getLogger(__name__)
+
+PROBE_PASSES = 5  # timed passes per rank that measure its speed for weighted DDP's shares
 
 
 class Collective:
@@ -101,7 +107,8 @@ def _wrap_ddp(model: nn.Module, device: torch.device, compression: str = "none")
 
 
 class RankTrainer:
-    """Trains one rank's replica over seeded epoch permutations split into equal local batches.
+    """Trains one rank's replica over seeded epoch permutations cut into global batches, each
+    split into local batches: equal ones, or (weighted DDP) in proportion to the ranks' speeds.
 
     Args:
         config: the run's configuration.
@@ -134,6 +141,7 @@ class RankTrainer:
             grads_in_backward=self.world_size > 1 and config.grad_compression != "none",
         )
         self.optimizer = _optimizer(self.model, config)
+        self.layout = FlatLayout(self.model)
         self.recorder: RunRecorder | None = None
         if rank == 0:
             evaluator = Evaluator(
@@ -142,12 +150,31 @@ class RankTrainer:
                 meta.num_classes,
                 config.eval_batch,
             )
-            self.recorder = RunRecorder(config, evaluator, FlatLayout(self.model))
-        self.steps = 0
-        self.samples = 0
+            self.recorder = RunRecorder(config, evaluator, self.layout)
+        self.steps = self.samples = 0
+        self.epoch, self.cursor = 1, 0  # the epoch in progress and its samples done
+        self.stopping = False  # a signal asked to stop: every rank stops after the next step
+        if config.resume:
+            self._resume()
+        self.sizes: list[int] = []  # weighted DDP: every rank's part of a full global batch
+        self.speeds: list[float] = []
+        self.work = [0.0] * self.world_size  # this epoch's samples and emulated seconds
+        self.seconds = [0.0] * self.world_size
+
+    def _resume(self) -> None:
+        """Continue from the run's newest checkpoint: state, optimizer, position, record."""
+        saved = checkpoint_file.read_newest(self.config.run_dir / checkpoint.DIRECTORY)
+        if self.recorder is not None:
+            self.recorder.restore(saved.meta)  # first: it refuses another run's checkpoint
+        checkpoint.restore(saved, self.layout, self.optimizer)
+        meta = saved.meta
+        self.steps, self.samples = int(meta["version"]), int(meta["samples"])
+        self.epoch, self.cursor = int(meta["epoch"]), int(meta["cursor"])
+        log.info("resumed at step %d (epoch %d, sample %d)", self.steps, self.epoch, self.cursor)
 
     def run(self) -> None:
-        """Train until the epochs, the step limit or the target accuracy say stop."""
+        """Train until the epochs, the step limit, the target accuracy or a signal say stop;
+        checkpoint every ``checkpoint_every`` epochs and when stopped by a signal."""
         cfg = self.config.train
         train_idx = self.reader.train_indices
         count = len(train_idx)
@@ -155,31 +182,83 @@ class RankTrainer:
         self.collective.barrier()
         if self.recorder is not None:
             self.recorder.train_started()
-        reason, epoch = "", 0
+        if not self.config.resume:
+            self._checkpoint()  # a group that fails before an epoch ends restarts from here
+        reason = ""
+        if cfg.max_steps is not None and self.steps >= cfg.max_steps:
+            reason = "max_steps"  # resumed where it had ended
+        elif self.cursor == count and cfg.epochs is not None and self.epoch >= cfg.epochs:
+            reason = "epochs"
         while not reason:
-            epoch += 1
+            if self.cursor == count:  # the epoch is done
+                self.epoch, self.cursor = self.epoch + 1, 0
+                if self.config.rebalance == "epoch":
+                    self._rebalance()
+            epoch = self.epoch
             perm = np.random.default_rng(cfg.seed + epoch).permutation(count)
-            for start in range(0, count, cfg.global_batch):
-                self._step(epoch, train_idx[perm[start : start + cfg.global_batch]])
+            while self.cursor < count and not reason:
+                indices = train_idx[perm[self.cursor : self.cursor + cfg.global_batch]]
+                stop = self._step(epoch, indices)
+                self.cursor += len(indices)
                 if cfg.max_steps is not None and self.steps >= cfg.max_steps:
                     reason = "max_steps"
-                    break
-            else:
-                reached = False
-                if self.recorder is not None:
-                    reached = self.recorder.epoch_done(epoch, self.steps, self.samples)
-                if self.collective.decide(reached):
-                    reason = "target_oa"
-                elif cfg.epochs is not None and epoch >= cfg.epochs:
-                    reason = "epochs"
+                elif stop:
+                    reason = INTERRUPTED
+            if reason:
+                break
+            reached = False
+            if self.recorder is not None:
+                reached = self.recorder.epoch_done(epoch, self.steps, self.samples)
+            if self.collective.decide(reached):
+                reason = "target_oa"
+            elif cfg.epochs is not None and epoch >= cfg.epochs:
+                reason = "epochs"
+            if epoch % self.config.checkpoint_every == 0:
+                self._checkpoint()
+        if reason == INTERRUPTED:
+            self._checkpoint()
         if self.recorder is not None:
-            self.recorder.finish(reason, epoch, self.steps, self.samples)
+            self.recorder.finish(reason, self.epoch, self.steps, self.samples)
         self.collective.barrier()  # leave together: a rank exiting early breaks gloo's teardown
 
-    def _local_share(self, batch: int) -> tuple[int, int]:
-        """This rank's ``(offset, size)`` in a global batch of ``batch`` samples."""
-        sizes = plan_equal(list(range(self.world_size)), batch)
-        return sum(sizes.get(r, 0) for r in range(self.rank)), sizes.get(self.rank, 0)
+    def _checkpoint(self) -> None:
+        if self.recorder is not None:  # every replica holds the same state: rank 0 writes it
+            position = (self.epoch, self.cursor, self.steps, self.samples)
+            self.recorder.checkpoint(*position, self.optimizer)
+
+    def _split(self, batch: int) -> list[int]:
+        """Every rank's part of a global batch of ``batch`` samples: equal parts, or
+        (weighted) the parts of a full batch scaled to ``batch`` by largest remainder."""
+        if not self.config.weighted:
+            sizes = plan_equal(list(range(self.world_size)), batch)
+        elif batch == sum(self.sizes):
+            return self.sizes
+        else:
+            shares = {r: float(b) for r, b in enumerate(self.sizes) if b}
+            sizes = plan_batches(shares, batch, every_worker=False)
+        return [sizes.get(r, 0) for r in range(self.world_size)]
+
+    def _set_speeds(self, speeds: list[float], source: str) -> None:
+        """Weighted DDP: split the global batch in proportion to ``speeds`` (a rank may get 0)."""
+        self.speeds = speeds
+        total = min(self.config.train.global_batch, len(self.reader.train_indices))
+        shares = {r: s for r, s in enumerate(speeds) if s > 0}
+        planned = plan_batches(shares, total, every_worker=False)
+        self.sizes = [planned.get(r, 0) for r in range(self.world_size)]
+        log.info("shares (%s): local batches %s", source, self.sizes)
+        if self.recorder is not None:
+            self.recorder.shares(self.sizes, speeds, source)
+
+    def _rebalance(self) -> None:
+        """Re-split by the speeds the last epoch's steps measured (samples over emulated
+        compute seconds; a rank that computed nothing keeps its last speed). Every rank
+        holds the same timings (the step's all-reduce gave them), so all agree."""
+        speeds = [
+            work / seconds if seconds > 0 else old
+            for work, seconds, old in zip(self.work, self.seconds, self.speeds, strict=True)
+        ]
+        self.work, self.seconds = [0.0] * self.world_size, [0.0] * self.world_size
+        self._set_speeds(speeds, "epoch")
 
     def _warm_up(self) -> None:
         """Load the data cache, run untimed passes and calibrate the compute time of each
@@ -188,32 +267,59 @@ class RankTrainer:
         self.reader.read(self.reader.train_indices[:1])
         meta = self.reader.meta
         count, batch = len(self.reader.train_indices), self.config.train.global_batch
-        sizes = {self._local_share(min(batch, count))[1]}
-        if count % batch:
-            sizes.add(self._local_share(count % batch)[1])
-        local = max(max(sizes), 1)
         gen = torch.Generator().manual_seed(self.rank)
-        x = torch.randn(local, *meta.shape, generator=gen).to(self.device)
-        y = torch.randint(0, meta.num_classes, (local,), generator=gen).to(self.device)
+        full = min(batch, count)
+        x = torch.randn(full, *meta.shape, generator=gen).to(self.device)
+        y = torch.randint(0, meta.num_classes, (full,), generator=gen).to(self.device)
+        if self.config.weighted:
+            if self.config.shares:
+                self._set_speeds(list(self.config.shares), "given")
+            else:
+                self._set_speeds(self._probe(x, y), "probe")
+        sizes = {self._split(full)[self.rank]}
+        if count % batch:
+            sizes.add(self._split(count % batch)[self.rank])
+        local = max(max(sizes), 1)
+        if not self.step_fn.schedule.slows:
+            sizes = set()  # nothing to calibrate: a rank that is not slowed never sleeps
         calibrated: dict[int, float] = {}
         for turn in range(self.world_size):
             if turn == self.rank:
-                calibrated = self.step_fn.warm_up(x, y, sizes=sizes)
+                calibrated = self.step_fn.warm_up(x[:local], y[:local], sizes=sizes)
             self.collective.barrier()  # one rank at a time: the others do not share its cores
         log.info(
             "calibrated compute per local batch: %s",
             ", ".join(f"{b}: {1000 * t:.2f} ms" for b, t in sorted(calibrated.items())),
         )
 
-    def _step(self, epoch: int, indices: np.ndarray) -> None:
+    def _probe(self, x: torch.Tensor, y: torch.Tensor) -> list[float]:
+        """Every rank's samples per second at the same probe batch (the equal share of B),
+        timed on all ranks at once and gathered with one all-reduce."""
+        size = -(-len(y) // self.world_size)
+        self.step_fn.warm_up(x[:size], y[:size])  # untimed passes first
+        self.collective.barrier()
+        speeds = torch.zeros(self.world_size, device=self.device)
+        speeds[self.rank] = size / self.step_fn.probe_s(x[:size], y[:size], PROBE_PASSES)
+        self.collective.all_reduce(speeds)
+        return [float(s) for s in speeds.tolist()]
+
+    def _step(self, epoch: int, indices: np.ndarray) -> bool:
+        """One step over the global batch ``indices``; returns whether a rank asked to stop."""
         begin = time.perf_counter()
-        offset, size = self._local_share(len(indices))
+        batches = self._split(len(indices))
+        offset, size = sum(batches[: self.rank]), batches[self.rank]
         mine = indices[offset : offset + size]
         x_np, y_np = self.reader.read(mine)
         x = torch.from_numpy(np.ascontiguousarray(x_np)).to(self.device)
         y = torch.from_numpy(np.ascontiguousarray(y_np)).to(self.device)
         t = self.config.train
-        result = self.step_fn.run(self.steps, x, y, tail_scale(len(indices), t.global_batch))
+        weight = size / len(indices) if self.config.weighted else None
+        scale = tail_scale(len(indices), t.global_batch)
+        result = self.step_fn.run(self.steps, x, y, scale, weight, self.stopping)
+        for r, b in enumerate(batches):
+            if b:
+                self.work[r] += b
+                self.seconds[r] += result.emulated_s[r]
         progress = t.progress(self.steps, self.samples, len(self.reader.train_indices))
         factor = lr_factor(t.lr_schedule, progress, t.warmup_fraction)
         for group in self.optimizer.param_groups:
@@ -223,10 +329,9 @@ class RankTrainer:
         self.steps += 1
         self.samples += len(indices)
         if self.recorder is not None:
-            sizes = plan_equal(list(range(self.world_size)), len(indices))
-            batches = [sizes.get(r, 0) for r in range(self.world_size)]
             self.recorder.round(epoch, self.steps, batches, result, time.perf_counter() - begin)
             self.recorder.snapshot(epoch, self.steps, self.samples)
+        return result.stop
 
     def close(self) -> None:
         """Release the dataset, the run log and the DDP wrapper."""
@@ -271,7 +376,13 @@ def run_rank(
         )
     trainer = None
     try:
-        trainer = RankTrainer(config, rank, Collective(rank, config.world_size, device))
+        trainer = active = RankTrainer(config, rank, Collective(rank, config.world_size, device))
+
+        def stop(_signum: int, _frame: FrameType | None) -> None:
+            active.stopping = True  # every rank ends after the same step (the step's tail)
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, stop)
         trainer.run()
     finally:
         if trainer is not None:

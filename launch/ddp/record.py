@@ -7,17 +7,22 @@ import time
 from typing import Any
 
 import numpy as np
+from torch.optim import Optimizer
 
 from common.training.evaluator import Evaluator, record_evaluation
 from common.training.flat import FlatLayout
 from common.training.runlog import RunLog
 from common.training.speed import SpeedMeter
 from common.training.summary import per_class_of, run_summary
+from launch.ddp import checkpoint
 from launch.ddp.launcher import DDPConfig
 from launch.ddp.step import StepResult
+from pserver.checkpoint import check_identity
 from pserver.snapshots.snapshots import SnapshotMeta, SnapshotWriter
 
 log = logging.getLogger(__name__)
+
+INTERRUPTED = "interrupted"
 
 
 class RunRecorder:
@@ -38,7 +43,11 @@ class RunRecorder:
         self.config = config
         self.evaluator = evaluator
         self.layout = layout
-        self.log = RunLog(config.run_dir)
+        # Nothing is written before training starts (a failed start leaves no run behind);
+        # with ``config.origin`` the clock is the launcher's, the same for every restart.
+        self.log = RunLog(config.run_dir, resume_at=0.0 if config.resume else None, open_now=False)
+        if config.origin is not None:
+            self.log.started = config.origin
         self.world_size = config.world_size
         self.speeds = [SpeedMeter() for _ in range(self.world_size)]
         self.samples = [0] * self.world_size
@@ -46,21 +55,27 @@ class RunRecorder:
         self.round_times: list[float] = []
         self.evals: list[dict[str, Any]] = []
         self.eval_total_s = 0.0
+        self.checkpoint_total_s = 0.0  # checkpoint writes block training as evaluations do
         self.train_start = 0.0
         self.time_to_target: float | None = None
         self.epochs_done = 0
+        self.last_shares: list[int] = []
         meta = evaluator.reader.meta
         self.snapshots: SnapshotWriter | None = None
-        if config.snapshot_every_steps is not None:
-            info: dict[str, Any] = {"mode": "ddp", "model": config.model}
-            info.update(dataset=str(config.dataset.resolve()), fingerprint=meta.fingerprint)
-            info["state_size"] = layout.size
-            self.snapshots = SnapshotWriter(
-                config.run_dir, config.snapshot_every_steps, config.snapshot_limit, info
-            )
+        self.identity = {
+            "mode": config.mode,
+            "model": config.model,
+            "fingerprint": meta.fingerprint,
+            "state_size": layout.size,
+            "seed": config.train.seed,
+            "global_batch": config.train.global_batch,
+            "optimizer": config.train.optimizer,
+        }
+        self.resumed_at: int | None = None
+        self.others: dict[str, list[Any]] = {}
         self.log.event(
             "start",
-            mode="ddp",
+            mode=config.mode,
             model=config.model,
             dataset=str(config.dataset),
             backend=config.resolved_backend(),
@@ -78,14 +93,94 @@ class RunRecorder:
                 rank=rank,
             )
 
+    def restore(self, meta: dict[str, Any]) -> None:
+        """Continue the record a checkpoint's ``meta`` holds (``state`` wrote it): its
+        counters, evaluations and clock, each rank's by its name.
+
+        Raises:
+            ConfigError: the checkpoint is another run's (``check_identity``).
+        """
+        check_identity(meta, self.identity)
+        record = meta["record"]
+        self.train_start, self.eval_total_s = record["train_start"], record["eval_total_s"]
+        self.checkpoint_total_s = record["checkpoint_total_s"]
+        self.time_to_target, self.epochs_done = record["time_to_target"], meta["epoch"] - 1
+        self.evals, self.round_times = record["evals"], record["round_times"]
+        self.others = dict(record["workers"])  # ranks outside this group keep their counts
+        for rank in range(self.world_size):
+            saved = self.others.pop(self.config.rank_name(rank), None)
+            if saved is not None:
+                self.samples[rank], self.pushes[rank], self.speeds[rank].speed = saved
+        if meta["cursor"] == self.evaluator.reader.meta.train_count:
+            self.epochs_done += 1
+        self.resumed_at = meta["version"]
+        self.log.event("resume", **{k: meta[k] for k in ("version", "epoch", "samples")})
+
+    def state(self) -> dict[str, Any]:
+        """What ``restore`` continues from."""
+        workers = {
+            self.config.rank_name(r): [self.samples[r], self.pushes[r], self.speeds[r].speed]
+            for r in range(self.world_size)
+        }
+        workers.update(self.others)
+        return {
+            "train_start": self.train_start,
+            "eval_total_s": self.eval_total_s,
+            "checkpoint_total_s": self.checkpoint_total_s,
+            "time_to_target": self.time_to_target,
+            "evals": self.evals,
+            "round_times": self.round_times,
+            "workers": workers,
+        }
+
+    def checkpoint(
+        self, epoch: int, cursor: int, version: int, samples: int, optimizer: Optimizer
+    ) -> None:
+        """Write a checkpoint of the run at this step (a failure is logged; training goes on).
+
+        Args:
+            epoch, cursor: the epoch in progress and how many of its samples are done.
+            version, samples: steps and training samples applied.
+            optimizer: the optimizer whose state is saved.
+        """
+        begin, t = time.perf_counter(), self.log.now()
+        meta: dict[str, Any] = {"version": version, "epoch": epoch, "cursor": cursor}
+        meta["samples"] = samples
+        meta.update(self.identity, t=self.log.now(), record=self.state())
+        try:
+            path = checkpoint.save(self.config.run_dir, self.layout, optimizer, meta)
+        except OSError as exc:
+            log.error("checkpoint failed: %s", exc)
+            self.log.event("checkpoint_failed", error=str(exc)[:300])
+            return
+        finally:
+            self.checkpoint_total_s += self.log.now() - t
+        write_s = round(time.perf_counter() - begin, 4)
+        self.log.event(
+            "checkpoint", version=version, samples=samples, path=str(path), write_s=write_s
+        )
+
     def train_started(self) -> None:
-        """Every rank is ready: the training clock starts."""
-        self.train_start = self.log.now()
-        self.log.event("train_start", workers=self.world_size)
+        """Every rank is ready: the run's files are opened and the training clock starts (a
+        resumed run's clock goes on)."""
+        self.log.open()
+        if self.resumed_at is None:
+            self.train_start = self.log.now()
+        self.log.event("train_start", workers=self.world_size, version=self.resumed_at or 0)
+        if self.config.snapshot_every_steps is not None:
+            info = {**self.identity, "dataset": str(self.config.dataset.resolve())}
+            self.snapshots = SnapshotWriter(
+                self.config.run_dir,
+                self.config.snapshot_every_steps,
+                self.config.snapshot_limit,
+                info,
+                resumed_at=self.resumed_at,
+            )
 
     def train_clock(self, t: float) -> float:
-        """Training time at log time ``t``: since the start, minus blocking evaluations."""
-        return max(t - self.train_start - self.eval_total_s, 0.0)
+        """Training time at log time ``t``: since the start, minus blocking evaluations and
+        checkpoint writes."""
+        return max(t - self.train_start - self.eval_total_s - self.checkpoint_total_s, 0.0)
 
     def round(
         self, epoch: int, version: int, batches: list[int], result: StepResult, round_s: float
@@ -123,6 +218,20 @@ class RunRecorder:
             round_s=round(round_s, 6),
             loss=round(result.loss, 6),
             workers=workers,
+        )
+        self.log.flush()  # where a launcher following the run reads it
+
+    def shares(self, batches: list[int], speeds: list[float], source: str) -> None:
+        """Record weighted DDP's split of the global batch: every rank's local batch and the
+        speed it came from (``source``: ``given``, ``probe`` or ``epoch``)."""
+        self.last_shares = batches
+        self.log.event(
+            "shares",
+            source=source,
+            workers=[
+                {"worker": self.config.rank_name(r), "batch": b, "speed": round(s, 3)}
+                for r, (b, s) in enumerate(zip(batches, speeds, strict=True))
+            ],
         )
 
     def snapshot(self, epoch: int, version: int, samples: int, final: bool = False) -> None:
@@ -186,7 +295,8 @@ class RunRecorder:
         """Evaluate the final parameters if needed, then write ``summary.json``.
 
         Args:
-            reason: why training ended (``epochs``, ``max_steps``, ``target_oa``).
+            reason: why training ended (``epochs``, ``max_steps``, ``target_oa``, or
+                ``interrupted``: the last evaluation stands for the final one).
             epoch: the last epoch reached.
             version: updates applied.
             samples: training samples applied.
@@ -195,7 +305,8 @@ class RunRecorder:
         train_time = self.train_clock(train_end)
         log.info("training finished (%s) at version %d", reason, version)
         self.snapshot(epoch, version, samples, final=True)
-        if not self.evals or self.evals[-1]["version"] != version:
+        evaluated = self.evals and self.evals[-1]["version"] == version
+        if not evaluated and reason != INTERRUPTED:  # interrupted: end within the grace period
             self._evaluate(epoch, version, samples)
         for rank in range(self.world_size):
             self.log.event("leave", worker=self.config.rank_name(rank), reason="stop")
@@ -204,10 +315,10 @@ class RunRecorder:
     def _summary(
         self, reason: str, version: int, samples: int, train_time: float
     ) -> dict[str, Any]:
-        """The shared summary schema, for mode ``ddp``."""
+        """The shared summary schema, for mode ``ddp`` or ``weighted-ddp``."""
         times = np.array(self.round_times) if self.round_times else np.zeros(1)
         summary = run_summary(
-            mode="ddp",
+            mode=self.config.mode,
             model=self.config.model,
             dataset=str(self.config.dataset),
             wall_time_s=self.log.now(),
@@ -243,8 +354,14 @@ class RunRecorder:
                 "world_size": self.world_size,
                 "backend": self.config.resolved_backend(),
                 "eval_s_total": round(self.eval_total_s, 4),
+                "checkpoint_s_total": round(self.checkpoint_total_s, 4),
                 "slowdown": "compute-only (launch.ddp.step)",
                 "grad_compression": self.config.grad_compression,
+                **(
+                    {"shares": self.last_shares, "rebalance": self.config.rebalance}
+                    if self.config.weighted
+                    else {}
+                ),
             },
         )
         if self.config.nodes is not None:

@@ -11,7 +11,8 @@ one's wait grows the other's: the step time feeds back without bound. So a step 
    number of ranks that had samples: the plain mean of the ranks' mean gradients, exactly
    what equal-sync computes (an epoch's last, short step of b samples is then weighted by
    b / B, as the parameter server weighs it); the tail carries each rank's compute and
-   emulated time and its loss, so rank 0 learns every rank's speed without another collective;
+   emulated time, its loss and whether it was asked to stop, so rank 0 learns every rank's
+   speed, and all ranks stop after the same step, without another collective;
 3. after the optimizer step, ``sleep``: (F-1)·t̂, so this rank looks F times slower, where t̂
    is this rank's compute time for its local batch size calibrated before training (the
    fastest of several passes before the clock starts, ``warm_up``; ranks take turns). A fixed
@@ -22,6 +23,11 @@ one's wait grows the other's: the step time feeds back without bound. So a step 
    slow one computes while they wait, where sleeping before the all-reduce made every rank
    compute at once and, on a machine whose ranks share cores, slowed the compute on the
    critical path (pslaunch ddp took 1.12-1.19x the plain loop's step time that way).
+
+Weighted DDP (``run``'s ``weight``): rank r's loss is scaled by its share w_r = b_r / b of the
+step's b samples (times the number of ranks when the reducer's hook divides by it, so the weight
+is applied before the bf16 cast), its buffer changes by w_r, and the sum over ranks is the
+update: sum_r (b_r / b) g_r, the gradient of the whole step, scaled by b / B on an epoch's tail.
 
 With a gradient compression hook (``pslaunch ddp --grad-compression bf16``) the gradients go
 through DDP's own reducer and its hook during backward instead, as a plain DDP loop with that
@@ -39,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -72,12 +78,14 @@ class StepResult:
         compute_s: per rank, the measured compute time t_r.
         emulated_s: per rank, the emulated compute time t_r + (F_r-1)·t̂_r.
         active: how many ranks had samples.
+        stop: some rank asked to stop after this step (``run``'s ``stop``).
     """
 
     loss: float
     compute_s: tuple[float, ...]
     emulated_s: tuple[float, ...]
     active: int
+    stop: bool = False
 
 
 class ComputeOnlyStep:
@@ -119,10 +127,11 @@ class ComputeOnlyStep:
         self.num_buffers = sum(b.numel() for b in self.buffers)
         self.calibrated: dict[int, float] = {}
         self._pause_s = 0.0  # the last step's emulated slowdown, slept by ``sleep``
-        # [gradients (p), buffer changes (b), active, loss sum, samples, t_r (w), F_r·t_r (w)]:
+        # [gradients (p), buffer changes (b), active, loss sum, samples, stop, t_r (w),
+        # F_r·t_r (w)]:
         # what one all-reduce sums. The gradients are views into it (backward accumulates
         # there), so a step copies no gradient before or after its all-reduce.
-        self.flat = torch.zeros(self.num_params + self.num_buffers + 3 + 2 * world_size)
+        self.flat = torch.zeros(self.num_params + self.num_buffers + 4 + 2 * world_size)
         self.flat = self.flat.to(device)
         with torch.no_grad():
             offset = 0
@@ -137,19 +146,30 @@ class ComputeOnlyStep:
         no_sync = getattr(self.forward, "no_sync", None)
         return no_sync() if no_sync is not None else contextlib.nullcontext()
 
-    def _compute(self, x: torch.Tensor, y: torch.Tensor, sync: bool = False) -> tuple[float, float]:
-        """Forward and backward, with no communication unless ``sync`` (then the reducer
-        all-reduces the gradients); returns (loss, seconds). An empty batch gives zero
-        gradients (a rank with no samples still joins the reducer's all-reduce)."""
+    def _compute(
+        self, x: torch.Tensor, y: torch.Tensor, sync: bool = False, factor: float = 1.0
+    ) -> tuple[float, float]:
+        """Forward and backward of ``factor`` times the mean loss, with no communication
+        unless ``sync`` (then the reducer all-reduces the gradients); returns (mean loss,
+        seconds). An empty batch gives zero gradients (a rank with no samples still joins the
+        reducer's all-reduce)."""
         synchronize(self.device)
         start = time.perf_counter()
         with contextlib.nullcontext() if sync else self._no_sync():
             self.model.zero_grad(set_to_none=False)
             logits = self.forward(x)
             loss = nn.functional.cross_entropy(logits, y, reduction="sum") / max(len(y), 1)
-            loss.backward()
+            (loss * factor if factor != 1.0 else loss).backward()
         synchronize(self.device)
         return float(loss.detach()), time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def _kept(self) -> Iterator[None]:
+        """Passes within the block leave parameters, buffers and gradients as they were."""
+        before = self._flat(self.buffers)
+        yield
+        self.model.zero_grad(set_to_none=False)
+        self._write_buffers(before)
 
     def warm_up(
         self,
@@ -174,37 +194,52 @@ class ComputeOnlyStep:
         Returns:
             ``self.calibrated``: local batch size -> t̂ in seconds.
         """
-        before = self._flat(self.buffers)
-        for _ in range(repeats):
-            self._compute(x, y)
-        for size in sorted(set(sizes)):
-            if 1 <= size <= len(y):
-                times: list[float] = []
-                while len(times) < max(passes, 1) and (
-                    len(times) < 3 or sum(times) < CALIBRATION_BUDGET_S
-                ):
-                    times.append(self._compute(x[:size], y[:size])[1])
-                self.calibrated[size] = calibrated_time(times)
-        self.model.zero_grad(set_to_none=False)
-        with torch.no_grad():
-            offset = 0
-            for buf in self.buffers:
-                buf.copy_(before[offset : offset + buf.numel()].view_as(buf))
-                offset += buf.numel()
+        with self._kept():
+            for _ in range(repeats):
+                self._compute(x, y)
+            for size in sorted(set(sizes)):
+                if 1 <= size <= len(y):
+                    times: list[float] = []
+                    while len(times) < max(passes, 1) and (
+                        len(times) < 3 or sum(times) < CALIBRATION_BUDGET_S
+                    ):
+                        times.append(self._compute(x[:size], y[:size])[1])
+                    self.calibrated[size] = calibrated_time(times)
         return self.calibrated
 
-    def run(self, step: int, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0) -> StepResult:
-        """Compute this rank's gradients on ``(x, y)`` and average them over the ranks.
+    def probe_s(self, x: torch.Tensor, y: torch.Tensor, passes: int) -> float:
+        """The emulated time of one pass over ``(x, y)`` at step 0: the mean compute time t of
+        ``passes`` passes (a mean, not the fastest: under a CPU quota the first pass after
+        an idle spell runs at full speed) plus the slowdown's (F-1)·t. Leaves the model as it
+        was; nothing is communicated."""
+        with self._kept():
+            mean = sum(self._compute(x, y)[1] for _ in range(passes)) / passes
+        return mean + self.schedule.wait_s(0, mean)
 
-        Afterwards every parameter's ``.grad`` holds ``scale`` times the mean over ranks with
-        samples and the float buffers have moved by ``scale`` times their mean change; the
-        caller applies the optimizer.
+    def run(
+        self,
+        step: int,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        scale: float = 1.0,
+        weight: float | None = None,
+        stop: bool = False,
+    ) -> StepResult:
+        """Compute this rank's gradients on ``(x, y)`` and combine them over the ranks.
+
+        Afterwards every parameter's ``.grad`` holds ``scale`` times the combination (the mean
+        over ranks with samples, or with ``weight`` the weighted sum) and the float buffers
+        have moved by ``scale`` times the same combination of their changes; the caller
+        applies the optimizer.
 
         Args:
             step: the step number (0-based) that selects the slowdown factor.
             x, y: this rank's local batch on ``self.device``; may be empty.
             scale: the step's weight, b / B for an epoch's tail of b samples
                 (``common.training.planner.tail_scale``), as the parameter server weighs it.
+            weight: weighted DDP: this rank's share of the step's samples (the shares of all
+                ranks sum to 1); None: the plain mean.
+            stop: this rank asks every rank to stop after this step (it was interrupted).
 
         Returns:
             The step's loss and per-rank timings.
@@ -215,11 +250,12 @@ class ComputeOnlyStep:
         before = self._flat(self.buffers)
         samples = len(y)
         loss, compute, emulated = 0.0, 0.0, 0.0
+        factor = 1.0 if weight is None else weight * (w if self.grads_in_backward else 1)
         self._pause_s = 0.0
         if self.grads_in_backward:  # every rank joins the reducer, also with no samples
-            loss, compute = self._compute(x, y, sync=True)  # flat[:p]: mean over all ranks
+            loss, compute = self._compute(x, y, True, factor)  # flat[:p]: mean over all ranks
         elif samples:
-            loss, compute = self._compute(x, y)  # zeroes, then fills, flat[:p]
+            loss, compute = self._compute(x, y, False, factor)  # zeroes, then fills, flat[:p]
         else:
             flat[:p].zero_()
         if samples:
@@ -230,29 +266,37 @@ class ComputeOnlyStep:
         flat[p:].zero_()
         if samples:
             torch.sub(self._flat(self.buffers), before, out=flat[p:head])
+            if weight is not None:
+                flat[p:head].mul_(weight)
             flat[head : head + 3] = torch.tensor([1.0, loss * samples, float(samples)])
-        flat[head + 3 + self.rank] = compute
-        flat[head + 3 + w + self.rank] = emulated
+        flat[head + 3] = float(stop)
+        flat[head + 4 + self.rank] = compute
+        flat[head + 4 + w + self.rank] = emulated
         if w > 1:
             self.all_reduce(flat[p:] if self.grads_in_backward else flat)
-        active, loss_sum, total, *times = flat[head:].tolist()
-        if self.grads_in_backward:  # the reducer's mean is over every rank
+        active, loss_sum, total, stops, *times = flat[head:].tolist()
+        if weight is not None:  # already the weighted sum
+            flat[:head].mul_(scale)
+        elif self.grads_in_backward:  # the reducer's mean is over every rank
             flat[:p].mul_(scale * w / max(active, 1.0))
             flat[p:head].mul_(scale / max(active, 1.0))
         else:
             flat[:head].mul_(scale / max(active, 1.0))  # the gradients' mean, in place
-        with torch.no_grad():
-            new_buffers = before + flat[p:head]
-            offset = 0
-            for buf in self.buffers:
-                buf.copy_(new_buffers[offset : offset + buf.numel()].view_as(buf))
-                offset += buf.numel()
+        self._write_buffers(before + flat[p:head])
         return StepResult(
             loss=loss_sum / max(total, 1.0),
             compute_s=tuple(times[:w]),
             emulated_s=tuple(times[w:]),
             active=round(active),
+            stop=stops > 0,
         )
+
+    def _write_buffers(self, values: torch.Tensor) -> None:
+        with torch.no_grad():
+            offset = 0
+            for buf in self.buffers:
+                buf.copy_(values[offset : offset + buf.numel()].view_as(buf))
+                offset += buf.numel()
 
     def sleep(self) -> None:
         """The emulated slowdown of the last ``run``: sleep (F-1)·t̂ (call after the

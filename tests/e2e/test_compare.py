@@ -122,3 +122,30 @@ def test_an_earlier_comparison_is_refused_unless_overwrite_replaces_it_whole(
     assert replaced.exit_code == 1 and "runs failed: equal-sync #1" in replaced.output
     assert json.loads((out / "compare.json").read_text())["runs"][0]["error"]
     assert not (out / "timeline.png").exists() and not (out / "runs" / "async-1").exists()
+
+
+def test_ddp_kept_runs_plain_ddp_on_the_nodes_weighted_sync_kept(tmp_path: Path) -> None:
+    data = tmp_path / "hsi.h5"
+    synth_hsi(data, samples=300, bands=8, size=24, classes=3, train_fraction=0.3, seed=4)
+    out = tmp_path / "cmp"
+    args = ["compare", "--dataset", str(data), "--model", "hsi-cnn", "--slowdowns", "1,1,40"]
+    args += ["--modes", "weighted-sync,ddp-kept,weighted-ddp", "--epochs", "2"]
+    args += ["--global-batch", "32", "--no-progress", "--out", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    runs = {r["mode"]: r for r in json.loads((out / "compare.json").read_text())["runs"]}
+    samples = {w["name"]: w["samples"] for w in runs["weighted-sync"]["summary"]["workers"]}
+    assert samples["w2-x40"] < 0.05 * sum(samples.values())  # the 40x slower worker sat out
+    kept = runs["ddp-kept"]
+    assert kept["kept_nodes"] == [0, 1] and kept["summary"]["mode"] == "ddp"
+    assert [w["name"] for w in kept["summary"]["workers"]] == ["r0-x1", "r1-x1"]
+    weighted = runs["weighted-ddp"]["summary"]
+    assert weighted["mode"] == "weighted-ddp" and len(weighted["workers"]) == 3
+    assert weighted["workers"][2]["samples"] < weighted["workers"][0]["samples"] / 10
+    assert all(
+        r["summary"]["samples_seen"] == kept["summary"]["samples_seen"] for r in runs.values()
+    )
+    markdown = (out / "report.md").read_text()
+    assert [row[0] for row in _table(markdown, "## Results")[1:]] == list(runs)
+    assert "same repeat's weighted-sync run: repeat 1: 0, 1" in markdown
+    assert "epoch time vs weighted-ddp" in markdown

@@ -271,3 +271,32 @@ def test_nodes_follow_their_schedules_a_worker_leaves_and_rejoins(
         if e["event"] == "round" and any(w["worker"] == "w1-0.8c" for w in e["workers"])
     ]
     assert pushed_after, "the returned worker took no part in a round"
+
+
+def test_ddp_follows_a_schedule_and_restarts_when_a_node_leaves_and_returns(
+    cgroups: CpuHierarchy, small_hsi: Path, tmp_path: Path
+) -> None:
+    """Node 1 is off for 30-60 % of the run: the group restarts without it from the last
+    checkpoint, and again with it; node 2's budget is rewritten at 50 %."""
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "launch.cli", "ddp", "--dataset", str(small_hsi)]
+    args += ["--model", "hsi-cnn", "--run-dir", str(run_dir), "--no-progress"]
+    args += ["--node-cpus", "0.4,0.4;off@30%;on@60%,0.4;0.2@50%", "--epochs", "5"]
+    pid, code, stderr = run_launcher([*args, "--global-batch", "16"], 300)
+    assert code == 0, stderr
+    assert "node 2 now has 0.2 cores" in stderr
+    assert not (cgroups.mount / f"{PREFIX}{pid}").exists()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    train = 143
+    assert summary["samples_seen"] == 5 * train and summary["finish_reason"] == "epochs"
+    assert sum(w["samples"] for w in summary["workers"]) == 5 * train  # thrown-away work not
+    restarts = summary["restarts"]
+    assert restarts["count"] == 2 and restarts["restart_s"] > 0
+    assert 0 < restarts["lost_samples"] <= 2 * train  # since an epoch's checkpoint, twice
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    epochs = {e["epoch"]: e for e in events if e["event"] == "epoch"}  # the last of each
+    assert sorted(epochs) == [1, 2, 3, 4, 5]
+    assert all(e["samples"] == train and e["exactly_once"] for e in epochs.values())
+    groups = [len(e["workers"]) for e in events if e["event"] == "round"]
+    assert groups[0] == 3 and 2 in groups and groups[-1] == 3  # without node 1, then with it
+    assert [e["samples"] % train for e in events if e["event"] == "resume"] == [0, 0]

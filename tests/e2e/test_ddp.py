@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import signal
 import statistics
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from common.data.convert.synth import synth_scenes
+from common.data.convert.synth import synth_hsi, synth_scenes
+from common.polling import poll_until
+from common.procs import Child
 from common.training.evaluator import EVAL_KEYS
 from common.training.summary import SUMMARY_KEYS
 from launch.cli import main
@@ -113,3 +118,148 @@ def test_compute_only_slowdown_does_not_feed_back(
     third = len(ratios) // 3
     early, late = statistics.median(ratios[:third]), statistics.median(ratios[-third:])
     assert late < 1.5 * early, ratios
+
+
+@pytest.fixture(scope="module")
+def hsi_153(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("hsi") / "hsi.h5"
+    synth_hsi(out, bands=8, size=24, classes=3, patch=5, train_fraction=0.3, seed=1)
+    return out  # 153 training samples: 19 steps of 8 and a tail of 1 per epoch
+
+
+def _final_state(run_dir: Path) -> np.ndarray:
+    newest = max((run_dir / "snapshots").glob("snap-*.npz"))
+    with np.load(newest) as data:
+        return data["state"]
+
+
+def test_weighted_ddp_on_uneven_ranks_ends_where_one_process_ends(
+    hsi_153: Path, tmp_path: Path
+) -> None:
+    """Ranks computing 5, 2, 1 and 0 of every 8 samples (GroupNorm, fp32) apply the updates
+    one process computing all 8 applies: same final parameters and test loss."""
+    runs = {}
+    for name, slowdowns, extra in (
+        ("one", "1", []),
+        ("weighted", "1,1,1,1", ["--weighted", "--shares", "5,2,1,0"]),
+    ):
+        runs[name] = tmp_path / name
+        args = ["ddp", "--dataset", str(hsi_153), "--model", "hsi-cnn", "--norm", "group"]
+        args += ["--slowdowns", slowdowns, "--epochs", "2", "--global-batch", "8"]
+        args += ["--snapshot-every-steps", "1000", "--run-dir", str(runs[name]), *extra]
+        result = CliRunner().invoke(main, [*args, "--no-progress"])
+        assert result.exit_code == 0, result.output
+    one, weighted = (json.loads((runs[n] / "summary.json").read_text()) for n in runs)
+    assert weighted["mode"] == "weighted-ddp" and one["mode"] == "ddp"
+    assert weighted["steps"] == one["steps"] == 40
+    assert abs(weighted["final"]["loss"] - one["final"]["loss"]) <= 1e-6
+    np.testing.assert_allclose(
+        _final_state(runs["weighted"]), _final_state(runs["one"]), rtol=1e-5, atol=1e-6
+    )
+    assert [w["samples"] for w in weighted["workers"]] == [5 * 38 + 2, 2 * 38, 38, 0]
+    events = _events(runs["weighted"])
+    assert [e["mode"] for e in events if e["event"] == "start"] == ["weighted-ddp"]
+    shares = [e for e in events if e["event"] == "shares"]
+    assert [[w["batch"] for w in e["workers"]] for e in shares] == [[5, 2, 1, 0]]
+    rounds = [[w["batch"] for w in e["workers"]] for e in events if e["event"] == "round"]
+    assert rounds.count([5, 2, 1, 0]) == 38 and rounds.count([1, 0, 0, 0]) == 2  # the tails
+    for epoch in (e for e in events if e["event"] == "epoch"):
+        assert epoch["samples"] == 153 and epoch["exactly_once"]
+
+
+def test_weighted_ddp_measures_its_shares_and_rebalances_each_epoch(
+    hsi_153: Path, tmp_path: Path
+) -> None:
+    """Without --shares the ranks time a probe batch: the rank slowed 4x gets the smaller part;
+    --rebalance epoch splits again from the first epoch's step times."""
+    config = DDPConfig(
+        dataset=hsi_153,
+        model="hsi-cnn",
+        slowdowns=(1.0, 4.0),
+        run_dir=tmp_path / "run",
+        train=TrainSettings(epochs=2, global_batch=16),
+        weighted=True,
+        rebalance="epoch",
+    )
+    summary = run_ddp(config)
+    events = _events(config.run_dir)
+    shares = [e for e in events if e["event"] == "shares"]
+    assert [e["source"] for e in shares] == ["probe", "epoch"]
+    for split in shares:
+        fast, slow = (w["batch"] for w in split["workers"])
+        assert fast + slow == 16 and fast > 2 * slow, split
+    assert summary["details"]["shares"] == [w["batch"] for w in shares[-1]["workers"]]
+    epochs = [e for e in events if e["event"] == "epoch"]
+    assert [e["samples"] for e in epochs] == [153, 153]
+
+
+def _ddp(hsi_153: Path, run_dir: Path, *extra: str) -> list[str]:
+    args = ["ddp", "--dataset", str(hsi_153), "--model", "hsi-cnn", "--slowdowns", "1,1"]
+    return [*args, "--global-batch", "16", "--run-dir", str(run_dir), "--no-progress", *extra]
+
+
+def _listing(run_dir: Path) -> dict[str, tuple[int, int]]:
+    return {
+        str(p.relative_to(run_dir)): (p.stat().st_mtime_ns, p.stat().st_size)
+        for p in sorted(run_dir.rglob("*"))
+    }
+
+
+def test_a_run_folder_is_refused_then_overwritten_or_resumed(hsi_153: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    failed = CliRunner().invoke(main, _ddp(hsi_153, run_dir, "--epochs", "1", "--devices", "x"))
+    assert failed.exit_code != 0  # a failed start leaves nothing a corrected start refuses
+    first = CliRunner().invoke(main, _ddp(hsi_153, run_dir, "--epochs", "1"))
+    assert first.exit_code == 0, first.output
+    before = _listing(run_dir)
+    assert "checkpoints/ckpt-0000000010.npz" in before  # 153 samples: 10 steps of 16
+    again = CliRunner().invoke(main, _ddp(hsi_153, run_dir, "--epochs", "1"))
+    assert again.exit_code != 0
+    assert "already holds a run" in again.output and "--overwrite" in again.output
+    assert _listing(run_dir) == before  # the refusal touched nothing
+    resumed = CliRunner().invoke(main, _ddp(hsi_153, run_dir, "--epochs", "2", "--resume"))
+    assert resumed.exit_code == 0, resumed.output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 20 and summary["epochs"] == 2 and summary["samples_seen"] == 306
+    assert [w["samples"] for w in summary["workers"]] == [2 * 77, 2 * 76]  # both runs' samples
+    events = _events(run_dir)
+    assert [e["event"] for e in events].count("start") == 2
+    assert next(e for e in events if e["event"] == "resume")["samples"] == 153
+    assert [e["epoch"] for e in events if e["event"] == "epoch"] == [1, 2]
+    assert [e["version"] for e in events if e["event"] == "eval"] == [10, 20]
+    ts = [e["t"] for e in events]
+    assert ts == sorted(ts)  # one clock, going on from the checkpoint
+    replaced = CliRunner().invoke(main, _ddp(hsi_153, run_dir, "--epochs", "1", "--overwrite"))
+    assert replaced.exit_code == 0, replaced.output
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 10
+    assert [e["event"] for e in _events(run_dir)].count("start") == 1
+
+
+def test_ctrl_c_stops_ddp_with_a_summary_and_a_checkpoint(hsi_153: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "launch.cli", *_ddp(hsi_153, run_dir, "--epochs", "500")]
+    launcher = Child("pslaunch", [*argv, "--slowdowns", "1,3"])
+    try:
+        poll_until(
+            lambda: any(e["event"] == "round" for e in _events_so_far(run_dir)),
+            120,
+            0.2,
+            "a round event",
+        )
+        launcher.popen.send_signal(signal.SIGINT)  # Ctrl-C reaches only the launcher
+        assert launcher.wait(timeout=60) == 130
+    finally:
+        launcher.kill()
+    assert f"summary: {run_dir / 'summary.json'}" in launcher.output()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["finish_reason"] == "interrupted" and 0 < summary["steps"] < 5000
+    saved = sorted((run_dir / "checkpoints").glob("ckpt-*.npz"))
+    assert saved[-1].name == f"ckpt-{summary['steps']:010d}.npz"  # where it stopped
+    leaves = [e for e in _events(run_dir) if e["event"] == "leave"]
+    assert len(leaves) == 2
+
+
+def _events_so_far(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.endswith("}")]

@@ -20,6 +20,7 @@ def _rank(rank: int, store_file: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
     try:
         results = {c: _step(rank, c) for c in ("none", "bf16")}
+        results.update({f"{c}-weighted": _step(rank, c, weighted=True) for c in ("none", "bf16")})
         if rank == 0:
             torch.save(results, out)
     finally:
@@ -27,8 +28,9 @@ def _rank(rank: int, store_file: str, out: str) -> None:
     exit_without_teardown()
 
 
-def _step(rank: int, compression: str) -> dict[str, object]:
-    """One step of the same model and data with the given compression; rank's gradients."""
+def _step(rank: int, compression: str, weighted: bool = False) -> dict[str, object]:
+    """One step of the same model and data with the given compression; rank's gradients
+    (``weighted``: weighted DDP, rank 0 computing 6 of the 8 samples and rank 1 two)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 3))
     forward = _wrap_ddp(model, torch.device("cpu"), compression)
@@ -49,7 +51,8 @@ def _step(rank: int, compression: str) -> dict[str, object]:
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(8, 16, generator=generator) * (1 + rank)
     y = torch.randint(0, 3, (8,), generator=generator)
-    result = step.run(0, x, y)
+    size = (6, 2)[rank] if weighted else len(y)
+    result = step.run(0, x[:size], y[:size], weight=size / 8 if weighted else None)
     grads = torch.cat([q.grad.reshape(-1) for q in model.parameters()])
     return {"grads": grads, "active": result.active}
 
@@ -67,6 +70,12 @@ def test_bf16_hook_sends_bfloat16_gradients_on_gloo(tmp_path: Path) -> None:
     assert not torch.equal(full.to(torch.bfloat16).float(), full)
     # ... and differs from it only by bfloat16's rounding.
     torch.testing.assert_close(rounded, full, rtol=2e-2, atol=1e-3)
+    # Weighted DDP applies each rank's weight before the cast: the sum of the weighted
+    # bfloat16 gradients is the fp32 weighted sum up to bfloat16's rounding, not the plain mean.
+    weighted, weighted_bf16 = results["none-weighted"]["grads"], results["bf16-weighted"]["grads"]
+    assert torch.equal(weighted_bf16.to(torch.bfloat16).float(), weighted_bf16)
+    torch.testing.assert_close(weighted_bf16, weighted, rtol=2e-2, atol=1e-3)
+    assert not torch.allclose(weighted, full, rtol=0.1, atol=1e-2)
 
 
 def test_config_round_trips_grad_compression(tmp_path: Path) -> None:

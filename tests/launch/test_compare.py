@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from common.errors import ConfigError
 from launch.cluster.spec import PRESETS, parse_cluster
-from launch.compare import eval_curve, time_to_target
+from launch.compare import CompareConfig, eval_curve, time_to_target
 from launch.report import aggregate, render_markdown, speedup
+from launch.settings import TrainSettings
 
 
 def _fake_run(
@@ -81,6 +83,16 @@ def test_aggregate_and_speedups_by_hand() -> None:
     data["settings"]["worker_options"] = ["--data", "copy.h5"]
     markdown = render_markdown(data)
     assert "- extra worker join options (parameter-server runs): `--data copy.h5`" in markdown
+    assert "## Restarts" not in markdown and "ddp-kept" not in markdown
+    data["settings"]["modes"].append("ddp-kept")
+    for repeat, (count, lost, seconds) in enumerate(((2, 300, 20.0), (2, 100, 30.0)), 1):
+        run = _fake_run("ddp-kept", repeat, 4.0, 0.88, 6.0, None)
+        run["summary"]["restarts"] = {"count": count, "lost_samples": lost, "restart_s": seconds}
+        data["runs"].append({**run, "kept_nodes": [0, 2]})
+    markdown = render_markdown(data)
+    assert "weighted-sync run: repeat 1: 0, 2; repeat 2: 0, 2" in markdown
+    restarts = markdown.split("## Restarts", 1)[1]
+    assert "| ddp-kept | 2 | 100 / 200 / 300 | 20.00 / 25.00 / 30.00 |" in restarts
 
 
 def test_time_to_target_takes_the_first_crossing() -> None:
@@ -103,3 +115,29 @@ def test_eval_curve_has_one_point_per_version_with_the_final_scores(tmp_path: Pa
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     curve = eval_curve(tmp_path)
     assert [p["samples"] for p in curve] == [10, 20] and curve[-1]["oa"] == 0.7
+
+
+def test_ddp_kept_follows_weighted_sync_and_keeps_the_nodes_with_five_percent(
+    tmp_path: Path,
+) -> None:
+    data = tmp_path / "d.h5"
+    data.touch()
+
+    def config(modes: tuple[str, ...]) -> CompareConfig:
+        settings = TrainSettings(epochs=1)
+        return CompareConfig(data, "hsi-cnn", modes, (1.0, 2.0, 4.0), tmp_path / "o", settings)
+
+    for modes in (("ddp-kept",), ("ddp-kept", "weighted-sync")):
+        with pytest.raises(ConfigError, match="list weighted-sync before it"):
+            config(modes).validate()
+    compare = config(("weighted-sync", "ddp-kept", "weighted-ddp")).validate()
+
+    def summary(slowest: int) -> dict:  # samples in the order the server lists workers
+        workers = [("w2-x4", slowest), ("w0-x1", 59), ("w1-x2", 36)]
+        return {"workers": [{"name": n, "samples": s} for n, s in workers]}
+
+    assert compare.kept_nodes(summary(4)) == [0, 1]  # 4 of 99 samples: under 5 %
+    assert compare.kept_nodes(summary(5)) == [0, 1, 2]  # 5 of 100
+    kept = compare.ddp("ddp-kept", tmp_path / "r", [0, 2]).validate()
+    assert (kept.slowdowns, kept.names, kept.weighted) == ((1.0, 4.0), ("r0-x1", "r2-x4"), False)
+    assert compare.ddp("weighted-ddp", tmp_path / "r").validate().mode == "weighted-ddp"

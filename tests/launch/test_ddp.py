@@ -10,7 +10,9 @@ from torch import nn
 
 from common.errors import ConfigError
 from common.protocol.base import MAX_INDICES
+from common.training.planner import plan_batches
 from common.training.slowdown import SlowdownSchedule
+from launch.cluster.spec import parse_cluster
 from launch.ddp.launcher import DDPConfig
 from launch.ddp.step import ComputeOnlyStep
 from launch.settings import TrainSettings
@@ -45,6 +47,86 @@ def test_step_averages_like_one_global_batch() -> None:
     assert result.emulated_s == result.compute_s  # slowdown 1 everywhere
 
 
+class _Tracked(nn.Module):
+    """A small classifier beside a BatchNorm that only tracks statistics of its input, so the
+    gradient of a split batch can equal the whole batch's while the statistics still move."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+        self.stats = nn.BatchNorm2d(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.stats(x.view(-1, 1, 2, 2))
+        return self.body(x)
+
+
+@pytest.mark.parametrize("sizes", [(5, 2, 1), (4, 0, 3)])
+def test_weighted_step_with_uneven_shares_is_the_union_gradient(sizes: tuple[int, ...]) -> None:
+    """Ranks with b = 5, 2, 1 (or one rank with none) of 8 samples: the sum of (b_r / b) g_r is
+    the gradient of the 8 samples, the BatchNorm statistics move by the b_r / b-weighted
+    changes, and an epoch's tail is then weighted b / B."""
+    gen = torch.Generator().manual_seed(1)
+    total, batch = sum(sizes), 64
+    x, y = torch.randn(total, 4, generator=gen), torch.randint(0, 3, (total,), generator=gen)
+    bounds = [sum(sizes[:r]) for r in range(len(sizes) + 1)]
+
+    def model() -> _Tracked:
+        torch.manual_seed(0)
+        return _Tracked()
+
+    sent: list[torch.Tensor] = []
+    for rank in range(1, len(sizes)):
+        replica = model()
+        step = ComputeOnlyStep(
+            replica,
+            replica,
+            rank,
+            len(sizes),
+            torch.device("cpu"),
+            SlowdownSchedule(1.0),
+            lambda t: sent.append(t.clone()),
+        )
+        part = slice(bounds[rank], bounds[rank + 1])
+        step.run(0, x[part], y[part], total / batch, weight=sizes[rank] / total)
+    mine = model()
+    step = ComputeOnlyStep(
+        mine,
+        mine,
+        0,
+        len(sizes),
+        torch.device("cpu"),
+        SlowdownSchedule(1.0),
+        lambda t: t.add_(sum(sent)),
+    )
+    before = mine.stats.running_mean.clone()
+    result = step.run(0, x[: sizes[0]], y[: sizes[0]], total / batch, weight=sizes[0] / total)
+    assert result.active == sum(1 for b in sizes if b)
+    reference = model()
+    nn.functional.cross_entropy(reference(x), y).backward()
+    for got, full in zip(mine.body.parameters(), reference.body.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, full.grad * total / batch)
+    moved = torch.zeros_like(before)
+    for rank, size in enumerate(sizes):
+        if size:
+            alone = model()  # each rank's own BatchNorm move, weighted by its share
+            alone(x[bounds[rank] : bounds[rank + 1]])
+            moved += size / total * (alone.stats.running_mean - before)
+    torch.testing.assert_close(mine.stats.running_mean, before + moved * total / batch)
+
+
+def test_weighted_shares_sum_to_the_batch_by_largest_remainder_and_may_be_zero() -> None:
+    speeds = {0: 0.4, 1: 0.4, 2: 0.2, 3: 0.001}
+    # 8 x shares = 3.197, 3.197, 1.598, 0.008: floors 3, 3, 1, 0; the one left goes to the
+    # largest remainder (rank 2); rank 3 keeps 0, where the parameter server's plan lends it one
+    assert plan_batches(speeds, 8, every_worker=False) == {0: 3, 1: 3, 2: 2, 3: 0}
+    assert plan_batches(speeds, 8) == {0: 2, 1: 3, 2: 2, 3: 1}
+    for total in range(1, 70):
+        plan = plan_batches(speeds, total, every_worker=False)
+        assert sum(plan.values()) == total
+        assert all(abs(n - total * speeds[r] / 1.001) < 1 for r, n in plan.items())
+
+
 def test_warm_up_leaves_the_model_unchanged() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(2))
@@ -69,6 +151,21 @@ def test_config_rejects_bad_values(tmp_path: Path) -> None:
         DDPConfig(
             data, "hsi-cnn", (1.0,), tmp_path, TrainSettings(epochs=1), backend="nccl"
         ).validate()
+    good, data = TrainSettings(epochs=1), tmp_path / "present.h5"
+    data.touch()
+    for shares, rebalance in (((1.0, 1.0), "none"), ((), "epoch")):  # without --weighted
+        with pytest.raises(ConfigError, match="--weighted"):
+            DDPConfig(
+                data, "hsi-cnn", (1.0, 1.0), tmp_path, good, shares=shares, rebalance=rebalance
+            ).validate()
+    for shares in ((1.0,), (1.0, -1.0), (0.0, 0.0), (1.0, float("nan"))):
+        with pytest.raises(ConfigError, match="--shares '"):
+            DDPConfig(
+                data, "hsi-cnn", (1.0, 1.0), tmp_path, good, weighted=True, shares=shares
+            ).validate()
+    alone = parse_cluster(1, node_cpus="0.4;off@30%;on@60%")
+    with pytest.raises(ConfigError, match="keep one node on"):
+        DDPConfig(data, "hsi-cnn", (1.0,), tmp_path, good, nodes=alone).validate()
     with pytest.raises(ConfigError, match="STEP:FACTOR"):
         DDPConfig(
             data, "hsi-cnn", (1.0,), tmp_path, TrainSettings(epochs=1), slowdown_schedules=("x",)

@@ -183,3 +183,6 @@ def test_compare_on_slurm_refuses_what_jobs_cannot_do(data: Path) -> None:
         _compare(data, launcher="ssh")
     with pytest.raises(ConfigError, match="--time"):
         _compare(data, slurm=SlurmRuns(time="soon"))
+    for modes in (("weighted-ddp",), ("weighted-sync", "ddp-kept")):
+        with pytest.raises(ConfigError, match="runs plain ddp only"):
+            _compare(data, modes=modes)
