@@ -56,7 +56,7 @@ from pserver.transport import Endpoint, Request
 log = logging.getLogger(__name__)
 
 MAX_DATA_BYTES = 64 << 20  # per data request
-MAX_IN_FLIGHT_BYTES = 256 << 20  # replies to one peer not yet on the wire
+MAX_IN_FLIGHT_BYTES = 256 << 20  # data for one worker read or queued, not yet on the wire
 STATUS_CACHE_S = 0.25
 
 
@@ -107,6 +107,8 @@ class Handlers:
         self.status_view, self.shards, self.desk, self.pushes = status, shards, desk, pushes
         self.version, self.drop_worker = version, drop_worker
         self._status: tuple[float, dict] | None = None
+        self._reading: dict[int, int] = {}  # worker id -> bytes of data replies being read
+        self._sockets: dict[int, set[bytes]] = {}  # worker id -> sockets with queued data
         train_mask = np.zeros(reader.meta.num_samples, dtype=bool)
         train_mask[reader.train_indices] = True
         self._train_mask = train_mask
@@ -263,7 +265,7 @@ class Handlers:
     # --- data -------------------------------------------------------------------------------
 
     async def data(self, request: Request, msg: DataRequest) -> None:
-        self.roster.member(msg.worker_id, msg.token, request.user_id)
+        worker = self.roster.member(msg.worker_id, msg.token, request.user_id).worker_id
         indices = np.asarray(msg.indices, dtype=np.int64)
         nbytes = len(indices) * self._sample_bytes
         if nbytes > MAX_DATA_BYTES:
@@ -271,10 +273,6 @@ class Handlers:
                 ErrorCode.BAD_FIELD,
                 f"{len(indices)} samples ({nbytes >> 20} MiB) exceed {MAX_DATA_BYTES >> 20} MiB "
                 "per data request",
-            )
-        if self.endpoint.in_flight(request.identity) + nbytes > MAX_IN_FLIGHT_BYTES:
-            raise ProtocolError(
-                ErrorCode.BUSY, "too much data for this connection is still unread; read it first"
             )
         if len(indices) and (
             indices.min() < 0
@@ -284,9 +282,32 @@ class Handlers:
             raise ProtocolError(
                 ErrorCode.BAD_FIELD, "data_request may only name indices of the training split"
             )
-        loop = asyncio.get_running_loop()
-        x, y = await loop.run_in_executor(None, self.reader.read_stored, indices)
-        self.endpoint.reply(request.identity, request.request_id, DataReply(x=x, y=y))
+        if self._unread(worker) + nbytes > MAX_IN_FLIGHT_BYTES:
+            raise ProtocolError(
+                ErrorCode.BUSY, "too much data for this worker is still unread; read it first"
+            )
+        self._reading[worker] = self._reading.get(worker, 0) + nbytes
+        try:
+            loop = asyncio.get_running_loop()
+            x, y = await loop.run_in_executor(None, self.reader.read_stored, indices)
+            self.endpoint.reply(request.identity, request.request_id, DataReply(x=x, y=y))
+            self._sockets.setdefault(worker, set()).add(request.identity)
+        finally:
+            self._reading[worker] -= nbytes
+            if not self._reading[worker]:
+                del self._reading[worker]
+
+    def _unread(self, worker: int) -> int:
+        """Bytes a worker asked for and has not read: data replies being read from the
+        dataset and every large reply queued to any socket it got data on (a worker with
+        nothing queued is forgotten)."""
+        queued: dict[int, int] = {}
+        for member in list(self._sockets) if len(self._sockets) > 64 else [worker]:
+            sockets = self._sockets.get(member, set())
+            queued[member] = sum(self.endpoint.in_flight(identity) for identity in sockets)
+            if not queued[member]:
+                self._sockets.pop(member, None)
+        return queued.get(worker, 0) + self._reading.get(worker, 0)
 
     # --- parameter store (--shards 1) and shard registration --------------------------------
 
