@@ -19,6 +19,7 @@ from pserver.outputs.program_weights import read_program
 log = logging.getLogger(__name__)
 
 MAX_SIZE = 1 << 16  # bands, patch sides and classes a model file may claim
+MAX_DEPTH = 16  # nesting of the metadata
 
 _REQUIRED = (
     "kind",
@@ -31,6 +32,10 @@ _REQUIRED = (
     "norm_mean",
     "norm_std",
 )
+
+
+def _items(container: dict[Any, Any] | list[Any]) -> list[Any]:
+    return list(container.values()) if isinstance(container, dict) else container
 
 
 def _first_line(exc: BaseException) -> str:
@@ -85,6 +90,12 @@ class LoadedModel:
 
 
 def _check_meta(path: Path, meta: Any) -> dict[str, Any]:
+    nested, depth = [meta], 0
+    while nested:
+        depth += 1
+        if depth > MAX_DEPTH:
+            raise ModelError(f"model metadata of {str(path)!r} is nested too deeply")
+        nested = [v for c in nested if isinstance(c, dict | list) for v in _items(c)]
     if not isinstance(meta, dict) or meta.get("format") != MAGIC:
         raise ModelError(f"{str(path)!r} was not written by 'pserver export' (no model metadata)")
     missing = [k for k in _REQUIRED if k not in meta]
@@ -104,21 +115,25 @@ def _check_meta(path: Path, meta: Any) -> dict[str, Any]:
     return meta
 
 
-def _rebuild(
-    path: Path,
-    meta: dict[str, Any],
-    weights: dict[str, torch.Tensor],
-    allow_model: tuple[str, ...],
-    device: torch.device,
-) -> nn.Module:
-    """The model ``meta`` names (built in, or allowed), with the normalisation in front and
-    ``weights`` (a ``RawInput`` state dict: normalisation buffers and network) loaded."""
+def _build(path: Path, meta: dict[str, Any], allow_model: tuple[str, ...]) -> nn.Module:
+    """The model ``meta`` names (built in, or allowed), with the normalisation in front."""
     from common.training.models import build_model, check_allowed
 
     check_allowed(meta["model"], allow_model, f"model file {str(path)!r}")
     network = build_model(meta["model"], meta["bands"], meta["num_classes"], meta["height"])
     bands = int(meta["bands"])
-    module = RawInput(network, np.zeros(bands), np.ones(bands))
+    return RawInput(network, np.zeros(bands), np.ones(bands))
+
+
+def _rebuild(
+    path: Path,
+    meta: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    module: nn.Module,
+    device: torch.device,
+) -> nn.Module:
+    """``module`` with ``weights`` (a ``RawInput`` state dict: normalisation buffers and
+    network) loaded, ready to run on ``device``."""
     try:
         module.load_state_dict(weights)
     except (KeyError, RuntimeError) as exc:
@@ -131,9 +146,16 @@ def _rebuild(
 def _load_program(
     path: Path, device: torch.device, allow_model: tuple[str, ...]
 ) -> tuple[nn.Module, dict[str, Any]]:
-    meta, weights = read_program(path)
-    meta = _check_meta(path, meta)
-    return _rebuild(path, meta, weights, allow_model, device), meta
+    built: list[tuple[dict[str, Any], nn.Module]] = []
+
+    def shapes(meta: Any) -> dict[str, tuple[int, ...]]:
+        meta = _check_meta(path, meta)
+        built.append((meta, _build(path, meta, allow_model)))
+        return {k: tuple(v.shape) for k, v in built[0][1].state_dict().items()}
+
+    _, weights = read_program(path, shapes)
+    meta, module = built[0]
+    return _rebuild(path, meta, weights, module, device), meta
 
 
 def _load_state_dict(
@@ -154,7 +176,7 @@ def _load_state_dict(
     mean = torch.as_tensor(np.asarray(meta["norm_mean"], dtype=np.float32)).reshape(1, bands, 1, 1)
     std = torch.as_tensor(np.asarray(meta["norm_std"], dtype=np.float32)).reshape(1, bands, 1, 1)
     weights = {"mean": mean, "std": std, **{f"network.{k}": v for k, v in state.items()}}
-    return _rebuild(path, meta, weights, allow_model, device), meta
+    return _rebuild(path, meta, weights, _build(path, meta, allow_model), device), meta
 
 
 def load_model(
@@ -179,7 +201,8 @@ def load_model(
     Raises:
         ModelError: the file is missing, is a training checkpoint or not a model written by
             ``pserver export``, holds something that is never loaded (pickled objects,
-            compiled code), or names a user model that is not allowed.
+            compiled code) or that is malformed (see ``read_program``), or names a user model
+            that is not allowed.
     """
     path = Path(path)
     device = device or torch.device("cpu")
@@ -187,8 +210,13 @@ def load_model(
         raise ModelError(f"model file {str(path)!r} does not exist")
     if not zipfile.is_zipfile(path):
         raise ModelError(f"{str(path)!r} is not a model file written by 'pserver export'")
-    with zipfile.ZipFile(path) as archive:
-        names = archive.namelist()
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise ModelError(
+            f"{str(path)!r} is not a readable zip archive: {_first_line(exc)}"
+        ) from None
     if names and all(name.endswith(".npy") for name in names):
         raise ModelError(
             f"{str(path)!r} is a training checkpoint (or another .npz), not a model file: make "
