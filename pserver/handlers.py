@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.config import escape_control, name_problem
 from common.data.dataset import DatasetReader
 from common.errors import ErrorCode, ProtocolError
 from common.protocol.base import Message
@@ -44,6 +45,7 @@ from common.training.perfmodel import MAX_CALIBRATION
 from common.training.runlog import RunLog
 from pserver.config import ServerConfig
 from pserver.desk import TaskDesk
+from pserver.errorlog import RateLimitedLog
 from pserver.membership import MAX_NAME, Roster, Waiter, WorkerInfo
 from pserver.pushes import Pushes, check_speed
 from pserver.runstate import RunState
@@ -107,6 +109,7 @@ class Handlers:
         self.status_view, self.shards, self.desk, self.pushes = status, shards, desk, pushes
         self.version, self.drop_worker = version, drop_worker
         self._status: tuple[float, dict] | None = None
+        self._warnings = RateLimitedLog(logging.getLogger(__name__))
         self._reading: dict[int, int] = {}  # worker id -> bytes of data replies being read
         self._sockets: dict[int, set[bytes]] = {}  # worker id -> sockets with queued data
         train_mask = np.zeros(reader.meta.num_samples, dtype=bool)
@@ -139,12 +142,20 @@ class Handlers:
     async def join(self, request: Request, msg: JoinRequest) -> None:
         if self.run.finished:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "training has ended")
-        if not (1 <= msg.slowdown <= 1e6) or not (1 <= msg.threads <= 4096) or not msg.name:
+        if not (1 <= msg.slowdown <= 1e6) or not (1 <= msg.threads <= 4096):
             raise ProtocolError(
                 ErrorCode.BAD_FIELD,
-                f"join needs 1 <= slowdown <= 1e6, 1 <= threads <= 4096 and a name; got "
-                f"slowdown={msg.slowdown}, threads={msg.threads}, name={msg.name!r:.80}",
+                f"join needs 1 <= slowdown <= 1e6 and 1 <= threads <= 4096; got "
+                f"slowdown={msg.slowdown}, threads={msg.threads}",
             )
+        for value, what in (
+            (msg.name, "name"),
+            (msg.device, "device"),
+            (msg.torch_version, "torch_version"),
+        ):
+            problem = "" if value is None else name_problem(value, what)
+            if problem:  # these reach log lines and reports: no control or markup characters
+                raise ProtocolError(ErrorCode.BAD_FIELD, problem)
         stores = self.stores
         if isinstance(stores, RemoteStores) and not stores.ready.is_set():
             try:
@@ -173,12 +184,13 @@ class Handlers:
             host=None if msg.host is None else msg.host[:MAX_NAME],
         )
         if msg.torch_version is not None and msg.torch_version != torch.__version__:
-            log.warning(
+            self._warnings.warning(
+                "torch",
                 "worker %s runs torch %s, this server %s: training works while both build the "
                 "same parameter layout (the worker checks it), but results may differ in the "
                 "last digits; install the same torch on every node to rule that out",
                 worker.name,
-                msg.torch_version[:40],
+                msg.torch_version,
                 torch.__version__,
             )
         log.info("worker %s joined (%s, slowdown %.1f)", worker.name, worker.device, msg.slowdown)
@@ -217,7 +229,7 @@ class Handlers:
     async def leave(self, request: Request, msg: LeaveRequest) -> None:
         worker = self.roster.member(msg.worker_id, msg.token, request.user_id)
         self.endpoint.reply(request.identity, request.request_id, LeaveReply())
-        self.drop_worker(worker, f"left: {msg.reason}")
+        self.drop_worker(worker, f"left: {escape_control(msg.reason[:200])}")
 
     async def status(self, request: Request, msg: StatusRequest) -> None:
         now = time.monotonic()

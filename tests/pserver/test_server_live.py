@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 
 import msgpack
@@ -288,3 +289,18 @@ async def test_unread_data_is_bounded_per_worker_over_all_its_sockets(
             release.set()
             await asyncio.gather(*readers)
         assert outcomes.count("ok") == 3
+
+
+async def test_what_a_worker_says_cannot_forge_a_log_line(
+    small_hsi, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with live_server(small_hsi, mode="async") as ps, clients(ps.address, 1) as (c,):
+        member, _ = await c.join("w")
+        forged = "bye\nWARNING pserver: worker admin joined"
+        with caplog.at_level(logging.INFO, logger="pserver"):
+            await c.request(
+                LeaveRequest(worker_id=member.worker_id, token=member.token, reason=forged)
+            )
+            await asyncio.wait_for(ps.roster.emptied.wait(), REPLY_TIMEOUT_S)
+        gone = [r.getMessage() for r in caplog.records if "is gone" in r.getMessage()]
+        assert gone == ["worker w is gone: left: bye\\nWARNING pserver: worker admin joined"]
