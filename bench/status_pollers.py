@@ -23,13 +23,11 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from bench import ROOT
 from bench.harness.record import parse_settings
-from common.data.convert.synth import synth_hsi
-from common.procs import Child
-from launch.local import LocalCluster, run_local
 
 URL = re.compile(r"status page on (\S+)")
 PERIOD_S = 1.0
@@ -88,11 +86,13 @@ class Pollers:
 
     def __init__(self, clients: int) -> None:
         self.clients = clients
-        self.process: Child | None = None
+        self.process: Any = None  # the poller process (common.procs.Child)
         self.counts = ""
         self._lock = threading.Lock()
 
     def write(self, text: str) -> int:
+        from common.procs import Child
+
         match = URL.search(text)
         with self._lock:
             if match and self.process is None and self.clients:
@@ -113,6 +113,8 @@ class Pollers:
 
 def training_rate(data: Path, run_dir: Path, steps: int, clients: int) -> tuple[float, str]:
     """Samples applied per second of training time, and the pollers' answer counts."""
+    from launch.local import LocalCluster, run_local
+
     pollers = Pollers(clients)
     cluster = LocalCluster(
         dataset=data,
@@ -139,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.poll:
         print(asyncio.run(poll(args.poll, args.clients)))
         return
+    from common.data.convert.synth import synth_hsi  # (the poller process imports none of this)
+
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         data = root / "hsi.h5"

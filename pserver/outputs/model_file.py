@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import zipfile
 from dataclasses import dataclass
@@ -14,12 +15,11 @@ from torch import nn
 
 from common.errors import ModelError
 from pserver.outputs.export import MAGIC, RawInput, quiet_torch
-from pserver.outputs.program_weights import read_program
+from pserver.outputs.program_weights import first_line, read_program
 
 log = logging.getLogger(__name__)
 
 MAX_SIZE = 1 << 16  # bands, patch sides and classes a model file may claim
-MAX_DEPTH = 16  # nesting of the metadata
 
 _REQUIRED = (
     "kind",
@@ -32,15 +32,6 @@ _REQUIRED = (
     "norm_mean",
     "norm_std",
 )
-
-
-def _items(container: dict[Any, Any] | list[Any]) -> list[Any]:
-    return list(container.values()) if isinstance(container, dict) else container
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 @dataclass
@@ -90,12 +81,10 @@ class LoadedModel:
 
 
 def _check_meta(path: Path, meta: Any) -> dict[str, Any]:
-    nested, depth = [meta], 0
-    while nested:
-        depth += 1
-        if depth > MAX_DEPTH:
-            raise ModelError(f"model metadata of {str(path)!r} is nested too deeply")
-        nested = [v for c in nested if isinstance(c, dict | list) for v in _items(c)]
+    try:
+        json.dumps(meta)  # the encoder refuses nesting deeper than the recursion limit
+    except (RecursionError, TypeError, ValueError) as exc:
+        raise ModelError(f"model metadata of {str(path)!r}: {first_line(exc)}") from None
     if not isinstance(meta, dict) or meta.get("format") != MAGIC:
         raise ModelError(f"{str(path)!r} was not written by 'pserver export' (no model metadata)")
     missing = [k for k in _REQUIRED if k not in meta]
@@ -138,7 +127,7 @@ def _rebuild(
         module.load_state_dict(weights)
     except (KeyError, RuntimeError) as exc:
         raise ModelError(
-            f"weights in {str(path)!r} do not fit {meta['model']!r}: {_first_line(exc)}"
+            f"weights in {str(path)!r} do not fit {meta['model']!r}: {first_line(exc)}"
         ) from exc
     return module.eval().to(device)
 
@@ -166,7 +155,7 @@ def _load_state_dict(
             saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch/pickle raise many types for foreign files
         raise ModelError(
-            f"{str(path)!r} is not a model file written by 'pserver export': {_first_line(exc)}"
+            f"{str(path)!r} is not a model file written by 'pserver export': {first_line(exc)}"
         ) from exc
     meta = _check_meta(path, saved.get("meta") if isinstance(saved, dict) else None)
     state = saved.get("state_dict")
@@ -215,7 +204,7 @@ def load_model(
             names = archive.namelist()
     except (zipfile.BadZipFile, OSError) as exc:
         raise ModelError(
-            f"{str(path)!r} is not a readable zip archive: {_first_line(exc)}"
+            f"{str(path)!r} is not a readable zip archive: {first_line(exc)}"
         ) from None
     if names and all(name.endswith(".npy") for name in names):
         raise ModelError(

@@ -63,10 +63,11 @@ def _read(archive: zipfile.ZipFile, name: str, limit: int, path: Path) -> bytes:
     try:
         return archive.read(info)
     except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError) as exc:
-        raise _refuse(path, f"{name!r} cannot be read ({_first_line(exc)})") from None
+        raise _refuse(path, f"{name!r} cannot be read ({first_line(exc)})") from None
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's text (at most 200 characters), or its type's name."""
     text = str(exc).strip().splitlines()
     return text[0][:200] if text else type(exc).__name__
 
@@ -158,7 +159,7 @@ def read_program(
             meta = json.loads(_read(archive, f"{root}/{META_MEMBER}", MAX_JSON_BYTES, path))
             config = json.loads(_read(archive, f"{root}/{WEIGHTS_CONFIG}", MAX_JSON_BYTES, path))
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise _refuse(path, f"malformed JSON ({_first_line(exc)})") from None
+            raise _refuse(path, f"malformed JSON ({first_line(exc)})") from None
         entries = config.get("config") if isinstance(config, dict) else None
         if not isinstance(entries, dict):
             raise _refuse(path, "its weights have no layout")
