@@ -3,21 +3,18 @@ render of each status-page body with a full live view (the page serves cached bo
 own thread), and the training rate of a weighted-sync run polled by many clients against the
 same run unpolled, side by side.
 
-In the polled runs a separate process keeps ``--clients`` keep-alive connections, each asking
-for ``/status.json`` once a second (the page's own rate) from a random phase. Runs alternate
+In the polled runs a separate process (``bench.harness.pollers``) keeps ``--clients``
+keep-alive connections, each asking for ``/status.json`` once a second (the page's own rate)
+from a random phase. Runs alternate
 (unpolled, polled) ``--repeats`` times; the figure is the ratio of the training rates (samples
 applied per second of training time, medians over repeats).
 
 Usage: python -m bench observe [--events 20000] [--clients 200] [--steps 300] [--repeats 3]
-       python -m bench observe --poll URL [--clients 200]   (the poller process)
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import random
 import re
 import signal
 import statistics
@@ -27,7 +24,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from bench import ROOT
 from bench.harness.record import parse_settings
@@ -39,7 +35,6 @@ from pserver.observe import liveview
 from pserver.observe.statuspage import BODIES, REFRESH_S, StatusPage
 
 URL = re.compile(r"status page on (\S+)")
-PERIOD_S = 1.0
 ROUND: dict[str, Any] = {
     "round": 1,
     "epoch": 1,
@@ -104,54 +99,6 @@ def request_costs(count: int) -> dict[str, float]:
     return costs
 
 
-async def _client(host: str, port: int, counts: dict[str, int], stop: asyncio.Event) -> None:
-    """One poller: a keep-alive connection, one GET /status.json a second."""
-    request = f"GET /status.json HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
-    await asyncio.sleep(random.uniform(0, PERIOD_S))
-    reader = writer = None
-    while not stop.is_set():
-        try:
-            if writer is None:
-                reader, writer = await asyncio.open_connection(host, port)
-            assert reader is not None
-            writer.write(request)
-            status = (await asyncio.wait_for(reader.readline(), 10)).split(b" ")[1:2]
-            length = 0
-            while (line := await asyncio.wait_for(reader.readline(), 10)) not in (b"\r\n", b""):
-                if line.lower().startswith(b"content-length:"):
-                    length = int(line.split(b":")[1])
-                if line.lower().startswith(b"connection: close"):
-                    assert writer is not None
-                    writer.close()
-                    writer = None
-            if reader is not None and length:
-                await asyncio.wait_for(reader.readexactly(length), 10)
-            key = status[0].decode() if status else "none"
-            counts[key] = counts.get(key, 0) + 1
-        except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError):
-            counts["failed"] = counts.get("failed", 0) + 1
-            if writer is not None:
-                writer.close()
-            writer = None
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), PERIOD_S)
-    if writer is not None:
-        writer.close()
-
-
-async def poll(url: str, clients: int) -> dict[str, int]:
-    """Poll until SIGTERM; the answers counted by status code."""
-    parts = urlsplit(url)
-    assert parts.hostname is not None and parts.port is not None
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    counts: dict[str, int] = {}
-    await asyncio.gather(
-        *(_client(parts.hostname, parts.port, counts, stop) for _ in range(clients))
-    )
-    return counts
-
-
 class Pollers:
     """A log sink that starts the poller process once the server prints its page URL."""
 
@@ -165,8 +112,8 @@ class Pollers:
         match = URL.search(text)
         with self._lock:
             if match and self.process is None and self.clients:
-                command = [sys.executable, "-m", "bench.observe", "--poll", match.group(1)]
-                argv = [*command, "--clients", str(self.clients)]
+                url, clients = match.group(1), str(self.clients)
+                argv = [sys.executable, "-m", "bench.harness.pollers", url, clients]
                 self.process = Child("pollers", argv, cwd=ROOT)
         return len(text)
 
@@ -204,11 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, default=200, help="pollers of the status page")
     parser.add_argument("--steps", type=int, default=300, help="updates per training run")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--poll", default=None, help=argparse.SUPPRESS)
     args = parse_settings(parser, argv)
-    if args.poll:
-        print(asyncio.run(poll(args.poll, args.clients)))
-        return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         costs: dict[bool, list[float]] = {False: [], True: []}

@@ -3,9 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from common.errors import ConfigError
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,63}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def name_problem(value: str, what: str) -> str:
+    """Why ``value`` may not be a name that logs, run files and reports show (a worker's name
+    or device), or "" when it may: 1 to 64 letters, digits or ``._:@+-``, the first a letter
+    or digit."""
+    if _NAME.fullmatch(value):
+        return ""
+    return f"{what} {value[:80]!r} must be 1-64 letters, digits or ._:@+- (first a letter or digit)"
+
+
+def escape_control(text: str) -> str:
+    """``text`` with every control character written as an escape (``\\n``), for one line."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def need(ok: bool, message: str) -> None:

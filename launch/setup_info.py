@@ -102,14 +102,13 @@ def worker_hosts(run_dirs: Sequence[str | Path]) -> dict[str, str]:
         run_dirs: run directories (missing files are skipped).
 
     Returns:
-        worker name -> host name (printable characters only), sorted by name.
+        worker name -> host name, sorted by name.
     """
     found: dict[str, str] = {}
     for event in _joins(run_dirs):
         host = event.get("host")
         if isinstance(host, str) and host:
-            shown = "".join(c for c in host[:64] if c.isprintable() and c not in "`|")
-            found.setdefault(str(event["worker"]), shown)
+            found.setdefault(str(event["worker"]), host)
     return _by_name(found)
 
 
@@ -148,5 +147,13 @@ def _grouped(values: dict[str, str], quote: str = "") -> str:
     for name, value in values.items():
         by_value.setdefault(value, []).append(name)
     return "; ".join(
-        f"{quote}{value}{quote}: {', '.join(names)}" for value, names in by_value.items()
+        f"{quote}{_shown(value)}{quote}: {', '.join(map(_shown, names))}"
+        for value, names in by_value.items()
     )
+
+
+def _shown(text: str) -> str:
+    """``text`` as Markdown shows it literally on one line: printable characters only (at most
+    64), no backquote or table bar, HTML's ``&<>`` as entities."""
+    kept = "".join(c for c in text[:64] if c.isprintable() and c not in "`|")
+    return kept.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

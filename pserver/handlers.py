@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.config import escape_control, name_problem
 from common.data.dataset import DatasetReader
 from common.errors import ErrorCode, ProtocolError
 from common.protocol.base import Message
@@ -44,6 +45,7 @@ from common.training.perfmodel import MAX_CALIBRATION
 from common.training.runlog import RunLog
 from pserver.config import ServerConfig
 from pserver.desk import TaskDesk
+from pserver.errorlog import RateLimitedLog
 from pserver.membership import MAX_NAME, Roster, Waiter, WorkerInfo
 from pserver.pushes import Pushes, check_speed
 from pserver.runstate import RunState
@@ -56,7 +58,7 @@ from pserver.transport import Endpoint, Request
 log = logging.getLogger(__name__)
 
 MAX_DATA_BYTES = 64 << 20  # per data request
-MAX_IN_FLIGHT_BYTES = 256 << 20  # replies to one peer not yet on the wire
+MAX_IN_FLIGHT_BYTES = 256 << 20  # data for one worker read or queued, not yet on the wire
 STATUS_CACHE_S = 0.25
 
 
@@ -107,6 +109,9 @@ class Handlers:
         self.status_view, self.shards, self.desk, self.pushes = status, shards, desk, pushes
         self.version, self.drop_worker = version, drop_worker
         self._status: tuple[float, dict] | None = None
+        self._warnings = RateLimitedLog(logging.getLogger(__name__))
+        self._reading: dict[int, int] = {}  # worker id -> bytes of data replies being read
+        self._sockets: dict[int, set[bytes]] = {}  # worker id -> sockets with queued data
         train_mask = np.zeros(reader.meta.num_samples, dtype=bool)
         train_mask[reader.train_indices] = True
         self._train_mask = train_mask
@@ -137,12 +142,20 @@ class Handlers:
     async def join(self, request: Request, msg: JoinRequest) -> None:
         if self.run.finished:
             raise ProtocolError(ErrorCode.SHUTTING_DOWN, "training has ended")
-        if not (1 <= msg.slowdown <= 1e6) or not (1 <= msg.threads <= 4096) or not msg.name:
+        if not (1 <= msg.slowdown <= 1e6) or not (1 <= msg.threads <= 4096):
             raise ProtocolError(
                 ErrorCode.BAD_FIELD,
-                f"join needs 1 <= slowdown <= 1e6, 1 <= threads <= 4096 and a name; got "
-                f"slowdown={msg.slowdown}, threads={msg.threads}, name={msg.name!r:.80}",
+                f"join needs 1 <= slowdown <= 1e6 and 1 <= threads <= 4096; got "
+                f"slowdown={msg.slowdown}, threads={msg.threads}",
             )
+        for value, what in (
+            (msg.name, "name"),
+            (msg.device, "device"),
+            (msg.torch_version, "torch_version"),
+        ):
+            problem = "" if value is None else name_problem(value, what)
+            if problem:  # these reach log lines and reports: no control or markup characters
+                raise ProtocolError(ErrorCode.BAD_FIELD, problem)
         stores = self.stores
         if isinstance(stores, RemoteStores) and not stores.ready.is_set():
             try:
@@ -171,12 +184,13 @@ class Handlers:
             host=None if msg.host is None else msg.host[:MAX_NAME],
         )
         if msg.torch_version is not None and msg.torch_version != torch.__version__:
-            log.warning(
+            self._warnings.warning(
+                "torch",
                 "worker %s runs torch %s, this server %s: training works while both build the "
                 "same parameter layout (the worker checks it), but results may differ in the "
                 "last digits; install the same torch on every node to rule that out",
                 worker.name,
-                msg.torch_version[:40],
+                msg.torch_version,
                 torch.__version__,
             )
         log.info("worker %s joined (%s, slowdown %.1f)", worker.name, worker.device, msg.slowdown)
@@ -215,7 +229,7 @@ class Handlers:
     async def leave(self, request: Request, msg: LeaveRequest) -> None:
         worker = self.roster.member(msg.worker_id, msg.token, request.user_id)
         self.endpoint.reply(request.identity, request.request_id, LeaveReply())
-        self.drop_worker(worker, f"left: {msg.reason}")
+        self.drop_worker(worker, f"left: {escape_control(msg.reason[:200])}")
 
     async def status(self, request: Request, msg: StatusRequest) -> None:
         now = time.monotonic()
@@ -263,7 +277,7 @@ class Handlers:
     # --- data -------------------------------------------------------------------------------
 
     async def data(self, request: Request, msg: DataRequest) -> None:
-        self.roster.member(msg.worker_id, msg.token, request.user_id)
+        worker = self.roster.member(msg.worker_id, msg.token, request.user_id).worker_id
         indices = np.asarray(msg.indices, dtype=np.int64)
         nbytes = len(indices) * self._sample_bytes
         if nbytes > MAX_DATA_BYTES:
@@ -271,10 +285,6 @@ class Handlers:
                 ErrorCode.BAD_FIELD,
                 f"{len(indices)} samples ({nbytes >> 20} MiB) exceed {MAX_DATA_BYTES >> 20} MiB "
                 "per data request",
-            )
-        if self.endpoint.in_flight(request.identity) + nbytes > MAX_IN_FLIGHT_BYTES:
-            raise ProtocolError(
-                ErrorCode.BUSY, "too much data for this connection is still unread; read it first"
             )
         if len(indices) and (
             indices.min() < 0
@@ -284,9 +294,32 @@ class Handlers:
             raise ProtocolError(
                 ErrorCode.BAD_FIELD, "data_request may only name indices of the training split"
             )
-        loop = asyncio.get_running_loop()
-        x, y = await loop.run_in_executor(None, self.reader.read_stored, indices)
-        self.endpoint.reply(request.identity, request.request_id, DataReply(x=x, y=y))
+        if self._unread(worker) + nbytes > MAX_IN_FLIGHT_BYTES:
+            raise ProtocolError(
+                ErrorCode.BUSY, "too much data for this worker is still unread; read it first"
+            )
+        self._reading[worker] = self._reading.get(worker, 0) + nbytes
+        try:
+            loop = asyncio.get_running_loop()
+            x, y = await loop.run_in_executor(None, self.reader.read_stored, indices)
+            self.endpoint.reply(request.identity, request.request_id, DataReply(x=x, y=y))
+            self._sockets.setdefault(worker, set()).add(request.identity)
+        finally:
+            self._reading[worker] -= nbytes
+            if not self._reading[worker]:
+                del self._reading[worker]
+
+    def _unread(self, worker: int) -> int:
+        """Bytes a worker asked for and has not read: data replies being read from the
+        dataset and every large reply queued to any socket it got data on (a worker with
+        nothing queued is forgotten)."""
+        queued: dict[int, int] = {}
+        for member in list(self._sockets) if len(self._sockets) > 64 else [worker]:
+            sockets = self._sockets.get(member, set())
+            queued[member] = sum(self.endpoint.in_flight(identity) for identity in sockets)
+            if not queued[member]:
+                self._sockets.pop(member, None)
+        return queued.get(worker, 0) + self._reading.get(worker, 0)
 
     # --- parameter store (--shards 1) and shard registration --------------------------------
 

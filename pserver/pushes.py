@@ -23,7 +23,7 @@ from pserver.snapshots.snapshot_hooks import SnapshotHook
 from pserver.store.service import Replier
 from pserver.store.stores import ParameterStores
 from pserver.transport import Request
-from pserver.updates import GradientGuard, Updater
+from pserver.updates import STRIKES_BEFORE_DROP, GradientGuard, Updater
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,8 @@ class Pushes:
         finish: ends training (a limit was reached).
         fail: ends the run with an error (``stores_lost``: a shard is gone).
         checkpoint: starts a periodic checkpoint.
+        drop: removes a member (``drop(worker, reason)``) whose pushes are refused again and
+            again.
     """
 
     def __init__(
@@ -66,11 +68,12 @@ class Pushes:
         finish: Callable[[FinishReason], None],
         fail: Callable[[str, bool], None],
         checkpoint: Callable[[], None],
+        drop: Callable[[WorkerInfo, str], None],
     ) -> None:
         self.config, self.run, self.roster, self.stores = config, run, roster, stores
         self.guard, self.policy, self.updater, self.ledger = guard, policy, updater, ledger
         self.desk, self.snapshots, self.replier = desk, snapshots, replier
-        self.finish, self.fail, self.checkpoint = finish, fail, checkpoint
+        self.finish, self.fail, self.checkpoint, self.drop = finish, fail, checkpoint, drop
 
     async def push(self, request: Request, msg: PushRequest) -> None:
         """The one path of a push: check it, wait for its gradient to be complete in the
@@ -111,7 +114,7 @@ class Pushes:
                 self.desk.stop(worker)
                 return
             stagetrace.mark("c_staged", task=task.task_id)
-            clip = self.guard.check(report, task.task_id)
+            clip = self.guard.check(report, task.task_id, worker.worker_id)
         except ProtocolError as exc:
             roster.end_push(worker)
             if exc.code == ErrorCode.NON_FINITE:
@@ -119,6 +122,10 @@ class Pushes:
             elif exc.code == ErrorCode.REFUSED:
                 roster.count(worker, "refused")
             await self.stores.drop([task.task_id], exc.code, str(exc))
+            if self.guard.struck_out(worker.worker_id):
+                reason = f"{STRIKES_BEFORE_DROP} pushes in a row were refused (last: {exc})"
+                self.drop(worker, reason)
+                raise ProtocolError(exc.code, f"the worker is dropped: {reason}") from None
             raise
         except BaseException:
             roster.end_push(worker)

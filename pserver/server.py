@@ -225,6 +225,7 @@ class ParameterServer:
             self.finish,
             self.fail,
             self._checkpoint_soon,
+            self.drop_worker,
         )
         self.status = StatusView(
             config,
@@ -409,6 +410,7 @@ class ParameterServer:
             return
         dropped = self.roster.take_tasks(worker)
         self.roster.remove(worker)
+        self.guard.forget(worker.worker_id)
         for task in dropped:
             self.sampler.give_back(task.epoch, task.positions)
         self.log.event("leave", worker=worker.name, reason=reason[:200])

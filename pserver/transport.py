@@ -179,6 +179,10 @@ class Endpoint:
             lease.hold()
         entry: list[Any] | None = None
         if nbytes:
+            # Every send prunes its peer's record (and now and then every peer's), so replies
+            # that left are forgotten even when nobody asks what is in flight.
+            for peer in list(self._in_flight) if len(self._in_flight) > 64 else [identity]:
+                self.in_flight(peer)
             entry = [nbytes, None]
             self._in_flight.setdefault(identity, _InFlight()).entries.append(entry)
         track = lease is not None or entry is not None

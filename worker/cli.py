@@ -47,7 +47,8 @@ def main() -> None:
     "--name",
     default=socket.gethostname,
     show_default="this host's name",
-    help="Worker name in logs and metrics.",
+    help="Worker name in logs and metrics: 1-64 letters, digits or ._:@+- (the first a "
+    "letter or digit).",
 )
 @click.option(
     "--threads", default=default(WorkerConfig, "threads"), type=int, help="Torch CPU threads."

@@ -7,6 +7,7 @@ import math
 import os
 import socket
 
+from common.config import name_problem
 from common.errors import ConfigError
 from common.training.slowdown import SlowdownSchedule
 
@@ -59,8 +60,8 @@ class WorkerConfig:
             raise ConfigError(f"--cache-mb must be >= 0, got {self.cache_mb}")
         if self.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {self.threads}")
-        if not self.name:
-            raise ConfigError("--name must not be empty")
+        if name_problem(self.name, "--name"):
+            raise ConfigError(name_problem(self.name, "--name"))
         for field in (
             "connect_timeout_s",
             "reply_timeout_s",

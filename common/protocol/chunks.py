@@ -84,6 +84,26 @@ def encode(values: torch.Tensor, wire: str) -> tuple[np.ndarray, float]:
     return (values * scale).to(torch.float16).numpy(), scale
 
 
+def check_scale(scale: float, dtype: torch.dtype) -> None:
+    """Refuse a chunk's scale that its wire format does not produce: fp32 and bf16 chunks
+    carry 1.0; fp16 chunks a power of two within 2^±40 (what ``encode`` sends). So a norm
+    taken of the wire values divided by the scale is the norm of what is applied.
+
+    Raises:
+        ProtocolError: BAD_FIELD.
+    """
+    if dtype != torch.float16:
+        if scale != 1.0:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"scale {scale} must be 1 for {dtype}")
+        return
+    mantissa, exponent = math.frexp(scale)
+    if mantissa != 0.5 or abs(exponent - 1) > _FP16_MAX_EXPONENT:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD,
+            f"scale {scale} is not a power of two within 2^±{_FP16_MAX_EXPONENT}",
+        )
+
+
 def as_tensor(data: np.ndarray, wire: str, what: str) -> torch.Tensor:
     """A received wire array as a (read-only) tensor of its own dtype, checked against ``wire``.
 

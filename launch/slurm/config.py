@@ -19,11 +19,6 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 DDP = "ddp"
 
 
-def escape_control(text: str) -> str:
-    """``text`` with every control character written as an escape (``\\n``), for a comment."""
-    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
-
-
 def refuse_control(option: str, value: str) -> None:
     """Refuse a value with a control character (newline, carriage return, NUL, tab, ...):
     in a job script it would end a comment or an ``#SBATCH`` line and start a shell line.

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import shlex
 
-from launch.slurm.config import SlurmJob, escape_control
+from common.config import escape_control
+from launch.slurm.config import SlurmJob
 from launch.slurm.script import placement, resources, wrap
 
 RANKS_LOG = "ranks-$SLURM_JOB_ID.log"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import shlex
 from collections.abc import Iterable
 
-from launch.slurm.config import SlurmJob, escape_control
+from common.config import escape_control
+from launch.slurm.config import SlurmJob
 from launch.slurm.groups import Group
 
 STEP_LOG = "workers-$SLURM_JOB_ID.$ATTEMPT.log"

@@ -239,8 +239,9 @@ def main() -> None:
 @_opt(
     "outlier_factor",
     type=float,
-    help="Refuse a push whose gradient norm exceeds this many times the median of recent ones "
-    "(the third push of the same task is taken, clipped to that limit).",
+    help="Refuse a push whose gradient norm exceeds this many times the typical one (the "
+    "lower median over members of their recent medians; the third push of the same task is "
+    "taken, clipped to the typical norm).",
 )
 @_opt(
     "stage_timeout_s",

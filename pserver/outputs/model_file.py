@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import zipfile
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from torch import nn
 
 from common.errors import ModelError
 from pserver.outputs.export import MAGIC, RawInput, quiet_torch
-from pserver.outputs.program_weights import read_program
+from pserver.outputs.program_weights import first_line, read_program
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +32,6 @@ _REQUIRED = (
     "norm_mean",
     "norm_std",
 )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
 
 
 @dataclass
@@ -85,6 +81,10 @@ class LoadedModel:
 
 
 def _check_meta(path: Path, meta: Any) -> dict[str, Any]:
+    try:
+        json.dumps(meta)  # the encoder refuses nesting deeper than the recursion limit
+    except (RecursionError, TypeError, ValueError) as exc:
+        raise ModelError(f"model metadata of {str(path)!r}: {first_line(exc)}") from None
     if not isinstance(meta, dict) or meta.get("format") != MAGIC:
         raise ModelError(f"{str(path)!r} was not written by 'pserver export' (no model metadata)")
     missing = [k for k in _REQUIRED if k not in meta]
@@ -104,26 +104,30 @@ def _check_meta(path: Path, meta: Any) -> dict[str, Any]:
     return meta
 
 
-def _rebuild(
-    path: Path,
-    meta: dict[str, Any],
-    weights: dict[str, torch.Tensor],
-    allow_model: tuple[str, ...],
-    device: torch.device,
-) -> nn.Module:
-    """The model ``meta`` names (built in, or allowed), with the normalisation in front and
-    ``weights`` (a ``RawInput`` state dict: normalisation buffers and network) loaded."""
+def _build(path: Path, meta: dict[str, Any], allow_model: tuple[str, ...]) -> nn.Module:
+    """The model ``meta`` names (built in, or allowed), with the normalisation in front."""
     from common.training.models import build_model, check_allowed
 
     check_allowed(meta["model"], allow_model, f"model file {str(path)!r}")
     network = build_model(meta["model"], meta["bands"], meta["num_classes"], meta["height"])
     bands = int(meta["bands"])
-    module = RawInput(network, np.zeros(bands), np.ones(bands))
+    return RawInput(network, np.zeros(bands), np.ones(bands))
+
+
+def _rebuild(
+    path: Path,
+    meta: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    module: nn.Module,
+    device: torch.device,
+) -> nn.Module:
+    """``module`` with ``weights`` (a ``RawInput`` state dict: normalisation buffers and
+    network) loaded, ready to run on ``device``."""
     try:
         module.load_state_dict(weights)
     except (KeyError, RuntimeError) as exc:
         raise ModelError(
-            f"weights in {str(path)!r} do not fit {meta['model']!r}: {_first_line(exc)}"
+            f"weights in {str(path)!r} do not fit {meta['model']!r}: {first_line(exc)}"
         ) from exc
     return module.eval().to(device)
 
@@ -131,9 +135,16 @@ def _rebuild(
 def _load_program(
     path: Path, device: torch.device, allow_model: tuple[str, ...]
 ) -> tuple[nn.Module, dict[str, Any]]:
-    meta, weights = read_program(path)
-    meta = _check_meta(path, meta)
-    return _rebuild(path, meta, weights, allow_model, device), meta
+    built: list[tuple[dict[str, Any], nn.Module]] = []
+
+    def shapes(meta: Any) -> dict[str, tuple[int, ...]]:
+        meta = _check_meta(path, meta)
+        built.append((meta, _build(path, meta, allow_model)))
+        return {k: tuple(v.shape) for k, v in built[0][1].state_dict().items()}
+
+    _, weights = read_program(path, shapes)
+    meta, module = built[0]
+    return _rebuild(path, meta, weights, module, device), meta
 
 
 def _load_state_dict(
@@ -144,7 +155,7 @@ def _load_state_dict(
             saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch/pickle raise many types for foreign files
         raise ModelError(
-            f"{str(path)!r} is not a model file written by 'pserver export': {_first_line(exc)}"
+            f"{str(path)!r} is not a model file written by 'pserver export': {first_line(exc)}"
         ) from exc
     meta = _check_meta(path, saved.get("meta") if isinstance(saved, dict) else None)
     state = saved.get("state_dict")
@@ -154,7 +165,7 @@ def _load_state_dict(
     mean = torch.as_tensor(np.asarray(meta["norm_mean"], dtype=np.float32)).reshape(1, bands, 1, 1)
     std = torch.as_tensor(np.asarray(meta["norm_std"], dtype=np.float32)).reshape(1, bands, 1, 1)
     weights = {"mean": mean, "std": std, **{f"network.{k}": v for k, v in state.items()}}
-    return _rebuild(path, meta, weights, allow_model, device), meta
+    return _rebuild(path, meta, weights, _build(path, meta, allow_model), device), meta
 
 
 def load_model(
@@ -179,7 +190,8 @@ def load_model(
     Raises:
         ModelError: the file is missing, is a training checkpoint or not a model written by
             ``pserver export``, holds something that is never loaded (pickled objects,
-            compiled code), or names a user model that is not allowed.
+            compiled code) or that is malformed (see ``read_program``), or names a user model
+            that is not allowed.
     """
     path = Path(path)
     device = device or torch.device("cpu")
@@ -187,8 +199,13 @@ def load_model(
         raise ModelError(f"model file {str(path)!r} does not exist")
     if not zipfile.is_zipfile(path):
         raise ModelError(f"{str(path)!r} is not a model file written by 'pserver export'")
-    with zipfile.ZipFile(path) as archive:
-        names = archive.namelist()
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise ModelError(
+            f"{str(path)!r} is not a readable zip archive: {first_line(exc)}"
+        ) from None
     if names and all(name.endswith(".npy") for name in names):
         raise ModelError(
             f"{str(path)!r} is a training checkpoint (or another .npz), not a model file: make "

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import re
 import zipfile
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,6 @@ _DTYPES: dict[int, np.dtype[Any]] = {
     12: np.dtype("?"),
 }
 _BFLOAT16 = 13
-MAX_MEMBER_BYTES = 1 << 32
 MAX_JSON_BYTES = 64 << 20
 
 
@@ -51,13 +52,24 @@ def _refuse(path: Path, why: str) -> ModelError:
 
 
 def _read(archive: zipfile.ZipFile, name: str, limit: int, path: Path) -> bytes:
+    """A member no larger than ``limit`` bytes (as declared; zipfile never inflates more
+    than that), its checksum verified."""
     try:
         info = archive.getinfo(name)
     except KeyError:
         raise _refuse(path, f"it lacks {name.split('/', 1)[1]!r}") from None
     if info.file_size > limit:
         raise _refuse(path, f"{name!r} is {info.file_size} bytes")
-    return archive.read(info)
+    try:
+        return archive.read(info)
+    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError) as exc:
+        raise _refuse(path, f"{name!r} cannot be read ({first_line(exc)})") from None
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's text (at most 200 characters), or its type's name."""
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
 
 
 def _int(value: Any, what: str, path: Path) -> int:
@@ -69,8 +81,11 @@ def _int(value: Any, what: str, path: Path) -> int:
     return value
 
 
-def _tensor(archive: zipfile.ZipFile, root: str, fqn: str, entry: Any, path: Path) -> torch.Tensor:
-    """One weight from its raw bytes and its layout, checked to lie within them."""
+def _tensor(
+    archive: zipfile.ZipFile, root: str, fqn: str, entry: Any, shape: tuple[int, ...], path: Path
+) -> torch.Tensor:
+    """One weight from its raw bytes and its layout, checked to be ``shape`` and to lie within
+    a record no larger than the layout reaches (checked before the record is read)."""
     if not isinstance(entry, dict) or not isinstance(entry.get("tensor_meta"), dict):
         raise _refuse(path, f"weight {fqn!r} has no tensor layout")
     if entry.get("use_pickle") is not False:
@@ -85,36 +100,41 @@ def _tensor(archive: zipfile.ZipFile, root: str, fqn: str, entry: Any, path: Pat
     sizes = [_int(s, f"a size of {fqn!r}", path) for s in meta.get("sizes", [])]
     strides = [_int(s, f"a stride of {fqn!r}", path) for s in meta.get("strides", [])]
     offset = _int(meta.get("storage_offset"), f"the offset of {fqn!r}", path)
-    if len(sizes) != len(strides):
-        raise _refuse(path, f"weight {fqn!r} has {len(sizes)} sizes and {len(strides)} strides")
-    data = _read(archive, f"{root}/data/weights/{name}", MAX_MEMBER_BYTES, path)
+    if len(sizes) != len(strides) or tuple(sizes) != shape:
+        raise _refuse(path, f"weight {fqn!r} has not the layout of a {list(shape)} tensor")
     dtype: np.dtype[Any] = _DTYPES.get(code, np.dtype("<u2"))
-    if len(data) % dtype.itemsize:
-        raise _refuse(path, f"record {name!r} is not a whole number of {dtype} values")
+    if 0 in sizes:
+        return torch.zeros(sizes, dtype=torch.bfloat16 if code == _BFLOAT16 else None)
+    reach = offset + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True)) + 1
+    if 0 in (s for n, s in zip(sizes, strides, strict=True) if n > 1):
+        raise _refuse(path, f"weight {fqn!r} repeats values (a stride of 0)")
+    data = _read(archive, f"{root}/data/weights/{name}", reach * dtype.itemsize, path)
+    if len(data) % dtype.itemsize or len(data) // dtype.itemsize < reach:
+        raise _refuse(path, f"weight {fqn!r} reaches beyond its record")
     flat = torch.from_numpy(np.frombuffer(data, dtype=dtype).copy())
     if code == _BFLOAT16:
         flat = flat.view(torch.bfloat16)
-    if 0 in sizes:
-        return torch.zeros(sizes, dtype=flat.dtype)
-    last = offset + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True))
-    if last >= flat.numel():
-        raise _refuse(path, f"weight {fqn!r} reaches beyond its record")
     return torch.as_strided(flat, sizes, strides, offset).clone()
 
 
-def read_program(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def read_program(
+    path: Path, shapes: Callable[[Any], dict[str, tuple[int, ...]]]
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """The metadata and the weights of a program file, read without torch's loader.
 
     Args:
         path: a zip archive written by ``torch.export.save``.
+        shapes: checks the metadata and gives the shape of every weight the model it names
+            has (raising ``ModelError`` for metadata it refuses); no record is read before.
 
     Returns:
-        The ``pserver export`` metadata (unchecked JSON) and the state dict by name.
+        The ``pserver export`` metadata and the state dict by name.
 
     Raises:
         ModelError: an unexpected member (pickled or legacy weights, custom objects, compiled
-            code), a weight stored with pickle or with a symbolic or out-of-range layout, a
-            big-endian archive, or no metadata.
+            code), a weight stored with pickle, with a symbolic or out-of-range layout or
+            another shape than the model's, a member that cannot be read (a bad checksum),
+            malformed or too deeply nested JSON, a big-endian archive, or no metadata.
     """
     try:
         archive = zipfile.ZipFile(path)
@@ -138,13 +158,16 @@ def read_program(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         try:
             meta = json.loads(_read(archive, f"{root}/{META_MEMBER}", MAX_JSON_BYTES, path))
             config = json.loads(_read(archive, f"{root}/{WEIGHTS_CONFIG}", MAX_JSON_BYTES, path))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise _refuse(path, f"malformed JSON ({exc})") from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise _refuse(path, f"malformed JSON ({first_line(exc)})") from None
         entries = config.get("config") if isinstance(config, dict) else None
         if not isinstance(entries, dict):
             raise _refuse(path, "its weights have no layout")
+        expected = shapes(meta)
+        if set(entries) != set(expected):
+            raise _refuse(path, "its weights are not those of the model it names")
         state = {
-            str(fqn): _tensor(archive, root, str(fqn), entry, path)
+            fqn: _tensor(archive, root, fqn, entry, expected[fqn], path)
             for fqn, entry in entries.items()
         }
     return meta, state

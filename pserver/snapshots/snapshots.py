@@ -6,7 +6,8 @@ array holding JSON bytes (version, epoch, samples applied, training time when th
 made). No pickle: files load with ``np.load(allow_pickle=False)`` and every field is checked.
 ``snapshots/run.json`` names the model, the dataset and its fingerprint. Disk use is bounded:
 when more than ``--snapshot-limit`` snapshots exist, every other one is deleted and the
-interval doubles, so at most ``limit`` x state bytes stay on disk.
+interval doubles, so at most ``limit`` x state bytes stay on disk. A snapshot is not written
+when the disk would then keep less free space than a checkpoint of the state needs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import logging
 import math
 import re
+import shutil
 import zipfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -28,6 +30,7 @@ import numpy as np
 from common.errors import ConfigError
 from common.regular_files import open_regular, read_npz
 from common.safefile import WriteThread, write_atomic
+from pserver.errorlog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,7 @@ NAME = re.compile(r"^snap-(\d{10})\.npz$")
 MAX_META_BYTES = 64 << 10
 NPY_HEADER_BYTES = 4096  # generous bound on an .npy header inside the archive
 MAX_PENDING = 8  # snapshot writes queued before the server warns
+CHECKPOINT_COPIES = 3  # a checkpoint holds the state and up to two optimizer slots
 
 Fetch = Callable[[], Awaitable[tuple[int, np.ndarray, Callable[[], None]]]]
 
@@ -241,6 +245,7 @@ class SnapshotWriter:
         self.failed = 0
         self._pending: set[asyncio.Future[None]] = set()
         self._thread = WriteThread("snapshots")
+        self._errors = RateLimitedLog(log)
         write_run_file(self.directory, {**info, "every": self.every})
 
     def due(self, version: int) -> bool:
@@ -277,11 +282,19 @@ class SnapshotWriter:
 
     def _save(self, state: np.ndarray, meta: SnapshotMeta, release: Callable[[], None]) -> None:
         try:
+            # Room for this snapshot and, after it, for a checkpoint (the state and up to two
+            # optimizer slots): snapshots never take the space the final checkpoint needs.
+            needed = state.nbytes * (1 + CHECKPOINT_COPIES) + (1 << 20)
+            free = shutil.disk_usage(self.directory).free
+            if free < needed:
+                raise OSError(f"{free >> 20} MiB free, {needed >> 20} MiB kept for a checkpoint")
             write(self.directory, state, meta)
             self.written += 1
         except OSError as exc:
             self.failed += 1
-            log.error("snapshot of version %d failed: %s", meta.version, exc)
+            self._errors.warning(
+                "snapshot", "snapshot of version %d not written: %s", meta.version, exc
+            )
         finally:
             release()
 

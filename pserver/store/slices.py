@@ -15,7 +15,7 @@ import math
 import torch
 
 from common.errors import ErrorCode, ProtocolError
-from common.protocol.chunks import chunk_spans
+from common.protocol.chunks import check_scale, chunk_spans
 from pserver.store.optimizer import FlatOptimizer
 from pserver.store.pool import BufferPool, Lease
 
@@ -116,8 +116,8 @@ class SliceStore:
 
         Raises:
             ProtocolError: BAD_FIELD/BAD_TENSOR for a chunk that is not one of this slice's
-                chunks, a duplicate, a scale that is not a positive power of two, or a worker
-                with too many staged tasks; nothing is kept then.
+                chunks, a duplicate, a scale its wire format does not send (``check_scale``), or
+                a worker with too many staged tasks; nothing is kept then.
         """
         length = self._span_of.get(offset)
         if length is None or data.numel() != length:
@@ -126,8 +126,7 @@ class SliceStore:
                 f"chunk at offset {offset} with {data.numel()} values is not a chunk of "
                 f"[{self.lo}, {self.hi})",
             )
-        if not (scale > 0 and float(scale).hex().startswith("0x1.0000000000000p")):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"scale {scale} is not a power of two")
+        check_scale(scale, data.dtype)
         staged = self.staged.get(task_id)
         if staged is None:
             mine = sum(1 for s in self.staged.values() if s.worker_id == worker_id)
@@ -135,7 +134,7 @@ class SliceStore:
                 raise ProtocolError(
                     ErrorCode.BAD_FIELD, f"worker {worker_id} already has {mine} staged pushes"
                 )
-            staged = self.staged[task_id] = StagedGradient(task_id, worker_id, version)
+            staged = StagedGradient(task_id, worker_id, version)
         elif staged.worker_id != worker_id or staged.version != version:
             raise ProtocolError(ErrorCode.WRONG_TASK, f"task {task_id} is staged by another push")
         if offset in staged.parts:
@@ -144,6 +143,7 @@ class SliceStore:
         cut = min(max(self.split - local, 0), length)
         grad_sq, grad_finite = _square_sum(data[:cut])
         buffer_sq, buffer_finite = _square_sum(data[cut:])
+        self.staged[task_id] = staged
         staged.parts[offset] = (data, scale)
         staged.received += length
         staged.grad_sq += grad_sq / scale**2
@@ -298,7 +298,8 @@ def _square_sum(values: torch.Tensor) -> tuple[float, bool]:
     """The sum of squares and whether every value is finite, in one fast pass.
 
     The float32 sum overflows for absurd but finite values (beyond ~1e19): it is then
-    infinite, which the guard refuses; only then are the values checked one by one.
+    infinite, which the guard refuses as NON_FINITE; only then are the values checked one
+    by one.
     """
     if values.numel() == 0:
         return 0.0, True

@@ -11,7 +11,7 @@ from common.training.tables import files_written, natural_key, summary_tables
 from launch.cluster.spec import ClusterSpec, parse_cluster
 from launch.figures import _draw_timeline
 from launch.report import render_markdown
-from launch.setup_info import collect_setup, setup_lines, worker_devices
+from launch.setup_info import collect_setup, setup_lines, worker_devices, worker_hosts
 
 
 def _run(mode: str, oa: float, run_dir: Path | None = None) -> dict:
@@ -129,3 +129,15 @@ def test_timeline_and_worker_rows_are_sorted_by_name() -> None:
                "final": {}, "workers": workers}  # fmt: skip
     table = summary_tables(summary)
     assert table.index("w2-x1") < table.index("w10-x1")
+
+
+def test_names_and_devices_from_run_files_reach_the_report_as_plain_text(tmp_path: Path) -> None:
+    """A join event naming a worker (or device) with a newline and HTML, as a run file from
+    elsewhere may, adds no heading, no table row and no markup to the report."""
+    hostile = "w4\n# Pwned <img src=x onerror=alert(1)> | x"
+    join = {"event": "join", "t": 0.1, "worker": hostile, "device": "cpu\n## <b>", "host": "h"}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(join) + "\n")
+    lines = setup_lines(None, worker_devices([tmp_path]), worker_hosts([tmp_path]))
+    assert len(lines) == 2 and all("\n" not in line for line in lines)
+    text = "\n".join(lines)
+    assert "<" not in text and "|" not in text and "&lt;img src=x" in text

@@ -67,8 +67,21 @@ async def test_a_join_is_answered_with_the_run_it_joins(small_hsi: Path) -> None
         JoinRequest(name="w", device="cpu", slowdown=0.5, threads=1),
         JoinRequest(name="w", device="cpu", slowdown=1.0, threads=0),
         JoinRequest(name="w", device="cpu", slowdown=1.0, threads=5000),
+        JoinRequest(name="w\nWARNING forged line", device="cpu", slowdown=1.0, threads=1),
+        JoinRequest(name="w", device="<img src=x onerror=alert(1)>", slowdown=1.0, threads=1),
+        JoinRequest(name="# heading", device="cpu", slowdown=1.0, threads=1),
+        JoinRequest(name="w", device="cpu", slowdown=1, threads=1, torch_version="2\r\nx"),
     ],
-    ids=["no-name", "speed-up", "no-threads", "too-many-threads"],
+    ids=[
+        "no-name",
+        "speed-up",
+        "no-threads",
+        "too-many-threads",
+        "newline",
+        "markup",
+        "heading",
+        "torch-control",
+    ],
 )
 async def test_a_join_out_of_range_is_refused_and_adds_no_member(
     small_hsi: Path, request_: JoinRequest

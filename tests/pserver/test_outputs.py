@@ -144,6 +144,70 @@ def test_a_program_file_with_pickled_weights_is_refused_and_runs_nothing(
         one_line_error(res, "refused", extra)
 
 
+def _weights_config(path: Path) -> dict[str, Any]:
+    with zipfile.ZipFile(path) as archive:
+        name = next(n for n in archive.namelist() if n.endswith("weights_config.json"))
+        return json.loads(archive.read(name))
+
+
+def _inflating(source: Path, target: Path, member: str, size: int) -> Path:
+    """``source`` with ``member`` replaced by ``size`` zero bytes, deflated (a few KB)."""
+    with zipfile.ZipFile(source) as old, zipfile.ZipFile(target, "w") as new:
+        for info in old.infolist():
+            if info.filename.split("/", 1)[1] != member:
+                new.writestr(info, old.read(info))
+                continue
+            with new.open(zipfile.ZipInfo(info.filename), "w", force_zip64=True) as out:
+                for _ in range(size >> 20):
+                    out.write(bytes(1 << 20))
+    return target
+
+
+def _bad_checksum(source: Path, target: Path, member: str) -> Path:
+    """``source`` with one byte of ``member``'s stored data flipped."""
+    data = bytearray(source.read_bytes())
+    with zipfile.ZipFile(source) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith(member))
+        assert info.compress_type == zipfile.ZIP_STORED and info.file_size > 0
+    header = info.header_offset
+    name_len = int.from_bytes(data[header + 26 : header + 28], "little")
+    extra_len = int.from_bytes(data[header + 28 : header + 30], "little")
+    data[header + 30 + name_len + extra_len] ^= 0xFF
+    target.write_bytes(bytes(data))
+    return target
+
+
+@pytest.mark.parametrize("attack", ["inflating", "stride-0", "nested", "checksum"])
+def test_a_malformed_program_file_gives_one_line_and_reads_nothing_big(
+    tmp_path: Path, four_band_cube: Path, attack: str
+) -> None:
+    """A weight record that inflates far beyond its weight, a layout that repeats values into
+    a tensor of 2^50, metadata nested 100,000 deep, a record whose checksum fails: each is
+    one error line, and a record is read only up to what its weight's layout reaches."""
+    honest = _program_file(tmp_path / "honest.pt")
+    hostile = tmp_path / "hostile.pt"
+    config = _weights_config(honest)
+    first = config["config"]["network.0.weight"]
+    record = f"data/weights/{first['path_name']}"
+    if attack == "inflating":
+        _inflating(honest, hostile, record, 256 << 20)
+    elif attack == "stride-0":
+        first["tensor_meta"]["sizes"] = [{"as_int": 1 << 25}] * 2
+        first["tensor_meta"]["strides"] = [{"as_int": 0}] * 2
+        change = {"data/weights/model_weights_config.json": json.dumps(config).encode()}
+        _rewrite(honest, hostile, change)
+    elif attack == "nested":
+        _rewrite(honest, hostile, {"extra/meta.json": b"[" * 100_000 + b"]" * 100_000})
+    else:
+        _bad_checksum(honest, hostile, record)
+    out = tmp_path / "map.png"
+    res = invoke(
+        ["predict", "--model", str(hostile), "--cube", str(four_band_cube), "--out", str(out)]
+    )
+    one_line_error(res, str(hostile))
+    assert not out.exists()
+
+
 def test_a_program_file_never_evaluates_its_graph(tmp_path: Path, four_band_cube: Path) -> None:
     """Symbolic shapes in the program's graph are parsed by sympy (an eval) when torch loads
     it; predict reads weights and metadata only, so an expression there never runs."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 
 import msgpack
 import numpy as np
@@ -11,6 +13,7 @@ import torch
 
 from common.errors import ErrorCode, RemoteError
 from common.protocol.messages import (
+    REPLIES,
     DataReply,
     DataRequest,
     JoinRequest,
@@ -19,9 +22,17 @@ from common.protocol.messages import (
     StatusRequest,
     TaskReply,
     TaskRequest,
+    parse_message,
 )
 from common.protocol.wire import PROTOCOL_VERSION
-from tests.support.live import clients, live_server, published, push_request
+from tests.support.live import (
+    REPLY_TIMEOUT_S,
+    AsyncClient,
+    clients,
+    live_server,
+    published,
+    push_request,
+)
 
 
 def _raw_header(**fields) -> bytes:
@@ -234,3 +245,62 @@ async def test_a_worker_on_another_torch_is_named_in_a_warning_and_its_join_even
         assert joins[-1]["torch"] == "1.13.1"
         warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         assert any("torch 1.13.1" in w and torch.__version__ in w for w in warnings)
+
+
+async def test_unread_data_is_bounded_per_worker_over_all_its_sockets(
+    small_hsi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Data replies still being read count against the bound, and so do the worker's other
+    sockets: of 12 requests sent at once over 3 sockets, only the bound's worth is taken."""
+    async with live_server(small_hsi, mode="async") as ps, clients(ps.address, 3) as socks:
+        member, task = await socks[0].join("w")
+        indices = [int(i) for i in task.indices]
+        nbytes = len(indices) * ps.handlers._sample_bytes
+        monkeypatch.setattr("pserver.handlers.MAX_IN_FLIGHT_BYTES", 3 * nbytes)
+        release = threading.Event()
+        read = ps.reader.read_stored
+        monkeypatch.setattr(
+            ps.reader, "read_stored", lambda i: (release.wait(REPLY_TIMEOUT_S), read(i))[1]
+        )
+        request = DataRequest(worker_id=member.worker_id, token=member.token, indices=indices)
+        outcomes: list[str] = []
+        refused = asyncio.Event()
+
+        async def read_replies(sock: AsyncClient) -> None:
+            for _ in range(4):
+                frames = await asyncio.wait_for(sock.sock.recv_multipart(), REPLY_TIMEOUT_S)
+                try:
+                    assert isinstance(parse_message(frames, REPLIES)[0], DataReply)
+                    outcomes.append("ok")
+                except RemoteError as exc:
+                    assert exc.code == ErrorCode.BUSY
+                    outcomes.append("busy")
+                    if outcomes.count("busy") == 9:
+                        refused.set()
+
+        for sock in socks:
+            for _ in range(4):
+                await sock.send(request)
+        readers = [asyncio.create_task(read_replies(sock)) for sock in socks]
+        try:
+            # every refusal comes while the taken requests are still being read
+            await asyncio.wait_for(refused.wait(), REPLY_TIMEOUT_S)
+        finally:
+            release.set()
+            await asyncio.gather(*readers)
+        assert outcomes.count("ok") == 3
+
+
+async def test_what_a_worker_says_cannot_forge_a_log_line(
+    small_hsi, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with live_server(small_hsi, mode="async") as ps, clients(ps.address, 1) as (c,):
+        member, _ = await c.join("w")
+        forged = "bye\nWARNING pserver: worker admin joined"
+        with caplog.at_level(logging.INFO, logger="pserver"):
+            await c.request(
+                LeaveRequest(worker_id=member.worker_id, token=member.token, reason=forged)
+            )
+            await asyncio.wait_for(ps.roster.emptied.wait(), REPLY_TIMEOUT_S)
+        gone = [r.getMessage() for r in caplog.records if "is gone" in r.getMessage()]
+        assert gone == ["worker w is gone: left: bye\\nWARNING pserver: worker admin joined"]

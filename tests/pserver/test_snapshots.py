@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -135,3 +137,33 @@ async def test_a_stuck_write_is_abandoned_and_the_server_still_ends_in_time(
         assert json.loads((run_dir / "summary.json").read_text())["steps"] == 0
     finally:
         stalled.set()
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs mounted for the test (root only), unmounted after."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_snapshots_leave_the_room_a_checkpoint_needs(tiny_disk: Path) -> None:
+    """Snapshots of 256 KiB on a 4 MiB disk, never thinned: they stop while a checkpoint of
+    the state (and two optimizer slots) still fits, and that checkpoint is then written."""
+    writer = snap.SnapshotWriter(tiny_disk, every=1, limit=1000, info=INFO)
+    state = np.ones(1 << 16, dtype=np.float32)
+    for version in range(1, 31):
+        writer.submit(snap.SnapshotMeta(version, 1, version * 8, version / 10), state).result()
+    writer.close()
+    assert 0 < writer.written < 30 and writer.failed == 30 - writer.written
+    checkpoint = np.ones(3 * state.size + (1 << 18), dtype=np.float32)  # + 1 MiB of metadata
+    np.save(tiny_disk / "checkpoint.npy", checkpoint)
+    assert (tiny_disk / "checkpoint.npy").stat().st_size > checkpoint.nbytes

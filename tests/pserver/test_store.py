@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -12,7 +14,13 @@ from pserver.store.optimizer import FlatOptimizer
 from pserver.store.pool import BufferPool
 from pserver.store.service import StageReport
 from pserver.store.slices import SliceStore
-from pserver.updates import GUARD_WARMUP, REFUSALS_BEFORE_CLIP, GradientGuard
+from pserver.updates import (
+    GUARD_WARMUP,
+    NORM_FLOOR,
+    REFUSALS_BEFORE_CLIP,
+    STRIKES_BEFORE_DROP,
+    GradientGuard,
+)
 
 
 @dataclasses.dataclass
@@ -83,42 +91,88 @@ def test_an_invalid_update_is_discarded_and_changes_nothing() -> None:
         store.commit(1)
 
 
+def _refused(guard: GradientGuard, report: StageReport, task_id: int, worker_id: int = 1) -> str:
+    with pytest.raises(ProtocolError) as refused:
+        guard.check(report, task_id, worker_id)
+    return f"{refused.value.code.name}: {refused.value}"
+
+
 def test_the_guard_refuses_outliers_and_clips_only_when_asked() -> None:
     guard = GradientGuard(max_grad_norm=None, outlier_factor=100.0)
     normal = StageReport(True, 4.0, 0.01)
-    for _ in range(GUARD_WARMUP):
-        assert guard.check(normal, 1) == 1.0  # never clipped by default
-    with pytest.raises(ProtocolError) as refused:
-        guard.check(StageReport(True, 4.0 * 200**2, 0.01), 2)  # norm 400 against a median of 2
-    assert refused.value.code == ErrorCode.REFUSED
-    with pytest.raises(ProtocolError) as refused:
-        guard.check(StageReport(False, 0.0, 0.0), 3)
-    assert refused.value.code == ErrorCode.NON_FINITE
-    assert guard.check(StageReport(True, 4.0 * 50**2, 0.01), 4) == 1.0  # large, but plausible
+    for task in range(GUARD_WARMUP):
+        assert guard.check(normal, task, 1) == 1.0  # never clipped by default
+    text = _refused(guard, StageReport(True, 4.0 * 200**2, 0.01), 20)  # norm 400, typical 2
+    assert text.startswith("REFUSED") and "200" not in text  # the limit is not told
+    assert _refused(guard, StageReport(False, 0.0, 0.0), 21).startswith("NON_FINITE")
+    assert guard.check(StageReport(True, 4.0 * 50**2, 0.01), 22, 1) == 1.0  # large, plausible
     clipping = GradientGuard(max_grad_norm=1.0, outlier_factor=100.0)
-    assert clipping.check(normal, 1) == pytest.approx(0.5)  # norm 2 clipped to 1
+    assert clipping.check(normal, 1, 1) == pytest.approx(0.5)  # norm 2 clipped to 1
 
 
-def test_the_guard_takes_a_task_refused_repeatedly_clipped_to_the_limit() -> None:
+def test_an_overflowing_norm_is_non_finite_and_never_enters_the_window() -> None:
+    """Entries of 1e20 are finite, but their float32 sum of squares is not: refused as
+    NON_FINITE every time (never taken clipped), and the typical norm stays what it was."""
+    guard = GradientGuard(max_grad_norm=None, outlier_factor=100.0)
+    for task in range(GUARD_WARMUP):
+        guard.check(StageReport(True, 4.0, 0.01), task, 1)
+    for kind in (StageReport(True, math.inf, 0.01), StageReport(True, 4.0, math.inf)):
+        for _ in range(REFUSALS_BEFORE_CLIP + 1):
+            assert _refused(guard, kind, 30).startswith("NON_FINITE")
+    assert guard.check(StageReport(True, 4.0 * 90**2, 0.01), 31, 1) == 1.0  # limit 200 holds
+    assert guard.clipped == 0
+
+
+def test_one_member_of_two_can_neither_shrink_the_limit_to_nothing_nor_grow_it() -> None:
+    """All-zero pushes of one member take the typical norm no lower than the floor, so an
+    honest member's pushes stay accepted; huge accepted norms of one member (alone first,
+    then beside an honest member) do not raise the limit above the honest member's."""
+    for attack, limit in ((0.0, 100.0 * NORM_FLOOR), (1e6, 100.0 * 2.0)):
+        guard = GradientGuard(max_grad_norm=None, outlier_factor=100.0)
+        for task in range(200):
+            with contextlib.suppress(ProtocolError):
+                guard.check(StageReport(True, attack**2, attack**2), task, 2)
+            if task >= 100:
+                assert guard.check(StageReport(True, 4.0, 0.01), 1000 + task, 1) == 1.0
+        assert _refused(guard, StageReport(True, (1.01 * limit) ** 2, 0.0), 5000, 2)
+        assert guard.check(StageReport(True, (0.99 * limit) ** 2, 0.0), 5001, 1) == 1.0
+    guard.forget(1)  # a member that left no longer counts: the attacker's norms are typical
+    assert guard.check(StageReport(True, 1e12, 0.0), 5002, 1) == 1.0
+
+
+def test_the_guard_takes_a_task_refused_repeatedly_clipped_to_the_typical_norm() -> None:
     """A gradient recomputed on fresh parameters keeps its norm; in a sync round the
     parameters cannot change until the round closes, so refusing it forever would stall
-    training: the third try is taken, clipped to the limit."""
+    training: the third try is taken, clipped to the typical norm (not to the limit). A
+    buffer change is judged the same way."""
     guard = GradientGuard(max_grad_norm=None, outlier_factor=100.0)
-    normal = StageReport(True, 4.0, 0.01)  # norm 2
-    for _ in range(GUARD_WARMUP):
-        guard.check(normal, task_id=1)
-    outlier = StageReport(True, 400.0**2, 0.01)  # norm 400 against a limit of 200
-    for _ in range(REFUSALS_BEFORE_CLIP - 1):
-        with pytest.raises(ProtocolError) as refused:
-            guard.check(outlier, task_id=7)
-        assert refused.value.code == ErrorCode.REFUSED
-    with pytest.raises(ProtocolError):
-        guard.check(outlier, task_id=8)  # another task starts its own count
-    assert guard.check(outlier, task_id=7) == pytest.approx(0.5)  # taken, clipped to 200
-    assert guard.clipped == 1 and guard.refused == REFUSALS_BEFORE_CLIP
-    with pytest.raises(ProtocolError):
-        guard.check(outlier, task_id=7)  # the count starts again after it was taken
-    bad_buffers = StageReport(True, 4.0, 1e6)
-    for _ in range(REFUSALS_BEFORE_CLIP + 1):  # buffer changes are never clipped: refused
-        with pytest.raises(ProtocolError):
-            guard.check(bad_buffers, task_id=9)
+    normal = StageReport(True, 4.0, 0.25)  # norms 2 and 0.5
+    for task in range(GUARD_WARMUP):
+        guard.check(normal, task, 1)
+    for task, outlier, factor in (
+        (10, StageReport(True, 400.0**2, 0.25), 2 / 400),  # gradient norm 400, limit 200
+        (20, StageReport(True, 4.0, 100.0**2), 0.5 / 100),  # buffer change 100, limit 50
+    ):
+        for _ in range(REFUSALS_BEFORE_CLIP - 1):
+            assert _refused(guard, outlier, task).startswith("REFUSED")
+        _refused(guard, outlier, task + 1)  # another task starts its own count
+        assert guard.check(outlier, task, 1) == pytest.approx(factor)  # taken at the typical
+        _refused(guard, outlier, task)  # the count starts again after it was taken
+        guard.check(normal, task + 2, 1)
+    assert guard.clipped == 2
+
+
+def test_a_member_refused_again_and_again_is_struck_out() -> None:
+    guard = GradientGuard(max_grad_norm=None, outlier_factor=100.0)
+    for task in range(GUARD_WARMUP):
+        guard.check(StageReport(True, 4.0, 0.01), task, 1)
+    outlier = StageReport(True, 400.0**2, 0.01)
+    for task in range(STRIKES_BEFORE_DROP // 2):  # clipped pushes do not wipe the slate
+        assert not guard.struck_out(2)
+        for _ in range(REFUSALS_BEFORE_CLIP - 1):
+            _refused(guard, outlier, task, 2)
+        guard.check(outlier, task, 2)
+        guard.check(StageReport(True, 4.0, 0.01), 1000 + task, 1)  # another member is fine
+    assert guard.struck_out(2) and not guard.struck_out(1)
+    guard.forget(2)
+    assert not guard.struck_out(2)

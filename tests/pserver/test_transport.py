@@ -208,3 +208,26 @@ async def _until(condition: Callable[[], bool]) -> None:
     """Return once ``condition`` holds (callers bound the wait)."""
     while not condition():
         await asyncio.sleep(0.01)
+
+
+async def test_the_record_of_large_replies_stays_small_when_nobody_asks() -> None:
+    """Each large reply leaves a send tracker; every send prunes the ones that left, so over
+    thousands of replies (a version each) the record does not grow."""
+    identities: list[bytes] = []
+
+    async def remember(endpoint: Endpoint, request: Request, message: Message) -> None:
+        identities.append(request.identity)
+
+    async with serving(remember) as served:
+        await served.send(StatusRequest().to_wire(1))
+        await asyncio.wait_for(_until(lambda: bool(identities)), REPLY_TIMEOUT_S)
+        peer, endpoint = identities[0], served.endpoint
+        big = DataReply(x=np.ones((128, 256), np.float32), y=np.zeros(128, np.int64))
+        largest = 0
+        for batch in range(150):
+            for i in range(10):
+                endpoint.reply(peer, batch * 10 + i, big)
+            for _ in range(10):
+                await served.reply()
+            largest = max(largest, len(endpoint._in_flight[peer].entries))
+        assert largest <= 20

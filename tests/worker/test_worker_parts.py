@@ -121,3 +121,13 @@ def test_chunks_pushed_during_backward_equal_the_whole_push() -> None:
     assert len(stores.during_backward) >= len(stores.chunks) // 2
     params_done = [j for j in stores.during_backward if stores.chunks[j][0] < flat.num_params]
     assert params_done[0] > params_done[-1]
+
+
+def test_a_worker_name_is_one_plain_word() -> None:
+    from worker.config import WorkerConfig
+
+    base = {"server": "tcp://127.0.0.1:5555"}
+    assert WorkerConfig(**base, name="gpu-0.node_1").validate().name == "gpu-0.node_1"
+    for bad in ("", "a\nb", "w <b>", "-w", "x" * 65):
+        with pytest.raises(ConfigError, match="--name"):
+            WorkerConfig(**base, name=bad).validate()
