@@ -23,6 +23,7 @@ from launch.cli_options import (
     build_workers,
     cluster_options,
     emulated_workers,
+    folder_options,
     link_options,
     progress_option,
     run_options,
@@ -70,11 +71,13 @@ def main() -> None:
 )
 @link_options
 @budget_options
+@folder_options
 def local(progress: bool, **params: Any) -> None:
     """Run a server, its shards and N local workers with the given slowdowns, then print the
     summary."""
     setup_logging("INFO", "pslaunch ")
     cluster, train = local_cluster(**params)
+    _run(lambda c: c.check().close(), cluster)  # a refusal before any output or file
     click.echo(
         f"pslaunch: {cluster.mode} with {len(cluster.slowdowns)} workers "
         f"(slowdowns {list(cluster.slowdowns)})"
@@ -304,7 +307,7 @@ def compare(
         raise click.ClickException(f"runs failed: {', '.join(failed)}; see their cluster.log")
 
 
-def _run(runner: Callable[[Any], dict[str, Any]], config: Any) -> dict[str, Any]:
+def _run(runner: Callable[[Any], Any], config: Any) -> Any:
     """Run ``runner(config)``, turning project errors and Ctrl-C into CLI exits."""
     try:
         return runner(config)

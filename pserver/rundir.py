@@ -1,19 +1,15 @@
 """The run directory at start-up: refuse to mix runs, replace one on request, or pick the
-checkpoint to resume from."""
+checkpoint to resume from (the rule is ``common.rundir``'s, shared with the launchers)."""
 
 from __future__ import annotations
 
 import logging
-import shutil
 
-from common.errors import ConfigError
+from common import rundir
 from pserver import checkpoint
 from pserver.config import ServerConfig
 
 log = logging.getLogger(__name__)
-
-# What makes a directory hold a run (launcher logs and job scripts do not count).
-RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints", "snapshots", "snapshots.jsonl")
 
 
 def prepare(config: ServerConfig) -> checkpoint.Checkpoint | None:
@@ -33,33 +29,16 @@ def prepare(config: ServerConfig) -> checkpoint.Checkpoint | None:
     removed = checkpoint.remove_stale_tmp(run_dir / "checkpoints")
     if removed:
         log.warning("removed %d unfinished checkpoint files", removed)
-    if config.resume:
-        return checkpoint.read_newest(run_dir / "checkpoints")
-    present = _run_files(config)
-    if present and not config.overwrite:
-        raise ConfigError(
-            f"--run-dir {run_dir} already holds a run ({', '.join(present)}); give --resume "
-            "to continue it or --overwrite to replace it"
-        )
-    return None
+    rundir.check(run_dir, resume=config.resume, overwrite=config.overwrite)
+    return checkpoint.read_newest(run_dir / "checkpoints") if config.resume else None
 
 
 def clear(config: ServerConfig) -> None:
-    """With ``--overwrite``, remove the earlier run's files (call once every input of the new
-    run has been checked and its sockets are bound, so a failed start keeps the old run)."""
-    if config.run_dir is None or config.resume or not config.overwrite:
+    """Remove an earlier run's files (``--overwrite``) or what a failed start left; call once
+    every input of the new run has been checked and its sockets are bound, so a failed start
+    keeps the old run."""
+    if config.run_dir is None or config.resume:
         return
-    present = _run_files(config)
-    for name in present:
-        path = config.run_dir / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    if present:
-        log.info("--overwrite: removed %s from %s", ", ".join(present), config.run_dir)
-
-
-def _run_files(config: ServerConfig) -> list[str]:
-    assert config.run_dir is not None
-    return [name for name in RUN_FILES if (config.run_dir / name).exists()]
+    removed = rundir.clear(config.run_dir)
+    if removed:
+        log.info("removed %s from %s", ", ".join(removed), config.run_dir)

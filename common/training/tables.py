@@ -37,7 +37,8 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 RUN_LEGEND = (
-    "train s: training wall time, without start-up and evaluations; OA, AA, kappa: final "
+    "updates: model updates applied (summary.json steps); train s: training wall time, "
+    "without start-up and evaluations; OA, AA, kappa: final "
     "test overall accuracy, mean per-class accuracy and Cohen's kappa; best OA: the best of "
     "any evaluation; to target s: training time until --target-oa was first reached; "
     "staleness: how many versions behind an async push was (mean/max)."
@@ -74,7 +75,7 @@ def summary_tables(summary: dict[str, Any]) -> str:
         [
             "mode",
             "epochs",
-            "steps",
+            "updates",
             "train s",
             "OA",
             "AA",
