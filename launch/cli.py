@@ -254,13 +254,8 @@ def ddp(
     help="Seconds to wait for one Slurm job, queueing included; then it is cancelled.",
 )
 @link_options
-@click.option(
-    "--overwrite",
-    is_flag=True,
-    help="Replace an earlier comparison in --out (the whole directory); without it, one is "
-    "refused.",
-)
 @budget_options
+@folder_options
 def compare(
     workers: int | None,
     slowdowns: str,
@@ -302,9 +297,9 @@ def compare(
     data = _run(lambda c: run_compare(c, show_progress=progress), config)
     click.echo((config.out / "report.md").read_text(encoding="utf-8"))
     click.echo(files_written(config.out, data.get("report") or {}))
-    failed = [f"{r['mode']} #{r['repeat']}" for r in data["runs"] if "error" in r]
+    failed = [f"{r['mode']} #{r['repeat']} ({r['error']})" for r in data["runs"] if "error" in r]
     if failed:
-        raise click.ClickException(f"runs failed: {', '.join(failed)}; see their cluster.log")
+        raise click.ClickException(f"runs failed: {'; '.join(failed)}; see their cluster.log")
 
 
 def _run(runner: Callable[[Any], Any], config: Any) -> Any:

@@ -15,6 +15,7 @@ from common.training.tables import (
     format_table,
     legend,
     model_cells,
+    oa_text,
     score,
     seconds,
 )
@@ -49,8 +50,9 @@ class EvaluationLines(RunProgress):
     def feed(self, record: dict[str, Any]) -> None:
         super().feed(record)
         if record.get("event") == "eval" and isinstance(record.get("oa"), int | float):
-            names = {"oa": "OA", "aa": "AA", "kappa": "kappa", "loss": "loss"}
+            names = {"aa": "AA", "kappa": "kappa", "loss": "loss"}
             scores = " ".join(f"{name} {record.get(key, 0):.4f}" for key, name in names.items())
+            scores = f"{oa_text(record)} {scores}"
             print(
                 f"  {self.mode:13s} {eval_label(record)}: {scores}",
                 flush=True,

@@ -79,6 +79,11 @@ def curve_points(run: dict[str, Any], key: str, initial: float | None) -> np.nda
     return np.array(sorted(pts), dtype=float).reshape(-1, 2)
 
 
+def subset_points(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The points of a run's drawn curve scored on a subset of the test split (OA*)."""
+    return [] if run.get("snapshot_curve") else [p for p in run["curve"] if p.get("subset")]
+
+
 def median_band(curves: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
     """Median and min–max of several curves on the union of their x values.
 
@@ -132,6 +137,9 @@ def plot_curves(data: dict[str, Any], stem: Path) -> list[str]:
             axis.plot(x, med, color=colour, marker="o", markersize=3, label=label)
             if len(runs) > 1:
                 axis.fill_between(x, low, high, color=colour, alpha=0.18, linewidth=0)
+            marked = np.array([(p[key], p["oa"]) for r in runs for p in subset_points(r)])
+            if len(marked):  # OA*: never mixed with whole-split scores without a mark
+                axis.scatter(*marked.T, s=22, facecolors="white", edgecolors=colour, zorder=3)
     for axis, xlabel in ((left, "training time (s)"), (right, "samples seen")):
         if target is not None:
             axis.axhline(target, color="grey", linestyle="--", linewidth=0.8, label="target OA")
@@ -143,6 +151,8 @@ def plot_curves(data: dict[str, Any], stem: Path) -> list[str]:
             axis.legend(loc="lower right", fontsize=8)
     snapshots = any(r.get("snapshot_curve") for r in data["runs"])
     points = "points: snapshots scored after training; " if snapshots else ""
+    if any(subset_points(r) for r in data["runs"] if "error" not in r):
+        points += "hollow points: OA* on a stratified subset of the test split; "
     start = (
         f"t = 0: the shared initial model, OA {initial:.3f}"
         if initial is not None

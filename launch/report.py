@@ -174,6 +174,11 @@ def render_markdown(data: dict[str, Any]) -> str:
         f"({train['lr_schedule']}), {', '.join(limits)}, seed {train['seed']}, "
         f"repeats {repeats}",
         f"- target OA: {target if target is not None else 'none'}",
+        *(
+            [f"- **stopped {data['stopped']}**: `--resume` runs the rest"]
+            if "stopped" in data
+            else []
+        ),
         *option_lines(settings),
         *cluster_lines(settings.get("cluster")),
         "",
@@ -190,7 +195,7 @@ def render_markdown(data: dict[str, Any]) -> str:
         "OA so far, after the first epoch: how far the curve falls back once it has risen. "
         "Epoch tails: an epoch's last step, over the n mod B samples left, is weighted b / B "
         "(gradient and BatchNorm statistics) in every mode, parameter server and DDP alike. "
-        "Columns no run could fill are left out.",
+        "Columns no run could fill are left out." + subset_note(data),
         "",
         "## Results",
         "",
@@ -202,6 +207,22 @@ def render_markdown(data: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def subset_note(data: dict[str, Any]) -> str:
+    """The sentence marking in-run scores on a subset of the test split (OA*), if any."""
+    from launch.figures import subset_points
+
+    sizes = sorted(
+        {p["subset"] for r in data["runs"] if "error" not in r for p in subset_points(r)}
+    )
+    if not sizes:
+        return ""
+    return (
+        f" OA*: in-run evaluations scored on a stratified subset of the test split (of "
+        f"{', '.join(f'{n:,}' for n in sizes)} samples; hollow points in report.png), so time "
+        "to target and max OA drop may rest on them; final scores use the whole split."
+    )
 
 
 def setup_section(data: dict[str, Any]) -> list[str]:

@@ -48,6 +48,12 @@ def _fail(exc: Exception) -> click.ClickException:
     help="Checkpoint to export (default: the newest in RUN_DIR/checkpoints).",
 )
 @click.option(
+    "--best",
+    is_flag=True,
+    help="Export the state of the best OA on the whole test split (RUN_DIR/checkpoints/"
+    "best.npz, kept by 'pserver start --keep-best') instead of the newest.",
+)
+@click.option(
     "--dataset",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
@@ -65,12 +71,24 @@ def export_cmd(
     run_dir: Path,
     out: Path,
     checkpoint: Path | None,
+    best: bool,
     dataset: Path | None,
     format: str,
     allow_model: tuple[str, ...],
 ) -> None:
     """Export a run's model: raw (unnormalised) C x P x P samples in, class logits out."""
+    from pserver.checkpoint import BEST
     from pserver.outputs.export import ExportConfig, export
+
+    if best:
+        if checkpoint is not None:
+            raise click.UsageError("give --best or --checkpoint, not both")
+        checkpoint = run_dir / "checkpoints" / BEST
+        if not checkpoint.is_file():
+            raise click.ClickException(
+                f"no {checkpoint}: a run keeps one once an evaluation on the whole test split "
+                "is done (pserver start --keep-best, the default)"
+            )
 
     config = ExportConfig(
         run_dir=run_dir,

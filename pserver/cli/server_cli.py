@@ -178,6 +178,12 @@ def main() -> None:
     "written at shutdown, also on SIGTERM, when --run-dir is given).",
 )
 @_opt(
+    "keep_best",
+    flag="--keep-best/--no-keep-best",
+    help="Keep RUN_DIR/checkpoints/best.npz: the state of the best OA on the whole test split "
+    "so far ('pserver export --best' exports it).",
+)
+@_opt(
     "snapshot_every_updates",
     type=int,
     help="Save the state of every N-th version to RUN_DIR/snapshots for 'pserver "
