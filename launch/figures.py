@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,13 @@ def _save(fig: Any, stem: Path) -> list[str]:
         paths.append(str(path))
     plt.close(fig)
     return paths
+
+
+def wrapped(text: str, fig: Any, fontsize: float) -> str:
+    """``text`` wrapped to the figure's width (at most 0.62 em a character), so a title never
+    leaves the canvas however narrow the figure."""
+    chars = max(20, int(fig.get_figwidth() * 72 / (0.62 * fontsize)))
+    return "\n".join(textwrap.fill(line, chars) for line in text.split("\n"))
 
 
 def representative(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -160,10 +168,8 @@ def plot_curves(data: dict[str, Any], stem: Path) -> list[str]:
     )
     left.set_title("OA against training time", fontsize=10)
     right.set_title("OA against samples seen", fontsize=10)
-    fig.suptitle(
-        f"{settings_title(settings)}\n{points}line: median over repeats; band: min–max; {start}",
-        fontsize=9,
-    )
+    title = f"{settings_title(settings)}\n{points}line: median over repeats; band: min–max; {start}"
+    fig.suptitle(wrapped(title, fig, 9), fontsize=9)
     return _save(fig, stem)
 
 
@@ -182,16 +188,15 @@ def _window(rounds: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
     return rounds[start : start + count]
 
 
-def _draw_timeline(axis: Any, rounds: list[dict[str, Any]], title: str) -> set[str]:
-    """Draw one run's rounds, one row per worker; returns notes on derived quantities."""
-    names: list[str] = []
-    for event in rounds:
-        for part in breakdown(event):
-            if part.worker not in names:
-                names.append(part.worker)
-    names.sort(key=natural_key)
+def _draw_timeline(axis: Any, rounds: list[dict[str, Any]], everyone: set[str]) -> set[str]:
+    """Draw one run's rounds, one row per worker of the run (``everyone``); returns notes on
+    derived quantities and on the workers that sat the rounds out."""
+    shown = {part.worker for event in rounds for part in breakdown(event)}
+    names = sorted(everyone | shown, key=natural_key)
     t0 = min(e["t"] - e["round_s"] for e in rounds)
     notes = set()
+    if everyone - shown:
+        notes.add(f"no bar: sat out these rounds ({', '.join(sorted(everyone - shown))})")
     for event in rounds:
         start = event["t"] - event["round_s"] - t0
         for part in breakdown(event):
@@ -223,7 +228,6 @@ def _draw_timeline(axis: Any, rounds: list[dict[str, Any]], title: str) -> set[s
     axis.set_yticks(range(len(names)), names)
     axis.set_ylim(len(names) - 0.5, -0.5)
     axis.set_xlabel("time since the first round shown (s)")
-    axis.set_title(title, fontsize=9)
     axis.grid(axis="x", alpha=0.3)
     return notes
 
@@ -244,13 +248,15 @@ def plot_timeline(data: dict[str, Any], stem: Path) -> list[str] | None:
         if not runs:
             continue
         run = representative(runs)
-        rounds = _window(round_events(Path(run["run_dir"])), TIMELINE_ROUNDS)
+        events = round_events(Path(run["run_dir"]))
+        everyone = {part.worker for event in events for part in breakdown(event)}
+        rounds = _window(events, TIMELINE_ROUNDS)
         if rounds:
-            panels.append((mode, run, rounds))
+            panels.append((mode, run, rounds, everyone))
     if not panels:
         log.info("timeline figure skipped: no run has sync round events")
         return None
-    heights = [max(len(p[2][0].get("workers", [])), 1) + 1.2 for p in panels]
+    heights = [len(p[3]) + 1.2 for p in panels]
     fig, axes = plt.subplots(
         len(panels),
         1,
@@ -259,20 +265,21 @@ def plot_timeline(data: dict[str, Any], stem: Path) -> list[str] | None:
         gridspec_kw={"height_ratios": heights},
         constrained_layout=True,
     )
-    for axis, (mode, run, rounds) in zip(axes[:, 0], panels, strict=True):
+    for axis, (mode, run, rounds, everyone) in zip(axes[:, 0], panels, strict=True):
         title = (
             f"{mode}, repeat {run['repeat']}: rounds {rounds[0].get('round')}–"
             f"{rounds[-1].get('round')} (median round "
             f"{1000 * float(np.median([e['round_s'] for e in rounds])):.1f} ms)"
         )
-        notes = _draw_timeline(axis, rounds, title)
-        if notes:
-            axis.set_title(f"{title}\n{'; '.join(sorted(notes))}", fontsize=9)
-    timed = any(p.transfer_s is not None for _, _, rs in panels for e in rs for p in breakdown(e))
+        notes = _draw_timeline(axis, rounds, everyone)
+        title += "".join(f"\n{note}" for note in sorted(notes))
+        axis.set_title(wrapped(title, fig, 9), fontsize=9)
+    timed = any(p.transfer_s is not None for *_, rs, _ in panels for e in rs for p in breakdown(e))
     kinds = [k for k in COLOURS if k != "transfer" or timed]
     handles = [Patch(color=COLOURS[k], label=k) for k in kinds]
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8)
-    fig.suptitle(f"Per-worker round timeline · {settings_title(data['settings'])}", fontsize=9)
+    title = f"Per-worker round timeline · {settings_title(data['settings'])}"
+    fig.suptitle(wrapped(title, fig, 9), fontsize=9)
     return _save(fig, stem)
 
 
@@ -345,9 +352,9 @@ def plot_confusion(data: dict[str, Any], stem: Path) -> list[str] | None:
         axis.set_xlabel("predicted")
         axis.set_ylabel("true")
         axis.set_title(mode, fontsize=9)
-    fig.suptitle(
-        f"Final model, test split (colour: share of the true class; numbers: counts)\n"
-        f"{settings_title(data['settings'])}",
-        fontsize=8,
+    title = (
+        "Final model, test split (colour: share of the true class; numbers: counts)\n"
+        + settings_title(data["settings"])
     )
+    fig.suptitle(wrapped(title, fig, 8), fontsize=8)
     return _save(fig, stem)

@@ -20,7 +20,7 @@ def test_a_failed_start_is_no_run_and_an_update_is(tmp_path: Path) -> None:
     assert rundir.clear(tmp_path) == ["metrics.jsonl", "summary.json"]
     (tmp_path / "metrics.jsonl").write_text('{"event": "start"}\n{"event": "push"}\n')
     assert rundir.started(tmp_path)
-    with pytest.raises(ConfigError, match="already holds a run .*--resume .*--overwrite"):
+    with pytest.raises(ConfigError, match=r"already holds a run .*--resume .*--overwrite"):
         rundir.check(tmp_path, resume=False, overwrite=False)
     rundir.check(tmp_path, resume=True, overwrite=False)
     with pytest.raises(ConfigError, match="exclude each other"):

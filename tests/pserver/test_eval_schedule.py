@@ -117,8 +117,8 @@ async def test_subset_scores_are_marked_and_the_best_whole_split_state_is_kept(
 
     from click.testing import CliRunner
 
-    from pserver.cli import main
     from pserver.checkpoint import BEST, read
+    from pserver.cli import main
 
     caplog.set_level(logging.INFO, logger="pserver.server")
     async with (
