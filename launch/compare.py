@@ -24,6 +24,7 @@ from tqdm import tqdm
 from common import rundir
 from common.data.dataset import DatasetReader
 from common.errors import ConfigError, PSError
+from common.training.rounds import round_events, round_spread
 from common.training.tables import oa_text
 from launch.cluster.nodes import Nodes
 from launch.cluster.spec import ClusterSpec
@@ -380,8 +381,8 @@ def run_record(
         target: the target OA (None: no time to target).
 
     Returns:
-        ``{"mode", "repeat", "run_dir", "epoch_time_s", "time_to_target_s", "curve",
-        "summary"}``.
+        ``{"mode", "repeat", "run_dir", "epoch_time_s", "round_median_s", "tail_share",
+        "time_to_target_s", "curve", "summary"}`` (``common.training.rounds.round_spread``).
     """
     curve = eval_curve(run_dir)
     epochs = summary.get("epochs") or 0
@@ -390,6 +391,7 @@ def run_record(
         "repeat": repeat,
         "run_dir": str(run_dir),
         "epoch_time_s": summary["train_time_s"] / epochs if epochs else None,
+        **round_spread([float(e["round_s"]) for e in round_events(run_dir)]),
         "time_to_target_s": time_to_target(curve, target),
         "curve": curve,
         "summary": summary,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import textwrap
 from collections.abc import Sequence
@@ -17,7 +16,7 @@ import matplotlib.pyplot as plt  # after choosing the backend
 import numpy as np
 from matplotlib.patches import Patch
 
-from common.training.rounds import breakdown
+from common.training.rounds import breakdown, round_events
 from common.training.tables import natural_key
 from launch.cluster.spec import ClusterSpec
 
@@ -171,15 +170,6 @@ def plot_curves(data: dict[str, Any], stem: Path) -> list[str]:
     title = f"{settings_title(settings)}\n{points}line: median over repeats; band: min–max; {start}"
     fig.suptitle(wrapped(title, fig, 9), fontsize=9)
     return _save(fig, stem)
-
-
-def round_events(run_dir: Path) -> list[dict[str, Any]]:
-    """The ``round`` events of a run's ``metrics.jsonl`` (empty when it has none)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    with path.open(encoding="utf-8") as f:
-        return [e for e in map(json.loads, f) if e.get("event") == "round"]
 
 
 def _window(rounds: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
