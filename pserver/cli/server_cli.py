@@ -291,8 +291,17 @@ def start(log_level: str, norm: str, **options: Any) -> None:
     if error:
         raise click.ClickException(error)
     if interrupted:
-        click.echo("pserver: interrupted; checkpoint and summary written", err=True)
+        click.echo(f"pserver: interrupted; {_written(summary, config.run_dir)}", err=True)
         sys.exit(128 + interrupted)
+
+
+def _written(summary: dict[str, Any], run_dir: Path | None) -> str:
+    """What an interrupted server left: a checkpoint only once an update was applied."""
+    if run_dir is None:
+        return "nothing written (no --run-dir)"
+    if not summary.get("steps"):
+        return "no update was applied, so no checkpoint; summary written"
+    return "checkpoint and summary written"
 
 
 def _echo_results(summary: dict[str, Any], run_dir: Path | None) -> None:
