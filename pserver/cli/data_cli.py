@@ -79,9 +79,7 @@ def prepare_group() -> None:
     help="Class map (rows, cols): FILE.mat[:KEY], a single-band GeoTIFF or an ENVI "
     "classification file; 0 = unlabelled, 1..K = classes.",
 )
-@click.option(
-    "--out", required=True, type=OutFile(), help="The HDF5 file to write."
-)
+@click.option("--out", required=True, type=OutFile(), help="The HDF5 file to write.")
 @click.option("--patch", default=5, show_default=True, type=int, help="Odd patch side P.")
 @click.option(
     "--train-fraction",
@@ -199,9 +197,7 @@ def prepare_hsi_cmd(
 
 @prepare_group.command("folder")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
-@click.option(
-    "--out", required=True, type=OutFile(), help="The HDF5 file to write."
-)
+@click.option("--out", required=True, type=OutFile(), help="The HDF5 file to write.")
 @click.option(
     "--train-fraction",
     default=0.8,
@@ -256,9 +252,7 @@ def prepare_folder_cmd(
     show_default=True,
     help="Factory arguments as k=v,k2=v2 (values: Python literals, else strings).",
 )
-@click.option(
-    "--out", required=True, type=OutFile(), help="The HDF5 file to write."
-)
+@click.option("--out", required=True, type=OutFile(), help="The HDF5 file to write.")
 @click.option(
     "--classes",
     default=None,
@@ -313,9 +307,7 @@ def prepare_torch_cmd(
     type=click.Choice(["hsi", "scenes"]),
     help="hsi: patches of a synthetic hyperspectral scene; scenes: EuroSAT-shaped images.",
 )
-@click.option(
-    "--out", required=True, type=OutFile(), help="The HDF5 file to write."
-)
+@click.option("--out", required=True, type=OutFile(), help="The HDF5 file to write.")
 @click.option(
     "--samples",
     type=click.IntRange(min=1),
