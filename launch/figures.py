@@ -88,7 +88,7 @@ def curve_points(run: dict[str, Any], key: str, initial: float | None) -> np.nda
 
 def subset_points(run: dict[str, Any]) -> list[dict[str, Any]]:
     """The points of a run's drawn curve scored on a subset of the test split (OA*)."""
-    return [] if run.get("snapshot_curve") else [p for p in run["curve"] if p.get("subset")]
+    return [] if run.get("snapshot_curve") else [p for p in run.get("curve", ()) if p.get("subset")]
 
 
 def median_band(curves: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:

@@ -372,19 +372,6 @@ def per_class_section(data: dict[str, Any]) -> list[str]:
     ]
 
 
-def plot(data: dict[str, Any], path: Path) -> list[str]:
-    """OA against training time and samples seen: median line and min–max band over repeats.
-
-    Args:
-        data: compare.json content.
-        path: the PNG to write (an SVG is written beside it).
-
-    Returns:
-        The paths written.
-    """
-    return figures.plot_curves(data, path.with_suffix(""))
-
-
 def write_report(data: dict[str, Any], out: Path) -> dict[str, str]:
     """Write ``report.md``, ``report.png``/``.svg`` and the timeline and confusion figures.
 
@@ -400,7 +387,7 @@ def write_report(data: dict[str, Any], out: Path) -> dict[str, str]:
     markdown = out / "report.md"
     markdown.write_text(render_markdown(data), encoding="utf-8")
     paths = {"markdown": str(markdown)}
-    paths["png"], paths["svg"] = plot(data, out / "report.png")
+    paths["png"], paths["svg"] = figures.plot_curves(data, out / "report")
     for name, draw in (("timeline", figures.plot_timeline), ("confusion", figures.plot_confusion)):
         written = draw(data, out / name)
         if written:
