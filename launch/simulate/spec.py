@@ -170,13 +170,6 @@ class Cluster:
             not self.colocated or self.shards <= len(self.nodes),
             f"{self.shards} co-located shards need as many nodes, got {len(self.nodes)}",
         )
-        _check(self.ddp_bucket_mb > 0, f"ddp_bucket_mb must be > 0, got {self.ddp_bucket_mb}")
-        _check(0 <= self.backward_share <= 1, "backward_share must be in [0, 1]")
-        _check(self.chunk_mb > 0, f"chunk_mb must be > 0, got {self.chunk_mb}")
-        _check(
-            self.shared_cores is None or self.shared_cores > 0,
-            f"shared_cores must be > 0, got {self.shared_cores}",
-        )
         for node in self.nodes:
             _check(
                 node.alpha_s >= 0 and node.beta_s > 0 and node.link_bytes_s > 0,
