@@ -1,6 +1,11 @@
-"""A click group whose command list shows each command's first sentence whole, wrapped."""
+"""Click helpers: a group whose command list shows each command's first sentence whole, and
+an output-file type checked before any work is done."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
 
 import click
 
@@ -21,3 +26,20 @@ class FullHelpGroup(click.Group):
         if rows:
             with formatter.section("Commands"):
                 formatter.write_dl(rows)
+
+
+class OutFile(click.Path):
+    """A file to write: its folder must exist and be writable when the options are parsed,
+    so a command that works for minutes never fails at the end on its output path."""
+
+    def __init__(self) -> None:
+        super().__init__(dir_okay=False, path_type=Path)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        path = super().convert(value, param, ctx)
+        folder = Path(os.fsdecode(path)).parent
+        if not folder.is_dir():
+            self.fail(f"the folder {str(folder)!r} does not exist", param, ctx)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            self.fail(f"the folder {str(folder)!r} is not writable", param, ctx)
+        return path

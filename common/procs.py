@@ -219,19 +219,29 @@ class Child:
             lines = list(self.lines)[-count:]
         return "\n".join(f"    [{self.name}] {line.rstrip()}" for line in lines)
 
-    def error_line(self) -> str:
-        """The last line that reports an error, else the last line ("" if none)."""
+    def error_line(self, last: bool = True) -> str:
+        """The last line that reports an error, else (with ``last``) the last line ("" if
+        none)."""
         with self._cond:
             lines = [line.strip() for line in list(self.lines)[-TAIL_LINES:] if line.strip()]
         for line in reversed(lines):
             if "error" in line.lower() or "exception" in line.lower():
                 return line
-        return lines[-1] if lines else ""
+        return lines[-1] if lines and last else ""
 
     def failure(self) -> str:
-        """A one-line account of how the child ended."""
-        line = self.error_line()
-        return f"{self.name} exited with code {self.code}" + (f": {line}" if line else "")
+        """A one-line account of how the child ended: its exit code and error line, or the
+        signal that killed it (and an error line only if it printed one)."""
+        code = self.code
+        if code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = "a signal"
+            how, line = f"was killed by {name} (signal {-code})", self.error_line(last=False)
+        else:
+            how, line = f"exited with code {code}", self.error_line()
+        return f"{self.name} {how}" + (f": {line}" if line else "")
 
     def wait(self, timeout: float = WAIT_S) -> int:
         """Wait for the process to exit, then for its output to be read.

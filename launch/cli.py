@@ -24,6 +24,7 @@ from launch.cli_options import (
     checkpoint_option,
     cluster_options,
     emulated_workers,
+    folder_options,
     link_options,
     progress_option,
     run_options,
@@ -72,11 +73,13 @@ def main() -> None:
 )
 @link_options
 @budget_options
+@folder_options
 def local(progress: bool, **params: Any) -> None:
     """Run a server, its shards and N local workers with the given slowdowns, then print the
     summary."""
     setup_logging("INFO", "pslaunch ")
     cluster, train = local_cluster(**params)
+    _run(lambda c: c.check().close(), cluster)  # a refusal before any output or file
     warn_unbudgeted_server(cluster.nodes)
     click.echo(
         f"pslaunch: {cluster.mode} with {len(cluster.slowdowns)} workers "
@@ -189,17 +192,7 @@ def local_cluster(
     "the last epoch's steps measured; none keeps the first split.",
 )
 @checkpoint_option
-@click.option(
-    "--overwrite",
-    is_flag=True,
-    help="Replace a run --run-dir holds (its metrics.jsonl, summary.json, checkpoints and "
-    "snapshots); without it, or --resume, such a directory is refused.",
-)
-@click.option(
-    "--resume",
-    is_flag=True,
-    help="Continue the run in --run-dir from its newest checkpoint (its clock and records go on).",
-)
+@folder_options
 @progress_option
 @link_options
 @budget_options
@@ -290,13 +283,8 @@ def ddp(
 )
 @link_options
 @checkpoint_option
-@click.option(
-    "--overwrite",
-    is_flag=True,
-    help="Replace an earlier comparison in --out (the whole directory); without it, one is "
-    "refused.",
-)
 @budget_options
+@folder_options
 def compare(
     workers: int | None,
     slowdowns: str,
@@ -339,9 +327,9 @@ def compare(
     data = _run(lambda c: run_compare(c, show_progress=progress), config)
     click.echo((config.out / "report.md").read_text(encoding="utf-8"))
     click.echo(files_written(config.out, data.get("report") or {}))
-    failed = [f"{r['mode']} #{r['repeat']}" for r in data["runs"] if "error" in r]
+    failed = [f"{r['mode']} #{r['repeat']} ({r['error']})" for r in data["runs"] if "error" in r]
     if failed:
-        raise click.ClickException(f"runs failed: {', '.join(failed)}; see their cluster.log")
+        raise click.ClickException(f"runs failed: {'; '.join(failed)}; see their cluster.log")
 
 
 def _shares(text: str | None) -> tuple[float, ...]:
@@ -357,7 +345,7 @@ def _shares(text: str | None) -> tuple[float, ...]:
         raise click.BadParameter(message) from None
 
 
-def _run(runner: Callable[[Any], dict[str, Any]], config: Any) -> dict[str, Any]:
+def _run(runner: Callable[[Any], Any], config: Any) -> Any:
     """Run ``runner(config)``, turning project errors and Ctrl-C into CLI exits."""
     try:
         return runner(config)

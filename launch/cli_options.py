@@ -318,6 +318,28 @@ def progress_option(func: F) -> F:
     )(func)
 
 
+def folder_options(func: F) -> F:
+    """--resume and --overwrite: the one rule for run folders (``common.rundir``), in every
+    launcher."""
+    return _apply(
+        func,
+        [
+            click.option(
+                "--resume",
+                is_flag=True,
+                help="Continue the run already in the folder (from its newest checkpoint; a "
+                "comparison: run only what it has not finished).",
+            ),
+            click.option(
+                "--overwrite",
+                is_flag=True,
+                help="Replace the run already in the folder; without --resume or --overwrite "
+                "a folder holding a run is refused before anything is written.",
+            ),
+        ],
+    )
+
+
 def run_options(func: F) -> F:
     """--threads, --server-opt, --worker-opt and --progress/--no-progress (local and
     compare)."""

@@ -22,8 +22,11 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
+from common import rundir
 from common.data.dataset import DatasetReader
 from common.errors import ConfigError, PSError
+from common.training.rounds import round_events, round_spread
+from common.training.tables import oa_text
 from launch.cluster.nodes import Nodes
 from launch.cluster.spec import ClusterSpec, NodeSpec
 from launch.ddp.launcher import DDPConfig, run_ddp
@@ -40,6 +43,7 @@ log = logging.getLogger(__name__)
 
 # What makes a directory hold a comparison (``--overwrite`` then replaces the whole directory).
 COMPARISON_FILES = ("compare.json", "report.md", "report.png", "runs")
+RESUME_FREE = {"setup", "resume", "overwrite"}  # settings a resumed comparison may change
 SINGLE = "single"
 WEIGHTED_DDP, DDP_KEPT = "weighted-ddp", "ddp-kept"
 WEIGHTED_DDP_REBALANCE = "weighted-ddp-rebalance"
@@ -82,7 +86,9 @@ class CompareConfig:
             processes on this machine's loopback.
         allow_oversubscribe: run CPU budgets that sum to more cores than the machine has.
         overwrite: replace an earlier comparison in ``out`` (the whole directory); without
-            it such a directory is refused.
+            it (or ``resume``) a directory holding a started run is refused.
+        resume: finish the comparison in ``out`` (same settings): its recorded runs are kept,
+            the others (missing, failed or interrupted) run again.
         ddp_checkpoint_every: DDP runs checkpoint every this many epochs.
     """
 
@@ -107,6 +113,7 @@ class CompareConfig:
     nodes: ClusterSpec | None = None
     overwrite: bool = False
     allow_oversubscribe: bool = False
+    resume: bool = False
     ddp_checkpoint_every: int = 1
 
     def validate(self) -> CompareConfig:
@@ -163,16 +170,20 @@ class CompareConfig:
             Nodes(self.nodes, allow_oversubscribe=self.allow_oversubscribe).open()
         if self.launcher == "slurm":
             self._validate_slurm()
-        earlier = self.earlier_comparison()
-        if earlier and not self.overwrite:
+        if self.resume and self.overwrite:
+            raise ConfigError("--resume and --overwrite exclude each other")
+        held = [p.name for p in sorted(self.out.glob("runs/*")) if rundir.started(p)]
+        if held and not (self.resume or self.overwrite):  # the run-folder rule, for them all
             raise ConfigError(
-                f"--out {self.out} holds an earlier comparison ({', '.join(earlier)}); give "
-                "--overwrite to replace it or choose another directory"
+                f"--out {self.out} holds an earlier comparison (runs {', '.join(held)}); give "
+                "--resume to finish it or --overwrite to replace it"
             )
+        if self.resume and not (self.out / "compare.json").is_file():
+            raise ConfigError(f"--resume: {self.out} holds no compare.json to finish")
         return self
 
     def earlier_comparison(self) -> list[str]:
-        """The files of an earlier comparison in ``out`` (empty if it holds none)."""
+        """The files of an earlier comparison in ``out``, finished or not (empty if none)."""
         return [name for name in COMPARISON_FILES if (self.out / name).exists()]
 
     def _validate_slurm(self) -> None:
@@ -328,7 +339,7 @@ class RunStatus(RunProgress):
     def feed(self, record: dict[str, Any]) -> None:
         super().feed(record)
         if record.get("event") == "eval" and self.oa is not None:
-            self.show(f"{eval_label(record)} OA {self.oa:.4f}")
+            self.show(f"{eval_label(record)} {oa_text(record)}")
 
 
 def eval_curve(run_dir: Path) -> list[dict[str, float]]:
@@ -357,6 +368,7 @@ def eval_curve(run_dir: Path) -> list[dict[str, float]]:
                     "time_s": round(max(time_s, 0.0), 4),
                     "samples": event["samples"],
                     **{k: event[k] for k in ("oa", "aa", "kappa")},
+                    **({"subset": event["test_samples"]} if event.get("subset") else {}),
                 }
     return sorted(by_version.values(), key=lambda p: (p["samples"], p["time_s"]))
 
@@ -409,8 +421,8 @@ def run_record(
         target: the target OA (None: no time to target).
 
     Returns:
-        ``{"mode", "repeat", "run_dir", "epoch_time_s", "time_to_target_s", "curve",
-        "summary"}``.
+        ``{"mode", "repeat", "run_dir", "epoch_time_s", "round_median_s", "tail_share",
+        "time_to_target_s", "curve", "summary"}`` (``common.training.rounds.round_spread``).
     """
     curve = eval_curve(run_dir)
     epochs = summary.get("epochs") or 0
@@ -419,6 +431,7 @@ def run_record(
         "repeat": repeat,
         "run_dir": str(run_dir),
         "epoch_time_s": summary["train_time_s"] / epochs if epochs else None,
+        **round_spread([float(e["round_s"]) for e in round_events(run_dir)]),
         "time_to_target_s": time_to_target(curve, target),
         "curve": curve,
         "summary": summary,
@@ -428,7 +441,9 @@ def run_record(
 def run_compare(config: CompareConfig, show_progress: bool = True) -> dict[str, Any]:
     """Run every mode ``repeats`` times and write compare.json, report.md and report.png.
 
-    A run that fails is recorded with its error and the comparison goes on.
+    A run that fails after it started is recorded with its error and the comparison goes on;
+    a run that could not start, or Ctrl-C, stops it with a report of the runs that ended
+    (``"stopped"`` in compare.json), and ``resume`` later runs the rest.
 
     Args:
         config: what to compare.
@@ -442,26 +457,50 @@ def run_compare(config: CompareConfig, show_progress: bool = True) -> dict[str, 
 
     Raises:
         ConfigError: the configuration is invalid.
+        PSError: a run could not start (every later run would fail the same way); the
+            comparison stops, its report covering the runs that ended.
     """
-    from launch.report import write_report  # matplotlib only when reporting
-
     config.validate()
-    if config.earlier_comparison():  # --overwrite: nothing of the earlier one may stay
-        log.info("compare: --overwrite: removing the earlier comparison in %s", config.out)
-        shutil.rmtree(config.out)
-    config.out.mkdir(parents=True, exist_ok=True)
-    data: dict[str, Any] = {"settings": config.settings(), "runs": []}
-    data["initial"] = _initial_scores(config, show_progress)  # the curves' t = 0 point
+    data: dict[str, Any]
+    if config.resume:
+        data = _resumed(config)
+    else:
+        if config.earlier_comparison():  # nothing of an earlier one may stay
+            log.info("compare: removing the earlier comparison in %s", config.out)
+            shutil.rmtree(config.out)
+        config.out.mkdir(parents=True, exist_ok=True)
+        data = {"settings": config.settings(), "runs": []}
+        data["initial"] = _initial_scores(config, show_progress)  # the curves' t = 0 point
     with DatasetReader(config.dataset, cache_bytes=0) as reader:
         epoch_samples = len(reader.train_indices)
     total = config.repeats * len(config.modes)
-    with tqdm(total=total, desc="compare", unit="run", disable=not show_progress) as bar:
-        for repeat in range(1, config.repeats + 1):
-            for mode in config.modes:
-                kept = _kept(config, data["runs"], repeat) if mode == DDP_KEPT else None
-                data["runs"].append(_run_one(config, mode, repeat, bar, epoch_samples, kept))
-                bar.update(1)
-                _write_json(config.out / "compare.json", data)
+    done = {(r["mode"], r["repeat"]) for r in data["runs"]}
+    with tqdm(
+        total=total, initial=len(done), desc="compare", unit="run", disable=not show_progress
+    ) as bar:
+        try:
+            for repeat in range(1, config.repeats + 1):
+                for mode in (m for m in config.modes if (m, repeat) not in done):
+                    kept = _kept(config, data["runs"], repeat) if mode == DDP_KEPT else None
+                    data["runs"].append(_run_one(config, mode, repeat, bar, epoch_samples, kept))
+                    bar.update(1)
+                    _write_json(config.out / "compare.json", data)
+        except (KeyboardInterrupt, PSError):  # Ctrl-C, or a run that could not start
+            if data["runs"]:
+                data["stopped"] = f"after {len(data['runs'])} of {total} runs"
+                _report(data, config)
+                log.warning(
+                    "compare: stopped %s; report.md covers those; --resume runs the rest",
+                    data["stopped"],
+                )
+            raise
+    return _report(data, config)
+
+
+def _report(data: dict[str, Any], config: CompareConfig) -> dict[str, Any]:
+    """Write the report of the runs in ``data`` and compare.json; returns ``data``."""
+    from launch.report import write_report  # matplotlib only when reporting
+
     data["max_drop"] = drop_stats(data["runs"], config.modes)
     data["report"] = write_report(data, config.out)
     _write_json(config.out / "compare.json", data)
@@ -474,6 +513,31 @@ def _kept(config: CompareConfig, runs: list[dict[str, Any]], repeat: int) -> lis
     if "error" in run:
         return f"no nodes to keep: weighted-sync #{repeat} failed"
     return config.kept_nodes(run["summary"]) or f"weighted-sync #{repeat} kept no node"
+
+
+def _resumed(config: CompareConfig) -> dict[str, Any]:
+    """The comparison to finish: its compare.json with the runs that ended without an error;
+    the folders of the others are removed.
+
+    Raises:
+        ConfigError: it was made with other settings.
+    """
+    data = json.loads((config.out / "compare.json").read_text(encoding="utf-8"))
+    now = json.loads(json.dumps(config.settings()))
+    old = data.get("settings") or {}
+    differs = sorted(k for k in {*now, *old} - RESUME_FREE if now.get(k) != old.get(k))
+    if differs:
+        raise ConfigError(
+            f"--resume: the comparison in {config.out} was made with other settings "
+            f"({', '.join(differs)}); give the same options, or --overwrite to replace it"
+        )
+    data["runs"] = [r for r in data.get("runs", []) if "error" not in r]
+    data.pop("stopped", None)
+    kept = {Path(r["run_dir"]).name for r in data["runs"]}
+    for folder in config.out.glob("runs/*"):
+        if folder.name not in kept:
+            shutil.rmtree(folder)
+    return data
 
 
 def _run_one(
@@ -501,6 +565,8 @@ def _run_one(
             else:
                 summary = run_ddp(config.ddp(mode, run_dir, kept or ()), log_file, status)
         except PSError as exc:
+            if not rundir.started(run_dir):
+                raise PSError(f"{label} could not start: {exc}") from exc
             log.error("compare: %s failed: %s", label, exc)
             failed = {"mode": mode, "repeat": repeat, "run_dir": str(run_dir), "error": str(exc)}
             return {**failed, **noted}

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from common import rundir
 from common.logsetup import setup_logging
 from common.training.tables import (
     MODEL_COLUMNS,
@@ -14,6 +15,7 @@ from common.training.tables import (
     format_table,
     legend,
     model_cells,
+    oa_text,
     score,
     seconds,
 )
@@ -22,7 +24,6 @@ from launch.progress import RunProgress, eval_label
 
 MODES = ("weighted-sync", "equal-sync", "async")
 SLOWDOWNS = (1.0, 2.0, 4.0)
-RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints")  # what makes a run dir non-empty
 PROGRESS_LEGEND = (
     "Each line is one evaluation on the test split: 'epoch E version V' is the model after E "
     "epochs and V updates (one update per round in sync modes, one per push in async)."
@@ -49,8 +50,9 @@ class EvaluationLines(RunProgress):
     def feed(self, record: dict[str, Any]) -> None:
         super().feed(record)
         if record.get("event") == "eval" and isinstance(record.get("oa"), int | float):
-            names = {"oa": "OA", "aa": "AA", "kappa": "kappa", "loss": "loss"}
+            names = {"aa": "AA", "kappa": "kappa", "loss": "loss"}
             scores = " ".join(f"{name} {record.get(key, 0):.4f}" for key, name in names.items())
+            scores = f"{oa_text(record)} {scores}"
             print(
                 f"  {self.mode:13s} {eval_label(record)}: {scores}",
                 flush=True,
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     setup_logging("WARNING")
-    earlier = [args.out / m for m in MODES if any((args.out / m / f).exists() for f in RUN_FILES)]
+    earlier = [args.out / m for m in MODES if rundir.started(args.out / m)]
     if earlier and not args.overwrite:
         print(f"demo: {earlier[0]} holds an earlier run; give --overwrite to replace it")
         return 2
@@ -120,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                 "0.05",
                 "--lr-schedule",
                 "cosine",
-                *(("--overwrite",) if args.overwrite else ()),
             ),
+            overwrite=args.overwrite,
         )
         summary = run_local(cluster, progress=EvaluationLines(mode))
         final = summary["final"] or {}

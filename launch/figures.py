@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import textwrap
 from collections.abc import Sequence
@@ -17,7 +16,7 @@ import matplotlib.pyplot as plt  # after choosing the backend
 import numpy as np
 from matplotlib.patches import Patch
 
-from common.training.rounds import breakdown
+from common.training.rounds import breakdown, round_events
 from common.training.tables import natural_key
 from launch.cluster.spec import ClusterSpec
 
@@ -37,6 +36,13 @@ def _save(fig: Any, stem: Path) -> list[str]:
         paths.append(str(path))
     plt.close(fig)
     return paths
+
+
+def wrapped(text: str, fig: Any, fontsize: float) -> str:
+    """``text`` wrapped to the figure's width (at most 0.62 em a character), so a title never
+    leaves the canvas however narrow the figure."""
+    chars = max(20, int(fig.get_figwidth() * 72 / (0.62 * fontsize)))
+    return "\n".join(textwrap.fill(line, chars) for line in text.split("\n"))
 
 
 def representative(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -78,6 +84,11 @@ def curve_points(run: dict[str, Any], key: str, initial: float | None) -> np.nda
     if pts and pts[0][0] > 0 and initial is not None:
         pts.insert(0, (0.0, initial))
     return np.array(sorted(pts), dtype=float).reshape(-1, 2)
+
+
+def subset_points(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The points of a run's drawn curve scored on a subset of the test split (OA*)."""
+    return [] if run.get("snapshot_curve") else [p for p in run.get("curve", ()) if p.get("subset")]
 
 
 def median_band(curves: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
@@ -143,6 +154,9 @@ def plot_curves(data: dict[str, Any], stem: Path) -> list[str]:
             axis.plot(x, med, color=colour, marker="o", markersize=3, label=label)
             if len(runs) > 1:
                 axis.fill_between(x, low, high, color=colour, alpha=0.18, linewidth=0)
+            marked = np.array([(p[key], p["oa"]) for r in runs for p in subset_points(r)])
+            if len(marked):  # OA*: never mixed with whole-split scores without a mark
+                axis.scatter(*marked.T, s=22, facecolors="white", edgecolors=colour, zorder=3)
     for axis, xlabel in ((left, "training time (s)"), (right, "samples seen")):
         if target is not None:
             axis.axhline(target, color="grey", linestyle="--", linewidth=0.8, label="target OA")
@@ -154,6 +168,8 @@ def plot_curves(data: dict[str, Any], stem: Path) -> list[str]:
             axis.legend(loc="lower right", fontsize=8)
     snapshots = any(r.get("snapshot_curve") for r in data["runs"])
     points = "points: snapshots scored after training; " if snapshots else ""
+    if any(subset_points(r) for r in data["runs"] if "error" not in r):
+        points += "hollow points: OA* on a stratified subset of the test split; "
     start = (
         f"t = 0: the shared initial model, OA {initial:.3f}"
         if initial is not None
@@ -162,20 +178,12 @@ def plot_curves(data: dict[str, Any], stem: Path) -> list[str]:
     left.set_title("OA against training time", fontsize=10)
     right.set_title("OA against samples seen", fontsize=10)
     budgets = "; below: each node's CPU budget in the mode's median run" if scheduled else ""
-    suptitle(
-        fig,
+    title = (
         f"{settings_title(settings)}\n{points}line: median over repeats; band: min–max; "
-        f"{start}{budgets}",
-        9,
+        f"{start}{budgets}"
     )
+    fig.suptitle(wrapped(title, fig, 9), fontsize=9)
     return _save(fig, stem)
-
-
-def suptitle(fig: Any, text: str, fontsize: float) -> None:
-    """The figure's title, each line wrapped to the figure's width so that none is cut off."""
-    width = int(fig.get_figwidth() * 72 / (0.62 * fontsize))  # an average glyph: 0.62 em
-    lines = [textwrap.fill(line, width) for line in text.split("\n")]
-    fig.suptitle("\n".join(lines), fontsize=fontsize)
 
 
 def scheduled_runs(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -220,31 +228,21 @@ def draw_budgets(
     axis.legend(loc="upper right", fontsize=7, ncols=len(cluster["workers"]))
 
 
-def round_events(run_dir: Path) -> list[dict[str, Any]]:
-    """The ``round`` events of a run's ``metrics.jsonl`` (empty when it has none)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    with path.open(encoding="utf-8") as f:
-        return [e for e in map(json.loads, f) if e.get("event") == "round"]
-
-
 def _window(rounds: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
     """``count`` consecutive rounds from the middle of the run (past the warm-up)."""
     start = max((len(rounds) - count) // 2, 0)
     return rounds[start : start + count]
 
 
-def _draw_timeline(axis: Any, rounds: list[dict[str, Any]], title: str) -> set[str]:
-    """Draw one run's rounds, one row per worker; returns notes on derived quantities."""
-    names: list[str] = []
-    for event in rounds:
-        for part in breakdown(event):
-            if part.worker not in names:
-                names.append(part.worker)
-    names.sort(key=natural_key)
+def _draw_timeline(axis: Any, rounds: list[dict[str, Any]], everyone: set[str]) -> set[str]:
+    """Draw one run's rounds, one row per worker of the run (``everyone``); returns notes on
+    derived quantities and on the workers that sat the rounds out."""
+    shown = {part.worker for event in rounds for part in breakdown(event)}
+    names = sorted(everyone | shown, key=natural_key)
     t0 = min(e["t"] - e["round_s"] for e in rounds)
     notes = set()
+    if everyone - shown:
+        notes.add(f"no bar: sat out these rounds ({', '.join(sorted(everyone - shown))})")
     for event in rounds:
         start = event["t"] - event["round_s"] - t0
         for part in breakdown(event):
@@ -276,7 +274,6 @@ def _draw_timeline(axis: Any, rounds: list[dict[str, Any]], title: str) -> set[s
     axis.set_yticks(range(len(names)), names)
     axis.set_ylim(len(names) - 0.5, -0.5)
     axis.set_xlabel("time since the first round shown (s)")
-    axis.set_title(title, fontsize=9)
     axis.grid(axis="x", alpha=0.3)
     return notes
 
@@ -297,13 +294,15 @@ def plot_timeline(data: dict[str, Any], stem: Path) -> list[str] | None:
         if not runs:
             continue
         run = representative(runs)
-        rounds = _window(round_events(Path(run["run_dir"])), TIMELINE_ROUNDS)
+        events = round_events(Path(run["run_dir"]))
+        everyone = {part.worker for event in events for part in breakdown(event)}
+        rounds = _window(events, TIMELINE_ROUNDS)
         if rounds:
-            panels.append((mode, run, rounds))
+            panels.append((mode, run, rounds, everyone))
     if not panels:
         log.info("timeline figure skipped: no run has sync round events")
         return None
-    heights = [max(len(p[2][0].get("workers", [])), 1) + 1.2 for p in panels]
+    heights = [len(p[3]) + 1.2 for p in panels]
     fig, axes = plt.subplots(
         len(panels),
         1,
@@ -312,20 +311,21 @@ def plot_timeline(data: dict[str, Any], stem: Path) -> list[str] | None:
         gridspec_kw={"height_ratios": heights},
         constrained_layout=True,
     )
-    for axis, (mode, run, rounds) in zip(axes[:, 0], panels, strict=True):
+    for axis, (mode, run, rounds, everyone) in zip(axes[:, 0], panels, strict=True):
         title = (
             f"{mode}, repeat {run['repeat']}: rounds {rounds[0].get('round')}–"
             f"{rounds[-1].get('round')} (median round "
             f"{1000 * float(np.median([e['round_s'] for e in rounds])):.1f} ms)"
         )
-        notes = _draw_timeline(axis, rounds, title)
-        if notes:
-            axis.set_title(f"{title}\n{'; '.join(sorted(notes))}", fontsize=9)
-    timed = any(p.transfer_s is not None for _, _, rs in panels for e in rs for p in breakdown(e))
+        notes = _draw_timeline(axis, rounds, everyone)
+        title += "".join(f"\n{note}" for note in sorted(notes))
+        axis.set_title(wrapped(title, fig, 9), fontsize=9)
+    timed = any(p.transfer_s is not None for *_, rs, _ in panels for e in rs for p in breakdown(e))
     kinds = [k for k in COLOURS if k != "transfer" or timed]
     handles = [Patch(color=COLOURS[k], label=k) for k in kinds]
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8)
-    fig.suptitle(f"Per-worker round timeline · {settings_title(data['settings'])}", fontsize=9)
+    title = f"Per-worker round timeline · {settings_title(data['settings'])}"
+    fig.suptitle(wrapped(title, fig, 9), fontsize=9)
     return _save(fig, stem)
 
 
@@ -398,9 +398,9 @@ def plot_confusion(data: dict[str, Any], stem: Path) -> list[str] | None:
         axis.set_xlabel("predicted")
         axis.set_ylabel("true")
         axis.set_title(mode, fontsize=9)
-    fig.suptitle(
-        f"Final model, test split (colour: share of the true class; numbers: counts)\n"
-        f"{settings_title(data['settings'])}",
-        fontsize=8,
+    title = (
+        "Final model, test split (colour: share of the true class; numbers: counts)\n"
+        + settings_title(data["settings"])
     )
+    fig.suptitle(wrapped(title, fig, 8), fontsize=8)
     return _save(fig, stem)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from common import rundir
 from common.cli_env import child_environment
 from common.errors import ConfigError, PSError
 from common.procs import Child, Children, TextSink, python_module
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_MARGIN_S = 15.0  # beyond the server's --shutdown-timeout, before it is killed
 ENDING_S = 30.0  # how long workers and shards may take to exit after the server has
+FLAGS = ("resume", "overwrite")  # the run-folder options, passed on to the server
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +61,8 @@ class LocalCluster:
             run on their own hosts (None: all on 127.0.0.1); with CPU budgets, each in its own
             CPU-quota control group (``launch.cluster.budgets``).
         allow_oversubscribe: run budgets that sum to more cores than the machine has.
+        resume, overwrite: continue the run in ``run_dir``, or replace it (``common.rundir``;
+            also given as ``--resume``/``--overwrite`` among the server options).
     """
 
     dataset: Path
@@ -75,6 +79,8 @@ class LocalCluster:
     run_timeout_s: float = 3600.0
     nodes: ClusterSpec | None = None
     allow_oversubscribe: bool = False
+    resume: bool = False
+    overwrite: bool = False
 
     def validate(self) -> LocalCluster:
         """Check the worker list.
@@ -107,6 +113,27 @@ class LocalCluster:
             )
         return self
 
+    def folder_flags(self) -> dict[str, bool]:
+        """``resume`` and ``overwrite``, given as fields or among the server options."""
+        return {f: getattr(self, f) or f"--{f}" in self.server_options for f in FLAGS}
+
+    def check(self) -> Nodes:
+        """Everything a launch can refuse, checked before anything is written: the worker
+        list, the run folder (``common.rundir``) and the CPU budgets.
+
+        Returns:
+            The nodes, opened (close them).
+
+        Raises:
+            ConfigError: as ``validate``; the folder holds a run and neither ``resume`` nor
+                ``overwrite`` was given; the budgets cannot be had.
+        """
+        self.validate()
+        flags = self.folder_flags()
+        rundir.check(self.run_dir, resume=flags["resume"], overwrite=flags["overwrite"])
+        shards = self.shards if self.shards > 1 else 0
+        return Nodes(self.nodes, shards=shards, allow_oversubscribe=self.allow_oversubscribe).open()
+
 
 def run_local(
     cluster: LocalCluster,
@@ -127,13 +154,15 @@ def run_local(
         The parsed ``summary.json``.
 
     Raises:
+        ConfigError: as ``LocalCluster.check`` (then nothing was written).
         PSError: the server failed to start, a process failed, or no summary was written.
     """
-    cluster.validate()
+    budgets = cluster.check()
     cluster.run_dir.mkdir(parents=True, exist_ok=True)
     own_log = None
     if log_stream is None:
-        log_stream = own_log = (cluster.run_dir / "cluster.log").open("w", encoding="utf-8")
+        mode = "a" if cluster.folder_flags()["resume"] else "w"
+        log_stream = own_log = (cluster.run_dir / "cluster.log").open(mode, encoding="utf-8")
     sink = log_stream
     secret_dir = Path(tempfile.mkdtemp(prefix="pslaunch-")) if cluster.shards > 1 else None
     secret = None if secret_dir is None else write_shard_secret(secret_dir / "shard.secret")
@@ -141,14 +170,8 @@ def run_local(
     server: Child | None = None
     marks: list[EventsMark] = []
     hosts_scope = contextlib.ExitStack()  # closed after the children have been stopped
-    budgets = Nodes(
-        cluster.nodes,
-        shards=cluster.shards if cluster.shards > 1 else 0,
-        allow_oversubscribe=cluster.allow_oversubscribe,
-    )
     try:
         with signals_interrupt():
-            budgets.open()
             hosts = hosts_scope.enter_context(cluster_hosts(cluster.nodes))
             metrics = cluster.run_dir / "metrics.jsonl"
             mark = start_offset(metrics)
@@ -194,8 +217,9 @@ def run_local(
     if code != 0:
         raise PSError(f"{server.failure()}; see the log")
     failed = [w.code for w in workers]
-    if any(w.code for w in workers if w not in rejoins.left):
-        log.warning("worker exit codes: %s", failed)
+    for worker in workers:
+        if worker.code and worker not in rejoins.left:
+            log.warning("%s during the run; the server went on without it", worker.failure())
     shard_codes = [s.code for s in shards]
     if any(shard_codes):
         log.warning("shard exit codes: %s", shard_codes)
@@ -270,6 +294,7 @@ def _server_command(
         str(cluster.run_dir),
         *(("--shards", str(cluster.shards)) if cluster.shards > 1 else ()),
         *(("--shard-secret-file", str(secret)) if secret is not None else ()),
+        *(f"--{f}" for f in FLAGS if getattr(cluster, f)),
         *cluster.server_options,
     )
     return _on(host, argv)
@@ -325,16 +350,17 @@ def _check(
     workers: list[Child], shards: list[Child], metrics: Path, mark: EventsMark, left: list[Child]
 ) -> None:
     """Fail when a worker failed before it joined (the server would wait for it), once every
-    worker has exited and one of them failed, or when a shard failed while the server runs.
+    worker has failed, or when a shard failed while the server runs.
 
-    A worker that fails after joining has left the run, which goes on without it; one its
-    node's schedule killed (``left``) has not failed.
+    A worker that fails after joining has left the run, which goes on without it (a worker
+    that exits 0 was told by the server that the run ended); one its node's schedule killed
+    (``left``) has not failed.
     """
     failed = [w for w in workers if w.code not in (None, 0) and w not in left]
     if failed:
         joined = joined_names(metrics, mark)
         never_joined = [w for w in failed if w.name not in joined]
-        if never_joined or all(w.code is not None for w in workers):
+        if never_joined or len(failed) == len(workers):
             raise PSError("; ".join(w.failure() for w in never_joined or failed))
     failed = [s for s in shards if s.code not in (None, 0)]
     if failed:

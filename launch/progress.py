@@ -17,6 +17,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
+from common.training.tables import oa_text
 from launch.procs import EventsMark
 
 POLL_S = 0.5  # how often the file is read for new events
@@ -57,6 +58,7 @@ class RunProgress:
         self.by_steps = epochs is None and max_steps is not None
         self.samples = self.steps = self.version = self.epoch = 0
         self.oa: float | None = None
+        self.last_eval: dict[str, Any] = {}
         self._lock = threading.Lock()  # the follower thread and the closing thread both feed
         self.bar = tqdm(
             total=max_steps if self.by_steps else None,
@@ -95,15 +97,14 @@ class RunProgress:
             if not self.by_steps:
                 self.bar.n = self.samples
         elif kind == "eval" and isinstance(record.get("oa"), int | float):
-            self.oa = float(record["oa"])
+            self.oa, self.last_eval = float(record["oa"]), record
         else:
             return
         self.bar.set_postfix_str(self.status(), refresh=False)
 
     def status(self) -> str:
         """The bar's status text: epoch, model version and latest test OA."""
-        oa = "-" if self.oa is None else f"{self.oa:.3f}"
-        return f"epoch {self.epoch}, version {self.version}, OA {oa}"
+        return f"epoch {self.epoch}, version {self.version}, {oa_text(self.last_eval, 3)}"
 
     def close(self) -> None:
         """Close the bar (it stays on screen)."""

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from common.training.rounds import TAIL, TAIL_LIMIT
 from launch import figures
 from launch.cluster.spec import PRESETS, ClusterSpec
 
@@ -14,6 +15,7 @@ RESULT_COLUMNS = (
     "mode",
     "runs",
     "epoch time s",
+    "median round ms",
     "throughput samples/s",
     "time to target s",
     "max OA drop",
@@ -56,9 +58,11 @@ def aggregate(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
         data: compare.json content (``settings`` and ``runs``).
 
     Returns:
-        mode -> ``{"runs", "failed", "reached", "epoch_time_s", "time_to_target_s",
-        "max_drop", "oa", "aa", "kappa", "idle_share"}``, each quantity a (min, median, max)
-        tuple or None (idle share: sync modes only).
+        mode -> ``{"runs", "failed", "reached", "epoch_time_s", "round_ms", "carried",
+        "time_to_target_s", "max_drop", "oa", "aa", "kappa", "idle_share"}``, each quantity a
+        (min, median, max) tuple or None (idle share: sync modes only; median round: modes
+        with rounds); ``carried``: the runs whose slowest 2 % of rounds made more than 20 % of
+        their round time.
     """
     out: dict[str, dict[str, Any]] = {}
     for mode in data["settings"]["modes"]:
@@ -70,6 +74,8 @@ def aggregate(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "failed": len(runs) - len(ok),
             "reached": sum(r["time_to_target_s"] is not None for r in ok),
             "epoch_time_s": spread([r["epoch_time_s"] for r in ok]),
+            "round_ms": spread([1000 * r["round_median_s"] for r in ok if r.get("round_median_s")]),
+            "carried": [r for r in ok if (r.get("tail_share") or 0) > TAIL_LIMIT],
             "throughput": spread([throughput(r["summary"]) for r in ok]),
             "time_to_target_s": spread([r["time_to_target_s"] for r in ok]),
             "max_drop": spread([r.get("max_drop") for r in ok]),
@@ -145,7 +151,8 @@ def render_markdown(data: dict[str, Any]) -> str:
             [
                 mode,
                 runs,
-                _cell(s["epoch_time_s"], 3),
+                _cell(s["epoch_time_s"], 3) + (" †" if s["carried"] else ""),
+                _cell(s["round_ms"], 1),
                 _cell(s["throughput"], 0),
                 _cell(s["time_to_target_s"], 2, reached) if target is not None else "-",
                 _cell(s["max_drop"], 3),
@@ -174,6 +181,11 @@ def render_markdown(data: dict[str, Any]) -> str:
         f"({train['lr_schedule']}), {', '.join(limits)}, seed {train['seed']}, "
         f"repeats {repeats}",
         f"- target OA: {target if target is not None else 'none'}",
+        *(
+            [f"- **stopped {data['stopped']}**: `--resume` runs the rest"]
+            if "stopped" in data
+            else []
+        ),
         *option_lines(settings),
         *cluster_lines(settings.get("cluster")),
         *kept_lines(data),
@@ -184,19 +196,22 @@ def render_markdown(data: dict[str, Any]) -> str:
             if repeats > 1
             else "One repeat per mode. "
         )
-        + "Epoch time = train_time_s / epochs (start-up and blocking evaluation excluded); "
+        + "Epoch time = train_time_s / epochs (start-up and blocking evaluation excluded; † "
+        "where a few rounds carry it, see below); median round = the median of the run's round "
+        "times (DDP: steps; none in async); "
         "throughput = training samples / train_time_s; " + target_source(data) + " Idle share = "
         "the workers' time waiting at the round barrier over their round time (sync modes). "
         "Max OA drop = the largest fall of a snapshot's (or evaluation's) OA below the best "
         "OA so far, after the first epoch: how far the curve falls back once it has risen. "
         "Epoch tails: an epoch's last step, over the n mod B samples left, is weighted b / B "
         "(gradient and BatchNorm statistics) in every mode, parameter server and DDP alike. "
-        "Columns no run could fill are left out.",
+        "Columns no run could fill are left out." + subset_note(data),
         "",
         "## Results",
         "",
         _table(headers, results),
         "",
+        *carried_lines(stats),
         *speedup_section(stats, target),
         *schedule_section(data),
         *restart_section(data),
@@ -223,6 +238,41 @@ def schedule_section(data: dict[str, Any]) -> list[str]:
         "## Schedule as applied (training time in s at each change; min / median / max)",
         "",
         _table(["mode", *met], rows),
+        "",
+    ]
+
+
+def subset_note(data: dict[str, Any]) -> str:
+    """The sentence marking in-run scores on a subset of the test split (OA*), if any."""
+    from launch.figures import subset_points
+
+    sizes = sorted(
+        {p["subset"] for r in data["runs"] if "error" not in r for p in subset_points(r)}
+    )
+    if not sizes:
+        return ""
+    return (
+        f" OA*: in-run evaluations scored on a stratified subset of the test split (of "
+        f"{', '.join(f'{n:,}' for n in sizes)} samples; hollow points in report.png), so time "
+        "to target and max OA drop may rest on them; final scores use the whole split."
+    )
+
+
+def carried_lines(stats: dict[str, dict[str, Any]]) -> list[str]:
+    """The note under the results for epoch times marked † (a few rounds carry them)."""
+    runs = [r for s in stats.values() for r in s["carried"]]
+    if not runs:
+        return []
+    named = ", ".join(
+        f"{r['mode']} #{r['repeat']} ({100 * r['tail_share']:.0f} %, the longest round "
+        f"{1000 * r['round_slowest_s']:.0f} ms against a median of "
+        f"{1000 * r['round_median_s']:.1f} ms)"
+        for r in runs
+    )
+    return [
+        f"† carried by a few rounds: the slowest {100 * TAIL:.0f} % of the rounds made more "
+        f"than {100 * TAIL_LIMIT:.0f} % of the round time in {named}; a load spike or a stall "
+        "can make such an epoch time, so compare the median rounds (and repeat the runs).",
         "",
     ]
 

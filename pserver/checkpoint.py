@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 FORMAT = 2
 READABLE_FORMATS = (1, 2)
 KEEP = 3
+BEST = "best.npz"  # beside the newest checkpoints, never pruned; not resumed from
 NAME = re.compile(r"^ckpt-(\d{10})\.npz$")
 TMP = re.compile(r"^\.ckpt-\d{10}\.npz\.tmp$")
 
@@ -327,6 +328,49 @@ def check_identity(meta: dict[str, Any], identity: dict[str, Any]) -> None:
                 f"--{k.replace('_', '-')} was {a!r}, now {b!r}" for k, (a, b) in differs.items()
             )
         )
+
+
+class BestCheckpoint:
+    """Keeps ``best.npz``: the state whose evaluation on the whole test split scored the best
+    OA so far (subset scores never count), for ``pserver export --best``.
+
+    Args:
+        directory: the run's ``checkpoints`` folder.
+        identity: the run's ``identity_of`` (stored with the state).
+        write_timeout_s: how long one write may take.
+        resumed: a resumed run starts from the OA recorded in the file there.
+    """
+
+    def __init__(
+        self, directory: Path, identity: dict[str, Any], write_timeout_s: float, resumed: bool
+    ) -> None:
+        self.path, self.identity, self.write_timeout_s = directory / BEST, identity, write_timeout_s
+        self.oa = -1.0
+        if resumed and self.path.is_file():
+            try:
+                self.oa = float(read(self.path).meta["oa"])
+            except (ConfigError, KeyError, TypeError, ValueError) as exc:
+                log.warning("the best checkpoint will be replaced: %s", exc)
+
+    async def offer(self, version: int, state: np.ndarray, oa: float) -> None:
+        """Write ``state`` of ``version`` if ``oa`` beats the best so far; a failure is logged."""
+        if oa <= self.oa:
+            return
+        meta = {"format": FORMAT, **self.identity, "version": version, "oa": oa}
+        arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), "state": state}
+
+        def write() -> Path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fill = lambda handle: np.savez(handle, **arrays)  # type: ignore[arg-type]  # noqa: E731
+            return write_atomic(self.path, fill, sync=True)
+
+        try:
+            await run_bounded(write, self.write_timeout_s, f"the best checkpoint ({version})")
+        except OSError as exc:
+            log.error("best checkpoint not written: %s", exc)
+            return
+        self.oa = oa
+        log.info("best OA so far on the whole test split (%.4f): version %d kept", oa, version)
 
 
 def restore(

@@ -137,6 +137,7 @@ class ServerConfig:
     torch_threads: int = 1
     heartbeat_s: float = 1.0
     checkpoint_every: int | None = None
+    keep_best: bool = True
     snapshot_every_updates: int | None = None
     snapshot_limit: int = 1000
     curve_secret: Path | None = None

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 # The newest published state: (version, state, release-when-done).
 Fetch = Callable[[], Awaitable[tuple[int, np.ndarray, Callable[[], None]]]]
+KeepBest = Callable[[int, np.ndarray, float], Awaitable[None]]  # version, state, full-split OA
 HISTORY = 4096
 MIN_AUTO_SUBSET = 1000  # test samples an automatic subset keeps at least (OA +-1 % at 0.9)
 AUTO_SHARE = 0.5  # of the time between two requests an automatic subset may take
@@ -73,6 +74,7 @@ class EvalScheduler:
         subset_size: in-run evaluations use this many test samples (None: all).
         seed: seed of the subset.
         on_record: called with each eval record (target checks, status).
+        keep_best: offered every state scored on the whole test split, with its OA.
     """
 
     def __init__(
@@ -83,8 +85,10 @@ class EvalScheduler:
         subset_size: int | None,
         seed: int,
         on_record: Callable[[dict[str, Any]], None],
+        keep_best: KeepBest | None = None,
     ) -> None:
         self.evaluator, self.log, self.fetch, self.on_record = evaluator, run_log, fetch, on_record
+        self.keep_best = keep_best
         self.seed, self.auto = seed, subset_size is None
         self.subset: np.ndarray | None = None
         if subset_size is not None:
@@ -193,9 +197,11 @@ class EvalScheduler:
         begin = loop.time()
         try:
             scores = await loop.run_in_executor(self._pool, self.evaluator.evaluate, state, indices)
+            eval_s = loop.time() - begin
+            if indices is None and self.keep_best is not None:
+                await self.keep_best(version, state, scores.oa)
         finally:
             release()
-        eval_s = loop.time() - begin
         scored = len(self.evaluator.reader.test_indices if indices is None else indices)
         self._rate = scored / max(eval_s, 1e-6)
         if self._skip_interval is not None and not final:
@@ -219,6 +225,7 @@ class EvalScheduler:
             train_t=round(info.train_t, 6),
             epochs_done=round(info.samples / self.train_size, 3),
             test_samples=scored,
+            subset=scored < len(self.evaluator.reader.test_indices),
             final=final,
         )
         self.on_record(record)

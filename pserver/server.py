@@ -164,6 +164,11 @@ class ParameterServer:
             config.eval_samples,
             config.seed,
             self._on_eval,
+            None
+            if config.run_dir is None or not config.keep_best
+            else checkpoint.BestCheckpoint(
+                config.run_dir / "checkpoints", identity, config.write_timeout_s, bool(resumed)
+            ).offer,
         )
         self.snapshots = SnapshotHook(
             config.run_dir,

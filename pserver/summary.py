@@ -6,7 +6,7 @@ from typing import Any
 
 from common.data.dataset import DatasetMeta
 from common.training.runlog import RunLog
-from common.training.summary import per_class_of, run_summary, scores_of
+from common.training.summary import SCORE_KEYS, per_class_of, run_summary
 from pserver.config import ServerConfig
 from pserver.evaluation import EvalScheduler
 from pserver.membership import Roster
@@ -111,7 +111,12 @@ class StatusView:
             "finished": run.finished,
             "finish_reason": run.finish_reason or None,
             "waiting_for": 0 if started else max(self.config.workers - len(self.roster.ready()), 0),
-            "last_eval": scores_of(last),
+            "last_eval": None
+            if last is None
+            else {
+                **{k: last[k] for k in SCORE_KEYS},
+                **{k: last.get(k) for k in ("test_samples", "subset")},
+            },
             "shards": [
                 {
                     "index": i,

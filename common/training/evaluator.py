@@ -18,6 +18,7 @@ from common.training.flat import FlatLayout
 from common.training.metrics import Scores, confusion_matrix, scores_from_confusion
 from common.training.runlog import RunLog
 from common.training.summary import SCORE_KEYS
+from common.training.tables import oa_text
 
 log = logging.getLogger("pserver.server")
 
@@ -166,10 +167,10 @@ def record_evaluation(
     )
     done = extra.get("epochs_done")
     log.info(
-        "version %d (epoch %s): OA %.4f AA %.4f kappa %.4f loss %.4f",
+        "version %d (epoch %s): %s AA %.4f kappa %.4f loss %.4f",
         version,
         f"{done:.2f}" if isinstance(done, float) else epoch,
-        scores.oa,
+        oa_text(record),
         scores.aa,
         scores.kappa,
         scores.loss,

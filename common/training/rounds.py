@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
+
+TAIL = 0.02  # the slowest share of rounds whose part of the time is checked
+TAIL_LIMIT = 0.2  # above it, a figure rests on a few rounds (a load spike, a stall)
+MIN_ROUNDS = 10  # fewer rounds tell nothing about their tail
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,3 +123,29 @@ def idle_share(parts: list[WorkerRound], round_s: float) -> float | None:
     if not parts or round_s <= 0:
         return None
     return min(sum(p.idle_s for p in parts) / (len(parts) * round_s), 1.0)
+
+
+def round_events(run_dir: Path) -> list[dict[str, Any]]:
+    """The ``round`` events of a run's ``metrics.jsonl`` (empty when it has none)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    with path.open(encoding="utf-8") as f:
+        return [e for e in map(json.loads, f) if e.get("event") == "round"]
+
+
+def round_spread(round_s: Sequence[float]) -> dict[str, float | None]:
+    """The median round and the share of all round time that the slowest ``TAIL`` of the
+    rounds (at least one) took: above ``TAIL_LIMIT`` an epoch time rests on a few rounds.
+
+    Returns:
+        ``{"round_median_s", "round_slowest_s", "tail_share"}`` (None without rounds; the tail
+        share None with fewer than ``MIN_ROUNDS``).
+    """
+    if not round_s:
+        return {"round_median_s": None, "round_slowest_s": None, "tail_share": None}
+    slowest = sorted(round_s, reverse=True)[: max(1, math.ceil(TAIL * len(round_s)))]
+    total = math.fsum(round_s)
+    share = math.fsum(slowest) / total if total > 0 and len(round_s) >= MIN_ROUNDS else None
+    median = statistics.median(round_s)
+    return {"round_median_s": median, "round_slowest_s": slowest[0], "tail_share": share}

@@ -124,7 +124,7 @@ def run_summary(
         "epochs": epochs,
         "samples_seen": samples_seen,
         "final": scores_of(final),
-        "best_oa": max((r["oa"] for r in evals), default=None),
+        "best_oa": max((r["oa"] for r in evals if not r.get("subset")), default=None),
         "target_oa": target_oa,
         "time_to_target_s": None if time_to_target_s is None else round(time_to_target_s, 4),
         "workers": workers,

@@ -14,6 +14,16 @@ def natural_key(name: str) -> list[Any]:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
+def oa_text(record: dict[str, Any], digits: int = 4) -> str:
+    """An eval event's OA as users read it: ``OA 0.9453`` on the whole test split, ``OA*
+    0.9552 on 1,072`` on a subset of it (subset scores are marked wherever they appear)."""
+    oa = record.get("oa")
+    text = "-" if not isinstance(oa, int | float) else f"{oa:.{digits}f}"
+    if record.get("subset"):
+        return f"OA* {text} on {record.get('test_samples', 0):,}"
+    return f"OA {text}"
+
+
 def _fmt(value: Any, digits: int = 4) -> str:
     if value is None:
         return "-"
@@ -37,9 +47,11 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 RUN_LEGEND = (
-    "train s: training wall time, without start-up and evaluations; OA, AA, kappa: final "
+    "updates: model updates applied (summary.json steps); train s: training wall time, "
+    "without start-up and evaluations; OA, AA, kappa: final "
     "test overall accuracy, mean per-class accuracy and Cohen's kappa; best OA: the best of "
-    "any evaluation; to target s: training time until --target-oa was first reached; "
+    "any evaluation on the whole test split; to target s: training time until --target-oa "
+    "was first reached; "
     "staleness: how many versions behind an async push was (mean/max)."
 )
 SLOWDOWN_LEGEND = "slowdown: the emulated factor (x4 = four times slower); "
@@ -75,7 +87,7 @@ def summary_tables(summary: dict[str, Any]) -> str:
         [
             "mode",
             "epochs",
-            "steps",
+            "updates",
             "train s",
             "OA",
             "AA",

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from common import rundir
 from common.cli_env import child_environment
 from common.errors import ConfigError, PSError
 from common.procs import Children, TextSink
@@ -40,7 +41,6 @@ from launch.procs import EventsMark, second_signal_kills, signals_interrupt
 from launch.progress import EventTail, RunProgress
 from launch.settings import TrainSettings, server_default
 from pserver.checkpoint import read_newest, remove_stale_tmp
-from pserver.rundir import remove_run, run_files
 
 log = logging.getLogger(__name__)
 
@@ -345,8 +345,8 @@ def run_ddp(
     try:
         with signals_interrupt():
             budgets.open()
-            if config.overwrite:
-                remove_run(config.run_dir)
+            if not config.resume:  # an earlier run (--overwrite) or what a failed start left
+                rundir.clear(config.run_dir)
             (config.run_dir / "summary.json").unlink(missing_ok=True)  # a resumed run's
             hosts = hosts_scope.enter_context(cluster_hosts(config.nodes))
             nodes = [budgets.worker(i) for i in range(config.world_size)]
@@ -422,14 +422,9 @@ def _prepare_run_dir(config: DDPConfig) -> DDPConfig:
             given, or ``resume`` finds no readable checkpoint.
     """
     origin = time.monotonic()
+    rundir.check(config.run_dir, resume=config.resume, overwrite=config.overwrite)
     if config.resume:
         saved = read_newest(config.run_dir / checkpoint.DIRECTORY)
         origin -= float(saved.meta.get("t", 0.0))
-    elif run_files(config.run_dir) and not config.overwrite:
-        raise ConfigError(
-            f"--run-dir {config.run_dir} already holds a run "
-            f"({', '.join(run_files(config.run_dir))}); give --resume to continue it or "
-            "--overwrite to replace it"
-        )
     config.run_dir.mkdir(parents=True, exist_ok=True)
     return dataclasses.replace(config, origin=origin)

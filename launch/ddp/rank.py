@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from common.data.dataset import DatasetReader
+from common.errors import PSError
 from common.logsetup import setup_logging
 from common.training.device import resolve_device
 from common.training.evaluator import Evaluator
@@ -404,7 +405,11 @@ def main(argv: list[str] | None = None) -> int:
     config = DDPConfig.from_json(args.config.read_text(encoding="utf-8"))
     setup_logging("INFO", f"ddp[{args.rank}] ")
     faulthandler.enable()  # a crash in torch's C++ code still shows where Python was
-    run_rank(config, args.rank, args.store, args.host_store)
+    try:
+        run_rank(config, args.rank, args.store, args.host_store)
+    except PSError as exc:  # e.g. a device this machine lacks: one line, not a traceback
+        print(f"Error: {exc}", file=sys.stderr)
+        return 1
     if config.world_size > 1:
         exit_without_teardown()
     return 0

@@ -14,8 +14,13 @@ from common.errors import ConfigError
 from launch.simulate.engine import SIM_MODES
 from launch.simulate.fromrun import cluster_from_runs
 from launch.simulate.report import LEGEND, document, table, write
-from launch.simulate.spec import WIRE_BYTES, Cluster, cluster_from_spec, read_spec_file
-from launch.simulate.sweep import AXES, parse_sweep, run_grid
+from launch.simulate.spec import (
+    MAX_NODES,
+    WIRE_BYTES,
+    Cluster,
+    load_spec,
+)
+from launch.simulate.sweep import AXES, notes, parse_sweep, run_grid
 from pserver.config import STALENESS
 
 
@@ -49,13 +54,13 @@ def _modes(text: str) -> list[str]:
 )
 @click.option(
     "--workers",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=MAX_NODES),
     default=None,
     help="Nodes (default: as given); groups keep their ratios, run workers repeat.",
 )
 @click.option(
     "--shards",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=MAX_NODES),
     default=None,
     help="Parameter shards K (default: the spec's or the run's).",
 )
@@ -147,31 +152,26 @@ def simulate(
         if (spec is None) == (not from_runs):
             raise ConfigError("give exactly one of --spec FILE or --from RUN_DIR")
         if spec is not None:
-            cluster = cluster_from_spec(read_spec_file(spec), seed=seed)
+            cluster = load_spec(spec, seed=seed)
             source = str(spec)
         else:
             cluster = cluster_from_runs(from_runs)
             source = ", ".join(str(p) for p in from_runs)
         cluster = _override(cluster, workers, overrides)
         axes = parse_sweep(sweep) or {}
-        rows = run_grid(
-            cluster,
-            _modes(mode),
-            axes,
-            epochs=epochs,
-            max_rounds=rounds,
-            seed=seed,
-            plan_spread=plan_spread,
-        )
+        args = {"epochs": epochs, "max_rounds": rounds, "seed": seed, "plan_spread": plan_spread}
+        rows = run_grid(cluster, _modes(mode), axes, **args)
+        found = notes(cluster, rows, **args)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     if as_json:
-        click.echo(json.dumps(document(cluster, rows, source), indent=1))
+        click.echo(json.dumps(document(cluster, rows, source, found), indent=1))
     else:
         click.echo(table(rows))
         click.echo(LEGEND)
+        click.echo("\nNode groups (members a round, share of the samples):\n" + "\n".join(found))
     if out is not None:
-        for path in write(out, cluster, rows, source):
+        for path in write(out, cluster, rows, source, found):
             click.echo(f"wrote {path}", err=True)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from common.errors import ConfigError
 from common.training.perfmodel import WINDOW, Fit, RoundSpread, robust_location
 from common.training.planner import plan_batches, plan_by_model, plan_equal
 from common.training.probes import ProbeSchedule
@@ -37,6 +38,7 @@ from pserver.policies.staleness import staleness_function, too_stale
 
 SIM_MODES = ("weighted-sync", "equal-sync", "async", "ddp")
 MIN_COMPUTE_SHARE = 0.2  # jitter never makes a step shorter than this share of its mean
+MAX_WORK = 20_000_000  # rounds x nodes simulated at most (about two minutes)
 
 
 @dataclasses.dataclass
@@ -62,6 +64,8 @@ class ModeResult:
         staleness: async: mean, max and histogram {tau: pushes} of applied pushes.
         rejected: async: pushes refused as too stale.
         lr_factor_mean: async: mean (b_i / B) * f(tau) of applied pushes.
+        groups: per node group: ``nodes``, ``members`` (mean members per round; async: None)
+            and ``share`` (of the samples computed).
     """
 
     mode: str
@@ -80,6 +84,7 @@ class ModeResult:
     staleness: dict[str, Any] | None = None
     rejected: int = 0
     lr_factor_mean: float | None = None
+    groups: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able form (floats rounded)."""
@@ -96,11 +101,10 @@ def round_sizes(cluster: Cluster, epochs: int, max_rounds: int | None) -> tuple[
     """
     per_epoch = math.ceil(cluster.samples / cluster.global_batch)
     tail = cluster.samples - (per_epoch - 1) * cluster.global_batch
-    one = [cluster.global_batch] * (per_epoch - 1) + [tail]
-    sizes = one * epochs
-    if max_rounds is not None:
-        sizes = sizes[:max_rounds]
-    return sizes, per_epoch
+    count = per_epoch * epochs if max_rounds is None else min(max_rounds, per_epoch * epochs)
+    return [
+        tail if r % per_epoch == per_epoch - 1 else cluster.global_batch for r in range(count)
+    ], per_epoch
 
 
 class Jitter:
@@ -149,7 +153,17 @@ def simulate(
 
     Raises:
         ValueError: unknown mode.
+        ConfigError: more than ``MAX_WORK`` rounds x nodes to simulate (``max_rounds``
+            extrapolates from fewer).
     """
+    rounds = math.ceil(cluster.samples / cluster.global_batch) * epochs
+    work = min(rounds, max_rounds or rounds) * len(cluster.nodes)
+    if work > MAX_WORK:
+        raise ConfigError(
+            f"{mode}: {rounds:,} rounds of {len(cluster.nodes):,} nodes is more than this tool "
+            f"simulates ({MAX_WORK:,} node rounds); give --rounds R (at most "
+            f"{MAX_WORK // len(cluster.nodes):,}) to extrapolate the epoch from R rounds"
+        )
     if mode in ("weighted-sync", "equal-sync"):
         return _sync(cluster, mode, epochs, max_rounds, seed, plan_spread)
     if mode == "async":
@@ -157,6 +171,24 @@ def simulate(
     if mode == "ddp":
         return _ddp(cluster, epochs, max_rounds, seed)
     raise ValueError(f"unknown mode {mode!r}; choose from {SIM_MODES}")
+
+
+def group_stats(
+    cluster: Cluster, rounds_in: np.ndarray | None, samples: np.ndarray, rounds: int
+) -> dict[str, dict[str, Any]]:
+    """Per node group (the name before ``#``): its nodes, mean members per round (None
+    without rounds) and share of the samples computed."""
+    out: dict[str, dict[str, Any]] = {}
+    total = max(float(samples.sum()), 1.0)
+    for i, node in enumerate(cluster.nodes):
+        group = out.setdefault(node.name.rsplit("#", 1)[0], {"nodes": 0, "members": 0.0})
+        group["nodes"] += 1
+        group["share"] = group.get("share", 0.0) + float(samples[i]) / total
+        if rounds_in is not None:
+            group["members"] += float(rounds_in[i]) / max(rounds, 1)
+    for group in out.values():
+        group["members"] = None if rounds_in is None else group["members"]
+    return out
 
 
 def _ring_s(cluster: Cluster) -> float:
@@ -266,10 +298,13 @@ def _sync(
             planner.seed(i, max(a - c, 0.0))
     times: list[float] = []
     idle = busy = comm = members_sum = worker_bytes = server_bytes = 0.0
+    rounds_in, samples = np.zeros(len(cluster.nodes)), np.zeros(len(cluster.nodes))
     for total in sizes:
         plan = planner.plan(total)
         members = np.array(sorted(plan))
         batch = np.array([plan[int(i)] for i in members])
+        rounds_in[members] += batch > 0
+        samples[members] += batch
         compute = jitter.compute(members, batch)
         timed = layout(members).times(compute, transfer[members])
         planner.closed(members, batch, compute, timed.accepted_s)
@@ -297,6 +332,7 @@ def _sync(
         worker_link_bytes=worker_bytes / n,
         server_link_bytes=server_bytes / n,
         ring_s=_ring_s(cluster),
+        groups=group_stats(cluster, rounds_in, samples, n),
     )
 
 
@@ -337,6 +373,7 @@ def _ddp(cluster: Cluster, epochs: int, max_rounds: int | None, seed: int) -> Mo
         members=float(n_ranks),
         worker_link_bytes=ring_bytes,
         ring_s=_ring_s(cluster),
+        groups=group_stats(cluster, np.full(n_ranks, float(n)), np.ones(n_ranks), n),
     )
 
 
@@ -365,6 +402,7 @@ def _async(cluster: Cluster, epochs: int, max_rounds: int | None, seed: int) -> 
     version = applied = rejected = 0
     taus: collections.Counter[int] = collections.Counter()
     lr_sum = 0.0
+    samples = np.zeros(n)
     end = 0.0
     while heap and applied < target and (pushes_cap is None or version + rejected < pushes_cap):
         arrive, i = heapq.heappop(heap)
@@ -376,6 +414,7 @@ def _async(cluster: Cluster, epochs: int, max_rounds: int | None, seed: int) -> 
         else:
             version += 1
             applied += int(batch[i])
+            samples[i] += batch[i]
             taus[tau] += 1
             lr_sum += float(batch[i]) / cluster.global_batch * f(tau)
         based_on[i] = version  # the reply (or the re-pull) carries the current parameters
@@ -404,4 +443,5 @@ def _async(cluster: Cluster, epochs: int, max_rounds: int | None, seed: int) -> 
         },
         rejected=rejected,
         lr_factor_mean=lr_sum / max(version, 1),
+        groups=group_stats(cluster, None, samples, version),
     )

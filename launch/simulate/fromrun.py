@@ -16,8 +16,11 @@ from typing import Any
 import numpy as np
 
 from common.errors import ConfigError
+from common.regular_files import open_regular
 from common.training.perfmodel import RoundSpread, robust_line
 from launch.simulate.spec import Cluster, Node, ServerCosts
+
+MAX_RUN_BYTES = 4 << 30  # a run's metrics.jsonl read at most
 
 # An async push waits for nobody, but a member of a sync round has its time outside compute
 # stretched by the round's turnaround (the step, every member's reply and pull at once): the
@@ -53,9 +56,11 @@ def read_run(path: Path) -> RunFiles:
         ConfigError: the directory lacks ``metrics.jsonl`` or ``summary.json``, or they do not
             parse.
     """
-    try:
-        lines = (path / "metrics.jsonl").read_text().splitlines()
-        summary = json.loads((path / "summary.json").read_text())
+    try:  # regular files only: a FIFO at either name would block the read for good
+        with open_regular(path / "metrics.jsonl", MAX_RUN_BYTES) as metrics:
+            lines = metrics.read().splitlines()
+        with open_regular(path / "summary.json", MAX_RUN_BYTES) as handle:
+            summary = json.loads(handle.read())
         records = [json.loads(line) for line in lines if line.strip()]
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path} is not a finished run directory: {exc}") from exc

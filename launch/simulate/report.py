@@ -74,16 +74,21 @@ def table(rows: Sequence[Row]) -> str:
     return "\n".join(text)
 
 
-def document(cluster: Cluster, rows: Sequence[Row], source: str) -> dict[str, Any]:
+def document(
+    cluster: Cluster, rows: Sequence[Row], source: str, notes: Sequence[str] = ()
+) -> dict[str, Any]:
     """The JSON document ``simulate.json`` holds."""
     return {
         "source": source,
         "cluster": describe(cluster),
         "results": [{"point": point, **r.as_dict()} for point, r in rows],
+        "notes": list(notes),
     }
 
 
-def write(out: Path, cluster: Cluster, rows: Sequence[Row], source: str) -> list[Path]:
+def write(
+    out: Path, cluster: Cluster, rows: Sequence[Row], source: str, notes: Sequence[str] = ()
+) -> list[Path]:
     """Write ``simulate.json`` and, for sweeps over workers or shards, the plots.
 
     Returns:
@@ -91,7 +96,7 @@ def write(out: Path, cluster: Cluster, rows: Sequence[Row], source: str) -> list
     """
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "simulate.json"]
-    written[0].write_text(json.dumps(document(cluster, rows, source), indent=1) + "\n")
+    written[0].write_text(json.dumps(document(cluster, rows, source, notes), indent=1) + "\n")
     for axis, name in (("workers", "epoch_vs_workers.png"), ("shards", "epoch_vs_shards.png")):
         values = {point.get(axis) for point, _ in rows}
         if len(values - {None}) > 1:

@@ -33,7 +33,9 @@ import numpy as np
 import yaml
 
 from common.errors import ConfigError
+from common.regular_files import open_regular
 from common.training.planner import plan_batches
+from pserver.config import STALENESS
 
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32_BYTES = 4
@@ -41,6 +43,8 @@ MB = 1_000_000
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 # ServerCosts rates a spec's ``server:`` gives as NAME_ms_per_mb
 COST_RATES = ("step", "decode", "sum", "encode", "worker_decode", "worker_encode")
+MAX_NODES = 100_000
+MAX_SPEC_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,13 +170,6 @@ class Cluster:
             not self.colocated or self.shards <= len(self.nodes),
             f"{self.shards} co-located shards need as many nodes, got {len(self.nodes)}",
         )
-        _check(self.ddp_bucket_mb > 0, f"ddp_bucket_mb must be > 0, got {self.ddp_bucket_mb}")
-        _check(0 <= self.backward_share <= 1, "backward_share must be in [0, 1]")
-        _check(self.chunk_mb > 0, f"chunk_mb must be > 0, got {self.chunk_mb}")
-        _check(
-            self.shared_cores is None or self.shared_cores > 0,
-            f"shared_cores must be > 0, got {self.shared_cores}",
-        )
         for node in self.nodes:
             _check(
                 node.alpha_s >= 0 and node.beta_s > 0 and node.link_bytes_s > 0,
@@ -206,14 +203,63 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _number(spec: Mapping[str, Any], key: str, default: float | None = None) -> float:
-    value = spec.get(key, default)
-    if isinstance(value, str):  # YAML 1.1 reads 11.7e6 (no sign in the exponent) as text
-        with contextlib.suppress(ValueError):
-            value = float(value)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(f"{key} must be a finite number, got {value!r}")
-    return float(value)
+# What a spec may say, section by section, and the range of every number (a hostile or
+# mistyped value is refused with the section that holds it, never a traceback).
+LINK_KEYS = {"gbit": (1e-6, 1e6), "latency_ms": (0.0, 1e6)}
+SERVER_KEYS = {
+    **LINK_KEYS,
+    "step_ms": (0.0, 1e9),
+    **{f"{name}_ms_per_mb": (0.0, 1e9) for name in COST_RATES},
+}
+GROUP_KEYS = {
+    **LINK_KEYS,
+    "name": None,
+    "count": (1, MAX_NODES),
+    "per_sample_ms": (1e-6, 1e9),
+    "fixed_ms": (0.0, 1e9),
+    "lognormal_sigma": (0.0, 5.0),
+    "jitter": (0.0, 10.0),
+}
+TOP_KEYS = {
+    "model_params": (1, 1e13),
+    "model_mb": (1e-6, 4e7),
+    "global_batch": (1, 1e9),
+    "samples": (1, 1e13),
+    "shards": (1, MAX_NODES),
+    "max_staleness": (0, 1e9),
+    "ddp_bucket_mb": (1e-3, 1e6),
+    "backward_share": (0.0, 1.0),
+    "chunk_mb": (1e-3, 1e6),
+    "shared_cores": (1e-3, 1e6),
+    **dict.fromkeys(("wire_dtype", "colocated", "link", "server", "groups", "staleness")),
+}
+
+
+class _Section:
+    """One mapping of a spec, read key by key: unknown keys are refused, and every error
+    names the section (``group CPU: ...``)."""
+
+    def __init__(self, value: object, where: str, known: Mapping[str, Any]) -> None:
+        self.where, self.known = where, known
+        self.data = _mapping(value, where.strip(": ") or "the cluster spec")
+        unknown = sorted(map(str, set(self.data) - set(known)))
+        _check(not unknown, f"{where}unknown keys {unknown}; known: {sorted(known)}")
+
+    def number(self, key: str, default: float | None = None) -> float:
+        value = self.data.get(key, default)
+        if isinstance(value, str):  # YAML 1.1 reads 11.7e6 (no sign in the exponent) as text
+            with contextlib.suppress(ValueError):
+                value = float(value)
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        _check(ok and math.isfinite(value), f"{self.where}{key} must be a number, got {value!r}")
+        low, high = self.known[key]
+        _check(
+            low <= value <= high, f"{self.where}{key} must be in [{low:g}, {high:g}], got {value!r}"
+        )
+        return float(value)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.data.get(key, default)
 
 
 def _mapping(value: object, what: str) -> Mapping[str, Any]:
@@ -222,18 +268,25 @@ def _mapping(value: object, what: str) -> Mapping[str, Any]:
     return value
 
 
-def read_spec_file(path: Path) -> Mapping[str, Any]:
-    """The mapping in a YAML (``.yaml``/``.yml``) or JSON file.
+def load_spec(path: Path, seed: int = 0) -> Cluster:
+    """The cluster of a YAML or JSON spec file (``.json`` is read as JSON).
 
     Raises:
-        ConfigError: the file is missing, unreadable or not a mapping.
+        ConfigError: the file is missing, unreadable or not a regular file, or its content
+            is refused (``cluster_from_spec``); the message names the file (and a syntax
+            error's line).
     """
     try:
-        text = path.read_text()
+        with open_regular(path, MAX_SPEC_BYTES) as handle:
+            text = handle.read().decode()
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read cluster spec {path}: {exc}") from exc
-    return _mapping(data, f"cluster spec {path}")
+        return cluster_from_spec(_mapping(data, "its content"), seed)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ConfigError(f"cluster spec {path}: {where}{exc.problem or exc}") from exc
+    except (OSError, ValueError, yaml.YAMLError, ConfigError) as exc:
+        raise ConfigError(f"cluster spec {path}: {exc}") from exc
 
 
 def cluster_from_spec(spec: Mapping[str, Any], seed: int = 0) -> Cluster:
@@ -247,66 +300,67 @@ def cluster_from_spec(spec: Mapping[str, Any], seed: int = 0) -> Cluster:
         The cluster.
 
     Raises:
-        ConfigError: a missing or invalid value (the message names it).
+        ConfigError: an unknown key, a missing or invalid value (the message names it and
+            the section or group that holds it).
     """
-    known = {
-        "model_params", "model_mb", "global_batch", "samples", "wire_dtype", "shards",
-        "colocated", "link", "server", "groups", "staleness", "max_staleness",
-        "ddp_bucket_mb", "backward_share", "chunk_mb", "shared_cores",
-    }  # fmt: skip
-    unknown = set(spec) - known
-    _check(not unknown, f"unknown cluster spec keys {sorted(unknown)}; known: {sorted(known)}")
+    top = _Section(spec, "", TOP_KEYS)
     if "model_params" in spec:
-        params = int(_number(spec, "model_params"))
+        params = int(top.number("model_params"))
     else:
-        params = int(_number(spec, "model_mb") * MB / FP32_BYTES)
-    link = _mapping(spec.get("link", {}), "link")
-    server = _mapping(spec.get("server", {}), "server")
+        params = max(1, int(top.number("model_mb") * MB / FP32_BYTES))
+    link = _Section(spec.get("link", {}), "link: ", LINK_KEYS)
+    server = _Section(spec.get("server", {}), "server: ", SERVER_KEYS)
     groups = spec.get("groups")
     if not isinstance(groups, Sequence) or isinstance(groups, str) or not groups:
         raise ConfigError(f"groups must be a non-empty list, got {groups!r}")
     rng = np.random.default_rng(seed)
-    nodes = [node for group in groups for node in _group_nodes(_mapping(group, "group"), link, rng)]
+    sections = [_Section(g, f"group {_name(g, i)}: ", GROUP_KEYS) for i, g in enumerate(groups, 1)]
+    total = sum(int(g.number("count", 1)) for g in sections)
+    _check(total <= MAX_NODES, f"the groups count {total:,} nodes; at most {MAX_NODES:,}")
+    nodes = [node for group in sections for node in _group_nodes(group, link, rng)]
     max_staleness = spec.get("max_staleness")
+    staleness = str(spec.get("staleness", "inverse"))
+    _check(staleness in STALENESS, f"staleness must be one of {list(STALENESS)}, got {staleness!r}")
     return Cluster(
         nodes=tuple(nodes),
         model_params=params,
-        global_batch=int(_number(spec, "global_batch")),
-        samples=int(_number(spec, "samples")),
+        global_batch=int(top.number("global_batch")),
+        samples=int(top.number("samples")),
         wire_dtype=str(spec.get("wire_dtype", "fp32")),
-        shards=int(_number(spec, "shards", 1)),
+        shards=int(top.number("shards", 1)),
         colocated=bool(spec.get("colocated", True)),
-        server_link_bytes_s=_number(server, "gbit", _number(link, "gbit", 10)) * GBIT,
-        server_latency_s=_number(server, "latency_ms", _number(link, "latency_ms", 0.05)) / 1e3,
+        server_link_bytes_s=server.number("gbit", link.number("gbit", 10)) * GBIT,
+        server_latency_s=server.number("latency_ms", link.number("latency_ms", 0.05)) / 1e3,
         server=ServerCosts(
-            step_s=_number(server, "step_ms", 0.0) / 1e3,
+            step_s=server.number("step_ms", 0.0) / 1e3,
             **{
-                f"{name}_s_per_byte": _number(server, f"{name}_ms_per_mb", 0.0) / 1e3 / MB
+                f"{name}_s_per_byte": server.number(f"{name}_ms_per_mb", 0.0) / 1e3 / MB
                 for name in COST_RATES
             },
         ),
-        staleness=str(spec.get("staleness", "inverse")),
-        max_staleness=None if max_staleness is None else int(max_staleness),
-        ddp_bucket_mb=_number(spec, "ddp_bucket_mb", 25.0),
-        backward_share=_number(spec, "backward_share", 2.0 / 3.0),
-        chunk_mb=_number(spec, "chunk_mb", 4.0),
-        shared_cores=None if spec.get("shared_cores") is None else _number(spec, "shared_cores"),
+        staleness=staleness,
+        max_staleness=None if max_staleness is None else int(top.number("max_staleness")),
+        ddp_bucket_mb=top.number("ddp_bucket_mb", 25.0),
+        backward_share=top.number("backward_share", 2.0 / 3.0),
+        chunk_mb=top.number("chunk_mb", 4.0),
+        shared_cores=None if spec.get("shared_cores") is None else top.number("shared_cores"),
     )
 
 
-def _group_nodes(
-    group: Mapping[str, Any], link: Mapping[str, Any], rng: np.random.Generator
-) -> list[Node]:
+def _name(group: object, index: int) -> str:
+    name = group.get("name") if isinstance(group, Mapping) else None
+    return str(name) if name is not None else f"#{index}"
+
+
+def _group_nodes(group: _Section, link: _Section, rng: np.random.Generator) -> list[Node]:
     name = str(group.get("name", "node"))
-    count = int(_number(group, "count", 1))
-    _check(count >= 1, f"group {name}: count must be >= 1, got {count}")
-    per_sample = _number(group, "per_sample_ms") / 1e3
-    fixed = _number(group, "fixed_ms", 0.0) / 1e3
-    sigma = _number(group, "lognormal_sigma", 0.0)
-    _check(sigma >= 0, f"group {name}: lognormal_sigma must be >= 0, got {sigma}")
+    count = int(group.number("count", 1))
+    per_sample = group.number("per_sample_ms") / 1e3
+    fixed = group.number("fixed_ms", 0.0) / 1e3
+    sigma = group.number("lognormal_sigma", 0.0)
     factors = rng.lognormal(0.0, sigma, count) if sigma > 0 else np.ones(count)
-    gbit = _number(group, "gbit", _number(link, "gbit", 10))
-    latency = _number(group, "latency_ms", _number(link, "latency_ms", 0.05)) / 1e3
+    gbit = group.number("gbit", link.number("gbit", 10))
+    latency = group.number("latency_ms", link.number("latency_ms", 0.05)) / 1e3
     return [
         Node(
             name=f"{name}#{i}",
@@ -314,7 +368,7 @@ def _group_nodes(
             beta_s=per_sample * float(f),
             link_bytes_s=gbit * GBIT,
             latency_s=latency,
-            jitter=_number(group, "jitter", 0.0),
+            jitter=group.number("jitter", 0.0),
         )
         for i, f in enumerate(factors)
     ]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from common.errors import ConfigError
 from launch.simulate.engine import SIM_MODES, ModeResult, simulate
-from launch.simulate.spec import GBIT, WIRE_BYTES, Cluster
+from launch.simulate.spec import GBIT, MAX_NODES, MB, WIRE_BYTES, Cluster
 
 AXES = ("workers", "shards", "gbit", "latency_ms", "global_batch", "wire_dtype", "mode")
 
@@ -48,6 +49,8 @@ def _value(key: str, text: str) -> Any:
         raise ConfigError(f"--sweep {key} takes numbers, got {text!r}") from None
     if number <= 0 and not (key == "latency_ms" and number == 0):
         raise ConfigError(f"--sweep {key} takes positive numbers, got {text!r}")
+    if key in ("workers", "shards") and number > MAX_NODES:
+        raise ConfigError(f"--sweep {key} takes at most {MAX_NODES:,}, got {text!r}")
     return number
 
 
@@ -108,3 +111,68 @@ def run_grid(
             varied = vary(cluster, point)
             results.append(({**point, "mode": mode}, simulate(varied, mode, **simulate_args)))
     return results
+
+
+SIT_OUT = 0.01  # a group computing less than this share of the samples sits out
+BINDS = 0.5  # the busiest shard link carrying data for more than this share of the round
+SYNC = ("weighted-sync", "equal-sync")
+
+
+def notes(
+    cluster: Cluster, rows: Sequence[tuple[dict[str, Any], ModeResult]], **simulate_args: Any
+) -> list[str]:
+    """What the table does not show: each node group's members and share of the samples,
+    groups that sit out and what DDP on the other groups would take, and a shard host's link
+    that binds the round (more shards spread it).
+
+    Args:
+        cluster: the base cluster.
+        rows: ``run_grid``'s result.
+        **simulate_args: as for ``run_grid`` (the DDP comparisons run with them).
+
+    Returns:
+        One line per observation.
+    """
+    lines = []
+    for point, result in rows:
+        at = ", ".join(f"{k}={v}" for k, v in point.items() if k != "mode")
+        name = result.mode + (f" ({at})" if at else "")
+        parts = [
+            f"{g} {_members(s)}{100 * s['share']:.1f} % of the samples"
+            for g, s in result.groups.items()
+        ]
+        lines.append(f"{name}: " + "; ".join(parts))
+        varied = vary(cluster, point)
+        out = [g for g, s in result.groups.items() if s["share"] < SIT_OUT]
+        rest = tuple(n for n in varied.nodes if n.name.rsplit("#", 1)[0] not in out)
+        if out and rest and result.mode != "ddp":
+            shards = min(varied.shards, len(rest)) if varied.colocated else varied.shards
+            alone = simulate(
+                dataclasses.replace(varied, nodes=rest, shards=shards), "ddp", **simulate_args
+            )
+            lines.append(
+                f"  {', '.join(out)} sit{'s' if len(out) == 1 else ''} out; DDP on the other "
+                f"nodes alone: {alone.epoch_s:.4g} s an epoch (this: {result.epoch_s:.4g} s)"
+            )
+        rate = (
+            varied.server_link_bytes_s
+            if not varied.colocated
+            else min(n.link_bytes_s for n in varied.nodes[: varied.shards])
+        )
+        busy_s = result.server_link_bytes / rate  # a round pulls, then pushes
+        busier = result.server_link_bytes > 1.5 * result.worker_link_bytes  # than any worker
+        if result.mode in SYNC and busier and busy_s > BINDS * result.round_s:
+            powers = ",".join(str(2**k) for k in range(int(math.log2(len(varied.nodes))) + 1))
+            lines.append(
+                f"  the busiest shard host's link binds: {result.server_link_bytes / MB:.4g} MB "
+                f"a round take it {busy_s:.3g} s of {result.round_s:.3g} s; more shards spread "
+                f"the traffic (--shards K; --sweep shards={powers} shows how many)"
+            )
+    return lines
+
+
+def _members(group: dict[str, Any]) -> str:
+    """``1.4 of 6 a round, `` (sync and DDP), or ``6 nodes, `` (async: no rounds)."""
+    if group["members"] is None:
+        return f"{group['nodes']} nodes, "
+    return f"{group['members']:.1f} of {group['nodes']} a round, "

@@ -36,7 +36,7 @@ from typing import Any
 from common.data.convert.hsi import prepare_hsi
 from launch.simulate.engine import simulate
 from launch.simulate.fromrun import cluster_from_runs
-from launch.simulate.spec import Cluster, Node, cluster_from_spec, read_spec_file
+from launch.simulate.spec import Cluster, Node, load_spec
 from launch.simulate.stagecosts import measure_stage_costs
 
 log = logging.getLogger(__name__)
@@ -312,7 +312,7 @@ def multihost(
         "load": load average at the measurement, "rows": [...]}``.
     """
     measured = measured or kept_figures()
-    base = cluster_from_spec(read_spec_file(spec))
+    base = load_spec(spec)
     cores = os.cpu_count() or 1
     load = os.getloadavg()
     costs = {

@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from common import rundir
 from common.errors import ConfigError, NetworkTimeout, PSError, WaitTimeout
 from common.polling import poll_until
 from launch.slurm.config import DDP, SlurmJob
@@ -19,7 +20,6 @@ from launch.slurm.script import render
 
 log = logging.getLogger(__name__)
 
-RUN_FILES = ("metrics.jsonl", "summary.json", "checkpoints")
 SCRIPT_NAME = "job.sbatch"
 
 
@@ -52,11 +52,10 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
         ConfigError: ``run_dir`` holds a run and ``resume`` is off, or it has no checkpoint
             and ``resume`` is on.
     """
-    present = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if present and not resume:
+    if rundir.started(run_dir) and not resume:
         raise ConfigError(
-            f"{run_dir} already holds a run ({', '.join(present)}); give --resume to continue "
-            "it or choose another --run-dir"
+            f"{run_dir} already holds a run ({', '.join(rundir.run_files(run_dir))}); give "
+            "--resume to continue it or choose another --run-dir"
         )
     if resume and not any((run_dir / "checkpoints").glob("ckpt-*.npz")):
         raise ConfigError(f"--resume: {run_dir / 'checkpoints'} holds no checkpoint")

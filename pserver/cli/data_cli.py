@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
 
-from common.cli_help import FullHelpGroup
+from common.cli_help import FullHelpGroup, OutFile
 from common.data.dataset import DatasetMeta, describe
 from common.errors import DatasetError
 
@@ -78,9 +79,7 @@ def prepare_group() -> None:
     help="Class map (rows, cols): FILE.mat[:KEY], a single-band GeoTIFF or an ENVI "
     "classification file; 0 = unlabelled, 1..K = classes.",
 )
-@click.option(
-    "--out", required=True, type=click.Path(dir_okay=False), help="The HDF5 file to write."
-)
+@click.option("--out", required=True, type=OutFile(), help="The HDF5 file to write.")
 @click.option("--patch", default=5, show_default=True, type=int, help="Odd patch side P.")
 @click.option(
     "--train-fraction",
@@ -148,7 +147,7 @@ def prepare_group() -> None:
 def prepare_hsi_cmd(
     cube: str,
     gt: str,
-    out: str,
+    out: Path,
     patch: int,
     train_fraction: float,
     split: str,
@@ -198,9 +197,7 @@ def prepare_hsi_cmd(
 
 @prepare_group.command("folder")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
-@click.option(
-    "--out", required=True, type=click.Path(dir_okay=False), help="The HDF5 file to write."
-)
+@click.option("--out", required=True, type=OutFile(), help="The HDF5 file to write.")
 @click.option(
     "--train-fraction",
     default=0.8,
@@ -220,7 +217,7 @@ def prepare_hsi_cmd(
     "--progress/--no-progress", default=True, show_default=True, help="Show progress bars."
 )
 def prepare_folder_cmd(
-    directory: str, out: str, train_fraction: float, seed: int, size: int | None, progress: bool
+    directory: str, out: Path, train_fraction: float, seed: int, size: int | None, progress: bool
 ) -> None:
     """Build a scenes dataset from DIR/<class>/*.tif|tiff|png|jpg|jpeg (EuroSAT layout).
 
@@ -255,9 +252,7 @@ def prepare_folder_cmd(
     show_default=True,
     help="Factory arguments as k=v,k2=v2 (values: Python literals, else strings).",
 )
-@click.option(
-    "--out", required=True, type=click.Path(dir_okay=False), help="The HDF5 file to write."
-)
+@click.option("--out", required=True, type=OutFile(), help="The HDF5 file to write.")
 @click.option(
     "--classes",
     default=None,
@@ -279,7 +274,7 @@ def prepare_folder_cmd(
 def prepare_torch_cmd(
     dataset: str,
     kwargs: str | None,
-    out: str,
+    out: Path,
     classes: str | None,
     train_fraction: float,
     seed: int,
@@ -312,9 +307,7 @@ def prepare_torch_cmd(
     type=click.Choice(["hsi", "scenes"]),
     help="hsi: patches of a synthetic hyperspectral scene; scenes: EuroSAT-shaped images.",
 )
-@click.option(
-    "--out", required=True, type=click.Path(dir_okay=False), help="The HDF5 file to write."
-)
+@click.option("--out", required=True, type=OutFile(), help="The HDF5 file to write.")
 @click.option(
     "--samples",
     type=click.IntRange(min=1),
@@ -355,7 +348,7 @@ def prepare_torch_cmd(
 @click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
 def synth_cmd(
     kind: str,
-    out: str,
+    out: Path,
     samples: int | None,
     bands: int | None,
     size: int | None,

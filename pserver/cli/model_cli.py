@@ -10,6 +10,7 @@ from typing import Any
 import click
 import numpy as np
 
+from common.cli_help import OutFile
 from common.errors import PSError
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ def _fail(exc: Exception) -> click.ClickException:
 @click.option(
     "--out",
     required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutFile(),
     help="The model file to write (e.g. MODEL.pt).",
 )
 @click.option(
@@ -46,6 +47,12 @@ def _fail(exc: Exception) -> click.ClickException:
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
     help="Checkpoint to export (default: the newest in RUN_DIR/checkpoints).",
+)
+@click.option(
+    "--best",
+    is_flag=True,
+    help="Export the state of the best OA on the whole test split (RUN_DIR/checkpoints/"
+    "best.npz, kept by 'pserver start --keep-best') instead of the newest.",
 )
 @click.option(
     "--dataset",
@@ -65,12 +72,24 @@ def export_cmd(
     run_dir: Path,
     out: Path,
     checkpoint: Path | None,
+    best: bool,
     dataset: Path | None,
     format: str,
     allow_model: tuple[str, ...],
 ) -> None:
     """Export a run's model: raw (unnormalised) C x P x P samples in, class logits out."""
+    from pserver.checkpoint import BEST
     from pserver.outputs.export import ExportConfig, export
+
+    if best:
+        if checkpoint is not None:
+            raise click.UsageError("give --best or --checkpoint, not both")
+        checkpoint = run_dir / "checkpoints" / BEST
+        if not checkpoint.is_file():
+            raise click.ClickException(
+                f"no {checkpoint}: a run keeps one once an evaluation on the whole test split "
+                "is done (pserver start --keep-best, the default)"
+            )
 
     config = ExportConfig(
         run_dir=run_dir,
@@ -92,10 +111,9 @@ def export_cmd(
     )
 
 
-def _print_scores(report: dict[str, Any]) -> None:
+def _print_scores(report: dict[str, Any], scored: str) -> None:
     click.echo(
-        f"OA {report['oa']:.4f}  AA {report['aa']:.4f}  kappa {report['kappa']:.4f}  "
-        f"on {report['labelled']} labelled pixels"
+        f"OA {report['oa']:.4f}  AA {report['aa']:.4f}  kappa {report['kappa']:.4f}  on {scored}"
     )
     per_class = report["per_class"]
     width = max(len(n) for n in per_class["names"])
@@ -103,7 +121,7 @@ def _print_scores(report: dict[str, Any]) -> None:
     for k, name in enumerate(per_class["names"]):
         acc = per_class["accuracy"][k]
         cell = f"{acc:8.4f}" if acc is not None else f"{'-':>8}"
-        click.echo(f"  {k:3d} {name:<{width}}  {cell}  {per_class['support'][k]:6d}")
+        click.echo(f"  {k + 1:3d} {name:<{width}}  {cell}  {per_class['support'][k]:6d}")
 
 
 def _predict_cube(model: Any, options: dict[str, Any]) -> None:
@@ -195,8 +213,7 @@ def _predict_cube(model: Any, options: dict[str, Any]) -> None:
         write_geotiff(options["geotiff"], classes, georef, names, palette)
         click.echo(f"wrote {options['geotiff']}: classes 1..{len(names)}, 0 = no data")
     if report is not None:
-        click.echo(f"scored: {_scored_wording(report['labelled'], test_mask)}")
-        _print_scores(report)
+        _print_scores(report, _scored_wording(report["labelled"], test_mask))
         if options["metrics"]:
             report["scored"] = "test" if test_mask is not None else "labelled"
             options["metrics"].write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -251,18 +268,18 @@ def _test_pixels(
 @click.option(
     "--out",
     required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutFile(),
     help="MAP.png (with --cube) or predictions.csv (with --images).",
 )
 @click.option(
     "--npy",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutFile(),
     default=None,
     help="Also save the class indices (0..K-1) as a .npy array.",
 )
 @click.option(
     "--geotiff",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutFile(),
     default=None,
     help="Also save the map as a GeoTIFF with the cube's CRS and transform (classes 1..K).",
 )
@@ -274,7 +291,7 @@ def _test_pixels(
 )
 @click.option(
     "--metrics",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutFile(),
     default=None,
     help="With --gt or --test-only: also write the scores as JSON here.",
 )
@@ -282,7 +299,8 @@ def _test_pixels(
     "--palette",
     default="auto",
     help="Class colours: auto (the --gt file's own colours if it has them, else colourblind), "
-    "colourblind (Okabe-Ito; a class named water in blue), tab20, #rrggbb,... in class order, "
+    "colourblind (Okabe-Ito; by class name water blue, vegetation green, soil or rock orange, "
+    "built-up vermillion), tab20, #rrggbb,... in class order, "
     "or name=#rrggbb,... for some classes.",
 )
 @click.option(
@@ -307,7 +325,7 @@ def _test_pixels(
 )
 @click.option(
     "--proba",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutFile(),
     default=None,
     help="Also save per-class probabilities (rows x cols x K float32 softmax) as .npy, and draw "
     "the largest as a confidence panel.",

@@ -178,6 +178,12 @@ def main() -> None:
     "written at shutdown, also on SIGTERM, when --run-dir is given).",
 )
 @_opt(
+    "keep_best",
+    flag="--keep-best/--no-keep-best",
+    help="Keep RUN_DIR/checkpoints/best.npz: the state of the best OA on the whole test split "
+    "so far ('pserver export --best' exports it).",
+)
+@_opt(
     "snapshot_every_updates",
     type=int,
     help="Save the state of every N-th version to RUN_DIR/snapshots for 'pserver "
@@ -286,8 +292,17 @@ def start(log_level: str, norm: str, **options: Any) -> None:
     if error:
         raise click.ClickException(error)
     if interrupted:
-        click.echo("pserver: interrupted; checkpoint and summary written", err=True)
+        click.echo(f"pserver: interrupted; {_written(summary, config.run_dir)}", err=True)
         sys.exit(128 + interrupted)
+
+
+def _written(summary: dict[str, Any], run_dir: Path | None) -> str:
+    """What an interrupted server left: a checkpoint only once an update was applied."""
+    if run_dir is None:
+        return "nothing written (no --run-dir)"
+    if not summary.get("steps"):
+        return "no update was applied, so no checkpoint; summary written"
+    return "checkpoint and summary written"
 
 
 def _echo_results(summary: dict[str, Any], run_dir: Path | None) -> None:

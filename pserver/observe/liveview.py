@@ -14,7 +14,18 @@ MAX_EVALS = 1000
 MAX_ROUNDS = 60
 MAX_PUSHES = 300
 MAX_WORKERS = 1024
-EVAL_KEYS = ("t", "version", "epoch", "samples", "oa", "aa", "kappa", "loss")
+EVAL_KEYS = (
+    "t",
+    "version",
+    "epoch",
+    "samples",
+    "oa",
+    "aa",
+    "kappa",
+    "loss",
+    "test_samples",
+    "subset",
+)
 
 
 def _clean(value: Any) -> Any:

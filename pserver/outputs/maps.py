@@ -33,11 +33,12 @@ WIDE = 1.6  # scenes with cols / rows above this stack their panels vertically
 
 
 def colours(num_classes: int, names: Sequence[str] | None = None) -> list[tuple[int, int, int]]:
-    """The default RGB colour (0-255) of each class: colour-blind-safe, water in blue.
+    """The default RGB colour (0-255) of each class: colour-blind-safe, given by class name
+    where it says what the class is (water blue, vegetation green; ``palette.BY_NAME``).
 
     Args:
         num_classes: K.
-        names: the class names (for the water rule); None: no names.
+        names: the class names (for the rules by name); None: no names.
 
     Returns:
         K colours; the same inputs always give the same list.
@@ -135,7 +136,7 @@ def map_figure(
         panels.append(("confidence (max probability)", confidence[::step, ::step]))
     nrows, ncols, width, height = _layout(shown.shape[0], shown.shape[1], len(panels))
     handles = [
-        Patch(color=_colour(c, 255), label=f"{k}: {n}")
+        Patch(color=_colour(c, 255), label=f"{k + 1}: {n}")  # the ground truth's numbers
         for k, (c, n) in enumerate(zip(table, class_names, strict=True))
     ]
     entries = handles + extra

@@ -1,10 +1,12 @@
 """Class colours for maps: a colour-blind-safe default, user palettes, and the ground truth's own.
 
 ``--palette`` takes ``auto`` (the ground-truth file's colours where it has them, else
-``colourblind``), ``colourblind`` (Okabe and Ito's eight colours without black, the class whose
-name says water in blue), ``tab20`` (matplotlib's categorical colours), or explicit colours:
-``#0072b2,#e69f00,...`` in class order or ``water=#0072b2,soil=#a0522d`` by class name (other
-classes keep the default). Agreement panels are drawn in colours no class uses (``distinct``).
+``colourblind``), ``colourblind`` (Okabe and Ito's eight colours without black, given by class
+name where a name says what the class is: water blue, vegetation green, bare ground orange,
+built-up vermillion; ``BY_NAME``), ``tab20`` (matplotlib's categorical colours), or explicit
+colours: ``#0072b2,#e69f00,...`` in class order or ``water=#0072b2,soil=#a0522d`` by class
+name (other classes keep the default). Agreement panels are drawn in colours no class uses
+(``distinct``).
 """
 
 from __future__ import annotations
@@ -53,7 +55,20 @@ TAB20: tuple[RGB, ...] = (
     (0, 92, 49),
 )
 BUILT_IN = {"colourblind": COLOURBLIND, "colorblind": COLOURBLIND, "tab20": TAB20}
-WATER = re.compile(r"water|sea|lake|river|ocean|lagoon", re.IGNORECASE)
+# The first class whose name matches a rule gets the rule's colour; the others keep the
+# palette's order. Words of common land-cover legends (Jasper Ridge, Samson, Indian Pines,
+# Pavia, Salinas, EuroSAT).
+BY_NAME = tuple(
+    (re.compile(words, re.IGNORECASE), colour)
+    for words, colour in (
+        (r"water|sea|lake|river|ocean|lagoon|pond|reservoir", COLOURBLIND[0]),
+        (r"tree|forest|wood|veget|grass|meadow|crop|corn|soy|wheat|alfalfa|oats|pasture|shrub|"
+         r"bush|orchard|vineyard|lettuce|celery|broccoli|hay|leaf|plant", COLOURBLIND[2]),
+        (r"soil|dirt|rock|sand|bare|earth|gravel|clay|mud|desert|stone|fallow", COLOURBLIND[1]),
+        (r"road|asphalt|street|urban|build|roof|concrete|brick|metal|paved|parking|residential|"
+         r"industrial|highway|railway|bitumen|tile", COLOURBLIND[5]),
+    )
+)  # fmt: skip
 UNLABELLED: RGB = (0, 0, 0)
 # Candidates for the agreement panel, the first far from every class colour is taken.
 CORRECT_CANDIDATES: tuple[RGB, ...] = ((215, 215, 215), (255, 255, 255), (170, 170, 170))
@@ -81,16 +96,18 @@ def extend(base: Sequence[RGB], num_classes: int) -> list[RGB]:
     return out
 
 
-def water_blue(table: list[RGB], names: Sequence[str]) -> list[RGB]:
-    """Give the first class whose name says water the palette's blue (swapping colours)."""
-    blue = COLOURBLIND[0]
-    water = next((k for k, n in enumerate(names) if WATER.search(n)), None)
-    if water is None or table[water] == blue:
-        return table
-    out = list(table)
-    if blue in out:
-        out[out.index(blue)] = out[water]
-    out[water] = blue
+def by_name(table: list[RGB], names: Sequence[str]) -> list[RGB]:
+    """Give the first class each ``BY_NAME`` rule matches that rule's colour (swapping
+    colours, so every colour stays used once); the other classes keep theirs."""
+    out, claimed = list(table), set()
+    for pattern, colour in BY_NAME:
+        k = next((k for k, n in enumerate(names) if k not in claimed and pattern.search(n)), None)
+        if k is None:
+            continue
+        if colour in out:
+            out[out.index(colour)] = out[k]
+        out[k] = colour
+        claimed.add(k)
     return out
 
 
@@ -127,7 +144,7 @@ def resolve_palette(
             colours than classes.
     """
     k = len(names)
-    default = water_blue(extend(COLOURBLIND, k), names)
+    default = by_name(extend(COLOURBLIND, k), names)
     spec = spec.strip()
     if spec == "auto":
         if from_gt is not None and len(from_gt) >= k:
@@ -135,7 +152,7 @@ def resolve_palette(
         return default, "colour-blind-safe (Okabe-Ito)"
     if spec.lower() in BUILT_IN:
         table = extend(BUILT_IN[spec.lower()], k)
-        return (water_blue(table, names) if spec.lower() != "tab20" else table), spec.lower()
+        return (by_name(table, names) if spec.lower() != "tab20" else table), spec.lower()
     items = [i for i in spec.split(",") if i.strip()]
     if items and all("=" in i for i in items):
         out = list(default)

@@ -4,6 +4,7 @@ comparison refused unless ``--overwrite`` replaces it whole."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
 from pathlib import Path
 
@@ -11,10 +12,15 @@ import pytest
 from click.testing import CliRunner
 
 from common.data.convert.synth import synth_hsi
+from common.polling import poll_until
 from launch.cli import main
+from launch.compare import CompareConfig
 from launch.report import RESULT_COLUMNS, SPEEDUP_COLUMNS
+from launch.settings import TrainSettings
+from tests.support.launches import start_pslaunch
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+WAIT_S = 300.0
 
 
 def _table(markdown: str, heading: str) -> list[list[str]]:
@@ -109,19 +115,75 @@ def test_an_earlier_comparison_is_refused_unless_overwrite_replaces_it_whole(
 ) -> None:
     out = tmp_path / "cmp"
     (out / "runs" / "async-1").mkdir(parents=True)
+    (out / "runs" / "async-1" / "metrics.jsonl").write_text('{"event": "push"}\n')
     earlier = {name: f"earlier {name}" for name in ("compare.json", "report.md", "timeline.png")}
     for name, text in earlier.items():
         (out / name).write_text(text)
     args = ["compare", "--dataset", str(small_hsi), "--model", "hsi-cnn", "--modes"]
-    args += ["equal-sync", "--slowdowns", "1", "--epochs", "1", "--no-progress", "--out", str(out)]
+    args += ["ddp,equal-sync", "--slowdowns", "1", "--epochs", "1", "--no-progress"]
+    args += ["--out", str(out)]
     refused = CliRunner().invoke(main, args)
-    assert refused.exit_code == 1 and "holds an earlier comparison" in refused.output
+    assert refused.exit_code == 1 and "holds an earlier comparison (runs async-1)" in refused.output
     assert {name: (out / name).read_text() for name in earlier} == earlier
-    # --overwrite: the run fails at once (no CUDA here), yet nothing of the earlier one stays.
+    # --overwrite: the first run cannot start (no CUDA here): the comparison stops with its
+    # error, runs nothing more, writes no report, and nothing of the earlier one stays
     replaced = CliRunner().invoke(main, [*args, "--overwrite", "--devices", "cuda:0"])
-    assert replaced.exit_code == 1 and "runs failed: equal-sync #1" in replaced.output
-    assert json.loads((out / "compare.json").read_text())["runs"][0]["error"]
-    assert not (out / "timeline.png").exists() and not (out / "runs" / "async-1").exists()
+    assert replaced.exit_code == 1
+    assert "Error: ddp #1/1 could not start: DDP rank r0-x1 exited with code 1: " in (
+        replaced.output
+    )
+    assert "CUDA" in replaced.output
+    assert sorted(p.name for p in out.iterdir()) == ["runs"]
+    assert [p.name for p in (out / "runs").iterdir()] == ["ddp-1"]
+    assert "Traceback" not in (out / "runs" / "ddp-1" / "cluster.log").read_text()
+    # what the failed start left is no comparison: the corrected command is not refused
+    CompareConfig(
+        dataset=small_hsi,
+        model="hsi-cnn",
+        modes=("equal-sync",),
+        slowdowns=(1.0,),
+        out=out,
+        train=TrainSettings(epochs=1),
+    ).validate()
+
+
+def test_ctrl_c_keeps_a_report_of_the_finished_runs_and_resume_runs_the_rest(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "cmp"
+    args = ["compare", "--dataset", str(small_hsi), "--model", "hsi-cnn", "--slowdowns", "1"]
+    args += ["--modes", "equal-sync", "--repeats", "2", "--no-progress", "--out", str(out)]
+    second = out / "runs" / "equal-sync-2" / "metrics.jsonl"
+    launcher = start_pslaunch(*args, "--epochs", "4")
+    try:
+        poll_until(
+            lambda: (
+                (second.exists() and '"round"' in second.read_text()) or launcher.code is not None
+            ),
+            WAIT_S,
+            0.2,
+            "the second run's training",
+        )
+        launcher.signal_group(signal.SIGINT)  # Ctrl-C in the terminal
+        assert launcher.wait(WAIT_S) == 130, launcher.output()
+    finally:
+        launcher.kill()
+    assert "compare: stopped after 1 of 2 runs; report.md covers those" in launcher.output()
+    data = json.loads((out / "compare.json").read_text())
+    assert [r["repeat"] for r in data["runs"]] == [1] and "error" not in data["runs"][0]
+    assert "**stopped after 1 of 2 runs**" in (out / "report.md").read_text()
+    refused = CliRunner().invoke(main, [*args, "--epochs", "4"])
+    assert "holds an earlier comparison (runs equal-sync-1, equal-sync-2)" in refused.output
+    other = CliRunner().invoke(main, [*args, "--epochs", "3", "--resume"])
+    assert other.exit_code == 1 and "made with other settings (train)" in other.output
+    first = (out / "runs" / "equal-sync-1" / "summary.json").read_bytes()
+    resumed = CliRunner().invoke(main, [*args, "--epochs", "4", "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    data = json.loads((out / "compare.json").read_text())
+    assert sorted(r["repeat"] for r in data["runs"]) == [1, 2]
+    assert all("error" not in r for r in data["runs"])
+    assert "stopped" not in data and "stopped" not in (out / "report.md").read_text()
+    assert (out / "runs" / "equal-sync-1" / "summary.json").read_bytes() == first  # kept
 
 
 def test_ddp_kept_runs_plain_ddp_on_the_nodes_weighted_sync_kept(tmp_path: Path) -> None:

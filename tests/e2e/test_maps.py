@@ -52,7 +52,8 @@ def test_predict_scores_test_pixels_and_draws_composite_and_confidence(
     with DatasetReader(jasper_h5) as reader:
         tests = len(reader.test_indices)
     wording = f"{tests} test pixels (training and guard-band pixels not scored)"
-    assert f"scored: {wording}" in res.output
+    assert f"  on {wording}\n" in res.output  # the scores say which pixels, in one word
+    assert "labelled pixels" not in res.output
     assert wording in Image.open(out).text["Title"]
     scores = json.loads((tmp_path / "s.json").read_text())
     assert scores["labelled"] == tests and scores["scored"] == "test"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pserver.rundir import RUN_FILES
+from common.rundir import RUN_FILES
 from tests.support.cluster import (
     events,
     start_module,
@@ -199,7 +199,7 @@ def test_an_unwritable_metrics_log_does_not_stop_training(small_hsi: Path, tmp_p
 def test_a_run_dir_holding_a_run_is_refused_unless_overwrite(
     small_hsi: Path, tmp_path: Path
 ) -> None:
-    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "metrics.jsonl").write_text('{"event": "round", "version": 1}\n')
     args = ("--dataset", str(small_hsi), "--model", "hsi-cnn", "--bind", "tcp://127.0.0.1:0")
     args += ("--epochs", "1", "--run-dir", str(tmp_path))
     _one_line_error(_run("pserver.cli", "start", *args), "already holds a run")

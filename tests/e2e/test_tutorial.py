@@ -33,6 +33,19 @@ def test_tutorial_marks_its_steps() -> None:
         assert step in commands, f"the tutorial's runnable blocks lack {step!r}"
 
 
+def test_the_sample_output_agrees_with_the_tutorials_own_dataset() -> None:
+    """The results table shown is that of the dataset ``data info`` shows: epochs x ceil(train
+    / B) updates, and the workers' samples add up to epochs x train."""
+    text = TUTORIAL.read_text(encoding="utf-8")
+    train = int(re.search(r"samples: +\d+ \(train (\d+), test \d+\)", text).group(1))
+    command = re.search(r"pslaunch local .*?--epochs (\d+)", text, re.DOTALL)
+    epochs = int(command.group(1))
+    row = re.search(r"^weighted-sync +(\d+) +(\d+) ", text, re.MULTILINE)
+    assert (int(row.group(1)), int(row.group(2))) == (epochs, epochs * -(-train // 64))
+    samples = [int(m) for m in re.findall(r"^w\d-x\d +x\d +\d+ +(\d+) ", text, re.MULTILINE)]
+    assert len(samples) == 2 and sum(samples) == epochs * train
+
+
 @pytest.mark.realdata
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_tutorial_runs_end_to_end(jasper_dir: Path, tmp_path: Path) -> None:
@@ -65,7 +78,7 @@ def test_tutorial_runs_end_to_end(jasper_dir: Path, tmp_path: Path) -> None:
     train = reader.meta.train_count
     reader.close()
     assert sum(w["samples"] for w in summary["workers"]) == summary["samples_seen"] == 4 * train
-    assert "epoch 4" in done.stdout  # the metrics block printed the evaluations
+    assert "after 4.00 epochs" in done.stdout  # the metrics block printed the evaluations
 
     compare = json.loads((tmp_path / "runs/compare/compare.json").read_text())
     assert sorted(r["mode"] for r in compare["runs"] if "error" not in r) == [

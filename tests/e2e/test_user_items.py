@@ -44,3 +44,21 @@ def test_a_worker_last_line_tells_an_interrupted_server_from_a_finished_run(
     assert _last_line(done).startswith(
         f"worker c: run finished (all epochs done) after {steps} steps, "
     )
+
+
+def test_ctrl_c_on_a_server_still_waiting_for_workers_says_no_checkpoint_was_written(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    import signal
+
+    from tests.support.cluster import start_server
+
+    server, _ = start_server(small_hsi, tmp_path, "--workers", "2", "--epochs", "1")
+    try:
+        server.popen.send_signal(signal.SIGINT)
+        assert server.wait(timeout=60) == 128 + signal.SIGINT
+    finally:
+        server.kill()
+    server.expect("pserver: interrupted; no update was applied, so no checkpoint; summary written")
+    assert "checkpoint and summary written" not in server.output()
+    assert not (tmp_path / "checkpoints").exists() and (tmp_path / "summary.json").is_file()

@@ -28,26 +28,30 @@ def _fake_run(
     }
 
 
+def _settings() -> dict:
+    return {
+        "modes": ["weighted-sync", "ddp"],
+        "target_oa": 0.8,
+        "slowdowns": [1.0, 3.0],
+        "slowdown_schedules": [],
+        "dataset": "d.h5",
+        "model": "m",
+        "repeats": 3,
+        "train": {
+            "global_batch": 64,
+            "optimizer": "sgd",
+            "lr": 0.05,
+            "lr_schedule": "constant",
+            "epochs": 2,
+            "max_steps": None,
+            "seed": 0,
+        },
+    }
+
+
 def test_aggregate_and_speedups_by_hand() -> None:
     data = {
-        "settings": {
-            "modes": ["weighted-sync", "ddp"],
-            "target_oa": 0.8,
-            "slowdowns": [1.0, 3.0],
-            "slowdown_schedules": [],
-            "dataset": "d.h5",
-            "model": "m",
-            "repeats": 3,
-            "train": {
-                "global_batch": 64,
-                "optimizer": "sgd",
-                "lr": 0.05,
-                "lr_schedule": "constant",
-                "epochs": 2,
-                "max_steps": None,
-                "seed": 0,
-            },
-        },
+        "settings": _settings(),
         "runs": [
             _fake_run("weighted-sync", 1, 1.0, 0.90, 2.0, 0.05),
             _fake_run("weighted-sync", 2, 3.0, 0.80, None, 0.2),
@@ -141,3 +145,34 @@ def test_ddp_kept_follows_weighted_sync_and_keeps_the_nodes_with_five_percent(
     kept = compare.ddp("ddp-kept", tmp_path / "r", [0, 2]).validate()
     assert (kept.slowdowns, kept.names, kept.weighted) == ((1.0, 4.0), ("r0-x1", "r2-x4"), False)
     assert compare.ddp("weighted-ddp", tmp_path / "r").validate().mode == "weighted-ddp"
+
+
+def test_the_report_gives_median_rounds_and_flags_a_figure_carried_by_a_few_rounds(
+    tmp_path: Path,
+) -> None:
+    from launch.compare import run_record
+
+    steady = [0.055] * 63
+    runs = {"equal-sync": [*steady, 0.0575], "weighted-sync": [*steady[:-1], 0.0576, 1.35]}
+    data = {"settings": {**_settings(), "modes": list(runs)}, "runs": []}
+    for mode, times in runs.items():
+        run_dir = tmp_path / mode
+        run_dir.mkdir()
+        events = [{"event": "round", "t": i, "round_s": s} for i, s in enumerate(times)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        summary = {"train_time_s": sum(times), "epochs": 1, "final": None}
+        data["runs"].append(run_record(mode, 1, run_dir, summary, None))
+    ws = data["runs"][1]
+    assert ws["round_median_s"] == pytest.approx(0.055)
+    assert ws["tail_share"] == pytest.approx((1.35 + 0.0576) / sum(runs["weighted-sync"]))
+    assert data["runs"][0]["tail_share"] < 0.2
+    markdown = render_markdown(data)
+    header, *rows = [line for line in markdown.splitlines() if line.startswith("| ")][:3]
+    assert "| median round ms |" in header
+    assert rows[0].startswith("| equal-sync | 1 | 3.523 | 55.0 |")
+    assert rows[1].startswith("| weighted-sync | 1 | 4.818 † | 55.0 |")
+    assert (
+        "† carried by a few rounds: the slowest 2 % of the rounds made more than 20 % of the "
+        "round time in weighted-sync #1 (29 %, the longest round 1350 ms against a median of "
+        "55.0 ms)"
+    ) in markdown

@@ -117,7 +117,7 @@ def test_timeline_and_worker_rows_are_sorted_by_name() -> None:
                "workers": [part("w10-x4"), part("w2-x2"), part("w1-x1")]}]  # fmt: skip
     fig, axis = plt.subplots()
     try:
-        _draw_timeline(axis, rounds, "t")
+        _draw_timeline(axis, rounds, set())
         assert [t.get_text() for t in axis.get_yticklabels()] == ["w1-x1", "w2-x2", "w10-x4"]
     finally:
         plt.close(fig)

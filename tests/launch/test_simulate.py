@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -147,7 +149,7 @@ def test_spec_files_in_yaml_and_json_agree(tmp_path: Path) -> None:
     cluster = cluster_from_spec(SPEC)
     assert [n.name for n in cluster.with_workers(8).nodes].count("A100#0") == 1
     assert sum(n.name.startswith("T4") for n in cluster.with_workers(8).nodes) == 6
-    with pytest.raises(ConfigError, match="unknown cluster spec keys"):
+    with pytest.raises(ConfigError, match=r"unknown keys \['shard'\]"):
         cluster_from_spec({**SPEC, "shard": 2})
 
 
@@ -438,3 +440,107 @@ def test_multihost_figures_default_to_the_kept_bench_record() -> None:
     assert set(measured["communication_s"]) == set(MULTIHOST_LAYOUTS)
     assert set(measured["layout_compute_s"]) == set(MULTIHOST_LAYOUTS) - {"ddp"}
     assert measured["source"].startswith("multihost-1gbit-equal-sync.json")
+
+
+def _spec_file(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("groups: [{name: CPU, count: 2, per_sample_ms: 1, colour: red}]",
+         r"c.yaml: group CPU: unknown keys \['colour'\]"),
+        ("link: {gbit: 10, mtu: 9000}\ngroups: [{count: 1, per_sample_ms: 1}]",
+         r"c.yaml: link: unknown keys \['mtu'\]"),
+        ("server: {step_ms: 1, steps_ms: 2}\ngroups: [{count: 1, per_sample_ms: 1}]",
+         r"c.yaml: server: unknown keys \['steps_ms'\]"),
+        ("groups: [{name: GPU, count: 1, per_sample_ms: 1}, {name: CPU, per_sample_ms: x}]",
+         r"c.yaml: group CPU: per_sample_ms must be a number, got 'x'"),
+        ("groups: [{count: 1, per_sample_ms: 1}, {count: 2}]",
+         r"c.yaml: group #2: per_sample_ms must be a number, got None"),
+        ("groups: [{name: A, count: 1e9, per_sample_ms: 1}]",
+         r"c.yaml: group A: count must be in \[1, 100000\]"),
+        ("groups: [{name: A, count: 2, per_sample_ms: 1e-320}]",
+         r"c.yaml: group A: per_sample_ms must be in \[1e-06, 1e\+09\]"),
+        ("link: {gbit: 1e-320}\ngroups: [{count: 1, per_sample_ms: 1}]",
+         r"c.yaml: link: gbit must be in"),
+        ("link: {latency_ms: -5}\ngroups: [{count: 1, per_sample_ms: 1}]",
+         r"c.yaml: link: latency_ms must be in \[0, 1e\+06\], got -5"),
+        ("staleness: sqrt\ngroups: [{count: 1, per_sample_ms: 1}]",
+         r"c.yaml: staleness must be one of"),
+        ("global_batch: [64\n", r"c.yaml: line \d+, column \d+: expected ',' or ']'"),
+    ],
+    ids=["group-key", "link-key", "server-key", "group-value", "unnamed-group", "huge-count",
+         "subnormal-cost", "subnormal-link", "negative-latency", "staleness", "yaml-syntax"],
+)  # fmt: skip
+def test_spec_files_are_read_strictly_and_errors_name_the_file_and_group(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    head = "model_params: 1e6\nglobal_batch: 64\nsamples: 1000\n"
+    path = _spec_file(tmp_path, text if "[64" in text else head + text)
+    result = CliRunner().invoke(main, ["simulate", "--spec", str(path)])
+    assert result.exit_code == 1 and result.exception is not None
+    assert isinstance(result.exception, SystemExit), result.exception  # no traceback
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith("Error: cluster spec ") and re.search(message, line), line
+
+
+def test_a_run_too_long_to_simulate_asks_for_rounds_and_a_fifo_never_hangs(
+    tmp_path: Path,
+) -> None:
+    path = _spec_file(
+        tmp_path,
+        "model_params: 1e6\nglobal_batch: 1\nsamples: 1e12\n"
+        "groups: [{count: 2, per_sample_ms: 1}]\n",
+    )
+    refused = CliRunner().invoke(main, ["simulate", "--spec", str(path), "--mode", "ddp"])
+    assert refused.exit_code == 1 and "give --rounds R" in refused.output
+    assert isinstance(refused.exception, SystemExit)
+    taken = CliRunner().invoke(main, ["simulate", "--spec", str(path), "--rounds", "5"])
+    assert taken.exit_code == 0, taken.output
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "metrics.jsonl")
+    (run / "summary.json").write_text("{}")
+    fifo = CliRunner().invoke(main, ["simulate", "--from", str(run)])  # returns at once
+    assert fifo.exit_code == 1 and "is not a regular file" in fifo.output
+
+
+def test_the_simulator_shows_groups_those_that_sit_out_ddp_without_them_and_binding_links(
+    tmp_path: Path,
+) -> None:
+    path = _spec_file(
+        tmp_path,
+        "model_params: 11.7e6\nglobal_batch: 256\nsamples: 5120\ncolocated: false\n"
+        "groups:\n  - {name: GPU, count: 2, per_sample_ms: 0.5, fixed_ms: 5}\n"
+        "  - {name: CPU, count: 6, per_sample_ms: 40, fixed_ms: 20}\n",
+    )
+    args = ["simulate", "--spec", str(path), "--mode", "weighted-sync,ddp"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    lines = result.output.split("Node groups (members a round, share of the samples):\n")[1]
+    ws, out, binds, ddp = lines.strip().splitlines()
+    assert re.fullmatch(
+        r"weighted-sync: GPU 2\.0 of 2 a round, 9\d\.\d % of the samples; "
+        r"CPU 0\.\d of 6 a round, 0\.\d % of the samples",
+        ws,
+    ), ws
+    gpu_only = cluster_from_spec(
+        {"model_params": 11.7e6, "global_batch": 256, "samples": 5120, "colocated": False,
+         "groups": [{"name": "GPU", "count": 2, "per_sample_ms": 0.5, "fixed_ms": 5}]}
+    )  # fmt: skip
+    alone = simulate(gpu_only, "ddp").epoch_s
+    assert out.startswith(f"  CPU sits out; DDP on the other nodes alone: {alone:.4g} s an epoch")
+    assert binds.startswith("  the busiest shard host's link binds: ")
+    assert "--sweep shards=1,2,4,8 shows how many" in binds
+    assert ddp == (
+        "ddp: GPU 2.0 of 2 a round, 25.0 % of the samples; CPU 6.0 of 6 a round, 75.0 % of the "
+        "samples"
+    )
+    shards = CliRunner().invoke(main, [*args, "--shards", "8", "--json"])
+    doc = json.loads(shards.output)
+    assert not [n for n in doc["notes"] if "binds" in n]  # eight shards spread the traffic
+    assert doc["results"][0]["groups"]["CPU"]["nodes"] == 6

@@ -208,7 +208,9 @@ def test_check_run_dir(tmp_path: Path) -> None:
     check_run_dir(tmp_path, resume=False)
     with pytest.raises(ConfigError, match="holds no checkpoint"):
         check_run_dir(tmp_path, resume=True)
-    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "metrics.jsonl").write_text('{"event": "start"}\n')  # a failed start's
+    check_run_dir(tmp_path, resume=False)
+    (tmp_path / "metrics.jsonl").write_text('{"event": "start"}\n{"event": "round"}\n')
     with pytest.raises(ConfigError, match="already holds a run"):
         check_run_dir(tmp_path, resume=False)
     (tmp_path / "checkpoints").mkdir()

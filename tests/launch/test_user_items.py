@@ -230,3 +230,23 @@ async def test_a_worker_trains_with_an_older_server_that_refuses_its_optional_jo
     assert stats.steps > 0 and ps.run.finish_reason == "epochs"
     assert stats.finish_reason is None  # it did not ask, so the server did not say
     assert describe_end(stats.finish_reason) == "stopped by the server (it did not say why)"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["predict", "--model", "m.pt", "--cube", "c.mat", "--out", "NOWHERE/map.png"],
+        ["predict", "--model", "m.pt", "--cube", "c", "--out", "m.png", "--npy", "NOWHERE/m.npy"],
+        ["export", ".", "--out", "NOWHERE/m.pt"],
+        ["data", "prepare", "hsi", "--cube", "c.mat", "--gt", "g.mat", "--out", "NOWHERE/d.h5"],
+        ["data", "synth", "--kind", "hsi", "--out", "NOWHERE/d.h5"],
+    ],
+    ids=["predict", "predict-npy", "export", "prepare", "synth"],
+)  # fmt: skip
+def test_an_output_folder_that_does_not_exist_is_refused_before_any_work(
+    args: list[str], tmp_path: Path
+) -> None:
+    args = [a.replace("NOWHERE", str(tmp_path / "missing")) for a in args]
+    result = CliRunner().invoke(pserver_main, args)
+    assert result.exit_code == 2
+    assert f"the folder {str(tmp_path / 'missing')!r} does not exist" in result.output

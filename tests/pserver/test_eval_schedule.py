@@ -108,3 +108,58 @@ def test_the_final_evaluation_wins_over_a_subset_one_of_the_same_version() -> No
     assert final_eval([{**final, "final": True}, subset])["oa"] == 0.9
     assert per_class_of([subset, {**final, "final": True}], ["a"])["support"] == [99]
     assert final_eval([]) is None
+
+
+async def test_subset_scores_are_marked_and_the_best_whole_split_state_is_kept(
+    small_hsi, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from pserver.checkpoint import BEST, read
+    from pserver.cli import main
+
+    caplog.set_level(logging.INFO, logger="pserver.server")
+    async with (
+        live_server(
+            small_hsi, mode="async", workers=1, epochs=100, eval_every_updates=2,
+            eval_samples=40, run_dir=tmp_path,
+        ) as ps,
+        clients(ps.address, 1) as (client,),
+    ):  # fmt: skip
+        member, task = await client.join("fast")
+        for _ in range(4):
+            task = await client.push(member, task, np.full(ps.state_size, 1e-3, dtype=np.float32))
+        await poll_until_async(lambda: len(ps.run.evals) >= 2, 60, 0.01, "in-run evaluations")
+        ps.request_stop()
+        await poll_until_async(lambda: ps.run.evals[-1].get("final"), 60, 0.01, "the final one")
+    evals = [e for e in ps.log.events if e["event"] == "eval"]
+    *in_run, final = evals
+    assert all(e["subset"] and e["test_samples"] == 40 for e in in_run)
+    assert final["subset"] is False and final["test_samples"] == len(ps.reader.test_indices)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("version ")]
+    assert all(f"OA* {e['oa']:.4f} on 40 " in line for e, line in zip(in_run, lines, strict=False))
+    assert f"): OA {final['oa']:.4f} AA" in lines[-1]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["best_oa"] == final["oa"]  # subset scores never count as the best
+    best = read(tmp_path / "checkpoints" / BEST)
+    assert (best.meta["version"], best.meta["oa"]) == (final["version"], final["oa"])
+    exported = CliRunner().invoke(
+        main, ["export", str(tmp_path), "--best", "--out", str(tmp_path / "m.pt")]
+    )
+    assert exported.exit_code == 0, exported.output
+    assert f"checkpoint version {final['version']}" in exported.output
+
+
+async def test_the_best_checkpoint_is_replaced_only_by_a_better_oa(tmp_path) -> None:
+    from pserver.checkpoint import BEST, BestCheckpoint, read
+
+    best = BestCheckpoint(tmp_path, {"model": "m"}, 10.0, resumed=False)
+    for version, oa in ((1, 0.8), (2, 0.7), (3, 0.9), (4, 0.85)):
+        await best.offer(version, np.full(3, version, dtype=np.float32), oa)
+    kept = read(tmp_path / BEST)
+    assert (kept.meta["version"], kept.meta["oa"], kept.arrays["state"][0]) == (3, 0.9, 3.0)
+    resumed = BestCheckpoint(tmp_path, {"model": "m"}, 10.0, resumed=True)
+    await resumed.offer(5, np.zeros(3, dtype=np.float32), 0.88)
+    assert read(tmp_path / BEST).meta["version"] == 3  # a resumed run keeps the best it had

@@ -76,7 +76,7 @@ def test_live_view_json_is_strict_and_complete() -> None:
     data = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
     assert data["evals"] == [
         {"t": 1.0, "version": 3, "epoch": None, "samples": None, "oa": 0.5, "aa": None,
-         "kappa": None, "loss": None}
+         "kappa": None, "loss": None, "test_samples": None, "subset": None}
     ]  # fmt: skip
     assert data["rounds"] == [] and data["rounds_seen"] == 0  # an unusable round is ignored
     assert data["pushes"] == [
@@ -141,3 +141,17 @@ def test_metrics_escape_labels_and_skip_missing_values() -> None:
     assert sample.labels["worker"] == 'a\\b"c\nd' and sample.value == 2
     assert families["pserver_worker_active"].samples[0].value == 0
     assert "pserver_worker_batch_share" not in families
+
+
+def test_live_view_keeps_which_evaluations_scored_a_subset() -> None:
+    view = LiveView([{"event": "start", "t": 0.0}])
+    view(
+        {"event": "eval", "t": 1.0, "version": 3, "oa": 0.95, "subset": True, "test_samples": 1072}
+    )
+    view(
+        {"event": "eval", "t": 2.0, "version": 3, "oa": 0.94, "subset": False, "test_samples": 7130}
+    )
+    assert [(e["subset"], e["test_samples"]) for e in view.snapshot()["evals"]] == [
+        (True, 1072),
+        (False, 7130),
+    ]

@@ -75,6 +75,19 @@ def test_default_palette_is_colourblind_safe_with_water_in_blue() -> None:
         resolve_palette("red,green,blue,black", NAMES)
 
 
+@pytest.mark.parametrize(
+    "names",
+    [["Rock", "Tree", "Water"], ["tree", "water", "dirt", "road"], ["Soil", "Tree", "Water"]],
+    ids=["samson", "jasper-ridge", "samson-soil"],
+)
+def test_default_colours_follow_what_a_class_is(names: list[str]) -> None:
+    blue, orange, green, _, _, vermillion, _ = COLOURBLIND
+    table = dict(zip(names, resolve_palette("auto", names)[0], strict=True))
+    expected = {"water": blue, "tree": green, "rock": orange, "soil": orange, "dirt": orange}
+    expected["road"] = vermillion
+    assert table == {n: expected[n.lower()] for n in names}
+
+
 def test_agreement_colours_are_used_by_no_class() -> None:
     table = resolve_palette("auto", NAMES)[0]
     wrong = distinct(((255, 0, 255), (128, 0, 0)), [*table, UNLABELLED])
@@ -128,11 +141,11 @@ def test_no_legend_or_title_leaves_the_figure(shape: tuple[int, int], tmp_path: 
     try:
         assert inside_figure(fig) == []
         labels = [t.get_text() for t in fig.legends[0].get_texts()]
-        assert labels == [
-            "0: soil",
-            "1: vegetation",
-            "2: water",
-            "3: discontinuous urban fabric",
+        assert labels == [  # numbered as in the ground truth: 0 is unlabelled
+            "1: soil",
+            "2: vegetation",
+            "3: water",
+            "4: discontinuous urban fabric",
             "unlabelled",
             "correct",
             "wrong",

@@ -22,7 +22,7 @@ from pserver.observe.statuspage import MAX_CONNECTIONS, REFRESH_S, StatusPage
 from tests.support.live import clients, live_server
 
 TIMEOUT = aiohttp.ClientTimeout(total=20)
-ODD_NAME = 'we"ird\\name\nline <b>'
+ODD_NAME = "w0:gpu@node-1+x.y"  # every character a worker name may hold
 
 
 async def _get(url: str) -> tuple[int, dict[str, str], bytes]:
