@@ -328,6 +328,8 @@ class ParameterServer:
             wire_dtype=self.config.wire_dtype,
             train=len(self.reader.train_indices),
             test=len(self.reader.test_indices),
+            global_batch=self.config.global_batch,
+            staleness=self._staleness_rule(),
         )
         self._schedule_flush()
         log.info(
@@ -351,6 +353,18 @@ class ParameterServer:
                     lambda why: self.fail(why, stores_lost=True),
                 )
             )
+
+    def _staleness_rule(self) -> dict[str, Any] | None:
+        """Async: the staleness function and bound pushes are judged by (None in sync modes)."""
+        c = self.config
+        if c.is_sync:
+            return None
+        return {
+            "function": c.staleness,
+            "a": c.staleness_a,
+            "b": c.staleness_b,
+            "max": c.max_staleness,
+        }
 
     def _schedule_flush(self) -> None:
         self.log.flush()
@@ -404,21 +418,19 @@ class ParameterServer:
     # --- what the server does ---------------------------------------------------------------
 
     def drop_worker(self, worker: WorkerInfo, reason: str) -> None:
-        """Remove a worker that left or died; samples of tasks it never pushed go back."""
+        """Remove a worker that left or died; the policy plans its unpushed tasks again or
+        their samples go back."""
         if not worker.active:
             return
         dropped = self.roster.take_tasks(worker)
         self.roster.remove(worker)
-        for task in dropped:
+        for task in self.policy.leave(worker, dropped):
             self.sampler.give_back(task.epoch, task.positions)
         self.log.event("leave", worker=worker.name, reason=reason[:200])
         log.info("worker %s is gone: %s", worker.name, reason)
-        update = self.policy.leave(worker, dropped)
         if dropped:
             ids = [t.task_id for t in dropped]
             self.owner.spawn(self.stores.drop(ids, ErrorCode.UNKNOWN_WORKER, "the worker left"))
-        if update is not None:
-            self.owner.spawn(self.pushes.run_update(update))
         self.desk.plan()
         self.desk.release()
 
