@@ -76,6 +76,8 @@ class CompareConfig:
         allow_oversubscribe: run CPU budgets that sum to more cores than the machine has.
         overwrite: replace an earlier comparison in ``out`` (the whole directory); without
             it such a directory is refused.
+        restarts: how often a local run's dead server or worker is started again
+            (``launch.restarts``).
     """
 
     dataset: Path
@@ -99,6 +101,7 @@ class CompareConfig:
     nodes: ClusterSpec | None = None
     overwrite: bool = False
     allow_oversubscribe: bool = False
+    restarts: int = 3
 
     def validate(self) -> CompareConfig:
         """Check every field.
@@ -202,6 +205,7 @@ class CompareConfig:
             worker_options=("--threads", str(self.threads), *self.worker_options),
             nodes=self.nodes,
             allow_oversubscribe=self.allow_oversubscribe,
+            restarts=self.restarts,
         )
 
     def ddp(self, mode: str, run_dir: Path) -> DDPConfig:

@@ -15,27 +15,23 @@ from pathlib import Path
 from typing import Any
 
 from common.cli_env import child_environment
+from common.data.dataset import DatasetReader
 from common.errors import ConfigError, PSError
-from common.procs import Child, Children, TextSink, python_module
+from common.procs import Children, TextSink, python_module
 from common.protocol.security import write_shard_secret
 from launch.cluster.netns import Host, Placement, cluster_hosts
 from launch.cluster.nodes import Nodes
 from launch.cluster.spec import ClusterSpec
-from launch.procs import (
-    EventsMark,
-    joined_names,
-    second_signal_kills,
-    signals_interrupt,
-    start_offset,
-    wait_for_address,
-)
+from launch.procs import EventsMark, second_signal_kills, signals_interrupt, start_offset
 from launch.progress import RunProgress
+from launch.restarts import Supervisor, restart_due
 from pserver.config import ServerConfig
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_MARGIN_S = 15.0  # beyond the server's --shutdown-timeout, before it is killed
 ENDING_S = 30.0  # how long workers and shards may take to exit after the server has
+REPLACED = ("--resume", "--overwrite")  # server options a restart's own replace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +54,8 @@ class LocalCluster:
             run on their own hosts (None: all on 127.0.0.1); with CPU budgets, each in its own
             CPU-quota control group (``launch.cluster.budgets``).
         allow_oversubscribe: run budgets that sum to more cores than the machine has.
+        restarts: how often a server that dies (with its shards), and each worker that dies,
+            is started again (``launch.restarts``; 0: never).
     """
 
     dataset: Path
@@ -74,14 +72,17 @@ class LocalCluster:
     run_timeout_s: float = 3600.0
     nodes: ClusterSpec | None = None
     allow_oversubscribe: bool = False
+    restarts: int = 3
 
     def validate(self) -> LocalCluster:
         """Check the worker list.
 
         Raises:
             ConfigError: no workers, a slowdown below 1, a device list of the wrong length,
-                fewer than 1 shard, or ``--shards`` among the server options.
+                fewer than 1 shard, ``--shards`` among the server options, or restarts < 0.
         """
+        if self.restarts < 0:
+            raise ConfigError(f"--restarts must be >= 0, got {self.restarts}")
         if not self.slowdowns:
             raise ConfigError("give at least one worker")
         if any(s < 1 for s in self.slowdowns):
@@ -114,8 +115,9 @@ def run_local(
 ) -> dict[str, Any]:
     """Run the server, its shards and the workers to completion and return the summary.
 
-    Ctrl-C (or any error) sends SIGTERM to the server, which tells the workers and shards to
-    stop; all processes are waited for, and killed if they outlive their timeout.
+    What dies meanwhile is restarted (``launch.restarts``). Ctrl-C (or any error) sends SIGTERM
+    to the server, which tells the workers and shards to stop; all processes are waited for,
+    and killed if they outlive their timeout.
 
     Args:
         cluster: what to run.
@@ -126,7 +128,8 @@ def run_local(
         The parsed ``summary.json``.
 
     Raises:
-        PSError: the server failed to start, a process failed, or no summary was written.
+        PSError: the server failed to start, a process failed (the server with no restart
+            left), or no summary was written.
     """
     cluster.validate()
     cluster.run_dir.mkdir(parents=True, exist_ok=True)
@@ -137,7 +140,6 @@ def run_local(
     secret_dir = Path(tempfile.mkdtemp(prefix="pslaunch-")) if cluster.shards > 1 else None
     secret = None if secret_dir is None else write_shard_secret(secret_dir / "shard.secret")
     children = Children(sink, child_environment(os.environ, PYTHONUNBUFFERED="1"))
-    server: Child | None = None
     marks: list[EventsMark] = []
     hosts_scope = contextlib.ExitStack()  # closed after the children have been stopped
     budgets = Nodes(
@@ -145,33 +147,41 @@ def run_local(
         shards=cluster.shards if cluster.shards > 1 else 0,
         allow_oversubscribe=cluster.allow_oversubscribe,
     )
+    supervisor: Supervisor | None = None
     try:
         with signals_interrupt():
             budgets.open()
             hosts = hosts_scope.enter_context(cluster_hosts(cluster.nodes))
             metrics = cluster.run_dir / "metrics.jsonl"
-            mark = start_offset(metrics)
-            marks.append(mark)
-            server_argv = budgets.server().argv(_server_command(cluster, secret, hosts))
-            server = children.start("server", server_argv, stderr_only=True)
-            with _following(progress, metrics, mark):
-                address = wait_for_address(server, metrics, mark, cluster.startup_timeout_s)
-                shard_commands = _shards(cluster, address, hosts, secret)
-                shards = [
-                    children.start(n, budgets.shard(i).argv(c))
-                    for i, (n, c) in enumerate(shard_commands)
-                ]
-                workers = [
-                    children.start(n, budgets.worker(i).argv(c))
-                    for i, (n, c) in enumerate(_workers(cluster, address, hosts))
-                ]
-                code = children.wait(
-                    server, cluster.run_timeout_s, lambda: _check(workers, shards, metrics, mark)
+            marks.append(start_offset(metrics))
+            supervisor = Supervisor(
+                children=children,
+                run_dir=cluster.run_dir,
+                restarts=cluster.restarts,
+                server_argv=lambda extra: budgets.server().argv(
+                    _server_command(cluster, secret, hosts, extra)
+                ),
+                shard_argvs=lambda address: [
+                    (n, budgets.shard(i).argv(c))
+                    for i, (n, c) in enumerate(_shards(cluster, address, hosts, secret))
+                ],
+                startup_timeout_s=cluster.startup_timeout_s,
+                marks=marks,
+            )
+            with _following(progress, metrics, marks[0]):
+                address = supervisor.start_server()
+                supervisor.start_workers(
+                    [
+                        (n, budgets.worker(i).argv(c))
+                        for i, (n, c) in enumerate(_workers(cluster, address, hosts))
+                    ]
                 )
+                code = supervisor.wait(cluster.run_timeout_s)
             if code == 0:
                 children.wait_all(ENDING_S)  # workers and shards end when the server does
             children.stop()  # any straggler is stopped
     except BaseException:
+        server = None if supervisor is None else supervisor.server
         with second_signal_kills(children):
             children.stop(server, first_grace_s=_shutdown_budget_s(cluster.server_options))
         raise
@@ -185,37 +195,38 @@ def run_local(
         if own_log is not None:
             own_log.close()
         hosts_scope.close()
+    assert supervisor.server is not None
     if code != 0:
-        raise PSError(f"{server.failure()}; see the log")
-    failed = [w.code for w in workers]
+        spent = f"; no restart left (--restarts {cluster.restarts})" if restart_due(code) else ""
+        raise PSError(f"{supervisor.server.failure()}{spent}")
+    failed = [w.code for w in supervisor.workers]
     if any(failed):
         log.warning("worker exit codes: %s", failed)
-    shard_codes = [s.code for s in shards]
+    shard_codes = [s.code for s in supervisor.shards]
     if any(shard_codes):
         log.warning("shard exit codes: %s", shard_codes)
     summary_path = cluster.run_dir / "summary.json"
     if not summary_path.exists():
         raise PSError(f"the server wrote no {summary_path}")
-    summary = _record_nodes(summary_path, cluster)
+    summary = _record(summary_path, cluster, supervisor.record())
     summary["worker_exit_codes"] = failed
-    if shards:
+    if supervisor.shards:
         summary["shard_exit_codes"] = shard_codes
     return summary
 
 
-def _record_nodes(summary_path: Path, cluster: LocalCluster) -> dict[str, Any]:
-    """The run's summary, each worker's emulated ``cpus`` and ``link`` written into it (the
-    server cannot know them)."""
-    summary = json.loads(summary_path.read_text(encoding="utf-8"))
-    if cluster.nodes is None:
-        return summary
-    names = {name: i for i, (name, _) in enumerate(_workers(cluster, "-", None))}
-    for worker in summary.get("workers", []):
-        index = names.get(worker.get("name"))
-        if index is not None:
-            node = cluster.nodes.workers[index]
-            worker["cpus"], worker["link"] = node.cpus, node.link
-    summary["cluster"] = cluster.nodes.describe()
+def _record(summary_path: Path, cluster: LocalCluster, restarts: dict[str, int]) -> dict[str, Any]:
+    """The run's summary with what the server cannot know written into it: the restarts and,
+    on an emulated cluster, each worker's ``cpus`` and ``link``."""
+    summary = {**json.loads(summary_path.read_text(encoding="utf-8")), **restarts}
+    if cluster.nodes is not None:
+        names = {name: i for i, (name, _) in enumerate(_workers(cluster, "-", None))}
+        for worker in summary.get("workers", []):
+            index = names.get(worker.get("name"))
+            if index is not None:
+                node = cluster.nodes.workers[index]
+                worker["cpus"], worker["link"] = node.cpus, node.link
+        summary["cluster"] = cluster.nodes.describe()
     tmp = summary_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     tmp.replace(summary_path)
@@ -240,9 +251,15 @@ def _bind(host: Host | None) -> str:
 
 
 def _server_command(
-    cluster: LocalCluster, secret: Path | None, hosts: Placement | None = None
+    cluster: LocalCluster,
+    secret: Path | None,
+    hosts: Placement | None = None,
+    restart: Sequence[str] = (),
 ) -> list[str]:
+    """``pserver start``'s command line; a restart's options (``restart``) replace any
+    ``--resume`` or ``--overwrite`` the cluster's options hold."""
     host = None if hosts is None else hosts.server
+    options = [o for o in cluster.server_options if not restart or o not in REPLACED]
     argv = python_module(
         "pserver.cli",
         "start",
@@ -260,7 +277,9 @@ def _server_command(
         str(cluster.run_dir),
         *(("--shards", str(cluster.shards)) if cluster.shards > 1 else ()),
         *(("--shard-secret-file", str(secret)) if secret is not None else ()),
-        *cluster.server_options,
+        *_checkpoints(cluster),
+        *options,
+        *restart,
     )
     return _on(host, argv)
 
@@ -300,29 +319,35 @@ def _workers(
     return commands
 
 
-def _check(workers: list[Child], shards: list[Child], metrics: Path, mark: EventsMark) -> None:
-    """Fail when a worker failed before it joined (the server would wait for it), once every
-    worker has exited and one of them failed, or when a shard failed while the server runs.
-
-    A worker that fails after joining has left the run, which goes on without it.
-    """
-    failed = [w for w in workers if w.code not in (None, 0)]
-    if failed:
-        joined = joined_names(metrics, mark)
-        never_joined = [w for w in failed if w.name not in joined]
-        if never_joined or all(w.code is not None for w in workers):
-            raise PSError("; ".join(w.failure() for w in never_joined or failed))
-    failed = [s for s in shards if s.code not in (None, 0)]
-    if failed:
-        raise PSError("; ".join(s.failure() for s in failed))
-
-
 def _shutdown_budget_s(server_options: Sequence[str]) -> float:
     """How long the server may take to stop: its ``--shutdown-timeout`` and a margin."""
-    budget = ServerConfig.shutdown_timeout_s
-    for i, option in enumerate(server_options):
-        if option == "--shutdown-timeout" and i + 1 < len(server_options):
-            budget = float(server_options[i + 1])
-        elif option.startswith("--shutdown-timeout="):
-            budget = float(option.split("=", 1)[1])
-    return budget + SHUTDOWN_MARGIN_S
+    budget = _option(server_options, "--shutdown-timeout")
+    return (
+        ServerConfig.shutdown_timeout_s if budget is None else float(budget)
+    ) + SHUTDOWN_MARGIN_S
+
+
+def _checkpoints(cluster: LocalCluster) -> tuple[str, ...]:
+    """With restarts and no ``--checkpoint-every`` given: a checkpoint every ceil(train / B)
+    updates (once an epoch in sync modes), so a restarted server loses at most that."""
+    options = cluster.server_options
+    if not cluster.restarts or _option(options, "--checkpoint-every") is not None:
+        return ()
+    batch = int(_option(options, "--global-batch") or ServerConfig.global_batch)
+    try:
+        with DatasetReader(cluster.dataset, cache_bytes=0) as reader:
+            train = len(reader.train_indices)
+    except PSError:  # the server says what is wrong with it
+        return ()
+    return ("--checkpoint-every", str(-(-train // batch)))
+
+
+def _option(options: Sequence[str], name: str) -> str | None:
+    """The value of option ``name`` in a command line's ``options`` (the last given), or None."""
+    value = None
+    for i, option in enumerate(options):
+        if option == name and i + 1 < len(options):
+            value = options[i + 1]
+        elif option.startswith(name + "="):
+            value = option.split("=", 1)[1]
+    return value

@@ -21,7 +21,9 @@ RESULT_COLUMNS = (
     "final AA",
     "final kappa",
     "idle share",
+    "restarts",
 )
+RESTART_KEYS = ("restarts", "worker_restarts", "versions_replayed")
 SPEEDUP_COLUMNS = (
     "mode",
     "epoch time vs ddp",
@@ -75,8 +77,21 @@ def aggregate(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "max_drop": spread([r.get("max_drop") for r in ok]),
             **{k: spread([f.get(k) for f in finals]) for k in ("oa", "aa", "kappa")},
             "idle_share": spread([r["summary"].get("idle_share") for r in ok]),
+            "restarts": restarts_cell([r["summary"] for r in ok]),
         }
     return out
+
+
+def restarts_cell(summaries: list[dict[str, Any]]) -> str:
+    """The restarts of a mode's runs, summed: of the server, of workers, and the versions the
+    resumed servers made again; ``-`` when nothing was restarted."""
+    total = {k: sum(s.get(k) or 0 for s in summaries) for k in RESTART_KEYS}
+    if not total["restarts"] and not total["worker_restarts"]:
+        return "-"
+    return (
+        f"server {total['restarts']}, workers {total['worker_restarts']}, "
+        f"versions replayed {total['versions_replayed']}"
+    )
 
 
 def throughput(summary: dict[str, Any]) -> float | None:
@@ -153,6 +168,7 @@ def render_markdown(data: dict[str, Any]) -> str:
                 _cell(s["aa"], 4),
                 _cell(s["kappa"], 4),
                 _cell(s["idle_share"], 3),
+                s["restarts"],
             ]
         )
     headers, results = filled_columns(RESULT_COLUMNS, results, keep=2)
@@ -190,6 +206,8 @@ def render_markdown(data: dict[str, Any]) -> str:
         "OA so far, after the first epoch: how far the curve falls back once it has risen. "
         "Epoch tails: an epoch's last step, over the n mod B samples left, is weighted b / B "
         "(gradient and BatchNorm statistics) in every mode, parameter server and DDP alike. "
+        "Restarts = processes the launcher started again after they died, over the mode's "
+        "runs, and the versions the resumed servers made again. "
         "Columns no run could fill are left out.",
         "",
         "## Results",
