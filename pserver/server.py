@@ -317,6 +317,13 @@ class ParameterServer:
         self.snapshots.open()
         warm = self.reader.train_indices[:1]
         self.owner.spawn(asyncio.get_running_loop().run_in_executor(None, self.reader.read, warm))
+        c = self.config  # the rule async pushes are judged by, for readers of the history
+        rule = {
+            "function": c.staleness,
+            "a": c.staleness_a,
+            "b": c.staleness_b,
+            "max": c.max_staleness,
+        }
         self.log.event(
             "start",
             address=self.address,
@@ -329,7 +336,7 @@ class ParameterServer:
             train=len(self.reader.train_indices),
             test=len(self.reader.test_indices),
             global_batch=self.config.global_batch,
-            staleness=self._staleness_rule(),
+            staleness=None if self.config.is_sync else rule,
         )
         self._schedule_flush()
         log.info(
@@ -353,18 +360,6 @@ class ParameterServer:
                     lambda why: self.fail(why, stores_lost=True),
                 )
             )
-
-    def _staleness_rule(self) -> dict[str, Any] | None:
-        """Async: the staleness function and bound pushes are judged by (None in sync modes)."""
-        c = self.config
-        if c.is_sync:
-            return None
-        return {
-            "function": c.staleness,
-            "a": c.staleness_a,
-            "b": c.staleness_b,
-            "max": c.max_staleness,
-        }
 
     def _schedule_flush(self) -> None:
         self.log.flush()

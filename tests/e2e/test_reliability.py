@@ -252,13 +252,21 @@ def _wait_for(run_dir: Path, found: Callable[[list[dict]], Any], launcher: Child
     return poll_until(look, RUN_WAIT_S, 0.2, what)
 
 
-def _kill_server_of(launcher: Child) -> None:
-    """SIGKILL the launcher's server process."""
+def _kill_child(launcher: Child, *words: str) -> None:
+    """SIGKILL the launcher's first child whose command line holds ``words``."""
     for child in psutil.Process(launcher.pid).children():
-        if "pserver.cli" in child.cmdline() and "start" in child.cmdline():
+        if set(words) <= set(child.cmdline()):
             child.send_signal(signal.SIGKILL)
             return
-    raise AssertionError("the launcher has no server")
+    raise AssertionError(f"the launcher runs no {' '.join(words)}")
+
+
+def _past_a_checkpoint(events: list[dict]) -> dict | None:
+    """The newest checkpoint event once 3 updates past it are recorded (they will be made
+    again after a restart), else None."""
+    saved = [e for e in events if e["event"] == "checkpoint"]
+    made = [e["version"] for e in events if e["event"] == "round"]
+    return saved[-1] if saved and made and made[-1] >= saved[-1]["version"] + 3 else None
 
 
 def _launch(small_hsi: Path, run_dir: Path, restarts: int) -> Child:
@@ -277,26 +285,17 @@ def test_a_killed_server_is_restarted_by_pslaunch_and_the_run_goes_on(
     run_dir = tmp_path / "run"
     launcher = _launch(small_hsi, run_dir, restarts=1)
     try:
-        saved = _wait_for(
-            run_dir,
-            lambda es: next((e for e in es if e["event"] == "checkpoint"), None),
-            launcher,
-            "a checkpoint",
-        )  # then an epoch past it, so that versions are made again after the restart
-        _wait_for(
-            run_dir,
-            lambda es: any(e["event"] == "epoch" and e["version"] > saved["version"] for e in es),
-            launcher,
-            "an epoch after the checkpoint",
-        )
-        _kill_server_of(launcher)
+        saved = _wait_for(run_dir, _past_a_checkpoint, launcher, "3 updates past a checkpoint")
+        _kill_child(launcher, "worker.cli", "join")
+        _kill_child(launcher, "pserver.cli", "start")
         assert launcher.wait(RUN_WAIT_S) == 0, launcher.tail()
     finally:
         launcher.kill()
     assert processes_marked(mark) == []
     result = summary(run_dir)
     assert result["restarts"] == 1 and result["finish_reason"] == "epochs"
-    assert result["versions_replayed"] > 0 and result["epochs"] == 60
+    assert result["worker_restarts"] == 1  # the worker killed
+    assert result["versions_replayed"] >= 3 and result["epochs"] == 60
     records = read_history(run_dir / "metrics.jsonl")
     resume = next(e for _, e in records if e["event"] == "resume")
     assert resume["version"] >= saved["version"] and resume["samples"] > 0
@@ -317,7 +316,7 @@ def test_with_restarts_0_a_killed_server_fails_the_launch_and_nothing_is_left(
             launcher,
             "training",
         )
-        _kill_server_of(launcher)
+        _kill_child(launcher, "pserver.cli", "start")
         assert launcher.wait(RUN_WAIT_S) == 1
     finally:
         launcher.kill()
