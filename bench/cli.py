@@ -39,6 +39,7 @@ class Bench:
 
 
 BENCHES: dict[str, Bench] = {
+    "chaos": Bench("bench.chaos", "random kills and stops in 3 runs; their histories checked"),
     "checkpoint": Bench("bench.checkpoint", "checkpoint write and restore time, 11.7 M values"),
     "coordinator-memory": Bench(
         "bench.coordinator_memory", "the coordinator's peak memory serving a 1.7 GB file"

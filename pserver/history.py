@@ -26,7 +26,7 @@ RULES = {
     "weights": "sync: a round's gradient weights sum to its samples over B (1 for a full "
     "global batch, b / B for an epoch's tail)",
     "epochs": "each epoch's updates cover the training split exactly once (and the server's "
-    "own check agrees); epochs complete in order",
+    "own check agrees); each epoch completes once, none is skipped",
     "staleness": "async: every applied push is within --max-staleness",
     "lr_scale": "async: a push's learning-rate scale is (b / B) f(staleness), f its rule",
     "departed": "no push is accepted from a worker between its leave and its next join",
@@ -153,9 +153,9 @@ def _judge_epochs(
     samples: collections.Counter[int] = collections.Counter()
     for update in updates:
         samples[update["epoch"]] += sum(e["batch"] for e in _entries(update))
-    done = [e["epoch"] for _, e in epochs]
-    if done != list(range(1, len(done) + 1)):
-        yield Violation("epochs", 0, f"epochs completed in the order {done}")
+    done = [e["epoch"] for _, e in epochs]  # in any order: async tails may come late
+    if sorted(done) != list(range(1, len(done) + 1)):
+        yield Violation("epochs", 0, f"epochs completed: {sorted(done)}")
     for line, event in epochs:
         counted, applied = event["samples"], samples[event["epoch"]]
         if not (event["exactly_once"] and train is not None and counted == applied == train):

@@ -44,6 +44,7 @@ SMOKE_TIMEOUT_S = 600.0
 # A bench's smallest run, and what it needs beyond the project: "data" (Jasper Ridge),
 # "netns" (root and iproute2), "py-spy".
 SMOKE: dict[str, tuple[tuple[str, ...], str]] = {
+    "chaos": (("--runs", "weighted-sync", "--epochs", "6", "--mtbf", "2", "--stop-s", "1"), ""),
     "checkpoint": (("--repeats", "1", "--values", "1000000"), ""),
     "coordinator-memory": (("--samples", "200", "--steps", "3"), ""),
     "data-wait": (
@@ -103,6 +104,7 @@ SMOKE: dict[str, tuple[tuple[str, ...], str]] = {
 
 # Benches that write run folders take --out; the smoke run keeps them in the test's folder.
 RUN_FOLDER_OPTION = {
+    "chaos",
     "ddp-fidelity",
     "heterogeneity",
     "idle-share",
