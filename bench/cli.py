@@ -45,6 +45,7 @@ class Bench:
 
 
 BENCHES: dict[str, Bench] = {
+    "chaos": Bench("bench.chaos", "random kills and stops in 3 runs; their histories checked"),
     "coordinator-memory": Bench(
         "bench.coordinator_memory", "the coordinator's peak memory serving a 1.7 GB file"
     ),

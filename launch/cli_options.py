@@ -341,8 +341,8 @@ def folder_options(func: F) -> F:
 
 
 def run_options(func: F) -> F:
-    """--threads, --server-opt, --worker-opt and --progress/--no-progress (local and
-    compare)."""
+    """--threads, --server-opt, --worker-opt, --restarts and --progress/--no-progress (local
+    and compare)."""
     server_opt = click.option(
         "--server-opt",
         multiple=True,
@@ -355,7 +355,16 @@ def run_options(func: F) -> F:
         help="Extra 'worker join' option for every worker of the parameter-server runs, e.g. "
         "--worker-opt=--data=COPY.h5 (read a local copy of the dataset, as DDP's ranks do).",
     )
-    return _apply(func, [threads_option, server_opt, worker_opt, progress_option])
+    restarts = click.option(
+        "--restarts",
+        type=click.IntRange(min=0),
+        default=3,
+        help="Start again a server (with its shards) that dies, from its newest checkpoint "
+        "(--resume; a checkpoint every epoch's worth of updates unless --server-opt "
+        "--checkpoint-every says otherwise), and a worker that dies, each up to N times; "
+        "0: never. A clean end or a Ctrl-C/SIGTERM stop is not restarted.",
+    )
+    return _apply(func, [threads_option, server_opt, worker_opt, restarts, progress_option])
 
 
 def server_mode_args(staleness: str | None, max_staleness: int | None) -> tuple[str, ...]:

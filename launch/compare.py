@@ -90,6 +90,8 @@ class CompareConfig:
         resume: finish the comparison in ``out`` (same settings): its recorded runs are kept,
             the others (missing, failed or interrupted) run again.
         ddp_checkpoint_every: DDP runs checkpoint every this many epochs.
+        restarts: how often a local run's dead server or worker is started again
+            (``launch.restarts``).
     """
 
     dataset: Path
@@ -115,6 +117,7 @@ class CompareConfig:
     allow_oversubscribe: bool = False
     resume: bool = False
     ddp_checkpoint_every: int = 1
+    restarts: int = 3
 
     def validate(self) -> CompareConfig:
         """Check every field.
@@ -235,6 +238,7 @@ class CompareConfig:
             worker_options=("--threads", str(self.threads), *self.worker_options),
             nodes=self.nodes,
             allow_oversubscribe=self.allow_oversubscribe,
+            restarts=self.restarts,
         )
 
     def ddp(self, mode: str, run_dir: Path, kept: Sequence[int] = ()) -> DDPConfig:

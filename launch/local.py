@@ -16,22 +16,17 @@ from typing import Any
 
 from common import rundir
 from common.cli_env import child_environment
+from common.data.dataset import DatasetReader
 from common.errors import ConfigError, PSError
-from common.procs import Child, Children, TextSink, python_module
+from common.procs import Children, TextSink, python_module
 from common.protocol.security import write_shard_secret
 from launch.cluster.netns import Host, Placement, cluster_hosts
-from launch.cluster.nodes import Node, Nodes
+from launch.cluster.nodes import Nodes
 from launch.cluster.schedule import ScheduleFollower, ScheduleRunner
 from launch.cluster.spec import ClusterSpec
-from launch.procs import (
-    EventsMark,
-    joined_names,
-    second_signal_kills,
-    signals_interrupt,
-    start_offset,
-    wait_for_address,
-)
+from launch.procs import EventsMark, second_signal_kills, signals_interrupt, start_offset
 from launch.progress import EventTail, RunProgress
+from launch.restarts import Supervisor, restart_due
 from pserver.config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -39,6 +34,7 @@ log = logging.getLogger(__name__)
 SHUTDOWN_MARGIN_S = 15.0  # beyond the server's --shutdown-timeout, before it is killed
 ENDING_S = 30.0  # how long workers and shards may take to exit after the server has
 FLAGS = ("resume", "overwrite")  # the run-folder options, passed on to the server
+REPLACED = tuple(f"--{flag}" for flag in FLAGS)  # server options a restart's own replace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +59,8 @@ class LocalCluster:
         allow_oversubscribe: run budgets that sum to more cores than the machine has.
         resume, overwrite: continue the run in ``run_dir``, or replace it (``common.rundir``;
             also given as ``--resume``/``--overwrite`` among the server options).
+        restarts: how often a server that dies (with its shards), and each worker that dies,
+            is started again (``launch.restarts``; 0: never).
     """
 
     dataset: Path
@@ -81,14 +79,17 @@ class LocalCluster:
     allow_oversubscribe: bool = False
     resume: bool = False
     overwrite: bool = False
+    restarts: int = 3
 
     def validate(self) -> LocalCluster:
         """Check the worker list.
 
         Raises:
             ConfigError: no workers, a slowdown below 1, a device list of the wrong length,
-                fewer than 1 shard, or ``--shards`` among the server options.
+                fewer than 1 shard, ``--shards`` among the server options, or restarts < 0.
         """
+        if self.restarts < 0:
+            raise ConfigError(f"--restarts must be >= 0, got {self.restarts}")
         if not self.slowdowns:
             raise ConfigError("give at least one worker")
         if any(s < 1 for s in self.slowdowns):
@@ -142,8 +143,9 @@ def run_local(
 ) -> dict[str, Any]:
     """Run the server, its shards and the workers to completion and return the summary.
 
-    Ctrl-C (or any error) sends SIGTERM to the server, which tells the workers and shards to
-    stop; all processes are waited for, and killed if they outlive their timeout.
+    What dies meanwhile is restarted (``launch.restarts``). Ctrl-C (or any error) sends SIGTERM
+    to the server, which tells the workers and shards to stop; all processes are waited for,
+    and killed if they outlive their timeout.
 
     Args:
         cluster: what to run.
@@ -155,7 +157,8 @@ def run_local(
 
     Raises:
         ConfigError: as ``LocalCluster.check`` (then nothing was written).
-        PSError: the server failed to start, a process failed, or no summary was written.
+        PSError: the server failed to start, a process failed (the server with no restart
+            left), or no summary was written.
     """
     budgets = cluster.check()
     cluster.run_dir.mkdir(parents=True, exist_ok=True)
@@ -167,40 +170,46 @@ def run_local(
     secret_dir = Path(tempfile.mkdtemp(prefix="pslaunch-")) if cluster.shards > 1 else None
     secret = None if secret_dir is None else write_shard_secret(secret_dir / "shard.secret")
     children = Children(sink, child_environment(os.environ, PYTHONUNBUFFERED="1"))
-    server: Child | None = None
     marks: list[EventsMark] = []
     hosts_scope = contextlib.ExitStack()  # closed after the children have been stopped
+    supervisor: Supervisor | None = None
     try:
         with signals_interrupt():
             hosts = hosts_scope.enter_context(cluster_hosts(cluster.nodes))
             metrics = cluster.run_dir / "metrics.jsonl"
-            mark = start_offset(metrics)
-            marks.append(mark)
-            server_argv = budgets.server().argv(_server_command(cluster, secret, hosts))
-            server = children.start("server", server_argv, stderr_only=True)
-            with _following(progress, metrics, mark):
-                address = wait_for_address(server, metrics, mark, cluster.startup_timeout_s)
-                shard_commands = _shards(cluster, address, hosts, secret)
-                shards = [
-                    children.start(n, budgets.shard(i).argv(c))
-                    for i, (n, c) in enumerate(shard_commands)
-                ]
-                commands = _workers(cluster, address, hosts)
-                nodes = [budgets.worker(i) for i in range(len(commands))]
-                workers = [children.start(n, nodes[i].argv(c)) for i, (n, c) in enumerate(commands)]
-                rejoins = _Rejoins(children, budgets, workers, commands, nodes)
-                runner, tail = _schedule(cluster, rejoins), EventTail(metrics, mark)
-
-                def check() -> None:
-                    _check(workers, shards, metrics, mark, rejoins.left)
-                    if runner is not None:
-                        runner.step(tail.read())
-
-                code = children.wait(server, cluster.run_timeout_s, check)
+            marks.append(start_offset(metrics))
+            supervisor = Supervisor(
+                children=children,
+                run_dir=cluster.run_dir,
+                restarts=cluster.restarts,
+                server_argv=lambda extra: budgets.server().argv(
+                    _server_command(cluster, secret, hosts, extra)
+                ),
+                shard_argvs=lambda address: [
+                    (n, budgets.shard(i).argv(c))
+                    for i, (n, c) in enumerate(_shards(cluster, address, hosts, secret))
+                ],
+                startup_timeout_s=cluster.startup_timeout_s,
+                marks=marks,
+            )
+            with _following(progress, metrics, marks[0]):
+                address = supervisor.start_server()
+                supervisor.start_workers(
+                    [
+                        (n, budgets.worker(i).argv(c))
+                        for i, (n, c) in enumerate(_workers(cluster, address, hosts))
+                    ]
+                )
+                runner = _schedule(cluster, _NodeActions(supervisor, budgets))
+                if runner is not None:
+                    tail = EventTail(metrics, marks[0])
+                    supervisor.tick = lambda: runner.step(tail.read())
+                code = supervisor.wait(cluster.run_timeout_s)
             if code == 0:
                 children.wait_all(ENDING_S)  # workers and shards end when the server does
             children.stop()  # any straggler is stopped
     except BaseException:
+        server = None if supervisor is None else supervisor.server
         with second_signal_kills(children):
             children.stop(server, first_grace_s=_shutdown_budget_s(cluster.server_options))
         raise
@@ -214,42 +223,43 @@ def run_local(
         if own_log is not None:
             own_log.close()
         hosts_scope.close()
+    assert supervisor.server is not None
     if code != 0:
-        raise PSError(f"{server.failure()}; see the log")
-    failed = [w.code for w in workers]
-    for worker in workers:
-        if worker.code and worker not in rejoins.left:
+        spent = f"; no restart left (--restarts {cluster.restarts})" if restart_due(code) else ""
+        raise PSError(f"{supervisor.server.failure()}{spent}")
+    failed = [w.code for w in supervisor.workers]
+    for index, worker in enumerate(supervisor.workers):
+        if worker.code and index not in supervisor.away:
             log.warning("%s during the run; the server went on without it", worker.failure())
-    shard_codes = [s.code for s in shards]
+    shard_codes = [s.code for s in supervisor.shards]
     if any(shard_codes):
         log.warning("shard exit codes: %s", shard_codes)
     summary_path = cluster.run_dir / "summary.json"
     if not summary_path.exists():
         raise PSError(f"the server wrote no {summary_path}")
-    summary = _record_nodes(summary_path, cluster, None if runner is None else runner.applied)
+    applied = None if runner is None else runner.applied
+    summary = _record(summary_path, cluster, {**supervisor.record(), "schedule": applied})
     summary["worker_exit_codes"] = failed
-    if shards:
+    if supervisor.shards:
         summary["shard_exit_codes"] = shard_codes
     return summary
 
 
-def _record_nodes(
-    summary_path: Path, cluster: LocalCluster, applied: list[dict[str, Any]] | None
-) -> dict[str, Any]:
-    """The run's summary, each worker's emulated ``cpus``, ``schedule`` and ``link`` written
-    into it (the server cannot know them), and the schedule changes ``applied``."""
-    summary = json.loads(summary_path.read_text(encoding="utf-8"))
-    if cluster.nodes is None:
-        return summary
-    names = {name: i for i, (name, _) in enumerate(_workers(cluster, "-", None))}
-    for worker in summary.get("workers", []):
-        index = names.get(worker.get("name"))
-        if index is not None:
-            node = cluster.nodes.workers[index].describe()
-            worker.update({k: node[k] for k in ("cpus", "schedule", "link")})
-    summary["cluster"] = cluster.nodes.describe()
-    if applied is not None:
-        summary["schedule"] = applied
+def _record(summary_path: Path, cluster: LocalCluster, launch: dict[str, Any]) -> dict[str, Any]:
+    """The run's summary with what the server cannot know written into it: the restarts, the
+    schedule changes applied (``schedule``, None without schedules) and, on an emulated
+    cluster, each worker's ``cpus``, ``schedule`` and ``link``."""
+    summary = {**json.loads(summary_path.read_text(encoding="utf-8")), **launch}
+    if summary["schedule"] is None:
+        del summary["schedule"]
+    if cluster.nodes is not None:
+        names = {name: i for i, (name, _) in enumerate(_workers(cluster, "-", None))}
+        for worker in summary.get("workers", []):
+            index = names.get(worker.get("name"))
+            if index is not None:
+                node = cluster.nodes.workers[index].describe()
+                worker.update({k: node[k] for k in ("cpus", "schedule", "link")})
+        summary["cluster"] = cluster.nodes.describe()
     tmp = summary_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     tmp.replace(summary_path)
@@ -274,9 +284,15 @@ def _bind(host: Host | None) -> str:
 
 
 def _server_command(
-    cluster: LocalCluster, secret: Path | None, hosts: Placement | None = None
+    cluster: LocalCluster,
+    secret: Path | None,
+    hosts: Placement | None = None,
+    restart: Sequence[str] = (),
 ) -> list[str]:
+    """``pserver start``'s command line; a restart's options (``restart``) replace any
+    ``--resume`` or ``--overwrite`` the cluster's options hold."""
     host = None if hosts is None else hosts.server
+    options = [o for o in cluster.server_options if not restart or o not in REPLACED]
     argv = python_module(
         "pserver.cli",
         "start",
@@ -294,8 +310,10 @@ def _server_command(
         str(cluster.run_dir),
         *(("--shards", str(cluster.shards)) if cluster.shards > 1 else ()),
         *(("--shard-secret-file", str(secret)) if secret is not None else ()),
-        *(f"--{f}" for f in FLAGS if getattr(cluster, f)),
-        *cluster.server_options,
+        *_checkpoints(cluster),
+        *(f"--{f}" for f in FLAGS if getattr(cluster, f) and not restart),
+        *options,
+        *restart,
     )
     return _on(host, argv)
 
@@ -346,38 +364,6 @@ def worker_name(index: int, slowdown: float, cores: float | None) -> str:
     return f"w{index}-{cores:g}c" + (f"-x{slowdown:g}" if slowdown != 1 else "")
 
 
-def _check(
-    workers: list[Child], shards: list[Child], metrics: Path, mark: EventsMark, left: list[Child]
-) -> None:
-    """Fail when a worker failed before it joined (the server would wait for it), once every
-    worker has failed, or when a shard failed while the server runs.
-
-    A worker that fails after joining has left the run, which goes on without it (a worker
-    that exits 0 was told by the server that the run ended); one its node's schedule killed
-    (``left``) has not failed.
-    """
-    failed = [w for w in workers if w.code not in (None, 0) and w not in left]
-    if failed:
-        joined = joined_names(metrics, mark)
-        never_joined = [w for w in failed if w.name not in joined]
-        if never_joined or len(failed) == len(workers):
-            raise PSError("; ".join(w.failure() for w in never_joined or failed))
-    failed = [s for s in shards if s.code not in (None, 0)]
-    if failed:
-        raise PSError("; ".join(s.failure() for s in failed))
-
-
-def _option(options: Sequence[str], name: str) -> str | None:
-    """The last value ``options`` give the option ``name`` (``--name V`` or ``--name=V``)."""
-    value = None
-    for i, option in enumerate(options):
-        if option == name and i + 1 < len(options):
-            value = options[i + 1]
-        elif option.startswith(f"{name}="):
-            value = option.split("=", 1)[1]
-    return value
-
-
 def _shutdown_budget_s(server_options: Sequence[str]) -> float:
     """How long the server may take to stop: its ``--shutdown-timeout`` and a margin."""
     budget = _option(server_options, "--shutdown-timeout")
@@ -386,36 +372,25 @@ def _shutdown_budget_s(server_options: Sequence[str]) -> float:
     ) + SHUTDOWN_MARGIN_S
 
 
-class _Rejoins:
+class _NodeActions:
     """What a node's schedule does to a local cluster's workers: rewrite a worker's quota,
-    SIGKILL it (the server drops it as any dead worker), start it again with its command
-    (same name, node and budget: it joins again). ``workers`` is updated in place."""
+    take it out (SIGKILL: the server drops it as any dead worker; the supervisor does not
+    restart it) and bring it back (its command again: same name, node and budget)."""
 
-    def __init__(
-        self,
-        children: Children,
-        budgets: Nodes,
-        workers: list[Child],
-        commands: list[tuple[str, list[str]]],
-        nodes: list[Node],
-    ) -> None:
-        self.children, self.budgets, self.workers = children, budgets, workers
-        self.commands, self.nodes = commands, nodes
-        self.left: list[Child] = []  # killed by their schedule: not failures
+    def __init__(self, supervisor: Supervisor, budgets: Nodes) -> None:
+        self.supervisor, self.budgets = supervisor, budgets
 
     def set_budget(self, index: int, cores: float) -> None:
         self.budgets.set_budget(index, cores)
 
     def leave(self, index: int) -> None:
-        self.left.append(self.workers[index])
-        self.workers[index].kill()
+        self.supervisor.take_out(index)
 
     def rejoin(self, index: int) -> None:
-        name, argv = self.commands[index]
-        self.workers[index] = self.children.start(name, self.nodes[index].argv(argv))
+        self.supervisor.bring_back(index)
 
 
-def _schedule(cluster: LocalCluster, rejoins: _Rejoins) -> ScheduleRunner | None:
+def _schedule(cluster: LocalCluster, actions: _NodeActions) -> ScheduleRunner | None:
     """The runner of the workers' schedules (None: no node has one)."""
     if cluster.nodes is None or not cluster.nodes.scheduled:
         return None
@@ -425,4 +400,30 @@ def _schedule(cluster: LocalCluster, rejoins: _Rejoins) -> ScheduleRunner | None
         epochs=None if epochs is None else int(epochs),
         max_steps=None if steps is None else int(steps),
     )
-    return ScheduleRunner(follower, rejoins)
+    return ScheduleRunner(follower, actions)
+
+
+def _checkpoints(cluster: LocalCluster) -> tuple[str, ...]:
+    """With restarts and no ``--checkpoint-every`` given: a checkpoint every ceil(train / B)
+    updates (once an epoch in sync modes), so a restarted server loses at most that."""
+    options = cluster.server_options
+    if not cluster.restarts or _option(options, "--checkpoint-every") is not None:
+        return ()
+    batch = int(_option(options, "--global-batch") or ServerConfig.global_batch)
+    try:
+        with DatasetReader(cluster.dataset, cache_bytes=0) as reader:
+            train = len(reader.train_indices)
+    except PSError:  # the server says what is wrong with it
+        return ()
+    return ("--checkpoint-every", str(-(-train // batch)))
+
+
+def _option(options: Sequence[str], name: str) -> str | None:
+    """The value of option ``name`` in a command line's ``options`` (the last given), or None."""
+    value = None
+    for i, option in enumerate(options):
+        if option == name and i + 1 < len(options):
+            value = options[i + 1]
+        elif option.startswith(name + "="):
+            value = option.split("=", 1)[1]
+    return value

@@ -23,7 +23,9 @@ RESULT_COLUMNS = (
     "final AA",
     "final kappa",
     "idle share",
+    "restarts",
 )
+RESTART_KEYS = ("restarts", "worker_restarts", "versions_replayed", "lost_samples", "restart_s")
 SPEEDUP_COLUMNS = (
     "mode",
     "epoch time vs ddp",
@@ -81,8 +83,27 @@ def aggregate(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "max_drop": spread([r.get("max_drop") for r in ok]),
             **{k: spread([f.get(k) for f in finals]) for k in ("oa", "aa", "kappa")},
             "idle_share": spread([r["summary"].get("idle_share") for r in ok]),
+            "restarts": restarts_cell([r["summary"] for r in ok]),
         }
     return out
+
+
+def restarts_cell(summaries: list[dict[str, Any]]) -> str:
+    """The restarts of a mode's runs, summed: of the server, of workers, and the versions the
+    resumed servers made again; for DDP, of the group, the samples it threw away and the
+    restart time; ``-`` when nothing was restarted."""
+    total = {k: sum(s.get(k) or 0 for s in summaries) for k in RESTART_KEYS}
+    if not total["restarts"] and not total["worker_restarts"]:
+        return "-"
+    if any("lost_samples" in s for s in summaries):
+        return (
+            f"group {total['restarts']}, samples lost {total['lost_samples']}, "
+            f"{total['restart_s']:.1f} s"
+        )
+    return (
+        f"server {total['restarts']}, workers {total['worker_restarts']}, "
+        f"versions replayed {total['versions_replayed']}"
+    )
 
 
 def throughput(summary: dict[str, Any]) -> float | None:
@@ -160,6 +181,7 @@ def render_markdown(data: dict[str, Any]) -> str:
                 _cell(s["aa"], 4),
                 _cell(s["kappa"], 4),
                 _cell(s["idle_share"], 3),
+                s["restarts"],
             ]
         )
     headers, results = filled_columns(RESULT_COLUMNS, results, keep=2)
@@ -205,6 +227,11 @@ def render_markdown(data: dict[str, Any]) -> str:
         "OA so far, after the first epoch: how far the curve falls back once it has risen. "
         "Epoch tails: an epoch's last step, over the n mod B samples left, is weighted b / B "
         "(gradient and BatchNorm statistics) in every mode, parameter server and DDP alike. "
+        "Restarts = processes the launcher started again after they died, over the mode's "
+        "runs, and the versions the resumed servers made again; for DDP, the group restarts "
+        "from its last checkpoint when a node leaves and when it returns: the samples applied "
+        "since that checkpoint are lost, and the restart time (failure to the next group's "
+        "first step) counts as training time. "
         "Columns no run could fill are left out." + subset_note(data),
         "",
         "## Results",
@@ -214,7 +241,6 @@ def render_markdown(data: dict[str, Any]) -> str:
         *carried_lines(stats),
         *speedup_section(stats, target),
         *schedule_section(data),
-        *restart_section(data),
         *per_class_section(data),
         "![OA against training time and samples seen](report.png)",
         "",
@@ -325,34 +351,6 @@ def cluster_lines(described: dict[str, Any] | None) -> list[str]:
         "group; DDP ranks had the budgets of the workers they stand for"
     )
     return lines
-
-
-def restart_section(data: dict[str, Any]) -> list[str]:
-    """The table of the DDP groups' restarts (nodes that left and returned): per mode their
-    count, the samples they threw away and their time; none when no run records restarts."""
-    rows = []
-    for mode in data["settings"]["modes"]:
-        found = [
-            r["summary"]["restarts"]
-            for r in data["runs"]
-            if r["mode"] == mode and "error" not in r and r["summary"].get("restarts")
-        ]
-        if found:
-            cells = [spread([f[k] for f in found]) for k in ("count", "lost_samples", "restart_s")]
-            rows.append([mode, _cell(cells[0], 0), _cell(cells[1], 0), _cell(cells[2], 2)])
-    if not rows:
-        return []
-    headers = ["mode", "restarts", "samples lost", "restart time s"]
-    return [
-        "## Restarts",
-        "",
-        "A DDP group restarts from its last checkpoint when a node leaves and when it returns; "
-        "samples lost = samples applied after that checkpoint and thrown away; restart time = "
-        "seconds from the failure to the next group's first step (both in training time).",
-        "",
-        _table(headers, rows),
-        "",
-    ]
 
 
 def kept_lines(data: dict[str, Any]) -> list[str]:

@@ -82,15 +82,22 @@ class Ledger:
         version = self.updater.version
         now = self.log.now()
         epoch = update.entries[0][1].epoch if update.entries else 0
-        workers = []
+        workers: dict[int, dict[str, Any]] = {}  # one entry per worker, its tasks summed
         for worker, task, _ in update.entries:
             self.roster.credit(worker, task.size)
+            accepted_t = round(task.accepted_at - self.log.started, 6)
+            entry = workers.get(worker.worker_id)
+            if entry is not None:
+                entry["batch"] += task.size
+                entry["accepted_t"] = max(entry["accepted_t"], accepted_t)
+                continue
             entry = {"worker": worker.name, "batch": task.size, "speed": round(worker.speed, 3)}
+            entry["accepted_t"] = accepted_t
             if timing is not None:
                 part = timing.workers.get(worker.worker_id)
                 entry.update(self.roster.account_round(worker, part, update.round_id))
-            workers.append(entry)
-        self._log_update(update, epoch, workers, timing)
+            workers[worker.worker_id] = entry
+        self._log_update(update, epoch, list(workers.values()), timing)
         self.evaluations.made(
             version,
             VersionInfo(epoch, self.updater.samples_applied, now, self.run.train_time(now)),
@@ -136,14 +143,12 @@ class Ledger:
                 workers=workers,
             )
             return
-        pushed = workers[0]
         self.log.event(
             "push",
-            worker=pushed["worker"],
-            batch=pushed["batch"],
-            speed=pushed["speed"],
+            **workers[0],
             epoch=epoch,
             staleness=update.staleness,
+            lr_scale=update.lr_scale,
             version=version,
         )
 

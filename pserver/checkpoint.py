@@ -301,6 +301,7 @@ class Checkpointer:
             "torch_rng": torch_rng(),
             **sampler_arrays,
         }
+        self.log.flush()  # every update it holds is on disk before it is
         what = f"the checkpoint of version {captured.version}"
         saved = Checkpoint(arrays, meta)
         path = await run_bounded(lambda: write(directory, saved), self.write_timeout_s, what)
@@ -405,7 +406,8 @@ def restore(
     run.load_meta(meta)
     roster.restore_history(meta["workers"])
     policy.restore(meta["policy"])
-    log_to.event("resume", version=checkpoint.version, requeued=requeued)
+    samples = int(meta["samples_applied"])
+    log_to.event("resume", version=checkpoint.version, samples=samples, requeued=requeued)
     log.info(
         "resumed at version %d (epoch %d); %d samples of open epochs to redo",
         checkpoint.version,

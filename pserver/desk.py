@@ -61,12 +61,13 @@ class TaskDesk:
         """Members whose request waits for a task, in join order."""
         return [w for w in self.roster.members() if w.waiter is not None]
 
-    def release(self) -> None:
-        """Answer each waiting worker with its runnable task, or with stop once training ended."""
+    def release(self, workers: list[WorkerInfo] | None = None) -> None:
+        """Answer each waiting worker (of ``workers``, default all) with its runnable task, or
+        with stop once training ended."""
         if self.run.finished:
             self.stop_waiting()
             return
-        for worker in self.waiting():
+        for worker in self.waiting() if workers is None else workers:
             task = self.policy.runnable(worker)
             if task is not None:
                 self.send(worker, task, self.policy.prefetch_hint(worker))

@@ -33,6 +33,7 @@ class Task:
         positions: positions in the training split (for exactly-once accounting).
         indices: the matching dataset indices (what the worker trains on).
         round_id: the sync round it belongs to (async: -1).
+        accepted_at: monotonic time its push was accepted (0: not yet).
     """
 
     task_id: int
@@ -40,6 +41,7 @@ class Task:
     positions: np.ndarray
     indices: list[int]
     round_id: int = -1
+    accepted_at: float = 0.0
 
     @property
     def size(self) -> int:
@@ -62,6 +64,12 @@ class TaskFactory:
         """A task over ``positions`` of ``epoch``."""
         indices = self.train_indices[positions].tolist()
         return Task(next(self._ids), epoch, positions, indices, round_id)
+
+
+def in_round_order(queue: collections.deque[Task] | list[Task], task: Task) -> None:
+    """Insert ``task`` into a worker's ``queue`` after its tasks of the same or earlier sync
+    rounds (at the end in async mode, where every round is -1)."""
+    queue.insert(sum(1 for t in queue if t.round_id <= task.round_id), task)
 
 
 @dataclasses.dataclass
@@ -282,8 +290,8 @@ class Roster:
         return self.take_waiter(worker)
 
     def queue(self, worker: WorkerInfo, task: Task) -> None:
-        """Queue a planned task for the worker."""
-        worker.tasks.append(task)
+        """Queue a planned task for the worker, after its tasks of the same or earlier rounds."""
+        in_round_order(worker.tasks, task)
 
     def requeue(self, worker: WorkerInfo, task: Task) -> None:
         """Put a task back first in the worker's queue (it recomputes the same samples)."""
@@ -322,6 +330,7 @@ class Roster:
                 worker's model (async; sync rounds are timed when they close).
         """
         worker.tasks.popleft()
+        task.accepted_at = time.monotonic()
         worker.speed = speed
         worker.compute_s, worker.transfer_s = compute_s, transfer_s
         worker.perf.add_compute(task.size, compute_s)

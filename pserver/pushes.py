@@ -31,7 +31,7 @@ MIN_SPEED, MAX_SPEED = 1e-6, 1e9  # samples/s a worker may report
 
 
 class Pushes:
-    """Takes pushes and applies the updates they (or departures) make due.
+    """Takes pushes and applies the updates they make due.
 
     Args:
         config: the server configuration (mode, stage timeout).
@@ -155,6 +155,8 @@ class Pushes:
                 await self._refuse_push(worker, task, decision.refusal)
             if decision.update is not None:
                 await self._apply(decision.update)
+            else:  # it may hold another task of this round (taken over from one that left)
+                self.desk.release([worker])
 
     async def _refuse_push(self, worker: WorkerInfo, task: Task, refusal: ProtocolError) -> None:
         """A push the policy refused (too stale): the worker recomputes the same samples on
@@ -195,14 +197,6 @@ class Pushes:
             if not 0 <= getattr(msg, name) < 1e6:
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"{name} {getattr(msg, name)} is absurd")
         return task
-
-    async def run_update(self, update: Update) -> None:
-        """Apply an update that a departure made due (a round closed without the worker)."""
-        async with self.updater.lock:
-            if self.run.finished:
-                await self._discard(update)
-                return
-            await self._apply(update)
 
     async def _apply(self, update: Update) -> None:
         """Apply ``update``, book it and answer the workers that may run now (call under the
@@ -268,16 +262,6 @@ class Pushes:
                 )
         self.desk.plan()
         self.desk.release()
-
-    async def _discard(self, update: Update) -> None:
-        """An update closed after training ended: its samples go back (a resume hands them
-        out again) and its workers are told to stop."""
-        self.policy.refused(update)
-        await self.stores.drop(update.task_ids, ErrorCode.SHUTTING_DOWN, "training ended")
-        self.ledger.give_back(update)
-        for worker, _, _ in update.entries:
-            if worker.active:
-                self.desk.stop(worker)
 
 
 def check_speed(speed: float) -> None:

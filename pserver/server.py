@@ -323,6 +323,13 @@ class ParameterServer:
         self.snapshots.open()
         warm = self.reader.train_indices[:1]
         self.owner.spawn(asyncio.get_running_loop().run_in_executor(None, self.reader.read, warm))
+        c = self.config  # the rule async pushes are judged by, for readers of the history
+        rule = {
+            "function": c.staleness,
+            "a": c.staleness_a,
+            "b": c.staleness_b,
+            "max": c.max_staleness,
+        }
         self.log.event(
             "start",
             address=self.address,
@@ -334,6 +341,8 @@ class ParameterServer:
             wire_dtype=self.config.wire_dtype,
             train=len(self.reader.train_indices),
             test=len(self.reader.test_indices),
+            global_batch=self.config.global_batch,
+            staleness=None if self.config.is_sync else rule,
         )
         self._schedule_flush()
         log.info(
@@ -410,22 +419,20 @@ class ParameterServer:
     # --- what the server does ---------------------------------------------------------------
 
     def drop_worker(self, worker: WorkerInfo, reason: str) -> None:
-        """Remove a worker that left or died; samples of tasks it never pushed go back."""
+        """Remove a worker that left or died; the policy plans its unpushed tasks again or
+        their samples go back."""
         if not worker.active:
             return
         dropped = self.roster.take_tasks(worker)
         self.roster.remove(worker)
         self.guard.forget(worker.worker_id)
-        for task in dropped:
+        for task in self.policy.leave(worker, dropped):
             self.sampler.give_back(task.epoch, task.positions)
         self.log.event("leave", worker=worker.name, reason=reason[:200])
         log.info("worker %s is gone: %s", worker.name, reason)
-        update = self.policy.leave(worker, dropped)
         if dropped:
             ids = [t.task_id for t in dropped]
             self.owner.spawn(self.stores.drop(ids, ErrorCode.UNKNOWN_WORKER, "the worker left"))
-        if update is not None:
-            self.owner.spawn(self.pushes.run_update(update))
         self.desk.plan()
         self.desk.release()
 

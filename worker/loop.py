@@ -396,6 +396,9 @@ class Worker:
         if isinstance(reply, TaskParamsReply):
             replica.loaded_version = stores.load_whole(reply, replica.host_state)
             stagetrace.mark("w_params", task=task.task_id, version=replica.loaded_version)
+        elif reply.action == "train" and reply.version == replica.loaded_version:
+            pass  # the round goes on (a task taken over from a worker that left): the chunks'
+            # answers come when it closes, and the next push or pull stops waiting for them
         elif reply.action == "train" and not stores.whole_on_coordinator:
             try:
                 replica.loaded_version = stores.collect(

@@ -71,8 +71,11 @@ class RunLog:
             return
         unwritten, self._unwritten = self._unwritten, None
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        mode = "a" if self._resumed else "w"
-        self._file = (self.run_dir / "metrics.jsonl").open(mode, encoding="utf-8")
+        path = self.run_dir / "metrics.jsonl"
+        torn = self._resumed and _ends_mid_line(path)
+        self._file = path.open("a" if self._resumed else "w", encoding="utf-8")
+        if torn:  # a line cut short by a killed server: the next event starts a line of its own
+            self._file.write("\n")
         if self._tensorboard:
             from common.training.tbsink import TensorBoardSink
 
@@ -172,3 +175,12 @@ def _finite(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_finite(v) for v in value]
     return value
+
+
+def _ends_mid_line(path: Path) -> bool:
+    """Whether the file at ``path`` exists and its last byte is not a newline."""
+    try:
+        with path.open("rb") as f:
+            return f.seek(0, 2) > 0 and f.seek(-1, 2) >= 0 and f.read(1) != b"\n"
+    except FileNotFoundError:
+        return False

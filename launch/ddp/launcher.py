@@ -402,10 +402,9 @@ def run_ddp(
         raise PSError(f"rank 0 wrote no {summary_path}")
     summary = json.loads(summary_path.read_text(encoding="utf-8"))
     if config.nodes is not None and config.nodes.scheduled:
-        summary["restarts"] = {
-            **dataclasses.asdict(restarts),
-            "restart_s": round(restarts.restart_s, 3),
-        }
+        summary["restarts"] = restarts.count
+        summary["lost_samples"] = restarts.lost_samples
+        summary["restart_s"] = round(restarts.restart_s, 3)
         summary["schedule"] = groups.runner.applied if groups is not None else []
         text = json.dumps(summary, indent=2) + "\n"
         write_atomic(summary_path, lambda handle: handle.write(text.encode()))

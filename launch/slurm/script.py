@@ -139,10 +139,16 @@ for pid in "${{STEP_PIDS[@]}}"; do
     timeout "$STOP_TIMEOUT" tail --pid="$pid" -f /dev/null \\
         || echo "job: steps still running $STOP_TIMEOUT s after the server; ending the job"
 done
+# A server that died (killed, crashed or failed: not a clean end, not a stop) is restarted the
+# same way when it left a checkpoint; Slurm's MaxBatchRequeue bounds how often.
+case $SERVER_RC in 0 | 130 | 143) DIED=0 ;; *) DIED=1 ;; esac
+if [[ $DIED == 1 ]] && compgen -G "$RUN_DIR/checkpoints/ckpt-*.npz" >/dev/null; then
+    STOPPED=1
+fi
 if [[ $STOPPED == 1 && $REQUEUE == 1 ]]; then
     STATE=$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>/dev/null | head -n 1)
     if [[ $STATE == RUNNING ]]; then
-        echo "job: stopped while running; requeueing (the next run resumes from the checkpoint)"
+        echo "job: stopped or died while running; requeueing (the next run resumes)"
         scontrol requeue "$SLURM_JOB_ID"
     fi
 fi

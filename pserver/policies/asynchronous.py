@@ -77,8 +77,8 @@ class AsyncPolicy(ModePolicy):
         )
         return Decision(update=update)
 
-    def leave(self, worker: WorkerInfo, dropped: list[Task]) -> Update | None:
-        return None
+    def leave(self, worker: WorkerInfo, dropped: list[Task]) -> list[Task]:
+        return dropped
 
     def applied(self, update: Update, timing: RoundTiming | None = None) -> None:
         self.applied_count += 1

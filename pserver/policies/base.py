@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from common.errors import ProtocolError
 from common.protocol.messages import PushRequest
 from pserver.config import ServerConfig
-from pserver.membership import Task, TaskFactory, WorkerInfo
+from pserver.membership import Task, TaskFactory, WorkerInfo, in_round_order
 from pserver.roundtiming import RoundClock, RoundTiming
 from pserver.sampler import EpochSampler
 
@@ -161,7 +161,7 @@ class ModePolicy(abc.ABC):
         queues: dict[int, list[Task]] = {w.worker_id: list(w.tasks) for w in waiting}
         for worker, task in assignments:
             if worker.worker_id in queues:
-                queues[worker.worker_id].append(task)
+                in_round_order(queues[worker.worker_id], task)
         runnable = []
         for worker in waiting:
             queue = queues[worker.worker_id]
@@ -171,9 +171,9 @@ class ModePolicy(abc.ABC):
         return Followup(assignments, runnable)
 
     @abc.abstractmethod
-    def leave(self, worker: WorkerInfo, dropped: list[Task]) -> Update | None:
-        """``worker`` is gone; ``dropped`` are its tasks that will never be pushed (the server
-        gives their samples back). Returns an update that is now due, if any."""
+    def leave(self, worker: WorkerInfo, dropped: list[Task]) -> list[Task]:
+        """``worker`` is gone; ``dropped`` are its tasks that will never be pushed. Returns
+        those whose samples go back to the sampler (the policy plans the others again)."""
 
     def applied(self, update: Update, timing: RoundTiming | None) -> None:  # noqa: B027
         """``update`` was published (an optional hook of ``after_update``)."""

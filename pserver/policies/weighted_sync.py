@@ -111,7 +111,7 @@ class WeightedSync(SyncRounds):
             return
         steady = [
             part
-            for worker, _, _ in update.entries
+            for worker in {w.worker_id: w for w, _, _ in update.entries}.values()  # once each
             if worker.worker_id in update.clock.steady
             and (part := timing.workers.get(worker.worker_id)) is not None
             and part.predicted_s is not None

@@ -19,7 +19,7 @@ from common.protocol.chunks import check_scale, chunk_spans
 from pserver.store.optimizer import FlatOptimizer
 from pserver.store.pool import BufferPool, Lease
 
-MAX_STAGED_PER_WORKER = 2  # the task being pushed and a re-push after a rejection
+MAX_STAGED_PER_WORKER = 2  # its task of a round and one taken over from a worker that left
 
 
 @dataclasses.dataclass

@@ -32,3 +32,15 @@ def test_a_log_opened_later_writes_nothing_before_and_everything_after(tmp_path:
     lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
     assert [json.loads(line)["event"] for line in lines] == ["http", "start"]
     assert (run_dir / "tensorboard").is_dir()
+
+
+def test_a_resumed_log_starts_a_new_line_after_one_cut_short(tmp_path: Path) -> None:
+    """A server killed while it wrote leaves half a line; the resumed server's first event must
+    not be glued to it (launchers wait for that ``start`` event)."""
+    (tmp_path / "metrics.jsonl").write_text('{"event": "start", "t": 0}\n{"event": "rou')
+    log = RunLog(tmp_path, resume_at=5.0, tensorboard=False)
+    log.event("start", address="tcp://x")
+    log.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[1] == '{"event": "rou'
+    assert json.loads(lines[2])["address"] == "tcp://x"

@@ -47,6 +47,7 @@ SMOKE_TIMEOUT_S = 600.0
 # A bench's smallest run, and what it needs beyond the project, comma-separated: "data" (Jasper
 # Ridge), "netns" (root and iproute2), "cgroup" (root and a cpu controller), "py-spy".
 SMOKE: dict[str, tuple[tuple[str, ...], str]] = {
+    "chaos": (("--runs", "weighted-sync", "--epochs", "6", "--mtbf", "2", "--stop-s", "1"), ""),
     "coordinator-memory": (("--samples", "200", "--steps", "3"), ""),
     "ddp-fidelity": (("--repeats", "1", "--epochs", "1", "--slowdowns", "1,2"), "data"),
     "heterogeneity": (
@@ -108,6 +109,7 @@ SMOKE: dict[str, tuple[tuple[str, ...], str]] = {
 
 # Benches that write run folders take --out; the smoke run keeps them in the test's folder.
 RUN_FOLDER_OPTION = {
+    "chaos",
     "ddp-fidelity",
     "heterogeneity",
     "idle-share",

@@ -1,14 +1,36 @@
-"""Failures with real processes: a worker killed mid-round, late joins, graceful leaves."""
+"""Failures with real processes: a worker killed mid-round (which changes no update), late
+joins, graceful leaves, a killed server resumed by hand or restarted by the launcher."""
 
 from __future__ import annotations
 
 import signal
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
+import psutil
+import pytest
+
+from common.polling import poll_until
+from common.procs import Child
+from pserver.checkpoint import read_newest
+from pserver.history import check_history, read_history
 from tests.support.cluster import events, start_server, start_worker, summary
+from tests.support.launches import MARK, processes_marked, start_pslaunch
 
 TRAIN = ("--lr", "0.05", "--lr-schedule", "cosine")
+RUN_WAIT_S = 240.0
+
+
+@pytest.fixture
+def mark(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A unique value every process this test starts carries in its environment."""
+    value = uuid.uuid4().hex
+    monkeypatch.setenv(MARK, value)
+    return value
 
 
 def test_kill_9_of_a_worker_mid_round_in_weighted_sync(jasper_h5: Path, tmp_path: Path) -> None:
@@ -213,3 +235,130 @@ def _signal_masks(pid: int) -> dict[str, str]:
     status = Path(f"/proc/{pid}/status").read_text().splitlines()
     return {k: v.strip() for k, _, v in (line.partition(":") for line in status) if k in
             ("SigBlk", "SigIgn", "SigCgt")}  # fmt: skip
+
+
+# --- restarts by the launcher and deaths that change nothing ----------------------------------
+
+
+def _wait_for(run_dir: Path, found: Callable[[list[dict]], Any], launcher: Child, what: str) -> Any:
+    """Poll the run's history until ``found`` returns something; fail if the launcher ends."""
+
+    def look() -> Any:
+        if launcher.code is not None:
+            raise AssertionError(f"the launch ended first: {launcher.failure()}")
+        path = run_dir / "metrics.jsonl"
+        return found([e for _, e in read_history(path)]) if path.exists() else None
+
+    return poll_until(look, RUN_WAIT_S, 0.2, what)
+
+
+def _kill_child(launcher: Child, *words: str) -> None:
+    """SIGKILL the launcher's first child whose command line holds ``words``."""
+    for child in psutil.Process(launcher.pid).children():
+        if set(words) <= set(child.cmdline()):
+            child.send_signal(signal.SIGKILL)
+            return
+    raise AssertionError(f"the launcher runs no {' '.join(words)}")
+
+
+def _past_a_checkpoint(events: list[dict]) -> dict | None:
+    """The newest checkpoint event once 3 updates past it are recorded (they will be made
+    again after a restart), else None."""
+    saved = [e for e in events if e["event"] == "checkpoint"]
+    made = [e["version"] for e in events if e["event"] == "round"]
+    return saved[-1] if saved and made and made[-1] >= saved[-1]["version"] + 3 else None
+
+
+def _launch(small_hsi: Path, run_dir: Path, restarts: int) -> Child:
+    return start_pslaunch(
+        *("local", "--dataset", str(small_hsi), "--model", "hsi-cnn", "--mode", "weighted-sync"),
+        *("--slowdowns", "1,2", "--epochs", "60", "--global-batch", "16", "--lr", "0.05"),
+        *("--run-dir", str(run_dir), "--no-progress", "--restarts", str(restarts)),
+        "--server-opt=--dead-after=2",
+        "--server-opt=--heartbeat=0.5",
+    )
+
+
+def test_a_killed_server_is_restarted_by_pslaunch_and_the_run_goes_on(
+    small_hsi: Path, tmp_path: Path, mark: str
+) -> None:
+    run_dir = tmp_path / "run"
+    launcher = _launch(small_hsi, run_dir, restarts=1)
+    try:
+        saved = _wait_for(run_dir, _past_a_checkpoint, launcher, "3 updates past a checkpoint")
+        _kill_child(launcher, "worker.cli", "join")
+        _kill_child(launcher, "pserver.cli", "start")
+        assert launcher.wait(RUN_WAIT_S) == 0, launcher.tail()
+    finally:
+        launcher.kill()
+    assert processes_marked(mark) == []
+    result = summary(run_dir)
+    assert result["restarts"] == 1 and result["finish_reason"] == "epochs"
+    assert result["worker_restarts"] == 1  # the worker killed
+    assert result["versions_replayed"] >= 3 and result["epochs"] == 60
+    records = read_history(run_dir / "metrics.jsonl")
+    resume = next(e for _, e in records if e["event"] == "resume")
+    assert resume["version"] >= saved["version"] and resume["samples"] > 0
+    assert check_history(records) == []  # every epoch exactly once, one update per version
+    epochs = [e for _, e in records if e["event"] == "epoch" and e["version"] > resume["version"]]
+    assert epochs and epochs[-1]["epoch"] == 60
+
+
+def test_with_restarts_0_a_killed_server_fails_the_launch_and_nothing_is_left(
+    small_hsi: Path, tmp_path: Path, mark: str
+) -> None:
+    run_dir = tmp_path / "run"
+    launcher = _launch(small_hsi, run_dir, restarts=0)
+    try:
+        _wait_for(
+            run_dir,
+            lambda es: any(e["event"] == "round" for e in es),
+            launcher,
+            "training",
+        )
+        _kill_child(launcher, "pserver.cli", "start")
+        assert launcher.wait(RUN_WAIT_S) == 1
+    finally:
+        launcher.kill()
+    error = launcher.output()
+    assert "server exited with code -9" in error and "no restart left (--restarts 0)" in error
+    assert processes_marked(mark) == []
+
+
+def test_a_worker_killed_mid_round_changes_no_update(small_hsi: Path, tmp_path: Path) -> None:
+    """GroupNorm, weighted-sync, the same seed: one run without faults, one whose worker c is
+    killed -9 once it computed its 6th task, before pushing it; its samples in the rounds it
+    was planned in are planned again among a and b, so every update is the same and so are the
+    final parameters."""
+    options = (
+        *("--model", "hsi-cnn-gn", "--mode", "weighted-sync", "--workers", "3"),
+        *("--epochs", "3", "--global-batch", "16", "--lr", "0.05", "--seed", "3"),
+        *("--dead-after", "2", "--heartbeat", "0.5"),
+    )
+    states = []
+    for faulted in (False, True):
+        run_dir = tmp_path / ("faulted" if faulted else "steady")
+        server, address = start_server(small_hsi, run_dir, *options)
+        workers = [start_worker(address, n, 1.0, "--log-every", "1") for n in "abc"]
+        try:
+            if faulted:
+                workers[2].wait_for("step 6 ")  # computed, about to push
+                workers[2].popen.send_signal(signal.SIGKILL)
+                server.wait_for("worker c is gone: dead")
+            assert server.wait() == 0
+            assert [w.wait() for w in workers[:2]] == [0, 0]
+        finally:
+            for proc in (server, *workers):
+                proc.kill()
+        records = read_history(run_dir / "metrics.jsonl")
+        assert check_history(records) == []
+        rounds = [e for _, e in records if e["event"] == "round"]
+        states.append((read_newest(run_dir / "checkpoints"), rounds))
+    (steady, steady_rounds), (faulted_ckpt, faulted_rounds) = states
+    assert faulted_ckpt.version == steady.version == len(steady_rounds) == len(faulted_rounds)
+    assert [sum(w["batch"] for w in r["workers"]) for r in faulted_rounds] == [
+        sum(w["batch"] for w in r["workers"]) for r in steady_rounds
+    ]
+    assert any("c" not in {w["worker"] for w in r["workers"]} for r in faulted_rounds)
+    gap = np.abs(faulted_ckpt.arrays["state"] - steady.arrays["state"]).max()
+    assert gap <= 1e-5, f"max |difference| {gap:.3g}"

@@ -92,6 +92,17 @@ def test_one_repeat_without_baselines_fills_only_what_it_can(tmp_path: Path) -> 
     assert "- emulated cluster: " + ClusterSpec.from_description(cluster).summary_line() in markdown
 
 
+def test_the_restarts_column_shows_only_when_a_run_restarted() -> None:
+    runs = [_run("weighted-sync", 0.85), _run("async", 0.84)]
+    header = next(line for line in render_markdown(_data(["weighted-sync", "async"], runs))
+                  .splitlines() if line.startswith("| mode"))  # fmt: skip
+    assert "restarts" not in header
+    runs[1]["summary"].update(restarts=2, worker_restarts=1, versions_replayed=17)
+    markdown = render_markdown(_data(["weighted-sync", "async"], runs))
+    assert "| restarts |" in markdown
+    assert "| server 2, workers 1, versions replayed 17 |" in markdown
+
+
 def test_setup_and_devices_helpers(tmp_path: Path) -> None:
     setup = collect_setup()
     assert setup["cpus"] >= 1 and setup["torch"] and setup["cpu"]

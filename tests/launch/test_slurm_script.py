@@ -171,6 +171,28 @@ def test_plain_script(tmp_path: Path) -> None:
     assert last_sbatch < first_command
 
 
+@pytest.mark.parametrize(
+    ("code", "checkpoint", "requeued"),
+    [(137, True, True), (1, True, True), (137, False, False), (0, True, False), (143, True, False)],
+)
+def test_a_server_that_died_requeues_the_job_when_it_left_a_checkpoint(
+    tmp_path: Path, code: int, checkpoint: bool, requeued: bool
+) -> None:
+    """The script's end, run by bash with Slurm's commands as functions: a server killed (137)
+    or failed (1) requeues the job when a checkpoint exists; a clean end or a stop does not."""
+    text = render(_job(tmp_path), "pslaunch slurm ...", "/x/job.sbatch", ())
+    end = text[text.index("# A server that died") : text.index('exit "$SERVER_RC"')]
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    if checkpoint:
+        (run_dir / "checkpoints" / "ckpt-0000000009.npz").write_bytes(b"")
+    stubs = 'squeue() { echo RUNNING; }\nscontrol() { echo "scontrol $*"; }\n'
+    values = f"SERVER_RC={code}\nSTOPPED=0\nREQUEUE=1\nSLURM_JOB_ID=7\nRUN_DIR={run_dir}\n"
+    done = subprocess.run(["bash", "-c", stubs + values + end], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert ("scontrol requeue 7" in done.stdout) == requeued, done.stdout
+
+
 def test_het_script(tmp_path: Path) -> None:
     server, groups = parse_het("server:cpus=2,partition=cpu;gpu:gpus=2,nodes=1;cpu:workers=3")
     job = _job(tmp_path, groups=groups, server=server, het=True, requeue=False)

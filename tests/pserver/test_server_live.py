@@ -173,7 +173,9 @@ async def test_sync_round_waits_for_every_worker_then_replies_to_all(small_hsi, 
         first = asyncio.create_task(fast.push(member_f, task_f, zeros))
         done, _ = await asyncio.wait({first}, timeout=0.5)
         assert not done, "the round closed before the slow worker pushed"
-        assert set(ps.policy.rounds[0].received) == {member_f.worker_id}
+        assert [w.worker_id for w, _ in ps.policy.rounds[0].received.values()] == [
+            member_f.worker_id
+        ]
         assert ps.updater.version == 0
         second = await slow.push(member_s, task_s, zeros)
         assert (await first).version == second.version == 1
@@ -190,7 +192,9 @@ async def test_a_push_that_arrived_counts_even_if_its_worker_then_leaves(small_h
         zeros = np.zeros(ps.state_size, dtype=np.float32)
         waiting = asyncio.create_task(a.push(member_a, task_a, zeros))
         done, _ = await asyncio.wait({waiting}, timeout=0.5)
-        assert not done and set(ps.policy.rounds[0].received) == {member_a.worker_id}
+        assert not done and [w.worker_id for w, _ in ps.policy.rounds[0].received.values()] == [
+            member_a.worker_id
+        ]
         await a_again.request(
             LeaveRequest(worker_id=member_a.worker_id, token=member_a.token, reason="bye")
         )

@@ -55,9 +55,13 @@ def _push(task_id: int) -> PushRequest:
     return PushRequest(1, "t", task_id, 0, 1, 1.0, 0.01, 0.0, 0.5)
 
 
-def _drive(policy_cls: type, n: int, batch: int, epochs: int) -> tuple[list[Update], list[int]]:
+def _drive(
+    policy_cls: type, n: int, batch: int, epochs: int, leave_in: int = 0
+) -> tuple[list[Update], list[int]]:
     """Plan and close every round of ``epochs`` epochs over ``n`` samples with three workers;
-    returns the updates and the epochs whose ledger proved every sample used exactly once."""
+    returns the updates and the epochs whose ledger proved every sample used exactly once.
+    With ``leave_in`` r, worker 2 leaves once it pushed in round r - 1, before pushing its
+    tasks of rounds r and r + 1 (planned ahead)."""
     config = ServerConfig(
         dataset=Path("unused.h5"),
         model="hsi-cnn",
@@ -71,16 +75,22 @@ def _drive(policy_cls: type, n: int, batch: int, epochs: int) -> tuple[list[Upda
         WorkerInfo(w, f"w{w}", "cpu", 1.0, 1, 0.0, speed=s)
         for w, s in ((1, 40.0), (2, 20.0), (3, 4.0))
     ]
-    by_id = {w.worker_id: w for w in workers}
     updates, exact = [], []
     while True:
         policy.plan(workers)
         if not policy.rounds:
             break
         current = policy.rounds[0]
+        if current.round_id == leave_in:
+            gone = workers.pop(1)
+            dropped = [t for rnd in policy.rounds for w, t in rnd.tasks.values() if w is gone]
+            assert dropped and policy.leave(gone, dropped) == []  # no sample goes back
+            assert all(rnd.orphans for rnd in policy.rounds)  # both rounds wait for them
+            made = policy.plan(workers)
+            assert {t.round_id for _, t in made} == {leave_in, leave_in + 1}
         update = None
-        for wid, task in current.tasks.items():
-            update = policy.accept(by_id[wid], task, _push(task.task_id))
+        for worker, task in list(current.tasks.values()):
+            update = policy.accept(worker, task, _push(task.task_id))
         assert update is not None
         policy.applied(update)
         updates.append(update)
@@ -114,13 +124,41 @@ def test_an_epoch_tail_is_weighted_by_its_share_and_every_sample_is_used_once(
     assert tail_scale(batch + 7, batch) == 1.0
 
 
-def test_a_round_a_worker_left_keeps_the_tail_weight() -> None:
-    workers = {w: WorkerInfo(w, f"w{w}", "cpu", 1.0, 1, 0.0) for w in (1, 2)}
-    tasks = TaskFactory(np.arange(10))
-    planned = {1: tasks.new(1, np.arange(3), 1), 2: tasks.new(1, np.arange(3, 4), 1)}
-    rnd = Round(1, 1, planned, {1: 0.75, 2: 0.25}, scale=4 / 64)
-    rnd.received[1] = (workers[1], planned[1])  # worker 2 left: its weight goes with it
-    assert rnd.update().weights == pytest.approx([4 / 64])
+def _sample_weights(update: Update) -> dict[int, float]:
+    """Each sample's weight in an update: its task's weight over the task's samples (what
+    multiplies the sample's gradient in the step)."""
+    return {int(p): w / task.size for _, task, w in update.entries for p in task.positions.tolist()}
+
+
+@pytest.mark.parametrize("policy_cls", [WeightedSync, EqualSync])
+def test_a_worker_that_leaves_mid_round_changes_no_update(policy_cls: type) -> None:
+    batch, n = 32, 4 * 32 + 5
+    steady, _ = _drive(policy_cls, n, batch, epochs=2)
+    faulted, exact = _drive(policy_cls, n, batch, epochs=2, leave_in=3)
+    assert exact == [1, 2] and len(faulted) == len(steady) == 10
+    # equal-sync weighs each worker alike: rounds planned after the leave, over two workers,
+    # weigh samples otherwise; the two rounds worker 2 was planned in are the same
+    pairs = list(zip(steady, faulted, strict=True))
+    for before, after in pairs if policy_cls is WeightedSync else pairs[2:4]:
+        weights, planned = _sample_weights(after), _sample_weights(before)
+        assert weights.keys() == planned.keys()  # the same samples, each weighted alike
+        assert weights == pytest.approx(planned)
+        assert math.fsum(after.weights) == pytest.approx(after.samples / batch)
+    changed = faulted[2]  # the round worker 2 left: worker 1 or 3 took its samples
+    assert {w.worker_id for w, _, _ in changed.entries} <= {1, 3} and len(changed.entries) > 2
+
+
+def test_a_round_nobody_is_left_in_waits_for_a_worker() -> None:
+    config = ServerConfig(dataset=Path("unused.h5"), model="hsi-cnn", global_batch=8, epochs=1)
+    policy = WeightedSync(config, EpochSampler(16, 0, 1), TaskFactory(np.arange(16)))
+    alone = WorkerInfo(1, "a", "cpu", 1.0, 1, 0.0, speed=10.0)
+    planned = policy.plan([alone])
+    assert policy.leave(alone, [t for _, t in planned]) == []
+    assert policy.plan([]) == [] and policy.runnable_in(alone, []) is None
+    late = WorkerInfo(2, "late", "cpu", 1.0, 1, 0.0, speed=10.0)
+    adopted = policy.plan([late])
+    assert [t.positions.tolist() for _, t in adopted] == [t.positions.tolist() for _, t in planned]
+    assert policy.runnable_in(late, [adopted[0][1]]) is adopted[0][1]
 
 
 def test_ddp_weighs_its_epoch_tail_step_as_the_parameter_server_does() -> None:
@@ -190,8 +228,10 @@ def test_batchnorm_statistics_after_a_round_with_a_tiny_share_equal_the_hand_mer
     tasks = TaskFactory(np.arange(total))
     planned = {w: tasks.new(1, np.arange(n), 1) for w, n in sizes.items()}
     weights = WeightedSync.weights(None, sizes)  # type: ignore[arg-type]
-    rnd = Round(1, 1, planned, weights, scale=tail_scale(total, batch))
-    rnd.received = {w: (workers[w], planned[w]) for w in sizes}
+    by_task = {t.task_id: (workers[w], t) for w, t in planned.items()}
+    rnd = Round(1, 1, by_task, {planned[w].task_id: weights[w] for w in sizes})
+    rnd.scale = tail_scale(total, batch)
+    rnd.received = dict(by_task)
     update = rnd.update()
     optimizer = FlatOptimizer("sgd", lr=0.05)
     store = SliceStore(

@@ -156,11 +156,16 @@ class AsyncClient:
         self, member: Member, task: TaskReply, gradient: np.ndarray, **changes: Any
     ) -> Message:
         """Push a gradient (chunks, then the push request) and return the push's reply; the
-        chunks' answers are read too (they must be parameters when the push succeeds)."""
+        chunks' answers are read too (they must be parameters when the push made a version;
+        a sync round that goes on answers them when it closes)."""
         chunks = await self.send_gradient(member, task, gradient)
         rid = await self.send(push_request(member, task, **changes))
         reply = await self.receive(rid)
-        if isinstance(reply, TaskReply) and reply.action == "train":
+        if (
+            isinstance(reply, TaskReply)
+            and reply.action == "train"
+            and reply.version > task.version
+        ):
             for store, rid in chunks:
                 assert isinstance(await store.receive(rid), ParamsChunk)
         return reply
