@@ -401,13 +401,13 @@ def run_ddp(
     if not summary_path.exists():
         raise PSError(f"rank 0 wrote no {summary_path}")
     summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    summary["restarts"] = restarts.count
+    summary["lost_samples"] = restarts.lost_samples
+    summary["restart_s"] = round(restarts.restart_s, 3)
     if config.nodes is not None and config.nodes.scheduled:
-        summary["restarts"] = restarts.count
-        summary["lost_samples"] = restarts.lost_samples
-        summary["restart_s"] = round(restarts.restart_s, 3)
         summary["schedule"] = groups.runner.applied if groups is not None else []
-        text = json.dumps(summary, indent=2) + "\n"
-        write_atomic(summary_path, lambda handle: handle.write(text.encode()))
+    text = json.dumps(summary, indent=2) + "\n"
+    write_atomic(summary_path, lambda handle: handle.write(text.encode()))
     return summary
 
 

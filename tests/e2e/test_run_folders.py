@@ -126,6 +126,7 @@ def test_a_worker_killed_during_the_run_is_reported_and_the_results_printed(
             *(sys.executable, "-m", "launch.cli", "local", "--dataset", str(small_hsi)),
             *("--model", "hsi-cnn", "--mode", "async", "--slowdowns", "1,2", "--epochs", "60"),
             *("--run-dir", str(run_dir), "--no-progress", "--server-opt=--dead-after=2"),
+            *("--restarts", "0"),  # reported as gone, not restarted
         ],
         cwd=ROOT,
     )
