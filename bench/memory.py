@@ -53,7 +53,8 @@ folder, args = Path(sys.argv[1]), json.loads(sys.argv[2])
 """
 MODEL = """
 import numpy as np, torch
-from common.data.convert.cube import ArrayCube, open_cube
+from common.data.convert.cube import open_cube
+from common.data.convert.raster import ArrayCube
 from pserver.outputs.export import RawInput
 from pserver.outputs.model_file import LoadedModel
 from pserver.outputs.predict import predict_scene

@@ -1,5 +1,6 @@
 """The layout rules of docs/architecture.md, checked on the source: floors import only downwards,
-no import circles, workers import no dataset converter. A module's size follows its concern."""
+no import circles, workers import no dataset converter; and every test module has a name of its
+own (docs/testing.md). A module's size follows its concern."""
 
 from __future__ import annotations
 
@@ -89,9 +90,15 @@ def test_the_cycle_finder_finds_a_circle() -> None:
 
 
 def test_no_import_circles() -> None:
+    """Imports inside functions count too: a deferred import still closes a circle."""
     modules = _modules()
-    graph = {name: _imports(path, modules, False) - {name} for name, path in modules.items()}
+    graph = {name: _imports(path, modules, True) - {name} for name, path in modules.items()}
     assert _cycles(graph) == []
+
+
+def test_every_test_module_has_a_name_of_its_own() -> None:
+    names = [path.name for path in (ROOT / "tests").rglob("test_*.py")]
+    assert sorted({name for name in names if names.count(name) > 1}) == []
 
 
 def test_floors_import_only_downwards() -> None:

@@ -23,7 +23,7 @@ from common.errors import ConfigError, NetworkTimeout, PSError, WaitTimeout
 from common.polling import poll_until
 from common.procs import POLL_S
 from launch.ddp.launcher import DDPConfig, _loopback_interface
-from launch.slurm.node import node_address, pick_device
+from launch.slurm.placement import node_address, pick_device
 
 
 def first_node(nodelist: str, timeout_s: float = 30.0) -> str:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common.data.convert.cube import GeoRef
+from common.data.convert.raster import GeoRef
 from common.errors import DatasetError
 from pserver.outputs.palette import (
     COLOURBLIND,

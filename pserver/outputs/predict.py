@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from common.data.convert.cube import Cube
 from common.data.convert.patches import iter_bands
+from common.data.convert.raster import Cube
 from common.errors import DatasetError, ModelError
 from common.training.metrics import Scores, confusion_matrix, scores_from_confusion
 from pserver.outputs.model_file import LoadedModel

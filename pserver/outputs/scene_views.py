@@ -9,8 +9,8 @@ import h5py
 import numpy as np
 import torch
 
-from common.data.convert.cube import Cube
 from common.data.convert.patches import rows_per_band
+from common.data.convert.raster import Cube
 from common.data.dataset import DatasetReader
 from common.errors import DatasetError
 from pserver.outputs.model_file import LoadedModel

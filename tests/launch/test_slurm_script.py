@@ -17,12 +17,8 @@ from launch.cli import main
 from launch.settings import TrainSettings
 from launch.slurm.config import SlurmJob, time_limit_s
 from launch.slurm.groups import Group, parse_het, spread_shards
-from launch.slurm.node import (
-    pick_device,
-    shard_command,
-    wait_for_address,
-    worker_command,
-)
+from launch.slurm.node import shard_command, wait_for_address, worker_command
+from launch.slurm.placement import pick_device
 from launch.slurm.script import render, resources
 from launch.slurm.submit import check_run_dir, worker_extras
 

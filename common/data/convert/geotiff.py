@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from common.data.convert.cube import Cube, GeoRef
+from common.data.convert.raster import Cube, GeoRef
 from common.errors import DatasetError
 
 log = logging.getLogger(__name__)

@@ -12,9 +12,10 @@ import numpy as np
 from tqdm import tqdm
 
 from common.data.codec import RAW_DTYPES
-from common.data.convert.cube import ArrayCube, Cube, load_labels, open_cube, source_format
+from common.data.convert.cube import load_labels, open_cube, source_format
 from common.data.convert.layout import DEFAULT_MIN_ABUNDANCE, abundance_labels, load_scene
 from common.data.convert.patches import iter_bands, rows_per_band
+from common.data.convert.raster import ArrayCube, Cube
 from common.data.dataset import DatasetMeta, DatasetReader
 from common.data.splits import disjoint_split, stratified_split, take_stratified
 from common.data.writer import DatasetWriter

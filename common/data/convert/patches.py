@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from common.data.convert.cube import Cube
+from common.data.convert.raster import Cube
 
 BAND_BYTES = 64 << 20  # float32 bytes of one padded band of rows; bounds streaming memory
 
