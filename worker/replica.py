@@ -138,7 +138,11 @@ class Replica:
         return value
 
     def gradient_on_host(self) -> torch.Tensor:
-        """The last step's gradient (and buffer change) in the host buffer."""
+        """The last step's gradient (and buffer change) on the host: on a CPU the model's own
+        gradient buffer (no copy; the next step zeroes it only once the push was answered),
+        else copied into the host buffer."""
+        if self.device.type == "cpu":
+            return self.flat.push_vector()
         self.flat.push_into(self.host_grad)
         return self.host_grad
 

@@ -103,7 +103,7 @@ class FlatModel:
         first = next(iter(layout.params), None)
         device = first.device if first is not None else torch.device("cpu")
         self.state = layout.read_state().to(device)
-        self.grads = torch.zeros(self.num_params, device=device)
+        self.grads = torch.zeros(self.size, device=device)  # the tail: buffer changes
         self._buffers_before = torch.empty(self.size - self.num_params, device=device)
         offset = 0
         with torch.no_grad():
@@ -130,6 +130,13 @@ class FlatModel:
     def zero_grad(self) -> None:
         """Zero every gradient (in place, so they stay views)."""
         self.grads.zero_()
+
+    def push_vector(self) -> torch.Tensor:
+        """``[gradients..., buffer changes...]`` without a copy: the gradient buffer itself,
+        its tail set to the buffer changes; valid until the next ``zero_grad``."""
+        p = self.num_params
+        torch.sub(self.state[p:], self._buffers_before, out=self.grads[p:])
+        return self.grads
 
     def push_into(self, host: torch.Tensor, start: int = 0, stop: int | None = None) -> None:
         """Write ``[gradients..., buffer changes...]`` (elements ``start`` to ``stop`` of it)
