@@ -11,10 +11,11 @@ Measured in one run, one after the other:
   coordinator does;
 - ``asyncio step after compute``: the least a parameter server on asyncio and pyzmq can do in
   a round, with the same compute between requests: the other process receives the values on
-  the servers' event loop (``zmq.asyncio`` on ``common.eventloop``'s loop), applies one momentum-SGD step with them to its own copy
-  and sends that copy back; ``step`` is the same arithmetic run hot in this process, which the
-  in-process step of ``round-overhead`` pays too, so their difference is the round overhead
-  of such a minimal server (``floor_overhead_ms``);
+  the servers' event loop (``zmq.asyncio`` on ``common.eventloop``'s loop), applies one
+  momentum-SGD step with them to its own copy and sends that copy back; ``step`` is the same
+  arithmetic run hot in this process, which the in-process step of ``round-overhead`` pays
+  too, so their difference is the round overhead of such a minimal server
+  (``floor_overhead_ms``);
 - ``work``: a fixed piece of a server's kind of work (three element-wise torch ops on the same
   values and a few hundred Python objects) run back to back, and each time right after
   sleeping ``--compute-ms``, in this process.
