@@ -121,11 +121,17 @@ class FlatModel:
                 module._buffers[attr] = self.state[offset : offset + n].view_as(buffer)
                 offset += n
 
-    def load(self, host_state: torch.Tensor) -> None:
-        """Copy a flat host state in (non-blocking from pinned memory) and remember the
-        buffers as loaded, for their change over the step."""
-        self.state.copy_(host_state, non_blocking=True)
+    def load(self, host_state: torch.Tensor | None) -> None:
+        """Copy a flat host state in (non-blocking from pinned memory; None: it was written
+        into ``state`` itself) and remember the buffers as loaded, for their change over the
+        step."""
+        if host_state is not None:
+            self.state.copy_(host_state, non_blocking=True)
         self._buffers_before.copy_(self.state[self.num_params :])
+
+    def reset_buffers(self) -> None:
+        """Set the float buffers back to their loaded values: a step changes nothing else."""
+        self.state[self.num_params :].copy_(self._buffers_before)
 
     def zero_grad(self) -> None:
         """Zero every gradient (in place, so they stay views)."""
