@@ -36,11 +36,13 @@ PLACE_OPTIONS = ("--out", "--dir")
 
 @dataclasses.dataclass(frozen=True)
 class Bench:
-    """A bench as the command line offers it: its module, one line, and the module's function
-    that takes the arguments (``main(argv)``)."""
+    """A bench as the command line offers it: its module, one line, options put before the
+    user's (a bench that is a mode of another's), and the module's function that takes the
+    arguments (``main(argv)``)."""
 
     module: str
     summary: str
+    options: tuple[str, ...] = ()
     function: str = "main"
 
 
@@ -61,7 +63,7 @@ BENCHES: dict[str, Bench] = {
     "own-ground": Bench(
         "bench.time_to_target",
         "static, shifting and leave-return clusters: weighted-sync against every baseline",
-        "own_ground",
+        function="own_ground",
     ),
     "planner-speed": Bench("bench.planner_speed", "one model-planner call at 4 to 1024 workers"),
     "round-floor": Bench("bench.round_floor", "raw ZeroMQ round trip and idle cost, loopback"),
@@ -72,6 +74,11 @@ BENCHES: dict[str, Bench] = {
     "staleness": Bench("bench.staleness", "async: staleness functions and bounds"),
     "tail-rounds": Bench("bench.tail_rounds", "epoch-tail rules replayed in one process"),
     "time-to-target": Bench("bench.time_to_target", "every mode on Jasper Ridge: time to target"),
+    "wire": Bench(
+        "bench.round_floor",
+        "fused push and pull of 11.7 M values against raw ZeroMQ",
+        ("--wire", "--requests", "60"),
+    ),
 }
 
 
@@ -119,7 +126,7 @@ def _bench_command(name: str, bench: Bench) -> click.Command:
         command = shlex.join(["python", "-m", "bench", name, *without_places(args)])
         with recording(prog=f"python -m bench {name}") as kept:
             try:
-                code = main(list(args))
+                code = main([*bench.options, *args])
             except SystemExit as exc:  # --help, a usage error or a bench's own exit: no result
                 if isinstance(exc.code, str):
                     click.echo(exc.code, err=True)

@@ -1,4 +1,5 @@
-"""Fixed cost of a weighted-sync round: the PS round against the same step in one process.
+"""Fixed cost of a round: the PS round against the same step in one process, and against the
+floor of an asyncio + ZeroMQ server measured beside it.
 
 hsi-cnn on Jasper Ridge (5x5 patches, 10 % train, seed 0), 64-sample rounds. Each repeat runs,
 one after the other in this one invocation:
@@ -6,22 +7,28 @@ one after the other in this one invocation:
 - ``in-process``: forward, backward and a ``torch.optim.SGD`` step (the server's lr, momentum
   and weight decay) on the same model with 64-sample batches of the same training data, held in
   memory, on one torch thread (a worker's default);
-- ``ps 1 worker``: a real ``pserver start`` and one ``worker join`` process on 127.0.0.1
-  (weighted-sync, evaluation only at the end), the server's round times from metrics.jsonl;
-- ``ps 3 workers`` (unless ``--workers 1``): the same with three workers of equal speed.
+- ``floor``: ``round-floor``'s asyncio step server (receive hsi-cnn's values, one momentum step,
+  answer with the parameters; in weighted-sync one step per round of N gradients, in async one
+  per gradient) with N clients that spin the in-process step's time, then send at once; its
+  round trip less the step run hot is ``floor_overhead``;
+- per mode (``--modes``) and worker count N (``--workers``): a real ``pserver start`` and N
+  ``worker join`` processes of equal speed on 127.0.0.1 (evaluation only at the end); a
+  round is a weighted-sync round's ``round_s`` (full 64-sample rounds), or in async the time
+  between one worker's consecutive pushes.
 
 With ``--baseline DIR`` (another checkout of the project, e.g. ``git worktree add ../baseline
 main``) every PS run is also made with that code, right after this code's (the order flips
 every repeat), so a change is measured side by side on the same noisy machine.
 
 A round's overhead is its median round time minus the median in-process step of the same
-repeat. The last lines print the medians over repeats and the kept figures: ``overhead_ms``
-(one worker), ``overhead_N_workers_ms`` and, with a baseline, the same prefixed ``baseline_``.
+repeat. The last lines print, per mode and N, the medians over repeats: ``overhead_ms``,
+``floor_overhead_ms`` and ``overhead_over_floor`` (the median of the repeats' ratios), suffixed
+``_async`` for async and ``_N_workers`` for N > 1; with a baseline also ``baseline_overhead...``.
 
 Needs the Jasper Ridge files (``--jasper``, default ../shared/datasets/jasper_ridge).
 
 Usage: python -m bench round-overhead [--rounds 200] [--repeats 3] [--workers 1,3]
-                                      [--baseline DIR]
+                                      [--modes weighted-sync,async] [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from torch import nn
 
 from bench.harness.jasper import JASPER_DIR, jasper
 from bench.harness.record import parse_settings
+from bench.round_floor import _asyncio_step_echo, round_trip_s, step_s
 from common.data.dataset import DatasetReader
 from common.training.models import build_model
 from launch.local import LocalCluster, run_local
@@ -94,22 +102,34 @@ def code_from(tree: Path | None) -> Iterator[None]:
 
 
 def ps_round_s(
-    dataset: Path, workers: int, rounds: int, run_dir: Path, tree: Path | None = None
+    dataset: Path, mode: str, workers: int, rounds: int, run_dir: Path, tree: Path | None = None
 ) -> tuple[float, float, float]:
-    """Median round time of full 64-sample weighted-sync rounds, the mean time between
-    consecutive round events (every cost included) and the 10th percentile of round times,
-    with real processes on loopback."""
+    """Median round time (weighted-sync: full 64-sample rounds; async: one worker's push to its
+    next), the mean time between rounds (every cost included) and the 10th percentile of round
+    times, with real processes on loopback."""
     with code_from(tree):
-        _run_ps(dataset, workers, rounds, run_dir)
+        _run_ps(dataset, mode, workers, rounds, run_dir)
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    if mode == "async":
+        pushes = [e for e in events if e["event"] == "push"]
+        times = [
+            b["t"] - a["t"]
+            for name in {e["worker"] for e in pushes}
+            for a, b in itertools.pairwise([e for e in pushes if e["worker"] == name][WARMUP:])
+        ]
+        return statistics.median(times), statistics.mean(times), low(times)
     rounds_ = [e for e in events if e["event"] == "round"][WARMUP:]
-    full = [r for r in rounds_ if sum(w["batch"] for w in r["workers"]) == BATCH]
+    full = [r["round_s"] for r in rounds_ if sum(w["batch"] for w in r["workers"]) == BATCH]
     gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(rounds_)]
-    return (
-        statistics.median(r["round_s"] for r in full),
-        statistics.mean(gaps),
-        low([r["round_s"] for r in full]),
-    )
+    return statistics.median(full), statistics.mean(gaps), low(full)
+
+
+def floor_overhead_s(clients: int, gather: int, requests: int, compute_s: float) -> float:
+    """``round-floor``'s asyncio step server with ``clients`` clients that compute ``compute_s``
+    between rounds (``gather`` gradients per step): its median round trip less the step run
+    hot."""
+    rtt = round_trip_s(requests, compute_s, _asyncio_step_echo, clients, gather)
+    return rtt - step_s(requests)
 
 
 def low(times: list[float]) -> float:
@@ -118,17 +138,17 @@ def low(times: list[float]) -> float:
     return statistics.quantiles(times, n=10)[0]
 
 
-def _run_ps(dataset: Path, workers: int, rounds: int, run_dir: Path) -> None:
+def _run_ps(dataset: Path, mode: str, workers: int, rounds: int, run_dir: Path) -> None:
     run_local(
         LocalCluster(
             dataset=dataset,
             model="hsi-cnn",
-            mode="weighted-sync",
+            mode=mode,
             slowdowns=(1.0,) * workers,
             run_dir=run_dir,
             server_options=(
                 "--max-steps",
-                str(rounds + WARMUP),
+                str((rounds + WARMUP) * (workers if mode == "async" else 1)),
                 "--global-batch",
                 str(BATCH),
                 "--eval-every",
@@ -143,58 +163,71 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", default="1,3", help="worker counts, comma-separated")
+    parser.add_argument("--modes", default="weighted-sync,async", help="modes, comma-separated")
+    parser.add_argument("--floor-requests", type=int, default=300, help="round trips per floor")
     parser.add_argument("--jasper", type=Path, default=JASPER_DIR)
     parser.add_argument("--baseline", type=Path, default=None, help="another checkout to compare")
     args = parse_settings(parser, argv)
     counts = [int(n) for n in args.workers.split(",")]
+    runs = [(m, n) for m in args.modes.split(",") for n in counts]
     trees: dict[str, Path | None] = {"this": None}
     if args.baseline is not None:
         trees["baseline"] = args.baseline.resolve()
     with tempfile.TemporaryDirectory() as tmp:
         dataset = jasper(Path(tmp), jasper_dir=args.jasper)
         local: list[tuple[float, float]] = []
-        ps: dict[tuple[str, int], list[tuple[float, float, float]]] = {
-            (t, n): [] for t in trees for n in counts
+        floors: dict[tuple[int, int], list[float]] = {}  # (clients, gather) -> per repeat
+        floor = {(m, n): floors.setdefault((n, 1 if m == "async" else n), []) for m, n in runs}
+        ps: dict[tuple[str, str, int], list[tuple[float, float, float]]] = {
+            (t, m, n): [] for t in trees for m, n in runs
         }
         for repeat in range(args.repeats):
             local.append(in_process_step_s(dataset, args.rounds))
             line = f"repeat {repeat}: in-process step {local[-1][0] * 1e3:6.2f} ms"
             order = list(trees) if repeat % 2 == 0 else list(reversed(trees))
-            for n in counts:
+            for m, n in runs:
+                if len(floor[m, n]) == repeat:  # one client: the same floor in either mode
+                    gather = 1 if m == "async" else n
+                    floor[m, n].append(
+                        floor_overhead_s(n, gather, args.floor_requests, local[-1][0])
+                    )
+                line += f" | floor {m} {n}w {floor[m, n][-1] * 1e3:5.2f} ms"
                 for name in order:
-                    run_dir = Path(tmp) / f"{name}-{n}-{repeat}"
-                    ps[name, n].append(ps_round_s(dataset, n, args.rounds, run_dir, trees[name]))
-                    line += f" | {name} {n}w round {ps[name, n][-1][0] * 1e3:6.2f} ms"
+                    run_dir = Path(tmp) / f"{name}-{m}-{n}-{repeat}"
+                    ps[name, m, n].append(
+                        ps_round_s(dataset, m, n, args.rounds, run_dir, trees[name])
+                    )
+                    line += f" | {name} {m} {n}w round {ps[name, m, n][-1][0] * 1e3:6.2f} ms"
             print(line, flush=True)
     step = statistics.median(s[0] for s in local)
     step_low = statistics.median(s[1] for s in local)
     print(f"hsi-cnn, Jasper Ridge, {BATCH}-sample rounds, {args.rounds} rounds x {args.repeats}")
     print(f"in-process step: median {step * 1e3:.2f} ms, 10th percentile {step_low * 1e3:.2f} ms")
-    for (name, n), runs in ps.items():
-        over = [r[0] - s[0] for r, s in zip(runs, local, strict=True)]
-        over_low = [r[2] - s[1] for r, s in zip(runs, local, strict=True)]
+    figures = []
+    for (name, m, n), got in ps.items():
+        over = [r[0] - s[0] for r, s in zip(got, local, strict=True)]
+        over_low = [r[2] - s[1] for r, s in zip(got, local, strict=True)]
+        ratio = statistics.median(o / f for o, f in zip(over, floor[m, n], strict=True))
         print(
-            f"{name:8s} ps {n} worker{'s' if n > 1 else ' '}: round median "
-            f"{statistics.median(r[0] for r in runs) * 1e3:6.2f} ms (mean gap "
-            f"{statistics.median(r[1] for r in runs) * 1e3:6.2f}), overhead "
-            f"{statistics.median(over) * 1e3:6.2f} ms; 10th percentiles: round "
-            f"{statistics.median(r[2] for r in runs) * 1e3:6.2f} ms, overhead "
-            f"{statistics.median(over_low) * 1e3:6.2f} ms"
+            f"{name:8s} {m} {n} worker{'s' if n > 1 else ' '}: round median "
+            f"{statistics.median(r[0] for r in got) * 1e3:6.2f} ms (mean gap "
+            f"{statistics.median(r[1] for r in got) * 1e3:6.2f}), overhead "
+            f"{statistics.median(over) * 1e3:6.2f} ms, floor "
+            f"{statistics.median(floor[m, n]) * 1e3:5.2f} ms, {ratio:.2f}x the floor; 10th "
+            f"percentiles: round {statistics.median(r[2] for r in got) * 1e3:6.2f} ms, "
+            f"overhead {statistics.median(over_low) * 1e3:6.2f} ms"
         )
-    if "baseline" in trees:
-        for n in counts:
-            pairs = list(zip(ps["baseline", n], ps["this", n], strict=True))
-            ratio = statistics.median(b[0] / t[0] for b, t in pairs)
-            ratio_low = statistics.median(b[2] / t[2] for b, t in pairs)
-            print(
-                f"{n} worker(s): baseline round / this round = {ratio:.2f} "
-                f"(10th percentiles: {ratio_low:.2f})"
-            )
-    for (name, n), runs in ps.items():  # the kept figures: overhead_ms is this code's, 1 worker
-        over = [r[0] - s[0] for r, s in zip(runs, local, strict=True)]
         prefix = "" if name == "this" else f"{name}_"
-        suffix = "" if n == 1 else f"_{n}_workers"
-        print(f"{prefix}overhead{suffix}_ms={statistics.median(over) * 1e3:.2f}")
+        suffix = ("_async" if m == "async" else "") + ("" if n == 1 else f"_{n}_workers")
+        figures.append(f"{prefix}overhead{suffix}_ms={statistics.median(over) * 1e3:.2f}")
+        if name == "this":
+            figures.append(f"floor_overhead{suffix}_ms={statistics.median(floor[m, n]) * 1e3:.3f}")
+        figures.append(f"{prefix}overhead_over_floor{suffix}={ratio:.2f}")
+        if name == "baseline":
+            pairs = zip(got, ps["this", m, n], strict=True)
+            paired = statistics.median(b[0] / t[0] for b, t in pairs)
+            print(f"  baseline round / this round: {paired:.2f}")
+    print("\n".join(figures))  # the kept figures
 
 
 if __name__ == "__main__":

@@ -4,13 +4,14 @@ Starts ``pserver start`` (hsi-cnn on Jasper Ridge, weighted-sync, 64-sample roun
 only at the end) and one ``worker join`` on 127.0.0.1, lets them warm up, then samples both
 processes' main threads with py-spy (wall clock: idle time included) and sorts every sample
 into a stage of the round. A stage's share of its thread's samples times the median round time
-gives its milliseconds per round. Needs py-spy (a development dependency: ``make setup``) and
-the rights to attach to child processes (root, or ptrace_scope 0).
+gives its milliseconds per round; each process's CPU time per round (all its threads, from
+/proc, over 200 rounds before sampling) is shared out over its busy stages the same way. Needs
+py-spy (a development dependency: ``make setup``) and the rights to attach to child processes
+(root, or ptrace_scope 0).
 
 With ``--baseline DIR`` (another checkout, e.g. ``git worktree add ../baseline main``) the same
-is measured with that code first and both columns are printed side by side. Each process's CPU
-time per round (all its threads, from /proc) is printed too: unlike wall-clock shares it does
-not grow when other processes compete for the cores.
+is measured with that code first and both columns are printed side by side. CPU times, unlike
+wall-clock shares, do not grow when other processes compete for the cores.
 
 Usage: python -m bench round-profile [--seconds 8] [--rate 400] [--jasper DIR] [--baseline DIR]
 """
@@ -40,7 +41,12 @@ from launch.procs import new_events
 WORKER_STAGES = [
     (
         "push: encode + send gradient",
-        ("OverlappedPush._send", "StoreClient.send_chunk", "StoreClient.encode_whole"),
+        (
+            "OverlappedPush._send",
+            "StoreClient.send_chunk",
+            "StoreClient.encode_whole",
+            "Replica.gradient_on_host",
+        ),
     ),
     ("backward", ("Tensor.backward",)),
     ("forward + loss", ("Replica.compute",)),
@@ -50,6 +56,8 @@ WORKER_STAGES = [
     ("wait for the server's reply", ("Poller.poll",)),
     ("push request: encode + parse reply", ("Connection.request",)),
 ]
+WAITING = ("idle (event loop waits)", "wait for the server's reply")  # no CPU spent
+CPU_ROUNDS = 200  # rounds over which CPU time is measured, before sampling
 SERVER_STAGES = [
     ("idle (event loop waits)", ("EpollSelector.select",)),
     ("data requests (prefetch)", ("Handlers.data",)),
@@ -59,6 +67,7 @@ SERVER_STAGES = [
     ),
     ("accumulate + optimizer step + checks", ("SliceStore.prepare",)),
     ("snapshot/publish + reply params", ("StoreService.publish",)),
+    ("refit speed models (after the reply)", ("SyncRounds.settle",)),
     ("book the round (metrics, ledger)", ("Ledger.book",)),
     ("plan + task reply", ("ModePolicy.after_update", "TaskDesk.send", "TaskDesk.release")),
     ("push request checks", ("Pushes.push",)),
@@ -82,6 +91,8 @@ def classify(
         stage = next(
             (s for name in names for s, marks in stages if name in marks), "other (Python glue)"
         )
+        if names[0] == "Runner.run":  # uvloop waits in C code, under its runner's frame
+            stage = stages[0][0]
         counts[stage] += int(n)
     return counts, total
 
@@ -109,7 +120,7 @@ def profile(tree: Path, dataset: Path, tmp: Path, seconds: int, rate: int) -> di
         ``round_ms`` (median), per process ``{stage: ms per round}`` and ``cpu_ms`` per round.
     """
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    steps = 200 + seconds * 400  # more than the window can use at 2.5 ms a round
+    steps = 200 + CPU_ROUNDS + seconds * 400  # more than the window can use at 2.5 ms a round
     options = [
         *("--dataset", str(dataset), "--model", "hsi-cnn", "--mode", "weighted-sync"),
         *("--workers", "1", "--global-batch", "64", "--eval-every", "1000000"),
@@ -117,9 +128,11 @@ def profile(tree: Path, dataset: Path, tmp: Path, seconds: int, rate: int) -> di
     ]
     run_dir = tmp / f"run-{tree.name}"
     with served_run(tree, run_dir, options, 1, start_timeout_s=60, stop_grace_s=10) as run:
-        before = len(wait_rounds(run.metrics, 100, 120))
+        begin = len(wait_rounds(run.metrics, 100, 120))
         procs = {"server": run.server, "worker": run.workers[0]}
         cpu0 = {name: cpu_s(proc.pid) for name, proc in procs.items()}
+        before = len(wait_rounds(run.metrics, begin + CPU_ROUNDS, 600))  # before py-spy slows it
+        cpu = {name: cpu_s(proc.pid) - cpu0[name] for name, proc in procs.items()}
         spies = [
             run.children.start(
                 f"py-spy {name}",
@@ -132,17 +145,18 @@ def profile(tree: Path, dataset: Path, tmp: Path, seconds: int, rate: int) -> di
         ]
         for spy_proc in spies:
             spy_proc.wait(timeout=seconds + 60)
-        cpu = {name: cpu_s(proc.pid) - cpu0[name] for name, proc in procs.items()}
         rounds = wait_rounds(run.metrics, before + 1, 10)[before:]
-        done = len(wait_rounds(run.metrics, 0, 1)) - before
     result: dict[str, Any] = {
         "round_ms": statistics.median(r["round_s"] for r in rounds) * 1e3,
-        "cpu_ms": {name: c / max(done, 1) * 1e3 for name, c in cpu.items()},
+        "cpu_ms": {name: c / (before - begin) * 1e3 for name, c in cpu.items()},
     }
     for name, stages in (("worker", WORKER_STAGES), ("server", SERVER_STAGES)):
         counts, total = classify(tmp / f"{name}.raw", stages)
         order = [s for s, _ in stages] + ["other (Python glue)"]
         result[name] = {s: counts[s] / max(total, 1) * result["round_ms"] for s in order}
+        busy = [s for s in order if s not in WAITING]
+        share = result["cpu_ms"][name] / max(sum(counts[s] for s in busy), 1)
+        result[f"{name} cpu"] = {s: counts[s] * share for s in busy}
     return result
 
 
@@ -172,9 +186,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{proc + ' CPU time (all threads)':42s}"
             + "".join(f"{results[n]['cpu_ms'][proc]:10.2f}" for n in names)
         )
-        print(f"{proc} main thread, wall clock:")
-        for stage in results[names[0]][proc]:
-            print(f"  {stage:40s}" + "".join(f"{results[n][proc][stage]:10.2f}" for n in names))
+        for kind, what in ((proc, "main thread, wall clock"), (f"{proc} cpu", "CPU by stage")):
+            print(f"{proc} {what}:")
+            for stage in results[names[0]][kind]:
+                print(f"  {stage:40s}" + "".join(f"{results[n][kind][stage]:10.2f}" for n in names))
 
 
 if __name__ == "__main__":

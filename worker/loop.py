@@ -394,7 +394,7 @@ class Worker:
             replica.loaded_version = -1
             return self._request_task()
         if isinstance(reply, TaskParamsReply):
-            replica.loaded_version = stores.load_whole(reply, replica.host_state)
+            replica.loaded_version = stores.load_whole(reply, replica.params_buffer())
             stagetrace.mark("w_params", task=task.task_id, version=replica.loaded_version)
         elif reply.action == "train" and reply.version == replica.loaded_version:
             pass  # the round goes on (a task taken over from a worker that left): the chunks'
@@ -402,7 +402,7 @@ class Worker:
         elif reply.action == "train" and not stores.whole_on_coordinator:
             try:
                 replica.loaded_version = stores.collect(
-                    replica.host_state, self.config.reply_timeout_s
+                    replica.params_buffer(), self.config.reply_timeout_s
                 )
                 stagetrace.mark("w_params", task=task.task_id, version=replica.loaded_version)
             except RemoteError as exc:

@@ -26,10 +26,10 @@ class AheadReader(abc.ABC):
     is added to ``wait_s``. Subclasses say where samples come from.
 
     With ``cache_bytes``, samples read are kept (the first ones until the budget is full, none
-    evicted) and only the samples not kept are read: once every sample of a task is kept, the
-    task needs no read, and a started task's batch is gathered from the kept samples on the
-    thread, off the training loop. The dataset does not change during a run, so a kept
-    sample equals a fresh read.
+    evicted; kept on the thread, right after the read) and only the samples not kept are read:
+    once every sample of a task is kept, the task needs no read, and a started task's batch is
+    gathered from the kept samples on the thread, off the training loop. The dataset does not
+    change during a run, so a kept sample equals a fresh read.
 
     Args:
         thread_name: name prefix of the reading thread.
@@ -59,7 +59,7 @@ class AheadReader(abc.ABC):
             return
         missing = self._cache.missing(indices)
         work = (
-            self._pool.submit(self._fetch, missing)
+            self._pool.submit(self._read, missing)
             if missing
             else self._pool.submit(self._cache.batch, indices)
         )
@@ -73,15 +73,14 @@ class AheadReader(abc.ABC):
         """
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] != tuple(indices):
-            if not pending[1]:
-                concurrent.futures.wait([pending[2]])  # a gather must not overlap ``add``
+            concurrent.futures.wait([pending[2]])  # it uses the kept samples: let it finish
             pending = None
         if pending is None:
             missing = self._cache.missing(indices)
             if indices and not missing:
                 self.cache_hits += 1
                 return self._cache.batch(indices)
-            future = self._pool.submit(self._fetch, missing)
+            future = self._pool.submit(self._read, missing)
         else:
             _, missing, future = pending
         begin = time.perf_counter()
@@ -92,8 +91,11 @@ class AheadReader(abc.ABC):
         if indices and not missing:  # gathered from the kept samples in the background
             self.cache_hits += 1
             return x, y
-        self._cache.add(missing, x, y)
         return self._cache.merge(indices, missing, x, y)
+
+    def _read(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Read the samples and keep them (on the reading thread)."""
+        return self._cache.add(indices, *self._fetch(indices))
 
     def close(self) -> None:
         """Stop the thread, then release the source."""

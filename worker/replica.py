@@ -78,7 +78,9 @@ class Replica:
                 f"model {spec.model} has {self.flat.size} values here but "
                 f"{spec.state_size} on the server",
             )
-        self.host_state = host_buffer(self.flat.size, device)
+        on_cpu = device.type == "cpu"  # parameters are then written into the model itself
+        self.host_state = self.flat.state if on_cpu else host_buffer(self.flat.size, device)
+        self._written = False  # new parameters went into ``flat.state`` since the last step
         self.host_grad = host_buffer(self.flat.size, device)
         self.loaded_version = -1
         self.overlap: OverlappedPush | None = None
@@ -138,7 +140,11 @@ class Replica:
         return value
 
     def gradient_on_host(self) -> torch.Tensor:
-        """The last step's gradient (and buffer change) in the host buffer."""
+        """The last step's gradient (and buffer change) on the host: on a CPU the model's own
+        gradient buffer (no copy; the next step zeroes it only once the push was answered),
+        else copied into the host buffer."""
+        if self.device.type == "cpu":
+            return self.flat.push_vector()
         self.flat.push_into(self.host_grad)
         return self.host_grad
 
@@ -151,12 +157,25 @@ class Replica:
             return
         stores.push(task.task_id, task.push_token, task.version, self.gradient_on_host())
 
+    def params_buffer(self) -> torch.Tensor:
+        """Where the next parameters are to be written: on a CPU the model's state itself (no
+        copy to load them), else the host buffer."""
+        self._written = self.host_state is self.flat.state
+        return self.host_state
+
     def ensure_params(self, task: TaskReply, stores: StoreClient, timeout_s: float) -> None:
-        """Make sure the parameters of ``task.version`` (or newer) are loaded."""
+        """Make sure the parameters of ``task.version`` (or newer) are loaded; a version already
+        in the model only gets its float buffers back (a step changes nothing else)."""
         if self.loaded_version < task.version:
             stores.pull(task.version)
-            self.loaded_version = stores.collect(self.host_state, timeout_s)
-        self.flat.load(self.host_state)
+            self.loaded_version = stores.collect(self.params_buffer(), timeout_s)
+        if self.host_state is not self.flat.state:
+            self.flat.load(self.host_state)
+        elif self._written:
+            self.flat.load(None)
+        else:
+            self.flat.reset_buffers()
+        self._written = False
 
     def batch(self, task: TaskReply, data: AheadReader) -> tuple[torch.Tensor, torch.Tensor]:
         """The task's samples on the device (from pinned memory on CUDA), augmented if asked;

@@ -17,10 +17,11 @@ from launch.procs import EventsMark, start_offset, wait_for_address
 
 @dataclass(frozen=True)
 class ServedRun:
-    """A running job: its server and workers, where its events begin, and the group that
-    stops them (and any other child started with it) when the job ends."""
+    """A running job: its server and the address it listens on, its workers, where its events
+    begin, and the group that stops them (and any other child started with it) when it ends."""
 
     server: Child
+    address: str
     workers: list[Child]
     metrics: Path
     mark: EventsMark
@@ -72,7 +73,7 @@ def served_run(
                 children.start(f"w{i}", [*python, "worker.cli", "join", "--server", address])
                 for i in range(workers)
             ]
-            yield ServedRun(server, joined, metrics, mark, children)
+            yield ServedRun(server, address, joined, metrics, mark, children)
         finally:
             children.stop(server, first_grace_s=stop_grace_s)
             children.close()

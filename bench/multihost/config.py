@@ -93,6 +93,8 @@ class BenchConfig:
         mode: the parameter server's mode: ``weighted-sync`` plans batches (on shared cores
             it may leave workers out of a round), ``equal-sync`` gives every worker ``batch``
             samples every round, as the ring's ranks have.
+        small_batch: samples per worker of each variant's second run, whose compute is too
+            short to hide the push behind backward (0: no such run).
     """
 
     workers: int = 3
@@ -112,6 +114,7 @@ class BenchConfig:
     out: Path = Path("runs/multihost")
     prefix: str = "mh"
     mode: str = "weighted-sync"
+    small_batch: int = 1
 
     def validate(self) -> BenchConfig:
         """Check every field.
@@ -143,6 +146,7 @@ class BenchConfig:
             ("--steps", self.steps, 1),
             ("--repeats", self.repeats, 1),
             ("--threads", self.threads, 1),
+            ("--small-batch", self.small_batch, 0),
         ):
             if value < low:
                 raise ConfigError(f"{name} must be >= {low}, got {value}")

@@ -72,7 +72,12 @@ def run_gloo(net: Network, cfg: BenchConfig, dataset: Path, log_dir: Path) -> di
 
 
 def run_ps(
-    net: Network, cfg: BenchConfig, variant: Variant, dataset: Path, run_dir: Path
+    net: Network,
+    cfg: BenchConfig,
+    variant: Variant,
+    dataset: Path,
+    run_dir: Path,
+    batch: int | None = None,
 ) -> dict[str, Any]:
     """One parameter-server run in ``cfg.mode``: ``pserver start`` on host 0, ``worker join``
     on each worker host, ``pserver shard`` where the variant puts shards; ``cfg.steps`` updates.
@@ -83,6 +88,7 @@ def run_ps(
         variant: what to run.
         dataset: the dataset file (served by the server; the workers' local copy if asked).
         run_dir: the server's run dir; the processes' logs go there too.
+        batch: samples per worker per step (default ``cfg.batch``).
 
     Returns:
         ``{"round_s", "compute_s", "comm_s", "batches", "compute_source", "wall_s"}``: per
@@ -108,7 +114,7 @@ def run_ps(
             "pserver.cli",
             *("start", "--bind", f"tcp://{server_host.address}:0", "--dataset", str(dataset)),
             *("--model", cfg.model, "--mode", cfg.mode, "--workers", str(n)),
-            *("--global-batch", str(cfg.batch * n), "--max-steps", str(cfg.steps)),
+            *("--global-batch", str((batch or cfg.batch) * n), "--max-steps", str(cfg.steps)),
             *("--eval-every", "1000000", "--torch-threads", "1", "--shutdown-timeout", "120"),
             *("--run-dir", str(run_dir), "--shard-secret-file", str(secret)),
             *variant.server_options(net.config.rates),

@@ -15,12 +15,15 @@ links, interleaved over ``--repeats``:
 Fairness on a machine whose few cores every process shares: a PS round's communication time
 is its round time minus the slowest worker's compute in that round, and is compared after
 adding one step's compute measured with the CPU to itself, against (all-reduce + that same
-compute); raw round times on the shared cores are shown beside them. Needs root (prints why
-and exits 0 otherwise). Every namespace is removed at the end, also on failure, Ctrl-C or SIGTERM.
+compute); raw round times on the shared cores are shown beside them. Each variant also runs
+with ``--small-batch`` samples per worker (``<variant>-small``): a step too short to hide the
+push behind backward, so its communication over the all-reduce's is the wire's alone. Needs
+root (prints why and exits 0 otherwise). Every namespace is removed at the end, also on
+failure, Ctrl-C or SIGTERM.
 
 Usage: python -m bench multihost [--workers 3] [--rate 1gbit | --rates 1gbit,1gbit,1gbit,100mbit]
        [--variants ps-k1,ps-k1-local,...] [--mode equal-sync] [--repeats 3] [--steps 12]
-       [--out runs/multihost]
+       [--small-batch 1] [--out runs/multihost]
 """
 
 from __future__ import annotations
@@ -44,11 +47,12 @@ from bench.multihost.config import (
     MODES,
     VARIANTS,
     BenchConfig,
+    Variant,
     scenes_dataset,
 )
 from bench.multihost.jobs import run_gloo, run_ps
 from bench.multihost.netprobe import measure_rate
-from bench.multihost.report import legend, table
+from bench.multihost.report import SMALL, legend, table
 from common.errors import PSError
 from common.logsetup import setup_logging
 from common.procs import ChildError
@@ -97,6 +101,12 @@ def parse(argv: list[str] | None) -> BenchConfig:
         help="the parameter server's mode (equal-sync: every worker in every round, as the "
         "ring's ranks)",
     )
+    p.add_argument(
+        "--small-batch",
+        type=int,
+        default=1,
+        help="samples per worker of each variant's small-compute run (0: none)",
+    )
     p.add_argument("--job-timeout", type=float, default=900.0, help="seconds one job may take")
     p.add_argument("--out", type=Path, default=ROOT / "runs/multihost", help="output directory")
     p.add_argument("--prefix", default="mh", help="namespace name prefix")
@@ -131,7 +141,8 @@ def run(cfg: BenchConfig) -> int:
     cfg = dataclasses.replace(cfg, out=cfg.out / time.strftime("%Y%m%d-%H%M%S"))
     cfg.out.mkdir()
     gloo_runs: list[dict[str, Any]] = []
-    ps_runs: dict[str, list[dict[str, Any]]] = {v.name: [] for v in variants}
+    runs = [(v, b) for v in variants for b in (cfg.batch, cfg.small_batch) if b]
+    ps_runs: dict[str, list[dict[str, Any]]] = {_label(v, b, cfg): [] for v, b in runs}
     failures: dict[str, list[str]] = {}
     with Network(NetConfig(rates=cfg.rates, prefix=cfg.prefix)) as net:
         links = check_links(net, cfg)
@@ -144,16 +155,15 @@ def run(cfg: BenchConfig) -> int:
             except ChildError as exc:
                 failures.setdefault("gloo", []).append(str(exc).splitlines()[0])
                 log.error("repeat %d gloo failed: %s", repeat, exc)
-            for variant in variants:
-                run_dir = cfg.out / f"{variant.name}-r{repeat}"
+            for variant, batch in runs:
+                name = _label(variant, batch, cfg)
+                run_dir = cfg.out / f"{name}-r{repeat}"
                 try:
-                    ps_runs[variant.name].append(run_ps(net, cfg, variant, dataset, run_dir))
-                    log.info(
-                        "repeat %d %s: %s", repeat, variant.name, _brief(ps_runs[variant.name][-1])
-                    )
+                    ps_runs[name].append(run_ps(net, cfg, variant, dataset, run_dir, batch))
+                    log.info("repeat %d %s: %s", repeat, name, _brief(ps_runs[name][-1]))
                 except ChildError as exc:
-                    failures.setdefault(variant.name, []).append(str(exc).splitlines()[0])
-                    log.error("repeat %d %s failed: %s", repeat, variant.name, exc)
+                    failures.setdefault(name, []).append(str(exc).splitlines()[0])
+                    log.error("repeat %d %s failed: %s", repeat, name, exc)
     text, figures = table(cfg, gloo_runs, ps_runs, failures)
     params = gloo_runs[0]["params"] if gloo_runs else None
     print("\n".join(links))
@@ -175,8 +185,8 @@ def run(cfg: BenchConfig) -> int:
 
 def figure_lines(figures: dict[str, Any]) -> str:
     """The table's headline figures as ``name=value`` words: the reference, then per variant
-    its median round, communication, slowest worker's compute and ratio to all-reduce +
-    compute."""
+    (and its ``-small`` run) its median round, communication, slowest worker's compute, ratio
+    to all-reduce + compute and communication over the all-reduce's."""
     words = [f"{k}={v:.4f}" for k, v in (figures.get("reference") or {}).items()]
     for name, row in figures["variants"].items():
         words.append(f"round_s_{name}={row['round_s']['median']:.4f}")
@@ -184,7 +194,13 @@ def figure_lines(figures: dict[str, Any]) -> str:
         words.append(f"compute_s_{name}={row['compute_s_median']:.4f}")
         if "ratio_reference" in row:
             words.append(f"ratio_{name}={row['ratio_reference']:.3f}")
+            words.append(f"comm_over_ring_{name}={row['ratio_comm_allreduce']:.3f}")
     return "\n".join(words)
+
+
+def _label(variant: Variant, batch: int, cfg: BenchConfig) -> str:
+    """A run's row name: the variant's, with ``-small`` for its small-compute run."""
+    return variant.name if batch == cfg.batch else f"{variant.name}{SMALL}"
 
 
 def _brief(result: dict) -> str:

@@ -146,24 +146,29 @@ def _check(mtype: str, name: str, optional: bool, kind: str, value: Any) -> Any:
     if kind == "list[int]":
         if type(value) is not list or len(value) > MAX_INDICES:
             raise bad(f"must be a list of at most {MAX_INDICES} ints")
-        if not all(type(v) is int for v in value):
+        if not _only(value, int):
             raise bad("must contain only ints")
         return value
     if kind == "list[float]":
         if type(value) is not list or len(value) > MAX_LIST:
             raise bad(f"must be a list of at most {MAX_LIST} numbers")
-        if not all(type(v) in (int, float) and math.isfinite(v) for v in value):
+        if not (_only(value, int, float) and all(map(math.isfinite, value))):
             raise bad("must contain only finite numbers")
         return [float(v) for v in value]
     if kind == "list[str]":
         if type(value) is not list or len(value) > MAX_LIST:
             raise bad(f"must be a list of at most {MAX_LIST} strings")
-        if not all(type(v) is str and len(v) <= MAX_STRING for v in value):
+        if not (_only(value, str) and all(len(v) <= MAX_STRING for v in value)):
             raise bad(f"must contain only strings of at most {MAX_STRING} characters")
         return value
     if type(value) is not dict:  # kind == "dict"
         raise bad("must be a map")
     return value
+
+
+def _only(values: list[Any], *kinds: type) -> bool:
+    """Whether every value's type is one of ``kinds`` exactly (a bool is not an int here)."""
+    return set(map(type, values)).issubset(kinds)
 
 
 def request_id_of(header: dict[str, Any]) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,8 +49,15 @@ def bfloat16_words(words: np.ndarray) -> BFloat16Array:
     return words.view(BFloat16Array)
 
 
+@functools.cache
 def _numpy_dtype(name: str) -> np.dtype:
-    return np.dtype(np.uint16 if name == BFLOAT16 else name)
+    """The little-endian numpy dtype of a wire dtype name."""
+    return np.dtype(np.uint16 if name == BFLOAT16 else name).newbyteorder("<")
+
+
+@functools.cache
+def _dtype_name(dtype: np.dtype) -> str:
+    return dtype.name  # a slow property: worth a lookup table
 
 
 def encode_frames(header: dict[str, Any], tensors: Sequence[np.ndarray] = ()) -> list[Any]:
@@ -67,7 +76,7 @@ def encode_frames(header: dict[str, Any], tensors: Sequence[np.ndarray] = ()) ->
     descriptors = []
     payload: list[Any] = []
     for array in tensors:
-        name = BFLOAT16 if isinstance(array, BFloat16Array) else array.dtype.name
+        name = BFLOAT16 if isinstance(array, BFloat16Array) else _dtype_name(array.dtype)
         array = np.ascontiguousarray(array)
         if name not in ALLOWED_DTYPES or array.dtype.byteorder == ">":
             raise ProtocolError(ErrorCode.BAD_TENSOR, f"dtype {array.dtype!s} cannot be sent")
@@ -144,12 +153,12 @@ def _decode_tensor(desc: Any, buf: memoryview, index: int) -> np.ndarray:
         raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor {index}: bad shape {shape!r}")
     numpy_dtype = _numpy_dtype(dtype)
     itemsize = numpy_dtype.itemsize
-    expected = int(np.prod(shape, dtype=np.int64)) * itemsize if shape else itemsize
+    expected = math.prod(shape) * itemsize
     if buf.nbytes != expected:
         raise ProtocolError(
             ErrorCode.BAD_TENSOR,
             f"tensor {index}: frame has {buf.nbytes} bytes, dtype {dtype} x shape {shape} "
             f"needs {expected}",
         )
-    array = np.frombuffer(buf, dtype=numpy_dtype.newbyteorder("<")).reshape(shape)
+    array = np.frombuffer(buf, dtype=numpy_dtype).reshape(shape)
     return array.view(BFloat16Array) if dtype == BFLOAT16 else array

@@ -103,7 +103,7 @@ class FlatModel:
         first = next(iter(layout.params), None)
         device = first.device if first is not None else torch.device("cpu")
         self.state = layout.read_state().to(device)
-        self.grads = torch.zeros(self.num_params, device=device)
+        self.grads = torch.zeros(self.size, device=device)  # the tail: buffer changes
         self._buffers_before = torch.empty(self.size - self.num_params, device=device)
         offset = 0
         with torch.no_grad():
@@ -121,15 +121,28 @@ class FlatModel:
                 module._buffers[attr] = self.state[offset : offset + n].view_as(buffer)
                 offset += n
 
-    def load(self, host_state: torch.Tensor) -> None:
-        """Copy a flat host state in (non-blocking from pinned memory) and remember the
-        buffers as loaded, for their change over the step."""
-        self.state.copy_(host_state, non_blocking=True)
+    def load(self, host_state: torch.Tensor | None) -> None:
+        """Copy a flat host state in (non-blocking from pinned memory; None: it was written
+        into ``state`` itself) and remember the buffers as loaded, for their change over the
+        step."""
+        if host_state is not None:
+            self.state.copy_(host_state, non_blocking=True)
         self._buffers_before.copy_(self.state[self.num_params :])
+
+    def reset_buffers(self) -> None:
+        """Set the float buffers back to their loaded values: a step changes nothing else."""
+        self.state[self.num_params :].copy_(self._buffers_before)
 
     def zero_grad(self) -> None:
         """Zero every gradient (in place, so they stay views)."""
         self.grads.zero_()
+
+    def push_vector(self) -> torch.Tensor:
+        """``[gradients..., buffer changes...]`` without a copy: the gradient buffer itself,
+        its tail set to the buffer changes; valid until the next ``zero_grad``."""
+        p = self.num_params
+        torch.sub(self.state[p:], self._buffers_before, out=self.grads[p:])
+        return self.grads
 
     def push_into(self, host: torch.Tensor, start: int = 0, stop: int | None = None) -> None:
         """Write ``[gradients..., buffer changes...]`` (elements ``start`` to ``stop`` of it)

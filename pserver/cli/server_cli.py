@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from common import eventloop
 from common.cli_env import show_envvars
 from common.cli_help import FullHelpGroup
 from common.config import default
@@ -282,7 +283,7 @@ def start(log_level: str, norm: str, **options: Any) -> None:
         options["write_timeout_s"] = options.pop("write_timeout")
         options["model"] = with_norm(options["model"], norm)
         config = ServerConfig(**options)
-        summary, error, interrupted = asyncio.run(_serve(config))
+        summary, error, interrupted = eventloop.run(_serve(config))
     except PSError as exc:
         raise click.ClickException(str(exc)) from exc
     if as_json:
@@ -397,7 +398,7 @@ def shard(log_level: str, **options: Any) -> None:
     try:
         from pserver.store.shard_server import serve_shard
 
-        reason = asyncio.run(serve_shard(ShardConfig(**options)))
+        reason = eventloop.run(serve_shard(ShardConfig(**options)))
     except PSError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"shard stopped: {reason}", err=True)

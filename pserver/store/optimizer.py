@@ -144,7 +144,3 @@ class FlatOptimizer:
     ) -> None:
         """``prepare`` and ``commit`` in one call."""
         self.commit(self.prepare(params, grad, out, lr_scale))
-
-    def state_finite(self, candidate: dict[str, torch.Tensor]) -> bool:
-        """Whether every slot of a candidate state is finite."""
-        return all(bool(torch.isfinite(t.sum())) for t in candidate.values())

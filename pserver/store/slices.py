@@ -89,6 +89,8 @@ class SliceStore:
             for a, b in zip(nonneg_bounds[::2], nonneg_bounds[1::2], strict=True)
             if a < hi and b > lo
         ]
+        spots = [i for a, b in self.nonneg for i in range(a, b)]
+        self._nonneg = torch.tensor(spots, dtype=torch.long) if spots else None
         self.spans = chunk_spans(lo, hi, chunk_elems)
         self._span_of = {start: stop - start for start, stop in self.spans}
         self.pool = BufferPool(self.size)
@@ -229,13 +231,18 @@ class SliceStore:
         return window
 
     def _invalid(self, new: torch.Tensor, slots: dict[str, torch.Tensor]) -> str:
-        if not bool(torch.isfinite(new.sum())):
+        """Why a candidate is invalid ("" when it is not): every check in one reduction each
+        and one read of their results."""
+        checks = [new.sum(), *(t.sum() for t in slots.values())]
+        if self._nonneg is not None:
+            checks.append(new.index_select(0, self._nonneg).min())
+        found = torch.stack(checks).tolist()
+        if not math.isfinite(found[0]):
             return "the update makes parameters or statistics non-finite"
-        if not self.optimizer.state_finite(slots):
+        if not all(map(math.isfinite, found[1 : 1 + len(slots)])):
             return "the update makes the optimizer state non-finite"
-        for a, b in self.nonneg:
-            if b > a and float(new[a:b].min()) < 0:
-                return "the update makes a running variance negative"
+        if self._nonneg is not None and found[-1] < 0:
+            return "the update makes a running variance negative"
         return ""
 
     def commit(self, version: int) -> list[int]:

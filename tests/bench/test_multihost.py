@@ -85,6 +85,10 @@ def test_table_ratios_by_hand() -> None:
              "compute_source": "batch / speed", "batches": {"w1": 8}},
         ],
         "ps-k1-local": [],
+        "ps-k1-small": [
+            {"round_s": [0.9], "comm_s": [0.8], "compute_s": [0.1],
+             "compute_source": "round records", "batches": {"w1": 1}},
+        ],
     }  # fmt: skip
     text, figures = table(cfg, gloo, ps, {"ps-k1-local": ["it broke"], "ps-kN": ["no run"]})
     assert figures["reference"]["reference_s"] == pytest.approx(0.75)  # 0.5 + fastest 0.25
@@ -93,6 +97,9 @@ def test_table_ratios_by_hand() -> None:
     assert row["ratio_reference"] == pytest.approx(2.5 / 0.75)
     assert row["ratio_comm_allreduce"] == pytest.approx(2.25 / 0.5)
     assert row["ratio_ddp_step"] == pytest.approx(2.75 / 1.0)
+    small = figures["variants"]["ps-k1-small"]  # set against its own workers' compute
+    assert small["ratio_reference"] == pytest.approx((0.8 + 0.1) / (0.5 + 0.1))
+    assert small["ratio_comm_allreduce"] == pytest.approx(0.8 / 0.5)
     lines = text.splitlines()
     assert all(line.count("|") == 10 for line in lines)
     assert any("ps-kN" in line and "failed: no run" in line for line in lines)

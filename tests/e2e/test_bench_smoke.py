@@ -92,7 +92,10 @@ SMOKE: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     "planner-speed": (("--workers", "4", "--repeats", "1"), ""),
     "round-floor": (("--requests", "40", "--compute-ms", "1"), ""),
-    "round-overhead": (("--rounds", "12", "--repeats", "1", "--workers", "1"), "data"),
+    "round-overhead": (
+        ("--rounds", "12", "--repeats", "1", "--workers", "1", "--floor-requests", "40"),
+        "data",
+    ),
     "round-profile": (("--seconds", "2"), "py-spy"),
     "simulate-speed": (("--workers", "16", "--shards", "2", "--rounds", "5"), ""),
     "snapshots": (("--repeats", "1", "--epochs", "1"), ""),
@@ -105,6 +108,7 @@ SMOKE: dict[str, tuple[tuple[str, ...], str]] = {
         ("--regimes", "small", "--epochs", "1", "--modes", "weighted-sync,ddp"),
         "data",
     ),
+    "wire": (("--requests", "32"), ""),
 }
 
 # Benches that write run folders take --out; the smoke run keeps them in the test's folder.

@@ -88,14 +88,19 @@ def test_tasks_overlapping_kept_samples_read_only_the_others(
         source = CountingReader(small_hsi, 1 << 20)
         try:
             source.start(second)
-            source.get(first)  # not the task started: read now (and the started read unused)
-            x, y = source.get(second)  # 4..7 are kept now: only 8..11 are read
+            # Not the task started: the started read ends and is kept (4..11), so only 0..3
+            # are read now, and the started task needs no read at all.
+            x1, y1 = source.get(first)
+            x, y = source.get(second)
             want_x, want_y = reference.read(second)
+            want_x1, want_y1 = reference.read(first)
         finally:
             source.close()
     np.testing.assert_array_equal(x, want_x)
     np.testing.assert_array_equal(y, want_y)
-    assert source.reads[-2:] == [first, train[8:]]
+    np.testing.assert_array_equal(x1, want_x1)
+    np.testing.assert_array_equal(y1, want_y1)
+    assert source.reads == [second, first[:4]]
 
 
 def test_a_started_kept_task_is_gathered_on_the_reading_thread(small_hsi: Path) -> None:
