@@ -321,7 +321,8 @@ def test_with_restarts_0_a_killed_server_fails_the_launch_and_nothing_is_left(
     finally:
         launcher.kill()
     error = launcher.output()
-    assert "server was killed by SIGKILL (signal 9)" in error and "no restart left (--restarts 0)" in error
+    assert "server was killed by SIGKILL (signal 9)" in error
+    assert "no restart left (--restarts 0)" in error
     assert processes_marked(mark) == []
 
 
