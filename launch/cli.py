@@ -34,7 +34,8 @@ from launch.cli_options import (
     warn_unbudgeted_server,
 )
 from launch.compare import MODES_HELP, CompareConfig, run_compare
-from launch.ddp.launcher import BACKENDS, GRAD_COMPRESSION, REBALANCE, DDPConfig, run_ddp
+from launch.ddp.config import BACKENDS, GRAD_COMPRESSION, REBALANCE, DDPConfig
+from launch.ddp.launcher import run_ddp
 from launch.local import LocalCluster, run_local
 from launch.progress import RunProgress
 from launch.settings import TrainSettings

@@ -25,7 +25,7 @@ from common.polling import poll_until
 from common.procs import Children
 from launch.cluster.nodes import Nodes
 from launch.cluster.schedule import OFF, ON, ScheduleFollower, ScheduleRunner
-from launch.ddp.launcher import DDPConfig
+from launch.ddp.config import DDPConfig
 from launch.procs import POLL_S
 from launch.progress import EventTail
 

@@ -30,7 +30,7 @@ from common.training.models import build_model
 from common.training.planner import plan_batches, plan_equal, tail_scale
 from common.training.schedule import lr_factor
 from launch.ddp import checkpoint
-from launch.ddp.launcher import DDPConfig
+from launch.ddp.config import DDPConfig
 from launch.ddp.record import INTERRUPTED, RunRecorder
 from launch.ddp.step import ComputeOnlyStep
 from pserver import checkpoint as checkpoint_file

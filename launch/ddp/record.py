@@ -15,7 +15,7 @@ from common.training.runlog import RunLog
 from common.training.speed import SpeedMeter
 from common.training.summary import per_class_of, run_summary
 from launch.ddp import checkpoint
-from launch.ddp.launcher import DDPConfig
+from launch.ddp.config import DDPConfig
 from launch.ddp.step import StepResult
 from pserver.checkpoint import check_identity
 from pserver.snapshots.snapshots import SnapshotMeta, SnapshotWriter

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from common.errors import ConfigError
-from launch.ddp.launcher import DDPConfig
+from launch.ddp.config import DDPConfig
 from launch.settings import TrainSettings
 from launch.slurm.groups import Group, ServerPlace
 
