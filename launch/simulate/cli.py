@@ -21,7 +21,7 @@ from launch.simulate.spec import (
     load_spec,
 )
 from launch.simulate.sweep import AXES, notes, parse_sweep, run_grid
-from pserver.config import STALENESS
+from pserver.config import PLANNERS, STALENESS
 
 
 def _modes(text: str) -> list[str]:
@@ -99,6 +99,18 @@ def _modes(text: str) -> list[str]:
     type=click.IntRange(min=0),
     default=None,
     help="Async staleness bound (default: the spec's, else none).",
+)
+@click.option(
+    "--planner",
+    type=click.Choice(PLANNERS),
+    default=None,
+    help="Weighted-sync's planner (default: the spec's or the run's, else model).",
+)
+@click.option(
+    "--min-local-batch",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Weighted-sync's smallest local batch (default: the spec's or the run's, else 1).",
 )
 @click.option("--epochs", type=click.IntRange(min=1), default=1, help="Epochs to simulate.")
 @click.option(

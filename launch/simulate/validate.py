@@ -125,7 +125,6 @@ def _pslaunch(
     return json.loads((run_dir / "summary.json").read_text())
 
 
-CALIBRATION = ("ps", "async", "ddp", "ddp_equal")
 # Per repeat, back to back: each measured run between calibration runs of its kind, before
 # and after it (ddp_equal before only), so that a drift of the machine's load that goes one
 # way over the minutes in between cancels in the mean of the two predictions.

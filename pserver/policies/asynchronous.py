@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 from common.errors import ErrorCode, ProtocolError
 from common.protocol.messages import PushRequest
-from common.training.planner import plan_batches
+from common.training.planner import async_batches
 from pserver.membership import Task, WorkerInfo
 from pserver.policies.base import Assignment, Decision, ModePolicy, Update
-from pserver.policies.staleness import staleness_function, too_stale
+from pserver.policies.staleness import lr_scale, staleness_function, too_stale
 from pserver.roundtiming import RoundTiming
 
 QUEUE_DEPTH = 2  # the task being computed and the one being prefetched
@@ -35,13 +35,12 @@ class AsyncPolicy(ModePolicy):
 
     def plan(self, ready: list[WorkerInfo]) -> list[Assignment]:
         made: list[Assignment] = []
-        speeds = {w.worker_id: w.speed for w in ready}
+        sizes = async_batches({w.worker_id: w.speed for w in ready}, self.config.global_batch)
         for worker in ready:
             while len(worker.tasks) + _count(made, worker) < QUEUE_DEPTH:
                 if self.sampler.exhausted:
                     return made
-                size = plan_batches(speeds, self.config.global_batch).get(worker.worker_id, 1)
-                epoch, positions = self.sampler.take(size)
+                epoch, positions = self.sampler.take(sizes[worker.worker_id])
                 if len(positions) == 0:
                     return made
                 made.append((worker, self.tasks.new(epoch, positions)))
@@ -71,7 +70,7 @@ class AsyncPolicy(ModePolicy):
         update = Update(
             [(worker, task, 1.0)],
             buffer_scale=share,
-            lr_scale=share * self.f(tau),
+            lr_scale=lr_scale(self.f, tau, task.size, self.config.global_batch),
             staleness=tau,
             clips=clips,
         )

@@ -6,9 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from common.protocol.messages import PushRequest
-from common.training.perfmodel import RoundSpread
-from common.training.planner import plan_by_model, plan_by_speed
-from common.training.probes import PROBE_EVERY, PROBE_EVERY_MAX, ProbeSchedule
+from common.training.planner import WeightedPlanner
+from common.training.probes import PROBE_EVERY, PROBE_EVERY_MAX
 from pserver.config import ServerConfig
 from pserver.membership import Task, WorkerInfo
 from pserver.policies.base import Decision, Update
@@ -60,8 +59,11 @@ class WeightedSync(SyncRounds):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
-        self.probes = ProbeSchedule()
-        self.spread = RoundSpread()
+        cfg = self.config
+        self.planner = WeightedPlanner(
+            planner=cfg.planner, plan_spread=cfg.plan_spread, min_batch=self.min_local_batch
+        )
+        self.spread = self.planner.spread
 
     def decide(
         self, worker: WorkerInfo, task: Task, push: PushRequest, version: int, clip: float
@@ -73,36 +75,20 @@ class WeightedSync(SyncRounds):
 
     def batch_sizes(self, workers: list[WorkerInfo], total: int) -> dict[int, int]:
         speeds = {w.worker_id: w.speed for w in workers}
-        minimum = self.min_local_batch
         fits = {w.worker_id: w.perf.fit(refit=False) for w in workers}
-        sizes = None
         # a run of faster steps under way: probe again at once to make (or break) the change
         faster = [w.worker_id for w in workers if (run := w.perf.compute_shift.run) and run[0] < 1]
-        probe = self.probes.due(speeds, faster)
-        if self.config.planner != "speed" and all(f is not None for f in fits.values()):
-            if self.config.planner == "compute":  # the same model without transfer time
-                fits = {w: dataclasses.replace(f, transfer_s=0.0) for w, f in fits.items() if f}
-            spread = self.spread.sigma_s() if self.uses_spread else 0.0
-            sizes = plan_by_model(fits, total, probe, spread, minimum)  # type: ignore[arg-type]
-        if sizes is None:
-            sizes = plan_by_speed(speeds, total, probe, minimum)
-        self.probes.planned(speeds, sizes, probe)
-        return sizes
+        return self.planner.plan(speeds, fits, total, faster)
 
     @property
     def probe_after(self) -> dict[int, int]:
         """Worker id -> rounds at 0 before its next probe (workers that lost a probe)."""
-        return self.probes.probe_after
+        return self.planner.probes.probe_after
 
     @property
     def min_local_batch(self) -> int:
         """The smallest local batch a worker is given (1: any)."""
         return self.config.min_local_batch or 1
-
-    @property
-    def uses_spread(self) -> bool:
-        """Whether plans weigh the spread of round times (the model planner, if asked)."""
-        return self.config.planner == "model" and self.config.plan_spread
 
     def applied(self, update: Update, timing: RoundTiming | None = None) -> None:
         super().applied(update, timing)
@@ -119,8 +105,9 @@ class WeightedSync(SyncRounds):
         self.spread.add_round([t.actual_s for t in steady], [t.predicted_s or 0.0 for t in steady])
 
     def summary(self) -> dict[str, object]:
-        spread = {"round_spread_s": round(self.spread.sigma_s(), 6)} if self.uses_spread else {}
-        return {**super().summary(), **spread}
+        if not self.planner.uses_spread:
+            return super().summary()
+        return {**super().summary(), "round_spread_s": round(self.spread.sigma_s(), 6)}
 
     def weights(self, sizes: dict[int, int]) -> dict[int, float]:
         total = sum(sizes.values())
