@@ -121,13 +121,10 @@ def async_batches(speeds: dict[int, float], total: int) -> dict[int, int]:
 
 
 class WeightedPlanner:
-    """weighted-sync's plan of each round, for the server's policy and the cluster simulator.
-
-    ``model`` plans on fitted models (``compute``: the same without transfer time), weighing
-    the measured spread of round times when ``plan_spread``; ``speed``, and any plan with a
-    worker not yet fitted, splits by speed. Workers below ``min_batch`` sit out; workers at 0
-    are probed on a ``ProbeSchedule``.
-    """
+    """weighted-sync's plan of each round, for the server's policy and the cluster simulator:
+    ``model`` plans on fitted models (``compute``: without transfer time), weighing the spread
+    of round times if ``plan_spread``; ``speed``, and a plan with a worker not yet fitted, by
+    speed. Workers below ``min_batch`` sit out; workers at 0 are probed (``ProbeSchedule``)."""
 
     def __init__(self, *, planner: str = "model", plan_spread: bool = True, min_batch: int = 1):
         self.planner, self.min_batch = planner, min_batch
@@ -142,20 +139,15 @@ class WeightedPlanner:
         total: int,
         recovering: Collection[int] = (),
     ) -> dict[int, int]:
-        """The round's plan (worker id -> batch, ids at 0 omitted), summing to ``total``.
+        """The round's plan, worker id -> batch (ids at 0 omitted), summing to ``total``.
 
         Args:
             speeds: worker id -> samples per second.
             fits: worker id -> fitted model (None: not yet fitted).
             total: the round's samples.
-            recovering: workers whose last steps ran far faster than predicted (probed at
-                once).
-
-        Returns:
-            The plan; the probe schedule advanced.
+            recovering: workers whose steps ran far faster than predicted: probed at once.
         """
-        probe = self.probes.due(speeds, recovering)
-        sizes = None
+        probe, sizes = self.probes.due(speeds, recovering), None
         fitted = {w: f for w, f in fits.items() if f is not None}
         if self.planner != "speed" and len(fitted) == len(fits):
             if self.planner == "compute":  # the same model without transfer time

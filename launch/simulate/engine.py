@@ -210,10 +210,10 @@ def _epoch_s(times: list[float], per_epoch: int, epochs: int) -> tuple[float, bo
 class _Planner:
     """Weighted-sync's or equal-sync's plan for each round, as the server's policies make it.
 
-    As the server's ``PerfModel``, a node's transfer time is the robust centre
-    (``robust_location``) of its last ``WINDOW`` steady rounds (rounds it was in after being in
-    the one before: a re-probe's round does not describe it), and the spread of round times
-    is measured over steady members only.
+    As the server's ``PerfModel``, a node's transfer time is 0 until it is measured (a worker
+    joins with its compute calibrated), then the robust centre (``robust_location``) of its
+    last ``WINDOW`` steady rounds (rounds it was in after being in the one before: a re-probe's
+    round does not describe it); the spread of round times is measured over steady members.
     """
 
     def __init__(self, cluster: Cluster, mode: str, plan_spread: bool) -> None:
@@ -229,12 +229,6 @@ class _Planner:
         self.weighted = WeightedPlanner(
             planner=cluster.planner, plan_spread=plan_spread, min_batch=cluster.min_local_batch
         )
-
-    def seed(self, node: int, transfer_s: float) -> None:
-        """A node's first transfer time (from an equal round before the first plan)."""
-        if node not in self.measured:
-            self.windows[node] = collections.deque([transfer_s], maxlen=WINDOW)
-            self.transfer[node] = transfer_s
 
     def fits(self) -> dict[int, Fit]:
         return {
@@ -283,17 +277,6 @@ def _sync(
             rounds[key] = ShardedRound(cluster, members)
         return rounds[key]
 
-    everyone = np.arange(len(cluster.nodes))
-    if mode == "weighted-sync":  # the transfer the planner starts from: an equal round's
-        plan = plan_equal(everyone.tolist(), cluster.global_batch)
-        members = np.array(sorted(plan))
-        batch = np.array([plan[int(i)] for i in members])
-        compute = jitter.alpha[members] + jitter.beta[members] * batch
-        dry = layout(members).times(compute, transfer[members])
-        for i, a, c in zip(
-            members.tolist(), dry.accepted_s.tolist(), compute.tolist(), strict=True
-        ):
-            planner.seed(i, max(a - c, 0.0))
     times: list[float] = []
     idle = busy = comm = members_sum = worker_bytes = server_bytes = 0.0
     rounds_in, samples = np.zeros(len(cluster.nodes)), np.zeros(len(cluster.nodes))

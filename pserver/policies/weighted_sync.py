@@ -7,20 +7,11 @@ import dataclasses
 
 from common.protocol.messages import PushRequest
 from common.training.planner import WeightedPlanner
-from common.training.probes import PROBE_EVERY, PROBE_EVERY_MAX
 from pserver.config import ServerConfig
 from pserver.membership import Task, WorkerInfo
 from pserver.policies.base import Decision, Update
 from pserver.policies.sync_rounds import SyncRounds
 from pserver.roundtiming import RoundTiming
-
-__all__ = [
-    "BATCHNORM_MIN_LOCAL_BATCH",
-    "PROBE_EVERY",
-    "PROBE_EVERY_MAX",
-    "WeightedSync",
-    "resolve_min_local_batch",
-]
 
 BATCHNORM_MIN_LOCAL_BATCH = 8  # default --min-local-batch for models with BatchNorm
 

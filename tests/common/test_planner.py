@@ -35,9 +35,10 @@ from common.training.planner import (
     plan_batches,
     plan_by_model,
 )
+from common.training.probes import PROBE_EVERY, PROBE_EVERY_MAX
 from pserver.config import ServerConfig
 from pserver.membership import Roster, TaskFactory, WorkerInfo
-from pserver.policies.weighted_sync import PROBE_EVERY, PROBE_EVERY_MAX, WeightedSync
+from pserver.policies.weighted_sync import WeightedSync
 from pserver.sampler import EpochSampler
 from tests.support.live import AsyncClient, Member, clients, live_server
 from worker.config import WorkerConfig
