@@ -217,28 +217,24 @@ class _Planner:
     """
 
     def __init__(self, cluster: Cluster, mode: str, plan_spread: bool) -> None:
-        self.mode = mode
-        self.nodes = cluster.nodes
-        self.measured = {
-            i: n.transfer_s for i, n in enumerate(cluster.nodes) if n.transfer_s is not None
+        self.mode, self.nodes, self.speeds = mode, cluster.nodes, _speeds(cluster)
+        self.transfer = {i: n.transfer_s or 0.0 for i, n in enumerate(cluster.nodes)}
+        self.windows = {  # nodes with a measured transfer time keep it
+            i: collections.deque[float](maxlen=WINDOW)
+            for i, n in enumerate(cluster.nodes)
+            if n.transfer_s is None
         }
-        self.windows: dict[int, collections.deque[float]] = {}
-        self.transfer: dict[int, float] = dict(self.measured)
         self.last_members: set[int] = set()
-        self.speeds = _speeds(cluster)
         self.weighted = WeightedPlanner(
             planner=cluster.planner, plan_spread=plan_spread, min_batch=cluster.min_local_batch
         )
 
     def fits(self) -> dict[int, Fit]:
-        return {
-            i: Fit(n.alpha_s, n.beta_s, self.transfer.get(i, 0.0)) for i, n in enumerate(self.nodes)
-        }
+        return {i: Fit(n.alpha_s, n.beta_s, self.transfer[i]) for i, n in enumerate(self.nodes)}
 
     def plan(self, total: int) -> dict[int, int]:
-        ids = list(range(len(self.nodes)))
         if self.mode == "equal-sync":
-            return plan_equal(ids, total)
+            return plan_equal(list(range(len(self.nodes))), total)
         return self.weighted.plan(self.speeds, self.fits(), total)
 
     def closed(
@@ -253,12 +249,9 @@ class _Planner:
         predicted = [fits[int(members[j])].predict(int(batch[j])) for j in steady]
         self.weighted.spread.add_round([float(actual[j]) for j in steady], predicted)
         for j in steady:
-            i = int(members[j])
-            if i in self.measured:
-                continue
-            window = self.windows.setdefault(i, collections.deque(maxlen=WINDOW))
-            window.append(max(float(actual[j] - compute[j]), 0.0))
-            self.transfer[i] = robust_location(list(window))
+            if (window := self.windows.get(i := int(members[j]))) is not None:
+                window.append(max(float(actual[j] - compute[j]), 0.0))
+                self.transfer[i] = robust_location(list(window))
 
 
 def _sync(

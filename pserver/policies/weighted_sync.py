@@ -50,11 +50,10 @@ class WeightedSync(SyncRounds):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
-        cfg = self.config
+        cfg, minimum = self.config, self.config.min_local_batch or 1
         self.planner = WeightedPlanner(
-            planner=cfg.planner, plan_spread=cfg.plan_spread, min_batch=self.min_local_batch
+            planner=cfg.planner, plan_spread=cfg.plan_spread, min_batch=minimum
         )
-        self.spread = self.planner.spread
 
     def decide(
         self, worker: WorkerInfo, task: Task, push: PushRequest, version: int, clip: float
@@ -71,16 +70,6 @@ class WeightedSync(SyncRounds):
         faster = [w.worker_id for w in workers if (run := w.perf.compute_shift.run) and run[0] < 1]
         return self.planner.plan(speeds, fits, total, faster)
 
-    @property
-    def probe_after(self) -> dict[int, int]:
-        """Worker id -> rounds at 0 before its next probe (workers that lost a probe)."""
-        return self.planner.probes.probe_after
-
-    @property
-    def min_local_batch(self) -> int:
-        """The smallest local batch a worker is given (1: any)."""
-        return self.config.min_local_batch or 1
-
     def applied(self, update: Update, timing: RoundTiming | None = None) -> None:
         super().applied(update, timing)
         timing = self.last_timing
@@ -93,12 +82,14 @@ class WeightedSync(SyncRounds):
             and (part := timing.workers.get(worker.worker_id)) is not None
             and part.predicted_s is not None
         ]
-        self.spread.add_round([t.actual_s for t in steady], [t.predicted_s or 0.0 for t in steady])
+        self.planner.spread.add_round(
+            [t.actual_s for t in steady], [t.predicted_s or 0.0 for t in steady]
+        )
 
     def summary(self) -> dict[str, object]:
         if not self.planner.uses_spread:
             return super().summary()
-        return {**super().summary(), "round_spread_s": round(self.spread.sigma_s(), 6)}
+        return {**super().summary(), "round_spread_s": round(self.planner.spread.sigma_s(), 6)}
 
     def weights(self, sizes: dict[int, int]) -> dict[int, float]:
         total = sum(sizes.values())
