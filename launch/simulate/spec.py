@@ -130,8 +130,7 @@ class Cluster:
         staleness: the async staleness function (``pserver start --staleness``).
         max_staleness: the async staleness bound (None: no bound).
         planner: weighted-sync's planner (``pserver start --planner``).
-        min_local_batch: the smallest local batch of a weighted-sync member
-            (``pserver start --min-local-batch``).
+        min_local_batch: its smallest local batch (``pserver start --min-local-batch``).
         ddp_bucket_mb: DDP's gradient bucket size (torch's default 25 MB).
         ddp_allreduce_s: measured all-reduce time per DDP step; replaces the ring model.
         backward_share: share of a step's compute spent in the backward pass (DDP overlaps
