@@ -210,10 +210,10 @@ def _epoch_s(times: list[float], per_epoch: int, epochs: int) -> tuple[float, bo
 class _Planner:
     """Weighted-sync's or equal-sync's plan for each round, as the server's policies make it.
 
-    As the server's ``PerfModel``, a node's transfer time is 0 until it is measured (a worker
-    joins with its compute calibrated), then the robust centre (``robust_location``) of its
-    last ``WINDOW`` steady rounds (rounds it was in after being in the one before: a re-probe's
-    round does not describe it); the spread of round times is measured over steady members.
+    As the server's ``PerfModel``, a node's transfer time is the robust centre
+    (``robust_location``) of its last ``WINDOW`` steady rounds (rounds it was in after being in
+    the one before: a re-probe's round does not describe it), and the spread of round times
+    is measured over steady members only.
     """
 
     def __init__(self, cluster: Cluster, mode: str, plan_spread: bool) -> None:
@@ -248,9 +248,13 @@ class _Planner:
         self.last_members = set(members.tolist())
         predicted = [fits[int(members[j])].predict(int(batch[j])) for j in steady]
         self.weighted.spread.add_round([float(actual[j]) for j in steady], predicted)
-        for j in steady:
-            if (window := self.windows.get(i := int(members[j]))) is not None:
-                window.append(max(float(actual[j] - compute[j]), 0.0))
+        self.learn([int(members[j]) for j in steady], [actual[j] - compute[j] for j in steady])
+
+    def learn(self, nodes: list[int], transfer_s: list[float]) -> None:
+        """Nodes' times outside compute in a round (nodes with a measured one keep it)."""
+        for i, seconds in zip(nodes, transfer_s, strict=True):
+            if (window := self.windows.get(i)) is not None:
+                window.append(max(float(seconds), 0.0))
                 self.transfer[i] = robust_location(list(window))
 
 
@@ -270,6 +274,14 @@ def _sync(
             rounds[key] = ShardedRound(cluster, members)
         return rounds[key]
 
+    if mode == "weighted-sync":  # the transfer the planner starts from: an equal round's
+        plan = plan_equal(list(range(len(cluster.nodes))), cluster.global_batch)
+        members = np.array(sorted(plan))
+        compute = jitter.alpha[members] + jitter.beta[members] * np.array(
+            [plan[i] for i in sorted(plan)]
+        )
+        dry = layout(members).times(compute, transfer[members])
+        planner.learn(members.tolist(), (dry.accepted_s - compute).tolist())
     times: list[float] = []
     idle = busy = comm = members_sum = worker_bytes = server_bytes = 0.0
     rounds_in, samples = np.zeros(len(cluster.nodes)), np.zeros(len(cluster.nodes))

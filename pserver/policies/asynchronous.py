@@ -13,6 +13,8 @@ from pserver.policies.staleness import lr_scale, staleness_function, too_stale
 from pserver.roundtiming import RoundTiming
 
 QUEUE_DEPTH = 2  # the task being computed and the one being prefetched
+COUNTERS = {"applied": "applied_count"}  # checkpoint key -> counter
+COUNTERS |= {name: name for name in ("rejected", "staleness_sum", "staleness_max")}
 
 
 class AsyncPolicy(ModePolicy):
@@ -91,18 +93,11 @@ class AsyncPolicy(ModePolicy):
         return {"mean": self.staleness_sum / self.applied_count, "max": self.staleness_max}
 
     def state(self) -> dict[str, object]:
-        return {
-            "applied": self.applied_count,
-            "rejected": self.rejected,
-            "staleness_sum": self.staleness_sum,
-            "staleness_max": self.staleness_max,
-        }
+        return {key: getattr(self, name) for key, name in COUNTERS.items()}
 
     def restore(self, state: dict[str, object]) -> None:
-        self.applied_count = int(state["applied"])  # type: ignore[call-overload]
-        self.rejected = int(state["rejected"])  # type: ignore[call-overload]
-        self.staleness_sum = int(state["staleness_sum"])  # type: ignore[call-overload]
-        self.staleness_max = int(state["staleness_max"])  # type: ignore[call-overload]
+        for key, name in COUNTERS.items():
+            setattr(self, name, int(state[key]))  # type: ignore[call-overload]
 
     def summary(self) -> dict[str, object]:
         return {"rejected_stale": self.rejected}
