@@ -343,6 +343,7 @@ class ParameterServer:
             test=len(self.reader.test_indices),
             global_batch=self.config.global_batch,
             staleness=None if self.config.is_sync else rule,
+            plan={"planner": c.planner, "spread": c.plan_spread, "min_batch": c.min_local_batch},
         )
         self._schedule_flush()
         log.info(

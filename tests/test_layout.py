@@ -202,3 +202,72 @@ def test_only_the_roster_writes_a_worker() -> None:
         for what in _worker_writes(path.read_text(encoding="utf-8"), fields)
     ]
     assert found == []
+
+
+PLANNER_HOMES = ("common.training", "pserver.policies")
+# What a plan is composed of; every other module asks ``WeightedPlanner``, ``async_batches``,
+# ``plan_equal`` or ``plan_batches`` for one.
+PLAN_PARTS = {"plan_by_model", "plan_by_speed", "at_least", "ProbeSchedule", "batch_sizes"}
+NOT_PLANS = {"common.data.splits"}  # rounds class proportions of a split, not batches
+FLOORS_OF = {"floor", "trunc", "floor_divide"}
+ORDERS = {"argsort", "sorted", "argpartition"}
+
+
+def _planner_arithmetic(source: str) -> list[str]:
+    """Where ``source`` composes a plan itself: uses one of ``PLAN_PARTS``, or rounds shares
+    to whole batches (a function that floors and orders, as largest-remainder rounding does)."""
+    tree = ast.parse(source)
+    found = []
+    for node in ast.walk(tree):
+        name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+        if isinstance(node, ast.alias | ast.FunctionDef):
+            name = node.name
+        if name in PLAN_PARTS:
+            found.append(name)
+        if isinstance(node, ast.FunctionDef):
+            calls = {
+                c.func.attr if isinstance(c.func, ast.Attribute) else getattr(c.func, "id", "")
+                for c in ast.walk(node)
+                if isinstance(c, ast.Call)
+            }
+            if calls & FLOORS_OF and calls & ORDERS:
+                found.append(f"{node.name} rounds shares")
+    return found
+
+
+def test_the_planner_check_finds_a_second_planner() -> None:
+    copy = (
+        "from common.training.planner import plan_by_model\n"
+        "from common.training.probes import ProbeSchedule\n"
+        "def plan(fits, total):\n    return plan_by_model(fits, total, ProbeSchedule().due(fits))"
+    )
+    assert sorted(set(_planner_arithmetic(copy))) == ["ProbeSchedule", "plan_by_model"]
+    rounding = (
+        "import numpy as np\n"
+        "def split(share, total):\n"
+        "    take = np.floor(share * total)\n"
+        "    order = np.argsort(take - share * total)\n"
+        "    return take, order"
+    )
+    assert _planner_arithmetic(rounding) == ["split rounds shares"]
+    assert _planner_arithmetic("from common.training.planner import WeightedPlanner\n") == []
+
+
+def test_plans_are_composed_only_by_the_planner_and_the_policies() -> None:
+    """The simulator and the launchers plan with the server's own code, never a copy."""
+    found = [
+        f"{name}: {what}"
+        for name, path in _modules().items()
+        if not name.startswith(PLANNER_HOMES) and name not in NOT_PLANS
+        for what in _planner_arithmetic(path.read_text(encoding="utf-8"))
+    ]
+    assert found == []
+    tree = ast.parse((ROOT / "launch/simulate/engine.py").read_text(encoding="utf-8"))
+    homes = ("common.training.planner", "pserver.policies.staleness")
+    used = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module in homes
+        for alias in node.names
+    }
+    assert {"WeightedPlanner", "async_batches", "plan_equal", "lr_scale", "too_stale"} <= used

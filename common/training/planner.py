@@ -20,6 +20,7 @@ minimum, never less.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import math
@@ -27,7 +28,8 @@ from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 
-from common.training.perfmodel import MAX_SECONDS, Fit
+from common.training.perfmodel import MAX_SECONDS, Fit, RoundSpread
+from common.training.probes import ProbeSchedule
 
 
 def plan_batches(speeds: dict[int, float], total: int, every_worker: bool = True) -> dict[int, int]:
@@ -110,6 +112,52 @@ def plan_by_speed(
                 sizes[donor] -= give
                 sizes[w] = give
     return sizes
+
+
+def async_batches(speeds: dict[int, float], total: int) -> dict[int, int]:
+    """Every worker's async batch: its speed's share of ``total``, at least one sample."""
+    plan = plan_batches(speeds, total)
+    return {w: plan.get(w, 1) for w in speeds}
+
+
+class WeightedPlanner:
+    """weighted-sync's plan of each round, for the server's policy and the cluster simulator:
+    ``model`` plans on fitted models (``compute``: without transfer time), weighing the spread
+    of round times if ``plan_spread``; ``speed``, and a plan with a worker not yet fitted, by
+    speed. Workers below ``min_batch`` sit out; workers at 0 are probed (``ProbeSchedule``)."""
+
+    def __init__(self, *, planner: str = "model", plan_spread: bool = True, min_batch: int = 1):
+        self.planner, self.min_batch = planner, min_batch
+        self.uses_spread = planner == "model" and plan_spread
+        self.probes = ProbeSchedule()
+        self.spread = RoundSpread()
+
+    def plan(
+        self,
+        speeds: dict[int, float],
+        fits: Mapping[int, Fit | None],
+        total: int,
+        recovering: Collection[int] = (),
+    ) -> dict[int, int]:
+        """The round's plan, worker id -> batch (ids at 0 omitted), summing to ``total``.
+
+        Args:
+            speeds: worker id -> samples per second.
+            fits: worker id -> fitted model (None: not yet fitted).
+            total: the round's samples.
+            recovering: workers whose steps ran far faster than predicted: probed at once.
+        """
+        probe, sizes = self.probes.due(speeds, recovering), None
+        fitted = {w: f for w, f in fits.items() if f is not None}
+        if self.planner != "speed" and len(fitted) == len(fits):
+            if self.planner == "compute":  # the same model without transfer time
+                fitted = {w: dataclasses.replace(f, transfer_s=0.0) for w, f in fitted.items()}
+            spread = self.spread.sigma_s() if self.uses_spread else 0.0
+            sizes = plan_by_model(fitted, total, probe, spread, self.min_batch)
+        if sizes is None:
+            sizes = plan_by_speed(speeds, total, probe, self.min_batch)
+        self.probes.planned(speeds, sizes, probe)
+        return sizes
 
 
 def plan_equal(workers: list[int], total: int) -> dict[int, int]:

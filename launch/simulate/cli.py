@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -21,7 +22,16 @@ from launch.simulate.spec import (
     load_spec,
 )
 from launch.simulate.sweep import AXES, notes, parse_sweep, run_grid
-from pserver.config import STALENESS
+from pserver.config import PLANNERS, STALENESS
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _overriding(
+    name: str, kind: click.ParamType, what: str, default: str = "the spec's or the run's"
+) -> Callable[[F], F]:
+    """An option that overrides the cluster's value (not given: the cluster's own)."""
+    return click.option(name, type=kind, default=None, help=f"{what} (default: {default}).")
 
 
 def _modes(text: str) -> list[str]:
@@ -58,47 +68,35 @@ def _modes(text: str) -> list[str]:
     default=None,
     help="Nodes (default: as given); groups keep their ratios, run workers repeat.",
 )
-@click.option(
-    "--shards",
-    type=click.IntRange(min=1, max=MAX_NODES),
-    default=None,
-    help="Parameter shards K (default: the spec's or the run's).",
-)
+@_overriding("--shards", click.IntRange(min=1, max=MAX_NODES), "Parameter shards K")
 @click.option(
     "--colocated/--dedicated-shards",
     default=None,
     help="Shards on worker hosts, or on their own server hosts (default: the "
     "spec's; runs: dedicated).",
 )
-@click.option(
-    "--wire-dtype",
-    type=click.Choice(list(WIRE_BYTES)),
-    default=None,
-    help="Wire dtype of parameters and gradients (default: the spec's or the run's).",
+@_overriding(
+    "--wire-dtype", click.Choice(list(WIRE_BYTES)), "Wire dtype of parameters and gradients"
 )
-@click.option(
-    "--global-batch",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Global batch B (default: the spec's or the run's).",
+@_overriding("--global-batch", click.IntRange(min=1), "Global batch B")
+@_overriding("--samples", click.IntRange(min=1), "Training samples per epoch")
+@_overriding(
+    "--staleness", click.Choice(STALENESS), "Async staleness function", "the spec's, else inverse"
 )
-@click.option(
-    "--samples",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Training samples per epoch (default: the spec's or the run's).",
+@_overriding(
+    "--max-staleness", click.IntRange(min=0), "Async staleness bound", "the spec's, else none"
 )
-@click.option(
-    "--staleness",
-    type=click.Choice(STALENESS),
-    default=None,
-    help="Async staleness function (default: the spec's, else inverse).",
+@_overriding(
+    "--planner",
+    click.Choice(PLANNERS),
+    "Weighted-sync's planner",
+    "the spec's or the run's, else model",
 )
-@click.option(
-    "--max-staleness",
-    type=click.IntRange(min=0),
-    default=None,
-    help="Async staleness bound (default: the spec's, else none).",
+@_overriding(
+    "--min-local-batch",
+    click.IntRange(min=1),
+    "Weighted-sync's smallest local batch",
+    "the spec's or the run's, else 1",
 )
 @click.option("--epochs", type=click.IntRange(min=1), default=1, help="Epochs to simulate.")
 @click.option(

@@ -1,13 +1,12 @@
 """The simulation loops: synchronous rounds (weighted-sync, equal-sync), async pushes in event
 order, and DDP steps, each planned and scaled by the server's own planner and staleness code.
 
-Weighted-sync plans every round with ``plan_by_model`` on each node's model (its transfer time
-the one it took in its last round), weighs the spread of round times that ``RoundSpread``
-measures from the simulated rounds, and re-probes workers planned at 0 on the server's
-``ProbeSchedule``. Async gives each worker the server's speed-proportional batch, applies
-pushes first come, first served, and refuses those that ``too_stale`` refuses (the worker
-re-pulls and recomputes the same samples); the learning-rate factor of each push comes from
-``staleness_function``.
+Weighted-sync plans every round with the server's ``WeightedPlanner`` (its planner, spread rule,
+probes and minimum local batch) on each node's model, its transfer time the one it took in its
+last rounds, the spread of round times measured from the simulated rounds. Async gives each
+worker the server's ``async_batches``, applies pushes first come, first served, and refuses
+those that ``too_stale`` refuses (the worker re-pulls and recomputes the same samples); the
+learning-rate factor of each push is the server's ``lr_scale``.
 """
 
 from __future__ import annotations
@@ -21,9 +20,8 @@ from typing import Any
 import numpy as np
 
 from common.errors import ConfigError
-from common.training.perfmodel import WINDOW, Fit, RoundSpread, robust_location
-from common.training.planner import plan_batches, plan_by_model, plan_equal
-from common.training.probes import ProbeSchedule
+from common.training.perfmodel import WINDOW, Fit, robust_location
+from common.training.planner import WeightedPlanner, async_batches, plan_equal
 from launch.simulate.costs import (
     ShardedRound,
     cpu_stretch,
@@ -34,7 +32,7 @@ from launch.simulate.costs import (
     worker_cpu_s,
 )
 from launch.simulate.spec import FP32_BYTES, Cluster
-from pserver.policies.staleness import staleness_function, too_stale
+from pserver.policies.staleness import lr_scale, staleness_function, too_stale
 
 SIM_MODES = ("weighted-sync", "equal-sync", "async", "ddp")
 MIN_COMPUTE_SHARE = 0.2  # jitter never makes a step shorter than this share of its mean
@@ -197,6 +195,12 @@ def _ring_s(cluster: Cluster) -> float:
     return ring_allreduce_s(cluster.wire_bytes, len(cluster.nodes), rate, latency)
 
 
+def _speeds(cluster: Cluster) -> dict[int, float]:
+    """Each node's speed in samples per second at an equal share of a global batch."""
+    ref = max(1, cluster.global_batch // len(cluster.nodes))
+    return {i: ref / node.compute_s(ref) for i, node in enumerate(cluster.nodes)}
+
+
 def _epoch_s(times: list[float], per_epoch: int, epochs: int) -> tuple[float, bool]:
     if len(times) >= per_epoch * epochs:
         return math.fsum(times) / epochs, False
@@ -213,41 +217,25 @@ class _Planner:
     """
 
     def __init__(self, cluster: Cluster, mode: str, plan_spread: bool) -> None:
-        self.mode = mode
-        self.nodes = cluster.nodes
-        self.measured = {
-            i: n.transfer_s for i, n in enumerate(cluster.nodes) if n.transfer_s is not None
+        self.mode, self.nodes, self.speeds = mode, cluster.nodes, _speeds(cluster)
+        self.transfer = {i: n.transfer_s or 0.0 for i, n in enumerate(cluster.nodes)}
+        self.windows = {  # nodes with a measured transfer time keep it
+            i: collections.deque[float](maxlen=WINDOW)
+            for i, n in enumerate(cluster.nodes)
+            if n.transfer_s is None
         }
-        self.windows: dict[int, collections.deque[float]] = {}
-        self.transfer: dict[int, float] = dict(self.measured)
         self.last_members: set[int] = set()
-        self.probes = ProbeSchedule()
-        self.spread = RoundSpread()
-        self.plan_spread = plan_spread
-
-    def seed(self, node: int, transfer_s: float) -> None:
-        """A node's first transfer time (from an equal round before the first plan)."""
-        if node not in self.measured:
-            self.windows[node] = collections.deque([transfer_s], maxlen=WINDOW)
-            self.transfer[node] = transfer_s
+        self.weighted = WeightedPlanner(
+            planner=cluster.planner, plan_spread=plan_spread, min_batch=cluster.min_local_batch
+        )
 
     def fits(self) -> dict[int, Fit]:
-        return {
-            i: Fit(n.alpha_s, n.beta_s, self.transfer.get(i, 0.0)) for i, n in enumerate(self.nodes)
-        }
+        return {i: Fit(n.alpha_s, n.beta_s, self.transfer[i]) for i, n in enumerate(self.nodes)}
 
     def plan(self, total: int) -> dict[int, int]:
-        ids = list(range(len(self.nodes)))
         if self.mode == "equal-sync":
-            return plan_equal(ids, total)
-        fits = self.fits()
-        probe = self.probes.due(fits)
-        spread = self.spread.sigma_s() if self.plan_spread else 0.0
-        sizes = plan_by_model(fits, total, probe, spread)
-        if sizes is None:  # as the server: an unusable model falls back to speeds
-            sizes = plan_batches({i: 1.0 / n.beta_s for i, n in enumerate(self.nodes)}, total)
-        self.probes.planned(fits, sizes, probe)
-        return sizes
+            return plan_equal(list(range(len(self.nodes))), total)
+        return self.weighted.plan(self.speeds, self.fits(), total)
 
     def closed(
         self, members: np.ndarray, batch: np.ndarray, compute: np.ndarray, actual: np.ndarray
@@ -259,14 +247,15 @@ class _Planner:
         steady = [j for j, i in enumerate(members.tolist()) if i in self.last_members]
         self.last_members = set(members.tolist())
         predicted = [fits[int(members[j])].predict(int(batch[j])) for j in steady]
-        self.spread.add_round([float(actual[j]) for j in steady], predicted)
-        for j in steady:
-            i = int(members[j])
-            if i in self.measured:
-                continue
-            window = self.windows.setdefault(i, collections.deque(maxlen=WINDOW))
-            window.append(max(float(actual[j] - compute[j]), 0.0))
-            self.transfer[i] = robust_location(list(window))
+        self.weighted.spread.add_round([float(actual[j]) for j in steady], predicted)
+        self.learn([int(members[j]) for j in steady], [actual[j] - compute[j] for j in steady])
+
+    def learn(self, nodes: list[int], transfer_s: list[float]) -> None:
+        """Nodes' times outside compute in a round (nodes with a measured one keep it)."""
+        for i, seconds in zip(nodes, transfer_s, strict=True):
+            if (window := self.windows.get(i)) is not None:
+                window.append(max(float(seconds), 0.0))
+                self.transfer[i] = robust_location(list(window))
 
 
 def _sync(
@@ -285,17 +274,14 @@ def _sync(
             rounds[key] = ShardedRound(cluster, members)
         return rounds[key]
 
-    everyone = np.arange(len(cluster.nodes))
     if mode == "weighted-sync":  # the transfer the planner starts from: an equal round's
-        plan = plan_equal(everyone.tolist(), cluster.global_batch)
+        plan = plan_equal(list(range(len(cluster.nodes))), cluster.global_batch)
         members = np.array(sorted(plan))
-        batch = np.array([plan[int(i)] for i in members])
-        compute = jitter.alpha[members] + jitter.beta[members] * batch
+        compute = jitter.alpha[members] + jitter.beta[members] * np.array(
+            [plan[i] for i in sorted(plan)]
+        )
         dry = layout(members).times(compute, transfer[members])
-        for i, a, c in zip(
-            members.tolist(), dry.accepted_s.tolist(), compute.tolist(), strict=True
-        ):
-            planner.seed(i, max(a - c, 0.0))
+        planner.learn(members.tolist(), (dry.accepted_s - compute).tolist())
     times: list[float] = []
     idle = busy = comm = members_sum = worker_bytes = server_bytes = 0.0
     rounds_in, samples = np.zeros(len(cluster.nodes)), np.zeros(len(cluster.nodes))
@@ -381,10 +367,8 @@ def _async(cluster: Cluster, epochs: int, max_rounds: int | None, seed: int) -> 
     nodes = cluster.nodes
     n = len(nodes)
     jitter = Jitter(cluster, seed)
-    ref = max(1, cluster.global_batch // n)
-    speeds = {i: ref / node.compute_s(ref) for i, node in enumerate(nodes)}
-    plan = plan_batches(speeds, cluster.global_batch)
-    batch = np.array([plan.get(i, 1) for i in range(n)])  # as the server: at least one each
+    plan = async_batches(_speeds(cluster), cluster.global_batch)
+    batch = np.array([plan[i] for i in range(n)])
     one_way = np.array([one_way_s(cluster, node) for node in nodes])
     # a node fitted from a run has its CPU time for the wire in its measured push time
     wire_cpu = cpu_stretch(cluster, n) * worker_cpu_s(cluster)
@@ -416,7 +400,7 @@ def _async(cluster: Cluster, epochs: int, max_rounds: int | None, seed: int) -> 
             applied += int(batch[i])
             samples[i] += batch[i]
             taus[tau] += 1
-            lr_sum += float(batch[i]) / cluster.global_batch * f(tau)
+            lr_sum += lr_scale(f, tau, int(batch[i]), cluster.global_batch)
         based_on[i] = version  # the reply (or the re-pull) carries the current parameters
         step = float(jitter.compute(idx[i : i + 1], batch[i : i + 1])[0])
         heapq.heappush(heap, (end + one_way[i] + step + one_way[i], i))

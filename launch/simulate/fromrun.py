@@ -245,6 +245,7 @@ def cluster_from_runs(paths: Sequence[Path]) -> Cluster:
         ddp_fitted, allreduce = ddp_nodes(ddp)
         if ps is None:
             nodes = ddp_fitted
+    plan = base.start.get("plan") or {}
     return Cluster(
         nodes=tuple(nodes),
         model_params=int(base.start["state_size"]),
@@ -255,4 +256,6 @@ def cluster_from_runs(paths: Sequence[Path]) -> Cluster:
         colocated=False,
         server=ServerCosts(step_s=step),
         ddp_allreduce_s=allreduce,
+        planner=str(plan.get("planner", "model")),
+        min_local_batch=int(plan.get("min_batch") or 1),
     )

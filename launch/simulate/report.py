@@ -25,21 +25,16 @@ LEGEND = (
 )
 
 
+DESCRIBED = ("model_params", "wire_dtype", "global_batch", "samples", "shards", "colocated",
+             "max_staleness", "planner", "min_local_batch")  # fmt: skip
+
+
 def describe(cluster: Cluster) -> dict[str, Any]:
     """The cluster in a few JSON-able numbers (node groups with counts)."""
     groups: collections.Counter[str] = collections.Counter(
         n.name.rsplit("#", 1)[0] for n in cluster.nodes
     )
-    return {
-        "nodes": dict(groups),
-        "model_params": cluster.model_params,
-        "wire_dtype": cluster.wire_dtype,
-        "global_batch": cluster.global_batch,
-        "samples": cluster.samples,
-        "shards": cluster.shards,
-        "colocated": cluster.colocated,
-        "max_staleness": cluster.max_staleness,
-    }
+    return {"nodes": dict(groups), **{key: getattr(cluster, key) for key in DESCRIBED}}
 
 
 def table(rows: Sequence[Row]) -> str:

@@ -35,7 +35,7 @@ import yaml
 from common.errors import ConfigError
 from common.regular_files import open_regular
 from common.training.planner import plan_batches
-from pserver.config import STALENESS
+from pserver.config import PLANNERS, STALENESS
 
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32_BYTES = 4
@@ -129,6 +129,8 @@ class Cluster:
         server: the shards' costs.
         staleness: the async staleness function (``pserver start --staleness``).
         max_staleness: the async staleness bound (None: no bound).
+        planner: weighted-sync's planner (``pserver start --planner``).
+        min_local_batch: its smallest local batch (``pserver start --min-local-batch``).
         ddp_bucket_mb: DDP's gradient bucket size (torch's default 25 MB).
         ddp_allreduce_s: measured all-reduce time per DDP step; replaces the ring model.
         backward_share: share of a step's compute spent in the backward pass (DDP overlaps
@@ -153,6 +155,8 @@ class Cluster:
     server: ServerCosts = ServerCosts()
     staleness: str = "inverse"
     max_staleness: int | None = None
+    planner: str = "model"
+    min_local_batch: int = 1
     ddp_bucket_mb: float = 25.0
     ddp_allreduce_s: float | None = None
     backward_share: float = 2.0 / 3.0
@@ -227,11 +231,13 @@ TOP_KEYS = {
     "samples": (1, 1e13),
     "shards": (1, MAX_NODES),
     "max_staleness": (0, 1e9),
+    "min_local_batch": (1, 1e9),
     "ddp_bucket_mb": (1e-3, 1e6),
     "backward_share": (0.0, 1.0),
     "chunk_mb": (1e-3, 1e6),
     "shared_cores": (1e-3, 1e6),
     **dict.fromkeys(("wire_dtype", "colocated", "link", "server", "groups", "staleness")),
+    "planner": None,
 }
 
 
@@ -321,6 +327,8 @@ def cluster_from_spec(spec: Mapping[str, Any], seed: int = 0) -> Cluster:
     max_staleness = spec.get("max_staleness")
     staleness = str(spec.get("staleness", "inverse"))
     _check(staleness in STALENESS, f"staleness must be one of {list(STALENESS)}, got {staleness!r}")
+    planner = str(spec.get("planner", "model"))
+    _check(planner in PLANNERS, f"planner must be one of {list(PLANNERS)}, got {planner!r}")
     return Cluster(
         nodes=tuple(nodes),
         model_params=params,
@@ -340,6 +348,8 @@ def cluster_from_spec(spec: Mapping[str, Any], seed: int = 0) -> Cluster:
         ),
         staleness=staleness,
         max_staleness=None if max_staleness is None else int(top.number("max_staleness")),
+        planner=planner,
+        min_local_batch=int(top.number("min_local_batch", 1)),
         ddp_bucket_mb=top.number("ddp_bucket_mb", 25.0),
         backward_share=top.number("backward_share", 2.0 / 3.0),
         chunk_mb=top.number("chunk_mb", 4.0),

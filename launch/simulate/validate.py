@@ -125,7 +125,6 @@ def _pslaunch(
     return json.loads((run_dir / "summary.json").read_text())
 
 
-CALIBRATION = ("ps", "async", "ddp", "ddp_equal")
 # Per repeat, back to back: each measured run between calibration runs of its kind, before
 # and after it (ddp_equal before only), so that a drift of the machine's load that goes one
 # way over the minutes in between cancels in the mean of the two predictions.
@@ -251,15 +250,12 @@ def kept_figures(kept: Path = MULTIHOST_KEPT) -> dict[str, Any]:
     """The figures of a kept multi-host bench record (``bench/results/NAME.json``), in
     ``bench_figures``' shape: communication = round time after the slowest worker's compute
     (DDP: the all-reduce alone), and each layout's slowest worker's compute per round."""
-    record = json.loads(kept.read_text(encoding="utf-8"))
-    figures = record["figures"]
+    figures = (record := json.loads(kept.read_text(encoding="utf-8")))["figures"]
     comm = {"ddp": figures["allreduce_s"]}
-    compute = {}
-    for layout in MULTIHOST_LAYOUTS:
-        if f"comm_s_{layout}" in figures:
-            comm[layout] = figures[f"comm_s_{layout}"]
-        if f"compute_s_{layout}" in figures:
-            compute[layout] = figures[f"compute_s_{layout}"]
+    comm |= {k: figures[f"comm_s_{k}"] for k in MULTIHOST_LAYOUTS if f"comm_s_{k}" in figures}
+    compute = {
+        k: figures[f"compute_s_{k}"] for k in MULTIHOST_LAYOUTS if f"compute_s_{k}" in figures
+    }
     return {
         "source": f"{kept.name}: {record['date']}, {record['command']}",
         "compute_s": figures["compute_s"],
@@ -279,14 +275,10 @@ def bench_figures(results: Path) -> dict[str, Any]:
     figures = data["figures"]
     if not figures.get("reference"):
         raise ValueError(f"{results} holds no all-reduce reference")
+    rows = {k: row for k in MULTIHOST_LAYOUTS if (row := figures["variants"].get(k)) is not None}
     comm = {"ddp": figures["reference"]["allreduce_s"]}
-    compute = {}
-    for layout in MULTIHOST_LAYOUTS:
-        row = figures["variants"].get(layout)
-        if row is not None:
-            comm[layout] = row["comm_s_median"]
-            if row.get("compute_s_median") is not None:
-                compute[layout] = row["compute_s_median"]
+    comm |= {k: row["comm_s_median"] for k, row in rows.items()}
+    compute = {k: v for k, row in rows.items() if (v := row.get("compute_s_median")) is not None}
     return {
         "source": str(results),
         "compute_s": figures["reference"]["compute_s"],

@@ -6,13 +6,15 @@ from collections.abc import Sequence
 
 from common.errors import ErrorCode, ProtocolError
 from common.protocol.messages import PushRequest
-from common.training.planner import plan_batches
+from common.training.planner import async_batches
 from pserver.membership import Task, WorkerInfo
 from pserver.policies.base import Assignment, Decision, ModePolicy, Update
-from pserver.policies.staleness import staleness_function, too_stale
+from pserver.policies.staleness import lr_scale, staleness_function, too_stale
 from pserver.roundtiming import RoundTiming
 
 QUEUE_DEPTH = 2  # the task being computed and the one being prefetched
+COUNTERS = {"applied": "applied_count"}  # checkpoint key -> counter
+COUNTERS |= {name: name for name in ("rejected", "staleness_sum", "staleness_max")}
 
 
 class AsyncPolicy(ModePolicy):
@@ -35,13 +37,12 @@ class AsyncPolicy(ModePolicy):
 
     def plan(self, ready: list[WorkerInfo]) -> list[Assignment]:
         made: list[Assignment] = []
-        speeds = {w.worker_id: w.speed for w in ready}
+        sizes = async_batches({w.worker_id: w.speed for w in ready}, self.config.global_batch)
         for worker in ready:
             while len(worker.tasks) + _count(made, worker) < QUEUE_DEPTH:
                 if self.sampler.exhausted:
                     return made
-                size = plan_batches(speeds, self.config.global_batch).get(worker.worker_id, 1)
-                epoch, positions = self.sampler.take(size)
+                epoch, positions = self.sampler.take(sizes[worker.worker_id])
                 if len(positions) == 0:
                     return made
                 made.append((worker, self.tasks.new(epoch, positions)))
@@ -71,7 +72,7 @@ class AsyncPolicy(ModePolicy):
         update = Update(
             [(worker, task, 1.0)],
             buffer_scale=share,
-            lr_scale=share * self.f(tau),
+            lr_scale=lr_scale(self.f, tau, task.size, self.config.global_batch),
             staleness=tau,
             clips=clips,
         )
@@ -92,18 +93,11 @@ class AsyncPolicy(ModePolicy):
         return {"mean": self.staleness_sum / self.applied_count, "max": self.staleness_max}
 
     def state(self) -> dict[str, object]:
-        return {
-            "applied": self.applied_count,
-            "rejected": self.rejected,
-            "staleness_sum": self.staleness_sum,
-            "staleness_max": self.staleness_max,
-        }
+        return {key: getattr(self, name) for key, name in COUNTERS.items()}
 
     def restore(self, state: dict[str, object]) -> None:
-        self.applied_count = int(state["applied"])  # type: ignore[call-overload]
-        self.rejected = int(state["rejected"])  # type: ignore[call-overload]
-        self.staleness_sum = int(state["staleness_sum"])  # type: ignore[call-overload]
-        self.staleness_max = int(state["staleness_max"])  # type: ignore[call-overload]
+        for key, name in COUNTERS.items():
+            setattr(self, name, int(state[key]))  # type: ignore[call-overload]
 
     def summary(self) -> dict[str, object]:
         return {"rejected_stale": self.rejected}

@@ -40,3 +40,8 @@ def too_stale(tau: int, limit: int | None) -> bool:
     """Whether a push ``tau`` versions old is refused under ``--max-staleness`` ``limit``
     (None: no bound); a refused worker re-pulls and recomputes the same samples."""
     return limit is not None and tau > limit
+
+
+def lr_scale(f: Callable[[int], float], tau: int, size: int, global_batch: int) -> float:
+    """An async push's learning-rate factor: its share of a global batch times ``f(tau)``."""
+    return size / global_batch * f(tau)

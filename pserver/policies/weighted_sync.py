@@ -6,22 +6,12 @@ from __future__ import annotations
 import dataclasses
 
 from common.protocol.messages import PushRequest
-from common.training.perfmodel import RoundSpread
-from common.training.planner import plan_by_model, plan_by_speed
-from common.training.probes import PROBE_EVERY, PROBE_EVERY_MAX, ProbeSchedule
+from common.training.planner import WeightedPlanner
 from pserver.config import ServerConfig
 from pserver.membership import Task, WorkerInfo
 from pserver.policies.base import Decision, Update
 from pserver.policies.sync_rounds import SyncRounds
 from pserver.roundtiming import RoundTiming
-
-__all__ = [
-    "BATCHNORM_MIN_LOCAL_BATCH",
-    "PROBE_EVERY",
-    "PROBE_EVERY_MAX",
-    "WeightedSync",
-    "resolve_min_local_batch",
-]
 
 BATCHNORM_MIN_LOCAL_BATCH = 8  # default --min-local-batch for models with BatchNorm
 
@@ -60,8 +50,10 @@ class WeightedSync(SyncRounds):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
-        self.probes = ProbeSchedule()
-        self.spread = RoundSpread()
+        cfg, minimum = self.config, self.config.min_local_batch or 1
+        self.planner = WeightedPlanner(
+            planner=cfg.planner, plan_spread=cfg.plan_spread, min_batch=minimum
+        )
 
     def decide(
         self, worker: WorkerInfo, task: Task, push: PushRequest, version: int, clip: float
@@ -73,36 +65,10 @@ class WeightedSync(SyncRounds):
 
     def batch_sizes(self, workers: list[WorkerInfo], total: int) -> dict[int, int]:
         speeds = {w.worker_id: w.speed for w in workers}
-        minimum = self.min_local_batch
         fits = {w.worker_id: w.perf.fit(refit=False) for w in workers}
-        sizes = None
         # a run of faster steps under way: probe again at once to make (or break) the change
         faster = [w.worker_id for w in workers if (run := w.perf.compute_shift.run) and run[0] < 1]
-        probe = self.probes.due(speeds, faster)
-        if self.config.planner != "speed" and all(f is not None for f in fits.values()):
-            if self.config.planner == "compute":  # the same model without transfer time
-                fits = {w: dataclasses.replace(f, transfer_s=0.0) for w, f in fits.items() if f}
-            spread = self.spread.sigma_s() if self.uses_spread else 0.0
-            sizes = plan_by_model(fits, total, probe, spread, minimum)  # type: ignore[arg-type]
-        if sizes is None:
-            sizes = plan_by_speed(speeds, total, probe, minimum)
-        self.probes.planned(speeds, sizes, probe)
-        return sizes
-
-    @property
-    def probe_after(self) -> dict[int, int]:
-        """Worker id -> rounds at 0 before its next probe (workers that lost a probe)."""
-        return self.probes.probe_after
-
-    @property
-    def min_local_batch(self) -> int:
-        """The smallest local batch a worker is given (1: any)."""
-        return self.config.min_local_batch or 1
-
-    @property
-    def uses_spread(self) -> bool:
-        """Whether plans weigh the spread of round times (the model planner, if asked)."""
-        return self.config.planner == "model" and self.config.plan_spread
+        return self.planner.plan(speeds, fits, total, faster)
 
     def applied(self, update: Update, timing: RoundTiming | None = None) -> None:
         super().applied(update, timing)
@@ -116,11 +82,14 @@ class WeightedSync(SyncRounds):
             and (part := timing.workers.get(worker.worker_id)) is not None
             and part.predicted_s is not None
         ]
-        self.spread.add_round([t.actual_s for t in steady], [t.predicted_s or 0.0 for t in steady])
+        self.planner.spread.add_round(
+            [t.actual_s for t in steady], [t.predicted_s or 0.0 for t in steady]
+        )
 
     def summary(self) -> dict[str, object]:
-        spread = {"round_spread_s": round(self.spread.sigma_s(), 6)} if self.uses_spread else {}
-        return {**super().summary(), **spread}
+        if not self.planner.uses_spread:
+            return super().summary()
+        return {**super().summary(), "round_spread_s": round(self.planner.spread.sigma_s(), 6)}
 
     def weights(self, sizes: dict[int, int]) -> dict[int, float]:
         total = sum(sizes.values())

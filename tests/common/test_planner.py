@@ -35,9 +35,10 @@ from common.training.planner import (
     plan_batches,
     plan_by_model,
 )
+from common.training.probes import PROBE_EVERY, PROBE_EVERY_MAX
 from pserver.config import ServerConfig
 from pserver.membership import Roster, TaskFactory, WorkerInfo
-from pserver.policies.weighted_sync import PROBE_EVERY, PROBE_EVERY_MAX, WeightedSync
+from pserver.policies.weighted_sync import WeightedSync
 from pserver.sampler import EpochSampler
 from tests.support.live import AsyncClient, Member, clients, live_server
 from worker.config import WorkerConfig
@@ -461,7 +462,9 @@ def test_weighted_sync_falls_back_to_speed_and_reprobes_a_worker_at_zero() -> No
     plans = [policy.batch_sizes([fast, slow], 64) for _ in range(PROBE_EVERY_MAX + 1)]
     back = next(i for i, plan in enumerate(plans) if plan.get(2))
     assert all(plan.get(2, 0) > 1 for plan in plans[back:])
-    assert slow.worker_id not in policy.probe_after  # a later loss starts again at 20 rounds
+    assert (
+        slow.worker_id not in policy.planner.probes.probe_after
+    )  # a later loss starts again at 20 rounds
 
 
 def test_weighted_sync_probes_a_recovering_worker_again_at_once() -> None:
@@ -488,7 +491,7 @@ def test_weighted_sync_probes_a_recovering_worker_again_at_once() -> None:
 def test_weighted_sync_weighs_the_measured_spread_when_asked(plan_spread: bool) -> None:
     policy, workers = _policy("model", plan_spread)
     for _ in range(8):  # members 30 ms either side of the round's mean, round after round
-        policy.spread.add_round([0.074, 0.014], [0.044, 0.044])
+        policy.planner.spread.add_round([0.074, 0.014], [0.044, 0.044])
     # spread 1.4826 * sqrt(2) * 30 ms = 63 ms: 42 / 22 samples are expected to end at
     # 44 ms + 0.5642 * 63 ms = 79 ms, worker 1 alone at 2 + 64 = 66 ms.
     assert policy.batch_sizes(workers, 64) == ({1: 64} if plan_spread else {1: 42, 2: 22})
@@ -516,8 +519,8 @@ def test_weighted_sync_measures_the_spread_on_members_of_consecutive_rounds() ->
             part = policy.last_timing.workers.get(worker.worker_id)
             roster.account_round(worker, part, round_id)
         # round 1 is every member's first (no prefetch): only rounds 2 and 3 are measured
-        assert [r for r, _ in policy.spread.recent] == list(range(2, round_id + 1))
-        assert all(len(devs) == 2 for _, devs in policy.spread.recent)
+        assert [r for r, _ in policy.planner.spread.recent] == list(range(2, round_id + 1))
+        assert all(len(devs) == 2 for _, devs in policy.planner.spread.recent)
 
 
 def test_weighted_sync_refits_a_pushers_model_while_its_round_waits(

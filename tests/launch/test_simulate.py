@@ -122,6 +122,26 @@ def test_weighted_sync_probes_a_worker_it_left_out() -> None:
     assert result.members == pytest.approx(2 + 1 / 60)
 
 
+@pytest.mark.parametrize(
+    ("plan", "members", "slow_batch"),
+    [
+        ({"planner": "compute"}, 3.0, 15),
+        ({"planner": "compute", "min_local_batch": 32}, 2.0, 0),
+        ({"planner": "speed"}, 3.0, 16),
+    ],
+)
+def test_weighted_sync_plans_with_the_servers_minimum_and_planner(
+    plan: dict[str, object], members: float, slow_batch: int
+) -> None:
+    """On compute alone the slow node's share is 15 of 256 samples (0.682 s against 0.087 s
+    for 85 samples): below a minimum local batch of 32 it sits out (20 rounds: before its
+    first probe); the speed planner gives it its speed's share, 16."""
+    nodes = [_node("fast#0", 1.0), _node("fast#1", 1.0), _node("slow#0", 8.0)]
+    result = simulate(_cluster(nodes, **plan), "weighted-sync")
+    assert result.members == members
+    assert result.groups["slow"]["share"] == pytest.approx(slow_batch / 256)
+
+
 SPEC = {
     "model_mb": 100,
     "global_batch": 512,
@@ -177,6 +197,8 @@ def _write_run(path: Path, mode: str, rounds: list[dict], summary: dict) -> Path
     path.mkdir()
     start = {"event": "start", "t": 0.0, "mode": mode, "state_size": 1000, "train": 640}
     start.update({"shards": 1, "wire_dtype": "fp32"} if mode != "ddp" else {"world_size": 2})
+    if mode == "weighted-sync":
+        start["plan"] = {"planner": "compute", "spread": True, "min_batch": 8}
     lines = [start, *({"event": "round", "t": 1.0, **r} for r in rounds)]
     (path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     (path / "summary.json").write_text(json.dumps(summary))
@@ -207,6 +229,7 @@ def test_from_run_dirs_calibrates_on_the_recorded_rounds(tmp_path: Path) -> None
     assert (w1.alpha_s, w1.beta_s, w1.transfer_s) == pytest.approx((0.004, 0.002, 0.020))
     assert cluster.global_batch == 64 and cluster.samples == 640
     assert cluster.ddp_allreduce_s == pytest.approx(0.03)
+    assert (cluster.planner, cluster.min_local_batch) == ("compute", 8)  # as the run planned
     # equal-sync: 32 samples each; the slower worker ends the round, then the step
     equal = simulate(cluster, "equal-sync")
     assert equal.round_s == pytest.approx(0.004 + 0.002 * 32 + 0.020 + 0.005, rel=0.01)

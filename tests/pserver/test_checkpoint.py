@@ -97,5 +97,9 @@ async def test_a_resumed_server_starts_from_the_saved_parameters(
         status = await c.request(StatusRequest())
         assert isinstance(status, StatusReply) and status.status["version"] == 2
         assert torch.equal(published(ps), saved)
+        counters = {"applied": 2, "rejected": 0, "staleness_sum": 0, "staleness_max": 0}
+        assert ps.policy.state() == counters  # the policy's counters came back too
+    start = next(e for e in events(tmp_path) if e["event"] == "start")
+    assert start["plan"] == {"planner": "model", "spread": True, "min_batch": 1}  # as resolved
     resumed = [e for e in events(tmp_path) if e["event"] == "resume"]
     assert [e["version"] for e in resumed] == [2]

@@ -19,6 +19,7 @@ from common.training.flat import FlatLayout
 from common.training.models import build_model, has_batchnorm, with_norm
 from common.training.perfmodel import Fit
 from common.training.planner import plan_by_model, plan_by_speed, tail_scale
+from common.training.probes import PROBE_EVERY
 from common.training.slowdown import SlowdownSchedule
 from launch.compare import drop_stats, max_drop
 from launch.ddp.step import ComputeOnlyStep
@@ -30,7 +31,6 @@ from pserver.policies.equal_sync import EqualSync
 from pserver.policies.sync_rounds import Round
 from pserver.policies.weighted_sync import (
     BATCHNORM_MIN_LOCAL_BATCH,
-    PROBE_EVERY,
     WeightedSync,
     resolve_min_local_batch,
 )
@@ -286,7 +286,7 @@ def test_weighted_sync_leaves_out_a_worker_below_the_minimum_and_probes_it() -> 
     plans = [policy.batch_sizes(workers, 64) for _ in range(PROBE_EVERY + 1)]
     assert all(3 not in plan for plan in plans[:PROBE_EVERY])  # reported as planned at 0
     assert plans[PROBE_EVERY][3] == 8  # then probed with the minimum, never fewer samples
-    assert policy.min_local_batch == 8
+    assert policy.planner.min_batch == 8
 
 
 def test_the_minimum_defaults_on_for_batchnorm_models_in_weighted_sync() -> None:
