@@ -63,7 +63,7 @@ def test_pslaunch_local_runs_twice_in_one_run_dir_with_overwrite(
     refused = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert refused.returncode == 1 and "--overwrite" in refused.stderr
     again = subprocess.run(
-        [*command, "--server-opt=--overwrite"],
+        [*command, "--overwrite"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -71,6 +71,8 @@ def test_pslaunch_local_runs_twice_in_one_run_dir_with_overwrite(
     )
     assert again.returncode == 0, again.stderr[-2000:]
     assert "share:" in again.stdout and "w1-x2" in again.stdout
+    starts = [line for line in (tmp_path / "metrics.jsonl").open() if '"event": "start"' in line]
+    assert len(starts) == 1  # the first run's files were replaced, not continued
 
 
 def test_a_stopped_launch_with_shards_stops_and_reaps_them(small_hsi: Path, tmp_path: Path) -> None:
