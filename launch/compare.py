@@ -32,7 +32,7 @@ from launch.cluster.spec import ClusterSpec, NodeSpec
 from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local, worker_name
 from launch.progress import RunProgress, eval_label
-from launch.settings import TrainSettings
+from launch.settings import TrainSettings, server_mode_args
 from launch.slurm.config import SlurmJob
 from launch.slurm.jobs import LAUNCHERS, SlurmRuns, run_job
 from launch.snapshot_times import score_run
@@ -217,11 +217,7 @@ class CompareConfig:
     def _server_mode_options(self, mode: str) -> list[str]:
         """``pserver start`` options for the async settings and snapshots given."""
         options = snapshot_options(mode, self.snapshot_every, len(self.slowdowns))
-        if self.staleness is not None:
-            options += ["--staleness", self.staleness]
-        if self.max_staleness is not None:
-            options += ["--max-staleness", str(self.max_staleness)]
-        return options
+        return [*options, *server_mode_args(self.staleness, self.max_staleness)]
 
     def cluster(self, mode: str, run_dir: Path) -> LocalCluster:
         """The parameter-server run of ``mode``."""
