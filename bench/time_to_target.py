@@ -62,6 +62,7 @@ from bench.harness.cluster import (
 )
 from bench.harness.jasper import jasper, jasper_missing
 from bench.harness.record import parse_settings
+from bench.harness.stats import paired, ratio, spread_text
 from common.logsetup import setup_logging
 from common.training.tables import format_table
 from launch.cluster.spec import PRESETS, parse_cluster
@@ -82,26 +83,6 @@ REGIMES = {
     "small": (5, 0.1, 64, "constant", 6, 0.90),
     "heavy": (11, 0.5, 128, "cosine", 4, 0.84),
 }
-
-
-def spread_text(values: list[float], digits: int = 3) -> str:
-    """``min / median / max`` of the values that are not None."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    lo, mid, hi = min(values), statistics.median(values), max(values)
-    return f"{lo:.{digits}f} / {mid:.{digits}f} / {hi:.{digits}f}"
-
-
-def paired(runs: list[dict], mode: str, key: str, base: str = "ddp") -> list[float]:
-    """Per repeat where both have it, ``base``'s ``key`` / ``mode``'s ``key``."""
-    by = {(r["mode"], r["repeat"]): r for r in runs if "error" not in r}
-    out = []
-    for (m, rep), run in by.items():
-        other = by.get((base, rep))
-        if m == mode and other and run[key] and other[key]:
-            out.append(other[key] / run[key])
-    return out
 
 
 def exactly_once(run: dict) -> bool | None:
@@ -225,7 +206,7 @@ def run_regime(name: str, cluster: str, args: argparse.Namespace) -> tuple[list[
         pairs += [("weighted-sync", b) for b in modes if b not in ("weighted-sync", "ddp")]
     for mode, base in pairs:
         for key, quantity in (("time_to_target_s", "ttt"), ("epoch_time_s", "epoch")):
-            ratios = paired(runs, mode, key, base)
+            ratios = paired(runs, mode, base, ratio(key))
             value = f"{statistics.median(ratios):.2f}" if ratios else "nan"
             lines.append(f"ratio_{label}_{quantity}_{_name(mode)}_vs_{_name(base)}={value}")
     return lines, runs
