@@ -39,6 +39,7 @@ from common.logsetup import setup_logging
 from common.training.tables import format_table
 from launch.compare import CompareConfig, run_compare
 from launch.settings import TrainSettings
+from launch.slowdowns import parse_slowdowns
 
 MODES = ("weighted-sync", "equal-sync", "ddp")
 EPOCH = ratio("epoch_time_s")
@@ -75,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     count = worker_count(args, args.slowdowns or "1,3")
     emulated = cluster_from_args(args, count)
     text = args.slowdowns or ("1" if emulated is not None else "1,3")
-    slowdowns = tuple(float(s) for s in text.split(","))
-    slowdowns = slowdowns * count if len(slowdowns) == 1 else slowdowns
+    slowdowns = parse_slowdowns(text, count)
     config = CompareConfig(
         dataset=data,
         model="scene-cnn",

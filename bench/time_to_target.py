@@ -64,6 +64,7 @@ from bench.harness.jasper import jasper, jasper_missing
 from bench.harness.record import parse_settings
 from bench.harness.stats import paired, ratio, spread_text
 from common.logsetup import setup_logging
+from common.training.rounds import round_events
 from common.training.tables import format_table
 from launch.cluster.spec import PRESETS, parse_cluster
 from launch.compare import COMPARE_MODES, CompareConfig, run_compare
@@ -95,12 +96,8 @@ def exactly_once(run: dict) -> bool | None:
 
 def step_compute_ms(run: dict) -> float:
     """Median compute time of one step of the first rank, from the run's round records."""
-    times = []
-    with (Path(run["run_dir"]) / "metrics.jsonl").open(encoding="utf-8") as f:
-        for line in f:
-            event = json.loads(line)
-            if event["event"] == "round" and "compute_s" in event["workers"][0]:
-                times.append(event["workers"][0]["compute_s"])
+    firsts = [e["workers"][0] for e in round_events(Path(run["run_dir"]))]
+    times = [first["compute_s"] for first in firsts if "compute_s" in first]
     return 1000 * statistics.median(times) if times else float("nan")
 
 
