@@ -33,24 +33,16 @@ from bench.harness.cluster import (
     worker_count,
 )
 from bench.harness.record import parse_settings
-from bench.harness.stats import spread_text
+from bench.harness.stats import paired, ratio, spread_text
 from common.data.convert.synth import synth_scenes
 from common.logsetup import setup_logging
 from common.training.tables import format_table
 from launch.compare import CompareConfig, run_compare
 from launch.settings import TrainSettings
+from launch.slowdowns import parse_slowdowns
 
 MODES = ("weighted-sync", "equal-sync", "ddp")
-
-
-def paired(runs: list[dict], base: str, mode: str) -> list[float]:
-    """Per repeat, epoch time of ``base`` / epoch time of ``mode``."""
-    by = {(r["mode"], r["repeat"]): r for r in runs if "error" not in r}
-    return [
-        by[(base, rep)]["epoch_time_s"] / by[(mode, rep)]["epoch_time_s"]
-        for (m, rep) in by
-        if m == mode and (base, rep) in by
-    ]
+EPOCH = ratio("epoch_time_s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     count = worker_count(args, args.slowdowns or "1,3")
     emulated = cluster_from_args(args, count)
     text = args.slowdowns or ("1" if emulated is not None else "1,3")
-    slowdowns = tuple(float(s) for s in text.split(","))
-    slowdowns = slowdowns * count if len(slowdowns) == 1 else slowdowns
+    slowdowns = parse_slowdowns(text, count)
     config = CompareConfig(
         dataset=data,
         model="scene-cnn",
@@ -110,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                 len(mine),
                 spread_text([r["epoch_time_s"] for r in mine]),
                 spread_text(rounds, 4),
-                spread_text(paired(runs, mode, "weighted-sync"), 2),
+                spread_text(paired(runs, "weighted-sync", mode, EPOCH), 2),
                 shares[0] if shares else "-",
             ]
         )
@@ -137,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"failed runs: {', '.join(failed)}")
     for base in (mode for mode in modes if mode != "weighted-sync"):
         name = base.replace("-", "_")
-        ratios = paired(runs, base, "weighted-sync")
+        ratios = paired(runs, "weighted-sync", base, EPOCH)
         value = statistics.median(ratios) if ratios else float("nan")
         print(f"ratio_weighted_sync_vs_{name}={value:.2f}")
     return 1 if failed else 0

@@ -26,7 +26,6 @@ Usage: python -m bench idle-share [--repeats 1] [--epochs 10] [--out DIR] [--con
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -36,6 +35,7 @@ from bench import ROOT
 from bench.harness.cluster import add_cluster_arguments, cluster_from_args, cluster_label
 from bench.harness.record import parse_settings
 from common.logsetup import setup_logging
+from common.training.rounds import round_events
 from common.training.tables import format_table
 from launch.cluster.spec import ClusterSpec
 from launch.demo import prepare_dataset
@@ -94,11 +94,7 @@ def systematic_idle(run_dir: Path) -> float | None:
     - bias_i), over (its workers * the median round time). A plan that balances the workers
     has a small one even on a noisy machine; equal-sync's is large.
     """
-    rounds = [
-        e
-        for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-        if e["event"] == "round" and len(e["workers"]) > 1
-    ]
+    rounds = [e for e in round_events(run_dir) if len(e["workers"]) > 1]
     deviations: dict[str, list[float]] = {}
     for event in rounds:
         mean = statistics.fmean(w["actual_s"] for w in event["workers"])

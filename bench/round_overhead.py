@@ -37,11 +37,9 @@ import argparse
 import contextlib
 import itertools
 import json
-import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -87,27 +85,14 @@ def in_process_step_s(dataset: Path, steps: int) -> tuple[float, float]:
     return statistics.median(times[WARMUP:]), low(times[WARMUP:])
 
 
-@contextlib.contextmanager
-def code_from(tree: Path | None) -> Iterator[None]:
-    """Child processes (``python -m ...``) import the project from ``tree`` (None: this one)."""
-    if tree is None:
-        yield
-        return
-    here = Path.cwd()
-    os.chdir(tree)
-    try:
-        yield
-    finally:
-        os.chdir(here)
-
-
 def ps_round_s(
     dataset: Path, mode: str, workers: int, rounds: int, run_dir: Path, tree: Path | None = None
 ) -> tuple[float, float, float]:
     """Median round time (weighted-sync: full 64-sample rounds; async: one worker's push to its
     next), the mean time between rounds (every cost included) and the 10th percentile of round
     times, with real processes on loopback."""
-    with code_from(tree):
+    # child processes (``python -m ...``) import the project from ``tree`` (None: this one)
+    with contextlib.chdir(tree) if tree is not None else contextlib.nullcontext():
         _run_ps(dataset, mode, workers, rounds, run_dir)
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     if mode == "async":

@@ -14,7 +14,6 @@ Usage: python -m bench snapshots [--repeats 3] [--every 1] [--epochs 4]
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -28,6 +27,7 @@ from bench import ROOT
 from bench.harness.record import parse_settings
 from common.data.convert.synth import synth_hsi
 from common.logsetup import setup_logging
+from common.training.rounds import round_events
 from launch.local import LocalCluster, run_local
 from pserver.snapshots import snapshots as snap
 from pserver.snapshots.snapshot_eval import SnapshotEvalConfig, evaluate_snapshots
@@ -60,13 +60,6 @@ def write_seconds(state_size: int, count: int = 20) -> float:
             snap.write(Path(tmp), state, snap.SnapshotMeta(version, 1, version, 0.1))
             times.append(time.perf_counter() - begin)
     return statistics.median(times)
-
-
-def median_round_s(run_dir: Path) -> float:
-    """Median round time of a run, from its round events."""
-    with (run_dir / "metrics.jsonl").open(encoding="utf-8") as f:
-        events = [json.loads(line) for line in f]
-    return statistics.median(e["round_s"] for e in events if e["event"] == "round")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                 per_snapshot.append((time.perf_counter() - begin) / len(files))
                 line += f", {len(files)} snapshots, {size / 1e6:.1f} MB"
                 state_size = snap.read_run_file(run_dir / "snapshots")["state_size"]
-            rounds.append(median_round_s(run_dir))
+            rounds.append(statistics.median(e["round_s"] for e in round_events(run_dir)))
             print(line, f"({summary['steps']} updates)")
         ratios.append(times[f"every-{args.every}"] / times["off"])
     print(f"ratio_train_time_snapshots_vs_off={statistics.median(ratios):.2f}")

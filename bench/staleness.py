@@ -24,7 +24,7 @@ from pathlib import Path
 from bench import ROOT
 from bench.harness.jasper import jasper_prologue
 from bench.harness.record import parse_settings
-from bench.harness.stats import spread_text
+from bench.harness.stats import paired, ratio, spread_text
 from common.errors import PSError
 from common.logsetup import setup_logging
 from common.training.tables import format_table
@@ -39,19 +39,6 @@ def variants(functions: list[str], bounds: list[int]) -> list[tuple[str, str, in
     """(name, staleness function, bound) for every variant."""
     out: list[tuple[str, str, int | None]] = [(f, f, None) for f in functions]
     out += [(f"inverse_max{k}", "inverse", k) for k in bounds]
-    return out
-
-
-def paired(runs: list[dict], name: str, value) -> list[float]:
-    """Per repeat, ``value(run of name, run of inverse)`` where both exist and it is defined."""
-    by = {(r["mode"], r["repeat"]): r for r in runs}
-    out = []
-    for (variant, rep), run in by.items():
-        base = by.get(("inverse", rep))
-        if variant == name and base is not None:
-            result = value(run, base)
-            if result is not None:
-                out.append(result)
     return out
 
 
@@ -143,16 +130,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"failed: {line}")
     for name in (name for name, _, _ in table if name != "inverse"):
         quantities = {
-            "ttt": lambda r, b: (
-                b["time_to_target_s"] / r["time_to_target_s"]
-                if r["time_to_target_s"] and b["time_to_target_s"]
-                else None
-            ),
-            "epoch": lambda r, b: b["epoch_time_s"] / r["epoch_time_s"],
+            "ttt": ratio("time_to_target_s"),
+            "epoch": ratio("epoch_time_s"),
             "oa": lambda r, b: r["summary"]["final"]["oa"] / b["summary"]["final"]["oa"],
         }
         for label, value in quantities.items():
-            ratios = paired(runs, name, value)
+            ratios = paired(runs, name, "inverse", value)
             text = f"{statistics.median(ratios):.2f}" if ratios else "nan"
             print(f"ratio_{label}_{name}_vs_inverse={text}")
     return 1 if failed else 0

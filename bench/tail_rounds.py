@@ -43,6 +43,7 @@ from common.data.dataset import DatasetReader
 from common.training.models import build_model
 from common.training.planner import plan_batches
 from common.training.tables import format_table
+from launch.compare import max_drop
 
 TEST_SAMPLES = 3000  # a fixed random subset of the test split, scored after every step
 VARIANTS = (
@@ -58,16 +59,6 @@ VARIANTS = (
     "scaled-min8",
     "one-worker",
 )
-
-
-def max_drop(oas: list[float], after: int) -> float:
-    """Largest fall of ``oas[k]`` below ``max(oas[:k+1])`` for k >= ``after``."""
-    best, drop = -1.0, 0.0
-    for k, oa in enumerate(oas):
-        best = max(best, oa)
-        if k >= after:
-            drop = max(drop, best - oa)
-    return drop
 
 
 def rounds(n: int, batch: int, epochs: int, seed: int, carry: bool) -> list[np.ndarray]:
@@ -190,7 +181,8 @@ def run(
             weights = [len(p) / b for p in parts]
             replay.step(parts, weights, 1.0, 1.0, r if variant == "global-bn" else None)
         oas.append(replay.oa())
-    return max_drop(oas, per_epoch), oas[-1]
+    curve = [{"samples": step, "oa": oa} for step, oa in enumerate(oas)]  # a point per step
+    return max_drop(curve, per_epoch) or 0.0, oas[-1]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,7 +62,9 @@ from bench.harness.cluster import (
 )
 from bench.harness.jasper import jasper, jasper_missing
 from bench.harness.record import parse_settings
+from bench.harness.stats import paired, ratio, spread_text
 from common.logsetup import setup_logging
+from common.training.rounds import round_events
 from common.training.tables import format_table
 from launch.cluster.spec import PRESETS, parse_cluster
 from launch.compare import COMPARE_MODES, CompareConfig, run_compare
@@ -84,26 +86,6 @@ REGIMES = {
 }
 
 
-def spread_text(values: list[float], digits: int = 3) -> str:
-    """``min / median / max`` of the values that are not None."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    lo, mid, hi = min(values), statistics.median(values), max(values)
-    return f"{lo:.{digits}f} / {mid:.{digits}f} / {hi:.{digits}f}"
-
-
-def paired(runs: list[dict], mode: str, key: str, base: str = "ddp") -> list[float]:
-    """Per repeat where both have it, ``base``'s ``key`` / ``mode``'s ``key``."""
-    by = {(r["mode"], r["repeat"]): r for r in runs if "error" not in r}
-    out = []
-    for (m, rep), run in by.items():
-        other = by.get((base, rep))
-        if m == mode and other and run[key] and other[key]:
-            out.append(other[key] / run[key])
-    return out
-
-
 def exactly_once(run: dict) -> bool | None:
     """Whether every epoch event of the run says each sample was used exactly once (None: its
     epoch events do not say)."""
@@ -114,12 +96,8 @@ def exactly_once(run: dict) -> bool | None:
 
 def step_compute_ms(run: dict) -> float:
     """Median compute time of one step of the first rank, from the run's round records."""
-    times = []
-    with (Path(run["run_dir"]) / "metrics.jsonl").open(encoding="utf-8") as f:
-        for line in f:
-            event = json.loads(line)
-            if event["event"] == "round" and "compute_s" in event["workers"][0]:
-                times.append(event["workers"][0]["compute_s"])
+    firsts = [e["workers"][0] for e in round_events(Path(run["run_dir"]))]
+    times = [first["compute_s"] for first in firsts if "compute_s" in first]
     return 1000 * statistics.median(times) if times else float("nan")
 
 
@@ -225,7 +203,7 @@ def run_regime(name: str, cluster: str, args: argparse.Namespace) -> tuple[list[
         pairs += [("weighted-sync", b) for b in modes if b not in ("weighted-sync", "ddp")]
     for mode, base in pairs:
         for key, quantity in (("time_to_target_s", "ttt"), ("epoch_time_s", "epoch")):
-            ratios = paired(runs, mode, key, base)
+            ratios = paired(runs, mode, base, ratio(key))
             value = f"{statistics.median(ratios):.2f}" if ratios else "nan"
             lines.append(f"ratio_{label}_{quantity}_{_name(mode)}_vs_{_name(base)}={value}")
     return lines, runs

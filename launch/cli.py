@@ -15,20 +15,16 @@ from common.errors import ConfigError, PSError
 from common.logsetup import setup_logging
 from common.training.tables import files_written, summary_tables
 from launch.cli_options import (
-    apply_norm,
     async_options,
     budget_options,
-    build_nodes,
+    build_cluster,
     build_train,
-    build_workers,
     checkpoint_option,
     cluster_options,
-    emulated_workers,
     folder_options,
     link_options,
     progress_option,
     run_options,
-    server_mode_args,
     threads_option,
     train_options,
     warn_unbudgeted_server,
@@ -38,7 +34,7 @@ from launch.ddp.config import BACKENDS, GRAD_COMPRESSION, REBALANCE, DDPConfig
 from launch.ddp.launcher import run_ddp
 from launch.local import LocalCluster, run_local
 from launch.progress import RunProgress
-from launch.settings import TrainSettings
+from launch.settings import TrainSettings, server_mode_args
 from launch.simulate.cli import simulate
 from launch.slurm.cli import slurm
 from launch.slurm.jobs import LAUNCHERS, SlurmRuns
@@ -96,19 +92,12 @@ def local(progress: bool, **params: Any) -> None:
 
 
 def local_cluster(
-    workers: int | None,
-    slowdowns: str,
-    slowdown_schedules: str,
-    devices: str,
     target_oa: float | None,
     staleness: str | None,
     max_staleness: int | None,
     threads: int,
     server_opt: tuple[str, ...],
     worker_opt: tuple[str, ...] = (),
-    links: str | None = None,
-    server_link: str | None = None,
-    link_delay: str | None = None,
     **options: Any,
 ) -> tuple[LocalCluster, TrainSettings]:
     """The validated cluster and training settings of ``pslaunch local``'s options (but
@@ -118,21 +107,14 @@ def local_cluster(
         click.BadParameter: an option is out of range or the options disagree.
     """
     train = build_train(options, target_oa)
-    apply_norm(options)
-    workers = emulated_workers(workers, slowdowns, {**options, "links": links})
-    factors, schedules, device_list = build_workers(workers, slowdowns, slowdown_schedules, devices)
-    nodes = build_nodes(len(factors), links, server_link, link_delay, options)
     cluster = LocalCluster(
-        slowdowns=factors,
+        **build_cluster(options),
         server_options=(
             *train.server_args(),
             *server_mode_args(staleness, max_staleness),
             *server_opt,
         ),
-        devices=device_list,
-        slowdown_schedules=schedules,
         worker_options=("--threads", str(threads), *worker_opt),
-        nodes=nodes,
         **options,
     )
     try:
@@ -198,15 +180,8 @@ def local_cluster(
 @link_options
 @budget_options
 def ddp(
-    workers: int | None,
-    slowdowns: str,
-    slowdown_schedules: str,
-    devices: str,
     target_oa: float | None,
     progress: bool,
-    links: str | None,
-    server_link: str | None,
-    link_delay: str | None,
     shares: str | None,
     ddp_checkpoint_every: int,
     **options: Any,
@@ -219,22 +194,16 @@ def ddp(
     """
     setup_logging("INFO", "pslaunch ")
     train = build_train(options, target_oa)
-    apply_norm(options)
-    workers = emulated_workers(workers, slowdowns, {**options, "links": links})
-    factors, schedules, device_list = build_workers(workers, slowdowns, slowdown_schedules, devices)
-    nodes = build_nodes(len(factors), links, server_link, link_delay, options)
     config = DDPConfig(
         train=train,
-        slowdowns=factors,
-        slowdown_schedules=schedules,
-        devices=device_list,
-        nodes=nodes,
+        **build_cluster(options),
         shares=_shares(shares),
         checkpoint_every=ddp_checkpoint_every,
         **options,
     )
     click.echo(
-        f"pslaunch: {config.mode} with {len(factors)} ranks (slowdowns {list(factors)})"
+        f"pslaunch: {config.mode} with {config.world_size} ranks "
+        f"(slowdowns {list(config.slowdowns)})"
         + (f" on {config.nodes.summary_line()}" if config.nodes else "")
         + f"; logs in {config.run_dir / 'cluster.log'}"
     )
@@ -287,10 +256,6 @@ def ddp(
 @budget_options
 @folder_options
 def compare(
-    workers: int | None,
-    slowdowns: str,
-    slowdown_schedules: str,
-    devices: str,
     modes: str,
     server_opt: tuple[str, ...],
     worker_opt: tuple[str, ...],
@@ -298,9 +263,6 @@ def compare(
     partition: str | None,
     time: str,
     wait_timeout: float,
-    links: str | None,
-    server_link: str | None,
-    link_delay: str | None,
     **options: Any,
 ) -> None:
     """Run every mode REPEATS times on the same data, seeds and slowdowns; write a report."""
@@ -308,23 +270,16 @@ def compare(
     if options["epochs"] is None and options["max_steps"] is None:
         options["epochs"] = 5
     train = build_train(options)
-    apply_norm(options)
-    workers = emulated_workers(workers, slowdowns, {**options, "links": links})
-    factors, schedules, device_list = build_workers(workers, slowdowns, slowdown_schedules, devices)
-    nodes = build_nodes(len(factors), links, server_link, link_delay, options)
     config = CompareConfig(
         train=train,
         modes=tuple(m.strip() for m in modes.split(",") if m.strip()),
-        slowdowns=factors,
-        slowdown_schedules=schedules,
-        devices=device_list,
+        **build_cluster(options),
         server_options=server_opt,
         worker_options=worker_opt,
         slurm=SlurmRuns(partition=partition, time=time, wait_timeout_s=wait_timeout),
-        nodes=nodes,
         **options,
     )
-    warn_unbudgeted_server(nodes)
+    warn_unbudgeted_server(config.nodes)
     data = _run(lambda c: run_compare(c, show_progress=progress), config)
     click.echo((config.out / "report.md").read_text(encoding="utf-8"))
     click.echo(files_written(config.out, data.get("report") or {}))

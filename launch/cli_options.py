@@ -367,14 +367,32 @@ def run_options(func: F) -> F:
     return _apply(func, [threads_option, server_opt, worker_opt, restarts, progress_option])
 
 
-def server_mode_args(staleness: str | None, max_staleness: int | None) -> tuple[str, ...]:
-    """``pserver start`` options for the async settings given (none for server defaults)."""
-    args: list[str] = []
-    if staleness is not None:
-        args += ["--staleness", staleness]
-    if max_staleness is not None:
-        args += ["--max-staleness", str(max_staleness)]
-    return tuple(args)
+CLUSTER_KEYS = ("workers", "slowdowns", "slowdown_schedules", "devices")
+LINK_KEYS = ("links", "server_link", "link_delay")
+
+
+def build_cluster(options: dict[str, Any]) -> dict[str, Any]:
+    """Pop ``norm`` and the cluster, link and budget options from ``options`` (setting the
+    model ``--norm`` names) into what a launcher's configuration takes: the per-worker
+    ``slowdowns``, ``slowdown_schedules`` and ``devices``, and the emulated ``nodes``.
+
+    Raises:
+        click.BadParameter: a value is malformed or the counts disagree.
+    """
+    apply_norm(options)
+    given = {key: options.pop(key) for key in CLUSTER_KEYS}
+    links, server_link, link_delay = (options.pop(key, None) for key in LINK_KEYS)
+    workers = emulated_workers(given["workers"], given["slowdowns"], {**options, "links": links})
+    factors, schedules, devices = build_workers(
+        workers, given["slowdowns"], given["slowdown_schedules"], given["devices"]
+    )
+    nodes = build_nodes(len(factors), links, server_link, link_delay, options)
+    return {
+        "slowdowns": factors,
+        "slowdown_schedules": schedules,
+        "devices": devices,
+        "nodes": nodes,
+    }
 
 
 def apply_norm(options: dict[str, Any]) -> None:

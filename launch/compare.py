@@ -32,7 +32,7 @@ from launch.cluster.spec import ClusterSpec, NodeSpec
 from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local, worker_name
 from launch.progress import RunProgress, eval_label
-from launch.settings import TrainSettings
+from launch.settings import TrainSettings, server_mode_args
 from launch.slurm.config import SlurmJob
 from launch.slurm.jobs import LAUNCHERS, SlurmRuns, run_job
 from launch.snapshot_times import score_run
@@ -185,10 +185,6 @@ class CompareConfig:
             raise ConfigError(f"--resume: {self.out} holds no compare.json to finish")
         return self
 
-    def earlier_comparison(self) -> list[str]:
-        """The files of an earlier comparison in ``out``, finished or not (empty if none)."""
-        return [name for name in COMPARISON_FILES if (self.out / name).exists()]
-
     def _validate_slurm(self) -> None:
         """Refuse what Slurm runs do not support; build one job of each kind as a check."""
         if any(self.slowdown_schedules):
@@ -217,11 +213,7 @@ class CompareConfig:
     def _server_mode_options(self, mode: str) -> list[str]:
         """``pserver start`` options for the async settings and snapshots given."""
         options = snapshot_options(mode, self.snapshot_every, len(self.slowdowns))
-        if self.staleness is not None:
-            options += ["--staleness", self.staleness]
-        if self.max_staleness is not None:
-            options += ["--max-staleness", str(self.max_staleness)]
-        return options
+        return [*options, *server_mode_args(self.staleness, self.max_staleness)]
 
     def cluster(self, mode: str, run_dir: Path) -> LocalCluster:
         """The parameter-server run of ``mode``."""
@@ -244,20 +236,6 @@ class CompareConfig:
     def ddp(self, mode: str, run_dir: Path, kept: Sequence[int] = ()) -> DDPConfig:
         """The DDP run (``ddp``, ``weighted-ddp``, or ``ddp-kept`` on the nodes ``kept``) or
         the single-process reference (``single``)."""
-        if mode == SINGLE:
-            return DDPConfig(
-                dataset=self.dataset,
-                model=self.model,
-                slowdowns=(1.0,),
-                run_dir=run_dir,
-                train=self.train,
-                devices=self.devices[:1],
-                threads=self.threads,
-                snapshot_every_steps=self.snapshot_every,
-                nodes=self._single_node(),
-                allow_oversubscribe=self.allow_oversubscribe,
-                checkpoint_every=self.ddp_checkpoint_every,
-            )
         config = DDPConfig(
             dataset=self.dataset,
             model=self.model,
@@ -274,6 +252,14 @@ class CompareConfig:
             rebalance="epoch" if mode == WEIGHTED_DDP_REBALANCE else "none",
             checkpoint_every=self.ddp_checkpoint_every,
         )
+        if mode == SINGLE:
+            return dataclasses.replace(
+                config,
+                slowdowns=(1.0,),
+                slowdown_schedules=(),
+                devices=self.devices[:1],
+                nodes=self._single_node(),
+            )
         return config.subset(kept) if mode == DDP_KEPT else config
 
     def kept_nodes(self, summary: dict[str, Any]) -> list[int]:
@@ -469,7 +455,8 @@ def run_compare(config: CompareConfig, show_progress: bool = True) -> dict[str, 
     if config.resume:
         data = _resumed(config)
     else:
-        if config.earlier_comparison():  # nothing of an earlier one may stay
+        # nothing of an earlier comparison, finished or not, may stay
+        if any((config.out / name).exists() for name in COMPARISON_FILES):
             log.info("compare: removing the earlier comparison in %s", config.out)
             shutil.rmtree(config.out)
         config.out.mkdir(parents=True, exist_ok=True)

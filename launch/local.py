@@ -192,7 +192,8 @@ def run_local(
                 startup_timeout_s=cluster.startup_timeout_s,
                 marks=marks,
             )
-            with _following(progress, metrics, marks[0]):
+            following = progress.follow(metrics, marks[0]) if progress is not None else None
+            with following or contextlib.nullcontext():
                 address = supervisor.start_server()
                 supervisor.start_workers(
                     [
@@ -264,13 +265,6 @@ def _record(summary_path: Path, cluster: LocalCluster, launch: dict[str, Any]) -
     tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     tmp.replace(summary_path)
     return summary
-
-
-def _following(
-    progress: RunProgress | None, metrics: Path, mark: EventsMark
-) -> contextlib.AbstractContextManager[None]:
-    """Feed ``progress`` from ``metrics`` within the block (nothing without one)."""
-    return progress.follow(metrics, mark) if progress is not None else contextlib.nullcontext()
 
 
 def _on(host: Host | None, argv: list[str]) -> list[str]:

@@ -26,6 +26,16 @@ def server_default(name: str) -> Any:
     return _SERVER_DEFAULTS[name]
 
 
+def server_mode_args(staleness: str | None, max_staleness: int | None) -> tuple[str, ...]:
+    """``pserver start`` options for the async settings given (none for server defaults)."""
+    args: list[str] = []
+    if staleness is not None:
+        args += ["--staleness", staleness]
+    if max_staleness is not None:
+        args += ["--max-staleness", str(max_staleness)]
+    return tuple(args)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainSettings:
     """What a parameter server and a DDP run must share to be comparable.

@@ -40,11 +40,13 @@ from pathlib import Path
 from typing import Any
 
 from bench import ROOT
+from bench.harness.cluster import add_cluster_arguments
 from bench.harness.record import parse_settings
 from bench.harness.stats import spread_text
 from bench.multihost.config import hsi_dataset, scenes_dataset
 from common.errors import PSError
 from common.logsetup import setup_logging
+from common.training.rounds import round_events
 from launch.cluster.netns import available
 from launch.cluster.spec import PRESETS, ClusterSpec, parse_cluster
 from launch.ddp.launcher import DDPConfig, run_ddp
@@ -107,10 +109,7 @@ def step_split(run_dir: Path) -> tuple[float, float]:
     """Medians over the run's rounds of the slowest node's compute and of the rest of the
     round (DDP's emulated compute counts its slowdown; a PS worker's compute_s does)."""
     compute, rest = [], []
-    for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
-        event = json.loads(line)
-        if event.get("event") != "round":
-            continue
+    for event in round_events(run_dir):
         key = "emulated_s" if "emulated_s" in event["workers"][0] else "compute_s"
         slowest = max(float(w.get(key) or 0.0) for w in event["workers"])
         compute.append(slowest)
@@ -132,14 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="slowdown per worker (and rank) (default: 1,1,2 without budgets, 1 with them)",
     )
-    p.add_argument("--cluster", choices=sorted(PRESETS), help="a named emulated cluster")
-    p.add_argument("--node-cpus", help="CPU budget per worker host, e.g. 0.5,0.5,0.25")
-    p.add_argument("--server-cpus", type=float, help="the server's (and each shard's) budget")
-    p.add_argument(
-        "--allow-oversubscribe",
-        action="store_true",
-        help="run budgets that sum to more cores than the machine has",
-    )
+    add_cluster_arguments(p)
     p.add_argument("--model", default="resnet18", help="model for every run")
     p.add_argument(
         "--data",

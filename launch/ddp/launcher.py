@@ -143,10 +143,8 @@ def run_ddp(
 
             tail = EventTail(metrics, mark)
             groups = ElasticGroups(config=config, start=start, budgets=budgets, metrics=tail)
-            watch = (
-                progress.follow(metrics, mark) if progress is not None else contextlib.nullcontext()
-            )
-            with watch:
+            following = progress.follow(metrics, mark) if progress is not None else None
+            with following or contextlib.nullcontext():
                 restarts = groups.run(config.run_timeout_s)
     except BaseException:
         if groups is not None and groups.group is not None:

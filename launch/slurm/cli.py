@@ -13,6 +13,7 @@ from common.errors import ConfigError, PSError
 from common.logsetup import setup_logging
 from common.training.tables import summary_tables
 from launch.cli_options import build_train, train_options
+from launch.settings import server_mode_args
 from launch.slowdowns import parse_slowdowns
 from launch.slurm.config import DDP, SlurmJob
 from launch.slurm.groups import HET_HELP, Group, parse_het, spread_shards
@@ -48,16 +49,6 @@ def _groups(
         shards=shards,
     )
     return None, (group.validate(),)
-
-
-def _extra(options: dict[str, Any]) -> tuple[str, ...]:
-    """``pserver start`` options given through their own pslaunch options."""
-    args: list[str] = []
-    for key in ("staleness", "max_staleness"):
-        value = options.pop(key)
-        if value is not None:
-            args += [f"--{key.replace('_', '-')}", str(value)]
-    return tuple(args)
 
 
 @click.command()
@@ -223,7 +214,10 @@ def slurm(
             train=train,
             het=het is not None,
             server=server,
-            server_options=(*_extra(options), *server_opt),
+            server_options=(
+                *server_mode_args(options.pop("staleness"), options.pop("max_staleness")),
+                *server_opt,
+            ),
             worker_options=worker_opt,
             partition=partition,
             time=time,

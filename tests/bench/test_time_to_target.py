@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from bench.time_to_target import final_oa_diffs, paired
+from bench.harness.stats import paired, ratio
+from bench.time_to_target import final_oa_diffs
 
 
 def _run(mode: str, repeat: int, oa: float, epoch_s: float) -> dict:
@@ -19,8 +20,9 @@ def test_ratios_pair_repeats_and_oa_is_compared_with_the_static_run_of_the_same_
     left = [_run("weighted-sync", 1, 0.89, 3.0), _run("weighted-sync", 2, 0.83, 4.0)]
     left += [_run("ddp", 1, 0.5, 9.0), _run("ddp", 2, 0.5, 6.0), _run("ddp", 3, 0.5, 1.0)]
     left += [{"mode": "weighted-ddp", "repeat": 1, "error": "failed"}]
-    assert paired(left, "weighted-sync", "epoch_time_s") == [3.0, 1.5]  # repeat 3 has no pair
-    assert paired(left, "weighted-sync", "epoch_time_s", base="weighted-ddp") == []
+    epoch = ratio("epoch_time_s")
+    assert paired(left, "weighted-sync", "ddp", epoch) == [3.0, 1.5]  # repeat 3 has no pair
+    assert paired(left, "weighted-sync", "weighted-ddp", epoch) == []
     assert final_oa_diffs("leave_return_small", left, static) == [
         "final_oa_diff_leave_return_small_weighted_sync_vs_static=+0.0100"  # of -0.01 and +0.03
     ]
