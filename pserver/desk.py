@@ -119,7 +119,7 @@ class TaskDesk:
                     indices=[],
                     prefetch=[],
                     failure=self.run.failed,
-                    finish_reason=worker.finish_reason(self.run.reply_reason),
+                    finish_reason=self.run.reason,
                 ),
             )
         self.log.event("leave", worker=worker.name, reason="stop")

@@ -111,11 +111,6 @@ class WorkerInfo:
     perf: PerfModel = dataclasses.field(default_factory=PerfModel)
     active: bool = True
     ready: bool = False
-    reply_fields: frozenset[str] = frozenset()  # optional reply fields it reads (join)
-
-    def finish_reason(self, reason: str | None) -> str | None:
-        """``reason`` for a stop or heartbeat reply to this worker: None unless it reads it."""
-        return reason if "finish_reason" in self.reply_fields else None
 
     def steady_in(self, round_id: int) -> bool:
         """Whether it pushed in the round before ``round_id``: otherwise (its first round, a
@@ -180,11 +175,10 @@ class Roster:
         threads: int,
         t: float,
         user_id: str = "",
-        reply_fields: frozenset[str] = frozenset(),
     ) -> WorkerInfo:
         """A new member; a name already in use gets the worker id appended (and counts on
         while that is taken too), so every member's name, and each ``/metrics`` series, is
-        unique. ``reply_fields`` are the optional reply fields the worker reads.
+        unique.
 
         Raises:
             ProtocolError: BUSY when ``max_members`` are active.
@@ -197,7 +191,6 @@ class Roster:
         while unique in names:  # a member may already be called "name-<id>"
             unique, suffix = f"{name}-{suffix}", suffix + 1
         worker = WorkerInfo(self._next_id, unique, device[:MAX_NAME], slowdown, threads, t, user_id)
-        worker.reply_fields = reply_fields
         past = self.history.pop(unique, None)
         if past is not None:  # the same worker before it rejoined or the server restarted
             for counter in COUNTERS:

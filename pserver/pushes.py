@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from common import stagetrace
 from common.errors import ErrorCode, ProtocolError, ShardLost
+from common.protocol.ending import FinishReason
 from common.protocol.messages import GradientPushRequest, PushRequest
 from pserver.booking import Ledger
 from pserver.config import ServerConfig
@@ -18,7 +19,7 @@ from pserver.desk import TaskDesk
 from pserver.membership import Roster, Task, Waiter, WorkerInfo
 from pserver.policies import ModePolicy, Update
 from pserver.roundtiming import RoundTiming
-from pserver.runstate import FinishReason, RunState
+from pserver.runstate import RunState
 from pserver.snapshots.snapshot_hooks import SnapshotHook
 from pserver.store.service import Replier
 from pserver.store.stores import ParameterStores

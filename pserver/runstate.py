@@ -10,6 +10,8 @@ import dataclasses
 import enum
 from typing import Any
 
+from common.protocol.ending import FinishReason
+
 
 class RunPhase(enum.Enum):
     """Where a run is in its life; it only moves forward."""
@@ -18,25 +20,6 @@ class RunPhase(enum.Enum):
     TRAINING = "training"
     ENDING = "ending"  # training ended: final checkpoint, evaluation, stopping workers, summary
     DONE = "done"  # the summary is written
-
-
-class FinishReason(enum.Enum):
-    """Why training ended (its value is the ``finish`` event's and the summary's reason)."""
-
-    EPOCHS = "epochs"
-    MAX_STEPS = "max_steps"
-    TARGET_OA = "target_oa"
-    STOPPED = "stopped"  # a signal or ``request_stop``
-    FAILED = "failed"  # an error; the run's ``failure`` says which
-
-    @property
-    def completed(self) -> bool:
-        """The run reached its end (a resume does not train on)."""
-        return self in (FinishReason.EPOCHS, FinishReason.MAX_STEPS, FinishReason.TARGET_OA)
-
-
-COMPLETED = tuple(r.value for r in FinishReason if r.completed)  # reasons of a run at its end
-FAILED_PREFIX = "failed: "  # a failed run's finish reason reads "failed: <what went wrong>"
 
 
 @dataclasses.dataclass
@@ -93,7 +76,7 @@ class RunState:
         if self.reason is None:
             return ""
         if self.reason is FinishReason.FAILED:
-            return f"{FAILED_PREFIX}{self.failure}"
+            return f"failed: {self.failure}"
         return self.reason.value
 
     @property
@@ -127,12 +110,6 @@ class RunState:
         self.stores_lost = self.stores_lost or stores_lost
         self.error = self.error or failure
 
-    @property
-    def reply_reason(self) -> str | None:
-        """The finish reason as stop and heartbeat replies carry it: without a failure's text
-        (``failed: ...`` -> ``failed``; the ``failure`` field says it), None while training runs."""
-        return None if self.reason is None else self.reason.value
-
     def train_time(self, t: float) -> float:
         """Training time at run-clock time ``t``."""
         if self.train_start is None:
@@ -158,8 +135,7 @@ class RunState:
         self.evals = list(meta["evals"])
         # A run stopped by a signal (scancel, a Slurm time limit) or by a failure goes on when
         # resumed; only a run that reached its end (epochs, steps, target) stays ended.
-        values = {r.value: r for r in FinishReason}
-        reason = values.get(meta.get("finish_reason", ""))
+        reason = {r.value: r for r in FinishReason}.get(meta.get("finish_reason", ""))
         if reason is not None and reason.completed:
             self.reason = reason
             self.phase = RunPhase.ENDING

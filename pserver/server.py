@@ -24,6 +24,7 @@ from common import stagetrace
 from common.data.dataset import DatasetReader
 from common.errors import ErrorCode
 from common.protocol.chunks import chunk_elems_for
+from common.protocol.ending import FinishReason
 from common.protocol.messages import STORE_REQUESTS, WORKER_REQUESTS
 from common.protocol.security import shard_secret
 from common.protocol.shard_messages import ShardHello
@@ -43,7 +44,7 @@ from pserver.membership import Roster, TaskFactory, WorkerInfo
 from pserver.policies import POLICIES
 from pserver.policies.weighted_sync import resolve_min_local_batch
 from pserver.pushes import Pushes
-from pserver.runstate import FinishReason, RunState
+from pserver.runstate import RunState
 from pserver.sampler import EpochSampler
 from pserver.shutdown import Shutdown, watch_shards
 from pserver.snapshots.snapshot_hooks import SnapshotHook
@@ -449,14 +450,13 @@ class ParameterServer:
     def _checkpoint_soon(self) -> None:
         self.owner.spawn(self.checkpointer.save())
 
-    def finish(self, reason: FinishReason | str, failure: str = "") -> None:
+    def finish(self, reason: FinishReason, failure: str = "") -> None:
         """End training: no more tasks; waiting workers are told to stop; the end begins.
 
         Args:
-            reason: why (a ``FinishReason`` or its value).
+            reason: why.
             failure: what went wrong, for ``FAILED``.
         """
-        reason = FinishReason(reason)
         if not self.run.finish(reason, self.log.now(), failure):
             return
         log.info("training finished (%s) at version %d", self.run.finish_reason, self.version)

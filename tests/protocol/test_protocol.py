@@ -18,6 +18,7 @@ from common.protocol.chunks import (
     encode,
     shard_bounds,
 )
+from common.protocol.ending import FinishReason
 from common.protocol.messages import (
     REPLIES,
     STORE_REQUESTS,
@@ -146,7 +147,7 @@ EXAMPLES = [
     ),
     DataReply(x=np.ones((2, 3, 5, 5), dtype=np.float32), y=np.array([0, 1], dtype=np.int64)),
     StatusReply(status={"mode": "async", "version": 4}),
-    HeartbeatReply(server_id="5f3a", finished=False),
+    HeartbeatReply(server_id="5f3a", finish_reason=FinishReason.EPOCHS),
     LeaveReply(),
     ShardHello(address="tcp://10.0.0.2:7000", name="node-2", proof="ab" * 32),
     ShardWelcome(
