@@ -61,7 +61,7 @@ class TaskDesk:
         """Members whose request waits for a task, in join order."""
         return [w for w in self.roster.members() if w.waiter is not None]
 
-    def release(self, workers: list[WorkerInfo] | None = None) -> None:
+    def dispatch(self, workers: list[WorkerInfo] | None = None) -> None:
         """Answer each waiting worker (of ``workers``, default all) with its runnable task, or
         with stop once training ended."""
         if self.run.finished:
@@ -75,7 +75,7 @@ class TaskDesk:
     def send(self, worker: WorkerInfo, task: Task, hint: Task | None) -> None:
         """Answer ``worker``'s waiting request with ``task`` to run (and ``hint`` to prefetch);
         a push that carried its gradient gets the published parameters in the same reply."""
-        waiter = self.roster.released(worker, task)
+        waiter = self.roster.sent(worker, task)
         if waiter is None:
             return
         fields: dict[str, Any] = dict(

@@ -248,7 +248,7 @@ class Handlers:
             if not self.run.started and len(self.roster.ready()) >= self.config.workers:
                 self._start_training()
         self.desk.plan()
-        self.desk.release()
+        self.desk.dispatch()
 
     def _start_training(self) -> None:
         """Enough workers are ready: training starts."""

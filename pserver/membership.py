@@ -105,8 +105,8 @@ class WorkerInfo:
     compute_s: float = 0.0
     transfer_s: float = 0.0
     idle_s: float = 0.0  # waiting at sync barriers, summed over rounds
-    released_at: float = 0.0  # monotonic time its last task was sent
-    released: int | None = None  # the id of the task it was last sent
+    sent_at: float = 0.0  # monotonic time its last task was sent
+    sent_task: int | None = None  # the id of the task it was last sent
     last_round: int = -1  # the last sync round it pushed in
     perf: PerfModel = dataclasses.field(default_factory=PerfModel)
     active: bool = True
@@ -276,10 +276,10 @@ class Roster:
         waiter, worker.waiter = worker.waiter, None
         return waiter
 
-    def released(self, worker: WorkerInfo, task: Task) -> Waiter | None:
+    def sent(self, worker: WorkerInfo, task: Task) -> Waiter | None:
         """``task`` is sent to the worker now; returns the request that carries it."""
-        worker.released_at = time.monotonic()
-        worker.released = task.task_id
+        worker.sent_at = time.monotonic()
+        worker.sent_task = task.task_id
         return self.take_waiter(worker)
 
     def queue(self, worker: WorkerInfo, task: Task) -> None:
@@ -327,8 +327,8 @@ class Roster:
         worker.speed = speed
         worker.compute_s, worker.transfer_s = compute_s, transfer_s
         worker.perf.add_compute(task.size, compute_s)
-        if measure_transfer and worker.released_at:
-            worker.perf.add_transfer(time.monotonic() - worker.released_at - compute_s)
+        if measure_transfer and worker.sent_at:
+            worker.perf.add_transfer(time.monotonic() - worker.sent_at - compute_s)
 
     def count(self, worker: WorkerInfo, counter: str) -> None:
         """One more ``rejected``, ``non_finite`` or ``refused`` push of the worker."""

@@ -157,7 +157,7 @@ class Pushes:
             if decision.update is not None:
                 await self._apply(decision.update)
             else:  # it may hold another task of this round (taken over from one that left)
-                self.desk.release([worker])
+                self.desk.dispatch([worker])
 
     async def _refuse_push(self, worker: WorkerInfo, task: Task, refusal: ProtocolError) -> None:
         """A push the policy refused (too stale): the worker recomputes the same samples on
@@ -181,7 +181,7 @@ class Pushes:
             task is None
             or msg.task_id != task.task_id
             or worker.pushing is not None
-            or worker.released != task.task_id
+            or worker.sent_task != task.task_id
         ):
             raise ProtocolError(
                 ErrorCode.WRONG_TASK, f"task {msg.task_id} is not the task this worker is running"
@@ -262,7 +262,7 @@ class Pushes:
                     waiter.identity, waiter.request_id, ErrorCode.REFUSED, message
                 )
         self.desk.plan()
-        self.desk.release()
+        self.desk.dispatch()
 
 
 def check_speed(speed: float) -> None:

@@ -391,7 +391,7 @@ class ParameterServer:
         self.finish(FinishReason.STOPPED)
 
     async def close(self) -> None:
-        """Cancel outstanding tasks, close the sockets and release the dataset."""
+        """Cancel outstanding tasks, close the sockets and the dataset."""
         if self.http is not None:
             await self.http.close()
         if self._flusher is not None:
@@ -435,7 +435,7 @@ class ParameterServer:
             ids = [t.task_id for t in dropped]
             self.owner.spawn(self.stores.drop(ids, ErrorCode.UNKNOWN_WORKER, "the worker left"))
         self.desk.plan()
-        self.desk.release()
+        self.desk.dispatch()
 
     def _on_dead(self, worker: WorkerInfo) -> None:
         self.drop_worker(worker, f"dead: silent for {self.config.dead_after_s:g} s")
@@ -461,7 +461,7 @@ class ParameterServer:
             return
         log.info("training finished (%s) at version %d", self.run.finish_reason, self.version)
         self.log.event("finish", reason=self.run.finish_reason, version=self.version)
-        self.desk.release()
+        self.desk.dispatch()
         self.owner.spawn(self.shutdown.run_to_end())
 
     def fail(self, reason: str, stores_lost: bool = False) -> None:

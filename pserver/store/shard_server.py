@@ -29,14 +29,15 @@ from common.protocol.security import hello_proof, server_as_client, shard_secret
 from common.protocol.shard_messages import (
     CONTROL_REPLIES,
     CONTROL_REQUESTS,
+    AbortRequest,
     AckReply,
-    ApplyReply,
-    ApplyRequest,
     CaptureRequest,
-    CommitRequest,
     DropRequest,
     PingReply,
     PingRequest,
+    PrepareReply,
+    PrepareRequest,
+    PublishRequest,
     ShardHello,
     ShardWelcome,
     ShutdownRequest,
@@ -216,7 +217,7 @@ class ShardServer:
                 grad_sq=report.grad_sq if report.finite else 0.0,
                 buffer_sq=report.buffer_sq if report.finite else 0.0,
             )
-        elif isinstance(message, ApplyRequest):
+        elif isinstance(message, PrepareRequest):
             ok, reason = await service.prepare(
                 message.version,
                 message.task_ids,
@@ -224,12 +225,12 @@ class ShardServer:
                 message.lr_scale,
                 message.buffer_scale,
             )
-            reply = ApplyReply(ok=ok, reason=reason)
-        elif isinstance(message, CommitRequest):
-            if message.commit:
-                await service.publish(message.version)
-            else:
-                await service.abort(message.version, message.code, message.message)
+            reply = PrepareReply(ok=ok, reason=reason)
+        elif isinstance(message, PublishRequest):
+            await service.publish(message.version)
+            reply = AckReply()
+        elif isinstance(message, AbortRequest):
+            await service.abort(message.version, message.code, message.message)
             reply = AckReply()
         elif isinstance(message, DropRequest):
             await service.drop(message.task_ids, message.code, message.message)

@@ -47,14 +47,15 @@ from common.protocol.messages import (
 from common.protocol.shard_messages import (
     CONTROL_REPLIES,
     CONTROL_REQUESTS,
+    AbortRequest,
     AckReply,
-    ApplyReply,
-    ApplyRequest,
     CaptureRequest,
-    CommitRequest,
     DropRequest,
     PingReply,
     PingRequest,
+    PrepareReply,
+    PrepareRequest,
+    PublishRequest,
     ShardHello,
     ShardWelcome,
     ShutdownRequest,
@@ -174,11 +175,12 @@ EXAMPLES = [
     ),
     StagedRequest(key=TOKEN, task_id=9, worker_id=3, timeout_s=5.0),
     StagedReply(finite=True, grad_sq=2.5, buffer_sq=0.0),
-    ApplyRequest(
+    PrepareRequest(
         key=TOKEN, version=5, task_ids=[9, 11], weights=[0.75, 0.25], lr_scale=1.0, buffer_scale=1.0
     ),
-    ApplyReply(ok=False, reason="non-finite"),
-    CommitRequest(key=TOKEN, version=5, commit=True, code=0, message=""),
+    PrepareReply(ok=False, reason="non-finite"),
+    PublishRequest(key=TOKEN, version=5),
+    AbortRequest(key=TOKEN, version=5, code=13, message="refused"),
     DropRequest(key=TOKEN, task_ids=[9], code=8, message="stale"),
     CaptureRequest(key=TOKEN, with_slots=True),
     StateReply(version=5, optimizer_steps=5, slots=["momentum"], state=STATE, slot_state=STATE),
@@ -272,7 +274,7 @@ BAD = {
     "weights with NaN": (
         [
             _header(
-                type="apply_request",
+                type="prepare_request",
                 body={
                     "key": "",
                     "version": 1,

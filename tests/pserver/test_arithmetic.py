@@ -48,7 +48,7 @@ def _step(store: SliceStore, grads: dict[int, torch.Tensor], weights: dict[int, 
         store.stage(wid, wid, 0, 0, 1.0, grad)
     ok, reason = store.prepare(1, sorted(grads), [weights[w] for w in sorted(grads)], 1.0, 1.0)
     assert ok, reason
-    store.commit(1)
+    store.publish(1)
 
 
 def _combine(policy_cls, sizes: dict[int, int], grads: dict[int, torch.Tensor]) -> torch.Tensor:
