@@ -69,8 +69,8 @@ class TaskDesk:
             return
         for worker in self.waiting() if workers is None else workers:
             task = self.policy.runnable(worker)
-            if task is not None:
-                self.send(worker, task, self.policy.prefetch_hint(worker))
+            if task is not None:  # the hint: the task it will most likely run next
+                self.send(worker, task, worker.tasks[1] if len(worker.tasks) > 1 else None)
 
     def send(self, worker: WorkerInfo, task: Task, hint: Task | None) -> None:
         """Answer ``worker``'s waiting request with ``task`` to run (and ``hint`` to prefetch);

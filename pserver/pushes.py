@@ -234,20 +234,11 @@ class Pushes:
     def _answer(self, update: Update, timing: RoundTiming | None) -> None:
         """Plan what follows a published update and answer the workers that may run now (or
         tell them to stop, once training ended)."""
-        training = not self.run.finished
-        followup = self.policy.after_update(
-            update,
-            timing,
-            self.roster.ready() if training else [],
-            self.desk.waiting(),
-        )
+        ready = [] if self.run.finished else self.roster.ready()
+        assignments = self.policy.after_update(update, timing, ready)
         stagetrace.mark("c_planned", version=self.updater.version)
-        self.desk.queue(followup.assignments)
-        if training:
-            for worker, task, hint in followup.runnable:
-                self.desk.send(worker, task, hint)
-        else:
-            self.desk.stop_waiting()
+        self.desk.queue(assignments)
+        self.desk.dispatch()
 
     def _refuse_update(self, update: Update, message: str) -> None:
         """An update the stores refused (it would make the state invalid; they answered its

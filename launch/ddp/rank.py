@@ -29,7 +29,7 @@ from common.training.evaluator import Evaluator
 from common.training.flat import FlatLayout
 from common.training.models import build_model
 from common.training.planner import plan_batches, plan_equal, tail_scale
-from common.training.schedule import lr_factor
+from common.training.schedule import lr_factor, progress
 from launch.ddp import checkpoint
 from launch.ddp.launcher import DDPConfig
 from launch.ddp.record import RunRecorder
@@ -322,8 +322,9 @@ class RankTrainer:
             if b:
                 self.work[r] += b
                 self.seconds[r] += result.emulated_s[r]
-        progress = t.progress(self.steps, self.samples, len(self.reader.train_indices))
-        factor = lr_factor(t.lr_schedule, progress, t.warmup_fraction)
+        count = len(self.reader.train_indices)
+        done = progress(self.steps, self.samples, count, t.max_steps, t.epochs)
+        factor = lr_factor(t.lr_schedule, done, t.warmup_fraction)
         for group in self.optimizer.param_groups:
             group["lr"] = t.lr * factor
         self.optimizer.step()

@@ -154,11 +154,12 @@ def test_a_round_nobody_is_left_in_waits_for_a_worker() -> None:
     alone = WorkerInfo(1, "a", "cpu", 1.0, 1, 0.0, speed=10.0)
     planned = policy.plan([alone])
     assert policy.leave(alone, [t for _, t in planned]) == []
-    assert policy.plan([]) == [] and policy.runnable_in(alone, []) is None
+    assert policy.plan([]) == [] and policy.runnable(alone) is None
     late = WorkerInfo(2, "late", "cpu", 1.0, 1, 0.0, speed=10.0)
     adopted = policy.plan([late])
     assert [t.positions.tolist() for _, t in adopted] == [t.positions.tolist() for _, t in planned]
-    assert policy.runnable_in(late, [adopted[0][1]]) is adopted[0][1]
+    late.tasks.append(adopted[0][1])  # what the server's desk queues
+    assert policy.runnable(late) is adopted[0][1]
 
 
 def test_ddp_weighs_its_epoch_tail_step_as_the_parameter_server_does() -> None:
