@@ -29,9 +29,9 @@ class RunState:
     Attributes:
         phase: where the run is.
         reason: why training ended (None while it runs).
-        failure: what went wrong, when ``reason`` is ``FAILED``.
         stores_lost: a parameter shard is gone (no final checkpoint or evaluation then).
-        error: set when the run failed; the server then exits non-zero.
+        error: what went wrong, when the run failed (the server then exits non-zero): what
+            ended training when ``reason`` is ``FAILED``, else a failure of the end itself.
         train_start: run-clock time training started (None before).
         train_end: run-clock time training ended (None while it runs).
         eval_s: evaluation time that blocked training (always 0 on the server, where
@@ -43,7 +43,6 @@ class RunState:
 
     phase: RunPhase = RunPhase.WAITING
     reason: FinishReason | None = None
-    failure: str = ""
     stores_lost: bool = False
     error: str = ""
     train_start: float | None = None
@@ -76,13 +75,13 @@ class RunState:
         if self.reason is None:
             return ""
         if self.reason is FinishReason.FAILED:
-            return f"failed: {self.failure}"
+            return f"failed: {self.error}"
         return self.reason.value
 
     @property
     def failed(self) -> str | None:
         """What went wrong, when a failure ended training (None otherwise)."""
-        return self.failure if self.reason is FinishReason.FAILED else None
+        return self.error if self.reason is FinishReason.FAILED else None
 
     def start_training(self, t: float) -> None:
         """Training starts now (run-clock ``t``; a resumed run keeps its first start)."""
@@ -92,7 +91,7 @@ class RunState:
         if self.train_start is None:
             self.train_start = t
 
-    def finish(self, reason: FinishReason, t: float, failure: str = "") -> bool:
+    def finish(self, reason: FinishReason, t: float) -> bool:
         """Training ends now (run-clock ``t``).
 
         Returns:
@@ -100,7 +99,7 @@ class RunState:
         """
         if self.finished:
             return False
-        self.reason, self.failure = reason, failure
+        self.reason = reason
         self.train_end = t
         self.phase = RunPhase.ENDING
         return True

@@ -450,14 +450,13 @@ class ParameterServer:
     def _checkpoint_soon(self) -> None:
         self.owner.spawn(self.checkpointer.save())
 
-    def finish(self, reason: FinishReason, failure: str = "") -> None:
+    def finish(self, reason: FinishReason) -> None:
         """End training: no more tasks; waiting workers are told to stop; the end begins.
 
         Args:
-            reason: why.
-            failure: what went wrong, for ``FAILED``.
+            reason: why (``FAILED``: ``fail`` recorded what went wrong).
         """
-        if not self.run.finish(reason, self.log.now(), failure):
+        if not self.run.finish(reason, self.log.now()):
             return
         log.info("training finished (%s) at version %d", self.run.finish_reason, self.version)
         self.log.event("finish", reason=self.run.finish_reason, version=self.version)
@@ -474,7 +473,7 @@ class ParameterServer:
         """
         log.error("%s", reason)
         self.run.fail(reason, stores_lost)
-        self.finish(FinishReason.FAILED, reason)
+        self.finish(FinishReason.FAILED)
 
     async def save_checkpoint(self) -> bool:
         """Write a checkpoint now (one at a time); a failure is logged and training goes on.

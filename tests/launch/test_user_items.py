@@ -186,7 +186,7 @@ async def test_stop_and_heartbeat_replies_say_why_training_ended(
         assert stop.finish_reason is FinishReason.STOPPED
     hosts = [(e["worker"], e["host"]) for e in ps.log.events if e["event"] == "join"]
     assert hosts == [("new", "node-7")]
-    failed = RunState(reason=FinishReason.FAILED, failure="shard 1 lost")
+    failed = RunState(reason=FinishReason.FAILED, error="shard 1 lost")
     assert failed.finish_reason == "failed: shard 1 lost" and failed.failed == "shard 1 lost"
     assert all(reason.words for reason in FinishReason)  # a worker's last line for each
     # a reason outside the list is refused on the wire, not shown
