@@ -45,9 +45,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bench.harness.jasper import JASPER_DIR, jasper
+from bench.harness.jasper import jasper
 from bench.harness.record import parse_settings
 from bench.round_floor import _asyncio_step_echo, round_trip_s, step_s
+from common.data import JASPER_DIR
 from common.data.dataset import DatasetReader
 from common.training.models import build_model
 from launch.local import LocalCluster, run_local

@@ -30,9 +30,10 @@ from typing import Any
 import psutil
 
 from bench import ROOT
-from bench.harness.jasper import JASPER_DIR, jasper
+from bench.harness.jasper import jasper
 from bench.harness.record import parse_settings
 from bench.harness.served import served_run
+from common.data import JASPER_DIR
 from common.polling import poll_until
 from launch.procs import new_events
 
@@ -69,7 +70,7 @@ SERVER_STAGES = [
     ("snapshot/publish + reply params", ("StoreService.publish",)),
     ("refit speed models (after the reply)", ("SyncRounds.settle",)),
     ("book the round (metrics, ledger)", ("Ledger.book",)),
-    ("plan + task reply", ("ModePolicy.after_update", "TaskDesk.send", "TaskDesk.release")),
+    ("plan + task reply", ("ModePolicy.after_update", "TaskDesk.send", "TaskDesk.dispatch")),
     ("push request checks", ("Pushes.push",)),
     ("receive + decode requests", ("Endpoint.receive_loop",)),
 ]

@@ -87,20 +87,3 @@ class TrainSettings:
             elif value is not None:
                 args += [flag, str(value)]
         return tuple(args)
-
-    def progress(self, steps: int, samples: int, train_count: int) -> float:
-        """Fraction of training done, exactly as the server's trainer computes it.
-
-        Args:
-            steps: updates applied so far.
-            samples: training samples applied so far.
-            train_count: size of the training split.
-
-        Returns:
-            The progress in [0, 1] that drives the learning-rate schedule (0 without a limit).
-        """
-        if self.max_steps is not None:
-            return steps / self.max_steps
-        if self.epochs is not None:
-            return samples / (self.epochs * train_count)
-        return 0.0

@@ -9,13 +9,14 @@ from typing import Any
 
 import numpy as np
 
+from common.protocol.ending import FinishReason
 from common.training.runlog import RunLog
 from pserver.config import ServerConfig
 from pserver.evaluation import EvalScheduler, VersionInfo
 from pserver.membership import Roster, Task, WorkerInfo
 from pserver.policies import Update
 from pserver.roundtiming import RoundTiming
-from pserver.runstate import FinishReason, RunState
+from pserver.runstate import RunState
 from pserver.sampler import EpochSampler
 from pserver.updates import Updater
 

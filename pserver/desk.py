@@ -61,7 +61,7 @@ class TaskDesk:
         """Members whose request waits for a task, in join order."""
         return [w for w in self.roster.members() if w.waiter is not None]
 
-    def release(self, workers: list[WorkerInfo] | None = None) -> None:
+    def dispatch(self, workers: list[WorkerInfo] | None = None) -> None:
         """Answer each waiting worker (of ``workers``, default all) with its runnable task, or
         with stop once training ended."""
         if self.run.finished:
@@ -69,13 +69,13 @@ class TaskDesk:
             return
         for worker in self.waiting() if workers is None else workers:
             task = self.policy.runnable(worker)
-            if task is not None:
-                self.send(worker, task, self.policy.prefetch_hint(worker))
+            if task is not None:  # the hint: the task it will most likely run next
+                self.send(worker, task, worker.tasks[1] if len(worker.tasks) > 1 else None)
 
     def send(self, worker: WorkerInfo, task: Task, hint: Task | None) -> None:
         """Answer ``worker``'s waiting request with ``task`` to run (and ``hint`` to prefetch);
         a push that carried its gradient gets the published parameters in the same reply."""
-        waiter = self.roster.released(worker, task)
+        waiter = self.roster.sent(worker, task)
         if waiter is None:
             return
         fields: dict[str, Any] = dict(
@@ -119,7 +119,7 @@ class TaskDesk:
                     indices=[],
                     prefetch=[],
                     failure=self.run.failed,
-                    finish_reason=worker.finish_reason(self.run.reply_reason),
+                    finish_reason=self.run.reason,
                 ),
             )
         self.log.event("leave", worker=worker.name, reason="stop")

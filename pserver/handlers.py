@@ -22,7 +22,6 @@ from common.data.dataset import DatasetReader
 from common.errors import ErrorCode, ProtocolError
 from common.protocol.base import Message
 from common.protocol.messages import (
-    OPTIONAL_REPLY_FIELDS,
     DataReply,
     DataRequest,
     GradientChunk,
@@ -173,7 +172,6 @@ class Handlers:
             msg.threads,
             self.log.now(),
             request.user_id,
-            OPTIONAL_REPLY_FIELDS.intersection(msg.reply_fields or ()),
         )
         self.log.event(
             "join",
@@ -209,20 +207,17 @@ class Handlers:
 
     async def heartbeat(self, request: Request, msg: HeartbeatRequest) -> None:
         try:
-            worker = self.roster.member(msg.worker_id, msg.token, request.user_id)
-            finish_reason = worker.finish_reason(self.run.reply_reason)
+            self.roster.member(msg.worker_id, msg.token, request.user_id)
         except ProtocolError:
             # A member told to stop leaves the roster at once, and its heartbeat may come
             # before it has read the stop reply: after training, its token learns that.
             if not self.run.finished:
                 raise
             self.roster.tokens.check(msg.worker_id, msg.token)
-            finish_reason = None  # its reply fields went with it
         reply = HeartbeatReply(
             server_id=self.join_terms["server_id"],
-            finished=self.run.finished,
             failure=self.run.failed,
-            finish_reason=finish_reason,
+            finish_reason=self.run.reason,
         )
         self.endpoint.reply(request.identity, request.request_id, reply)
 
@@ -253,7 +248,7 @@ class Handlers:
             if not self.run.started and len(self.roster.ready()) >= self.config.workers:
                 self._start_training()
         self.desk.plan()
-        self.desk.release()
+        self.desk.dispatch()
 
     def _start_training(self) -> None:
         """Enough workers are ready: training starts."""

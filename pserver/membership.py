@@ -105,17 +105,12 @@ class WorkerInfo:
     compute_s: float = 0.0
     transfer_s: float = 0.0
     idle_s: float = 0.0  # waiting at sync barriers, summed over rounds
-    released_at: float = 0.0  # monotonic time its last task was sent
-    released: int | None = None  # the id of the task it was last sent
+    sent_at: float = 0.0  # monotonic time its last task was sent
+    sent_task: int | None = None  # the id of the task it was last sent
     last_round: int = -1  # the last sync round it pushed in
     perf: PerfModel = dataclasses.field(default_factory=PerfModel)
     active: bool = True
     ready: bool = False
-    reply_fields: frozenset[str] = frozenset()  # optional reply fields it reads (join)
-
-    def finish_reason(self, reason: str | None) -> str | None:
-        """``reason`` for a stop or heartbeat reply to this worker: None unless it reads it."""
-        return reason if "finish_reason" in self.reply_fields else None
 
     def steady_in(self, round_id: int) -> bool:
         """Whether it pushed in the round before ``round_id``: otherwise (its first round, a
@@ -180,11 +175,10 @@ class Roster:
         threads: int,
         t: float,
         user_id: str = "",
-        reply_fields: frozenset[str] = frozenset(),
     ) -> WorkerInfo:
         """A new member; a name already in use gets the worker id appended (and counts on
         while that is taken too), so every member's name, and each ``/metrics`` series, is
-        unique. ``reply_fields`` are the optional reply fields the worker reads.
+        unique.
 
         Raises:
             ProtocolError: BUSY when ``max_members`` are active.
@@ -197,7 +191,6 @@ class Roster:
         while unique in names:  # a member may already be called "name-<id>"
             unique, suffix = f"{name}-{suffix}", suffix + 1
         worker = WorkerInfo(self._next_id, unique, device[:MAX_NAME], slowdown, threads, t, user_id)
-        worker.reply_fields = reply_fields
         past = self.history.pop(unique, None)
         if past is not None:  # the same worker before it rejoined or the server restarted
             for counter in COUNTERS:
@@ -283,10 +276,10 @@ class Roster:
         waiter, worker.waiter = worker.waiter, None
         return waiter
 
-    def released(self, worker: WorkerInfo, task: Task) -> Waiter | None:
+    def sent(self, worker: WorkerInfo, task: Task) -> Waiter | None:
         """``task`` is sent to the worker now; returns the request that carries it."""
-        worker.released_at = time.monotonic()
-        worker.released = task.task_id
+        worker.sent_at = time.monotonic()
+        worker.sent_task = task.task_id
         return self.take_waiter(worker)
 
     def queue(self, worker: WorkerInfo, task: Task) -> None:
@@ -334,8 +327,8 @@ class Roster:
         worker.speed = speed
         worker.compute_s, worker.transfer_s = compute_s, transfer_s
         worker.perf.add_compute(task.size, compute_s)
-        if measure_transfer and worker.released_at:
-            worker.perf.add_transfer(time.monotonic() - worker.released_at - compute_s)
+        if measure_transfer and worker.sent_at:
+            worker.perf.add_transfer(time.monotonic() - worker.sent_at - compute_s)
 
     def count(self, worker: WorkerInfo, counter: str) -> None:
         """One more ``rejected``, ``non_finite`` or ``refused`` push of the worker."""

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from common import stagetrace
 from common.errors import ErrorCode, ProtocolError, ShardLost
+from common.protocol.ending import FinishReason
 from common.protocol.messages import GradientPushRequest, PushRequest
 from pserver.booking import Ledger
 from pserver.config import ServerConfig
@@ -18,7 +19,7 @@ from pserver.desk import TaskDesk
 from pserver.membership import Roster, Task, Waiter, WorkerInfo
 from pserver.policies import ModePolicy, Update
 from pserver.roundtiming import RoundTiming
-from pserver.runstate import FinishReason, RunState
+from pserver.runstate import RunState
 from pserver.snapshots.snapshot_hooks import SnapshotHook
 from pserver.store.service import Replier
 from pserver.store.stores import ParameterStores
@@ -156,7 +157,7 @@ class Pushes:
             if decision.update is not None:
                 await self._apply(decision.update)
             else:  # it may hold another task of this round (taken over from one that left)
-                self.desk.release([worker])
+                self.desk.dispatch([worker])
 
     async def _refuse_push(self, worker: WorkerInfo, task: Task, refusal: ProtocolError) -> None:
         """A push the policy refused (too stale): the worker recomputes the same samples on
@@ -180,7 +181,7 @@ class Pushes:
             task is None
             or msg.task_id != task.task_id
             or worker.pushing is not None
-            or worker.released != task.task_id
+            or worker.sent_task != task.task_id
         ):
             raise ProtocolError(
                 ErrorCode.WRONG_TASK, f"task {msg.task_id} is not the task this worker is running"
@@ -233,20 +234,11 @@ class Pushes:
     def _answer(self, update: Update, timing: RoundTiming | None) -> None:
         """Plan what follows a published update and answer the workers that may run now (or
         tell them to stop, once training ended)."""
-        training = not self.run.finished
-        followup = self.policy.after_update(
-            update,
-            timing,
-            self.roster.ready() if training else [],
-            self.desk.waiting(),
-        )
+        ready = [] if self.run.finished else self.roster.ready()
+        assignments = self.policy.after_update(update, timing, ready)
         stagetrace.mark("c_planned", version=self.updater.version)
-        self.desk.queue(followup.assignments)
-        if training:
-            for worker, task, hint in followup.runnable:
-                self.desk.send(worker, task, hint)
-        else:
-            self.desk.stop_waiting()
+        self.desk.queue(assignments)
+        self.desk.dispatch()
 
     def _refuse_update(self, update: Update, message: str) -> None:
         """An update the stores refused (it would make the state invalid; they answered its
@@ -261,7 +253,7 @@ class Pushes:
                     waiter.identity, waiter.request_id, ErrorCode.REFUSED, message
                 )
         self.desk.plan()
-        self.desk.release()
+        self.desk.dispatch()
 
 
 def check_speed(speed: float) -> None:

@@ -10,6 +10,8 @@ import dataclasses
 import enum
 from typing import Any
 
+from common.protocol.ending import FinishReason
+
 
 class RunPhase(enum.Enum):
     """Where a run is in its life; it only moves forward."""
@@ -20,25 +22,6 @@ class RunPhase(enum.Enum):
     DONE = "done"  # the summary is written
 
 
-class FinishReason(enum.Enum):
-    """Why training ended (its value is the ``finish`` event's and the summary's reason)."""
-
-    EPOCHS = "epochs"
-    MAX_STEPS = "max_steps"
-    TARGET_OA = "target_oa"
-    STOPPED = "stopped"  # a signal or ``request_stop``
-    FAILED = "failed"  # an error; the run's ``failure`` says which
-
-    @property
-    def completed(self) -> bool:
-        """The run reached its end (a resume does not train on)."""
-        return self in (FinishReason.EPOCHS, FinishReason.MAX_STEPS, FinishReason.TARGET_OA)
-
-
-COMPLETED = tuple(r.value for r in FinishReason if r.completed)  # reasons of a run at its end
-FAILED_PREFIX = "failed: "  # a failed run's finish reason reads "failed: <what went wrong>"
-
-
 @dataclasses.dataclass
 class RunState:
     """A run's progress record and lifecycle.
@@ -46,9 +29,9 @@ class RunState:
     Attributes:
         phase: where the run is.
         reason: why training ended (None while it runs).
-        failure: what went wrong, when ``reason`` is ``FAILED``.
         stores_lost: a parameter shard is gone (no final checkpoint or evaluation then).
-        error: set when the run failed; the server then exits non-zero.
+        error: what went wrong, when the run failed (the server then exits non-zero): what
+            ended training when ``reason`` is ``FAILED``, else a failure of the end itself.
         train_start: run-clock time training started (None before).
         train_end: run-clock time training ended (None while it runs).
         eval_s: evaluation time that blocked training (always 0 on the server, where
@@ -60,7 +43,6 @@ class RunState:
 
     phase: RunPhase = RunPhase.WAITING
     reason: FinishReason | None = None
-    failure: str = ""
     stores_lost: bool = False
     error: str = ""
     train_start: float | None = None
@@ -93,13 +75,13 @@ class RunState:
         if self.reason is None:
             return ""
         if self.reason is FinishReason.FAILED:
-            return f"{FAILED_PREFIX}{self.failure}"
+            return f"failed: {self.error}"
         return self.reason.value
 
     @property
     def failed(self) -> str | None:
         """What went wrong, when a failure ended training (None otherwise)."""
-        return self.failure if self.reason is FinishReason.FAILED else None
+        return self.error if self.reason is FinishReason.FAILED else None
 
     def start_training(self, t: float) -> None:
         """Training starts now (run-clock ``t``; a resumed run keeps its first start)."""
@@ -109,7 +91,7 @@ class RunState:
         if self.train_start is None:
             self.train_start = t
 
-    def finish(self, reason: FinishReason, t: float, failure: str = "") -> bool:
+    def finish(self, reason: FinishReason, t: float) -> bool:
         """Training ends now (run-clock ``t``).
 
         Returns:
@@ -117,7 +99,7 @@ class RunState:
         """
         if self.finished:
             return False
-        self.reason, self.failure = reason, failure
+        self.reason = reason
         self.train_end = t
         self.phase = RunPhase.ENDING
         return True
@@ -126,12 +108,6 @@ class RunState:
         """Record an error that ends the run (the first one is kept)."""
         self.stores_lost = self.stores_lost or stores_lost
         self.error = self.error or failure
-
-    @property
-    def reply_reason(self) -> str | None:
-        """The finish reason as stop and heartbeat replies carry it: without a failure's text
-        (``failed: ...`` -> ``failed``; the ``failure`` field says it), None while training runs."""
-        return None if self.reason is None else self.reason.value
 
     def train_time(self, t: float) -> float:
         """Training time at run-clock time ``t``."""
@@ -158,8 +134,7 @@ class RunState:
         self.evals = list(meta["evals"])
         # A run stopped by a signal (scancel, a Slurm time limit) or by a failure goes on when
         # resumed; only a run that reached its end (epochs, steps, target) stays ended.
-        values = {r.value: r for r in FinishReason}
-        reason = values.get(meta.get("finish_reason", ""))
+        reason = {r.value: r for r in FinishReason}.get(meta.get("finish_reason", ""))
         if reason is not None and reason.completed:
             self.reason = reason
             self.phase = RunPhase.ENDING

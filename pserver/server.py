@@ -24,6 +24,7 @@ from common import stagetrace
 from common.data.dataset import DatasetReader
 from common.errors import ErrorCode
 from common.protocol.chunks import chunk_elems_for
+from common.protocol.ending import FinishReason
 from common.protocol.messages import STORE_REQUESTS, WORKER_REQUESTS
 from common.protocol.security import shard_secret
 from common.protocol.shard_messages import ShardHello
@@ -43,7 +44,7 @@ from pserver.membership import Roster, TaskFactory, WorkerInfo
 from pserver.policies import POLICIES
 from pserver.policies.weighted_sync import resolve_min_local_batch
 from pserver.pushes import Pushes
-from pserver.runstate import FinishReason, RunState
+from pserver.runstate import RunState
 from pserver.sampler import EpochSampler
 from pserver.shutdown import Shutdown, watch_shards
 from pserver.snapshots.snapshot_hooks import SnapshotHook
@@ -391,7 +392,7 @@ class ParameterServer:
         self.finish(FinishReason.STOPPED)
 
     async def close(self) -> None:
-        """Cancel outstanding tasks, close the sockets and release the dataset."""
+        """Cancel outstanding tasks, close the sockets and the dataset."""
         if self.http is not None:
             await self.http.close()
         if self._flusher is not None:
@@ -435,7 +436,7 @@ class ParameterServer:
             ids = [t.task_id for t in dropped]
             self.owner.spawn(self.stores.drop(ids, ErrorCode.UNKNOWN_WORKER, "the worker left"))
         self.desk.plan()
-        self.desk.release()
+        self.desk.dispatch()
 
     def _on_dead(self, worker: WorkerInfo) -> None:
         self.drop_worker(worker, f"dead: silent for {self.config.dead_after_s:g} s")
@@ -450,19 +451,17 @@ class ParameterServer:
     def _checkpoint_soon(self) -> None:
         self.owner.spawn(self.checkpointer.save())
 
-    def finish(self, reason: FinishReason | str, failure: str = "") -> None:
+    def finish(self, reason: FinishReason) -> None:
         """End training: no more tasks; waiting workers are told to stop; the end begins.
 
         Args:
-            reason: why (a ``FinishReason`` or its value).
-            failure: what went wrong, for ``FAILED``.
+            reason: why (``FAILED``: ``fail`` recorded what went wrong).
         """
-        reason = FinishReason(reason)
-        if not self.run.finish(reason, self.log.now(), failure):
+        if not self.run.finish(reason, self.log.now()):
             return
         log.info("training finished (%s) at version %d", self.run.finish_reason, self.version)
         self.log.event("finish", reason=self.run.finish_reason, version=self.version)
-        self.desk.release()
+        self.desk.dispatch()
         self.owner.spawn(self.shutdown.run_to_end())
 
     def fail(self, reason: str, stores_lost: bool = False) -> None:
@@ -475,7 +474,7 @@ class ParameterServer:
         """
         log.error("%s", reason)
         self.run.fail(reason, stores_lost)
-        self.finish(FinishReason.FAILED, reason)
+        self.finish(FinishReason.FAILED)
 
     async def save_checkpoint(self) -> bool:
         """Write a checkpoint now (one at a time); a failure is logged and training goes on.

@@ -10,7 +10,7 @@ import math
 import statistics
 
 from common.errors import ErrorCode, ProtocolError
-from common.training.schedule import lr_factor
+from common.training.schedule import lr_factor, progress
 from pserver.config import ServerConfig
 from pserver.errorlog import RateLimitedLog
 from pserver.policies.base import Update
@@ -161,18 +161,13 @@ class Updater:
         self.steps = 0
         self.samples_applied = 0
 
-    def progress(self) -> float:
-        """Fraction of training done, for the learning-rate schedule."""
-        if self.config.max_steps is not None:
-            return self.steps / self.config.max_steps
-        if self.config.epochs is not None:
-            return self.samples_applied / (self.config.epochs * self.train_count)
-        return 0.0
-
     def lr_factor(self) -> float:
         """The schedule's factor for the next update."""
         cfg = self.config
-        return lr_factor(cfg.lr_schedule, self.progress(), cfg.warmup_fraction)
+        done = progress(
+            self.steps, self.samples_applied, self.train_count, cfg.max_steps, cfg.epochs
+        )
+        return lr_factor(cfg.lr_schedule, done, cfg.warmup_fraction)
 
     async def apply(self, update: Update) -> str | None:
         """Apply ``update`` (call with ``lock`` held): every store prepares the new version,

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.support import requirements
-from tests.support.paths import JASPER_DIR
+from tests.support.paths import JASPER_DIR, JASPER_FILES
 
-JASPER_FILES = ("JasperRidge.mat", "JasperRidge_gt.mat")
 E2E_DIR = Path(__file__).resolve().parent / "e2e"
 
 

@@ -17,7 +17,6 @@ from common.config import default
 from common.errors import PSError
 from common.logsetup import setup_logging
 from worker.config import WorkerConfig
-from worker.ending import describe_end
 from worker.resolve import check_server_host
 
 
@@ -153,8 +152,9 @@ def join(log_level: str, **options: object) -> None:
         raise click.ClickException(str(exc)) from exc
     except KeyboardInterrupt:
         sys.exit(130)
+    assert stats.finish_reason is not None  # a run that returns was ended by the server
     click.echo(
-        f"worker {name}: {describe_end(stats.finish_reason)} after {stats.steps} steps, "
+        f"worker {name}: {stats.finish_reason.words} after {stats.steps} steps, "
         f"{stats.samples} samples, compute {stats.compute_s:.1f} s, "
         f"data wait {stats.data_wait_s:.2f} s, wall {stats.wall_s:.1f} s"
     )

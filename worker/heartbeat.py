@@ -10,12 +10,11 @@ import zmq
 
 from common.errors import PSError
 from common.protocol.client import Connection
+from common.protocol.ending import RunEnded
 from common.protocol.messages import HeartbeatReply, HeartbeatRequest
 
 log = logging.getLogger(__name__)
 
-TRAINING_ENDED = "training has ended"
-RUN_FAILED = "the server stopped the run: "  # followed by the failure
 # Heartbeats answered 'finished' before the worker gives up waiting for its own stop reply.
 ENDED_BEATS = 3
 
@@ -27,9 +26,8 @@ class Heartbeat:
     different server (a restart), it publishes the reason on ``abort`` (an ``inproc://`` PUB
     endpoint), which ends every wait of the worker's connections with ``ServerLost``. When the
     server says training has ended for a few beats in a row (the worker is stuck on something
-    that will never answer, such as a lost shard), it publishes ``TRAINING_ENDED``, or
-    ``RUN_FAILED`` and the failure when one ended the run; ``finish_reason`` then holds why
-    training ended, when the server says.
+    that will never answer, such as a lost shard), it keeps that end in ``ended`` (a
+    ``RunEnded``) before it publishes.
 
     Args:
         context: the worker's ZeroMQ context (inproc endpoints live in it).
@@ -57,7 +55,7 @@ class Heartbeat:
         self._publisher.setsockopt(zmq.LINGER, 0)
         self._publisher.bind(abort)
         self._stop = threading.Event()
-        self.finish_reason: str | None = None
+        self.ended: RunEnded | None = None
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -81,11 +79,10 @@ class Heartbeat:
                 if reply.server_id != self.server_id:
                     reason = "the server restarted"
                     break
-                ended = ended + 1 if reply.finished else 0
-                if reply.finished:
-                    self.finish_reason = reply.finish_reason or self.finish_reason
-                if ended >= ENDED_BEATS:
-                    reason = RUN_FAILED + reply.failure if reply.failure else TRAINING_ENDED
+                ended = 0 if reply.finish_reason is None else ended + 1
+                if reply.finish_reason is not None and ended >= ENDED_BEATS:
+                    self.ended = RunEnded(reply.finish_reason, reply.failure)
+                    reason = str(self.ended)
                     break
         finally:
             conn.close()

@@ -5,7 +5,6 @@ buffers) is the ``Replica`` of ``worker.replica``."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import socket
@@ -20,14 +19,15 @@ from common import stagetrace
 from common.errors import (
     ErrorCode,
     NetworkTimeout,
+    ProtocolError,
     PSError,
     RemoteError,
     RunFailed,
     ServerLost,
 )
 from common.protocol.client import Connection
+from common.protocol.ending import RunEnded
 from common.protocol.messages import (
-    OPTIONAL_REPLY_FIELDS,
     GradientPushRequest,
     JoinReply,
     JoinRequest,
@@ -45,8 +45,7 @@ from common.training.slowdown import SlowdownSchedule
 from common.training.speed import SpeedMeter
 from worker.augment import Augmenter
 from worker.config import WorkerConfig
-from worker.ending import describe_end
-from worker.heartbeat import RUN_FAILED, TRAINING_ENDED, Heartbeat
+from worker.heartbeat import Heartbeat
 from worker.local_data import open_local_copy
 from worker.params import StoreClient
 from worker.prefetch import AheadReader, Prefetcher, sample_codec
@@ -118,23 +117,19 @@ class Worker:
         """
         begin = time.perf_counter()
         lost_since: float | None = None
-        failure: str | None = None
         log.info("connecting to %s", self.config.server)
         try:
             while True:
                 try:
-                    failure = self._session()
+                    ended = self._session()
+                    break
+                except RunEnded as exc:  # heartbeats said so: free our samples at once
+                    log.info("the server ended training")
+                    self._leave(str(exc))
+                    ended = exc
                     break
                 except (ServerLost, NetworkTimeout, RemoteError) as exc:
                     now = time.monotonic()
-                    if isinstance(exc, ServerLost) and str(exc) == TRAINING_ENDED:
-                        log.info("the server ended training")
-                        self._leave(TRAINING_ENDED)
-                        break
-                    if isinstance(exc, ServerLost) and str(exc).startswith(RUN_FAILED):
-                        failure = str(exc).removeprefix(RUN_FAILED)
-                        self._leave(str(exc))
-                        break
                     if not self._ever_joined:
                         self._not_yet_joined(exc, time.perf_counter() - begin)
                         continue
@@ -154,16 +149,17 @@ class Worker:
         finally:
             self.stats.wall_s = time.perf_counter() - begin
             self.context.term()
+        self.stats.finish_reason = ended.reason
         log.info(
             "worker %s: %s after %d steps, %d samples, data wait %.1f%% of wall time",
             self.config.name,
-            describe_end(self.stats.finish_reason),
+            ended.reason.words,
             self.stats.steps,
             self.stats.samples,
             100 * self.stats.data_wait_s / max(self.stats.wall_s, 1e-9),
         )
-        if failure:
-            raise RunFailed(f"{RUN_FAILED}{failure} (after {self.stats.steps} steps)")
+        if ended.failure:
+            raise RunFailed(f"{ended} (after {self.stats.steps} steps)")
         return self.stats
 
     def _not_yet_joined(self, exc: PSError, waited_s: float) -> None:
@@ -189,11 +185,14 @@ class Worker:
             self.config.server, timeout_s, self.context, abort=abort, curve=self.curve
         )
 
-    def _session(self) -> str | None:
+    def _session(self) -> RunEnded:
         """One membership: join, (calibrate), train until stop.
 
         Returns:
-            The failure that ended the run, when one did (the stop reply says so).
+            The end the stop reply tells.
+
+        Raises:
+            RunEnded: the heartbeats said training has ended while the worker waited.
         """
         self.conn = self._connect(self.config.reply_timeout_s)
         heartbeat: Heartbeat | None = None
@@ -240,12 +239,16 @@ class Worker:
             reply = self._request_task(calibration=True)
             while reply.action == "train":
                 reply = self._step(reply, prefetcher)
-            self.stats.finish_reason = reply.finish_reason
-            return reply.failure
+            if reply.finish_reason is None:
+                raise ProtocolError(ErrorCode.BAD_FIELD, "task_reply: a stop without finish_reason")
+            return RunEnded(reply.finish_reason, reply.failure)
+        except ServerLost:
+            if heartbeat is not None and heartbeat.ended is not None:
+                raise heartbeat.ended from None
+            raise
         finally:
             if heartbeat is not None:
                 heartbeat.stop()
-                self.stats.finish_reason = self.stats.finish_reason or heartbeat.finish_reason
             if prefetcher is not None:
                 self.stats.data_wait_s += prefetcher.wait_s
                 prefetcher.close()
@@ -269,26 +272,16 @@ class Worker:
 
     def _join(self) -> JoinReply:
         assert self.conn is not None
-        plain = JoinRequest(
+        request = JoinRequest(
             name=self.config.name,
             device=str(self.device),
             slowdown=self.config.slowdown,
             threads=self.config.threads,
-        )
-        request = dataclasses.replace(
-            plain,
             torch_version=torch.__version__,
             host=socket.gethostname(),
-            reply_fields=sorted(OPTIONAL_REPLY_FIELDS),
         )
         timeout_s = self.config.connect_timeout_s
-        try:
-            reply = self.conn.request(request, timeout_s=timeout_s, expect=JoinReply)
-        except RemoteError as exc:
-            if exc.code != ErrorCode.BAD_FIELD or "unknown fields" not in str(exc):
-                raise
-            log.info("the server takes no optional join fields (an older version); joining without")
-            reply = self.conn.request(plain, timeout_s=timeout_s, expect=JoinReply)
+        reply = self.conn.request(request, timeout_s=timeout_s, expect=JoinReply)
         check_allowed(reply.model, self.config.allow_model, "the server")
         self.worker_id, self.token = reply.worker_id, reply.token
         self.replica = Replica(
@@ -318,14 +311,7 @@ class Worker:
             calibration_batches=[b for b, _ in pairs] or None,
             calibration_s=[s for _, s in pairs] or None,
         )
-        try:
-            return self.conn.request(request, expect=TaskReply)
-        except RemoteError as exc:
-            if not pairs or exc.code != ErrorCode.BAD_FIELD or "unknown fields" not in str(exc):
-                raise
-            log.info("the server takes no calibration pairs (an older version); not sending them")
-            plain = TaskRequest(worker_id=self.worker_id, token=self.token, speed=self.speed.speed)
-            return self.conn.request(plain, expect=TaskReply)
+        return self.conn.request(request, expect=TaskReply)
 
     def _step(self, task: TaskReply, prefetcher: AheadReader) -> TaskReply:
         """Train on one task and push; returns the next task (or stop)."""

@@ -98,7 +98,7 @@ class AheadReader(abc.ABC):
         return self._cache.add(indices, *self._fetch(indices))
 
     def close(self) -> None:
-        """Stop the thread, then release the source."""
+        """Stop the thread, then close the source."""
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._close_source()
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from common.errors import ErrorCode, RemoteError
+from common.protocol.ending import FinishReason
 from common.protocol.messages import JoinReply, TaskReply
 from common.training.device import ComputeTimer, host_buffer
 from common.training.flat import FlatModel
@@ -39,7 +40,7 @@ class WorkerStats:
     data_wait_s: float = 0.0
     wall_s: float = 0.0
     rejected: int = 0
-    finish_reason: str | None = None  # why training ended, as the server said (None: unsaid)
+    finish_reason: FinishReason | None = None  # why training ended, as the server said
 
 
 class Replica:

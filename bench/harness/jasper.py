@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common.data import JASPER_DIR, JASPER_FILES
 from common.data.convert.hsi import prepare_hsi
-
-JASPER_DIR = Path(__file__).resolve().parents[3] / "shared/datasets/jasper_ridge"
-JASPER_FILES = ("JasperRidge.mat", "JasperRidge_gt.mat")
 
 
 def jasper_missing(jasper_dir: Path = JASPER_DIR) -> str | None:

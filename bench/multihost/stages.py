@@ -13,10 +13,10 @@ critical path, each the latest (or, for the start, the earliest) mark of its kin
     stage       last chunk staged (copied and checked) on its shard
     coord ask   last "staged?" request from the coordinator reaches a shard
     staged      last shard answers it
-    apply ask   last "apply" request reaches a shard (coordinator round trip)
+    prepare ask last "prepare" request reaches a shard (coordinator round trip)
     optimizer   last shard has computed the candidate (the optimizer step)
-    commit ask  last "commit" request reaches a shard (coordinator round trip)
-    commit      last shard has published and queued its parameter chunks
+    publish ask last "publish" request reaches a shard (coordinator round trip)
+    publish     last shard has published and queued its parameter chunks
     task reply  last worker has the coordinator's answer to its push
     wire out    last worker has every parameter chunk loaded (these two leave out workers
                 that sit out the next round: their answer waits for that round to end)
@@ -47,10 +47,10 @@ STAGES = (
     "stage",
     "coord ask",
     "staged",
-    "apply ask",
+    "prepare ask",
     "optimizer",
-    "commit ask",
-    "commit",
+    "publish ask",
+    "publish",
     "task reply",
     "wire out",
     "next",
@@ -114,9 +114,9 @@ def rounds(marks: dict[str, list[dict[str, Any]]]) -> dict[int, dict[str, float]
         "s_staged_request_done": "staged",
     }
     per_version = {
-        "s_apply_request": "apply ask",
-        "s_apply_request_done": "optimizer",
-        "s_commit_request": "commit ask",
+        "s_prepare_request": "prepare ask",
+        "s_prepare_request_done": "optimizer",
+        "s_publish_request": "publish ask",
     }
     untagged = []  # "staged" answers marked without their task: placed by time below
     for m in shard:
@@ -127,10 +127,10 @@ def rounds(marks: dict[str, list[dict[str, Any]]]) -> dict[int, dict[str, float]
             put(round_of.get(m.get("task", -1)), by_type[ev], t)
         elif ev in per_version:
             put(m["version"], per_version[ev], t)
-        elif ev == "s_commit_request_done":
-            put(m["version"] - 1, "commit", t)  # published: the shard is at v + 1
+        elif ev == "s_publish_request_done":
+            put(m["version"] - 1, "publish", t)  # published: the shard is at v + 1
     for got in points.values():
-        asked, applied = got.get("coord ask"), got.get("apply ask")
+        asked, applied = got.get("coord ask"), got.get("prepare ask")
         if asked and applied:
             got["staged"] += [t for t in untagged if min(asked) <= t <= max(applied)]
     out = {}

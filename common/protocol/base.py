@@ -4,6 +4,7 @@ and error replies. The message catalogue is in ``messages`` and ``shard_messages
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import types
 import typing
@@ -35,8 +36,8 @@ class Message:
             value = getattr(self, name)
             if kind == "tensor":
                 tensors.append(value)
-            elif value is not None or name not in optional:
-                body[name] = value  # an unset optional field stays off the wire (old peers)
+            elif value is not None or name not in optional:  # an unset optional one stays off
+                body[name] = value.value if kind == "enum" and value is not None else value
         return encode_frames(
             {"type": self.TYPE, "id": request_id, "status": "ok", "body": body}, tensors
         )
@@ -59,7 +60,7 @@ class Message:
                 f"{cls.TYPE}: expects {len(tensor_fields)} tensors, got {len(tensors)}",
             )
         arrays = iter(tensors)
-        for name, _, optional, kind in schema:
+        for name, base, optional, kind in schema:
             if kind == "tensor":
                 values[name] = next(arrays)
                 continue
@@ -69,6 +70,13 @@ class Message:
                     continue
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE}: missing field {name!r}")
             values[name] = _check(cls.TYPE, name, optional, kind, body[name])
+            if kind == "enum" and values[name] is not None:
+                try:
+                    values[name] = base(values[name])
+                except ValueError:
+                    raise ProtocolError(
+                        ErrorCode.BAD_FIELD, f"{cls.TYPE}: field {name!r} unknown value"
+                    ) from None
         extra = set(body) - set(values)
         if extra:
             raise ProtocolError(
@@ -81,13 +89,11 @@ _SCHEMAS: dict[type, list[tuple[str, Any, bool, str]]] = {}
 
 
 def _schema(cls: type) -> list[tuple[str, Any, bool, str]]:
-    """Per field: name, annotation, whether None is allowed and the checked kind (resolved
-    once per class, so parsing a message does no ``typing`` introspection)."""
+    """Per field: name, type (without None), whether None is allowed and the checked kind
+    (resolved once per class, so parsing a message does no ``typing`` introspection)."""
     if cls not in _SCHEMAS:
         hints = typing.get_type_hints(cls)
-        _SCHEMAS[cls] = [
-            (f.name, hints[f.name], *_resolve(hints[f.name])) for f in dataclasses.fields(cls)
-        ]
+        _SCHEMAS[cls] = [(f.name, *_resolve(hints[f.name])) for f in dataclasses.fields(cls)]
     return _SCHEMAS[cls]
 
 
@@ -95,27 +101,28 @@ _OPTIONAL: dict[type, frozenset[str]] = {}
 
 
 def _optional(cls: type) -> frozenset[str]:
-    """Fields that default to None: they may be absent on the wire (added after version 2's
-    first release, so that peers without them keep working)."""
+    """Fields that default to None: they may be absent on the wire."""
     if cls not in _OPTIONAL:
         _OPTIONAL[cls] = frozenset(f.name for f in dataclasses.fields(cls) if f.default is None)
     return _OPTIONAL[cls]
 
 
-def _resolve(kind: Any) -> tuple[bool, str]:
-    """``(optional, kind name)`` of a field annotation."""
+def _resolve(kind: Any) -> tuple[Any, bool, str]:
+    """``(type without None, optional, kind name)`` of a field annotation."""
     optional = False
     if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
         options = typing.get_args(kind)
         optional = type(None) in options
         kind = next(k for k in options if k is not type(None))
     if kind is np.ndarray:
-        return optional, "tensor"
+        return kind, optional, "tensor"
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return kind, optional, "enum"  # sent as its value, a string
     for simple in (bool, int, float, str, dict):
         if kind is simple:
-            return optional, simple.__name__
+            return kind, optional, simple.__name__
     if typing.get_origin(kind) is list and typing.get_args(kind) in ((int,), (float,), (str,)):
-        return optional, f"list[{typing.get_args(kind)[0].__name__}]"
+        return kind, optional, f"list[{typing.get_args(kind)[0].__name__}]"
     raise TypeError(f"unsupported field annotation {kind!r}")  # a bug in a message class
 
 
@@ -135,7 +142,7 @@ def _check(mtype: str, name: str, optional: bool, kind: str, value: Any) -> Any:
         if type(value) not in (int, float) or not math.isfinite(value):
             raise bad(f"must be a finite number, got {value!r:.60}")
         return float(value)
-    if kind == "str":
+    if kind in ("str", "enum"):
         if type(value) is not str or len(value) > MAX_STRING:
             raise bad(f"must be a string of at most {MAX_STRING} characters")
         return value

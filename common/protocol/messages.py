@@ -20,12 +20,11 @@ from common.protocol.base import (
     parse_message,
     request_id_of,
 )
+from common.protocol.ending import FinishReason
 
 __all__ = [
-    "FINISH_REASONS",
     "MAX_INDICES",
     "MAX_STRING",
-    "OPTIONAL_REPLY_FIELDS",
     "REPLIES",
     "STORE_REQUESTS",
     "WORKER_REQUESTS",
@@ -53,13 +52,6 @@ __all__ = [
     "request_id_of",
 ]
 
-# Why training ended, as stop and heartbeat replies say it (``finish_reason``): the run reached
-# its end (all epochs, --max-steps, --target-oa), a signal stopped the server (Ctrl-C,
-# SIGTERM), or a failure ended it (``failure`` says which). Receivers accept other values too.
-FINISH_REASONS = ("epochs", "max_steps", "target_oa", "stopped", "failed")
-# Optional reply fields a worker may ask for at join (``reply_fields``); others are ignored.
-OPTIONAL_REPLY_FIELDS = frozenset({"finish_reason"})
-
 # --- worker -> coordinator ---------------------------------------------------------------------
 
 
@@ -70,9 +62,6 @@ class JoinRequest(Message):
     Optional: ``torch_version``, the worker's ``torch.__version__``; the coordinator warns when
     it differs from its own (the parameter layout itself is checked by the worker). ``host``,
     the name of the machine the worker runs on (recorded in the ``join`` event).
-    ``reply_fields``, the optional reply fields the worker reads (``finish_reason``): the
-    coordinator sends such a field only to a worker that listed it, so workers that predate it
-    keep working.
     """
 
     TYPE: ClassVar[str] = "join_request"
@@ -82,7 +71,6 @@ class JoinRequest(Message):
     threads: int
     torch_version: str | None = None
     host: str | None = None
-    reply_fields: list[str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,9 +235,9 @@ class JoinReply(Message):
 class TaskReply(Message):
     """The next task: train on ``indices`` from parameters of version ``version`` (pulled from
     the stores), and prefetch ``prefetch`` meanwhile; or ``action == "stop"``, with the
-    ``failure`` that ended the run when one did (the worker then exits non-zero) and, for a
-    worker that asked for it at join, the ``finish_reason`` (``FINISH_REASONS``). The
-    gradient's chunks carry ``push_token``, which only this worker got for this task."""
+    ``finish_reason`` and the ``failure`` that ended the run when one did (the worker then
+    exits non-zero). The gradient's chunks carry ``push_token``, which only this worker got for
+    this task."""
 
     TYPE: ClassVar[str] = "task_reply"
     action: str
@@ -260,7 +248,7 @@ class TaskReply(Message):
     indices: list[int]
     prefetch: list[int]
     failure: str | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -305,15 +293,14 @@ class StatusReply(Message):
 
 @dataclasses.dataclass(frozen=True)
 class HeartbeatReply(Message):
-    """Acknowledges a heartbeat; a changed ``server_id`` means the server restarted, and
-    ``finished`` that training has ended (the worker stops whatever it waits for), because of
-    ``failure`` when one ended it; ``finish_reason`` as in ``TaskReply``."""
+    """Acknowledges a heartbeat; a changed ``server_id`` means the server restarted, and a
+    ``finish_reason`` that training has ended (the worker stops whatever it waits for), because
+    of ``failure`` when one ended it."""
 
     TYPE: ClassVar[str] = "heartbeat_reply"
     server_id: str
-    finished: bool
     failure: str | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,8 +3,8 @@
 A shard says hello to the coordinator, proving it holds the run's shard secret, and is given its
 range of the flat state; from then on
 the coordinator drives it with requests that carry the run's shard ``key``: is a task's
-gradient complete (``staged``), compute an update (``apply``), publish or discard it
-(``commit``), forget tasks (``drop``), hand over its state (``capture``), are you alive
+gradient complete (``staged``), compute an update (``prepare``), then ``publish`` or ``abort``
+it, forget tasks (``drop``), hand over its state (``capture``), are you alive
 (``ping``) and stop (``shutdown``).
 """
 
@@ -81,12 +81,12 @@ class StagedReply(Message):
 
 
 @dataclasses.dataclass(frozen=True)
-class ApplyRequest(Message):
+class PrepareRequest(Message):
     """Compute version ``version`` from the staged gradients of ``task_ids`` (summed in this
     order with ``weights``) with the base learning rate times ``lr_scale`` and factor
-    ``buffer_scale`` on buffer changes; keep it as a candidate until ``commit``."""
+    ``buffer_scale`` on buffer changes; keep it as a candidate until ``publish`` or ``abort``."""
 
-    TYPE: ClassVar[str] = "apply_request"
+    TYPE: ClassVar[str] = "prepare_request"
     key: str
     version: int
     task_ids: list[int]
@@ -96,23 +96,31 @@ class ApplyRequest(Message):
 
 
 @dataclasses.dataclass(frozen=True)
-class ApplyReply(Message):
+class PrepareReply(Message):
     """Whether the candidate is valid (finite; variances not negative), and why not."""
 
-    TYPE: ClassVar[str] = "apply_reply"
+    TYPE: ClassVar[str] = "prepare_reply"
     ok: bool
     reason: str
 
 
 @dataclasses.dataclass(frozen=True)
-class CommitRequest(Message):
-    """Publish (``commit``) or discard the candidate of ``version``; a published version
-    answers the gradient chunks of its tasks with the new parameters."""
+class PublishRequest(Message):
+    """Publish the candidate of ``version``: it answers the gradient chunks of its tasks with
+    the new parameters."""
 
-    TYPE: ClassVar[str] = "commit_request"
+    TYPE: ClassVar[str] = "publish_request"
     key: str
     version: int
-    commit: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class AbortRequest(Message):
+    """Discard the candidate of ``version``, answering its tasks' chunks with error ``code``."""
+
+    TYPE: ClassVar[str] = "abort_request"
+    key: str
+    version: int
     code: int
     message: str
 
@@ -186,8 +194,9 @@ CONTROL_REQUESTS: dict[str, type[Message]] = {
     m.TYPE: m
     for m in (
         StagedRequest,
-        ApplyRequest,
-        CommitRequest,
+        PrepareRequest,
+        PublishRequest,
+        AbortRequest,
         DropRequest,
         CaptureRequest,
         PingRequest,
@@ -195,5 +204,5 @@ CONTROL_REQUESTS: dict[str, type[Message]] = {
     )
 }
 CONTROL_REPLIES: dict[str, type[Message]] = {
-    m.TYPE: m for m in (ShardWelcome, StagedReply, ApplyReply, StateReply, PingReply, AckReply)
+    m.TYPE: m for m in (ShardWelcome, StagedReply, PrepareReply, StateReply, PingReply, AckReply)
 }

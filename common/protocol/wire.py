@@ -12,7 +12,7 @@ import numpy as np
 
 from common.errors import ErrorCode, ProtocolError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_HEADER_BYTES = 1 << 20
 MAX_TENSORS = 8
 MAX_NDIM = 8

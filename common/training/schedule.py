@@ -5,6 +5,18 @@ from __future__ import annotations
 import math
 
 
+def progress(
+    steps: int, samples: int, train_count: int, max_steps: int | None, epochs: int | None
+) -> float:
+    """Fraction of training done, which drives the schedule: updates over ``max_steps`` when
+    set, else samples applied over ``epochs`` of ``train_count`` samples (0 without a limit)."""
+    if max_steps is not None:
+        return steps / max_steps
+    if epochs is not None:
+        return samples / (epochs * train_count)
+    return 0.0
+
+
 def lr_factor(schedule: str, progress: float, warmup_fraction: float = 0.0) -> float:
     """The schedule's factor on the base learning rate.
 

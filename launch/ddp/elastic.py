@@ -25,7 +25,6 @@ from common.polling import poll_until
 from common.procs import Children
 from launch.cluster.nodes import Nodes
 from launch.cluster.schedule import OFF, ON, ScheduleFollower, ScheduleRunner
-from launch.ddp.config import DDPConfig
 from launch.procs import POLL_S
 from launch.progress import EventTail
 
@@ -54,7 +53,10 @@ class ElasticGroups:
     """Runs DDP groups until one ends, following the nodes' schedules.
 
     Args:
-        config: the whole run (every node; ``nodes`` holds the schedules).
+        follower: the nodes' schedules, followed by the run's progress.
+        world_size: the nodes (each runs one rank while it is on).
+        resume: the first group resumes from the last checkpoint.
+        origin: the run's start on the ``time.monotonic`` clock (None: 0).
         start: starts the ranks of the nodes given, by index (resuming from the last
             checkpoint when told), and returns them.
         budgets: the nodes' CPU budgets (``Nodes.set_budget``).
@@ -62,12 +64,18 @@ class ElasticGroups:
     """
 
     def __init__(
-        self, *, config: DDPConfig, start: StartGroup, budgets: Nodes, metrics: EventTail
+        self,
+        *,
+        follower: ScheduleFollower,
+        world_size: int,
+        resume: bool,
+        origin: float | None,
+        start: StartGroup,
+        budgets: Nodes,
+        metrics: EventTail,
     ) -> None:
-        self.config, self.start, self.budgets, self.metrics = config, start, budgets, metrics
-        schedules = [n.schedule for n in config.nodes.workers] if config.nodes else []
-        train = config.train
-        follower = ScheduleFollower(schedules, epochs=train.epochs, max_steps=train.max_steps)
+        self.world_size, self.resume, self.origin = world_size, resume, origin
+        self.start, self.budgets, self.metrics = start, budgets, metrics
         self.runner = ScheduleRunner(follower, self)
         self.pending: list[tuple[int, str]] = []  # nodes leaving or returning, not yet acted on
         self.restarts = Restarts()
@@ -81,7 +89,7 @@ class ElasticGroups:
         Raises:
             PSError: a rank failed on its own, or the run took longer than ``timeout_s``.
         """
-        members, resume = list(range(self.config.world_size)), self.config.resume
+        members, resume = list(range(self.world_size)), self.resume
         deadline = time.monotonic() + timeout_s
         while True:
             self.group = self.start(members, resume)
@@ -112,7 +120,7 @@ class ElasticGroups:
             self.group.close()
 
     def _now(self) -> float:
-        return time.monotonic() - (self.config.origin or 0.0)
+        return time.monotonic() - (self.origin or 0.0)
 
     def _watch(self, group: Children, deadline: float) -> list[tuple[int, str]] | None:
         """Follow the group until it ends (None) or a node leaves or returns (those changes)."""

@@ -31,8 +31,10 @@ from common.procs import Children, TextSink
 from common.safefile import write_atomic
 from launch.cluster.netns import HOST_INTERFACE, cluster_hosts
 from launch.cluster.nodes import Nodes
+from launch.cluster.schedule import ScheduleFollower
 from launch.ddp import checkpoint
 from launch.ddp.config import HOSTED_STORE_PORT, DDPConfig
+from launch.ddp.elastic import ElasticGroups
 from launch.procs import EventsMark, second_signal_kills, signals_interrupt
 from launch.progress import EventTail, RunProgress
 from pserver.checkpoint import read_newest, remove_stale_tmp
@@ -89,8 +91,6 @@ def run_ddp(
     """
     from torch.distributed import TCPStore  # torch only when a run starts
 
-    from launch.ddp.elastic import ElasticGroups
-
     config = _prepare_run_dir(config.validate())
     metrics = config.run_dir / "metrics.jsonl"
     own_log = None
@@ -142,7 +142,19 @@ def run_ddp(
                 return children
 
             tail = EventTail(metrics, mark)
-            groups = ElasticGroups(config=config, start=start, budgets=budgets, metrics=tail)
+            schedules = [n.schedule for n in config.nodes.workers] if config.nodes else []
+            train = config.train
+            groups = ElasticGroups(
+                follower=ScheduleFollower(
+                    schedules, epochs=train.epochs, max_steps=train.max_steps
+                ),
+                world_size=config.world_size,
+                resume=config.resume,
+                origin=config.origin,
+                start=start,
+                budgets=budgets,
+                metrics=tail,
+            )
             following = progress.follow(metrics, mark) if progress is not None else None
             with following or contextlib.nullcontext():
                 restarts = groups.run(config.run_timeout_s)

@@ -23,15 +23,16 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from common.data.dataset import DatasetReader
 from common.errors import PSError
 from common.logsetup import setup_logging
+from common.protocol.ending import FinishReason
 from common.training.device import resolve_device
 from common.training.evaluator import Evaluator
 from common.training.flat import FlatLayout
 from common.training.models import build_model
 from common.training.planner import plan_batches, plan_equal, tail_scale
-from common.training.schedule import lr_factor
+from common.training.schedule import lr_factor, progress
 from launch.ddp import checkpoint
 from launch.ddp.config import DDPConfig
-from launch.ddp.record import INTERRUPTED, RunRecorder
+from launch.ddp.record import RunRecorder
 from launch.ddp.step import ComputeOnlyStep
 from pserver import checkpoint as checkpoint_file
 
@@ -185,38 +186,38 @@ class RankTrainer:
             self.recorder.train_started()
         if not self.config.resume:
             self._checkpoint()  # a group that fails before an epoch ends restarts from here
-        reason = ""
+        reason: FinishReason | None = None
         if cfg.max_steps is not None and self.steps >= cfg.max_steps:
-            reason = "max_steps"  # resumed where it had ended
+            reason = FinishReason.MAX_STEPS  # resumed where it had ended
         elif self.cursor == count and cfg.epochs is not None and self.epoch >= cfg.epochs:
-            reason = "epochs"
-        while not reason:
+            reason = FinishReason.EPOCHS
+        while reason is None:
             if self.cursor == count:  # the epoch is done
                 self.epoch, self.cursor = self.epoch + 1, 0
                 if self.config.rebalance == "epoch":
                     self._rebalance()
             epoch = self.epoch
             perm = np.random.default_rng(cfg.seed + epoch).permutation(count)
-            while self.cursor < count and not reason:
+            while self.cursor < count and reason is None:
                 indices = train_idx[perm[self.cursor : self.cursor + cfg.global_batch]]
                 stop = self._step(epoch, indices)
                 self.cursor += len(indices)
                 if cfg.max_steps is not None and self.steps >= cfg.max_steps:
-                    reason = "max_steps"
+                    reason = FinishReason.MAX_STEPS
                 elif stop:
-                    reason = INTERRUPTED
-            if reason:
+                    reason = FinishReason.INTERRUPTED
+            if reason is not None:
                 break
             reached = False
             if self.recorder is not None:
                 reached = self.recorder.epoch_done(epoch, self.steps, self.samples)
             if self.collective.decide(reached):
-                reason = "target_oa"
+                reason = FinishReason.TARGET_OA
             elif cfg.epochs is not None and epoch >= cfg.epochs:
-                reason = "epochs"
+                reason = FinishReason.EPOCHS
             if epoch % self.config.checkpoint_every == 0:
                 self._checkpoint()
-        if reason == INTERRUPTED:
+        if reason is FinishReason.INTERRUPTED:
             self._checkpoint()
         if self.recorder is not None:
             self.recorder.finish(reason, self.epoch, self.steps, self.samples)
@@ -321,8 +322,9 @@ class RankTrainer:
             if b:
                 self.work[r] += b
                 self.seconds[r] += result.emulated_s[r]
-        progress = t.progress(self.steps, self.samples, len(self.reader.train_indices))
-        factor = lr_factor(t.lr_schedule, progress, t.warmup_fraction)
+        count = len(self.reader.train_indices)
+        done = progress(self.steps, self.samples, count, t.max_steps, t.epochs)
+        factor = lr_factor(t.lr_schedule, done, t.warmup_fraction)
         for group in self.optimizer.param_groups:
             group["lr"] = t.lr * factor
         self.optimizer.step()

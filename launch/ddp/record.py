@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 from torch.optim import Optimizer
 
+from common.protocol.ending import FinishReason
 from common.training.evaluator import Evaluator, record_evaluation
 from common.training.flat import FlatLayout
 from common.training.runlog import RunLog
@@ -21,8 +22,6 @@ from pserver.checkpoint import check_identity
 from pserver.snapshots.snapshots import SnapshotMeta, SnapshotWriter
 
 log = logging.getLogger(__name__)
-
-INTERRUPTED = "interrupted"
 
 
 class RunRecorder:
@@ -291,29 +290,29 @@ class RunRecorder:
             return True
         return False
 
-    def finish(self, reason: str, epoch: int, version: int, samples: int) -> None:
+    def finish(self, reason: FinishReason, epoch: int, version: int, samples: int) -> None:
         """Evaluate the final parameters if needed, then write ``summary.json``.
 
         Args:
-            reason: why training ended (``epochs``, ``max_steps``, ``target_oa``, or
-                ``interrupted``: the last evaluation stands for the final one).
+            reason: why training ended (``INTERRUPTED``: the last evaluation stands for the
+                final one).
             epoch: the last epoch reached.
             version: updates applied.
             samples: training samples applied.
         """
         train_end = self.log.now()
         train_time = self.train_clock(train_end)
-        log.info("training finished (%s) at version %d", reason, version)
+        log.info("training finished (%s) at version %d", reason.value, version)
         self.snapshot(epoch, version, samples, final=True)
         evaluated = self.evals and self.evals[-1]["version"] == version
-        if not evaluated and reason != INTERRUPTED:  # interrupted: end within the grace period
+        if not evaluated and reason is not FinishReason.INTERRUPTED:  # end within the grace period
             self._evaluate(epoch, version, samples)
         for rank in range(self.world_size):
             self.log.event("leave", worker=self.config.rank_name(rank), reason="stop")
         self.log.write_summary(self._summary(reason, version, samples, train_time))
 
     def _summary(
-        self, reason: str, version: int, samples: int, train_time: float
+        self, reason: FinishReason, version: int, samples: int, train_time: float
     ) -> dict[str, Any]:
         """The shared summary schema, for mode ``ddp`` or ``weighted-ddp``."""
         times = np.array(self.round_times) if self.round_times else np.zeros(1)
@@ -344,7 +343,7 @@ class RunRecorder:
                 for rank in range(self.world_size)
             ],
             staleness=None,
-            finish_reason=reason,
+            finish_reason=reason.value,
             global_batch=self.config.train.global_batch,
             per_class=per_class_of(self.evals, self.evaluator.reader.meta.class_names),
             details={

@@ -1,6 +1,6 @@
 """The CPU cost of each stage of a sharded round, measured on this machine with the server's
 and the worker's own code: a shard staging pushed pieces (``SliceStore.stage``), its update
-from one and from several gradients (``SliceStore.prepare`` and ``commit``, SGD with momentum
+from one and from several gradients (``SliceStore.prepare`` and ``publish``, SGD with momentum
 as ``pserver start`` runs it), the wire pieces of a new version (``encode``), and a worker
 taking pulled parameters into its model (``as_tensor``, ``decode_into``, ``FlatModel.load``)
 and turning its gradient into pieces (``encode``). One thread, as the server, shards and
@@ -98,7 +98,7 @@ def _measure(model_params: int, shards: int, members: int, wire: str, repeats: i
         ok, reason = store.prepare(version, ids, [1.0 / len(ids)] * len(ids), 1.0, 1.0)
         if not ok:
             raise RuntimeError(f"measuring an update failed: {reason}")
-        store.commit(version)
+        store.publish(version)
 
     stage_s = update_one = update_all = float("inf")
     for _ in range(repeats):

@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from common.data import JASPER_DIR
 from common.data.convert.hsi import prepare_hsi
 from launch.simulate.engine import simulate
 from launch.simulate.fromrun import cluster_from_runs
@@ -40,7 +41,6 @@ from launch.simulate.spec import Cluster, Node, load_spec
 from launch.simulate.stagecosts import measure_stage_costs
 
 log = logging.getLogger(__name__)
-JASPER_DIR = Path(__file__).resolve().parents[3] / "shared/datasets/jasper_ridge"
 MULTIHOST_SPEC = Path(__file__).resolve().parents[2] / "docs/clusters/multihost3.yaml"
 # The multi-host bench's figures this validation compares with by default: the equal-sync run
 # kept by `python -m bench multihost --workers 3 --rate 1gbit --mode equal-sync` (every process

@@ -37,7 +37,7 @@ RUN_DIR={run_dir}
 
 export PYTHONUNBUFFERED=1
 mkdir -p "$RUN_DIR"
-# The run's settings, read by every rank (launch.ddp.launcher.DDPConfig): dataset, model,
+# The run's settings, read by every rank (launch.ddp.config.DDPConfig): dataset, model,
 # one slowdown per rank, the training settings shared with the parameter server, timeouts.
 # "run_dir" must name RUN_DIR. The job writes the file when it starts: edit the settings here.
 CONFIG=$RUN_DIR/ddp_config.json

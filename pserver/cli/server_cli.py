@@ -398,11 +398,11 @@ def shard(log_level: str, **options: Any) -> None:
     try:
         from pserver.store.shard_server import serve_shard
 
-        reason = eventloop.run(serve_shard(ShardConfig(**options)))
+        reason, ended = eventloop.run(serve_shard(ShardConfig(**options)))
     except PSError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"shard stopped: {reason}", err=True)
-    if reason == "interrupted" or "silent" in reason:
+    if not ended:  # a signal or the coordinator's silence
         sys.exit(1)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pserver.policies.asynchronous import AsyncPolicy
-from pserver.policies.base import Assignment, Decision, Followup, ModePolicy, Update
+from pserver.policies.base import Assignment, Decision, ModePolicy, Update
 from pserver.policies.equal_sync import EqualSync
 from pserver.policies.weighted_sync import WeightedSync
 
@@ -19,7 +19,6 @@ __all__ = [
     "AsyncPolicy",
     "Decision",
     "EqualSync",
-    "Followup",
     "ModePolicy",
     "Update",
     "WeightedSync",

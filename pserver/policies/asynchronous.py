@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from common.errors import ErrorCode, ProtocolError
 from common.protocol.messages import PushRequest
 from common.training.planner import async_batches
@@ -48,10 +46,10 @@ class AsyncPolicy(ModePolicy):
                 made.append((worker, self.tasks.new(epoch, positions)))
         return made
 
-    def runnable_in(self, worker: WorkerInfo, queue: Sequence[Task]) -> Task | None:
-        if worker.pushing is not None or not queue:
+    def runnable(self, worker: WorkerInfo) -> Task | None:
+        if worker.pushing is not None or not worker.tasks:
             return None
-        return queue[0]
+        return worker.tasks[0]
 
     def decide(
         self, worker: WorkerInfo, task: Task, push: PushRequest, version: int, clip: float

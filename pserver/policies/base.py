@@ -3,19 +3,18 @@
 A policy plans tasks (returning them; the server queues them), says which task a worker may
 run, and answers each accepted push once with a ``Decision``: the update now due (if any), or
 the push refused. After the server applied an update it asks once more, for the tasks that
-follow (``Followup``). It never sends, applies or books anything: the server does.
+follow. It never sends, applies or books anything: the server does.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
 
 from common.errors import ProtocolError
 from common.protocol.messages import PushRequest
 from pserver.config import ServerConfig
-from pserver.membership import Task, TaskFactory, WorkerInfo, in_round_order
+from pserver.membership import Task, TaskFactory, WorkerInfo
 from pserver.roundtiming import RoundClock, RoundTiming
 from pserver.sampler import EpochSampler
 
@@ -76,24 +75,11 @@ class Decision:
             to the worker, which recomputes it on fresh parameters, and its request is
             answered with this error.
 
-    The pushes an update answers get their replies once it is published (``Followup``).
+    The pushes an update answers get their replies once it is published (``after_update``).
     """
 
     update: Update | None = None
     refusal: ProtocolError | None = None
-
-
-@dataclasses.dataclass
-class Followup:
-    """What follows a published update.
-
-    Attributes:
-        assignments: newly planned tasks, for the server to queue.
-        runnable: waiting workers that may run a task now: (worker, task, prefetch hint).
-    """
-
-    assignments: list[Assignment]
-    runnable: list[tuple[WorkerInfo, Task, Task | None]]
 
 
 class ModePolicy(abc.ABC):
@@ -114,17 +100,9 @@ class ModePolicy(abc.ABC):
     def plan(self, ready: list[WorkerInfo]) -> list[Assignment]:
         """New tasks for the ready workers (called whenever work may be planned)."""
 
+    @abc.abstractmethod
     def runnable(self, worker: WorkerInfo) -> Task | None:
         """The task ``worker`` may run now, if any (it is ``worker.tasks[0]``)."""
-        return self.runnable_in(worker, worker.tasks)
-
-    @abc.abstractmethod
-    def runnable_in(self, worker: WorkerInfo, queue: Sequence[Task]) -> Task | None:
-        """The task ``worker`` may run now if ``queue`` were its task queue."""
-
-    def prefetch_hint(self, worker: WorkerInfo) -> Task | None:
-        """The task the worker will most likely run after the current one."""
-        return worker.tasks[1] if len(worker.tasks) > 1 else None
 
     @abc.abstractmethod
     def decide(
@@ -146,29 +124,17 @@ class ModePolicy(abc.ABC):
         update: Update,
         timing: RoundTiming | None,
         ready: list[WorkerInfo],
-        waiting: list[WorkerInfo],
-    ) -> Followup:
-        """``update`` was published: count it, plan what comes next, say who may run now.
+    ) -> list[Assignment]:
+        """``update`` was published: count it and plan what comes next (the server queues
+        the tasks, then answers the waiting workers that may run now).
 
         Args:
             update: the published update.
             timing: its round's timing (sync modes).
             ready: the workers to plan for (none once training ended).
-            waiting: the workers whose requests wait for a task.
         """
         self.applied(update, timing)
-        assignments = self.plan(ready)
-        queues: dict[int, list[Task]] = {w.worker_id: list(w.tasks) for w in waiting}
-        for worker, task in assignments:
-            if worker.worker_id in queues:
-                in_round_order(queues[worker.worker_id], task)
-        runnable = []
-        for worker in waiting:
-            queue = queues[worker.worker_id]
-            run = self.runnable_in(worker, queue)
-            if run is not None:
-                runnable.append((worker, run, queue[1] if len(queue) > 1 else None))
-        return Followup(assignments, runnable)
+        return self.plan(ready)
 
     @abc.abstractmethod
     def leave(self, worker: WorkerInfo, dropped: list[Task]) -> list[Task]:

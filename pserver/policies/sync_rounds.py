@@ -11,7 +11,6 @@ import abc
 import collections
 import dataclasses
 import time
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -159,7 +158,8 @@ class SyncRounds(ModePolicy):
             self.rounds[0].started = time.monotonic()
         return made
 
-    def runnable_in(self, worker: WorkerInfo, queue: Sequence[Task]) -> Task | None:
+    def runnable(self, worker: WorkerInfo) -> Task | None:
+        queue = worker.tasks
         if not self.rounds or not queue:
             return None
         return queue[0] if queue[0].task_id in self.rounds[0].tasks else None

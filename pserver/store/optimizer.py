@@ -1,7 +1,7 @@
 """Server-side optimizers on a flat parameter vector, copy-on-step for parameters and state.
 
 A step is computed into fresh memory (``prepare``) and only becomes the optimizer's state when
-it is committed, so an update that turns out invalid (non-finite parameters) is discarded
+it is published, so an update that turns out invalid (non-finite parameters) is discarded
 without a trace, and published parameter snapshots are never modified.
 """
 
@@ -20,8 +20,8 @@ class FlatOptimizer:
     """SGD (momentum, Nesterov) or Adam with L2 weight decay, as ``torch.optim`` defines them.
 
     State slots start at zero (for SGD momentum that equals torch's first-step ``buf = grad``
-    bit for bit). ``state`` holds the committed slots; ``prepare`` writes a candidate into a
-    second set of buffers and ``commit`` swaps them in.
+    bit for bit). ``state`` holds the published slots; ``prepare`` writes a candidate into a
+    second set of buffers and ``publish`` swaps them in.
 
     Args:
         kind: ``sgd`` or ``adam``.
@@ -100,7 +100,7 @@ class FlatOptimizer:
             window: ``(lo, hi)``, the part of the vector to compute (default: all of it).
 
         Returns:
-            The candidate optimizer state, to pass to ``commit`` (or drop).
+            The candidate optimizer state, to pass to ``publish`` (or drop).
         """
         lr = self.lr * lr_scale
         full_old, full_new = self._buffers(params)
@@ -132,15 +132,15 @@ class FlatOptimizer:
         torch.addcdiv(p, new["exp_avg"], denom, value=-lr / bias1, out=o)
         return full_new
 
-    def commit(self, candidate: dict[str, torch.Tensor]) -> None:
+    def publish(self, candidate: dict[str, torch.Tensor]) -> None:
         """Make a prepared step's state the optimizer's state."""
         if candidate is not self._spare:
-            raise ValueError("commit takes the state the last prepare returned")
+            raise ValueError("publish takes the state the last prepare returned")
         self.state, self._spare = candidate, self.state
         self.steps += 1
 
     def step(
         self, params: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, lr_scale: float = 1.0
     ) -> None:
-        """``prepare`` and ``commit`` in one call."""
-        self.commit(self.prepare(params, grad, out, lr_scale))
+        """``prepare`` and ``publish`` in one call."""
+        self.publish(self.prepare(params, grad, out, lr_scale))

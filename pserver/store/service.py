@@ -254,7 +254,7 @@ class StoreService:
 
     async def publish(self, version: int) -> None:
         """Publish the candidate and answer its tasks' chunks with the new parameters."""
-        task_ids = await self._run(self.store.commit, version)
+        task_ids = await self._run(self.store.publish, version)
         self._encoded = None
         published, self._published = self._published, asyncio.Event()
         published.set()

@@ -29,14 +29,15 @@ from common.protocol.security import hello_proof, server_as_client, shard_secret
 from common.protocol.shard_messages import (
     CONTROL_REPLIES,
     CONTROL_REQUESTS,
+    AbortRequest,
     AckReply,
-    ApplyReply,
-    ApplyRequest,
     CaptureRequest,
-    CommitRequest,
     DropRequest,
     PingReply,
     PingRequest,
+    PrepareReply,
+    PrepareRequest,
+    PublishRequest,
     ShardHello,
     ShardWelcome,
     ShutdownRequest,
@@ -82,12 +83,13 @@ class ShardServer:
         self.key = ""
         self.index = -1
         self._done = asyncio.Event()
-        self._reason = ""
+        self._reason, self._ended = "", False  # why it stopped; whether the coordinator said so
         self._last_heard = time.monotonic()
         self._dead_after_s = 60.0
 
-    async def run(self) -> str:
-        """Register, serve, and return why the shard stopped.
+    async def run(self) -> tuple[str, bool]:
+        """Register, serve, and return why the shard stopped and whether the coordinator ended
+        the run (rather than a signal or its silence).
 
         Raises:
             NetworkTimeout: the coordinator never answered the hello.
@@ -107,7 +109,7 @@ class ShardServer:
             for task in (receiver, watchdog):
                 task.cancel()
             await asyncio.gather(receiver, watchdog, return_exceptions=True)
-        return self._reason
+        return self._reason, self._ended
 
     async def _hello(self, address: str) -> ShardWelcome:
         cfg = self.config
@@ -176,10 +178,10 @@ class ShardServer:
                 self._stop(f"the coordinator was silent for {silent:.0f} s")
                 return
 
-    def _stop(self, reason: str) -> None:
+    def _stop(self, reason: str, ended: bool = False) -> None:
         if self._done.is_set():
             return
-        self._reason = reason
+        self._reason, self._ended = reason, ended
         log.info("shard %d stops: %s", self.index, reason)
         if self.service is not None:
             self.service.stop(reason)
@@ -215,7 +217,7 @@ class ShardServer:
                 grad_sq=report.grad_sq if report.finite else 0.0,
                 buffer_sq=report.buffer_sq if report.finite else 0.0,
             )
-        elif isinstance(message, ApplyRequest):
+        elif isinstance(message, PrepareRequest):
             ok, reason = await service.prepare(
                 message.version,
                 message.task_ids,
@@ -223,12 +225,12 @@ class ShardServer:
                 message.lr_scale,
                 message.buffer_scale,
             )
-            reply = ApplyReply(ok=ok, reason=reason)
-        elif isinstance(message, CommitRequest):
-            if message.commit:
-                await service.publish(message.version)
-            else:
-                await service.abort(message.version, message.code, message.message)
+            reply = PrepareReply(ok=ok, reason=reason)
+        elif isinstance(message, PublishRequest):
+            await service.publish(message.version)
+            reply = AckReply()
+        elif isinstance(message, AbortRequest):
+            await service.abort(message.version, message.code, message.message)
             reply = AckReply()
         elif isinstance(message, DropRequest):
             await service.drop(message.task_ids, message.code, message.message)
@@ -246,7 +248,7 @@ class ShardServer:
             reply = PingReply(version=service.version, staged=len(service.store.staged))
         elif isinstance(message, ShutdownRequest):
             self.endpoint.reply(request.identity, request.request_id, AckReply())
-            self._stop(f"the coordinator ended the run: {message.reason}")
+            self._stop(f"the coordinator ended the run: {message.reason}", ended=True)
             return
         else:
             raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unexpected {message.TYPE}")
@@ -263,8 +265,9 @@ class ShardServer:
         self.endpoint.close()
 
 
-async def serve_shard(config: ShardConfig) -> str:
-    """Run one shard until the run ends; returns why it stopped.
+async def serve_shard(config: ShardConfig) -> tuple[str, bool]:
+    """Run one shard until the run ends; returns why it stopped and whether the coordinator
+    ended the run.
 
     Raises:
         PSError: registration failed.

@@ -245,7 +245,7 @@ class SliceStore:
             return "the update makes a running variance negative"
         return ""
 
-    def commit(self, version: int) -> list[int]:
+    def publish(self, version: int) -> list[int]:
         """Publish the candidate of ``version``.
 
         Returns:
@@ -257,7 +257,7 @@ class SliceStore:
         candidate = self.candidate
         if candidate is None or candidate.version != version:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"no prepared update of version {version}")
-        self.optimizer.commit(candidate.slots)
+        self.optimizer.publish(candidate.slots)
         self.lease.release()
         self.state, self.lease, self.version = candidate.state, candidate.lease, version
         self.candidate = None

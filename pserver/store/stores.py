@@ -21,14 +21,15 @@ import numpy as np
 from common.errors import ErrorCode, NetworkTimeout, ProtocolError, RemoteError, ShardLost
 from common.protocol.aclient import AsyncConnection
 from common.protocol.shard_messages import (
+    AbortRequest,
     AckReply,
-    ApplyReply,
-    ApplyRequest,
     CaptureRequest,
-    CommitRequest,
     DropRequest,
     PingReply,
     PingRequest,
+    PrepareReply,
+    PrepareRequest,
+    PublishRequest,
     ShutdownRequest,
     StagedReply,
     StagedRequest,
@@ -183,7 +184,7 @@ class RemoteStores:
         lr_scale: float,
         buffer_scale: float,
     ) -> tuple[bool, str]:
-        request = ApplyRequest(
+        request = PrepareRequest(
             key=self.key,
             version=version,
             task_ids=task_ids,
@@ -192,8 +193,8 @@ class RemoteStores:
             buffer_scale=buffer_scale,
         )
         replies = await self._all(
-            [s.connection.request(request, self.timeout_s, ApplyReply) for s in self.links],
-            "apply",
+            [s.connection.request(request, self.timeout_s, PrepareReply) for s in self.links],
+            "prepare",
         )
         failed = [(s, r) for s, r in zip(self.links, replies, strict=True) if not r.ok]
         if failed:
@@ -202,19 +203,17 @@ class RemoteStores:
         return True, ""
 
     async def publish(self, version: int) -> None:
-        request = CommitRequest(key=self.key, version=version, commit=True, code=0, message="")
-        await self._commit(request)
-
-    async def abort(self, version: int, code: int, message: str) -> None:
-        request = CommitRequest(
-            key=self.key, version=version, commit=False, code=code, message=message
-        )
-        await self._commit(request)
-
-    async def _commit(self, request: CommitRequest) -> None:
+        request = PublishRequest(key=self.key, version=version)
         await self._all(
             [s.connection.request(request, self.timeout_s, AckReply) for s in self.links],
-            "commit",
+            "publish",
+        )
+
+    async def abort(self, version: int, code: int, message: str) -> None:
+        request = AbortRequest(key=self.key, version=version, code=code, message=message)
+        await self._all(
+            [s.connection.request(request, self.timeout_s, AckReply) for s in self.links],
+            "abort",
         )
 
     async def drop(self, task_ids: list[int], code: int, message: str) -> None:

@@ -6,15 +6,12 @@ import asyncio
 import itertools
 import math
 import random
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
-import zmq
 
 from common.errors import ErrorCode, ProtocolError
-from common.protocol.client import Connection
 from common.protocol.messages import (
     WORKER_REQUESTS,
     JoinReply,
@@ -23,11 +20,10 @@ from common.protocol.messages import (
     PushRequest,
     TaskReply,
     TaskRequest,
-    error_frames,
     parse_message,
 )
 from common.protocol.tokens import TokenBook, new_key
-from common.protocol.wire import PROTOCOL_VERSION, decode_frames, encode_frames
+from common.protocol.wire import PROTOCOL_VERSION, encode_frames
 from common.training.perfmodel import Fit, PerfModel, RoundSpread, robust_line
 from common.training.planner import (
     expected_max_deviate,
@@ -41,8 +37,6 @@ from pserver.membership import Roster, TaskFactory, WorkerInfo
 from pserver.policies.weighted_sync import WeightedSync
 from pserver.sampler import EpochSampler
 from tests.support.live import AsyncClient, Member, clients, live_server
-from worker.config import WorkerConfig
-from worker.loop import Worker
 
 ABSURD = [float("nan"), float("inf"), -float("inf"), -1.0, 1e308, True, "1", None]
 
@@ -356,59 +350,6 @@ async def test_live_server_plans_on_calibration_and_measures_the_barrier(small_h
         share = policy.idle_share()
         assert share is not None and 0 <= share < 1
         assert all(float(w["idle_s"]) >= 0 for w in ps.roster.summaries())  # type: ignore[arg-type]
-
-
-def test_worker_drops_calibration_for_a_server_that_predates_it() -> None:
-    """A server of the first protocol-2 release refuses unknown fields; the worker then asks
-    again without them (the same check as ``Message.from_parts`` made there)."""
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    seen: list[dict] = []
-
-    def old_server() -> None:
-        for _ in range(2):
-            if not router.poll(10_000):
-                return
-            identity, *frames = router.recv_multipart()
-            header, _ = decode_frames(frames)
-            seen.append(header["body"])
-            extra = sorted(set(header["body"]) - {"worker_id", "token", "speed"})
-            if extra:
-                reply = error_frames(
-                    header["id"], ErrorCode.BAD_FIELD, f"task_request: unknown fields {extra!r}"
-                )
-            else:
-                stop = TaskReply(
-                    action="stop",
-                    task_id=0,
-                    push_token="",
-                    version=0,
-                    epoch=0,
-                    indices=[],
-                    prefetch=[],
-                )
-                reply = stop.to_wire(header["id"])
-            router.send_multipart([identity, *reply])
-
-    thread = threading.Thread(target=old_server, daemon=True)
-    thread.start()
-    worker = Worker(WorkerConfig(server=f"tcp://127.0.0.1:{port}", reply_timeout_s=10.0))
-    try:
-        worker.conn = Connection(worker.config.server, 10.0, worker.context)
-        worker.worker_id, worker.token = 3, "tok"
-        worker._calibration = [(8, 0.01), (32, 0.03)]
-        reply = worker._request_task(calibration=True)
-        assert reply.action == "stop"
-        assert seen[0]["calibration_batches"] == [8, 32] and "calibration_s" not in seen[1]
-        assert worker._calibration  # kept for the next session
-    finally:
-        thread.join(timeout=15)
-        worker.conn.close()
-        router.close(linger=0)
-        worker.context.term()
-        ctx.term()
 
 
 # --- the weighted-sync policy with each planner ----------------------------------------------

@@ -76,10 +76,10 @@ def test_a_round_is_cut_along_its_critical_path() -> None:
         w("s_chunk_staged", 1.35, task=2),
         w("s_staged_request", 1.28, task=2),  # asked before the last chunk: 0
         w("s_staged_request_done", 1.36, task=2),
-        w("s_apply_request", 1.4, version=0),
-        w("s_apply_request_done", 1.6, version=0),
-        w("s_commit_request", 1.62, version=0),
-        w("s_commit_request_done", 1.7, version=1),
+        w("s_prepare_request", 1.4, version=0),
+        w("s_prepare_request_done", 1.6, version=0),
+        w("s_publish_request", 1.62, version=0),
+        w("s_publish_request_done", 1.7, version=1),
     ]
     (stages,) = rounds({"worker": worker, "shard": shard}).values()
     expected = {
@@ -89,10 +89,10 @@ def test_a_round_is_cut_along_its_critical_path() -> None:
         "stage": 0.05,
         "coord ask": 0.0,
         "staged": 0.01,
-        "apply ask": 0.04,
+        "prepare ask": 0.04,
         "optimizer": 0.2,
-        "commit ask": 0.02,
-        "commit": 0.08,
+        "publish ask": 0.02,
+        "publish": 0.08,
         "task reply": 0.3,
         "wire out": 0.3,
         "next": 0.1,

@@ -154,82 +154,47 @@ async def test_requests_refused_while_a_run_ends_are_no_warnings(
 async def test_stop_and_heartbeat_replies_say_why_training_ended(
     small_hsi: Path, tmp_path: Path
 ) -> None:
-    import msgpack
-
+    from common.errors import ErrorCode, ProtocolError
+    from common.protocol.ending import FinishReason
     from common.protocol.messages import (
-        FINISH_REASONS,
+        REPLIES,
+        HeartbeatReply,
         HeartbeatRequest,
         JoinRequest,
         TaskRequest,
+        parse_message,
     )
-    from pserver.runstate import COMPLETED, FinishReason, RunState
+    from common.protocol.wire import encode_frames
+    from pserver.runstate import RunState
     from tests.support.live import clients
-    from worker.ending import ENDINGS
 
     async with (
         live_server(small_hsi, mode="async", workers=2, epochs=50, run_dir=tmp_path / "run") as ps,
-        clients(ps.address, 2) as (reader, older),
+        clients(ps.address, 1) as (reader,),
     ):  # fmt: skip
-        new = await reader.request(
-            JoinRequest(name="new", device="cpu", slowdown=1.0, threads=1, host="node-7",
-                        reply_fields=["finish_reason", "a-field-from-the-future"])
-        )  # fmt: skip
-        old = await older.request(  # a worker that predates the field
-            JoinRequest(name="old", device="cpu", slowdown=1.0, threads=1)
+        joined = await reader.request(
+            JoinRequest(name="new", device="cpu", slowdown=1.0, threads=1, host="node-7")
         )
-        ids = [{"worker_id": j.worker_id, "token": j.token} for j in (new, old)]
-        kept = {w.name: w.reply_fields for w in ps.roster.workers.values()}
-        assert kept == {"new": {"finish_reason"}, "old": set()}  # only fields it knows
-        beat = await reader.request(HeartbeatRequest(**ids[0]))
-        assert not beat.finished and beat.finish_reason is None
+        ids = {"worker_id": joined.worker_id, "token": joined.token}
+        beat = await reader.request(HeartbeatRequest(**ids))
+        assert beat.finish_reason is None
         ps.request_stop()  # what Ctrl-C and SIGTERM do
-        beats = [await reader.request(HeartbeatRequest(**ids[0])),
-                 await older.request(HeartbeatRequest(**ids[1]))]  # fmt: skip
-        assert [(b.finished, b.finish_reason) for b in beats] == [(True, "stopped"), (True, None)]
-        stop = await reader.request(TaskRequest(**ids[0], speed=100.0))
-        assert (stop.action, stop.finish_reason, stop.failure) == ("stop", "stopped", None)
-        frames = await older.send_raw(TaskRequest(**ids[1], speed=100.0).to_wire(99))
-        body = msgpack.unpackb(frames[0])["body"]
-        assert body["action"] == "stop" and "finish_reason" not in body  # an old worker parses it
+        beat = await reader.request(HeartbeatRequest(**ids))
+        assert (beat.finish_reason, beat.failure) == (FinishReason.STOPPED, None)
+        stop = await reader.request(TaskRequest(**ids, speed=100.0))
+        assert (stop.action, stop.failure) == ("stop", None)
+        assert stop.finish_reason is FinishReason.STOPPED
     hosts = [(e["worker"], e["host"]) for e in ps.log.events if e["event"] == "join"]
-    assert hosts == [("new", "node-7"), ("old", None)]
-    failed = RunState(reason=FinishReason.FAILED, failure="shard 1 lost")
-    assert failed.finish_reason == "failed: shard 1 lost" and failed.reply_reason == "failed"
-    assert RunState(reason=FinishReason.EPOCHS).reply_reason == "epochs"
-    assert RunState().reply_reason is None
-    # every reason the server can send has its words on the worker
-    assert set(FINISH_REASONS) == {*COMPLETED, "stopped", "failed"} == set(ENDINGS)
-
-
-async def test_a_worker_trains_with_an_older_server_that_refuses_its_optional_join_fields(
-    small_hsi: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import asyncio
-
-    from common.errors import ErrorCode, ProtocolError
-    from common.protocol.messages import JoinRequest
-    from worker.config import WorkerConfig
-    from worker.ending import describe_end
-    from worker.loop import Worker
-
-    parse = JoinRequest.from_parts.__func__
-    refused: list[list[str]] = []
-
-    def older(cls, body, tensors):  # a server that predates the optional fields
-        extra = sorted(set(body) & {"torch_version", "host", "reply_fields"})
-        if extra:
-            refused.append(extra)
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"join_request: unknown fields {extra!r}")
-        return parse(cls, body, tensors)
-
-    monkeypatch.setattr(JoinRequest, "from_parts", classmethod(older))
-    async with live_server(small_hsi, mode="async", workers=1, epochs=1) as ps:
-        config = WorkerConfig(server=ps.address, name="w", connect_timeout_s=20.0)
-        stats = await asyncio.wait_for(asyncio.to_thread(Worker(config).run), 60)
-    assert refused == [["host", "reply_fields", "torch_version"]]
-    assert stats.steps > 0 and ps.run.finish_reason == "epochs"
-    assert stats.finish_reason is None  # it did not ask, so the server did not say
-    assert describe_end(stats.finish_reason) == "stopped by the server (it did not say why)"
+    assert hosts == [("new", "node-7")]
+    failed = RunState(reason=FinishReason.FAILED, error="shard 1 lost")
+    assert failed.finish_reason == "failed: shard 1 lost" and failed.failed == "shard 1 lost"
+    assert all(reason.words for reason in FinishReason)  # a worker's last line for each
+    # a reason outside the list is refused on the wire, not shown
+    body = {"server_id": "s", "finish_reason": "exploded"}
+    frames = encode_frames({"type": HeartbeatReply.TYPE, "id": 1, "status": "ok", "body": body})
+    with pytest.raises(ProtocolError) as refused:
+        parse_message([bytes(f) for f in frames], REPLIES)
+    assert refused.value.code == ErrorCode.BAD_FIELD and "finish_reason" in str(refused.value)
 
 
 @pytest.mark.parametrize(

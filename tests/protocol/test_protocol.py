@@ -18,6 +18,7 @@ from common.protocol.chunks import (
     encode,
     shard_bounds,
 )
+from common.protocol.ending import FinishReason
 from common.protocol.messages import (
     REPLIES,
     STORE_REQUESTS,
@@ -46,14 +47,15 @@ from common.protocol.messages import (
 from common.protocol.shard_messages import (
     CONTROL_REPLIES,
     CONTROL_REQUESTS,
+    AbortRequest,
     AckReply,
-    ApplyReply,
-    ApplyRequest,
     CaptureRequest,
-    CommitRequest,
     DropRequest,
     PingReply,
     PingRequest,
+    PrepareReply,
+    PrepareRequest,
+    PublishRequest,
     ShardHello,
     ShardWelcome,
     ShutdownRequest,
@@ -146,7 +148,7 @@ EXAMPLES = [
     ),
     DataReply(x=np.ones((2, 3, 5, 5), dtype=np.float32), y=np.array([0, 1], dtype=np.int64)),
     StatusReply(status={"mode": "async", "version": 4}),
-    HeartbeatReply(server_id="5f3a", finished=False),
+    HeartbeatReply(server_id="5f3a", finish_reason=FinishReason.EPOCHS),
     LeaveReply(),
     ShardHello(address="tcp://10.0.0.2:7000", name="node-2", proof="ab" * 32),
     ShardWelcome(
@@ -173,11 +175,12 @@ EXAMPLES = [
     ),
     StagedRequest(key=TOKEN, task_id=9, worker_id=3, timeout_s=5.0),
     StagedReply(finite=True, grad_sq=2.5, buffer_sq=0.0),
-    ApplyRequest(
+    PrepareRequest(
         key=TOKEN, version=5, task_ids=[9, 11], weights=[0.75, 0.25], lr_scale=1.0, buffer_scale=1.0
     ),
-    ApplyReply(ok=False, reason="non-finite"),
-    CommitRequest(key=TOKEN, version=5, commit=True, code=0, message=""),
+    PrepareReply(ok=False, reason="non-finite"),
+    PublishRequest(key=TOKEN, version=5),
+    AbortRequest(key=TOKEN, version=5, code=13, message="refused"),
     DropRequest(key=TOKEN, task_ids=[9], code=8, message="stale"),
     CaptureRequest(key=TOKEN, with_slots=True),
     StateReply(version=5, optimizer_steps=5, slots=["momentum"], state=STATE, slot_state=STATE),
@@ -271,7 +274,7 @@ BAD = {
     "weights with NaN": (
         [
             _header(
-                type="apply_request",
+                type="prepare_request",
                 body={
                     "key": "",
                     "version": 1,

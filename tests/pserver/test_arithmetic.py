@@ -14,7 +14,7 @@ from torch import nn
 from common.training.flat import FlatLayout
 from common.training.models import build_model
 from common.training.planner import plan_batches, plan_equal
-from common.training.schedule import lr_factor
+from common.training.schedule import lr_factor, progress
 from pserver.policies.equal_sync import EqualSync
 from pserver.policies.staleness import staleness_function
 from pserver.policies.weighted_sync import WeightedSync
@@ -48,7 +48,7 @@ def _step(store: SliceStore, grads: dict[int, torch.Tensor], weights: dict[int, 
         store.stage(wid, wid, 0, 0, 1.0, grad)
     ok, reason = store.prepare(1, sorted(grads), [weights[w] for w in sorted(grads)], 1.0, 1.0)
     assert ok, reason
-    store.commit(1)
+    store.publish(1)
 
 
 def _combine(policy_cls, sizes: dict[int, int], grads: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -192,3 +192,7 @@ def test_lr_schedules() -> None:
     assert lr_factor("step", 0.6) == pytest.approx(0.1)
     assert lr_factor("step", 0.8) == pytest.approx(0.01)
     assert lr_factor("constant", 0.05, warmup_fraction=0.1) == pytest.approx(0.5)
+    # progress: by updates under a step limit, else by samples over all epochs
+    assert progress(30, 999, 100, max_steps=120, epochs=5) == pytest.approx(0.25)
+    assert progress(30, 150, 100, max_steps=None, epochs=5) == pytest.approx(0.3)
+    assert progress(30, 150, 100, max_steps=None, epochs=None) == 0.0

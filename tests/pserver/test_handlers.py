@@ -11,6 +11,7 @@ import pytest
 
 from common.data.dataset import DatasetReader
 from common.errors import ErrorCode
+from common.protocol.ending import FinishReason
 from common.protocol.messages import (
     DataReply,
     DataRequest,
@@ -182,9 +183,9 @@ async def test_heartbeats_and_leaves_need_the_members_token(small_hsi: Path) -> 
         member_b, _ = await b.join("b")
         beat = await a.request(HeartbeatRequest(worker_id=member_a.worker_id, token=member_a.token))
         assert isinstance(beat, HeartbeatReply)
-        assert (beat.server_id, beat.finished, beat.failure) == (
+        assert (beat.server_id, beat.finish_reason, beat.failure) == (
             member_a.join.server_id,
-            False,
+            None,
             None,
         )
         forged = LeaveRequest(worker_id=member_a.worker_id, token=member_b.token, reason="x")
@@ -198,7 +199,7 @@ async def test_heartbeats_and_leaves_need_the_members_token(small_hsi: Path) -> 
         still = await b.request(
             HeartbeatRequest(worker_id=member_b.worker_id, token=member_b.token)
         )
-        assert isinstance(still, HeartbeatReply) and not still.finished
+        assert isinstance(still, HeartbeatReply) and still.finish_reason is None
 
 
 async def test_after_the_last_step_heartbeats_say_finished_and_joins_are_refused(
@@ -212,12 +213,14 @@ async def test_after_the_last_step_heartbeats_say_finished_and_joins_are_refused
         idler = await idle.request(join_request("idle"))  # joined, never asks for a task
         reply = await a.push(member, task, np.zeros(ps.state_size, dtype=np.float32))
         assert isinstance(reply, TaskReply) and reply.action == "stop" and reply.version == 1
+        assert reply.finish_reason is FinishReason.MAX_STEPS
         beat = await idle.request(HeartbeatRequest(worker_id=idler.worker_id, token=idler.token))
-        assert isinstance(beat, HeartbeatReply) and beat.finished and beat.failure is None
+        assert isinstance(beat, HeartbeatReply) and beat.failure is None
+        assert beat.finish_reason is FinishReason.MAX_STEPS
         # ``a`` left the roster with its stop reply; a heartbeat sent before it read that reply
         # learns that training ended (not that it is unknown), and only with its own token.
         stopped = await a.request(HeartbeatRequest(worker_id=member.worker_id, token=member.token))
-        assert isinstance(stopped, HeartbeatReply) and stopped.finished
+        assert isinstance(stopped, HeartbeatReply) and stopped.finish_reason is not None
         forged = HeartbeatRequest(worker_id=member.worker_id, token=idler.token)
         assert (await a.expect_error(forged)).code == ErrorCode.UNKNOWN_WORKER
         refused = await late.expect_error(join_request("late"))

@@ -52,4 +52,5 @@ async def test_one_push_is_decided_published_and_settled_once_each(
         reply = await client.push(member, task, gradient)
         assert isinstance(reply, TaskReply) and reply.action == "train"
         assert ps.updater.version == 1
-        assert calls == ["decide", "after_update", "settle"]  # settle after the reply
+        # decided, published (planning what follows), the pusher's next task, settled after
+        assert calls == ["decide", "after_update", "runnable", "settle"]

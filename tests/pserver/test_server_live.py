@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from common.errors import ErrorCode, RemoteError
+from common.protocol.ending import FinishReason
 from common.protocol.messages import (
     REPLIES,
     DataReply,
@@ -225,7 +226,7 @@ async def test_an_update_closed_after_training_ended_is_not_applied(small_hsi) -
                     break
                 await asyncio.sleep(0.05)
             assert worker.waiter is not None
-            ps.finish("stopped")
+            ps.finish(FinishReason.STOPPED)
         reply = await asyncio.wait_for(pushing, 20)
         assert isinstance(reply, TaskReply) and reply.action == "stop"
         assert ps.updater.version == 0

@@ -25,9 +25,10 @@ from common.protocol.messages import (
 )
 from common.protocol.security import hello_proof, write_shard_secret
 from common.protocol.shard_messages import (
-    ApplyRequest,
+    AbortRequest,
     CaptureRequest,
-    CommitRequest,
+    PrepareRequest,
+    PublishRequest,
     ShardHello,
 )
 from common.protocol.wire import PROTOCOL_VERSION, encode_frames
@@ -120,14 +121,14 @@ async def test_a_shard_refuses_hostile_input_and_keeps_its_slice(small_hsi) -> N
                 [b"\x00garbage"],
                 [
                     msgpack.packb(
-                        {"v": PROTOCOL_VERSION, "type": "apply_request", "id": 3, "body": {}}
+                        {"v": PROTOCOL_VERSION, "type": "prepare_request", "id": 3, "body": {}}
                     )
                 ],
             ):
                 reply = msgpack.unpackb((await attacker.send_raw(frames))[0])
                 assert reply["status"] == "error"
             forged = [
-                ApplyRequest(
+                PrepareRequest(
                     key="x" * 64,
                     version=1,
                     task_ids=[task.task_id],
@@ -135,7 +136,8 @@ async def test_a_shard_refuses_hostile_input_and_keeps_its_slice(small_hsi) -> N
                     lr_scale=1e9,
                     buffer_scale=1.0,
                 ),
-                CommitRequest(key="", version=1, commit=True, code=0, message=""),
+                PublishRequest(key="", version=1),
+                AbortRequest(key="", version=1, code=13, message="x"),
                 CaptureRequest(key="guess", with_slots=True),
                 PullRequest(
                     worker_id=member.worker_id, token="0" * 32, min_version=0, offset=0, length=7

@@ -88,7 +88,7 @@ def test_an_invalid_update_is_discarded_and_changes_nothing() -> None:
     assert torch.equal(store.state, before)
     assert all(bool((t == 0).all()) for t in store.optimizer.state.values())  # momentum too
     with pytest.raises(ProtocolError):
-        store.commit(1)
+        store.publish(1)
 
 
 def _refused(guard: GradientGuard, report: StageReport, task_id: int, worker_id: int = 1) -> str:

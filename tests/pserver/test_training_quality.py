@@ -154,11 +154,12 @@ def test_a_round_nobody_is_left_in_waits_for_a_worker() -> None:
     alone = WorkerInfo(1, "a", "cpu", 1.0, 1, 0.0, speed=10.0)
     planned = policy.plan([alone])
     assert policy.leave(alone, [t for _, t in planned]) == []
-    assert policy.plan([]) == [] and policy.runnable_in(alone, []) is None
+    assert policy.plan([]) == [] and policy.runnable(alone) is None
     late = WorkerInfo(2, "late", "cpu", 1.0, 1, 0.0, speed=10.0)
     adopted = policy.plan([late])
     assert [t.positions.tolist() for _, t in adopted] == [t.positions.tolist() for _, t in planned]
-    assert policy.runnable_in(late, [adopted[0][1]]) is adopted[0][1]
+    late.tasks.append(adopted[0][1])  # what the server's desk queues
+    assert policy.runnable(late) is adopted[0][1]
 
 
 def test_ddp_weighs_its_epoch_tail_step_as_the_parameter_server_does() -> None:
@@ -241,7 +242,7 @@ def test_batchnorm_statistics_after_a_round_with_a_tiny_share_equal_the_hand_mer
         store.stage(planned[w].task_id, w, 0, 0, 1.0, push)
     ok, reason = store.prepare(1, update.task_ids, update.weights, 1.0, update.buffer_scale)
     assert ok, reason
-    store.commit(1)
+    store.publish(1)
     layout.write_state(store.state)
     torch.testing.assert_close(bn.running_mean, expected_mean, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(bn.running_var, expected_var, rtol=1e-5, atol=1e-6)
@@ -340,7 +341,7 @@ def _train(model_name: str, splits: list[dict[int, int]], steps: int) -> torch.T
         weights = WeightedSync.weights(None, sizes)  # type: ignore[arg-type]
         ok, reason = store.prepare(step + 1, ids, [weights[w] for w in sizes], 1.0, 1.0)
         assert ok, reason
-        store.commit(step + 1)
+        store.publish(step + 1)
         layout.write_state(store.state)
     return store.state.clone()
 
