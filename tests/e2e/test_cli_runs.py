@@ -71,7 +71,8 @@ def test_pslaunch_local_runs_twice_in_one_run_dir_with_overwrite(
     )
     assert again.returncode == 0, again.stderr[-2000:]
     assert "share:" in again.stdout and "w1-x2" in again.stdout
-    starts = [line for line in (tmp_path / "metrics.jsonl").open() if '"event": "start"' in line]
+    events = (tmp_path / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    starts = [line for line in events if '"event": "start"' in line]
     assert len(starts) == 1  # the first run's files were replaced, not continued
 
 
