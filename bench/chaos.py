@@ -1,19 +1,7 @@
 """Random faults during real runs; afterwards each run's own history is checked against the
 rules of ``pserver.history``, its final OA against the same run without faults.
 
-Three runs (weighted-sync; async with --max-staleness 4; equal-sync with 2 parameter shards)
-of hsi-cnn on a small synthetic scene, 3 workers each, go under ``pslaunch local --restarts``
-(on shared cores, or on an emulated cluster with ``--node-cpus``/``--cluster``). From
-``train_start`` to the end, a fault comes every ~S seconds (exponential with mean S, within
-S/5 and 3 S): SIGKILL of the coordinator, of a shard or of a worker, or SIGSTOP of a worker for
-30 s (then SIGCONT); the launcher starts again what died. The epochs of every run are chosen so
-that the faulted runs last about M minutes (at the pace of a 2-epoch run without faults), or
-given. Printed: the fault log's summary, per run the restarts, the history's violations, the
-final OA with and without faults, and what is left (processes, control groups, network
-namespaces) once all is over.
-
-Usage: python -m bench chaos [--minutes 20] [--mtbf 45] [--stop-s 30] [--epochs E]
-       [--runs weighted-sync,async,sharded] [--cluster PRESET | --node-cpus ...]
+The runs, the faults and their rates are described in docs/benchmarks.md.
 """
 
 from __future__ import annotations

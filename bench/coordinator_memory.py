@@ -4,15 +4,8 @@
 workers pulling their samples from it, then the final evaluation on the whole test split
 (1600 scenes).
 
-The peak is the server's VmHWM (Linux, /proc), read every 0.2 s until it exits, so short
-spikes count too; it is shown until the last round (start-up and training) and for the whole
-run (the final evaluation and shutdown included). With ``--baseline DIR`` the same job runs
-with the server and workers of another checkout right after, for a side-by-side figure. One
-worker by default: its rounds do not depend on measured speeds, so both runs train the same
-model and their final scores must be equal.
-
-Usage: python -m bench coordinator-memory [--samples 8000] [--model scene-cnn] [--cache-mb 256]
-       [--workers 1] [--steps 20] [--baseline DIR] [--data FILE.h5] [--dir DIR]
+The peak is the server's VmHWM, read every 0.2 s until it exits. One worker by default: its
+rounds do not depend on measured speeds, so a ``--baseline`` run trains the same model.
 """
 
 from __future__ import annotations

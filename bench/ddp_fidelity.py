@@ -1,24 +1,9 @@
 """Is ``pslaunch ddp`` as fast as a plain DistributedDataParallel loop on the same job?
 
-The job: hsi-cnn on Jasper Ridge (5x5 patches, 10 % of each class for training), global batch
-B split equally over the ranks, slowdowns 1,2,4, one torch thread per rank, gloo on loopback.
-
-- ``plain``: the reference written here: one process per rank, the training split held in
-  memory as tensors, ``DistributedDataParallel`` with its own bucketed all-reduce in backward,
-  no metrics. A rank with slowdown F sleeps (F-1)·t after each step, t its compute time for
-  that local batch size, calibrated before training (the fastest of several passes before
-  the clock starts, as ``pslaunch ddp`` calibrates).
-- ``pslaunch``: ``launch.ddp.run_ddp`` on the same job (what ``pslaunch ddp`` runs); its
-  ``train_time_s`` excludes start-up and its per-epoch evaluations.
-
-Both run interleaved within each repeat (the order alternates). The last lines give
-``ratio_pslaunch_vs_plain=X.XXX``: the median over repeats of pslaunch's training time over the
-plain loop's in the same repeat (1.00: as fast; the target is <= 1.10). On a shared machine a
-burst of load lengthens whichever run it hits, so ``ratio_step_pslaunch_vs_plain`` also
-compares the median step time (rank 0, from one step's end to the next) of each run, which a
-burst barely moves.
-
-Usage: python -m bench ddp-fidelity [--repeats 3] [--epochs 10] [--slowdowns 1,2,4]
+``plain`` is the reference written here: one process per rank, the training split in memory,
+``DistributedDataParallel``, no metrics; a rank with slowdown F sleeps (F-1)·t after each step,
+t its calibrated compute time (as ``pslaunch ddp`` calibrates). ``pslaunch`` is
+``launch.ddp.run_ddp`` on the same job. Both run interleaved within each repeat.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """Epoch time under heterogeneity: weighted-sync against equal-sync and DDP, side by side.
 
-Synthetic EuroSAT-shaped scenes (13 bands, 64x64), scene-cnn, two workers with slowdowns 1 and 3,
-the same seeds and samples in every run; the modes are interleaved within each repeat. Ideal
-ratios: equal batches make every round wait for 3·t(B/2) = 1.5·t(B); speed-proportional batches
-(3B/4, B/4) finish together after 0.75·t(B), so weighted-sync is 2.0x faster per epoch than
-equal-sync and than DDP (targets: >= 1.9x and >= 1.8x).
-
-With ``--cluster`` or ``--node-cpus``/``--server-cpus`` (root) the runs take place on an emulated
-cluster instead, every process under its own CPU budget (e.g. ``--node-cpus 0.6,0.2
---server-cpus 0.5`` for the same 3:1 mix) and the slowdowns default to 1; on shared cores every
-process competes for the machine's cores.
-
-Each repeat gives a paired ratio (runs of the same repeat ran back to back); the table shows
-min / median / max over repeats and the last lines are ``ratio_...=X.XX`` (medians).
-
-Usage: python -m bench heterogeneity [--repeats 3] [--epochs 3] [--samples 600] [--modes ...]
-       [--cluster PRESET | --node-cpus 0.6,0.2 --server-cpus 0.5]
+Two workers with slowdowns 1 and 3: equal batches make every round wait for 3·t(B/2) = 1.5·t(B);
+speed-proportional batches (3B/4, B/4) finish together after 0.75·t(B), so the ideal ratio is 2.0.
 """
 
 from __future__ import annotations

@@ -2,25 +2,9 @@
 weighted-sync with the speed planner and with the model planner on predictions alone
 (``--no-plan-spread``), side by side on Jasper Ridge.
 
-hsi-cnn, 5x5 patches, 10 % train, three workers with slowdowns 1, 2, 4, 10 epochs (cosine lr
-0.05), the same seed in every run; the configurations are interleaved within each repeat. The
-server evaluates only at the end (``--eval-every 0``): on a cluster it evaluates on its own host,
-while here an in-run evaluation takes one of the two cores the workers share; the last
+The server evaluates only at the end (``--eval-every 0``): on a cluster it evaluates on its own
+host, while here an in-run evaluation takes one of the cores the workers share; the last
 configuration shows weighted-sync with per-epoch evaluations beside the others.
-Idle share = sum over rounds and workers of the time a worker waited for the round's last push,
-over the sum of their round times (summary.json ``idle_share``); "systematic idle" is the part
-a steady imbalance explains (see ``systematic_idle``), the rest is round-to-round noise.
-Target: weighted-sync (model planner) idle share <= 0.10 with OA >= 0.88.
-
-With ``--cluster``/``--node-cpus``/``--server-cpus`` (root) the three workers run on an emulated
-cluster instead, each under its own CPU budget (e.g. ``--node-cpus 0.4,0.2,0.1 --server-cpus
-0.5``), with slowdown 1; on shared cores they compete for the machine's cores.
-
-Prints one row per run, then medians over repeats (``idle_share_<config>=X.XXX`` lines) and the
-training time of every other configuration over the model planner's, paired by repeat.
-
-Usage: python -m bench idle-share [--repeats 1] [--epochs 10] [--out DIR] [--configs ...]
-       [--node-cpus 0.4,0.2,0.1 --server-cpus 0.5 | --cluster PRESET]
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
 """Peak memory of large data, step by step: a ~2 GB dataset converted and served, or a large
 GeoTIFF scene prepared and predicted.
 
-Each step runs in a fresh interpreter that reports its own peak resident set size
-(``getrusage``), so the steps do not inherit each other's peaks. ``--kinds dataset``:
-
-1. convert: ``synth_scenes`` writes N EuroSAT-shaped images (13 x 64 x 64 float32 by default;
-   9800 images are 2.0 GB) in blocks;
-2. serve: a ``DatasetReader`` with ``cache_bytes=0`` (``pserver start --cache-mb 0``) reads
-   random training batches until it has read as many samples as the file holds;
-3. evaluate: ``iter_blocks`` over the test split in blocks of 512 (what evaluation does).
-
-``--kinds scene`` writes a ROWS x COLS x BANDS uint16 GeoTIFF (in row blocks) and a class map
-labelling 1 % of the pixels:
-
-1. prepare: ``prepare_hsi`` from the GeoTIFF cube and class map (5 x 5 patches);
-2. predict, windowed: ``predict_scene`` on the GeoTIFF, a band of rows at a time;
-3. predict, whole: the same on the cube loaded into memory first (what a .mat cube costs).
-
-Prediction uses a tiny model (one 1x1 convolution) behind the real ``RawInput`` wrapper, so
-the figures are those of the streaming pipeline, not of a network. Prints per step the peak
-RSS, the peak above the interpreter's start-up, the peak over the data's size (the dataset
-file; the scene as a float32 cube) and the time, then ``<step>_peak_mib=`` lines; the files
-are deleted at the end.
-
-Usage: python -m bench memory [--kinds dataset,scene] [--samples 9800] [--bands B] [--size 64]
-       [--rows 1200] [--cols 1200] [--dir DIR]
+Each step runs in a fresh interpreter that reports its own peak resident set size, so the steps
+do not inherit each other's peaks. Prediction uses a tiny model (one 1x1 convolution) behind
+the real ``RawInput`` wrapper, so the figures are those of the streaming pipeline.
 """
 
 from __future__ import annotations

@@ -2,14 +2,6 @@
 render of each status-page body with a full live view (the page serves cached bodies from its
 own thread), and the training rate of a weighted-sync run polled by many clients against the
 same run unpolled, side by side.
-
-In the polled runs a separate process (``bench.harness.pollers``) keeps ``--clients``
-keep-alive connections, each asking for ``/status.json`` once a second (the page's own rate)
-from a random phase. Runs alternate
-(unpolled, polled) ``--repeats`` times; the figure is the ratio of the training rates (samples
-applied per second of training time, medians over repeats).
-
-Usage: python -m bench observe [--events 20000] [--clients 200] [--steps 300] [--repeats 3]
 """
 
 from __future__ import annotations

@@ -3,29 +3,8 @@ the step-by-step reference (re-plan after every dropped member, as its rules rea
 tests/common/test_planner_reference.py), side by side in one run.
 
 The cluster is the one of bench/simulate_speed.py: three node groups in a 1 : 1 : 2 ratio at
-0.75, 1.7 and 4.8 ms per sample, 5 ms per step (the third group's speeds lognormal with sigma
-0.05), a global batch of 32 per worker. Three cases per size: ``steady`` (20-25 ms outside
-compute, no spread: nobody is left out), ``spread`` (a spread as large as the predicted round:
-the spread rule drops members one by one) and ``links`` (0.5-10 s outside compute, as behind
-shared slow links: water-filling leaves most workers out one by one). Checks that both give
-the same plan; prints the median time per call of each over ``--repeats`` interleaved calls,
-their ratio, and ``planner_<n>_<case>_ms=`` / ``reference_<n>_<case>_ms=`` lines.
-
-Before a plan, the server refits the speed model (``PerfModel``) of every worker that pushed in
-the round. Per size, ``refit_<n>_ms=`` is the median time of one round's refits: each of the
-``n`` workers has a full window of noisy measurements of its cluster fit (calibration pairs at
-four batch sizes, pushes near its share), takes one more push and is refitted.
-
-How soon plans follow a change of speed (deterministic, untimed; ``--follow-only``: alone). Four
-workers of that cluster, B = 128, times scattered by ``FOLLOW_JITTER``, each round's pushes
-fed to the models before the next plan. Worker 0 (57 % of the batch, in every round) becomes
-``SLOWER`` times slower, then as fast as before: ``pushes_to_follow_slowdown=`` and
-``pushes_to_follow_speedup=`` count its pushes until every later plan gives it a share within
-``FOLLOW_TOLERANCE`` of the one its new speed gets. One of its pushes takes ``STALL`` times as
-long for twin models: ``stall_plan_shift=`` is the largest relative change of its planned
-batch that caused.
-
-Usage: python -m bench planner-speed [--workers 4,64,1024] [--repeats 3] [--follow-only]
+0.75, 1.7 and 4.8 ms per sample, 5 ms per step, a global batch of 32 per worker. The cases, the
+refits and the replay of changes of speed are described in docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -2,36 +2,8 @@
 parameter server's own work, with the sizes of ``round-overhead`` (hsi-cnn, 87,108 float32
 values each way).
 
-Measured in one run, one after the other:
-
-- ``raw``: a plain pyzmq DEALER sends the values, a ROUTER in another process sends as many
-  back (no parsing, no asyncio, no checks), request after request;
-- ``raw after compute``: the same, but the client spins for ``--compute-ms`` between requests
-  as a worker computes its step, while the other process sleeps in its receive as the
-  coordinator does;
-- ``asyncio step after compute``: the least a parameter server on asyncio and pyzmq can do in
-  a round, with the same compute between requests: the other process receives the values on
-  the servers' event loop (``zmq.asyncio`` on ``common.eventloop``'s loop), applies one
-  momentum-SGD step with them to its own copy and sends that copy back; ``step`` is the same
-  arithmetic run hot in this process, which the in-process step of ``round-overhead`` pays
-  too, so their difference is the round overhead of such a minimal server
-  (``floor_overhead_ms``);
-- ``work``: a fixed piece of a server's kind of work (three element-wise torch ops on the same
-  values and a few hundred Python objects) run back to back, and each time right after
-  sleeping ``--compute-ms``, in this process.
-
 On a machine whose cores slow down while idle (virtual machines whose idle vCPUs the host
-deschedules), the second and third lines show what every round pays once before it starts.
-The last lines print ``raw_rtt_ms=``, ``raw_rtt_after_compute_ms=``,
-``asyncio_step_rtt_after_compute_ms=``, ``step_us=``, ``floor_overhead_ms=``, ``work_hot_us=``,
-``work_after_idle_us=`` and ``idle_slowdown=`` (after idle over hot).
-
-With ``--wire`` (``python -m bench wire``) it measures instead the parameter server's fused
-push and pull of ``WIRE_VALUES`` float32 values each way (a real ``pserver start`` and the
-worker's ``StoreClient``) against a raw ZeroMQ round trip of as many, alternating, and prints
-``ratio=`` (PS over raw, medians; ``--requests`` round trips of each).
-
-Usage: python -m bench round-floor [--requests 400] [--compute-ms 8] [--wire]
+deschedules), the round trips after compute show what every round pays once before it starts.
 """
 
 from __future__ import annotations

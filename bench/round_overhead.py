@@ -1,34 +1,9 @@
 """Fixed cost of a round: the PS round against the same step in one process, and against the
 floor of an asyncio + ZeroMQ server measured beside it.
 
-hsi-cnn on Jasper Ridge (5x5 patches, 10 % train, seed 0), 64-sample rounds. Each repeat runs,
-one after the other in this one invocation:
-
-- ``in-process``: forward, backward and a ``torch.optim.SGD`` step (the server's lr, momentum
-  and weight decay) on the same model with 64-sample batches of the same training data, held in
-  memory, on one torch thread (a worker's default);
-- ``floor``: ``round-floor``'s asyncio step server (receive hsi-cnn's values, one momentum step,
-  answer with the parameters; in weighted-sync one step per round of N gradients, in async one
-  per gradient) with N clients that spin the in-process step's time, then send at once; its
-  round trip less the step run hot is ``floor_overhead``;
-- per mode (``--modes``) and worker count N (``--workers``): a real ``pserver start`` and N
-  ``worker join`` processes of equal speed on 127.0.0.1 (evaluation only at the end); a
-  round is a weighted-sync round's ``round_s`` (full 64-sample rounds), or in async the time
-  between one worker's consecutive pushes.
-
-With ``--baseline DIR`` (another checkout of the project, e.g. ``git worktree add ../baseline
-main``) every PS run is also made with that code, right after this code's (the order flips
-every repeat), so a change is measured side by side on the same noisy machine.
-
 A round's overhead is its median round time minus the median in-process step of the same
-repeat. The last lines print, per mode and N, the medians over repeats: ``overhead_ms``,
-``floor_overhead_ms`` and ``overhead_over_floor`` (the median of the repeats' ratios), suffixed
-``_async`` for async and ``_N_workers`` for N > 1; with a baseline also ``baseline_overhead...``.
-
-Needs the Jasper Ridge files (``--jasper``, default ../shared/datasets/jasper_ridge).
-
-Usage: python -m bench round-overhead [--rounds 200] [--repeats 3] [--workers 1,3]
-                                      [--modes weighted-sync,async] [--baseline DIR]
+repeat. With ``--baseline DIR`` every PS run is also made with that checkout's code, right
+after this code's (the order flips every repeat).
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Where a weighted-sync round's time goes: sampled stacks of a real server and worker.
 
-Starts ``pserver start`` (hsi-cnn on Jasper Ridge, weighted-sync, 64-sample rounds, evaluation
-only at the end) and one ``worker join`` on 127.0.0.1, lets them warm up, then samples both
-processes' main threads with py-spy (wall clock: idle time included) and sorts every sample
-into a stage of the round. A stage's share of its thread's samples times the median round time
-gives its milliseconds per round; each process's CPU time per round (all its threads, from
-/proc, over 200 rounds before sampling) is shared out over its busy stages the same way. Needs
-py-spy (a development dependency: ``make setup``) and the rights to attach to child processes
-(root, or ptrace_scope 0).
-
-With ``--baseline DIR`` (another checkout, e.g. ``git worktree add ../baseline main``) the same
-is measured with that code first and both columns are printed side by side. CPU times, unlike
-wall-clock shares, do not grow when other processes compete for the cores.
-
-Usage: python -m bench round-profile [--seconds 8] [--rate 400] [--jasper DIR] [--baseline DIR]
+Both processes' main threads are sampled with py-spy (wall clock: idle time included) and every
+sample sorted into a stage of the round; a stage's share of its thread's samples times the
+median round time gives its milliseconds per round. Each process's CPU time per round (from
+/proc) is shared out over its busy stages the same way: CPU times, unlike wall-clock shares, do
+not grow when other processes compete for the cores.
 """
 
 from __future__ import annotations

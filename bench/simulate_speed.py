@@ -3,12 +3,8 @@
 The cluster: a ResNet-50-sized model (25.6 M parameters, fp32 on the wire), 10 Gbit/s links,
 three node groups in a 1:1:2 ratio at 0.75, 1.7 and 4.8 ms per sample (5 ms per step; the T4-like
 group's speeds drawn lognormal with sigma 0.05), a global batch of 32 per worker, shards
-co-located on worker hosts. Weighted-sync is timed twice:
-with nodes whose step times scatter by 5 % from round to round (the planner then weighs the
-measured spread and drops stragglers, which costs it a re-plan per dropped worker) and with
-steady nodes. Prints one line per case and ``simulate_<case>_s=X.XX`` lines.
-
-Usage: python -m bench simulate-speed [--workers 1024] [--shards 16] [--rounds 100]
+co-located on worker hosts. Weighted-sync is timed with nodes whose step times scatter by 5 %
+from round to round (the planner drops stragglers, a re-plan per dropped worker) and steady.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """What snapshots cost training: the same run with snapshots off and every N updates, side by side.
 
-Runs weighted-sync (hsi-cnn, slowdowns 1,2) on a synthetic hyperspectral dataset, alternating
-``--snapshot-every-updates`` off and on within each repeat, and prints per variant the
-training time, the snapshots written and their size, then
-``ratio_train_time_snapshots_vs_off=X.XX`` (median over repeats of the paired ratio; 1.00: no
-cost), the time one snapshot file takes to write (on the server's write thread, not the event
+Also the time one snapshot file takes to write (on the server's write thread, not the event
 loop) against the median round time, and the time ``pserver evaluate-snapshots`` takes per
 snapshot.
-
-Usage: python -m bench snapshots [--repeats 3] [--every 1] [--epochs 4]
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """Async staleness functions side by side, and what --max-staleness costs and buys.
 
-Jasper Ridge (5x5 patches, 10 % train), hsi-cnn, async mode, four workers with slowdowns
-1,1,2,4 (so pushes arrive several versions late), the same seed and samples in every run; the
-variants run interleaved within each repeat. Variants: the five staleness functions
-(``inverse``, ``poly``, ``hinge``, ``exp``, ``constant``) without a bound, then ``inverse``
-with ``--max-staleness`` K for each K in --bounds (rejected pushes are recomputed on fresh
-parameters).
-
-The last lines are ``ratio_<quantity>_<variant>_vs_inverse=X.XX``, medians over repeats of
-paired ratios: ``ttt`` and ``epoch`` are inverse's time / the variant's (> 1: faster), ``oa``
-is the variant's final OA / inverse's.
-
-Usage: python -m bench staleness [--repeats 1] [--bounds 4,1] [--epochs 6] [--functions ...]
+Four workers with slowdowns 1,1,2,4 make pushes arrive several versions late. Variants: the
+staleness functions without a bound, then ``inverse`` with ``--max-staleness`` K for each K in
+``--bounds`` (rejected pushes are recomputed on fresh parameters).
 """
 
 from __future__ import annotations

@@ -5,24 +5,7 @@ variant sees the same samples in the same order: each round, worker i computes t
 gradient and the BatchNorm statistics change of its local batch b_i in training mode, the
 server applies g = sum_i w_i g_i with SGD (momentum 0.9, lr 0.05) and adds sum_i w_i dbuf_i
 to the running statistics. The test OA (on a fixed random 3000 of the test samples) is
-measured after every step; a run's figure is the
-largest drop of OA below the best so far after the first epoch (``max_drop``).
-
-Variants (one hypothesis each; ``baseline`` is weighted-sync with full-weight tail rounds):
-  baseline        tail round (the epoch's last n mod B samples) to one worker at full weight
-  tail-split      the same tail split one sample per worker (what equal-sync does)
-  tail-no-stats   baseline, but the tail round leaves the running statistics unchanged
-  tail-no-grad    baseline, but the tail round's gradient is not applied (statistics are)
-  tail-scaled     the tail's gradient and statistics change weighted by b/B
-  no-momentum     baseline with momentum 0
-  carry-over      the tail's samples open the next epoch's first round (full B every step)
-  drop-small      carry-over, and local shares below 16 samples go to the largest share
-  global-bn       carry-over; BatchNorm statistics of every round from the global batch
-  scaled-min8     tail-scaled, and shares below 8 samples go to the largest share (the rules
-                  weighted-sync follows: tails weighted b / B, --min-local-batch 8)
-  one-worker      the reference: every round on one worker (one global batch), tails b / B
-
-Usage: python -m bench tail-rounds [--seeds 0,1,2] [--variants ...] [--epochs 6]
+measured after every step. The variants are described in docs/training-quality.md.
 """
 
 from __future__ import annotations

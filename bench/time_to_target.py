@@ -1,48 +1,15 @@
 """Time to a target OA on Jasper Ridge: every mode and a single-process reference, two regimes.
 
-Regimes: ``small`` is hsi-cnn on 5x5 patches, 10 % of each class for training, B=64, constant
-learning rate (a step computes a few ms, so communication and coordination dominate);
-``heavy`` is hsi-cnn on 11x11 patches with B=128 and a cosine schedule, where one process
-computes a step of the global batch in >= 50 ms (printed as ``step_compute_ms``). The heavy
-regime trains on 50 % of each class: evaluating the 90 % test split of an 11x11 dataset costs
-more than an epoch of training, and the server evaluates beside its workers on the same cores.
-
-On shared cores (the default), workers have slowdowns 1,1,2,4 and every process competes for
-the machine's cores, so the comparison measures the cores as much as the modes. On an emulated
-cluster (``--cluster small-1124`` or ``--node-cpus``/``--server-cpus``, root) every worker, DDP
-rank and the server run under their own CPU budget and the slowdowns default to 1 (they may be
-combined with budgets). ``single`` is one process with slowdown 1 and the whole global
-batch (``--workers 1``). Modes run interleaved within each repeat, with the same seed and
-samples; repeat r uses seed ``--seed`` + r - 1 (``--same-seed``: all repeats use ``--seed``).
-DDP, equal-sync and single follow the same trajectory in every repeat of one seed, so with one
-seed their time to target samples only timing noise, while weighted-sync and async (whose plans
-follow the measured speeds) draw a new trajectory each time; on a plateau near the target, when
-it is first crossed depends on the trajectory, which varying the seed samples for every mode.
+The heavy regime trains on 50 % of each class: evaluating the 90 % test split of an 11x11
+dataset costs more than an epoch of training, and the server evaluates beside its workers on
+the same cores. DDP, equal-sync and single follow the same trajectory in every repeat of one
+seed, while weighted-sync and async (whose plans follow the measured speeds) draw a new one each
+time; repeat r uses seed ``--seed`` + r - 1 so that every mode's trajectory is sampled.
 
 Time to target is the training time at which the first snapshot at or above the target was
-produced: every run keeps a snapshot every ``--snapshot-every`` updates (async: that many times
-the worker count in pushes), scored after the run on the whole test split (start-up excluded;
-DDP's blocking evaluation excluded). ``--snapshot-every 0`` goes back to the first per-epoch
-evaluation at or above the target. Each repeat writes its compare.json and report to
-``<out>/<regime>/repeat<r>-seed<s>/``.
-
-Beside time to target each mode's curve stability is printed: the largest drop of a snapshot's
-OA below the best so far after the first epoch (``max OA drop``, as ``pslaunch compare``
-reports it). The last lines are ``max_drop_<regime>_<mode>_median|max=X.XXX`` and
-``ratio_<regime>_<quantity>_<mode>_vs_ddp=X.XX``: the median over repeats of the paired ratio
-(DDP's time / the mode's time in the same repeat; > 1: the mode is faster).
-
-``--clusters`` runs every regime on each cluster: ``static`` (the one ``--cluster`` or
-``--node-cpus`` gives) or a preset such as ``shifting-load`` or ``leave-return``, whose figure
-names carry it (``ratio_leave_return_small_...``). Further lines: weighted-sync against every
-other mode (``ratio_<label>_<quantity>_weighted_sync_vs_<mode>``), ``exactly_once_<label>_<mode>``
-(every epoch used every sample once) and ``final_oa_diff_<label>_<mode>_vs_static`` (the median
-over seeds of the final OA less the static run's). ``python -m bench own-ground`` is this bench
-with ``OWN_GROUND``'s defaults.
-
-Usage: python -m bench time-to-target [--repeats 1] [--regimes small,heavy] [--snapshot-every 2]
-       [--seed 0] [--same-seed] [--epochs E] [--modes ...] [--cluster small-1124]
-       [--clusters static,leave-return] [--slowdowns 1,1,2,4] [--worker-data] [--reuse]
+produced: snapshots every ``--snapshot-every`` updates (async: that many times the worker count
+in pushes), scored after the run on the whole test split. ``python -m bench own-ground`` is this
+bench with ``OWN_GROUND``'s defaults.
 """
 
 from __future__ import annotations

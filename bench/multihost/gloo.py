@@ -2,11 +2,8 @@
 
 Measures, on the dataset's local copy: one step's compute on its own (ranks take turns, so no
 two ranks share the CPU while timing), the flat all-reduce of the model's gradient (every rank
-at once, the time of the slowest rank per repeat), and whole DDP training steps (bucketed
-all-reduce overlapped with backward, every rank computing at once). Rank 0 prints one line
-``RESULT {json}``.
-
-Usage: python -m bench.multihost.gloo --rank R --world N --master ADDR --port P --dataset D.h5 [...]
+at once, the time of the slowest rank per repeat), and whole DDP training steps. Rank 0 prints
+one line ``RESULT {json}``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,6 @@
 """Multi-host bench: the parameter server against torch DDP (gloo) over capped links.
 
-Builds N+1 hosts as network namespaces behind one bridge, each link capped in both directions
-with tc tbf (``--rate``, or ``--rates`` per host, server first), checks the caps with bulk
-transfers, then runs on the same model (``resnet18`` on synthetic 3-band scenes), data and
-links, interleaved over ``--repeats``:
-
-- the DDP baseline: one gloo rank per worker host; the flat all-reduce of the gradient, one
-  step's compute measured alone (ranks take turns), and whole DDP steps;
-- each parameter-server variant (``--variants``): ``pserver start`` on host 0 (``--mode``,
-  weighted-sync by default; equal-sync keeps every worker in every round, as the ring's ranks),
-  ``worker join`` on each worker host (and ``pserver shard`` on worker hosts for sharded
-  variants); round times from the run's ``metrics.jsonl``.
-
-Fairness on a machine whose few cores every process shares: a PS round's communication time
-is its round time minus the slowest worker's compute in that round, and is compared after
-adding one step's compute measured with the CPU to itself, against (all-reduce + that same
-compute); raw round times on the shared cores are shown beside them. Each variant also runs
-with ``--small-batch`` samples per worker (``<variant>-small``): a step too short to hide the
-push behind backward, so its communication over the all-reduce's is the wire's alone. Needs
-root (prints why and exits 0 otherwise). Every namespace is removed at the end, also on
-failure, Ctrl-C or SIGTERM.
-
-Usage: python -m bench multihost [--workers 3] [--rate 1gbit | --rates 1gbit,1gbit,1gbit,100mbit]
-       [--variants ps-k1,ps-k1-local,...] [--mode equal-sync] [--repeats 3] [--steps 12]
-       [--small-batch 1] [--out runs/multihost]
+What it builds, runs and prints is described in docs/benchmarks.md ("Multi-host benches").
 """
 
 from __future__ import annotations

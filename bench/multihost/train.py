@@ -1,30 +1,6 @@
 """Multi-host training end to end: weighted-sync against DDP on the same emulated hosts and links.
 
-Every run goes through the launcher on one emulated cluster (``--links``: the server on its own
-host, each worker or DDP rank on its own, every link capped both ways): weighted-sync with
-``--wire-dtype bf16`` and one parameter shard on each worker host (``ws-bf16``), DDP with
-fp32 gradients (``ddp-fp32``) and DDP with PyTorch's bf16 compression hook on its reducer
-(``ddp-bf16``, ``pslaunch ddp --grad-compression bf16``). The runs alternate within each repeat,
-with the same seed, data and model (``resnet18``, 11.2 M parameters). The default data
-(``--data hsi``) are 11x11 patches of a synthetic 32-band hyperspectral scene, which resnet18
-learns to above 0.95 OA in three epochs, so the final OAs say whether the modes train equally
-well; ``--data scenes`` (synthetic 3-band images) stays near chance in a few epochs. The learning
-rate follows a cosine schedule by default (``--lr-schedule``), so the final OA is not the noise of
-the last steps at full rate.
-Slow nodes are emulated by CPU budgets (``--cluster hosts-3x1g`` or ``--node-cpus``; DDP's ranks
-get their workers' budgets) or by ``--slowdowns``.
-
-Printed per mode: the epoch time (training time / epochs) and the final OA, min / median / max
-over repeats; per mode, from the round records, the slowest node's compute per step and the
-rest of the step (DDP: the all-reduce not hidden behind backward; weighted-sync: the push,
-the pull and the round's coordination), medians. The last lines are
-``ratio_epoch_<ddp mode>_vs_ws=X.XX`` (medians of DDP's epoch time / weighted-sync's) and
-``oa_diff_<ddp mode>_vs_ws=X.XXXX``. Needs root (prints why and exits 0 otherwise).
-
-Usage: python -m bench multihost-train [--workers 3] [--links 1gbit] [--slowdowns 1,1,2]
-       [--cluster hosts-3x1g | --node-cpus 0.5,0.5,0.25 --server-cpus 0.5] [--allow-oversubscribe]
-       [--data hsi|scenes] [--size S] [--patch 11] [--samples 750] [--global-batch 36]
-       [--epochs 3] [--lr-schedule cosine] [--repeats 2] [--out runs/mh_train]
+The modes, data and figures are described in docs/benchmarks.md ("Multi-host benches").
 """
 
 from __future__ import annotations
