@@ -231,7 +231,3 @@ def rerun(names: tuple[str, ...], results_dir: Path, timeout: float) -> None:
 def main() -> None:
     """Entry point of ``python -m bench``."""
     cli(prog_name="python -m bench")
-
-
-if __name__ == "__main__":
-    main()

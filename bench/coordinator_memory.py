@@ -102,7 +102,3 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"peak_mb={result['peak_mb']:.0f} final_oa={final['oa']:.6f}")
                 if training:
                     print(f"training_peak_mb={training:.0f}")
-
-
-if __name__ == "__main__":
-    main()

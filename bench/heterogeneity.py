@@ -118,7 +118,3 @@ def main(argv: list[str] | None = None) -> int:
         value = statistics.median(ratios) if ratios else float("nan")
         print(f"ratio_weighted_sync_vs_{name}={value:.2f}")
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

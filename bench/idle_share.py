@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ from bench.harness.record import parse_settings
 from common.logsetup import setup_logging
 from common.training.rounds import round_events
 from common.training.tables import format_table
-from launch.cluster.spec import ClusterSpec
 from launch.demo import prepare_dataset
 from launch.local import LocalCluster, run_local
 
@@ -33,41 +31,6 @@ CONFIGS = (  # name, mode, further server options
     ("weighted-sync/model-no-spread", "weighted-sync", ("--no-plan-spread",)),
     ("weighted-sync/model+evals", "weighted-sync", ("--eval-every", "1")),
 )
-
-
-def run_one(
-    dataset: Path,
-    out: Path,
-    mode: str,
-    options: tuple[str, ...],
-    epochs: int,
-    emulated: ClusterSpec | None = None,
-    allow_oversubscribe: bool = False,
-) -> dict[str, Any]:
-    """One local run (evaluating at the end unless ``options`` say otherwise), on shared cores
-    with the slowdowns 1, 2, 4 or on ``emulated`` with slowdown 1; its summary."""
-    cluster = LocalCluster(
-        dataset=dataset,
-        model="hsi-cnn",
-        mode=mode,
-        slowdowns=SLOWDOWNS if emulated is None else (1.0,) * len(SLOWDOWNS),
-        nodes=emulated,
-        allow_oversubscribe=allow_oversubscribe,
-        run_dir=out,
-        server_options=(
-            "--epochs",
-            str(epochs),
-            "--lr",
-            "0.05",
-            "--lr-schedule",
-            "cosine",
-            "--eval-every",
-            "0",
-            "--overwrite",
-            *options,
-        ),
-    )
-    return run_local(cluster)
 
 
 def systematic_idle(run_dir: Path) -> float | None:
@@ -128,21 +91,29 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("WARNING")
     emulated = cluster_from_args(args, len(SLOWDOWNS))
     print(f"on {cluster_label(emulated)}")
+    # shared cores: slowdowns 1, 2, 4; an emulated cluster: its budgets, slowdown 1
+    slowdowns = SLOWDOWNS if emulated is None else (1.0,) * len(SLOWDOWNS)
+    server_options = (
+        *("--epochs", str(args.epochs), "--lr", "0.05", "--lr-schedule", "cosine"),
+        *("--eval-every", "0", "--overwrite"),
+    )
     dataset = prepare_dataset(args.shared, args.out)
     rows = []
     results: dict[str, list[dict[str, Any]]] = {name: [] for name, *_ in configs}
     for repeat in range(args.repeats):
         for name, mode, options in configs:
             run_dir = args.out / f"{name.replace('/', '-').replace('+', '-')}-{repeat}"
-            summary = run_one(
-                dataset,
-                run_dir,
-                mode,
-                options,
-                args.epochs,
-                emulated,
-                args.allow_oversubscribe,
+            cluster = LocalCluster(
+                dataset=dataset,
+                model="hsi-cnn",
+                mode=mode,
+                slowdowns=slowdowns,
+                nodes=emulated,
+                allow_oversubscribe=args.allow_oversubscribe,
+                run_dir=run_dir,
+                server_options=(*server_options, *options),
             )
+            summary = run_local(cluster)
             summary["systematic_idle"] = systematic_idle(run_dir)
             results[name].append(summary)
             final = summary.get("final") or {}
@@ -189,7 +160,3 @@ def main(argv: list[str] | None = None) -> int:
             f"(per repeat: {', '.join(f'{r:.2f}' for r in ratios)})"
         )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

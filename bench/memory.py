@@ -190,7 +190,3 @@ def main(argv: list[str] | None = None) -> None:
     for kind in kinds:
         with tempfile.TemporaryDirectory(prefix=f"bench-memory-{kind}-", dir=opts.dir) as tmp:
             measure(kind, opts, Path(tmp))
-
-
-if __name__ == "__main__":
-    main()

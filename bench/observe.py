@@ -183,7 +183,3 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(f"samples_per_s={off:.1f} samples_per_s_polled={on:.1f}")
         print(f"ratio_polled_vs_unpolled={on / off:.3f}")
-
-
-if __name__ == "__main__":
-    main()

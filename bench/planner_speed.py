@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
@@ -183,7 +182,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n:7d} one round's refits of the speed models: {refit_ms:.2f} ms")
         print(f"refit_{n}_ms={refit_ms:.3f}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,9 +7,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench import ROOT
 from common.procs import Child
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def start(

@@ -313,7 +313,3 @@ def main(argv: list[str] | None = None) -> None:
     print(f"work_hot_us={hot * 1e6:.1f}")
     print(f"work_after_idle_us={after_idle * 1e6:.1f}")
     print(f"idle_slowdown={after_idle / hot:.2f}")
-
-
-if __name__ == "__main__":
-    main()

@@ -69,7 +69,19 @@ def ps_round_s(
     times, with real processes on loopback."""
     # child processes (``python -m ...``) import the project from ``tree`` (None: this one)
     with contextlib.chdir(tree) if tree is not None else contextlib.nullcontext():
-        _run_ps(dataset, mode, workers, rounds, run_dir)
+        steps = (rounds + WARMUP) * (workers if mode == "async" else 1)
+        cluster = LocalCluster(
+            dataset=dataset,
+            model="hsi-cnn",
+            mode=mode,
+            slowdowns=(1.0,) * workers,
+            run_dir=run_dir,
+            server_options=(
+                *("--max-steps", str(steps), "--global-batch", str(BATCH)),
+                *("--eval-every", "1000000"),
+            ),
+        )
+        run_local(cluster)
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     if mode == "async":
         pushes = [e for e in events if e["event"] == "push"]
@@ -97,26 +109,6 @@ def low(times: list[float]) -> float:
     """The 10th percentile: bursts of load from other processes on a shared machine inflate
     the median; the fast tail shows the cost without them."""
     return statistics.quantiles(times, n=10)[0]
-
-
-def _run_ps(dataset: Path, mode: str, workers: int, rounds: int, run_dir: Path) -> None:
-    run_local(
-        LocalCluster(
-            dataset=dataset,
-            model="hsi-cnn",
-            mode=mode,
-            slowdowns=(1.0,) * workers,
-            run_dir=run_dir,
-            server_options=(
-                "--max-steps",
-                str((rounds + WARMUP) * (workers if mode == "async" else 1)),
-                "--global-batch",
-                str(BATCH),
-                "--eval-every",
-                "1000000",
-            ),
-        )
-    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -189,7 +181,3 @@ def main(argv: list[str] | None = None) -> None:
             paired = statistics.median(b[0] / t[0] for b, t in pairs)
             print(f"  baseline round / this round: {paired:.2f}")
     print("\n".join(figures))  # the kept figures
-
-
-if __name__ == "__main__":
-    main()

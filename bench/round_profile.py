@@ -182,7 +182,3 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{proc} {what}:")
             for stage in results[names[0]][kind]:
                 print(f"  {stage:40s}" + "".join(f"{results[n][kind][stage]:10.2f}" for n in names))
-
-
-if __name__ == "__main__":
-    main()

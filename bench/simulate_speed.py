@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
 import time
 
 from bench.harness.record import parse_settings
@@ -60,7 +59,3 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"simulate_{name}_s={took:.2f}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

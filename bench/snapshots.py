@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -98,7 +97,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio_write_vs_median_round={write_s / statistics.median(rounds):.3f}")
     print(f"evaluate_s_per_snapshot={statistics.median(per_snapshot):.4f}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -130,7 +130,3 @@ def main(argv: list[str] | None = None) -> int:
             text = f"{statistics.median(ratios):.2f}" if ratios else "nan"
             print(f"ratio_{label}_{name}_vs_inverse={text}")
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

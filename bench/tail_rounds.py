@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -203,7 +202,3 @@ def main(argv: list[str] | None = None) -> int:
     for variant, _, drop, final in rows:
         print(f"max_drop_{variant}={drop.split(' / ')[0]} final_oa_{variant}={final}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

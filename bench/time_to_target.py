@@ -290,7 +290,3 @@ def main(argv: list[str] | None = None, defaults: dict | None = None) -> int:
 def own_ground(argv: list[str] | None = None) -> int:
     """``python -m bench own-ground``: ``main`` with the ``OWN_GROUND`` defaults."""
     return main(argv, OWN_GROUND)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -70,31 +70,9 @@ DEFAULT_VARIANTS = ("ps-k1", "ps-k1-local", "ps-k1-bf16", "ps-kN", "ps-kN-pull",
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
-    """The multi-host bench's settings.
-
-    Attributes:
-        workers: worker hosts N (host 0 runs the server).
-        rates: one tc rate per host, server first (N + 1 entries).
-        variants: names from ``VARIANTS``.
-        model: the model every run trains.
-        size: image side of the synthetic 3-band scenes.
-        samples: scenes in the dataset.
-        batch: samples per worker per step (global batch = batch * N).
-        steps: PS updates per run (``--max-steps``).
-        warmup: rounds left out of the statistics at the start of each PS run.
-        repeats: interleaved repeats of every job.
-        threads: torch threads per worker and rank.
-        probe_mb: megabytes sent per link check.
-        compute_s: one step's compute time to add to communication (e.g. a GPU's); 0 uses
-            the fastest step measured alone on this machine.
-        job_timeout: seconds one job (a PS run or the gloo baseline) may take.
-        out: where datasets, run dirs, logs and results.json go.
-        prefix: namespace name prefix.
-        mode: the parameter server's mode: ``weighted-sync`` plans batches (on shared cores
-            it may leave workers out of a round), ``equal-sync`` gives every worker ``batch``
-            samples every round, as the ring's ranks have.
-        small_batch: samples per worker of each variant's second run, whose compute is too
-            short to hide the push behind backward (0: no such run).
+    """The multi-host bench's settings: one field per option of ``python -m bench multihost``
+    (its ``--help`` says what each is), ``rates`` one per host, server first, and ``variants``
+    names from ``VARIANTS``.
     """
 
     workers: int = 3

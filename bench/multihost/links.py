@@ -211,7 +211,3 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     log.info("done in %.0f s", time.monotonic() - started)
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

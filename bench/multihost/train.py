@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -228,7 +227,3 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"results: {out / 'results.json'}")
     return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
