@@ -26,7 +26,7 @@ def escape_control(text: str) -> str:
     return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
-def need(ok: bool, message: str) -> None:
+def need(ok: object, message: str) -> None:
     """Raise ``ConfigError(message)`` unless ``ok``."""
     if not ok:
         raise ConfigError(message)

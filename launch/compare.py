@@ -23,6 +23,7 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from common import rundir
+from common.config import need
 from common.data.dataset import DatasetReader
 from common.errors import ConfigError, PSError
 from common.training.rounds import round_events, round_spread
@@ -134,8 +135,10 @@ class CompareConfig:
             raise ConfigError(
                 f"--modes {','.join(self.modes)!r}: give modes among {', '.join(COMPARE_MODES)}"
             )
-        if len(set(self.modes)) != len(self.modes):
-            raise ConfigError(f"--modes {','.join(self.modes)!r} names a mode twice")
+        need(
+            len(set(self.modes)) == len(self.modes),
+            f"--modes {','.join(self.modes)!r} names a mode twice",
+        )
         if DDP_KEPT in self.modes and (
             "weighted-sync" not in self.modes
             or self.modes.index("weighted-sync") > self.modes.index(DDP_KEPT)
@@ -148,12 +151,11 @@ class CompareConfig:
             raise ConfigError(
                 "compare needs --epochs (or --max-steps): every run sees as many samples"
             )
-        if self.train.target_oa is not None:
-            raise ConfigError(
-                "give the target as CompareConfig.target_oa; runs are not stopped at it"
-            )
-        if self.repeats < 1:
-            raise ConfigError(f"--repeats must be >= 1, got {self.repeats}")
+        need(
+            self.train.target_oa is None,
+            "give the target as CompareConfig.target_oa; runs are not stopped at it",
+        )
+        need(self.repeats >= 1, f"--repeats must be >= 1, got {self.repeats}")
         if self.target_oa is not None and not 0 < self.target_oa <= 1:
             raise ConfigError(f"--target-oa must be in (0, 1], got {self.target_oa}")
         if self.staleness is not None and self.staleness not in STALENESS:
@@ -162,12 +164,13 @@ class CompareConfig:
             )
         if self.snapshot_every is not None and self.snapshot_every < 1:
             raise ConfigError(f"--snapshot-every must be >= 1, got {self.snapshot_every}")
-        if self.threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {self.threads}")
+        need(self.threads >= 1, f"--threads must be >= 1, got {self.threads}")
         self.cluster("weighted-sync", self.out).validate()
         self.ddp("ddp", self.out).validate()
-        if self.launcher not in LAUNCHERS:
-            raise ConfigError(f"--launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
+        need(
+            self.launcher in LAUNCHERS,
+            f"--launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}",
+        )
         if self.nodes is not None and self.launcher == "local":
             # fail once, before any run, without root, a cpu controller or enough cores
             Nodes(self.nodes, allow_oversubscribe=self.allow_oversubscribe).open()
@@ -201,11 +204,11 @@ class CompareConfig:
                 "CPU budgets (--node-cpus, --server-cpus, --cluster) apply to processes on "
                 "this machine: use --launcher local"
             )
-        if set(self.devices) != {"cpu"}:
-            raise ConfigError(
-                f"--devices {','.join(self.devices)!r}: with --launcher slurm workers run on "
-                "the CPUs Slurm gives them (use pslaunch slurm --gpus-per-worker for GPUs)"
-            )
+        need(
+            set(self.devices) == {"cpu"},
+            f"--devices {','.join(self.devices)!r}: with --launcher slurm workers run on "
+            "the CPUs Slurm gives them (use pslaunch slurm --gpus-per-worker for GPUs)",
+        )
         self.slurm.validate()
         self.slurm_job("weighted-sync", self.out / "runs" / "check")
         self.slurm_job("ddp", self.out / "runs" / "check")

@@ -16,6 +16,7 @@ from typing import Any
 
 from common import rundir
 from common.cli_env import child_environment
+from common.config import need
 from common.data.dataset import DatasetReader
 from common.errors import ConfigError, PSError
 from common.procs import Children, TextSink, python_module
@@ -88,10 +89,8 @@ class LocalCluster:
             ConfigError: no workers, a slowdown below 1, a device list of the wrong length,
                 fewer than 1 shard, ``--shards`` among the server options, or restarts < 0.
         """
-        if self.restarts < 0:
-            raise ConfigError(f"--restarts must be >= 0, got {self.restarts}")
-        if not self.slowdowns:
-            raise ConfigError("give at least one worker")
+        need(self.restarts >= 0, f"--restarts must be >= 0, got {self.restarts}")
+        need(self.slowdowns, "give at least one worker")
         if any(s < 1 for s in self.slowdowns):
             raise ConfigError(f"slowdowns must be >= 1, got {list(self.slowdowns)}")
         if self.slowdown_schedules and len(self.slowdown_schedules) != len(self.slowdowns):
@@ -99,12 +98,11 @@ class LocalCluster:
                 f"{len(self.slowdown_schedules)} slowdown schedules for "
                 f"{len(self.slowdowns)} workers"
             )
-        if len(self.devices) not in (1, len(self.slowdowns)):
-            raise ConfigError(
-                f"--devices lists {len(self.devices)} devices for {len(self.slowdowns)} workers"
-            )
-        if self.shards < 1:
-            raise ConfigError(f"--shards must be >= 1, got {self.shards}")
+        need(
+            len(self.devices) in (1, len(self.slowdowns)),
+            f"--devices lists {len(self.devices)} devices for {len(self.slowdowns)} workers",
+        )
+        need(self.shards >= 1, f"--shards must be >= 1, got {self.shards}")
         if any(o == "--shards" or o.startswith("--shards=") for o in self.server_options):
             raise ConfigError("give the shard count as pslaunch's --shards, which starts them")
         if self.nodes is not None and len(self.nodes.workers) != len(self.slowdowns):

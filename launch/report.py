@@ -306,11 +306,12 @@ def carried_lines(stats: dict[str, dict[str, Any]]) -> list[str]:
 def setup_section(data: dict[str, Any]) -> list[str]:
     """The setup block: machine, torch, the workers' devices and hosts (the emulated cluster
     is in the settings above it, from ``cluster_lines``)."""
-    from launch.setup_info import setup_lines, worker_devices, worker_hosts
+    from launch.setup_info import setup_lines, worker_values
 
     settings = data["settings"]
     run_dirs = [r["run_dir"] for r in data["runs"] if r.get("run_dir")]
-    lines = setup_lines(settings.get("setup"), worker_devices(run_dirs), worker_hosts(run_dirs))
+    devices, hosts = worker_values(run_dirs, "device", "?"), worker_values(run_dirs, "host")
+    lines = setup_lines(settings.get("setup"), devices, hosts)
     return ["## Setup", "", *lines, ""] if lines else []
 
 

@@ -75,41 +75,24 @@ def _joins(run_dirs: Sequence[str | Path]) -> list[dict[str, Any]]:
     return found
 
 
-def _by_name(pairs: dict[str, str]) -> dict[str, str]:
-    return {name: pairs[name] for name in sorted(pairs, key=natural_key)}
-
-
-def worker_devices(run_dirs: Sequence[str | Path]) -> dict[str, str]:
-    """Each worker's device, from the ``join`` events of the runs' ``metrics.jsonl``.
+def worker_values(run_dirs: Sequence[str | Path], key: str, missing: str = "") -> dict[str, str]:
+    """What each worker said of itself at join (``device``, ``host``), from the ``join``
+    events of the runs' ``metrics.jsonl``.
 
     Args:
         run_dirs: run directories (missing files are skipped).
+        key: the ``join`` event's field.
+        missing: the value of a worker that did not say ("": the worker is left out).
 
     Returns:
-        worker name -> device, sorted by name (``w2`` before ``w10``).
+        worker name -> value (the first join's), sorted by name (``w2`` before ``w10``).
     """
     found: dict[str, str] = {}
     for event in _joins(run_dirs):
-        found.setdefault(str(event["worker"]), str(event.get("device") or "?"))
-    return _by_name(found)
-
-
-def worker_hosts(run_dirs: Sequence[str | Path]) -> dict[str, str]:
-    """The host each worker joined from, from the same ``join`` events (workers that did not
-    say, such as DDP ranks, are left out).
-
-    Args:
-        run_dirs: run directories (missing files are skipped).
-
-    Returns:
-        worker name -> host name, sorted by name.
-    """
-    found: dict[str, str] = {}
-    for event in _joins(run_dirs):
-        host = event.get("host")
-        if isinstance(host, str) and host:
-            found.setdefault(str(event["worker"]), host)
-    return _by_name(found)
+        value = event.get(key)
+        if (isinstance(value, str) and value) or missing:
+            found.setdefault(str(event["worker"]), str(value or missing))
+    return {name: found[name] for name in sorted(found, key=natural_key)}
 
 
 def setup_lines(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from common.config import need
 from common.errors import ConfigError
 from common.training.slowdown import SlowdownSchedule
 
@@ -36,15 +37,16 @@ def parse_slowdowns(text: str, workers: int | None = None) -> tuple[float, ...]:
         raise ConfigError(
             f"--slowdowns {text!r} is not a comma-separated list of numbers"
         ) from None
-    if not factors:
-        raise ConfigError("--slowdowns is empty; give at least one factor")
+    need(factors, "--slowdowns is empty; give at least one factor")
     if any(f < 1 for f in factors):
         raise ConfigError(f"--slowdowns must all be >= 1, got {text!r}")
     count = workers or len(factors)
     if len(factors) == 1:
         factors *= count
-    if len(factors) != count:
-        raise ConfigError(f"--slowdowns {text!r} has {len(factors)} entries for {count} workers")
+    need(
+        len(factors) == count,
+        f"--slowdowns {text!r} has {len(factors)} entries for {count} workers",
+    )
     return factors
 
 
@@ -81,10 +83,10 @@ def parse_schedules(text: str, slowdowns: tuple[float, ...]) -> tuple[str, ...]:
                 raise ConfigError(
                     f"--slowdown-schedules entry {entry!r}: {index!r} is not an index"
                 ) from None
-            if not 0 <= i < count:
-                raise ConfigError(
-                    f"--slowdown-schedules entry {entry!r}: worker index {i} is not in [0, {count})"
-                )
+            need(
+                0 <= i < count,
+                f"--slowdown-schedules entry {entry!r}: worker index {i} is not in [0, {count})",
+            )
             if schedules[i]:
                 raise ConfigError(f"--slowdown-schedules names worker {i} twice")
             schedules[i] = spec.strip()

@@ -16,6 +16,7 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
+from common.config import need
 from common.errors import ConfigError
 
 AUTHORIZED_DIR = "authorized_keys"
@@ -159,11 +160,11 @@ def shard_secret(secret_file: Path | None, curve_secret: Path | None) -> bytes:
             mode = secret_file.stat().st_mode
         except OSError as exc:
             raise ConfigError(f"cannot read the shard secret {str(secret_file)!r}: {exc}") from None
-        if len(secret.strip()) < SHARD_SECRET_MIN_BYTES:
-            raise ConfigError(
-                f"the shard secret {str(secret_file)!r} holds fewer than "
-                f"{SHARD_SECRET_MIN_BYTES} bytes; make one with: head -c 32 /dev/urandom > FILE"
-            )
+        need(
+            len(secret.strip()) >= SHARD_SECRET_MIN_BYTES,
+            f"the shard secret {str(secret_file)!r} holds fewer than "
+            f"{SHARD_SECRET_MIN_BYTES} bytes; make one with: head -c 32 /dev/urandom > FILE",
+        )
         if mode & 0o077:
             log.warning("the shard secret %s is readable by others: chmod 600 it", secret_file)
         return secret

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import time
 
+from common.config import need
 from common.errors import ConfigError
 
 
@@ -35,8 +36,7 @@ class SlowdownSchedule:
                 raise ConfigError(
                     f"slowdown change {entry!r} is not STEP:FACTOR (e.g. 200:3)"
                 ) from None
-            if not sep:
-                raise ConfigError(f"slowdown change {entry!r} is not STEP:FACTOR (e.g. 200:3)")
+            need(sep, f"slowdown change {entry!r} is not STEP:FACTOR (e.g. 200:3)")
         points.sort(key=lambda point: point[0])  # stable: a later entry for a step wins
         if any(f < 1 for _, f in points):
             raise ConfigError(f"slowdown factors must be >= 1, got {[f for _, f in points]}")

@@ -21,6 +21,7 @@ import os
 import signal
 from pathlib import Path
 
+from common.config import need
 from common.cpu_quota import CpuHierarchy, find_cpu_hierarchy
 from common.errors import ConfigError, PSError, WaitTimeout
 from common.polling import poll_until
@@ -77,8 +78,7 @@ def require_hierarchy() -> CpuHierarchy:
             "CPU budgets need the cgroup cpu controller, which this system does not mount "
             "(neither cgroup v2 with cpu nor a v1 cpu hierarchy)"
         )
-    if os.geteuid() != 0:
-        raise ConfigError("CPU budgets need root (they create control groups); run as root")
+    need(os.geteuid() == 0, "CPU budgets need root (they create control groups); run as root")
     return hierarchy
 
 

@@ -33,9 +33,9 @@ import subprocess
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import IO
 
+from common.config import need
 from common.errors import ConfigError, PSError
 from launch.cluster.spec import ClusterSpec, delay_ms, rate_bits
 
@@ -81,20 +81,22 @@ class NetConfig:
         Raises:
             ConfigError: quoting the bad value.
         """
-        if not 2 <= len(self.rates) <= 32:
-            raise ConfigError(f"need 2 to 32 hosts, got {len(self.rates)}")
+        need(2 <= len(self.rates) <= 32, f"need 2 to 32 hosts, got {len(self.rates)}")
         for rate in self.rates:
             rate_bits(rate)
-        if not PREFIX.match(self.prefix):
-            raise ConfigError(f"prefix must be 2-10 lowercase characters, got {self.prefix!r}")
+        need(
+            PREFIX.match(self.prefix),
+            f"prefix must be 2-10 lowercase characters, got {self.prefix!r}",
+        )
         octets = self.subnet.split(".")
         private = octets[:1] == ["10"] or octets[:2] == ["192", "168"]
         if len(octets) != 3 or not all(o.isdigit() and int(o) < 256 for o in octets) or not private:
             raise ConfigError(
                 f"subnet must be a private a.b.c (10.x.y or 192.168.y), got {self.subnet!r}"
             )
-        if not 1 <= self.latency_ms <= 1000:
-            raise ConfigError(f"latency_ms must be in [1, 1000], got {self.latency_ms}")
+        need(
+            1 <= self.latency_ms <= 1000, f"latency_ms must be in [1, 1000], got {self.latency_ms}"
+        )
         if self.delay is not None:
             delay_ms(self.delay)
         return self
@@ -263,12 +265,7 @@ class Network:
             raise
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:

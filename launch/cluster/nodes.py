@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 
 from common.errors import PSError
 from launch.cluster.budgets import CpuBudgets, check_total, require_hierarchy
@@ -82,12 +81,7 @@ class Nodes:
             self.budgets = CpuBudgets(require_hierarchy())
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
+from common.config import need
 from common.errors import ConfigError
 from launch.progress import RunProgress
 
@@ -88,22 +89,20 @@ def parse_schedule(text: str, option: str = "--node-cpus") -> tuple[float, tuple
             )
         last, value = at, match["value"].strip().lower()
         if value == OFF:
-            if cores is None:
-                raise ConfigError(f"{option} {text!r}: the node is already off at {part!r}")
+            need(cores is not None, f"{option} {text!r}: the node is already off at {part!r}")
             changes.append(Change(at, share, None, OFF))
             kept, cores = cores, None
         elif value == ON:
-            if cores is not None:
-                raise ConfigError(f"{option} {text!r}: 'on' at {part!r} without 'off' before it")
+            need(cores is None, f"{option} {text!r}: 'on' at {part!r} without 'off' before it")
             cores = kept
             changes.append(Change(at, share, cores, ON))
         else:
-            if cores is None:
-                raise ConfigError(f"{option} {text!r}: a budget at {part!r} while the node is off")
+            need(
+                cores is not None, f"{option} {text!r}: a budget at {part!r} while the node is off"
+            )
             cores = _cores(value, option, text)
             changes.append(Change(at, share, cores))
-    if cores is None:
-        raise ConfigError(f"{option} {text!r}: the node must come back ('on@...') before the end")
+    need(cores is not None, f"{option} {text!r}: the node must come back ('on@...') before the end")
     return start, tuple(changes)
 
 

@@ -7,6 +7,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from common.config import need
 from common.errors import ConfigError
 from launch.cluster.schedule import Change, parse_schedule, schedule_text
 
@@ -43,8 +44,7 @@ def delay_ms(delay: str) -> float:
     if not match:
         raise ConfigError(f"a link delay looks like 2ms, 500us or 0.1s, got {delay!r}")
     value = float(match.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[match.group(2)]
-    if value > 10_000:
-        raise ConfigError(f"a link delay must be at most 10s, got {delay!r}")
+    need(value <= 10_000, f"a link delay must be at most 10s, got {delay!r}")
     return value
 
 
@@ -138,14 +138,12 @@ class ClusterSpec:
         Raises:
             ConfigError: quoting the bad value.
         """
-        if not self.workers:
-            raise ConfigError("an emulated cluster needs at least one worker node")
+        need(self.workers, "an emulated cluster needs at least one worker node")
         for index, node in enumerate(self.workers):
             node.validate(f"worker {index}")
         self.server.validate("server")
         if self.link_delay is not None:
-            if not self.links:
-                raise ConfigError("--link-delay needs --links (or a preset with links)")
+            need(self.links, "--link-delay needs --links (or a preset with links)")
             delay_ms(self.link_delay)
         if self.links and any(n.link is None for n in self.workers):
             raise ConfigError("--links must give every worker a link (one value applies to all)")
@@ -258,8 +256,7 @@ def _per_worker(text: str, option: str, count: int) -> list[str]:
         raise ConfigError(f"{option} {text!r} has an empty entry")
     if len(items) == 1:
         return items * count
-    if len(items) != count:
-        raise ConfigError(f"{option} {text!r} has {len(items)} entries for {count} workers")
+    need(len(items) == count, f"{option} {text!r} has {len(items)} entries for {count} workers")
     return items
 
 
@@ -294,16 +291,14 @@ def parse_cluster(
     """
     base: ClusterSpec | None = None
     if preset is not None:
-        if preset not in PRESETS:
-            raise ConfigError(f"--cluster {preset!r} is not one of {', '.join(sorted(PRESETS))}")
+        need(preset in PRESETS, f"--cluster {preset!r} is not one of {', '.join(sorted(PRESETS))}")
         base = PRESETS[preset].spec(preset)
-        if len(base.workers) != workers:
-            raise ConfigError(
-                f"--cluster {preset} has {len(base.workers)} workers, got --workers {workers}"
-            )
+        need(
+            len(base.workers) == workers,
+            f"--cluster {preset} has {len(base.workers)} workers, got --workers {workers}",
+        )
     if base is None and not (node_cpus or server_cpus is not None or links or server_link):
-        if link_delay is not None:
-            raise ConfigError("--link-delay needs --links (or a preset with links)")
+        need(link_delay is None, "--link-delay needs --links (or a preset with links)")
         return None
     nodes = list(base.workers) if base else [NodeSpec()] * workers
     if node_cpus:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from common.config import need
 from common.errors import ConfigError
 from common.training.slowdown import SlowdownSchedule
 from launch.cluster.schedule import OFF
@@ -149,40 +150,38 @@ class DDPConfig:
             ConfigError: a value is out of range; the message quotes it.
         """
         self.train.validate()
-        if not self.slowdowns:
-            raise ConfigError("give at least one rank (--workers or --slowdowns)")
+        need(self.slowdowns, "give at least one rank (--workers or --slowdowns)")
         if self.slowdown_schedules and len(self.slowdown_schedules) != self.world_size:
             raise ConfigError(
                 f"{len(self.slowdown_schedules)} slowdown schedules for {self.world_size} ranks"
             )
         for rank in range(self.world_size):
             self.schedule_of(rank)  # factors >= 1, well-formed changes
-        if len(self.devices) not in (1, self.world_size):
-            raise ConfigError(
-                f"--devices lists {len(self.devices)} devices for {self.world_size} ranks"
-            )
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"--backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        need(
+            len(self.devices) in (1, self.world_size),
+            f"--devices lists {len(self.devices)} devices for {self.world_size} ranks",
+        )
+        need(
+            self.backend in BACKENDS,
+            f"--backend {self.backend!r} is not one of {', '.join(BACKENDS)}",
+        )
         if self.resolved_backend() == "nccl" and not all(
             self.device_of(r).startswith("cuda") for r in range(self.world_size)
         ):
             raise ConfigError("--backend nccl needs every rank on a CUDA device")
         for name in ("threads", "eval_batch"):
-            if getattr(self, name) < 1:
-                raise ConfigError(
-                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
-                )
+            need(
+                getattr(self, name) >= 1,
+                f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}",
+            )
         for name in ("startup_timeout_s", "collective_timeout_s", "run_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+            need(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
         if self.snapshot_every_steps is not None and self.snapshot_every_steps < 1:
             raise ConfigError(
                 f"--snapshot-every-steps must be >= 1, got {self.snapshot_every_steps}"
             )
-        if self.snapshot_limit < 2:
-            raise ConfigError(f"--snapshot-limit must be >= 2, got {self.snapshot_limit}")
-        if not self.dataset.is_file():
-            raise ConfigError(f"--dataset {str(self.dataset)!r} does not exist")
+        need(self.snapshot_limit >= 2, f"--snapshot-limit must be >= 2, got {self.snapshot_limit}")
+        need(self.dataset.is_file(), f"--dataset {str(self.dataset)!r} does not exist")
         if self.nodes is not None and len(self.nodes.workers) != self.world_size:
             raise ConfigError(
                 f"the emulated cluster has {len(self.nodes.workers)} worker nodes for "
@@ -195,15 +194,16 @@ class DDPConfig:
                 "every node's schedule takes it off: a DDP group restarts on the nodes left, "
                 "so keep one node on throughout"
             )
-        if self.grad_compression not in GRAD_COMPRESSION:
-            raise ConfigError(
-                f"--grad-compression {self.grad_compression!r} is not one of "
-                f"{', '.join(GRAD_COMPRESSION)}"
-            )
+        need(
+            self.grad_compression in GRAD_COMPRESSION,
+            f"--grad-compression {self.grad_compression!r} is not one of "
+            f"{', '.join(GRAD_COMPRESSION)}",
+        )
         if (self.shares or self.rebalance != "none") and not self.weighted:
             raise ConfigError("--shares and --rebalance apply to weighted DDP: add --weighted")
-        if self.rebalance not in REBALANCE:
-            raise ConfigError(f"--rebalance {self.rebalance!r} is not one of none, epoch")
+        need(
+            self.rebalance in REBALANCE, f"--rebalance {self.rebalance!r} is not one of none, epoch"
+        )
         if self.shares and (
             len(self.shares) != self.world_size
             or not all(0 <= s < math.inf for s in self.shares)
@@ -213,8 +213,10 @@ class DDPConfig:
                 f"--shares {','.join(f'{s:g}' for s in self.shares)!r}: give one share >= 0 "
                 f"per rank ({self.world_size}), not all 0"
             )
-        if self.checkpoint_every < 1:
-            raise ConfigError(f"--ddp-checkpoint-every must be >= 1, got {self.checkpoint_every}")
+        need(
+            self.checkpoint_every >= 1,
+            f"--ddp-checkpoint-every must be >= 1, got {self.checkpoint_every}",
+        )
         if self.resume and self.overwrite:
             raise ConfigError("give --resume or --overwrite, not both")
         if self.names and len(self.names) != self.world_size:

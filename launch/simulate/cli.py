@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import click
 
+from common.config import need
 from common.errors import ConfigError
 from launch.simulate.engine import SIM_MODES
 from launch.simulate.fromrun import cluster_from_runs
@@ -147,8 +148,7 @@ def simulate(
     from_runs: tuple[Path, ...] = overrides.pop("from")  # a Python keyword: not a parameter
     as_json: bool = overrides.pop("json")
     try:
-        if (spec is None) == (not from_runs):
-            raise ConfigError("give exactly one of --spec FILE or --from RUN_DIR")
+        need((spec is None) != (not from_runs), "give exactly one of --spec FILE or --from RUN_DIR")
         if spec is not None:
             cluster = load_spec(spec, seed=seed)
             source = str(spec)

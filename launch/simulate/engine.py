@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import ConfigError
+from common.config import need
 from common.training.perfmodel import WINDOW, Fit, robust_location
 from common.training.planner import WeightedPlanner, async_batches, plan_equal
 from launch.simulate.costs import (
@@ -156,12 +156,12 @@ def simulate(
     """
     rounds = math.ceil(cluster.samples / cluster.global_batch) * epochs
     work = min(rounds, max_rounds or rounds) * len(cluster.nodes)
-    if work > MAX_WORK:
-        raise ConfigError(
-            f"{mode}: {rounds:,} rounds of {len(cluster.nodes):,} nodes is more than this tool "
-            f"simulates ({MAX_WORK:,} node rounds); give --rounds R (at most "
-            f"{MAX_WORK // len(cluster.nodes):,}) to extrapolate the epoch from R rounds"
-        )
+    need(
+        work <= MAX_WORK,
+        f"{mode}: {rounds:,} rounds of {len(cluster.nodes):,} nodes is more than this tool "
+        f"simulates ({MAX_WORK:,} node rounds); give --rounds R (at most "
+        f"{MAX_WORK // len(cluster.nodes):,}) to extrapolate the epoch from R rounds",
+    )
     if mode in ("weighted-sync", "equal-sync"):
         return _sync(cluster, mode, epochs, max_rounds, seed, plan_spread)
     if mode == "async":

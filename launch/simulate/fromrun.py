@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from common.config import need
 from common.errors import ConfigError
 from common.regular_files import open_regular
 from common.training.perfmodel import RoundSpread, robust_line
@@ -65,8 +66,7 @@ def read_run(path: Path) -> RunFiles:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path} is not a finished run directory: {exc}") from exc
     starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
-    if not starts:
-        raise ConfigError(f"{path}/metrics.jsonl has no start event")
+    need(starts, f"{path}/metrics.jsonl has no start event")
     records = records[starts[-1] :]
     rounds = [r for r in records if r.get("event") == "round"]
     pushes = [r for r in records if r.get("event") == "push"]
@@ -138,8 +138,7 @@ def ps_nodes(run: RunFiles) -> tuple[list[Node], float]:
             for w in run.summary.get("workers", [])
             if isinstance(w.get("model"), dict)
         ]
-    if not nodes:
-        raise ConfigError(f"{run.path}: no worker has a fitted model")
+    need(nodes, f"{run.path}: no worker has a fitted model")
     return sorted(nodes, key=lambda n: n.name), sigma
 
 
@@ -156,8 +155,7 @@ def async_nodes(run: RunFiles) -> tuple[list[Node], float]:
         ConfigError: fewer than two pushes, or no worker with a fitted model and two pushes.
     """
     times = [float(p["t"]) for p in run.pushes]
-    if len(times) < 2:
-        raise ConfigError(f"{run.path}: fewer than two async pushes to measure")
+    need(len(times) >= 2, f"{run.path}: fewer than two async pushes to measure")
     service = max(float(np.quantile(np.diff(times), SERVICE_QUANTILE)), 0.0)
     fits = {
         str(w["name"]): w["model"]
@@ -179,8 +177,7 @@ def async_nodes(run: RunFiles) -> tuple[list[Node], float]:
         )
         push_s = max(outside - service, 0.0)
         nodes.append(Node(name, alpha, beta, transfer_s=push_s, push_s=push_s))
-    if not nodes:
-        raise ConfigError(f"{run.path}: no worker has a fitted model and two pushes")
+    need(nodes, f"{run.path}: no worker has a fitted model and two pushes")
     return nodes, service
 
 
@@ -191,8 +188,7 @@ def ddp_nodes(run: RunFiles) -> tuple[list[Node], float]:
     Raises:
         ConfigError: the run recorded no steps.
     """
-    if not run.rounds:
-        raise ConfigError(f"{run.path}: no DDP steps to measure")
+    need(run.rounds, f"{run.path}: no DDP steps to measure")
     by_rank: dict[str, list[dict[str, Any]]] = {}
     overhead = []
     for record in run.rounds:

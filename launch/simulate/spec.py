@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from common.config import need
 from common.errors import ConfigError
 from common.regular_files import open_regular
 from common.training.planner import plan_batches
@@ -164,18 +165,18 @@ class Cluster:
     shared_cores: float | None = None
 
     def __post_init__(self) -> None:
-        _check(len(self.nodes) >= 1, "a cluster needs at least one node")
-        _check(self.model_params >= 1, f"model_params must be >= 1, got {self.model_params}")
-        _check(self.global_batch >= 1, f"global_batch must be >= 1, got {self.global_batch}")
-        _check(self.samples >= 1, f"samples must be >= 1, got {self.samples}")
-        _check(self.wire_dtype in WIRE_BYTES, f"wire_dtype must be one of {list(WIRE_BYTES)}")
-        _check(self.shards >= 1, f"shards must be >= 1, got {self.shards}")
-        _check(
+        need(len(self.nodes) >= 1, "a cluster needs at least one node")
+        need(self.model_params >= 1, f"model_params must be >= 1, got {self.model_params}")
+        need(self.global_batch >= 1, f"global_batch must be >= 1, got {self.global_batch}")
+        need(self.samples >= 1, f"samples must be >= 1, got {self.samples}")
+        need(self.wire_dtype in WIRE_BYTES, f"wire_dtype must be one of {list(WIRE_BYTES)}")
+        need(self.shards >= 1, f"shards must be >= 1, got {self.shards}")
+        need(
             not self.colocated or self.shards <= len(self.nodes),
             f"{self.shards} co-located shards need as many nodes, got {len(self.nodes)}",
         )
         for node in self.nodes:
-            _check(
+            need(
                 node.alpha_s >= 0 and node.beta_s > 0 and node.link_bytes_s > 0,
                 f"node {node.name}: needs fixed >= 0, per-sample > 0 and a link > 0",
             )
@@ -188,7 +189,7 @@ class Cluster:
     def with_workers(self, n: int) -> Cluster:
         """The same cluster with ``n`` nodes: groups keep their ratios (nodes are taken from
         each group in turn, repeating when ``n`` exceeds the nodes given)."""
-        _check(n >= 1, f"workers must be >= 1, got {n}")
+        need(n >= 1, f"workers must be >= 1, got {n}")
         groups: dict[str, list[Node]] = {}
         for node in self.nodes:
             groups.setdefault(node.name.rsplit("#", 1)[0], []).append(node)
@@ -200,11 +201,6 @@ class Cluster:
         ]
         shards = min(self.shards, n) if self.colocated else self.shards
         return dataclasses.replace(self, nodes=tuple(nodes), shards=shards)
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 # What a spec may say, section by section, and the range of every number (a hostile or
@@ -249,7 +245,7 @@ class _Section:
         self.where, self.known = where, known
         self.data = _mapping(value, where.strip(": ") or "the cluster spec")
         unknown = sorted(map(str, set(self.data) - set(known)))
-        _check(not unknown, f"{where}unknown keys {unknown}; known: {sorted(known)}")
+        need(not unknown, f"{where}unknown keys {unknown}; known: {sorted(known)}")
 
     def number(self, key: str, default: float | None = None) -> float:
         value = self.data.get(key, default)
@@ -257,9 +253,9 @@ class _Section:
             with contextlib.suppress(ValueError):
                 value = float(value)
         ok = isinstance(value, int | float) and not isinstance(value, bool)
-        _check(ok and math.isfinite(value), f"{self.where}{key} must be a number, got {value!r}")
+        need(ok and math.isfinite(value), f"{self.where}{key} must be a number, got {value!r}")
         low, high = self.known[key]
-        _check(
+        need(
             low <= value <= high, f"{self.where}{key} must be in [{low:g}, {high:g}], got {value!r}"
         )
         return float(value)
@@ -322,13 +318,13 @@ def cluster_from_spec(spec: Mapping[str, Any], seed: int = 0) -> Cluster:
     rng = np.random.default_rng(seed)
     sections = [_Section(g, f"group {_name(g, i)}: ", GROUP_KEYS) for i, g in enumerate(groups, 1)]
     total = sum(int(g.number("count", 1)) for g in sections)
-    _check(total <= MAX_NODES, f"the groups count {total:,} nodes; at most {MAX_NODES:,}")
+    need(total <= MAX_NODES, f"the groups count {total:,} nodes; at most {MAX_NODES:,}")
     nodes = [node for group in sections for node in _group_nodes(group, link, rng)]
     max_staleness = spec.get("max_staleness")
     staleness = str(spec.get("staleness", "inverse"))
-    _check(staleness in STALENESS, f"staleness must be one of {list(STALENESS)}, got {staleness!r}")
+    need(staleness in STALENESS, f"staleness must be one of {list(STALENESS)}, got {staleness!r}")
     planner = str(spec.get("planner", "model"))
-    _check(planner in PLANNERS, f"planner must be one of {list(PLANNERS)}, got {planner!r}")
+    need(planner in PLANNERS, f"planner must be one of {list(PLANNERS)}, got {planner!r}")
     return Cluster(
         nodes=tuple(nodes),
         model_params=params,

@@ -8,6 +8,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from common.config import need
 from common.errors import ConfigError
 from launch.simulate.engine import SIM_MODES, ModeResult, simulate
 from launch.simulate.spec import GBIT, MAX_NODES, MB, WIRE_BYTES, Cluster
@@ -28,20 +29,17 @@ def parse_sweep(items: Iterable[str]) -> dict[str, list[Any]]:
             key = key.replace("-", "_")
             if not sep or key not in AXES or not values:
                 raise ConfigError(f"--sweep takes AXIS=V1,V2,... with AXIS in {AXES}, got {part!r}")
-            if key in axes:
-                raise ConfigError(f"--sweep names {key} twice")
+            need(key not in axes, f"--sweep names {key} twice")
             axes[key] = [_value(key, v) for v in values.split(",")]
     return axes
 
 
 def _value(key: str, text: str) -> Any:
     if key == "wire_dtype":
-        if text not in WIRE_BYTES:
-            raise ConfigError(f"--sweep wire_dtype takes {list(WIRE_BYTES)}, got {text!r}")
+        need(text in WIRE_BYTES, f"--sweep wire_dtype takes {list(WIRE_BYTES)}, got {text!r}")
         return text
     if key == "mode":
-        if text not in SIM_MODES:
-            raise ConfigError(f"--sweep mode takes {list(SIM_MODES)}, got {text!r}")
+        need(text in SIM_MODES, f"--sweep mode takes {list(SIM_MODES)}, got {text!r}")
         return text
     try:
         number = float(text) if key in ("gbit", "latency_ms") else int(text)

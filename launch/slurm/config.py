@@ -7,6 +7,7 @@ import re
 import sys
 from pathlib import Path
 
+from common.config import need
 from common.errors import ConfigError
 from launch.ddp.config import DDPConfig
 from launch.settings import TrainSettings
@@ -132,51 +133,49 @@ class SlurmJob:
         Raises:
             ConfigError: a value is out of range; the message quotes it.
         """
-        if not self.groups:
-            raise ConfigError("the job has no workers")
+        need(self.groups, "the job has no workers")
         for option, value in self._texts():
             refuse_control(option, value)
         for group in self.groups:
             group.validate()
-        if self.shards == 1:
-            raise ConfigError(
-                "one shard keeps the parameters in the server: give no shards or at least 2"
-            )
+        need(
+            self.shards != 1,
+            "one shard keeps the parameters in the server: give no shards or at least 2",
+        )
         if not self.het and (len(self.groups) != 1 or self.server is not None):
             raise ConfigError("a plain job has one worker group and no server component")
         if self.mode == DDP:
             self._validate_ddp()
         limit = time_limit_s(self.time)
-        if limit <= 0:
-            raise ConfigError(f"--time must be positive, got {self.time!r}")
-        if not 0 <= self.signal_before_s <= 65535:
-            raise ConfigError(
-                f"--signal-before must be in [0, 65535] s, got {self.signal_before_s}"
-            )
-        if self.signal_before_s >= limit:
-            raise ConfigError(
-                f"--signal-before {self.signal_before_s} s leaves no time to train within "
-                f"--time {self.time}"
-            )
-        if not _SAFE_NAME.match(self.job_name):
-            raise ConfigError(f"--job-name {self.job_name!r}: use letters, digits, '.', '_', '-'")
+        need(limit > 0, f"--time must be positive, got {self.time!r}")
+        need(
+            0 <= self.signal_before_s <= 65535,
+            f"--signal-before must be in [0, 65535] s, got {self.signal_before_s}",
+        )
+        need(
+            self.signal_before_s < limit,
+            f"--signal-before {self.signal_before_s} s leaves no time to train within "
+            f"--time {self.time}",
+        )
+        need(
+            _SAFE_NAME.match(self.job_name),
+            f"--job-name {self.job_name!r}: use letters, digits, '.', '_', '-'",
+        )
         for option_name, seconds in (
             ("--startup-timeout", self.startup_timeout_s),
             ("--stop-timeout", self.stop_timeout_s),
         ):
-            if seconds <= 0:
-                raise ConfigError(f"{option_name} must be > 0, got {seconds}")
+            need(seconds > 0, f"{option_name} must be > 0, got {seconds}")
         for option in self.sbatch_options:
             if not option.startswith("--") or "\n" in option:
                 raise ConfigError(f"--sbatch-opt {option!r} must be one '--name[=value]' option")
         for path in (self.dataset, self.run_dir):
-            if not path.is_absolute():
-                raise ConfigError(f"{path} must be an absolute path in a job script")
-        if not _SAFE_PATH.match(str(self.run_dir)):
-            raise ConfigError(
-                f"--run-dir {str(self.run_dir)!r}: #SBATCH lines need a path without spaces, "
-                "quotes or shell characters"
-            )
+            need(path.is_absolute(), f"{path} must be an absolute path in a job script")
+        need(
+            _SAFE_PATH.match(str(self.run_dir)),
+            f"--run-dir {str(self.run_dir)!r}: #SBATCH lines need a path without spaces, "
+            "quotes or shell characters",
+        )
         return self
 
     def _texts(self) -> list[tuple[str, str]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from common.config import need
 from common.errors import ConfigError
 
 HET_HELP = (
@@ -74,21 +75,19 @@ class Group:
             ConfigError: a count is out of range; the message names the group and the value.
         """
         where = f"worker group {self.name!r}"
-        if not self.slowdowns:
-            raise ConfigError(f"{where} has no workers")
+        need(self.slowdowns, f"{where} has no workers")
         if any(f < 1 for f in self.slowdowns):
             raise ConfigError(f"{where}: slowdowns must be >= 1, got {list(self.slowdowns)}")
-        if self.cpus < 1:
-            raise ConfigError(f"{where}: cpus must be >= 1, got {self.cpus}")
+        need(self.cpus >= 1, f"{where}: cpus must be >= 1, got {self.cpus}")
         if self.nodes is not None and not 1 <= self.nodes <= self.workers:
             raise ConfigError(
                 f"{where}: nodes must be between 1 and its {self.workers} workers, got {self.nodes}"
             )
-        if not 0 <= self.shards <= self.workers * self.cpus:
-            raise ConfigError(
-                f"{where}: shards must be between 0 and its {self.workers * self.cpus} CPUs, "
-                f"got {self.shards}"
-            )
+        need(
+            0 <= self.shards <= self.workers * self.cpus,
+            f"{where}: shards must be between 0 and its {self.workers * self.cpus} CPUs, "
+            f"got {self.shards}",
+        )
         if self.gpus_per_worker < 0 or self.gpus_per_node < 0:
             raise ConfigError(f"{where}: GPU counts must be >= 0")
         if self.gpus_per_worker and self.gpus_per_node:
@@ -119,8 +118,7 @@ def _int(text: str, key: str, where: str) -> int:
         value = int(text)
     except ValueError:
         raise ConfigError(f"--het {where}: {key}={text!r} is not a whole number") from None
-    if value < 0:
-        raise ConfigError(f"--het {where}: {key} must be >= 0, got {value}")
+    need(value >= 0, f"--het {where}: {key} must be >= 0, got {value}")
     return value
 
 
@@ -134,12 +132,12 @@ def _pairs(body: str, where: str, allowed: tuple[str, ...]) -> dict[str, str]:
         key, value = key.strip(), value.strip()
         if not sep or not value:
             raise ConfigError(f"--het {where}: {item!r} is not key=value")
-        if key not in allowed:
-            raise ConfigError(f"--het {where}: unknown key {key!r}; use {', '.join(allowed)}")
-        if key in pairs:
-            raise ConfigError(f"--het {where}: {key} is given twice")
-        if not _VALUE.match(value):
-            raise ConfigError(f"--het {where}: {key}={value!r} has characters Slurm does not take")
+        need(key in allowed, f"--het {where}: unknown key {key!r}; use {', '.join(allowed)}")
+        need(key not in pairs, f"--het {where}: {key} is given twice")
+        need(
+            _VALUE.match(value),
+            f"--het {where}: {key}={value!r} has characters Slurm does not take",
+        )
         pairs[key] = value
     return pairs
 
@@ -220,24 +218,20 @@ def parse_het(spec: str) -> tuple[ServerPlace | None, tuple[Group, ...]]:
     for index, part in enumerate(parts):
         name, sep, body = part.partition(":")
         name = name.strip()
-        if not _NAME.match(name):
-            raise ConfigError(
-                f"--het component name {name!r} must start with a letter and use only letters, "
-                "digits, '-' and '_'"
-            )
-        if name in names:
-            raise ConfigError(f"--het names component {name!r} twice")
+        need(
+            _NAME.match(name),
+            f"--het component name {name!r} must start with a letter and use only letters, "
+            "digits, '-' and '_'",
+        )
+        need(name not in names, f"--het names component {name!r} twice")
         names.add(name)
         if name == "server":
-            if index != 0:
-                raise ConfigError("--het: the 'server' component must come first")
+            need(index == 0, "--het: the 'server' component must come first")
             pairs = _pairs(body if sep else "", "component 'server'", _SERVER_KEYS)
             cpus = _int(pairs.get("cpus", "1"), "cpus", "component 'server'")
-            if cpus < 1:
-                raise ConfigError(f"--het component 'server': cpus must be >= 1, got {cpus}")
+            need(cpus >= 1, f"--het component 'server': cpus must be >= 1, got {cpus}")
             server = ServerPlace(pairs.get("partition"), cpus, pairs.get("constraint"))
         else:
             groups.append(_worker_group(name, _pairs(body if sep else "", name, _WORKER_KEYS)))
-    if not groups:
-        raise ConfigError(f"--het {spec!r} has no worker component")
+    need(groups, f"--het {spec!r} has no worker component")
     return server, tuple(groups)

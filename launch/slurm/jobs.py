@@ -10,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError, PSError
+from common.config import need
+from common.errors import PSError
 from launch.settings import TrainSettings
 from launch.slurm.config import DDP, SlurmJob, time_limit_s
 from launch.slurm.groups import Group
@@ -50,8 +51,7 @@ class SlurmRuns:
             ConfigError: a value is out of range; the message quotes it.
         """
         time_limit_s(self.time)
-        if self.wait_timeout_s <= 0:
-            raise ConfigError(f"--wait-timeout must be > 0, got {self.wait_timeout_s}")
+        need(self.wait_timeout_s > 0, f"--wait-timeout must be > 0, got {self.wait_timeout_s}")
         return self
 
     def job(

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from common.config import need
 from common.errors import ConfigError, PSError
 from common.procs import is_running
 from launch.procs import wait_for_start
@@ -60,8 +61,7 @@ def worker_command(
     Raises:
         ConfigError: not inside an srun task, or no slowdown for this rank.
     """
-    if "SLURM_PROCID" not in env:
-        raise ConfigError("SLURM_PROCID is not set: run this inside an srun step")
+    need("SLURM_PROCID" in env, "SLURM_PROCID is not set: run this inside an srun step")
     rank = int(env["SLURM_PROCID"])
     factors = [part.strip() for part in slowdowns.split(",") if part.strip()]
     if len(factors) == 1:

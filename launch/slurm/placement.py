@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Mapping
 
-from common.errors import ConfigError
+from common.config import need
 
 
 def pick_device(gpu: bool, env: Mapping[str, str]) -> str:
@@ -33,8 +33,7 @@ def pick_device(gpu: bool, env: Mapping[str, str]) -> str:
     if visible is None:
         return f"cuda:{local}"
     count = len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    if count == 0:
-        raise ConfigError(f"GPUs were requested but CUDA_VISIBLE_DEVICES is {visible!r}")
+    need(count != 0, f"GPUs were requested but CUDA_VISIBLE_DEVICES is {visible!r}")
     if count == 1 or env.get("SLURM_GPUS_PER_TASK"):
         return "cuda:0"
     return f"cuda:{local % count}"

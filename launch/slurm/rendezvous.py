@@ -19,6 +19,7 @@ from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
+from common.config import need
 from common.errors import ConfigError, NetworkTimeout, PSError, WaitTimeout
 from common.polling import poll_until
 from common.procs import POLL_S
@@ -188,11 +189,11 @@ def task_config(
     Raises:
         ConfigError: the configuration's ranks do not match ``SLURM_NTASKS``.
     """
-    if config.world_size != place.world_size:
-        raise ConfigError(
-            f"{config_path} has {config.world_size} ranks (slowdowns) but the step has "
-            f"SLURM_NTASKS={place.world_size} tasks"
-        )
+    need(
+        config.world_size == place.world_size,
+        f"{config_path} has {config.world_size} ranks (slowdowns) but the step has "
+        f"SLURM_NTASKS={place.world_size} tasks",
+    )
     if not gpu:
         return config_path
     mine = dataclasses.replace(config, devices=(pick_device(True, env),))

@@ -11,7 +11,7 @@ from common.training.tables import files_written, natural_key, summary_tables
 from launch.cluster.spec import ClusterSpec, parse_cluster
 from launch.figures import _draw_timeline
 from launch.report import render_markdown
-from launch.setup_info import collect_setup, setup_lines, worker_devices, worker_hosts
+from launch.setup_info import collect_setup, setup_lines, worker_values
 
 
 def _run(mode: str, oa: float, run_dir: Path | None = None) -> dict:
@@ -107,7 +107,7 @@ def test_setup_and_devices_helpers(tmp_path: Path) -> None:
     setup = collect_setup()
     assert setup["cpus"] >= 1 and setup["torch"] and setup["cpu"]
     assert sorted(["w10", "w2", "w1"], key=natural_key) == ["w1", "w2", "w10"]
-    assert worker_devices([tmp_path / "missing"]) == {}
+    assert worker_values([tmp_path / "missing"], "device", "?") == {}
     lines = setup_lines(setup, {})
     assert any(line.startswith("- torch ") for line in lines)
     assert setup_lines(None, {}) == []
@@ -148,7 +148,9 @@ def test_names_and_devices_from_run_files_reach_the_report_as_plain_text(tmp_pat
     hostile = "w4\n# Pwned <img src=x onerror=alert(1)> | x"
     join = {"event": "join", "t": 0.1, "worker": hostile, "device": "cpu\n## <b>", "host": "h"}
     (tmp_path / "metrics.jsonl").write_text(json.dumps(join) + "\n")
-    lines = setup_lines(None, worker_devices([tmp_path]), worker_hosts([tmp_path]))
+    lines = setup_lines(
+        None, worker_values([tmp_path], "device", "?"), worker_values([tmp_path], "host")
+    )
     assert len(lines) == 2 and all("\n" not in line for line in lines)
     text = "\n".join(lines)
     assert "<" not in text and "|" not in text and "&lt;img src=x" in text

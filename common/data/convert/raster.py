@@ -4,7 +4,6 @@ or read from a file, and where it lies on the Earth."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import TracebackType
 
 import numpy as np
 
@@ -70,12 +69,7 @@ class Cube:
     def __enter__(self) -> Cube:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
