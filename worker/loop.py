@@ -57,8 +57,9 @@ log = logging.getLogger(__name__)
 # STALE/NON_FINITE/INCOMPLETE, whatever the server hands out after REFUSED).
 RETRY_CODES = (ErrorCode.STALE, ErrorCode.NON_FINITE, ErrorCode.INCOMPLETE, ErrorCode.REFUSED)
 # Rejections after which the worker joins again: the server forgot it (dropped or restarted),
-# or a restarted server is busy (waiting for its parameter shards).
-REJOIN_CODES = (ErrorCode.UNKNOWN_WORKER, ErrorCode.BUSY)
+# its task was withdrawn when it was dropped (a push that arrives after the drop), or a
+# restarted server is busy (waiting for its parameter shards).
+REJOIN_CODES = (ErrorCode.UNKNOWN_WORKER, ErrorCode.WRONG_TASK, ErrorCode.BUSY)
 # A task whose loss is NaN this many times in a row is given up: the worker leaves.
 MAX_NAN_TRIES = 3
 

@@ -1,5 +1,6 @@
 """Failures with real processes: a worker killed mid-round (which changes no update), late
-joins, graceful leaves, a killed server resumed by hand or restarted by the launcher."""
+joins, graceful leaves, a frozen worker dropped and joining again, a killed server resumed by hand
+or restarted by the launcher."""
 
 from __future__ import annotations
 
@@ -363,3 +364,29 @@ def test_a_worker_killed_mid_round_changes_no_update(small_hsi: Path, tmp_path: 
     assert any("c" not in {w["worker"] for w in r["workers"]} for r in faulted_rounds)
     gap = np.abs(faulted_ckpt.arrays["state"] - steady.arrays["state"]).max()
     assert gap <= 1e-5, f"max |difference| {gap:.3g}"
+
+
+def test_a_frozen_worker_is_dropped_and_joins_again_when_it_thaws(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    server, address = start_server(
+        small_hsi, tmp_path, "--epochs", "12", "--global-batch", "16", "--dead-after", "2", *TRAIN
+    )
+    steady, frozen = start_worker(address, "steady"), start_worker(address, "frozen", 4.0)
+    try:
+        server.wait_for("epoch 2 done")
+        frozen.popen.send_signal(signal.SIGSTOP)  # stopped mid-task, as a preempted job is
+        server.wait_for("worker frozen is gone: dead")
+        frozen.popen.send_signal(signal.SIGCONT)
+        server.wait_for("worker frozen joined")
+        assert server.wait() == 0
+        assert [steady.wait(), frozen.wait()] == [0, 0], frozen.tail()
+    finally:
+        for proc in (server, steady, frozen):
+            proc.popen.send_signal(signal.SIGCONT)
+            proc.kill()
+    records = events(tmp_path)
+    assert [e["worker"] for e in records if e["event"] == "join"].count("frozen") == 2
+    epochs = [e for e in records if e["event"] == "epoch"]
+    assert len(epochs) == 12 and all(e["exactly_once"] for e in epochs)
+    assert summary(tmp_path)["finish_reason"] == "epochs"
