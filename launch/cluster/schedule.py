@@ -129,6 +129,8 @@ class ScheduleFollower(RunProgress):
     restart from a checkpoint) sets the count back to it. Times are on the run's clock (the
     events' ``t``), read off this process's clock less the smallest lag seen between an
     event's ``t`` and its reading; seconds of training run from the ``train_start`` event.
+    Once the run logs ``finish``, no change is due any more: a node is not taken out or
+    brought back while the run ends.
 
     Args:
         schedules: per node, its changes (``NodeSpec.schedule``).
@@ -150,6 +152,7 @@ class ScheduleFollower(RunProgress):
         self.next = [0] * len(self.schedules)
         self.clock = clock
         self.started: float | None = None
+        self.finished = False
         self.lag: float | None = None  # this clock less the run's, at the quickest reading
 
     def feed(self, record: dict[str, Any]) -> None:
@@ -161,6 +164,8 @@ class ScheduleFollower(RunProgress):
             self.lag = lag if self.lag is None else min(self.lag, lag)
         if kind == "train_start" and self.started is None:
             self.started = t if isinstance(t, int | float) else self.now()
+        elif kind == "finish":
+            self.finished = True
 
     @property
     def share(self) -> float:
@@ -181,7 +186,7 @@ class ScheduleFollower(RunProgress):
         """The changes reached since the last call, in order: (node index, change)."""
         reached: list[tuple[int, Change]] = []
         share, seconds = self.share, self.seconds
-        if self.started is None:
+        if self.started is None or self.finished:
             return reached
         for node, changes in enumerate(self.schedules):
             while self.next[node] < len(changes) and changes[self.next[node]].reached(

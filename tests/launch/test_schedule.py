@@ -113,6 +113,15 @@ def test_the_follower_counts_updates_with_only_max_steps() -> None:
     assert [c.cores for _, c in follower.due()] == [0.1]
 
 
+def test_the_follower_has_nothing_due_once_the_run_finished() -> None:
+    follower = ScheduleFollower([parse_schedule("0.4;off@50%;on@60%")[1]], epochs=1, max_steps=None)
+    follower.feed({"event": "start", "train": 10})
+    follower.feed({"event": "train_start"})
+    follower.feed({"event": "round", "workers": [{"batch": 10}]})
+    follower.feed({"event": "finish", "reason": "epochs"})
+    assert follower.due() == []  # both points passed, but the run is over
+
+
 class FakeNodes:
     """Records what a schedule runner asks of the nodes."""
 
