@@ -35,6 +35,9 @@ CHANGE_Z = 4.0  # robust sigmas of the log ratio measured / predicted
 MIN_NOISE = 0.05  # floor of that sigma: changes below about 20 % are left to the window
 CHANGE_MIN_POINTS = 8  # measurements a window needs before its scatter is trusted
 NOISE_FLOOR_S = 1e-4  # added to both sides of a ratio, so near-zero times do not blow it up
+# Compute measurements a server's routine refit waits for (``PerfModel.refit_due``): a fit
+# costs about a millisecond, and a change point is taken in by the next fit anyway.
+REFIT_EVERY = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +225,7 @@ class PerfModel:
         self._fit: Fit | None = None
         self._dirty = False
         self._changed = False
+        self._pending = 0  # compute measurements since the last fit
 
     def seed(self, batches: Iterable[object], seconds: Iterable[object]) -> int:
         """Calibration pairs from join: kept for good (they carry the slope).
@@ -244,6 +248,7 @@ class PerfModel:
         if b is None or s is None or s <= 0:
             return False
         self.compute.append((b, s))
+        self._pending += 1
         if self._fit is not None:
             predicted = self._fit.alpha_s + self._fit.beta_s_per_sample * b
             factor = self.compute_shift.add(s, predicted)
@@ -281,7 +286,12 @@ class PerfModel:
         if self._dirty and (refit or self._fit is None or self._changed):
             self._fit = self._refit()
             self._dirty = self._changed = False
+            self._pending = 0
         return self._fit
+
+    def refit_due(self) -> bool:
+        """Whether ``REFIT_EVERY`` compute measurements came in since the last fit."""
+        return self._pending >= REFIT_EVERY
 
     def _refit(self) -> Fit | None:
         points = [*self.calibration, *self.compute]

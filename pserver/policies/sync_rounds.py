@@ -212,10 +212,12 @@ class SyncRounds(ModePolicy):
         self.worker_round_total += len(self.last_timing.workers) * self.last_timing.round_s
 
     def settle(self, update: Update) -> None:
-        """Refit the models of the update's workers: the plan made when their round closed
-        used their fits before that round (a refit per plan would delay every reply)."""
+        """Refit the models of the update's workers that took in ``REFIT_EVERY`` pushes since
+        their last fit: the plan made when their round closed used their fits before that round
+        (a refit per plan would delay every reply); a change point is refitted by the plan
+        itself."""
         for worker, _, _ in update.entries:
-            worker.perf.fit()
+            worker.perf.fit(refit=worker.perf.refit_due())
 
     def idle_share(self) -> float | None:
         """Sum of idle time over sum of worker round time, over every applied round."""

@@ -24,7 +24,7 @@ from common.protocol.messages import (
 )
 from common.protocol.tokens import TokenBook, new_key
 from common.protocol.wire import PROTOCOL_VERSION, encode_frames
-from common.training.perfmodel import Fit, PerfModel, RoundSpread, robust_line
+from common.training.perfmodel import REFIT_EVERY, Fit, PerfModel, RoundSpread, robust_line
 from common.training.planner import (
     expected_max_deviate,
     expected_round_s,
@@ -467,11 +467,15 @@ def test_weighted_sync_measures_the_spread_on_members_of_consecutive_rounds() ->
 def test_weighted_sync_refits_a_pushers_model_while_its_round_waits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A waiting pusher's model is refitted while its round waits; the closing pusher's only
-    after the plan, which takes its last fit."""
+    """A waiting pusher's model is refitted while its round waits, once ``REFIT_EVERY``
+    pushes came in since its last fit; the closing pusher's only after the plan, which takes
+    its last fit; a model with fewer new pushes keeps its fit."""
     policy, workers = _policy("model")
     for worker, task in policy.plan(workers):
         worker.tasks.append(task)
+    for worker in workers:  # one push short of a refit
+        for _ in range(REFIT_EVERY - 1):
+            worker.perf.add_compute(32, 0.002 + 0.032)
     refits: list[str] = []
     refit = PerfModel._refit
 
@@ -495,3 +499,7 @@ def test_weighted_sync_refits_a_pushers_model_while_its_round_waits(
     assert refits == ["w1"]  # the plan takes the closing pusher's last fit as it is
     policy.settle(update)
     assert refits == ["w1", "w2"]  # refitted once the replies are out (w1's is current)
+    for worker in workers:
+        worker.perf.add_compute(32, 0.002 + 0.032)
+    policy.settle(update)
+    assert refits == ["w1", "w2"]  # one push since their fits: the fits stand
