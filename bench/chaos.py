@@ -64,7 +64,7 @@ class Chaos(threading.Thread):
     """
 
     def __init__(
-        self, metrics: Path, mtbf_s: float, stop_s: float, rng: random.Random, shards: bool
+        self, metrics: Path, mtbf_s: float, *, stop_s: float, rng: random.Random, shards: bool
     ) -> None:
         super().__init__(name="chaos", daemon=True)
         self.metrics, self.mtbf_s, self.stop_s, self.rng = metrics, mtbf_s, stop_s, rng
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             per_epoch = (pace.get("train_time_s") or 1.0) / PACE_EPOCHS
             epochs = max(PACE_EPOCHS, round(args.minutes * 60 / len(names) / per_epoch))
         metrics = args.out / f"{name}-chaos" / "metrics.jsonl"
-        chaos = Chaos(metrics, args.mtbf, args.stop_s, rng, shards=RUNS[name][1] > 1)
+        chaos = Chaos(metrics, args.mtbf, stop_s=args.stop_s, rng=rng, shards=RUNS[name][1] > 1)
         row, found, gap = chaos_run(base, name, epochs, chaos)
         rows.append(row)
         violations += found

@@ -73,7 +73,7 @@ def request_costs(count: int) -> dict[str, float]:
               "steps": 10**5, "samples_seen": 10**7, "training": True, "finished": False,
               "waiting_for": 0, "last_eval": {"oa": 0.9, "aa": 0.9, "kappa": 0.9, "loss": 0.3},
               "workers": workers}  # fmt: skip
-    page = StatusPage(lambda: status, (), lambda: 100.0)
+    page = StatusPage(lambda: status, (), clock=lambda: 100.0)
     for i in range(liveview.MAX_EVALS):
         page.on_event({"event": "eval", "t": i, "version": i, "epoch": i, "samples": i,
                        "oa": 0.5, "aa": 0.5, "kappa": 0.5, "loss": 1.0})  # fmt: skip

@@ -243,7 +243,7 @@ def wire_ratio(requests: int) -> tuple[float, float]:
                             stop_grace_s=30.0)  # fmt: skip
         with served as job, echo_client(_echo, Echo(requests, values=WIRE_VALUES)) as raw:
             context = zmq.Context()
-            conn = PSConnection(job.address, REPLY_TIMEOUT_MS / 1e3, context)
+            conn = PSConnection(job.address, REPLY_TIMEOUT_MS / 1e3, context=context)
             join = conn.request(JoinRequest("bench", "cpu", 1.0, 1), expect=JoinReply)
             stores = StoreClient(
                 context, join.shard_addresses, join.shard_bounds, job.address,

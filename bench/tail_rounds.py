@@ -63,7 +63,7 @@ def rounds(n: int, batch: int, epochs: int, seed: int, carry: bool) -> list[np.n
 class Replay:
     """One model trained by replaying weighted-sync rounds in a chosen variant."""
 
-    def __init__(self, data: Path, seed: int, momentum: float) -> None:
+    def __init__(self, data: Path, seed: int, *, momentum: float) -> None:
         self.reader = DatasetReader(data)
         meta = self.reader.meta
         torch.manual_seed(seed)
@@ -133,7 +133,7 @@ def run(
     data: Path, variant: str, seed: int, epochs: int, batch: int, slowdowns: list[float]
 ) -> tuple[float, float]:
     """Train one variant; returns (max drop after the first epoch, final OA)."""
-    replay = Replay(data, seed, 0.0 if variant == "no-momentum" else 0.9)
+    replay = Replay(data, seed, momentum=0.0 if variant == "no-momentum" else 0.9)
     n = len(replay.y)
     carry = variant in ("carry-over", "drop-small", "global-bn")
     shares = plan_batches({i: 1.0 / s for i, s in enumerate(slowdowns)}, batch)

@@ -49,7 +49,7 @@ class ProtocolError(PSError):
         request_id: the id of the offending request when it could be read, else 0.
     """
 
-    def __init__(self, code: ErrorCode, message: str, request_id: int = 0) -> None:
+    def __init__(self, code: ErrorCode, message: str, *, request_id: int = 0) -> None:
         super().__init__(message)
         self.code = ErrorCode(code)
         self.request_id = request_id

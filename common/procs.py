@@ -302,6 +302,7 @@ class Children:
         self,
         sink: TextSink | None = None,
         env: Mapping[str, str] | None = None,
+        *,
         cwd: Path | str | None = None,
     ) -> None:
         self.sink, self.env, self.cwd = sink, env, cwd

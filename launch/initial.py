@@ -40,7 +40,7 @@ def initial_scores(
             torch.manual_seed(seed)
             net = build_model(model, channels, reader.meta.num_classes, height)
         state = FlatLayout(net).read_state().numpy()
-        scores = Evaluator(net, reader, reader.meta.num_classes, batch).evaluate(
+        scores = Evaluator(net, reader, num_classes=reader.meta.num_classes, batch=batch).evaluate(
             state, progress=progress
         )
     finally:

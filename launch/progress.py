@@ -51,6 +51,7 @@ class RunProgress:
         self,
         epochs: int | None,
         max_steps: int | None,
+        *,
         enabled: bool = True,
         file: IO[str] | None = None,
     ) -> None:

@@ -53,6 +53,7 @@ class Ledger:
         self,
         config: ServerConfig,
         log: RunLog,
+        *,
         run: RunState,
         sampler: EpochSampler,
         roster: Roster,

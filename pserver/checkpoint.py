@@ -343,7 +343,7 @@ class BestCheckpoint:
     """
 
     def __init__(
-        self, directory: Path, identity: dict[str, Any], write_timeout_s: float, resumed: bool
+        self, directory: Path, identity: dict[str, Any], *, write_timeout_s: float, resumed: bool
     ) -> None:
         self.path, self.identity, self.write_timeout_s = directory / BEST, identity, write_timeout_s
         self.oa = -1.0

@@ -36,6 +36,7 @@ class TaskDesk:
         self,
         roster: Roster,
         policy: ModePolicy,
+        *,
         replier: Replier,
         store_tokens: TokenBook,
         updater: Updater,

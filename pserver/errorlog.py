@@ -16,7 +16,7 @@ class RateLimitedLog:
         window_s: window length in seconds.
     """
 
-    def __init__(self, logger: logging.Logger, burst: int = 10, window_s: float = 10.0) -> None:
+    def __init__(self, logger: logging.Logger, burst: int = 10, *, window_s: float = 10.0) -> None:
         self.logger, self.burst, self.window_s = logger, burst, window_s
         self._windows: dict[str, tuple[float, int]] = {}
 

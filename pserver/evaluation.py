@@ -81,6 +81,7 @@ class EvalScheduler:
         self,
         evaluator: Evaluator,
         run_log: RunLog,
+        *,
         fetch: Fetch,
         subset_size: int | None,
         seed: int,

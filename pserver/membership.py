@@ -154,6 +154,7 @@ class Roster:
         self,
         dead_after_s: float,
         on_dead: Callable[[WorkerInfo], None],
+        *,
         tokens: TokenBook,
         max_members: int,
     ) -> None:

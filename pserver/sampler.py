@@ -36,7 +36,7 @@ class EpochSampler:
         max_epochs: stop handing out after this many epochs (None: no limit).
     """
 
-    def __init__(self, num_samples: int, seed: int, max_epochs: int | None) -> None:
+    def __init__(self, num_samples: int, seed: int, *, max_epochs: int | None) -> None:
         if num_samples <= 0:
             raise ValueError("the training split is empty")
         self.num_samples, self.seed, self.max_epochs = num_samples, seed, max_epochs

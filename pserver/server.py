@@ -94,12 +94,14 @@ class ParameterServer:
 
         # 2. The run's books, restored when resuming.
         self.run = RunState()
-        self.sampler = EpochSampler(train_count, config.seed, config.epochs)
+        self.sampler = EpochSampler(train_count, config.seed, max_epochs=config.epochs)
         self.tasks = TaskFactory(self.reader.train_indices)
-        self.policy = POLICIES[config.mode](config, self.sampler, self.tasks)
+        self.policy = POLICIES[config.mode](config, self.sampler, tasks=self.tasks)
         self.tokens = TokenBook(new_key())
         self.store_tokens = self.tokens.derive("store")  # what the stores (and shards) check
-        self.roster = Roster(config.dead_after_s, self._on_dead, self.tokens, config.max_workers)
+        self.roster = Roster(
+            config.dead_after_s, self._on_dead, tokens=self.tokens, max_members=config.max_workers
+        )
         identity = checkpoint.identity_of(config, meta.fingerprint, self.state_size)
         self.initial = CapturedState(0, 0, [], layout.read_state().numpy(), np.zeros((0, 0)))
         if resumed is not None:
@@ -114,10 +116,10 @@ class ParameterServer:
         self.endpoint = Endpoint(
             config.bind,
             {**WORKER_REQUESTS, **STORE_REQUESTS, ShardHello.TYPE: ShardHello},
-            chunk_elems * 4 + (4 << 20),
-            self.owner,
-            config.curve_secret,
-            config.authorized_keys,
+            max_message_bytes=chunk_elems * 4 + (4 << 20),
+            owner=self.owner,
+            curve_secret=config.curve_secret,
+            authorized_keys=config.authorized_keys,
             allow_own_key=config.shards > 1,  # shards hold the server's key pair
         )
         shard_key = new_key()
@@ -151,7 +153,7 @@ class ParameterServer:
         )
 
         # 4. The components that act on the run.
-        self.updater = Updater(config, self.stores, train_count)
+        self.updater = Updater(config, self.stores, train_count=train_count)
         self.updater.restore(
             self.initial.version,
             int(resumed.meta["steps"]) if resumed else 0,
@@ -159,16 +161,19 @@ class ParameterServer:
         )
         self.guard = GradientGuard(config.max_grad_norm, config.outlier_factor)
         self.evaluations = EvalScheduler(
-            Evaluator(model, self.reader, meta.num_classes, config.eval_batch),
+            Evaluator(model, self.reader, num_classes=meta.num_classes, batch=config.eval_batch),
             self.log,
-            self.stores.newest_state,
-            config.eval_samples,
-            config.seed,
-            self._on_eval,
-            None
+            fetch=self.stores.newest_state,
+            subset_size=config.eval_samples,
+            seed=config.seed,
+            on_record=self._on_eval,
+            keep_best=None
             if config.run_dir is None or not config.keep_best
             else checkpoint.BestCheckpoint(
-                config.run_dir / "checkpoints", identity, config.write_timeout_s, bool(resumed)
+                config.run_dir / "checkpoints",
+                identity,
+                write_timeout_s=config.write_timeout_s,
+                resumed=bool(resumed),
             ).offer,
         )
         self.snapshots = SnapshotHook(
@@ -202,17 +207,23 @@ class ParameterServer:
             self.log,
         )
         self.ledger = Ledger(
-            config, self.log, self.run, self.sampler, self.roster, self.updater, self.evaluations
+            config,
+            self.log,
+            run=self.run,
+            sampler=self.sampler,
+            roster=self.roster,
+            updater=self.updater,
+            evaluations=self.evaluations,
         )
         self.desk = TaskDesk(
             self.roster,
             self.policy,
-            self.endpoint,
-            self.store_tokens,
-            self.updater,
-            self.run,
-            self.log,
-            self.stores.whole_params
+            replier=self.endpoint,
+            store_tokens=self.store_tokens,
+            updater=self.updater,
+            run=self.run,
+            log=self.log,
+            whole_params=self.stores.whole_params
             if isinstance(self.stores, StoreService) and self.stores.one_chunk
             else None,
         )

@@ -99,6 +99,7 @@ class Endpoint:
         self,
         bind: str,
         requests: dict[str, type[Message]],
+        *,
         max_message_bytes: int,
         owner: TaskOwner,
         curve_secret: Path | None = None,

@@ -154,7 +154,7 @@ class Updater:
         train_count: size of the training split.
     """
 
-    def __init__(self, config: ServerConfig, stores: ParameterStores, train_count: int) -> None:
+    def __init__(self, config: ServerConfig, stores: ParameterStores, *, train_count: int) -> None:
         self.config, self.stores, self.train_count = config, stores, train_count
         self.lock = asyncio.Lock()
         self.version = 0

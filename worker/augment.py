@@ -75,7 +75,7 @@ class Augmenter:
     """
 
     def __init__(
-        self, seed: int, flips: bool = True, rotations: bool = True, noise: float = 0.0
+        self, seed: int, flips: bool = True, *, rotations: bool = True, noise: float = 0.0
     ) -> None:
         if not (isinstance(noise, (int, float)) and math.isfinite(noise) and noise >= 0):
             raise ConfigError(f"augmentation noise must be a finite number >= 0, got {noise!r}")

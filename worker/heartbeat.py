@@ -41,6 +41,7 @@ class Heartbeat:
         self,
         context: zmq.Context,
         connect: Callable[[float], Connection],
+        *,
         worker_id: int,
         token: str,
         server_id: str,

@@ -183,7 +183,7 @@ class Worker:
     def _connect(self, timeout_s: float, abort: str | None = None) -> Connection:
         """A new connection to the server in this worker's context, with its CURVE keys."""
         return Connection(
-            self.config.server, timeout_s, self.context, abort=abort, curve=self.curve
+            self.config.server, timeout_s, context=self.context, abort=abort, curve=self.curve
         )
 
     def _session(self) -> RunEnded:
@@ -206,12 +206,12 @@ class Worker:
             heartbeat = Heartbeat(
                 self.context,
                 self._connect,
-                spec.worker_id,
-                spec.token,
-                spec.server_id,
-                spec.heartbeat_s,
-                spec.dead_after_s,
-                abort,
+                worker_id=spec.worker_id,
+                token=spec.token,
+                server_id=spec.server_id,
+                interval_s=spec.heartbeat_s,
+                dead_after_s=spec.dead_after_s,
+                abort=abort,
             )
             self.conn.close()  # again, now listening to the heartbeat's abort channel
             self.conn = self._connect(self.config.reply_timeout_s, abort)
@@ -264,10 +264,10 @@ class Worker:
             return Prefetcher(
                 lambda: self._connect(self.config.data_timeout_s, abort),
                 self.worker_id,
-                self.token,
-                sample_codec(spec),
-                (spec.in_channels, spec.input_size, spec.input_size),
-                self.config.cache_mb << 20,
+                token=self.token,
+                codec=sample_codec(spec),
+                shape=(spec.in_channels, spec.input_size, spec.input_size),
+                cache_bytes=self.config.cache_mb << 20,
             )
         return open_local_copy(self.config.data, spec.dataset_fingerprint)
 
@@ -286,7 +286,12 @@ class Worker:
         check_allowed(reply.model, self.config.allow_model, "the server")
         self.worker_id, self.token = reply.worker_id, reply.token
         self.replica = Replica(
-            reply, self.device, self.timer, self.slowdown, self.speed, self.stats
+            reply,
+            self.device,
+            timer=self.timer,
+            slowdown=self.slowdown,
+            speed=self.speed,
+            stats=self.stats,
         )
         log.info(
             "joined %s as worker %d (%s, model %s, %d store%s, %s wire)",

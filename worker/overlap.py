@@ -31,7 +31,7 @@ class OverlappedPush:
         host: the flat host buffer the push is staged in.
     """
 
-    def __init__(self, flat: FlatModel, stores: StoreClient, host: torch.Tensor) -> None:
+    def __init__(self, flat: FlatModel, stores: StoreClient, *, host: torch.Tensor) -> None:
         self.flat, self.stores, self.host = flat, stores, host
         self.chunks = stores.chunks
         self._lock = threading.Lock()

@@ -120,6 +120,7 @@ class Prefetcher(AheadReader):
         self,
         connect: Callable[[], Connection],
         worker_id: int,
+        *,
         token: str,
         codec: SampleCodec,
         shape: tuple[int, int, int],

@@ -63,6 +63,7 @@ class Replica:
         self,
         spec: JoinReply,
         device: torch.device,
+        *,
         timer: ComputeTimer,
         slowdown: SlowdownSchedule,
         speed: SpeedMeter,
@@ -92,7 +93,7 @@ class Replica:
         """Push gradient chunks while backward runs (when there is more than one chunk: a
         single chunk is complete only when backward ends, and goes with the push request)."""
         if len(stores.chunks) > 1:
-            self.overlap = OverlappedPush(self.flat, stores, self.host_grad)
+            self.overlap = OverlappedPush(self.flat, stores, host=self.host_grad)
 
     def calibrate(self, spec: JoinReply, batch: int) -> list[tuple[int, float]]:
         """Time steps on random data at ``batch // 4`` and ``batch`` samples, so the first plan

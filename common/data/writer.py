@@ -60,6 +60,7 @@ class DatasetWriter:
         self,
         path: str | os.PathLike[str],
         shape: Sequence[int],
+        *,
         num_samples: int,
         kind: str,
         class_names: Sequence[str],

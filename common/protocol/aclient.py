@@ -35,6 +35,7 @@ class AsyncConnection:
         self,
         context: zmq.asyncio.Context,
         address: str,
+        *,
         replies: dict[str, type[Message]],
         curve: ClientKeys | None = None,
     ) -> None:

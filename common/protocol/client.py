@@ -42,6 +42,7 @@ class Connection:
         self,
         address: str,
         timeout_s: float,
+        *,
         context: zmq.Context | None = None,
         abort: str | None = None,
         curve: ClientKeys | None = None,

@@ -80,6 +80,7 @@ class Evaluator:
         self,
         model: nn.Module,
         reader: DatasetReader,
+        *,
         num_classes: int,
         batch: int = 512,
         block_bytes: int = BLOCK_BYTES,

@@ -114,7 +114,7 @@ def scene_cnn(
 class BasicBlock(nn.Module):
     """ResNet basic block: two 3x3 convolutions with a (projected) identity shortcut."""
 
-    def __init__(self, cin: int, cout: int, stride: int, norm: str = "batch") -> None:
+    def __init__(self, cin: int, cout: int, *, stride: int, norm: str = "batch") -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
         self.bn1 = norm_layer(norm, cout)
@@ -181,7 +181,10 @@ def resnet18(in_channels: int, num_classes: int, input_size: int, norm: str = "b
     for i, cout in enumerate((64, 128, 256, 512)):
         stride = 2 if i > 0 and side >= 4 else 1
         side = (side - 1) // stride + 1
-        layers += [BasicBlock(cin, cout, stride, norm), BasicBlock(cout, cout, 1, norm)]
+        layers += [
+            BasicBlock(cin, cout, stride=stride, norm=norm),
+            BasicBlock(cout, cout, stride=1, norm=norm),
+        ]
         cin = cout
     model = nn.Sequential(
         *stem, *layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, num_classes)
@@ -197,7 +200,7 @@ class HSI3DCNN(nn.Module):
     """3-D CNN over (spectrum, rows, cols) of (C, P, P) hyperspectral patches."""
 
     def __init__(
-        self, in_channels: int, num_classes: int, depth: int = 8, norm: str = "batch"
+        self, in_channels: int, num_classes: int, *, depth: int = 8, norm: str = "batch"
     ) -> None:
         super().__init__()
         widths = (1, 8, 16, 32)

@@ -46,6 +46,7 @@ class RunLog:
         self,
         run_dir: Path | None,
         resume_at: float | None = None,
+        *,
         tensorboard: bool = True,
         open_now: bool = True,
     ) -> None:

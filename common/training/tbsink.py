@@ -106,6 +106,7 @@ class TensorBoardSink:
         self,
         run_dir: Path,
         fresh: bool = True,
+        *,
         max_queue: int = 10000,
         interval_s: float = INTERVAL_S,
     ) -> None:

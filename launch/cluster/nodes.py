@@ -56,6 +56,7 @@ class Nodes:
         self,
         spec: ClusterSpec | None,
         shards: int = 0,
+        *,
         server: bool = True,
         allow_oversubscribe: bool = False,
     ) -> None:

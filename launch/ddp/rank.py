@@ -44,7 +44,7 @@ PROBE_PASSES = 5  # timed passes per rank that measure its speed for weighted DD
 class Collective:
     """The few collectives a rank needs; a world of one needs none (the reference run)."""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device) -> None:
+    def __init__(self, rank: int, world_size: int, *, device: torch.device) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
@@ -118,7 +118,7 @@ class RankTrainer:
         collective: the communication between ranks.
     """
 
-    def __init__(self, config: DDPConfig, rank: int, collective: Collective) -> None:
+    def __init__(self, config: DDPConfig, rank: int, *, collective: Collective) -> None:
         self.config, self.rank, self.collective = config, rank, collective
         self.world_size = config.world_size
         self.device = collective.device
@@ -135,11 +135,11 @@ class RankTrainer:
         self.step_fn = ComputeOnlyStep(
             self.model,
             forward,
-            rank,
-            self.world_size,
-            self.device,
-            config.schedule_of(rank),
-            collective.all_reduce,
+            rank=rank,
+            world_size=self.world_size,
+            device=self.device,
+            schedule=config.schedule_of(rank),
+            all_reduce=collective.all_reduce,
             grads_in_backward=self.world_size > 1 and config.grad_compression != "none",
         )
         self.optimizer = _optimizer(self.model, config)
@@ -149,10 +149,10 @@ class RankTrainer:
             evaluator = Evaluator(
                 build_model(config.model, channels, meta.num_classes, height),
                 self.reader,
-                meta.num_classes,
-                config.eval_batch,
+                num_classes=meta.num_classes,
+                batch=config.eval_batch,
             )
-            self.recorder = RunRecorder(config, evaluator, self.layout)
+            self.recorder = RunRecorder(config, evaluator, layout=self.layout)
         self.steps = self.samples = 0
         self.epoch, self.cursor = 1, 0  # the epoch in progress and its samples done
         self.stopping = False  # a signal asked to stop: every rank stops after the next step
@@ -379,7 +379,9 @@ def run_rank(
         )
     trainer = None
     try:
-        trainer = active = RankTrainer(config, rank, Collective(rank, config.world_size, device))
+        trainer = active = RankTrainer(
+            config, rank, collective=Collective(rank, config.world_size, device=device)
+        )
 
         def stop(_signum: int, _frame: FrameType | None) -> None:
             active.stopping = True  # every rank ends after the same step (the step's tail)

@@ -38,7 +38,7 @@ class RunRecorder:
         layout: the training model's flat layout (to read its state).
     """
 
-    def __init__(self, config: DDPConfig, evaluator: Evaluator, layout: FlatLayout) -> None:
+    def __init__(self, config: DDPConfig, evaluator: Evaluator, *, layout: FlatLayout) -> None:
         self.config = config
         self.evaluator = evaluator
         self.layout = layout
@@ -171,8 +171,8 @@ class RunRecorder:
             self.snapshots = SnapshotWriter(
                 self.config.run_dir,
                 self.config.snapshot_every_steps,
-                self.config.snapshot_limit,
-                info,
+                limit=self.config.snapshot_limit,
+                info=info,
                 resumed_at=self.resumed_at,
             )
 

@@ -108,6 +108,7 @@ class ComputeOnlyStep:
         self,
         model: nn.Module,
         forward: nn.Module,
+        *,
         rank: int,
         world_size: int,
         device: torch.device,

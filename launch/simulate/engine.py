@@ -216,7 +216,7 @@ class _Planner:
     is measured over steady members only.
     """
 
-    def __init__(self, cluster: Cluster, mode: str, plan_spread: bool) -> None:
+    def __init__(self, cluster: Cluster, mode: str, *, plan_spread: bool) -> None:
         self.mode, self.nodes, self.speeds = mode, cluster.nodes, _speeds(cluster)
         self.transfer = {i: n.transfer_s or 0.0 for i, n in enumerate(cluster.nodes)}
         self.windows = {  # nodes with a measured transfer time keep it
@@ -263,7 +263,7 @@ def _sync(
 ) -> ModeResult:
     sizes, per_epoch = round_sizes(cluster, epochs, max_rounds)
     jitter = Jitter(cluster, seed)
-    planner = _Planner(cluster, mode, plan_spread)
+    planner = _Planner(cluster, mode, plan_spread=plan_spread)
     transfer = np.array([np.nan if n.transfer_s is None else n.transfer_s for n in cluster.nodes])
     rounds: dict[tuple[int, ...], ShardedRound] = {}
 

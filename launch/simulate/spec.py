@@ -241,7 +241,7 @@ class _Section:
     """One mapping of a spec, read key by key: unknown keys are refused, and every error
     names the section (``group CPU: ...``)."""
 
-    def __init__(self, value: object, where: str, known: Mapping[str, Any]) -> None:
+    def __init__(self, value: object, where: str, *, known: Mapping[str, Any]) -> None:
         self.where, self.known = where, known
         self.data = _mapping(value, where.strip(": ") or "the cluster spec")
         unknown = sorted(map(str, set(self.data) - set(known)))
@@ -305,18 +305,20 @@ def cluster_from_spec(spec: Mapping[str, Any], seed: int = 0) -> Cluster:
         ConfigError: an unknown key, a missing or invalid value (the message names it and
             the section or group that holds it).
     """
-    top = _Section(spec, "", TOP_KEYS)
+    top = _Section(spec, "", known=TOP_KEYS)
     if "model_params" in spec:
         params = int(top.number("model_params"))
     else:
         params = max(1, int(top.number("model_mb") * MB / FP32_BYTES))
-    link = _Section(spec.get("link", {}), "link: ", LINK_KEYS)
-    server = _Section(spec.get("server", {}), "server: ", SERVER_KEYS)
+    link = _Section(spec.get("link", {}), "link: ", known=LINK_KEYS)
+    server = _Section(spec.get("server", {}), "server: ", known=SERVER_KEYS)
     groups = spec.get("groups")
     if not isinstance(groups, Sequence) or isinstance(groups, str) or not groups:
         raise ConfigError(f"groups must be a non-empty list, got {groups!r}")
     rng = np.random.default_rng(seed)
-    sections = [_Section(g, f"group {_name(g, i)}: ", GROUP_KEYS) for i, g in enumerate(groups, 1)]
+    sections = [
+        _Section(g, f"group {_name(g, i)}: ", known=GROUP_KEYS) for i, g in enumerate(groups, 1)
+    ]
     total = sum(int(g.number("count", 1)) for g in sections)
     need(total <= MAX_NODES, f"the groups count {total:,} nodes; at most {MAX_NODES:,}")
     nodes = [node for group in sections for node in _group_nodes(group, link, rng)]

@@ -70,13 +70,17 @@ def _measure(model_params: int, shards: int, members: int, wire: str, repeats: i
     store = SliceStore(
         lo,
         hi,
-        model_params,
-        torch.randn(hi - lo, generator=generator),
-        FlatOptimizer(
-            config.optimizer, config.lr, config.momentum, config.nesterov, config.weight_decay
+        num_params=model_params,
+        state=torch.randn(hi - lo, generator=generator),
+        optimizer=FlatOptimizer(
+            config.optimizer,
+            config.lr,
+            momentum=config.momentum,
+            nesterov=config.nesterov,
+            weight_decay=config.weight_decay,
         ),
-        [],
-        chunk_elems_for(config.chunk_bytes, wire),
+        nonneg_bounds=[],
+        chunk_elems=chunk_elems_for(config.chunk_bytes, wire),
     )
     gradients = [
         encode(torch.randn(model_params, generator=generator) * 1e-3, wire)[0]

@@ -163,6 +163,7 @@ class StatusPage:
         self,
         status: StatusProvider,
         events: Iterable[Mapping[str, Any]],
+        *,
         clock: Callable[[], float],
         host: str = "127.0.0.1",
         port: int = 0,
@@ -350,7 +351,7 @@ async def start_page(
     Raises:
         ConfigError: the address cannot be bound.
     """
-    page = StatusPage(status, run_log.events, run_log.now, bind, port)
+    page = StatusPage(status, run_log.events, clock=run_log.now, host=bind, port=port)
     try:
         url = await page.start()
     except OSError as exc:

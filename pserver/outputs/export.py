@@ -57,7 +57,7 @@ class RawInput(nn.Module):
         std: per-band std (C,) divided by during training.
     """
 
-    def __init__(self, network: nn.Module, mean: np.ndarray, std: np.ndarray) -> None:
+    def __init__(self, network: nn.Module, mean: np.ndarray, *, std: np.ndarray) -> None:
         super().__init__()
         self.network = network
         shape = (1, -1, 1, 1)
@@ -255,7 +255,7 @@ def build_classifier(config: ExportConfig) -> tuple[RawInput, dict[str, Any]]:
         raise ConfigError(
             f"checkpoint {str(ckpt_path)!r} does not fit model {name!r}: {exc}"
         ) from exc
-    return RawInput(network, mean, std).eval(), description
+    return RawInput(network, mean, std=std).eval(), description
 
 
 def _atomic(out: Path) -> Path:

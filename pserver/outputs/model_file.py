@@ -111,7 +111,7 @@ def _build(path: Path, meta: dict[str, Any], allow_model: tuple[str, ...]) -> nn
     check_allowed(meta["model"], allow_model, f"model file {str(path)!r}")
     network = build_model(meta["model"], meta["bands"], meta["num_classes"], meta["height"])
     bands = int(meta["bands"])
-    return RawInput(network, np.zeros(bands), np.ones(bands))
+    return RawInput(network, np.zeros(bands), std=np.ones(bands))
 
 
 def _rebuild(

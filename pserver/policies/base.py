@@ -93,7 +93,7 @@ class ModePolicy(abc.ABC):
 
     name = ""
 
-    def __init__(self, config: ServerConfig, sampler: EpochSampler, tasks: TaskFactory) -> None:
+    def __init__(self, config: ServerConfig, sampler: EpochSampler, *, tasks: TaskFactory) -> None:
         self.config, self.sampler, self.tasks = config, sampler, tasks
 
     @abc.abstractmethod

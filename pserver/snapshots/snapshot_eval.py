@@ -122,7 +122,9 @@ def evaluate_snapshots(config: SnapshotEvalConfig) -> dict[str, Any]:
     try:
         channels, height, _ = reader.meta.shape
         model = build_model(info["model"], channels, reader.meta.num_classes, height)
-        evaluator = Evaluator(model, reader, reader.meta.num_classes, config.batch)
+        evaluator = Evaluator(
+            model, reader, num_classes=reader.meta.num_classes, batch=config.batch
+        )
         if evaluator.layout.size != size:
             raise snap.SnapshotError(
                 f"model {info['model']!r} has {evaluator.layout.size} values, the snapshots {size}"

@@ -61,7 +61,9 @@ class SnapshotHook:
         """Start the writer (when the run directory is written, at the server's start)."""
         run_dir, every, limit, info, resumed_at = self._options
         if every is not None and run_dir is not None:
-            self.writer = SnapshotWriter(run_dir, every, limit, info, resumed_at)
+            self.writer = SnapshotWriter(
+                run_dir, every, limit=limit, info=info, resumed_at=resumed_at
+            )
 
     async def take(self, final: bool = False) -> None:
         """Save the published version if the interval keeps it, or ``final`` and not yet saved

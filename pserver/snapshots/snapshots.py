@@ -219,6 +219,7 @@ class SnapshotWriter:
         self,
         run_dir: Path,
         every: int,
+        *,
         limit: int,
         info: dict[str, Any],
         resumed_at: int | None = None,

@@ -17,7 +17,11 @@ from pserver.store.stores import RemoteStores
 def make_optimizer(config: ServerConfig) -> FlatOptimizer:
     """The run's optimizer (for one slice of the parameters)."""
     return FlatOptimizer(
-        config.optimizer, config.lr, config.momentum, config.nesterov, config.weight_decay
+        config.optimizer,
+        config.lr,
+        momentum=config.momentum,
+        nesterov=config.nesterov,
+        weight_decay=config.weight_decay,
     )
 
 
@@ -51,22 +55,28 @@ def build_stores(
         return RemoteStores(
             shard_bounds(state_size, config.shards),
             shard_key,
-            config.shard_timeout_s,
-            num_params,
-            make_optimizer(config).slots,
+            timeout_s=config.shard_timeout_s,
+            num_params=num_params,
+            slots=make_optimizer(config).slots,
         )
     store = SliceStore(
         0,
         state_size,
-        num_params,
-        torch.from_numpy(initial.state.astype(np.float32)),
-        make_optimizer(config),
-        nonneg,
-        chunk_elems,
-        initial.version,
+        num_params=num_params,
+        state=torch.from_numpy(initial.state.astype(np.float32)),
+        optimizer=make_optimizer(config),
+        nonneg_bounds=nonneg,
+        chunk_elems=chunk_elems,
+        version=initial.version,
     )
     if initial.slots:
         store.load_slots(
             initial.slots, torch.from_numpy(initial.slot_state), initial.optimizer_steps
         )
-    return StoreService(store, config.wire_dtype, store_tokens, replier, config.stage_timeout_s)
+    return StoreService(
+        store,
+        config.wire_dtype,
+        tokens=store_tokens,
+        replier=replier,
+        pull_timeout_s=config.stage_timeout_s,
+    )

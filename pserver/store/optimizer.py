@@ -39,6 +39,7 @@ class FlatOptimizer:
         self,
         kind: str,
         lr: float,
+        *,
         momentum: float = 0.0,
         nesterov: bool = False,
         weight_decay: float = 0.0,

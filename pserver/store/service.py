@@ -95,6 +95,7 @@ class StoreService:
         self,
         store: SliceStore,
         wire: str,
+        *,
         tokens: TokenBook,
         replier: Replier,
         pull_timeout_s: float,

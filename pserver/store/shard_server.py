@@ -72,10 +72,10 @@ class ShardServer:
         self.endpoint = Endpoint(
             config.bind,
             {**STORE_REQUESTS, **CONTROL_REQUESTS},
-            256 << 20,
-            self.owner,
-            config.curve_secret,
-            config.authorized_keys,
+            max_message_bytes=256 << 20,
+            owner=self.owner,
+            curve_secret=config.curve_secret,
+            authorized_keys=config.authorized_keys,
             allow_own_key=True,
         )
         self.secret = shard_secret(config.secret_file, config.curve_secret)
@@ -120,7 +120,7 @@ class ShardServer:
         log.info("connecting to the coordinator at %s", cfg.coordinator)
         while True:
             connection = AsyncConnection(
-                self.endpoint.context, cfg.coordinator, CONTROL_REPLIES, curve
+                self.endpoint.context, cfg.coordinator, replies=CONTROL_REPLIES, curve=curve
             )
             connection.start()
             try:
@@ -148,18 +148,22 @@ class ShardServer:
         self.key, self.index = welcome.key, welcome.index
         self._dead_after_s = welcome.dead_after_s
         optimizer = FlatOptimizer(
-            welcome.optimizer, welcome.lr, welcome.momentum, welcome.nesterov, welcome.weight_decay
+            welcome.optimizer,
+            welcome.lr,
+            momentum=welcome.momentum,
+            nesterov=welcome.nesterov,
+            weight_decay=welcome.weight_decay,
         )
         state = torch.from_numpy(np.array(welcome.state, dtype=np.float32))
         store = SliceStore(
             welcome.lo,
             welcome.hi,
-            welcome.num_params,
-            state,
-            optimizer,
-            list(welcome.nonneg_bounds),
-            welcome.chunk_elems,
-            welcome.version,
+            num_params=welcome.num_params,
+            state=state,
+            optimizer=optimizer,
+            nonneg_bounds=list(welcome.nonneg_bounds),
+            chunk_elems=welcome.chunk_elems,
+            version=welcome.version,
         )
         if welcome.slots:
             rows = np.array(welcome.slot_state, dtype=np.float32).reshape(len(welcome.slots), -1)
@@ -167,7 +171,11 @@ class ShardServer:
         else:
             optimizer.steps = welcome.optimizer_steps
         self.service = StoreService(
-            store, welcome.wire_dtype, TokenBook(welcome.store_token_key), self.endpoint, 600.0
+            store,
+            welcome.wire_dtype,
+            tokens=TokenBook(welcome.store_token_key),
+            replier=self.endpoint,
+            pull_timeout_s=600.0,
         )
 
     async def _watch(self) -> None:

@@ -118,7 +118,9 @@ class ShardRegistry:
             state=initial.state[lo:hi].astype(np.float32),
             slot_state=rows.reshape(-1),
         )
-        connection = AsyncConnection(self.context, msg.address, CONTROL_REPLIES, curve)
+        connection = AsyncConnection(
+            self.context, msg.address, replies=CONTROL_REPLIES, curve=curve
+        )
         connection.start()
         stores.add(ShardLink(index, msg.address, lo, hi, connection))
         self.log.event("shard", index=index, address=msg.address, lo=lo, hi=hi, host=msg.name[:64])

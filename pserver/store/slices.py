@@ -71,6 +71,7 @@ class SliceStore:
         self,
         lo: int,
         hi: int,
+        *,
         num_params: int,
         state: torch.Tensor,
         optimizer: FlatOptimizer,

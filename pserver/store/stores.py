@@ -116,6 +116,7 @@ class RemoteStores:
         self,
         bounds: list[int],
         key: str,
+        *,
         timeout_s: float,
         num_params: int,
         slots: Sequence[str],

@@ -32,7 +32,9 @@ def write_file(
 ) -> str:
     train, test = stratified_split(y, 0.3, seed=0, num_classes=k)
     names = [f"c{i}" for i in range(k)]
-    with DatasetWriter(path, SHAPE, len(y), "scenes", names, source="unit test") as w:
+    with DatasetWriter(
+        path, SHAPE, num_samples=len(y), kind="scenes", class_names=names, source="unit test"
+    ) as w:
         for s in range(0, len(y), block):
             w.write(x[s : s + block], y[s : s + block])
         return w.close(train, test, **close_kw)
@@ -151,45 +153,48 @@ def test_writer_errors_and_atomicity(tmp_path: Path) -> None:
     x, y = make_data()
     out = tmp_path / "d.h5"
     with pytest.raises(DatasetError, match="kind"):
-        DatasetWriter(out, SHAPE, 10, "video", ["a"])
+        DatasetWriter(out, SHAPE, num_samples=10, kind="video", class_names=["a"])
     with (
         pytest.raises(DatasetError, match=r"shape \(2, 3, 3, 3\)"),
-        DatasetWriter(out, SHAPE, 10, "hsi", ["a", "b", "c"]) as w,
+        DatasetWriter(out, SHAPE, num_samples=10, kind="hsi", class_names=["a", "b", "c"]) as w,
     ):
         w.write(np.zeros((2, 3, 3, 3)), np.zeros(2, dtype=int))
     with (
         pytest.raises(DatasetError, match="label 5"),
-        DatasetWriter(out, SHAPE, 10, "hsi", ["a", "b", "c"]) as w,
+        DatasetWriter(out, SHAPE, num_samples=10, kind="hsi", class_names=["a", "b", "c"]) as w,
     ):
         w.write(x[:2], np.array([0, 5]))
     with (
         pytest.raises(DatasetError, match="NaN"),
-        DatasetWriter(out, SHAPE, 2, "hsi", ["a", "b", "c"]) as w,
+        DatasetWriter(out, SHAPE, num_samples=2, kind="hsi", class_names=["a", "b", "c"]) as w,
     ):
         w.write(np.full((2, *SHAPE), np.nan), np.array([0, 1]))
     with (
         pytest.raises(DatasetError, match="exceeds"),
-        DatasetWriter(out, SHAPE, 2, "hsi", ["a", "b", "c"]) as w,
+        DatasetWriter(out, SHAPE, num_samples=2, kind="hsi", class_names=["a", "b", "c"]) as w,
     ):
         w.write(x[:3], y[:3])
     with (
         pytest.raises(DatasetError, match="only 2 of"),
-        DatasetWriter(out, SHAPE, 4, "hsi", ["a", "b", "c"]) as w,
+        DatasetWriter(out, SHAPE, num_samples=4, kind="hsi", class_names=["a", "b", "c"]) as w,
     ):
         w.write(x[:2], y[:2])
         w.close([0], [1])
     with (
         pytest.raises(DatasetError, match="share 1 indices"),
-        DatasetWriter(out, SHAPE, 2, "hsi", ["a", "b", "c"]) as w,
+        DatasetWriter(out, SHAPE, num_samples=2, kind="hsi", class_names=["a", "b", "c"]) as w,
     ):
         w.write(x[:2], y[:2])
         w.close([0, 1], [1])
     with (
         pytest.raises(DatasetError, match="without close"),
-        DatasetWriter(out, SHAPE, 2, "hsi", ["a", "b", "c"]) as w,
+        DatasetWriter(out, SHAPE, num_samples=2, kind="hsi", class_names=["a", "b", "c"]) as w,
     ):
         w.write(x[:2], y[:2])
-    with pytest.raises(RuntimeError), DatasetWriter(out, SHAPE, 2, "hsi", ["a"]):
+    with (
+        pytest.raises(RuntimeError),
+        DatasetWriter(out, SHAPE, num_samples=2, kind="hsi", class_names=["a"]),
+    ):
         raise RuntimeError("boom")
     assert list(tmp_path.iterdir()) == [], "failed writes must leave no file"
 
@@ -198,7 +203,10 @@ def test_failed_rewrite_keeps_the_old_file(tmp_path: Path) -> None:
     x, y = make_data()
     out = tmp_path / "d.h5"
     fp = write_file(out, x, y)
-    with pytest.raises(DatasetError), DatasetWriter(out, SHAPE, 50, "hsi", ["a", "b", "c"]) as w:
+    with (
+        pytest.raises(DatasetError),
+        DatasetWriter(out, SHAPE, num_samples=50, kind="hsi", class_names=["a", "b", "c"]) as w,
+    ):
         w.write(x[:10], y[:10])
         w.close([0], [1])
     assert describe(out)["fingerprint"] == fp

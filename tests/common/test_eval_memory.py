@@ -45,7 +45,9 @@ def _evaluate_traced(path: Path, block_bytes: int) -> tuple[Scores, int, int]:
         shape = reader.meta.shape
         model = build_model("scene-cnn", shape[0], reader.meta.num_classes, shape[1])
         state = FlatLayout(model).read_state().numpy().copy()
-        evaluator = Evaluator(model, reader, reader.meta.num_classes, 512, block_bytes)
+        evaluator = Evaluator(
+            model, reader, num_classes=reader.meta.num_classes, batch=512, block_bytes=block_bytes
+        )
         tracemalloc.start()
         try:
             scores = evaluator.evaluate(state)
@@ -73,6 +75,8 @@ def test_block_size_follows_the_model_widest_activation(scenes: Path) -> None:
         per_sample = bytes_per_sample(model, shape)
         # scene-cnn's first block: 32 channels at full resolution, three of them alive.
         assert per_sample >= 4 * int(np.prod(shape)) + 3 * 32 * 16 * 16 * 4
-        evaluator = Evaluator(model, reader, 4, 512, 10 * per_sample)
+        evaluator = Evaluator(model, reader, num_classes=4, batch=512, block_bytes=10 * per_sample)
         assert evaluator.batch == 10
-        assert Evaluator(model, reader, 4, 512, 1).batch == 1  # one sample at least
+        assert (
+            Evaluator(model, reader, num_classes=4, batch=512, block_bytes=1).batch == 1
+        )  # one sample at least

@@ -364,7 +364,7 @@ def _policy(planner: str, plan_spread: bool = True) -> tuple[WeightedSync, list[
         global_batch=64,
         epochs=50,
     )
-    policy = WeightedSync(config, EpochSampler(640, 0, 50), TaskFactory(np.arange(640)))
+    policy = WeightedSync(config, EpochSampler(640, 0, max_epochs=50), tasks=TaskFactory(np.arange(640)))
     workers = []
     for wid, transfer in ((1, 0.0), (2, 0.02)):  # same compute; worker 2 on a slow link
         worker = WorkerInfo(wid, f"w{wid}", "cpu", 1.0, 1, 0.0, speed=100.0 * wid)
@@ -441,7 +441,7 @@ def test_weighted_sync_weighs_the_measured_spread_when_asked(plan_spread: bool) 
 
 def test_weighted_sync_measures_the_spread_on_members_of_consecutive_rounds() -> None:
     policy, workers = _policy("model")
-    roster = Roster(60.0, lambda worker: None, TokenBook(new_key()), 8)
+    roster = Roster(60.0, lambda worker: None, tokens=TokenBook(new_key()), max_members=8)
     for round_id in (1, 2, 3):
         for worker, task in policy.plan(workers):  # this round's tasks and the next one's
             worker.tasks.append(task)

@@ -182,7 +182,7 @@ def _page_in_thread(status: dict[str, Any], events: list[dict[str, Any]]) -> Ite
     from pserver.observe.statuspage import StatusPage
 
     loop = asyncio.new_event_loop()
-    page = StatusPage(lambda: status, events, lambda: 5.0)
+    page = StatusPage(lambda: status, events, clock=lambda: 5.0)
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     try:

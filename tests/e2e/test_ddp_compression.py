@@ -41,11 +41,11 @@ def _step(rank: int, compression: str, weighted: bool = False) -> dict[str, obje
     step = ComputeOnlyStep(
         model,
         forward,
-        rank,
-        2,
-        torch.device("cpu"),
-        SlowdownSchedule(1.0),
-        all_reduce,
+        rank=rank,
+        world_size=2,
+        device=torch.device("cpu"),
+        schedule=SlowdownSchedule(1.0),
+        all_reduce=all_reduce,
         grads_in_backward=compression != "none",
     )
     generator = torch.Generator().manual_seed(rank)

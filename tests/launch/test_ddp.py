@@ -23,7 +23,13 @@ def _linear_step(rank: int, world: int, reduce) -> tuple[nn.Module, ComputeOnlyS
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     step = ComputeOnlyStep(
-        model, model, rank, world, torch.device("cpu"), SlowdownSchedule(1.0), reduce
+        model,
+        model,
+        rank=rank,
+        world_size=world,
+        device=torch.device("cpu"),
+        schedule=SlowdownSchedule(1.0),
+        all_reduce=reduce,
     )
     return model, step
 
@@ -81,11 +87,11 @@ def test_weighted_step_with_uneven_shares_is_the_union_gradient(sizes: tuple[int
         step = ComputeOnlyStep(
             replica,
             replica,
-            rank,
-            len(sizes),
-            torch.device("cpu"),
-            SlowdownSchedule(1.0),
-            lambda t: sent.append(t.clone()),
+            rank=rank,
+            world_size=len(sizes),
+            device=torch.device("cpu"),
+            schedule=SlowdownSchedule(1.0),
+            all_reduce=lambda t: sent.append(t.clone()),
         )
         part = slice(bounds[rank], bounds[rank + 1])
         step.run(0, x[part], y[part], total / batch, weight=sizes[rank] / total)
@@ -93,11 +99,11 @@ def test_weighted_step_with_uneven_shares_is_the_union_gradient(sizes: tuple[int
     step = ComputeOnlyStep(
         mine,
         mine,
-        0,
-        len(sizes),
-        torch.device("cpu"),
-        SlowdownSchedule(1.0),
-        lambda t: t.add_(sum(sent)),
+        rank=0,
+        world_size=len(sizes),
+        device=torch.device("cpu"),
+        schedule=SlowdownSchedule(1.0),
+        all_reduce=lambda t: t.add_(sum(sent)),
     )
     before = mine.stats.running_mean.clone()
     result = step.run(0, x[: sizes[0]], y[: sizes[0]], total / batch, weight=sizes[0] / total)
@@ -133,7 +139,13 @@ def test_warm_up_leaves_the_model_unchanged() -> None:
     model(torch.randn(2, 3, 5, 5))
     state = {k: v.clone() for k, v in model.state_dict().items()}
     step = ComputeOnlyStep(
-        model, model, 0, 1, torch.device("cpu"), SlowdownSchedule(3.0), lambda t: None
+        model,
+        model,
+        rank=0,
+        world_size=1,
+        device=torch.device("cpu"),
+        schedule=SlowdownSchedule(3.0),
+        all_reduce=lambda t: None,
     )
     calibrated = step.warm_up(torch.randn(6, 3, 5, 5), torch.randint(0, 2, (6,)), sizes={3, 6, 9})
     assert set(calibrated) == {3, 6} and all(t > 0 for t in calibrated.values())  # 9 > 6: none

@@ -39,7 +39,15 @@ def _mean_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.
 
 
 def _store(state: torch.Tensor, num_params: int, optimizer: FlatOptimizer) -> SliceStore:
-    return SliceStore(0, state.numel(), num_params, state, optimizer, [], 1 << 20)
+    return SliceStore(
+        0,
+        state.numel(),
+        num_params=num_params,
+        state=state,
+        optimizer=optimizer,
+        nonneg_bounds=[],
+        chunk_elems=1 << 20,
+    )
 
 
 def _step(store: SliceStore, grads: dict[int, torch.Tensor], weights: dict[int, float]) -> None:

@@ -155,11 +155,11 @@ async def test_subset_scores_are_marked_and_the_best_whole_split_state_is_kept(
 async def test_the_best_checkpoint_is_replaced_only_by_a_better_oa(tmp_path) -> None:
     from pserver.checkpoint import BEST, BestCheckpoint, read
 
-    best = BestCheckpoint(tmp_path, {"model": "m"}, 10.0, resumed=False)
+    best = BestCheckpoint(tmp_path, {"model": "m"}, write_timeout_s=10.0, resumed=False)
     for version, oa in ((1, 0.8), (2, 0.7), (3, 0.9), (4, 0.85)):
         await best.offer(version, np.full(3, version, dtype=np.float32), oa)
     kept = read(tmp_path / BEST)
     assert (kept.meta["version"], kept.meta["oa"], kept.arrays["state"][0]) == (3, 0.9, 3.0)
-    resumed = BestCheckpoint(tmp_path, {"model": "m"}, 10.0, resumed=True)
+    resumed = BestCheckpoint(tmp_path, {"model": "m"}, write_timeout_s=10.0, resumed=True)
     await resumed.offer(5, np.zeros(3, dtype=np.float32), 0.88)
     assert read(tmp_path / BEST).meta["version"] == 3  # a resumed run keeps the best it had

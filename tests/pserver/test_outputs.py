@@ -60,7 +60,7 @@ def _program_file(path: Path, model: str = "hsi-cnn") -> Path:
         "norm_std": [2.0] * 4,
     }
     torch.manual_seed(0)
-    module = RawInput(hsi_cnn(4, 3, PATCH), np.full(4, 0.5), np.full(4, 2.0)).eval()
+    module = RawInput(hsi_cnn(4, 3, PATCH), np.full(4, 0.5), std=np.full(4, 2.0)).eval()
     example = torch.zeros((2, 4, PATCH, PATCH))
     with quiet_torch(), torch.no_grad():
         program = torch.export.export(

@@ -30,7 +30,7 @@ def tiny_model() -> LoadedModel:
     )
     mean, std = np.linspace(100, 200, BANDS), np.linspace(10, 30, BANDS)
     meta = {"kind": "hsi", "bands": BANDS, "patch": PATCH, "class_names": list("abcde")}
-    return LoadedModel(Path("tiny"), meta, RawInput(net, mean, std).eval(), torch.device("cpu"))
+    return LoadedModel(Path("tiny"), meta, RawInput(net, mean, std=std).eval(), torch.device("cpu"))
 
 
 def test_predict_reads_windows_and_matches_the_whole_scene(

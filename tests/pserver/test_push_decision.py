@@ -39,7 +39,7 @@ async def test_one_push_is_decided_published_and_settled_once_each(
 ) -> None:
     calls: list[str] = []
     real = POLICIES[mode]
-    policies = {**POLICIES, mode: lambda *args: Recording(real(*args), calls)}
+    policies = {**POLICIES, mode: lambda *args, **kw: Recording(real(*args, **kw), calls)}
     monkeypatch.setattr(server_module, "POLICIES", policies)
     async with (
         live_server(small_hsi, mode=mode, workers=1, global_batch=16, epochs=5) as ps,

@@ -160,7 +160,7 @@ async def test_pollers_are_answered_from_a_cached_body_while_the_loop_is_busy() 
         renders.append(1)
         return {"version": len(renders)}
 
-    page = StatusPage(status, (), lambda: 1.0)
+    page = StatusPage(status, (), clock=lambda: 1.0)
     url = await page.start()
     try:
         assert (await _get(url + "status.json"))[0] == 200

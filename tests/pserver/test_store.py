@@ -53,7 +53,15 @@ def _store(size: int = 4096, num_params: int = 3072) -> SliceStore:
     state = torch.zeros(size)
     state[num_params:] = 1.0  # buffers; [3072, 4096) are running variances
     optimizer = FlatOptimizer("sgd", lr=0.5, momentum=0.9)
-    return SliceStore(0, size, num_params, state, optimizer, [num_params, size], 1024)
+    return SliceStore(
+        0,
+        size,
+        num_params=num_params,
+        state=state,
+        optimizer=optimizer,
+        nonneg_bounds=[num_params, size],
+        chunk_elems=1024,
+    )
 
 
 def test_staging_refuses_what_is_not_a_chunk_of_the_slice() -> None:

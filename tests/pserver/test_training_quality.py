@@ -69,8 +69,8 @@ def _drive(
         global_batch=batch,
         epochs=epochs,
     )
-    sampler = EpochSampler(n, 0, epochs)
-    policy = policy_cls(config, sampler, TaskFactory(np.arange(n)))
+    sampler = EpochSampler(n, 0, max_epochs=epochs)
+    policy = policy_cls(config, sampler, tasks=TaskFactory(np.arange(n)))
     workers = [
         WorkerInfo(w, f"w{w}", "cpu", 1.0, 1, 0.0, speed=s)
         for w, s in ((1, 40.0), (2, 20.0), (3, 4.0))
@@ -150,7 +150,7 @@ def test_a_worker_that_leaves_mid_round_changes_no_update(policy_cls: type) -> N
 
 def test_a_round_nobody_is_left_in_waits_for_a_worker() -> None:
     config = ServerConfig(dataset=Path("unused.h5"), model="hsi-cnn", global_batch=8, epochs=1)
-    policy = WeightedSync(config, EpochSampler(16, 0, 1), TaskFactory(np.arange(16)))
+    policy = WeightedSync(config, EpochSampler(16, 0, max_epochs=1), tasks=TaskFactory(np.arange(16)))
     alone = WorkerInfo(1, "a", "cpu", 1.0, 1, 0.0, speed=10.0)
     planned = policy.plan([alone])
     assert policy.leave(alone, [t for _, t in planned]) == []
@@ -168,7 +168,13 @@ def test_ddp_weighs_its_epoch_tail_step_as_the_parameter_server_does() -> None:
     reference = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3))
     reference.load_state_dict(model.state_dict())
     step = ComputeOnlyStep(
-        model, model, 0, 1, torch.device("cpu"), SlowdownSchedule(1.0), lambda t: None
+        model,
+        model,
+        rank=0,
+        world_size=1,
+        device=torch.device("cpu"),
+        schedule=SlowdownSchedule(1.0),
+        all_reduce=lambda t: None,
     )
     x, y = torch.randn(3, 4), torch.tensor([0, 1, 2])
     before = reference[1].running_mean.clone()
@@ -236,7 +242,13 @@ def test_batchnorm_statistics_after_a_round_with_a_tiny_share_equal_the_hand_mer
     update = rnd.update()
     optimizer = FlatOptimizer("sgd", lr=0.05)
     store = SliceStore(
-        0, layout.size, layout.num_params, layout.read_state(), optimizer, [], 1 << 20
+        0,
+        layout.size,
+        num_params=layout.num_params,
+        state=layout.read_state(),
+        optimizer=optimizer,
+        nonneg_bounds=[],
+        chunk_elems=1 << 20,
     )
     for w, push in pushes.items():
         store.stage(planned[w].task_id, w, 0, 0, 1.0, push)
@@ -278,7 +290,7 @@ def test_weighted_sync_leaves_out_a_worker_below_the_minimum_and_probes_it() -> 
     config = ServerConfig(
         dataset=Path("unused.h5"), model="hsi-cnn", global_batch=64, epochs=5, min_local_batch=8
     )
-    policy = WeightedSync(config, EpochSampler(640, 0, 5), TaskFactory(np.arange(640)))
+    policy = WeightedSync(config, EpochSampler(640, 0, max_epochs=5), tasks=TaskFactory(np.arange(640)))
     workers = []
     for wid, per_sample in ((1, 0.001), (2, 0.001), (3, 0.008)):
         worker = WorkerInfo(wid, f"w{wid}", "cpu", 1.0, 1, 0.0, speed=1 / per_sample)
@@ -324,7 +336,13 @@ def _train(model_name: str, splits: list[dict[int, int]], steps: int) -> torch.T
     layout = FlatLayout(model)
     optimizer = FlatOptimizer("sgd", lr=0.05, momentum=0.9, weight_decay=1e-4)
     store = SliceStore(
-        0, layout.size, layout.num_params, layout.read_state(), optimizer, [], 1 << 20
+        0,
+        layout.size,
+        num_params=layout.num_params,
+        state=layout.read_state(),
+        optimizer=optimizer,
+        nonneg_bounds=[],
+        chunk_elems=1 << 20,
     )
     data = torch.Generator().manual_seed(1)
     task = 0

@@ -61,7 +61,12 @@ async def answer_status(endpoint: Endpoint, request: Request, message: Message) 
 @contextlib.asynccontextmanager
 async def serving(handler: Handler) -> AsyncIterator[Served]:
     owner = TaskOwner()
-    endpoint = Endpoint("tcp://127.0.0.1:0", {StatusRequest.TYPE: StatusRequest}, 1 << 20, owner)
+    endpoint = Endpoint(
+        "tcp://127.0.0.1:0",
+        {StatusRequest.TYPE: StatusRequest},
+        max_message_bytes=1 << 20,
+        owner=owner,
+    )
     address = endpoint.bind()
     loop = owner.spawn(
         endpoint.receive_loop(lambda request, message: handler(endpoint, request, message))
@@ -156,7 +161,9 @@ async def test_a_slow_handler_holds_up_no_other_request() -> None:
 
 async def test_binding_a_taken_address_is_a_config_error_naming_it(served: Served) -> None:
     taken = served.endpoint.address
-    other = Endpoint(taken, {StatusRequest.TYPE: StatusRequest}, 1 << 20, TaskOwner())
+    other = Endpoint(
+        taken, {StatusRequest.TYPE: StatusRequest}, max_message_bytes=1 << 20, owner=TaskOwner()
+    )
     try:
         with pytest.raises(ConfigError, match=f"cannot listen on {taken}"):
             other.bind()

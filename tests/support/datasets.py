@@ -22,7 +22,9 @@ def raw_samples(n: int = 40) -> tuple[np.ndarray, np.ndarray]:
 def write_dataset(path: Path, x: np.ndarray, y: np.ndarray, x_dtype: str, **close: object) -> str:
     """A three-class dataset of ``x`` stored as ``x_dtype``, half for training; its fingerprint."""
     train, test = stratified_split(y, 0.5, seed=0, num_classes=3)
-    with DatasetWriter(path, SHAPE, len(y), "scenes", ["a", "b", "c"], x_dtype=x_dtype) as w:
+    with DatasetWriter(
+        path, SHAPE, num_samples=len(y), kind="scenes", class_names=["a", "b", "c"], x_dtype=x_dtype
+    ) as w:
         w.write(x[:17], y[:17])
         w.write(x[17:], y[17:])
         return w.close(train, test, **close)  # type: ignore[arg-type]

@@ -41,9 +41,16 @@ def test_heartbeats_that_say_a_failure_ended_the_run_end_a_wait_with_that_end() 
     thread.start()
     abort = "inproc://abort-heartbeat-test"
     heartbeat = Heartbeat(
-        context, lambda t: Connection(address, t, context), 1, "tok", "s1", 0.2, 5.0, abort
+        context,
+        lambda t: Connection(address, t, context=context),
+        worker_id=1,
+        token="tok",
+        server_id="s1",
+        interval_s=0.2,
+        dead_after_s=5.0,
+        abort=abort,
     )
-    waiting = Connection(address, 30.0, context, abort=abort)
+    waiting = Connection(address, 30.0, context=context, abort=abort)
     try:
         heartbeat.start()
         with pytest.raises(ServerLost, match="the server stopped the run: shard 1 lost"):

@@ -102,7 +102,7 @@ def test_chunks_pushed_during_backward_equal_the_whole_push() -> None:
     flat = FlatModel(model)
     stores = _RecordingStores(flat.size, 2048)
     host = torch.zeros(flat.size)
-    overlap = OverlappedPush(flat, stores, host)  # type: ignore[arg-type]
+    overlap = OverlappedPush(flat, stores, host=host)  # type: ignore[arg-type]
     x, y = torch.randn(16, 8, 5, 5), torch.randint(0, 3, (16,))
     flat.load(flat.state.clone())
     flat.zero_grad()

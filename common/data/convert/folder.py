@@ -283,7 +283,14 @@ def prepare_folder(
     rel = [str(p.relative_to(scan.root)).encode() for p in scan.files]
     log.info("pass 2: writing %s in blocks of %d images", out, block)
     source = f"prepare folder {scan.root}" + (f" --size {size}" if size else "")
-    with DatasetWriter(out, shape, len(scan.files), "scenes", scan.class_names, source) as w:
+    with DatasetWriter(
+        out,
+        shape,
+        num_samples=len(scan.files),
+        kind="scenes",
+        class_names=scan.class_names,
+        source=source,
+    ) as w:
         buf = np.empty((block, *shape), dtype=np.float32)
         filled = 0
         for i, image in tqdm(

@@ -155,7 +155,18 @@ def write_patch_dataset(
     row_starts = np.searchsorted(coords[:, 0], np.arange(rows + 1))
     shape = (bands, patch, patch)
     bar = tqdm(total=rows, desc="pass 2/2 (patches)", unit="row", disable=not progress)
-    with bar, DatasetWriter(out, shape, y.size, "hsi", class_names, source, stored) as w:
+    with (
+        bar,
+        DatasetWriter(
+            out,
+            shape,
+            num_samples=y.size,
+            kind="hsi",
+            class_names=class_names,
+            source=source,
+            x_dtype=stored,
+        ) as w,
+    ):
         scaling = (mean, std) if normalise_now else (None, None)
         for start, stop, windows in iter_bands(cube, patch, *scaling):
             bar.update(stop - start)

@@ -160,7 +160,7 @@ def synth_hsi(
 class _SceneModel:
     """Per-class spectral signatures and textures of the synthetic scene images."""
 
-    def __init__(self, bands: int, size: int, classes: int, seed: int) -> None:
+    def __init__(self, bands: int, size: int, *, classes: int, seed: int) -> None:
         rng = np.random.default_rng([seed, 202])
         self.bands, self.size, self.classes, self.seed = bands, size, classes, seed
         # Classes come in pairs sharing a spectral signature; within a pair the texture differs,
@@ -262,7 +262,7 @@ def synth_scenes(
         raise DatasetError(f"classes must be >= 2, got {classes}")
     if samples < 2 * classes:
         raise DatasetError(f"samples must be >= 2 * classes = {2 * classes}, got {samples}")
-    model = _SceneModel(bands, size, classes, seed)
+    model = _SceneModel(bands, size, classes=classes, seed=seed)
     y = np.random.default_rng([seed, 404]).permutation(np.arange(samples) % classes)
     train, test = stratified_split(y, train_fraction, seed, classes)
     is_train = np.zeros(samples, dtype=bool)
@@ -281,7 +281,14 @@ def synth_scenes(
     std[std < 1e-12] = 1.0
     names = [f"class_{i}" for i in range(1, classes + 1)]
     source = f"synth scenes bands={bands} size={size} classes={classes} seed={seed}"
-    with DatasetWriter(out, (bands, size, size), samples, "scenes", names, source) as w:
+    with DatasetWriter(
+        out,
+        (bands, size, size),
+        num_samples=samples,
+        kind="scenes",
+        class_names=names,
+        source=source,
+    ) as w:
         for b, start in enumerate(range(0, samples, SCENE_BLOCK)):
             yb = y[start : start + SCENE_BLOCK]
             x = model.block(yb, b)

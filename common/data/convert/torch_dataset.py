@@ -206,7 +206,9 @@ def prepare_torch(
     mean32, std32 = mean.astype(np.float32)[:, None, None], std.astype(np.float32)[:, None, None]
     block = max(1, BLOCK_BYTES // (4 * int(np.prod(shape))))
     source = f"prepare torch --dataset {spec}" + (f" --kwargs {kwargs}" if kwargs else "")
-    with DatasetWriter(out, shape, n, "scenes", names, source) as w:
+    with DatasetWriter(
+        out, shape, num_samples=n, kind="scenes", class_names=names, source=source
+    ) as w:
         buf = np.empty((block, *shape), dtype=np.float32)
         filled = 0
         for i in tqdm(range(n), desc="pass 2/2 (write)", unit="sample", disable=not progress):
