@@ -245,10 +245,7 @@ def wire_ratio(requests: int) -> tuple[float, float]:
             context = zmq.Context()
             conn = PSConnection(job.address, REPLY_TIMEOUT_MS / 1e3, context=context)
             join = conn.request(JoinRequest("bench", "cpu", 1.0, 1), expect=JoinReply)
-            stores = StoreClient(
-                context, join.shard_addresses, join.shard_bounds, job.address,
-                join.chunk_elems, join.wire_dtype, join.worker_id, join.store_token,
-            )  # fmt: skip
+            stores = StoreClient(context, join, coordinator=job.address)
             ask = TaskRequest(worker_id=join.worker_id, token=join.token, speed=1e3)
             task = conn.request(ask, expect=TaskReply)
             state = torch.empty(join.state_size)

@@ -28,12 +28,12 @@ from common.errors import ConfigError, PSError
 from common.safefile import run_bounded, write_atomic
 from common.training.runlog import RunLog
 from pserver.config import ServerConfig
+from pserver.context import RunBooks, RunContext
 from pserver.membership import Roster
 from pserver.policies import ModePolicy
 from pserver.runstate import RunState
 from pserver.sampler import EpochLedger, EpochSampler
 from pserver.store.stores import CapturedState, ParameterStores
-from pserver.updates import Updater
 
 log = logging.getLogger(__name__)
 
@@ -223,35 +223,29 @@ class Checkpointer:
     """Writes a run's checkpoints, one at a time, gathered at one version.
 
     Args:
-        directory: where checkpoints go (``run_dir/checkpoints``; None: a run without a
-            run directory, which never checkpoints).
-        write_timeout_s: how long writing one may take.
+        context: the run (its directory, where checkpoints go under ``checkpoints``: a run
+            without one never checkpoints; how long writing one may take; its record; the run
+            log for ``checkpoint`` and ``checkpoint_failed`` events and its clock).
+        books: the epoch ledgers, each worker's counters, the mode policy's counters, and
+            the updater, whose lock keeps updates out while the state is gathered.
         identity: what a resuming server must match (``identity_of``).
-        updater: its lock keeps updates out while the state is gathered; its counters.
         stores: where the state and optimizer slots are gathered from.
-        sampler: the epoch ledgers.
-        run: the run's record.
-        roster: each worker's counters.
-        policy: the mode policy's counters.
-        log: the run log (``checkpoint`` and ``checkpoint_failed`` events, its clock).
     """
 
     def __init__(
         self,
-        directory: Path | None,
-        write_timeout_s: float,
+        context: RunContext,
+        books: RunBooks,
+        *,
         identity: dict[str, Any],
-        updater: Updater,
         stores: ParameterStores,
-        sampler: EpochSampler,
-        run: RunState,
-        roster: Roster,
-        policy: ModePolicy,
-        log: RunLog,
     ) -> None:
-        self.directory, self.write_timeout_s, self.identity = directory, write_timeout_s, identity
-        self.updater, self.stores, self.sampler = updater, stores, sampler
-        self.run, self.roster, self.policy, self.log = run, roster, policy, log
+        run_dir = context.config.run_dir
+        self.directory = run_dir / "checkpoints" if run_dir is not None else None
+        self.write_timeout_s, self.identity = context.config.write_timeout_s, identity
+        self.updater, self.stores, self.sampler = books.updater, stores, books.sampler
+        self.run, self.roster, self.policy = context.run, books.roster, books.policy
+        self.log = context.log
         self._lock = asyncio.Lock()
 
     async def save(self) -> bool:

@@ -1,4 +1,4 @@
-"""The coordinator's request handlers: one method per request type.
+"""The coordinator's request handlers: one per request type, and the dispatch over them.
 
 A handler validates everything before it changes anything, and raises ``ProtocolError`` to
 reject a request (the endpoint turns it into an error reply). Pushes go to the push path
@@ -8,7 +8,7 @@ reject a request (the endpoint turns it into an error reply). Pushes go to the p
 from __future__ import annotations
 
 import asyncio
-import functools
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -41,16 +41,14 @@ from common.protocol.messages import (
 from common.protocol.shard_messages import ShardHello
 from common.protocol.tokens import TokenBook
 from common.training.perfmodel import MAX_CALIBRATION
-from common.training.runlog import RunLog
-from pserver.config import ServerConfig
+from pserver.context import RunBooks, RunContext
+from pserver.departures import Departures
 from pserver.desk import TaskDesk
 from pserver.errorlog import RateLimitedLog
-from pserver.membership import MAX_NAME, Roster, Waiter, WorkerInfo
+from pserver.membership import MAX_NAME, Roster, Waiter
 from pserver.pushes import Pushes, check_speed
-from pserver.runstate import RunState
-from pserver.store.service import StoreService
 from pserver.store.shards import ShardRegistry
-from pserver.store.stores import RemoteStores
+from pserver.store.stores import ParameterStores
 from pserver.summary import StatusView
 from pserver.transport import Endpoint, Request
 
@@ -61,79 +59,129 @@ MAX_IN_FLIGHT_BYTES = 256 << 20  # data for one worker read or queued, not yet o
 STATUS_CACHE_S = 0.25
 
 
-class Handlers:
-    """Answers every request the coordinator takes.
+Handler = Callable[[Request, Any], Awaitable[None]]
 
-    Args:
-        config: the server configuration.
-        run: the run's record and lifecycle.
-        roster: the workers.
-        log: the run log.
-        endpoint: where replies go.
-        reader: the dataset (training samples for data requests; its normalisation).
-        stores: the parameter stores (the coordinator's own, or the shard links).
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """What a join reply hands out.
+
+    Attributes:
         tokens: issues worker tokens.
         store_tokens: issues the tokens workers show the stores.
-        join_terms: the run's fixed part of every join reply (model, sizes, wire format, ...).
-        status: the live status.
-        shards: registers shards (None: the run has none).
-        desk: queues tasks and answers waiting workers.
+        terms: the run's fixed part of every join reply (model, sizes, wire format, ...).
+        stores: the parameter stores (their addresses and ranges; a join waits until they
+            can serve).
+    """
+
+    tokens: TokenBook
+    store_tokens: TokenBook
+    terms: dict[str, Any]
+    stores: ParameterStores
+
+
+def router(routes: dict[type[Message], Handler]) -> Callable[[Request, Message], Awaitable[None]]:
+    """The endpoint's dispatch: each parsed request to the handler of its type.
+
+    Args:
+        routes: one handler per request type.
+
+    Returns:
+        The dispatch call.
+    """
+
+    async def dispatch(request: Request, message: Message) -> None:
+        await routes[type(message)](request, message)
+
+    return dispatch
+
+
+def store_routes(
+    stores: ParameterStores, pushes: Pushes, shards: ShardRegistry | None
+) -> dict[type[Message], Handler]:
+    """The handlers of pushes, of gradient chunks and pulls sent to the coordinator, and of
+    shard hellos.
+
+    Args:
+        stores: the parameter stores.
         pushes: the push path.
-        version: the published version.
-        drop_worker: removes a worker that left (``drop_worker(worker, reason)``).
+        shards: registers shards (None: the run has none).
+
+    Returns:
+        One handler per request type.
+    """
+
+    async def chunk(request: Request, msg: GradientChunk) -> None:
+        await stores.on_gradient_chunk(request.identity, request.request_id, msg)
+
+    async def pull(request: Request, msg: PullRequest) -> None:
+        await stores.on_pull(request.identity, request.request_id, msg)
+
+    async def gradient_push(request: Request, msg: GradientPushRequest) -> None:
+        """Staged in the coordinator's own store, then the push path as for ``push_request``."""
+        await stores.on_gradient_push(msg)
+        try:
+            await pushes.push(request, msg)
+        except ProtocolError as exc:  # refused: the gradient it brought goes with it
+            await stores.drop([msg.task_id], exc.code, str(exc))
+            raise
+
+    async def shard_hello(request: Request, msg: ShardHello) -> None:
+        if shards is None:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD, "this server was not started with --shards K > 1"
+            )
+        await shards.register(request, msg)
+
+    return {
+        PushRequest: pushes.push,
+        GradientPushRequest: gradient_push,
+        GradientChunk: chunk,
+        PullRequest: pull,
+        ShardHello: shard_hello,
+    }
+
+
+class Handlers:
+    """Answers the members' requests: join, task, heartbeat, status and leave.
+
+    Args:
+        context: the run (its configuration, record and log).
+        books: the roster and the published version.
+        endpoint: where replies go.
+        admission: what a join reply hands out.
+        status: the live status.
+        desk: queues tasks and answers waiting workers.
+        departures: removes a worker that left.
     """
 
     def __init__(
         self,
-        config: ServerConfig,
-        run: RunState,
-        roster: Roster,
-        log: RunLog,
+        context: RunContext,
+        books: RunBooks,
+        *,
         endpoint: Endpoint,
-        reader: DatasetReader,
-        stores: StoreService | RemoteStores,
-        tokens: TokenBook,
-        store_tokens: TokenBook,
-        join_terms: dict[str, Any],
+        admission: Admission,
         status: StatusView,
-        shards: ShardRegistry | None,
         desk: TaskDesk,
-        pushes: Pushes,
-        version: Callable[[], int],
-        drop_worker: Callable[[WorkerInfo, str], None],
+        departures: Departures,
     ) -> None:
-        self.config, self.run, self.roster, self.log = config, run, roster, log
-        self.endpoint, self.reader, self.stores = endpoint, reader, stores
-        self.tokens, self.store_tokens, self.join_terms = tokens, store_tokens, join_terms
-        self.status_view, self.shards, self.desk, self.pushes = status, shards, desk, pushes
-        self.version, self.drop_worker = version, drop_worker
+        self.config, self.run, self.log = context.config, context.run, context.log
+        self.roster, self.updater, self.endpoint = books.roster, books.updater, endpoint
+        self.admission, self.stores = admission, admission.stores
+        self.status_view, self.desk, self.departures = status, desk, departures
         self._status: tuple[float, dict] | None = None
         self._warnings = RateLimitedLog(logging.getLogger(__name__))
-        self._reading: dict[int, int] = {}  # worker id -> bytes of data replies being read
-        self._sockets: dict[int, set[bytes]] = {}  # worker id -> sockets with queued data
-        train_mask = np.zeros(reader.meta.num_samples, dtype=bool)
-        train_mask[reader.train_indices] = True
-        self._train_mask = train_mask
-        self._sample_bytes = int(np.prod(reader.meta.shape)) * reader.codec.itemsize + 8
 
-    async def dispatch(self, request: Request, message: Message) -> None:
-        """Route a parsed request to its handler."""
-        await self._handlers[type(message)](request, message)
-
-    @functools.cached_property
-    def _handlers(self) -> dict[type[Message], Callable[[Request, Any], Awaitable[None]]]:
+    @property
+    def routes(self) -> dict[type[Message], Handler]:
+        """One handler per request type this class answers."""
         return {
             JoinRequest: self.join,
             TaskRequest: self.task,
-            PushRequest: self.push,
-            GradientPushRequest: self.gradient_push,
-            DataRequest: self.data,
             StatusRequest: self.status,
             HeartbeatRequest: self.heartbeat,
             LeaveRequest: self.leave,
-            GradientChunk: self.store_chunk,
-            PullRequest: self.store_pull,
-            ShardHello: self.shard_hello,
         }
 
     # --- membership -------------------------------------------------------------------------
@@ -156,15 +204,7 @@ class Handlers:
             if problem:  # these reach log lines and reports: no control or markup characters
                 raise ProtocolError(ErrorCode.BAD_FIELD, problem)
         stores = self.stores
-        if isinstance(stores, RemoteStores) and not stores.ready.is_set():
-            try:
-                await asyncio.wait_for(stores.ready.wait(), self.config.shard_timeout_s)
-            except TimeoutError:
-                raise ProtocolError(
-                    ErrorCode.BUSY,
-                    f"waiting for {stores.expected - len(stores.links)} of "
-                    f"{stores.expected} parameter shards to register; try again",
-                ) from None
+        await stores.wait_ready()
         worker = self.roster.add(
             msg.name,
             msg.device,
@@ -197,11 +237,11 @@ class Handlers:
             request.request_id,
             JoinReply(
                 worker_id=worker.worker_id,
-                token=self.tokens.token(worker.worker_id),
-                store_token=self.store_tokens.token(worker.worker_id),
+                token=self.admission.tokens.token(worker.worker_id),
+                store_token=self.admission.store_tokens.token(worker.worker_id),
                 shard_addresses=list(stores.addresses),
                 shard_bounds=list(stores.bounds),
-                **self.join_terms,
+                **self.admission.terms,
             ),
         )
 
@@ -215,7 +255,7 @@ class Handlers:
                 raise
             self.roster.tokens.check(msg.worker_id, msg.token)
         reply = HeartbeatReply(
-            server_id=self.join_terms["server_id"],
+            server_id=self.admission.terms["server_id"],
             failure=self.run.failed,
             finish_reason=self.run.reason,
         )
@@ -224,7 +264,7 @@ class Handlers:
     async def leave(self, request: Request, msg: LeaveRequest) -> None:
         worker = self.roster.member(msg.worker_id, msg.token, request.user_id)
         self.endpoint.reply(request.identity, request.request_id, LeaveReply())
-        self.drop_worker(worker, f"left: {escape_control(msg.reason[:200])}")
+        self.departures.drop(worker, f"left: {escape_control(msg.reason[:200])}")
 
     async def status(self, request: Request, msg: StatusRequest) -> None:
         now = time.monotonic()
@@ -253,23 +293,28 @@ class Handlers:
     def _start_training(self) -> None:
         """Enough workers are ready: training starts."""
         self.run.start_training(self.log.now())
-        self.log.event("train_start", workers=len(self.roster.ready()), version=self.version())
+        self.log.event(
+            "train_start", workers=len(self.roster.ready()), version=self.updater.version
+        )
 
-    async def push(self, request: Request, msg: PushRequest) -> None:
-        await self.pushes.push(request, msg)
 
-    async def gradient_push(self, request: Request, msg: GradientPushRequest) -> None:
-        """A push with its gradient inside: staged in the coordinator's own store, then the
-        push path as for ``push_request``."""
-        stores = self._local_stores("gradient_push_request")
-        await stores.on_gradient_push(msg)
-        try:
-            await self.pushes.push(request, msg)
-        except ProtocolError as exc:  # refused: the gradient it brought goes with it
-            await stores.drop([msg.task_id], exc.code, str(exc))
-            raise
+class DataRequests:
+    """Answers data requests with training samples, bounded per worker.
 
-    # --- data -------------------------------------------------------------------------------
+    Args:
+        reader: the dataset.
+        roster: the workers (who may ask).
+        endpoint: where replies go (and how much of each socket's replies is still queued).
+    """
+
+    def __init__(self, reader: DatasetReader, roster: Roster, *, endpoint: Endpoint) -> None:
+        self.reader, self.roster, self.endpoint = reader, roster, endpoint
+        self._reading: dict[int, int] = {}  # worker id -> bytes of data replies being read
+        self._sockets: dict[int, set[bytes]] = {}  # worker id -> sockets with queued data
+        train_mask = np.zeros(reader.meta.num_samples, dtype=bool)
+        train_mask[reader.train_indices] = True
+        self._train_mask = train_mask
+        self._sample_bytes = int(np.prod(reader.meta.shape)) * reader.codec.itemsize + 8
 
     async def data(self, request: Request, msg: DataRequest) -> None:
         worker = self.roster.member(msg.worker_id, msg.token, request.user_id).worker_id
@@ -315,31 +360,6 @@ class Handlers:
             if not queued[member]:
                 self._sockets.pop(member, None)
         return queued.get(worker, 0) + self._reading.get(worker, 0)
-
-    # --- parameter store (--shards 1) and shard registration --------------------------------
-
-    async def store_chunk(self, request: Request, msg: GradientChunk) -> None:
-        stores = self._local_stores("gradient_chunk")
-        await stores.on_gradient_chunk(request.identity, request.request_id, msg)
-
-    async def store_pull(self, request: Request, msg: PullRequest) -> None:
-        stores = self._local_stores("pull_request")
-        await stores.on_pull(request.identity, request.request_id, msg)
-
-    def _local_stores(self, what: str) -> StoreService:
-        stores = self.stores
-        if not isinstance(stores, StoreService):
-            raise ProtocolError(
-                ErrorCode.BAD_FIELD, f"{what}: this run's parameters live on its shards"
-            )
-        return stores
-
-    async def shard_hello(self, request: Request, msg: ShardHello) -> None:
-        if self.shards is None:
-            raise ProtocolError(
-                ErrorCode.BAD_FIELD, "this server was not started with --shards K > 1"
-            )
-        await self.shards.register(request, msg)
 
 
 def _check_calibration(msg: TaskRequest) -> None:

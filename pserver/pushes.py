@@ -7,24 +7,21 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
 
 from common import stagetrace
 from common.errors import ErrorCode, ProtocolError, ShardLost
-from common.protocol.ending import FinishReason
 from common.protocol.messages import GradientPushRequest, PushRequest
 from pserver.booking import Ledger
-from pserver.config import ServerConfig
+from pserver.context import RunBooks, RunContext
+from pserver.departures import Departures
 from pserver.desk import TaskDesk
-from pserver.membership import Roster, Task, Waiter, WorkerInfo
-from pserver.policies import ModePolicy, Update
+from pserver.membership import Task, Waiter, WorkerInfo
+from pserver.policies import Update
 from pserver.roundtiming import RoundTiming
-from pserver.runstate import RunState
 from pserver.snapshots.snapshot_hooks import SnapshotHook
-from pserver.store.service import Replier
 from pserver.store.stores import ParameterStores
 from pserver.transport import Request
-from pserver.updates import STRIKES_BEFORE_DROP, GradientGuard, Updater
+from pserver.updates import STRIKES_BEFORE_DROP, GradientGuard
 
 log = logging.getLogger(__name__)
 
@@ -35,46 +32,36 @@ class Pushes:
     """Takes pushes and applies the updates they make due.
 
     Args:
-        config: the server configuration (mode, stage timeout).
-        run: the run (nothing is applied once training ended).
-        roster: the workers.
+        context: the run (mode, stage timeout; nothing is applied once training ended; a
+            limit reached ends training, a lost shard fails the run, a checkpoint falls due).
+        books: the workers, the policy that decides each accepted push, and the updater that
+            applies updates, one at a time under its lock.
         stores: where gradients are staged and updates published.
         guard: refuses absurd gradients and clips (``--max-grad-norm``).
-        policy: decides each accepted push.
-        updater: applies updates, one at a time under its lock.
         ledger: books applied updates.
-        desk: answers workers with their next task, or stop.
+        desk: answers workers with their next task, or stop (and with the errors of pushes
+            refused after they waited).
         snapshots: a snapshot of a new version when one is due.
-        replier: error replies to pushes refused after they waited (the server's endpoint).
-        finish: ends training (a limit was reached).
-        fail: ends the run with an error (``stores_lost``: a shard is gone).
-        checkpoint: starts a periodic checkpoint.
-        drop: removes a member (``drop(worker, reason)``) whose pushes are refused again and
-            again.
+        departures: removes a member whose pushes are refused again and again.
     """
 
     def __init__(
         self,
-        config: ServerConfig,
-        run: RunState,
-        roster: Roster,
+        context: RunContext,
+        books: RunBooks,
+        *,
         stores: ParameterStores,
         guard: GradientGuard,
-        policy: ModePolicy,
-        updater: Updater,
         ledger: Ledger,
         desk: TaskDesk,
         snapshots: SnapshotHook,
-        replier: Replier,
-        finish: Callable[[FinishReason], None],
-        fail: Callable[[str, bool], None],
-        checkpoint: Callable[[], None],
-        drop: Callable[[WorkerInfo, str], None],
+        departures: Departures,
     ) -> None:
-        self.config, self.run, self.roster, self.stores = config, run, roster, stores
-        self.guard, self.policy, self.updater, self.ledger = guard, policy, updater, ledger
-        self.desk, self.snapshots, self.replier = desk, snapshots, replier
-        self.finish, self.fail, self.checkpoint, self.drop = finish, fail, checkpoint, drop
+        self.config, self.run, self.finish = context.config, context.run, context.finish
+        self.fail, self.checkpoint = context.fail, context.checkpoint
+        self.roster, self.policy, self.updater = books.roster, books.policy, books.updater
+        self.stores, self.guard, self.ledger, self.desk = stores, guard, ledger, desk
+        self.snapshots, self.replier, self.drop = snapshots, desk.replier, departures.drop
 
     async def push(self, request: Request, msg: PushRequest) -> None:
         """The one path of a push: check it, wait for its gradient to be complete in the

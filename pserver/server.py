@@ -22,10 +22,9 @@ import torch
 
 from common import stagetrace
 from common.data.dataset import DatasetReader
-from common.errors import ErrorCode
 from common.protocol.chunks import chunk_elems_for
 from common.protocol.ending import FinishReason
-from common.protocol.messages import STORE_REQUESTS, WORKER_REQUESTS
+from common.protocol.messages import STORE_REQUESTS, WORKER_REQUESTS, DataRequest
 from common.protocol.security import shard_secret
 from common.protocol.shard_messages import ShardHello
 from common.protocol.tokens import TokenBook, new_key
@@ -37,9 +36,11 @@ from pserver import checkpoint, rundir
 from pserver.booking import Ledger
 from pserver.checkpoint import Checkpointer
 from pserver.config import ServerConfig
+from pserver.context import RunBooks, RunContext
+from pserver.departures import Departures
 from pserver.desk import TaskDesk
 from pserver.evaluation import EvalScheduler
-from pserver.handlers import Handlers
+from pserver.handlers import Admission, DataRequests, Handlers, router, store_routes
 from pserver.membership import Roster, TaskFactory, WorkerInfo
 from pserver.policies import POLICIES
 from pserver.policies.weighted_sync import resolve_min_local_batch
@@ -49,9 +50,8 @@ from pserver.sampler import EpochSampler
 from pserver.shutdown import Shutdown, watch_shards
 from pserver.snapshots.snapshot_hooks import SnapshotHook
 from pserver.store.build import build_stores
-from pserver.store.service import StoreService
-from pserver.store.shards import ShardRegistry
-from pserver.store.stores import CapturedState, RemoteStores
+from pserver.store.shards import ShardRegistry, ShardTerms
+from pserver.store.stores import CapturedState
 from pserver.summary import StatusView
 from pserver.transport import Endpoint, TaskOwner
 from pserver.updates import GradientGuard, Updater
@@ -123,7 +123,7 @@ class ParameterServer:
             allow_own_key=config.shards > 1,  # shards hold the server's key pair
         )
         shard_key = new_key()
-        self.stores = build_stores(
+        self.stores, remote = build_stores(
             config,
             self.initial,
             self.num_params,
@@ -136,19 +136,17 @@ class ParameterServer:
         self.shards = (
             ShardRegistry(
                 config,
-                self.stores,
-                shard_secret(config.shard_secret_file, config.curve_secret),
-                shard_key,
-                self.store_tokens.key,
-                self.initial,
-                self.nonneg,
-                chunk_elems,
-                self.endpoint.context,
-                self.run,
-                self.log,
-                self.endpoint,
+                remote,
+                secret=shard_secret(config.shard_secret_file, config.curve_secret),
+                terms=ShardTerms(
+                    shard_key, self.store_tokens.key, self.initial, self.nonneg, chunk_elems
+                ),
+                zmq_context=self.endpoint.context,
+                run=self.run,
+                log=self.log,
+                replier=self.endpoint,
             )
-            if isinstance(self.stores, RemoteStores)
+            if remote is not None
             else None
         )
 
@@ -176,36 +174,25 @@ class ParameterServer:
                 resumed=bool(resumed),
             ).offer,
         )
+        context = RunContext(
+            config, self.run, self.log, self.finish, self.fail, self._checkpoint_soon
+        )
+        books = RunBooks(self.sampler, self.roster, self.policy, self.updater)
         self.snapshots = SnapshotHook(
-            config.run_dir,
-            config.snapshot_every_updates,
-            config.snapshot_limit,
-            {
+            context,
+            self.updater,
+            info={
                 "mode": config.mode,
                 "model": config.model,
                 "dataset": str(config.dataset.resolve()),
                 "fingerprint": meta.fingerprint,
                 "state_size": self.state_size,
             },
-            self.initial.version if resumed else None,
-            self.updater,
-            self.evaluations,
-            self.run,
-            self.log,
-            self.stores.newest_state,
+            resumed_at=self.initial.version if resumed else None,
+            evaluations=self.evaluations,
+            newest_state=self.stores.newest_state,
         )
-        self.checkpointer = Checkpointer(
-            config.run_dir / "checkpoints" if config.run_dir is not None else None,
-            config.write_timeout_s,
-            identity,
-            self.updater,
-            self.stores,
-            self.sampler,
-            self.run,
-            self.roster,
-            self.policy,
-            self.log,
-        )
+        self.checkpointer = Checkpointer(context, books, identity=identity, stores=self.stores)
         self.ledger = Ledger(
             config,
             self.log,
@@ -223,53 +210,39 @@ class ParameterServer:
             updater=self.updater,
             run=self.run,
             log=self.log,
-            whole_params=self.stores.whole_params
-            if isinstance(self.stores, StoreService) and self.stores.one_chunk
-            else None,
+            whole_params=self.stores.fused_params,
+        )
+        self.departures = Departures(
+            books, self.log, guard=self.guard, stores=self.stores, owner=self.owner, desk=self.desk
         )
         self.pushes = Pushes(
-            config,
-            self.run,
-            self.roster,
-            self.stores,
-            self.guard,
-            self.policy,
-            self.updater,
-            self.ledger,
-            self.desk,
-            self.snapshots,
-            self.endpoint,
-            self.finish,
-            self.fail,
-            self._checkpoint_soon,
-            self.drop_worker,
+            context,
+            books,
+            stores=self.stores,
+            guard=self.guard,
+            ledger=self.ledger,
+            desk=self.desk,
+            snapshots=self.snapshots,
+            departures=self.departures,
         )
         self.status = StatusView(
-            config,
-            meta,
-            self.run,
-            self.log,
-            self.updater,
-            self.roster,
-            self.policy,
-            self.sampler,
-            self.stores,
-            self.guard,
-            self.evaluations,
-            self.snapshots,
+            context,
+            books,
+            meta=meta,
+            stores=self.stores,
+            guard=self.guard,
+            evaluations=self.evaluations,
+            snapshots=self.snapshots,
         )
         self.shutdown = Shutdown(
-            config.shutdown_timeout_s,
-            config.write_timeout_s,
-            self.run,
-            self.log,
-            self.updater,
+            context,
             self.roster,
-            self.evaluations,
-            self.snapshots,
-            self.checkpointer.save if config.run_dir is not None else None,
-            self.desk.stop_waiting,
-            self.status.summary,
+            updater=self.updater,
+            evaluations=self.evaluations,
+            snapshots=self.snapshots,
+            final_checkpoint=self.checkpointer.save if config.run_dir is not None else None,
+            stop_waiting=self.desk.stop_waiting,
+            summary=self.status.summary,
         )
         mean, std = self.reader.codec.wire_stats()
         join_terms = {
@@ -291,23 +264,22 @@ class ParameterServer:
             "norm_mean": mean,
             "norm_std": std,
         }
+        admission = Admission(self.tokens, self.store_tokens, join_terms, self.stores)
         self.handlers = Handlers(
-            config,
-            self.run,
-            self.roster,
-            self.log,
-            self.endpoint,
-            self.reader,
-            self.stores,
-            self.tokens,
-            self.store_tokens,
-            join_terms,
-            self.status,
-            self.shards,
-            self.desk,
-            self.pushes,
-            lambda: self.updater.version,
-            self.drop_worker,
+            context,
+            books,
+            endpoint=self.endpoint,
+            admission=admission,
+            status=self.status,
+            desk=self.desk,
+            departures=self.departures,
+        )
+        self.dispatch = router(
+            {
+                **self.handlers.routes,
+                **store_routes(self.stores, self.pushes, self.shards),
+                DataRequest: DataRequests(self.reader, self.roster, endpoint=self.endpoint).data,
+            }
         )
         self.http: Any = None  # the status page (pserver.observe.statuspage), with --http
         self.address = ""
@@ -370,10 +342,10 @@ class ParameterServer:
         if self.run.finished:  # resumed a run that had already ended
             log.info("the run had already ended (%s); writing its summary", self.run.finish_reason)
             self.owner.spawn(self.shutdown.run_to_end())
-        elif isinstance(self.stores, RemoteStores):
+        elif self.shards is not None:
             self.owner.spawn(
                 watch_shards(
-                    self.stores,
+                    self.shards.stores,
                     self.config.heartbeat_s,
                     self.run,
                     lambda why: self.fail(why, stores_lost=True),
@@ -390,7 +362,7 @@ class ParameterServer:
         Returns:
             The run summary (also written to ``summary.json``).
         """
-        receiver = asyncio.create_task(self.endpoint.receive_loop(self.handlers.dispatch))
+        receiver = asyncio.create_task(self.endpoint.receive_loop(self.dispatch))
         try:
             await self.shutdown.done.wait()
         finally:
@@ -431,26 +403,8 @@ class ParameterServer:
 
     # --- what the server does ---------------------------------------------------------------
 
-    def drop_worker(self, worker: WorkerInfo, reason: str) -> None:
-        """Remove a worker that left or died; the policy plans its unpushed tasks again or
-        their samples go back."""
-        if not worker.active:
-            return
-        dropped = self.roster.take_tasks(worker)
-        self.roster.remove(worker)
-        self.guard.forget(worker.worker_id)
-        for task in self.policy.leave(worker, dropped):
-            self.sampler.give_back(task.epoch, task.positions)
-        self.log.event("leave", worker=worker.name, reason=reason[:200])
-        log.info("worker %s is gone: %s", worker.name, reason)
-        if dropped:
-            ids = [t.task_id for t in dropped]
-            self.owner.spawn(self.stores.drop(ids, ErrorCode.UNKNOWN_WORKER, "the worker left"))
-        self.desk.plan()
-        self.desk.dispatch()
-
     def _on_dead(self, worker: WorkerInfo) -> None:
-        self.drop_worker(worker, f"dead: silent for {self.config.dead_after_s:g} s")
+        self.departures.drop(worker, f"dead: silent for {self.config.dead_after_s:g} s")
 
     def _on_eval(self, record: dict[str, Any]) -> None:
         self.run.evals.append(record)

@@ -10,7 +10,7 @@ from typing import Any
 
 from common.errors import ShardLost
 from common.safefile import run_bounded
-from common.training.runlog import RunLog
+from pserver.context import RunContext
 from pserver.evaluation import EvalScheduler
 from pserver.membership import Roster
 from pserver.runstate import RunPhase, RunState
@@ -27,37 +27,35 @@ class Shutdown:
     """Winds a run down once training ended.
 
     Args:
-        budget_s: ``--shutdown-timeout``: the whole end must fit in it.
-        write_timeout_s: how long the final snapshot writes may take.
-        run: the run's record (its errors, its phase).
-        log: the run log (the summary is written through it).
-        updater: its lock lets an update being published complete first.
+        context: the run (``--shutdown-timeout``, which the whole end must fit in, and how long
+            the final snapshot writes may take; its record, its phase; the run log the summary
+            is written through).
         roster: the workers, whose stops are waited for.
+        updater: its lock lets an update being published complete first.
         evaluations: the final evaluation.
         snapshots: the final snapshot.
-        checkpoint: writes the final checkpoint (None: the run has no run directory).
+        final_checkpoint: writes the final checkpoint (None: the run has no run directory).
         stop_waiting: answers every waiting worker with stop.
         summary: the run summary to write.
     """
 
     def __init__(
         self,
-        budget_s: float,
-        write_timeout_s: float,
-        run: RunState,
-        log: RunLog,
-        updater: Updater,
+        context: RunContext,
         roster: Roster,
+        *,
+        updater: Updater,
         evaluations: EvalScheduler,
         snapshots: SnapshotHook,
-        checkpoint: Callable[[], Awaitable[bool]] | None,
+        final_checkpoint: Callable[[], Awaitable[bool]] | None,
         stop_waiting: Callable[[], None],
         summary: Callable[[], dict[str, Any]],
     ) -> None:
-        self.budget_s, self.write_timeout_s = budget_s, write_timeout_s
-        self.run, self.log, self.updater, self.roster = run, log, updater, roster
-        self.evaluations, self.snapshots, self.checkpoint = evaluations, snapshots, checkpoint
-        self.stop_waiting, self.summary = stop_waiting, summary
+        self.budget_s = context.config.shutdown_timeout_s
+        self.write_timeout_s = context.config.write_timeout_s
+        self.run, self.log, self.updater, self.roster = context.run, context.log, updater, roster
+        self.evaluations, self.snapshots = evaluations, snapshots
+        self.checkpoint, self.stop_waiting, self.summary = final_checkpoint, stop_waiting, summary
         self.done = asyncio.Event()  # set once the summary is written
 
     async def run_to_end(self) -> None:

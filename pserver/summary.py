@@ -5,31 +5,21 @@ from __future__ import annotations
 from typing import Any
 
 from common.data.dataset import DatasetMeta
-from common.training.runlog import RunLog
 from common.training.summary import SCORE_KEYS, per_class_of, run_summary
-from pserver.config import ServerConfig
+from pserver.context import RunBooks, RunContext
 from pserver.evaluation import EvalScheduler
-from pserver.membership import Roster
-from pserver.policies import ModePolicy
-from pserver.runstate import RunState
-from pserver.sampler import EpochSampler
 from pserver.snapshots.snapshot_hooks import SnapshotHook
 from pserver.store.stores import ParameterStores
-from pserver.updates import GradientGuard, Updater
+from pserver.updates import GradientGuard
 
 
 class StatusView:
     """Reads the run's parts into the summary and the live status; changes nothing.
 
     Args:
-        config: the server configuration.
+        context: the run (its configuration, record and the run log's clock).
+        books: the epoch under way, the workers, the policy's figures, version and counters.
         meta: the dataset's description (class names).
-        run: the run's record.
-        log: the run log's clock.
-        updater: version and counters.
-        roster: the workers.
-        policy: mode-specific figures.
-        sampler: the epoch under way.
         stores: where the parameters live (shard addresses, ranges, health).
         guard: refused and clipped pushes.
         evaluations: skipped evaluations.
@@ -38,22 +28,19 @@ class StatusView:
 
     def __init__(
         self,
-        config: ServerConfig,
+        context: RunContext,
+        books: RunBooks,
+        *,
         meta: DatasetMeta,
-        run: RunState,
-        log: RunLog,
-        updater: Updater,
-        roster: Roster,
-        policy: ModePolicy,
-        sampler: EpochSampler,
         stores: ParameterStores,
         guard: GradientGuard,
         evaluations: EvalScheduler,
         snapshots: SnapshotHook,
     ) -> None:
-        self.config, self.meta, self.run, self.log = config, meta, run, log
-        self.updater, self.roster, self.policy, self.sampler = updater, roster, policy, sampler
-        self.stores, self.guard = stores, guard
+        self.config, self.run, self.log = context.config, context.run, context.log
+        self.updater, self.roster = books.updater, books.roster
+        self.policy, self.sampler = books.policy, books.sampler
+        self.meta, self.stores, self.guard = meta, stores, guard
         self.evaluations, self.snapshots = evaluations, snapshots
 
     def summary(self) -> dict[str, Any]:

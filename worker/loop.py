@@ -217,16 +217,7 @@ class Worker:
             self.conn = self._connect(self.config.reply_timeout_s, abort)
             heartbeat.start()
             self.stores = StoreClient(
-                self.context,
-                spec.shard_addresses,
-                spec.shard_bounds,
-                self.config.server,
-                spec.chunk_elems,
-                spec.wire_dtype,
-                spec.worker_id,
-                spec.store_token,
-                self.curve,
-                abort,
+                self.context, spec, coordinator=self.config.server, curve=self.curve, abort=abort
             )
             replica = self.replica
             assert replica is not None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -26,6 +25,7 @@ from common.protocol.chunks import as_tensor, chunk_spans, decode_into, encode
 from common.protocol.messages import (
     REPLIES,
     GradientChunk,
+    JoinReply,
     ParamsChunk,
     PullRequest,
     TaskParamsReply,
@@ -38,13 +38,11 @@ class StoreClient:
 
     Args:
         context: the worker's ZeroMQ context.
-        addresses: one endpoint per store ("" stands for ``coordinator``).
-        bounds: store ``k`` holds state elements ``bounds[k]`` to ``bounds[k + 1]``.
+        join: the join reply: one endpoint per store ("" stands for ``coordinator``), the
+            ranges (store ``k`` holds state elements ``shard_bounds[k]`` to
+            ``shard_bounds[k + 1]``), elements per chunk, the wire format, this worker's id
+            and its store token.
         coordinator: the coordinator's endpoint.
-        chunk_elems: elements per chunk.
-        wire: the run's wire format.
-        worker_id: this worker's id.
-        token: its store token (``JoinReply.store_token``).
         curve: CURVE keys (stores use the coordinator's key pair).
         abort: an ``inproc://`` endpoint whose messages end every wait with ``ServerLost``.
     """
@@ -52,16 +50,14 @@ class StoreClient:
     def __init__(
         self,
         context: zmq.Context,
-        addresses: Sequence[str],
-        bounds: Sequence[int],
+        join: JoinReply,
+        *,
         coordinator: str,
-        chunk_elems: int,
-        wire: str,
-        worker_id: int,
-        token: str,
         curve: ClientKeys | None = None,
         abort: str | None = None,
     ) -> None:
+        addresses, bounds, chunk_elems = join.shard_addresses, join.shard_bounds, join.chunk_elems
+        wire, worker_id, token = join.wire_dtype, join.worker_id, join.store_token
         if len(bounds) != len(addresses) + 1 or list(bounds) != sorted(bounds):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"malformed shard bounds {list(bounds)[:8]}")
         self.wire, self.worker_id, self.token = wire, worker_id, token

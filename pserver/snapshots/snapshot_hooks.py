@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from common.errors import PSError
-from common.training.runlog import RunLog
+from pserver.context import RunContext
 from pserver.evaluation import EvalScheduler
-from pserver.runstate import RunState
 from pserver.snapshots.snapshots import SnapshotMeta, SnapshotWriter
 from pserver.updates import Updater
 
@@ -26,34 +24,41 @@ class SnapshotHook:
     """Takes the run's snapshots (a no-op when snapshots are off).
 
     Args:
-        run_dir: the run directory (None: no snapshots).
-        every: ``--snapshot-every-updates`` (None: no snapshots).
-        limit: ``--snapshot-limit``.
+        context: the run (its directory, ``--snapshot-every-updates`` and ``--snapshot-limit``:
+            no snapshots without both; its record: stores lost, epochs, training time; the
+            run log's clock).
+        updater: the published version and its counters.
         info: what identifies the run in its snapshot files (mode, model, dataset, ...).
         resumed_at: the version a resumed run continues from (later snapshots are dropped);
             None for a new run.
-        updater: the published version and its counters.
         evaluations: what is known of each version (epoch, samples, time).
-        run: the run's record (stores lost, epochs, training time).
-        log: the run log's clock.
         newest_state: the published version, its state and the call that lets go of it.
     """
 
     def __init__(
         self,
-        run_dir: Path | None,
-        every: int | None,
-        limit: int,
+        context: RunContext,
+        updater: Updater,
+        *,
         info: dict[str, Any],
         resumed_at: int | None,
-        updater: Updater,
         evaluations: EvalScheduler,
-        run: RunState,
-        log: RunLog,
         newest_state: StateSource,
     ) -> None:
-        self._options = (run_dir, every, limit, info, resumed_at)
-        self.updater, self.evaluations, self.run, self.log = updater, evaluations, run, log
+        cfg = context.config
+        self._options = (
+            cfg.run_dir,
+            cfg.snapshot_every_updates,
+            cfg.snapshot_limit,
+            info,
+            resumed_at,
+        )
+        self.updater, self.evaluations, self.run, self.log = (
+            updater,
+            evaluations,
+            context.run,
+            context.log,
+        )
         self.newest_state = newest_state
         self.writer: SnapshotWriter | None = None
 

@@ -11,7 +11,7 @@ from pserver.config import ServerConfig
 from pserver.store.optimizer import FlatOptimizer
 from pserver.store.service import CapturedState, Replier, StoreService
 from pserver.store.slices import SliceStore
-from pserver.store.stores import RemoteStores
+from pserver.store.stores import ParameterStores, RemoteStores
 
 
 def make_optimizer(config: ServerConfig) -> FlatOptimizer:
@@ -34,7 +34,7 @@ def build_stores(
     shard_key: str,
     store_tokens: TokenBook,
     replier: Replier,
-) -> StoreService | RemoteStores:
+) -> tuple[ParameterStores, RemoteStores | None]:
     """The stores of a run, starting from ``initial`` (the initial or resumed state).
 
     Args:
@@ -48,17 +48,19 @@ def build_stores(
         replier: answers workers' chunks and pulls (``--shards 1``: the server's endpoint).
 
     Returns:
-        The server's own store service (``--shards 1``), or the links to K shards.
+        The stores, and the links to K shards that shard hellos fill (None with
+        ``--shards 1``, where the stores are the server's own store service).
     """
     state_size = len(initial.state)
     if config.shards > 1:
-        return RemoteStores(
+        remote = RemoteStores(
             shard_bounds(state_size, config.shards),
             shard_key,
             timeout_s=config.shard_timeout_s,
             num_params=num_params,
             slots=make_optimizer(config).slots,
         )
+        return remote, remote
     store = SliceStore(
         0,
         state_size,
@@ -73,10 +75,11 @@ def build_stores(
         store.load_slots(
             initial.slots, torch.from_numpy(initial.slot_state), initial.optimizer_steps
         )
-    return StoreService(
+    service = StoreService(
         store,
         config.wire_dtype,
         tokens=store_tokens,
         replier=replier,
         pull_timeout_s=config.stage_timeout_s,
     )
+    return service, None

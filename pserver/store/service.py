@@ -132,6 +132,14 @@ class StoreService:
         """The slice is one chunk: pushes may carry their gradient (``gradient_push_request``)."""
         return len(self.store.spans) == 1
 
+    @property
+    def fused_params(self) -> Callable[[], tuple[ParamsChunk, Lease | None] | None] | None:
+        """``whole_params`` when the slice is one chunk, else None."""
+        return self.whole_params if self.one_chunk else None
+
+    async def wait_ready(self) -> None:
+        """The slice serves from the start."""
+
     async def on_gradient_chunk(self, identity: bytes, request_id: int, msg: GradientChunk) -> None:
         """Stage one chunk; its reply waits for the update the gradient goes into."""
         staged = await self._stage(

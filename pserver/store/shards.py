@@ -3,6 +3,7 @@ shard secret, and is given its range."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -22,6 +23,25 @@ from pserver.transport import Request
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardTerms:
+    """What every shard is welcomed with, apart from its range.
+
+    Attributes:
+        shard_key: the key the shards' control requests carry.
+        store_token_key: the key shards check workers' store tokens with.
+        initial: the state (and optimizer slots) the run starts from.
+        nonneg: flat ranges that must stay non-negative.
+        chunk_elems: elements per wire chunk.
+    """
+
+    shard_key: str
+    store_token_key: str
+    initial: CapturedState
+    nonneg: list[int]
+    chunk_elems: int
+
+
 class ShardRegistry:
     """Registers a run's K parameter shards.
 
@@ -29,12 +49,8 @@ class ShardRegistry:
         config: the server configuration (optimizer, wire format, timeouts, CURVE secret).
         stores: the shard links, filled as shards register.
         secret: the run's shard secret, which a hello must prove.
-        shard_key: the key the shards' control requests carry.
-        store_token_key: the key shards check workers' store tokens with.
-        initial: the state (and optimizer slots) the run starts from.
-        nonneg: flat ranges that must stay non-negative.
-        chunk_elems: elements per wire chunk.
-        context: the ZeroMQ context to connect to shards with.
+        terms: what every shard is welcomed with.
+        zmq_context: the ZeroMQ context to connect to shards with.
         run: the run (no shard registers after training ended).
         log: the run log (``shard`` events).
         replier: answers the hellos (the server's endpoint).
@@ -44,21 +60,18 @@ class ShardRegistry:
         self,
         config: ServerConfig,
         stores: RemoteStores,
+        *,
         secret: bytes,
-        shard_key: str,
-        store_token_key: str,
-        initial: CapturedState,
-        nonneg: list[int],
-        chunk_elems: int,
-        context: zmq.asyncio.Context,
+        terms: ShardTerms,
+        zmq_context: zmq.asyncio.Context,
         run: RunState,
         log: RunLog,
         replier: Replier,
     ) -> None:
         self.config, self.stores, self.secret = config, stores, secret
-        self.shard_key, self.store_token_key = shard_key, store_token_key
-        self.initial, self.nonneg, self.chunk_elems = initial, nonneg, chunk_elems
-        self.context, self.run, self.log, self.replier = context, run, log, replier
+        self.shard_key, self.store_token_key = terms.shard_key, terms.store_token_key
+        self.initial, self.nonneg, self.chunk_elems = terms.initial, terms.nonneg, terms.chunk_elems
+        self.context, self.run, self.log, self.replier = zmq_context, run, log, replier
 
     async def register(self, request: Request, msg: ShardHello) -> None:
         """Give a shard server the next free range of the state and connect to it.

@@ -20,6 +20,13 @@ import numpy as np
 
 from common.errors import ErrorCode, NetworkTimeout, ProtocolError, RemoteError, ShardLost
 from common.protocol.aclient import AsyncConnection
+from common.protocol.messages import (
+    GradientChunk,
+    GradientPushRequest,
+    Message,
+    ParamsChunk,
+    PullRequest,
+)
 from common.protocol.shard_messages import (
     AbortRequest,
     AckReply,
@@ -35,6 +42,7 @@ from common.protocol.shard_messages import (
     StagedRequest,
     StateReply,
 )
+from pserver.store.pool import Lease
 from pserver.store.service import CapturedState, StageReport
 
 __all__ = ["CapturedState", "ParameterStores", "RemoteStores", "ShardLink"]
@@ -84,6 +92,27 @@ class ParameterStores(Protocol):
 
     async def close(self, reason: str) -> None:
         """Answer what is pending and stop."""
+
+    async def wait_ready(self) -> None:
+        """Return once every store can serve workers.
+
+        Raises:
+            ProtocolError: BUSY, the stores are not all there within their timeout.
+        """
+
+    @property
+    def fused_params(self) -> Callable[[], tuple[ParamsChunk, Lease | None] | None] | None:
+        """The published parameters as one chunk for replies to pushes that carried their
+        gradient (None: no push may carry its gradient)."""
+
+    async def on_gradient_chunk(self, identity: bytes, request_id: int, msg: GradientChunk) -> None:
+        """A worker's gradient chunk sent to the coordinator."""
+
+    async def on_gradient_push(self, msg: GradientPushRequest) -> None:
+        """A push that carried its whole gradient."""
+
+    async def on_pull(self, identity: bytes, request_id: int, msg: PullRequest) -> None:
+        """A worker's pull sent to the coordinator."""
 
 
 @dataclasses.dataclass
@@ -309,6 +338,29 @@ class RemoteStores:
             }
         return [r.version for r in replies]
 
+    async def wait_ready(self) -> None:
+        if self.ready.is_set():
+            return
+        try:
+            await asyncio.wait_for(self.ready.wait(), self.timeout_s)
+        except TimeoutError:
+            raise ProtocolError(
+                ErrorCode.BUSY,
+                f"waiting for {self.expected - len(self.links)} of {self.expected} parameter "
+                "shards to register; try again",
+            ) from None
+
+    fused_params = None  # a push's reply cannot carry parameters that live on K shards
+
+    async def on_gradient_chunk(self, identity: bytes, request_id: int, msg: GradientChunk) -> None:
+        _on_shards(msg)
+
+    async def on_gradient_push(self, msg: GradientPushRequest) -> None:
+        _on_shards(msg)
+
+    async def on_pull(self, identity: bytes, request_id: int, msg: PullRequest) -> None:
+        _on_shards(msg)
+
     async def close(self, reason: str) -> None:
         request = ShutdownRequest(key=self.key, reason=reason[:200])
         await asyncio.gather(
@@ -317,6 +369,12 @@ class RemoteStores:
         )
         for link in self.links:
             await link.connection.close()
+
+
+def _on_shards(msg: Message) -> None:
+    raise ProtocolError(
+        ErrorCode.BAD_FIELD, f"{msg.TYPE}: this run's parameters live on its shards"
+    )
 
 
 def _code(code: Any) -> ErrorCode:

@@ -364,7 +364,9 @@ def _policy(planner: str, plan_spread: bool = True) -> tuple[WeightedSync, list[
         global_batch=64,
         epochs=50,
     )
-    policy = WeightedSync(config, EpochSampler(640, 0, max_epochs=50), tasks=TaskFactory(np.arange(640)))
+    policy = WeightedSync(
+        config, EpochSampler(640, 0, max_epochs=50), tasks=TaskFactory(np.arange(640))
+    )
     workers = []
     for wid, transfer in ((1, 0.0), (2, 0.02)):  # same compute; worker 2 on a slow link
         worker = WorkerInfo(wid, f"w{wid}", "cpu", 1.0, 1, 0.0, speed=100.0 * wid)

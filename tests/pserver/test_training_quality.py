@@ -150,7 +150,9 @@ def test_a_worker_that_leaves_mid_round_changes_no_update(policy_cls: type) -> N
 
 def test_a_round_nobody_is_left_in_waits_for_a_worker() -> None:
     config = ServerConfig(dataset=Path("unused.h5"), model="hsi-cnn", global_batch=8, epochs=1)
-    policy = WeightedSync(config, EpochSampler(16, 0, max_epochs=1), tasks=TaskFactory(np.arange(16)))
+    policy = WeightedSync(
+        config, EpochSampler(16, 0, max_epochs=1), tasks=TaskFactory(np.arange(16))
+    )
     alone = WorkerInfo(1, "a", "cpu", 1.0, 1, 0.0, speed=10.0)
     planned = policy.plan([alone])
     assert policy.leave(alone, [t for _, t in planned]) == []
@@ -290,7 +292,9 @@ def test_weighted_sync_leaves_out_a_worker_below_the_minimum_and_probes_it() -> 
     config = ServerConfig(
         dataset=Path("unused.h5"), model="hsi-cnn", global_batch=64, epochs=5, min_local_batch=8
     )
-    policy = WeightedSync(config, EpochSampler(640, 0, max_epochs=5), tasks=TaskFactory(np.arange(640)))
+    policy = WeightedSync(
+        config, EpochSampler(640, 0, max_epochs=5), tasks=TaskFactory(np.arange(640))
+    )
     workers = []
     for wid, per_sample in ((1, 0.001), (2, 0.001), (3, 0.008)):
         worker = WorkerInfo(wid, f"w{wid}", "cpu", 1.0, 1, 0.0, speed=1 / per_sample)
