@@ -271,3 +271,90 @@ def test_plans_are_composed_only_by_the_planner_and_the_policies() -> None:
         for alias in node.names
     }
     assert {"WeightedPlanner", "async_batches", "plan_equal", "lr_scale", "too_stale"} <= used
+
+
+MAX_PARAMETERS, MAX_POSITIONAL = 8, 2
+STORE_KINDS = {"StoreService", "RemoteStores", "SliceStore"}
+
+
+def _sources() -> dict[str, Path]:
+    """Every non-test module: the floors and the benches."""
+    found = _modules()
+    for path in (ROOT / "bench").rglob("*.py"):
+        found[".".join(path.relative_to(ROOT).with_suffix("").parts)] = path
+    return found
+
+
+def _wide_constructors(source: str) -> list[str]:
+    """Classes whose ``__init__`` takes more than 8 parameters, or more than 2 that may be
+    passed by position (``self`` not counted). A constructor that forwards ``*args`` to its
+    base takes the base's signature, which is checked where it is defined; dataclasses are
+    records, not wiring, and are not checked."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for item in node.body:
+            if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                args = item.args
+                positional = len(args.posonlyargs) + len(args.args) - 1
+                total = positional + len(args.kwonlyargs)
+                if total > MAX_PARAMETERS or positional > MAX_POSITIONAL:
+                    found.append(f"{node.name}: {positional} positional of {total}")
+    return found
+
+
+def _store_kind_checks(source: str) -> list[str]:
+    """Where ``source`` asks which kind of parameter store it has (``isinstance``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "isinstance":
+            kinds = node.args[1] if len(node.args) > 1 else None
+            names = kinds.elts if isinstance(kinds, ast.Tuple) else [kinds]
+            if any(isinstance(n, ast.Name | ast.Attribute) and ast.unparse(n).split(".")[-1]
+                   in STORE_KINDS for n in names):  # fmt: skip
+                found.append(ast.unparse(node))
+    return found
+
+
+def test_the_constructor_check_finds_wide_wiring() -> None:
+    wide = (
+        "class A:\n    def __init__(self, a, b, c): ...\n"
+        "class B:\n    def __init__(self, a, b, *, c, d, e, f, g, h, i): ...\n"
+        "class C:\n    def __init__(self, a, b, *, c, d, e, f, g, h): ...\n"
+        "class D:\n    def __init__(self, *args, **kwargs): ...\n"
+    )
+    assert _wide_constructors(wide) == ["A: 3 positional of 3", "B: 2 positional of 9"]
+
+
+def test_components_are_built_by_keyword_with_few_collaborators() -> None:
+    """No constructor takes more than 8 parameters, and none beyond the first two by position."""
+    found = [
+        f"{name}: {what}"
+        for name, path in _sources().items()
+        for what in _wide_constructors(path.read_text(encoding="utf-8"))
+    ]
+    assert found == []
+
+
+def test_the_store_kind_check_finds_a_switch() -> None:
+    source = (
+        "if isinstance(stores, RemoteStores): ...\n"
+        "ok = isinstance(s, (int, stores.StoreService))\n"
+        "fine = isinstance(msg, PullRequest)\n"
+    )
+    assert _store_kind_checks(source) == [
+        "isinstance(stores, RemoteStores)",
+        "isinstance(s, (int, stores.StoreService))",
+    ]
+
+
+def test_no_caller_asks_which_store_it_has() -> None:
+    """Outside the store package the parameter stores are used through ``ParameterStores``."""
+    found = [
+        f"{name}: {what}"
+        for name, path in _sources().items()
+        if not name.startswith("pserver.store")
+        for what in _store_kind_checks(path.read_text(encoding="utf-8"))
+    ]
+    assert found == []
