@@ -52,7 +52,7 @@ WAITING = ("idle (event loop waits)", "wait for the server's reply")  # no CPU s
 CPU_ROUNDS = 200  # rounds over which CPU time is measured, before sampling
 SERVER_STAGES = [
     ("idle (event loop waits)", ("EpollSelector.select",)),
-    ("data requests (prefetch)", ("Handlers.data",)),
+    ("data requests (prefetch)", ("DataRequests.data",)),
     (
         "stage gradient: decode + checks",
         ("StoreService.on_gradient_chunk", "StoreService.on_gradient_push"),
