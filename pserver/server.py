@@ -4,9 +4,10 @@ the collaborators it uses, and owns their lifecycle.
 ``__init__`` builds them in order: the run directory, dataset and model; the run's books (its
 record and lifecycle, sampler, roster, policy), restored from a checkpoint when resuming;
 the transport and the parameter stores (its own with ``--shards 1``, else K shard servers);
-then the components that act on them: the updater, evaluations, snapshots, checkpointer,
-ledger, task desk, push path, status view, shutdown and request handlers. Policies decide;
-the components act (``pserver.pushes`` carries out each push's decision).
+then the components that act on them, sharing one ``RunContext`` and the ``RunBooks``: the
+updater, evaluations, snapshots, checkpointer, ledger, task desk, departures, push path, status
+view, shutdown and request handlers. Policies decide; the components act (``pserver.pushes``
+carries out each push's decision).
 """
 
 from __future__ import annotations
@@ -274,11 +275,12 @@ class ParameterServer:
             desk=self.desk,
             departures=self.departures,
         )
+        self.data = DataRequests(self.reader, self.roster, endpoint=self.endpoint)
         self.dispatch = router(
             {
                 **self.handlers.routes,
                 **store_routes(self.stores, self.pushes, self.shards),
-                DataRequest: DataRequests(self.reader, self.roster, endpoint=self.endpoint).data,
+                DataRequest: self.data.data,
             }
         )
         self.http: Any = None  # the status page (pserver.observe.statuspage), with --http

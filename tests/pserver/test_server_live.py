@@ -260,7 +260,7 @@ async def test_unread_data_is_bounded_per_worker_over_all_its_sockets(
     async with live_server(small_hsi, mode="async") as ps, clients(ps.address, 3) as socks:
         member, task = await socks[0].join("w")
         indices = [int(i) for i in task.indices]
-        nbytes = len(indices) * ps.handlers._sample_bytes
+        nbytes = len(indices) * ps.data._sample_bytes
         monkeypatch.setattr("pserver.handlers.MAX_IN_FLIGHT_BYTES", 3 * nbytes)
         release = threading.Event()
         read = ps.reader.read_stored
