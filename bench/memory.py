@@ -41,7 +41,7 @@ bands = args["bands"]
 net = torch.nn.Sequential(
     torch.nn.Conv2d(bands, 4, 1), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()
 )
-module = RawInput(net, np.zeros(bands), np.ones(bands)).eval()
+module = RawInput(net, np.zeros(bands), std=np.ones(bands)).eval()
 meta = {"kind": "hsi", "bands": bands, "patch": 5, "class_names": list("abcd")}
 model = LoadedModel(Path("tiny"), meta, module, torch.device("cpu"))
 """
