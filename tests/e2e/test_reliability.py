@@ -284,6 +284,8 @@ def _launch(small_hsi: Path, run_dir: Path, restarts: int) -> Child:
         *("--run-dir", str(run_dir), "--no-progress", "--restarts", str(restarts)),
         "--server-opt=--dead-after=2",
         "--server-opt=--heartbeat=0.5",
+        # Checkpoints rare enough (an epoch is 9 updates) that the kills land before the next.
+        "--server-opt=--checkpoint-every=60",
     )
 
 
