@@ -97,7 +97,7 @@ def replay(factors: list[float]) -> list[tuple[int, int]]:
     twins = [[m for m, _ in speed_models(fits)] for _ in range(2)]
     rng, batches = random.Random(2), []
     for r, factor in enumerate(factors):
-        fitted = [dict(enumerate(m.fit(m.refit_due()) for m in t)) for t in twins]  # all fitted
+        fitted = [dict(enumerate(m.refresh() for m in t)) for t in twins]  # all fitted
         plain, seen = (plan_by_model(f, 128) or {} for f in fitted)  # type: ignore[arg-type]
         batches.append((plain[0], seen.get(0, 0)))
         for w, b in plain.items():

@@ -35,7 +35,7 @@ CHANGE_Z = 4.0  # robust sigmas of the log ratio measured / predicted
 MIN_NOISE = 0.05  # floor of that sigma: changes below about 20 % are left to the window
 CHANGE_MIN_POINTS = 8  # measurements a window needs before its scatter is trusted
 NOISE_FLOOR_S = 1e-4  # added to both sides of a ratio, so near-zero times do not blow it up
-# Compute measurements a server's routine refit waits for (``PerfModel.refit_due``): a fit
+# Compute measurements a server's routine refit waits for (``PerfModel.refresh``): a fit
 # costs about a millisecond, and a change point is taken in by the next fit anyway.
 REFIT_EVERY = 8
 
@@ -289,9 +289,10 @@ class PerfModel:
             self._pending = 0
         return self._fit
 
-    def refit_due(self) -> bool:
-        """Whether ``REFIT_EVERY`` compute measurements came in since the last fit."""
-        return self._pending >= REFIT_EVERY
+    def refresh(self) -> Fit | None:
+        """The server's routine fit: refitted once ``REFIT_EVERY`` compute measurements came
+        in since the last fit (or at once after a change point), else the current one."""
+        return self.fit(refit=self._pending >= REFIT_EVERY)
 
     def _refit(self) -> Fit | None:
         points = [*self.calibration, *self.compute]

@@ -217,7 +217,7 @@ class SyncRounds(ModePolicy):
         (a refit per plan would delay every reply); a change point is refitted by the plan
         itself."""
         for worker, _, _ in update.entries:
-            worker.perf.fit(refit=worker.perf.refit_due())
+            worker.perf.refresh()
 
     def idle_share(self) -> float | None:
         """Sum of idle time over sum of worker round time, over every applied round."""

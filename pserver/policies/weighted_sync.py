@@ -60,7 +60,7 @@ class WeightedSync(SyncRounds):
     ) -> Decision:
         decision = super().decide(worker, task, push, version, clip)
         if decision.update is None and self.config.planner != "speed":
-            worker.perf.fit(refit=worker.perf.refit_due())  # while the round waits
+            worker.perf.refresh()  # while the round waits
         return decision
 
     def batch_sizes(self, workers: list[WorkerInfo], total: int) -> dict[int, int]:
