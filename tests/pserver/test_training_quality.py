@@ -191,6 +191,19 @@ def test_ddp_weighs_its_epoch_tail_step_as_the_parameter_server_does() -> None:
 # --- BatchNorm statistics ----------------------------------------------------------------------
 
 
+def _whole_store(layout: FlatLayout, optimizer: FlatOptimizer) -> SliceStore:
+    """One store holding every parameter of ``layout``, at its current state."""
+    return SliceStore(
+        0,
+        layout.size,
+        num_params=layout.num_params,
+        state=layout.read_state(),
+        optimizer=optimizer,
+        nonneg_bounds=[],
+        chunk_elems=1 << 20,
+    )
+
+
 def _local_push(
     model: nn.Module, layout: FlatLayout, x: torch.Tensor, y: torch.Tensor
 ) -> torch.Tensor:
@@ -243,15 +256,7 @@ def test_batchnorm_statistics_after_a_round_with_a_tiny_share_equal_the_hand_mer
     rnd.received = dict(by_task)
     update = rnd.update()
     optimizer = FlatOptimizer("sgd", lr=0.05)
-    store = SliceStore(
-        0,
-        layout.size,
-        num_params=layout.num_params,
-        state=layout.read_state(),
-        optimizer=optimizer,
-        nonneg_bounds=[],
-        chunk_elems=1 << 20,
-    )
+    store = _whole_store(layout, optimizer)
     for w, push in pushes.items():
         store.stage(planned[w].task_id, w, 0, 0, 1.0, push)
     ok, reason = store.prepare(1, update.task_ids, update.weights, 1.0, update.buffer_scale)
@@ -339,15 +344,7 @@ def _train(model_name: str, splits: list[dict[int, int]], steps: int) -> torch.T
     model = build_model(model_name, in_channels=6, num_classes=3, input_size=5)
     layout = FlatLayout(model)
     optimizer = FlatOptimizer("sgd", lr=0.05, momentum=0.9, weight_decay=1e-4)
-    store = SliceStore(
-        0,
-        layout.size,
-        num_params=layout.num_params,
-        state=layout.read_state(),
-        optimizer=optimizer,
-        nonneg_bounds=[],
-        chunk_elems=1 << 20,
-    )
+    store = _whole_store(layout, optimizer)
     data = torch.Generator().manual_seed(1)
     task = 0
     for step in range(steps):
