@@ -1,9 +1,13 @@
 """Fixed cost of a round: the PS round against the same step in one process, and against the
 floor of an asyncio + ZeroMQ server measured beside it.
 
-A round's overhead is its median round time minus the median in-process step of the same
-repeat. With ``--baseline DIR`` every PS run is also made with that checkout's code, right
-after this code's (the order flips every repeat).
+A round's overhead is the round's time outside its worker's compute, paired round by round
+(sync: the round's time less its slowest worker's reported compute; async: the time from a
+worker's push to its next less that push's compute), less the optimizer step the in-process
+loop runs (the server runs it): the same quantity as the median round less the median
+in-process step, without the scatter of two 30 ms medians taken apart. That unpaired figure is
+printed beside it. With ``--baseline DIR`` every PS run is also made with that checkout's code,
+right after this code's (the order flips every repeat).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -33,9 +38,9 @@ BATCH = 64
 WARMUP = 10
 
 
-def in_process_step_s(dataset: Path, steps: int) -> tuple[float, float]:
+def in_process_step_s(dataset: Path, steps: int) -> tuple[float, float, float]:
     """Median and 10th-percentile seconds of one forward/backward/SGD step on 64 in-memory
-    training samples."""
+    training samples, and the median of its SGD step alone."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     with DatasetReader(dataset) as reader:
@@ -49,24 +54,27 @@ def in_process_step_s(dataset: Path, steps: int) -> tuple[float, float]:
         model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
     )
     batches = len(y) // BATCH
-    times = []
+    times, sgd = [], []
     for step in range(steps + WARMUP):
         lo = (step % batches) * BATCH
         begin = time.perf_counter()
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x[lo : lo + BATCH]), y[lo : lo + BATCH])
         loss.backward()
+        computed = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - begin)
-    return statistics.median(times[WARMUP:]), low(times[WARMUP:])
+        sgd.append(time.perf_counter() - computed)
+    return statistics.median(times[WARMUP:]), low(times[WARMUP:]), statistics.median(sgd[WARMUP:])
 
 
 def ps_round_s(
     dataset: Path, mode: str, workers: int, rounds: int, run_dir: Path, tree: Path | None = None
-) -> tuple[float, float, float]:
+) -> tuple[float, float, float, float]:
     """Median round time (weighted-sync: full 64-sample rounds; async: one worker's push to its
-    next), the mean time between rounds (every cost included) and the 10th percentile of round
-    times, with real processes on loopback."""
+    next), the mean time between rounds (every cost included), the 10th percentile of round
+    times and the median round time outside compute (paired, see above), with real processes
+    on loopback."""
     # child processes (``python -m ...``) import the project from ``tree`` (None: this one)
     with contextlib.chdir(tree) if tree is not None else contextlib.nullcontext():
         steps = (rounds + WARMUP) * (workers if mode == "async" else 1)
@@ -85,16 +93,23 @@ def ps_round_s(
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     if mode == "async":
         pushes = [e for e in events if e["event"] == "push"]
-        times = [
-            b["t"] - a["t"]
+        pairs = [
+            (b["t"] - a["t"], b.get("compute_s", math.nan))  # nan: a tree that logs none
             for name in {e["worker"] for e in pushes}
             for a, b in itertools.pairwise([e for e in pushes if e["worker"] == name][WARMUP:])
         ]
-        return statistics.median(times), statistics.mean(times), low(times)
-    rounds_ = [e for e in events if e["event"] == "round"][WARMUP:]
-    full = [r["round_s"] for r in rounds_ if sum(w["batch"] for w in r["workers"]) == BATCH]
-    gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(rounds_)]
-    return statistics.median(full), statistics.mean(gaps), low(full)
+    else:
+        rounds_ = [e for e in events if e["event"] == "round"][WARMUP:]
+        pairs = [
+            (r["round_s"], max(w["compute_s"] for w in r["workers"]))
+            for r in rounds_
+            if sum(w["batch"] for w in r["workers"]) == BATCH
+        ]
+        gaps = [b["t"] - a["t"] for a, b in itertools.pairwise(rounds_)]
+    times = [t for t, _ in pairs]
+    outside = statistics.median(t - c for t, c in pairs)
+    mean_gap = statistics.mean(times if mode == "async" else gaps)
+    return statistics.median(times), mean_gap, low(times), outside
 
 
 def floor_overhead_s(clients: int, gather: int, requests: int, compute_s: float) -> float:
@@ -128,10 +143,10 @@ def main(argv: list[str] | None = None) -> None:
         trees["baseline"] = args.baseline.resolve()
     with tempfile.TemporaryDirectory() as tmp:
         dataset = jasper(Path(tmp), jasper_dir=args.jasper)
-        local: list[tuple[float, float]] = []
+        local: list[tuple[float, float, float]] = []
         floors: dict[tuple[int, int], list[float]] = {}  # (clients, gather) -> per repeat
         floor = {(m, n): floors.setdefault((n, 1 if m == "async" else n), []) for m, n in runs}
-        ps: dict[tuple[str, str, int], list[tuple[float, float, float]]] = {
+        ps: dict[tuple[str, str, int], list[tuple[float, float, float, float]]] = {
             (t, m, n): [] for t in trees for m, n in runs
         }
         for repeat in range(args.repeats):
@@ -155,10 +170,15 @@ def main(argv: list[str] | None = None) -> None:
     step = statistics.median(s[0] for s in local)
     step_low = statistics.median(s[1] for s in local)
     print(f"hsi-cnn, Jasper Ridge, {BATCH}-sample rounds, {args.rounds} rounds x {args.repeats}")
-    print(f"in-process step: median {step * 1e3:.2f} ms, 10th percentile {step_low * 1e3:.2f} ms")
+    sgd = statistics.median(s[2] for s in local)
+    print(
+        f"in-process step: median {step * 1e3:.2f} ms, 10th percentile {step_low * 1e3:.2f} ms, "
+        f"its SGD step {sgd * 1e3:.2f} ms"
+    )
     figures = []
     for (name, m, n), got in ps.items():
-        over = [r[0] - s[0] for r, s in zip(got, local, strict=True)]
+        over = [r[3] - s[2] for r, s in zip(got, local, strict=True)]
+        apart = [r[0] - s[0] for r, s in zip(got, local, strict=True)]
         over_low = [r[2] - s[1] for r, s in zip(got, local, strict=True)]
         ratio = statistics.median(o / f for o, f in zip(over, floor[m, n], strict=True))
         print(
@@ -166,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{statistics.median(r[0] for r in got) * 1e3:6.2f} ms (mean gap "
             f"{statistics.median(r[1] for r in got) * 1e3:6.2f}), overhead "
             f"{statistics.median(over) * 1e3:6.2f} ms, floor "
-            f"{statistics.median(floor[m, n]) * 1e3:5.2f} ms, {ratio:.2f}x the floor; 10th "
+            f"{statistics.median(floor[m, n]) * 1e3:5.2f} ms, {ratio:.2f}x the floor; medians "
+            f"taken apart: overhead {statistics.median(apart) * 1e3:6.2f} ms; 10th "
             f"percentiles: round {statistics.median(r[2] for r in got) * 1e3:6.2f} ms, "
             f"overhead {statistics.median(over_low) * 1e3:6.2f} ms"
         )

@@ -95,7 +95,9 @@ class Ledger:
                 continue
             entry = {"worker": worker.name, "batch": task.size, "speed": round(worker.speed, 3)}
             entry["accepted_t"] = accepted_t
-            if timing is not None:
+            if timing is None:  # async: one push, its compute time just reported
+                entry["compute_s"] = round(worker.compute_s, 6)
+            else:
                 part = timing.workers.get(worker.worker_id)
                 entry.update(self.roster.account_round(worker, part, update.round_id))
             workers[worker.worker_id] = entry
