@@ -38,6 +38,7 @@ async def test_async_pushes_are_booked_with_their_staleness(
         (e["worker"], e["batch"], e["staleness"], e["version"]) for e in of_kind(tmp_path, "push")
     ]
     assert pushes == [("a", len(task_a.indices), 0, 1), ("b", len(task_b.indices), 1, 2)]
+    assert [e["compute_s"] for e in of_kind(tmp_path, "push")] == [0.01, 0.01]  # as reported
     assert of_kind(tmp_path, "round") == []
     assert summary(tmp_path)["staleness"] == {"mean": 0.5, "max": 1}
 
