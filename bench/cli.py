@@ -52,7 +52,6 @@ BENCHES: dict[str, Bench] = {
         "bench.coordinator_memory", "the coordinator's peak memory serving a 1.7 GB file"
     ),
     "ddp-fidelity": Bench("bench.ddp_fidelity", "pslaunch ddp against a plain DDP loop"),
-    "heterogeneity": Bench("bench.heterogeneity", "epoch time: weighted-sync, equal-sync, DDP"),
     "idle-share": Bench("bench.idle_share", "idle share at the round barrier per planner"),
     "memory": Bench("bench.memory", "peak memory of large datasets and scenes, step by step"),
     "multihost": Bench("bench.multihost.links", "PS rounds against gloo over capped links (root)"),

@@ -42,7 +42,6 @@ MACHINE_LABELS = {
 LEADING = (
     "own-ground",
     "time-to-target",
-    "heterogeneity",
     "idle-share",
     "ddp-fidelity",
     "multihost",

@@ -50,13 +50,6 @@ SMOKE: dict[str, tuple[tuple[str, ...], str]] = {
     "chaos": (("--runs", "weighted-sync", "--epochs", "6", "--mtbf", "2", "--stop-s", "1"), ""),
     "coordinator-memory": (("--samples", "200", "--steps", "3"), ""),
     "ddp-fidelity": (("--repeats", "1", "--epochs", "1", "--slowdowns", "1,2"), "data"),
-    "heterogeneity": (
-        (
-            *("--repeats", "1", "--epochs", "1", "--samples", "128", "--global-batch", "32"),
-            *("--modes", "weighted-sync,equal-sync"),
-        ),
-        "",
-    ),
     "idle-share": (("--repeats", "1", "--epochs", "1", "--configs", "weighted-sync/model"), ""),
     "memory": (
         (
@@ -115,7 +108,6 @@ SMOKE: dict[str, tuple[tuple[str, ...], str]] = {
 RUN_FOLDER_OPTION = {
     "chaos",
     "ddp-fidelity",
-    "heterogeneity",
     "idle-share",
     "multihost",
     "multihost-train",
