@@ -49,7 +49,9 @@ class Bench:
 BENCHES: dict[str, Bench] = {
     "chaos": Bench("bench.chaos", "random kills and stops in 3 runs; their histories checked"),
     "coordinator-memory": Bench(
-        "bench.coordinator_memory", "the coordinator's peak memory serving a 1.7 GB file"
+        "bench.memory",
+        "the coordinator's peak memory serving a 1.7 GB file (memory --kinds coordinator)",
+        ("--kinds", "coordinator"),
     ),
     "ddp-fidelity": Bench("bench.ddp_fidelity", "pslaunch ddp against a plain DDP loop"),
     "idle-share": Bench("bench.idle_share", "idle share at the round barrier per planner"),

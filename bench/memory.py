@@ -1,9 +1,13 @@
-"""Peak memory of large data, step by step: a ~2 GB dataset converted and served, or a large
-GeoTIFF scene prepared and predicted.
+"""Peak memory of large data, step by step: a ~2 GB dataset converted and served, a large
+GeoTIFF scene prepared and predicted, or the coordinator serving a file larger than its cache.
 
 Each step runs in a fresh interpreter that reports its own peak resident set size, so the steps
 do not inherit each other's peaks. Prediction uses a tiny model (one 1x1 convolution) behind
-the real ``RawInput`` wrapper, so the figures are those of the streaming pipeline.
+the real ``RawInput`` wrapper, so the figures are those of the streaming pipeline. The
+``coordinator`` kind runs ``pserver start`` (weighted-sync, ``--cache-mb``) on synthetic scenes
+with workers pulling their samples, then the final evaluation on the whole test split, and
+reads the server's peak every 0.2 s until it exits; one worker by default, whose rounds do not
+depend on measured speeds, so a ``--baseline`` checkout trains the same model.
 """
 
 from __future__ import annotations
@@ -20,8 +24,14 @@ import numpy as np
 
 from bench import ROOT
 from bench.harness.record import parse_settings
+from bench.harness.served import served_run
+from common.data.convert.synth import synth_scenes
+from launch.procs import new_events
 
 STEP_TIMEOUT_S = 3600.0
+SAMPLE_S = 0.2
+KINDS = ("dataset", "scene", "coordinator")
+Row = tuple[str, dict[str, float]]
 PEAK = """
 import json, sys
 from pathlib import Path
@@ -119,6 +129,19 @@ def write_scene(folder: Path, rows: int, cols: int, bands: int) -> None:
         f.write(gt, 1)
 
 
+def peak_mib(pid: int) -> float:
+    """The peak resident set size (``VmHWM``) of a running process so far, in MiB.
+
+    Raises:
+        OSError, RuntimeError: the process is gone.
+    """
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmHWM for pid {pid}")
+
+
 def run_step(kind: str, step: str, folder: Path, args: dict[str, int]) -> dict[str, float]:
     """Run one step in a fresh interpreter.
 
@@ -129,7 +152,7 @@ def run_step(kind: str, step: str, folder: Path, args: dict[str, int]) -> dict[s
         args: the data's sizes (``synth_scenes`` arguments; the scene's bands).
 
     Returns:
-        ``{"base_mb", "peak_mb", "seconds"}``.
+        ``{"base_mb", "peak_mb", "s"}`` (seconds).
 
     Raises:
         RuntimeError: the child failed.
@@ -146,47 +169,107 @@ def run_step(kind: str, step: str, folder: Path, args: dict[str, int]) -> dict[s
     if res.returncode != 0:
         raise RuntimeError(f"step {step} failed:\n{res.stderr[-3000:]}")
     stats = json.loads(res.stdout.strip().splitlines()[-1])
-    stats["seconds"] = time.perf_counter() - start
+    stats["s"] = time.perf_counter() - start
     return stats
+
+
+def serve(data: Path, run_dir: Path, code: Path, opts: argparse.Namespace) -> list[Row]:
+    """One job of ``pserver start`` and its workers, every process importing ``code``.
+
+    Returns:
+        The server's peak until the last round (once reached) and over the run (with the
+        summary's final OA), each above its peak when it began to listen.
+    """
+    options = [
+        *("--dataset", str(data), "--model", opts.model, "--mode", "weighted-sync"),
+        *("--workers", str(opts.workers), "--global-batch", str(opts.batch * opts.workers)),
+        *("--max-steps", str(opts.steps), "--cache-mb", str(opts.cache_mb), "--seed", "1"),
+        *("--shutdown-timeout", "900"),  # the final evaluation runs within it
+    ]
+    rows: list[Row] = []
+    start = time.perf_counter()
+    with served_run(
+        code, run_dir, options, opts.workers, start_timeout_s=300, stop_grace_s=120
+    ) as run:
+        base = peak = peak_mib(run.server.pid)
+        while run.server.code is None:
+            try:
+                peak = peak_mib(run.server.pid)
+            except (OSError, RuntimeError):
+                break
+            events = new_events(run.metrics, run.mark)
+            if not rows and sum(e.get("event") == "round" for e in events) >= opts.steps:
+                seconds = time.perf_counter() - start
+                rows.append(("serve, training", {"base_mb": base, "peak_mb": peak, "s": seconds}))
+            time.sleep(SAMPLE_S)
+    final = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))["final"] or {}
+    seconds = time.perf_counter() - start
+    whole = {"base_mb": base, "peak_mb": peak, "s": seconds, "final_oa": final.get("oa", -1.0)}
+    return [*rows, ("serve, whole run", whole)]
 
 
 def measure(kind: str, opts: argparse.Namespace, folder: Path) -> None:
     """Write the data of ``kind`` into ``folder``, run its steps and print their peaks."""
-    if kind == "dataset":
-        bands = opts.bands or 13
-        args = {"samples": opts.samples, "bands": bands, "size": opts.size}
-        print(f"dataset: {opts.samples} images of {bands}x{opts.size}x{opts.size} float32")
-    else:
+    if kind == "scene":
         args = {"bands": opts.bands or 64}
         write_scene(folder, opts.rows, opts.cols, args["bands"])
         print(f"scene: {opts.rows} x {opts.cols} x {args['bands']} uint16 GeoTIFF")
-    rows = [(step, run_step(kind, step, folder, args)) for step in STEPS[kind]]
-    if kind == "dataset":  # the file as written
-        data_mb = (folder / "scenes.h5").stat().st_size / 2**20
-    else:  # the cube as float32
+    else:
+        samples = opts.samples or (9800 if kind == "dataset" else 8000)
+        args = {"samples": samples, "bands": opts.bands or 13, "size": opts.size}
+        if kind == "dataset" or opts.data is None:
+            print(f"{kind}: {samples} images of {args['bands']}x{opts.size}x{opts.size} float32")
+    data = opts.data if kind == "coordinator" and opts.data else folder / "scenes.h5"
+    if kind != "coordinator":
+        rows = [(step, run_step(kind, step, folder, args)) for step in STEPS[kind]]
+    else:
+        if not data.exists():
+            synth_scenes(data, classes=10, seed=0, **args)
+        print(f"{data.name} served with --cache-mb {opts.cache_mb}, {opts.model}")
+        rows = serve(data, folder / "run", ROOT, opts)
+        if opts.baseline is not None:
+            ran = serve(data, folder / "baseline", opts.baseline.resolve(), opts)
+            rows += [(f"baseline {step}", stats) for step, stats in ran]
+    if kind == "scene":  # the cube as float32
         data_mb = opts.rows * opts.cols * args["bands"] * 4 / 2**20
+    else:  # the file as written
+        data_mb = data.stat().st_size / 2**20
     print(f"data: {data_mb:.0f} MiB")
-    print(f"{'step':<20}{'peak RSS MiB':>14}{'above start MiB':>17}{'peak/data':>11}{'s':>8}")
+    print(f"{'step':<30}{'peak RSS MiB':>14}{'above start MiB':>17}{'peak/data':>11}{'s':>8}")
     for step, s in rows:
         above, ratio = s["peak_mb"] - s["base_mb"], s["peak_mb"] / data_mb
-        print(f"{step:<20}{s['peak_mb']:>14.0f}{above:>17.0f}{ratio:>11.3f}{s['seconds']:>8.1f}")
+        print(f"{step:<30}{s['peak_mb']:>14.0f}{above:>17.0f}{ratio:>11.3f}{s['s']:>8.1f}")
     for step, s in rows:
-        print(f"{step.replace(', ', '_').replace(' ', '_')}_peak_mib={s['peak_mb']:.0f}")
+        name = step.replace(", ", "_").replace(" ", "_")
+        print(f"{name}_peak_mib={s['peak_mb']:.0f}")
+        if "final_oa" in s:
+            print(f"{name}_final_oa={s['final_oa']:.6f}")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", default="dataset", help="dataset and/or scene (default dataset)")
-    parser.add_argument("--samples", type=int, default=9800, help="dataset: images (default 9800)")
+    parser.add_argument(
+        "--kinds", default="dataset", help="dataset, scene and/or coordinator (default dataset)"
+    )
+    parser.add_argument(
+        "--samples", type=int, help="images (default 9800 in a dataset, 8000 for the coordinator)"
+    )
     parser.add_argument("--bands", type=int, help="bands (default 13 in a dataset, 64 in a scene)")
     parser.add_argument("--size", type=int, default=64, help="dataset: image side (default 64)")
     parser.add_argument("--rows", type=int, default=1200, help="scene: rows (default 1200)")
     parser.add_argument("--cols", type=int, default=1200, help="scene: columns (default 1200)")
+    parser.add_argument("--model", default="scene-cnn", help="coordinator: model (scene-cnn)")
+    parser.add_argument("--cache-mb", type=int, default=256, help="coordinator: --cache-mb (256)")
+    parser.add_argument("--workers", type=int, default=1, help="coordinator: workers (default 1)")
+    parser.add_argument("--batch", type=int, default=16, help="coordinator: per worker (16)")
+    parser.add_argument("--steps", type=int, default=20, help="coordinator: --max-steps (20)")
+    parser.add_argument("--baseline", type=Path, help="coordinator: another checkout, run too")
+    parser.add_argument("--data", type=Path, help="coordinator: an existing dataset file")
     parser.add_argument("--dir", type=Path, default=None, help="where to write the files")
     opts = parse_settings(parser, argv)
     kinds = opts.kinds.split(",")
-    if not set(kinds) <= set(STEPS):
-        parser.error(f"--kinds {opts.kinds!r}: any of {', '.join(STEPS)}")
+    if not set(kinds) <= set(KINDS):
+        parser.error(f"--kinds {opts.kinds!r}: any of {', '.join(KINDS)}")
     for kind in kinds:
         with tempfile.TemporaryDirectory(prefix=f"bench-memory-{kind}-", dir=opts.dir) as tmp:
             measure(kind, opts, Path(tmp))
