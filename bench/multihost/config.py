@@ -11,8 +11,8 @@ import subprocess
 from pathlib import Path
 
 from bench import ROOT
-from bench.procs import python
 from common.errors import ConfigError
+from common.procs import python_module
 from launch.cluster.spec import rate_bits
 
 
@@ -156,7 +156,7 @@ def scenes_dataset(out: Path, samples: int, size: int) -> Path:
     once per (samples, size) in ``out``."""
     path = out / f"scenes-{size}px-{samples}.h5"
     if not path.exists():
-        argv = python("pserver.cli", "data", "synth", "--kind", "scenes", "--out", str(path))
+        argv = python_module("pserver.cli", "data", "synth", "--kind", "scenes", "--out", str(path))
         argv += ["--samples", str(samples), "--bands", "3", "--size", str(size)]
         argv += ["--classes", "10", "--seed", "0"]
         subprocess.run(argv, check=True, timeout=SYNTH_TIMEOUT_S, cwd=ROOT, capture_output=True)
@@ -169,7 +169,7 @@ def hsi_dataset(out: Path, size: int, patch: int) -> Path:
     data synth``, made once per (size, patch) in ``out``."""
     path = out / f"hsi-{size}px-p{patch}.h5"
     if not path.exists():
-        argv = python("pserver.cli", "data", "synth", "--kind", "hsi", "--out", str(path))
+        argv = python_module("pserver.cli", "data", "synth", "--kind", "hsi", "--out", str(path))
         argv += ["--bands", "32", "--size", str(size), "--patch", str(patch)]
         argv += ["--classes", "6", "--train-fraction", "0.5", "--seed", "0"]
         subprocess.run(argv, check=True, timeout=SYNTH_TIMEOUT_S, cwd=ROOT, capture_output=True)

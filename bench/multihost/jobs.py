@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.multihost import start
 from bench.multihost.config import BenchConfig, Variant
-from bench.procs import python, start
 from common import stagetrace
-from common.procs import Child, ChildError
+from common.procs import Child, ChildError, python_module
 from common.protocol.security import write_shard_secret
 from launch.cluster.netns import Network
 from launch.procs import EventsMark, wait_for_address
@@ -51,7 +51,7 @@ def run_gloo(net: Network, cfg: BenchConfig, dataset: Path, log_dir: Path) -> di
     children: list[Child] = []
     try:
         for rank, host in enumerate(hosts):
-            argv = python(
+            argv = python_module(
                 "bench.multihost.gloo",
                 *("--rank", str(rank), "--world", str(len(hosts)), "--master", hosts[0].address),
                 *("--port", str(GLOO_PORT), "--dataset", str(dataset), "--model", cfg.model),
@@ -110,7 +110,7 @@ def run_ps(
     env = {stagetrace.ENV: str(run_dir / "trace")} if stagetrace.enabled() else None
     try:
         mark = EventsMark(run_dir / "metrics.jsonl")
-        argv = python(
+        argv = python_module(
             "pserver.cli",
             *("start", "--bind", f"tcp://{server_host.address}:0", "--dataset", str(dataset)),
             *("--model", cfg.model, "--mode", cfg.mode, "--workers", str(n)),
@@ -126,7 +126,7 @@ def run_ps(
         shards = []
         for index in variant.shard_hosts(net.config.rates):
             host = net.hosts[index]
-            argv = python(
+            argv = python_module(
                 *("pserver.cli", "shard", "--coordinator", endpoint),
                 *("--bind", f"tcp://{host.address}:0", "--secret-file", str(secret)),
             )
@@ -136,7 +136,7 @@ def run_ps(
             children.append(shards[-1])
         joined = []
         for i, host in enumerate(workers, start=1):
-            argv = python(
+            argv = python_module(
                 *("worker.cli", "join", "--server", endpoint, "--name", f"w{i}"),
                 *("--threads", str(cfg.threads), "--log-every", "1000000"),
             )

@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.procs import python, start
-from common.procs import Child, ChildError
+from bench.multihost import start
+from common.procs import Child, ChildError, python_module
 from launch.cluster.netns import Host
 
 SOCKET_TIMEOUT_S = 30.0
@@ -74,13 +74,15 @@ def measure_rate(src: Host, dst: Host, size: int, log_dir: Path, timeout: float 
     log_dir.mkdir(parents=True, exist_ok=True)
     recv = start(
         f"recv@{dst.netns}",
-        dst.argv(python("bench.multihost.netprobe", "recv", dst.address)),
+        dst.argv(python_module("bench.multihost.netprobe", "recv", dst.address)),
         log_dir / f"probe-recv-{dst.netns}.log",
     )
     sender: Child | None = None
     try:
         port = recv.wait_for_match(r"^port (\d+)$", timeout).group(1)
-        argv = src.argv(python("bench.multihost.netprobe", "send", dst.address, port, str(size)))
+        argv = src.argv(
+            python_module("bench.multihost.netprobe", "send", dst.address, port, str(size))
+        )
         sender = start(f"send@{src.netns}", argv, log_dir / f"probe-send-{src.netns}.log")
         if sender.wait(timeout) != 0:
             raise ChildError(f"the sender failed\n{sender.tail()}")

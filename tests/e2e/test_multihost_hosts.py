@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.multihost import start
 from bench.multihost.netprobe import measure_rate
-from bench.procs import start
 from common.procs import Child
 from launch.cluster.netns import NetConfig, Network, namespaces
 from launch.cluster.spec import rate_bits
