@@ -8,19 +8,22 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import h5py
 import numpy as np
+from tqdm import tqdm
 
 from common.data.codec import RAW_DTYPES, STORED_DTYPES, SampleCodec, encode
-from common.data.dataset import FORMAT_VERSION, KINDS
+from common.data.dataset import FORMAT_VERSION, KINDS, DatasetMeta, DatasetReader
 from common.data.fingerprint import as_index_array, combine_fingerprint, le_bytes
 from common.errors import DatasetError
 
 log = logging.getLogger(__name__)
+
+BLOCK_BYTES = 32 << 20  # bytes of float32 samples held per write; bounds conversion memory
 
 
 def _check_split(idx: np.ndarray, n: int, name: str) -> np.ndarray:
@@ -271,3 +274,82 @@ class DatasetWriter:
         self.abort()
         if exc_type is None:
             raise DatasetError(f"writer for {str(self.path)!r} left without close(); file removed")
+
+
+def write_scenes(
+    out: str | os.PathLike[str],
+    read: Callable[[int], tuple[np.ndarray, int]],
+    count: int,
+    split: Callable[[np.ndarray], tuple[Sequence[str], np.ndarray, np.ndarray]],
+    *,
+    source: str,
+    progress: bool = False,
+    extra_attrs: dict[str, Any] | None = None,
+    extra_datasets: dict[str, np.ndarray] | None = None,
+) -> DatasetMeta:
+    """Stream ``count`` images into a scenes dataset file in two passes.
+
+    The first pass reads every image and keeps its per-band mean and sum of squared
+    deviations; ``split`` then names the classes and splits the samples. The second pass reads
+    every image again, checks that it is the one read before, normalises it with the training
+    images' per-band mean and std and writes blocks of about ``BLOCK_BYTES``.
+
+    Args:
+        out: the dataset file to write.
+        read: image ``i`` as float32 (C, H, W), every one of one shape, and its label.
+        count: how many images there are.
+        split: ``(class names, train indices, test indices)`` for the labels read.
+        source: free text stored in the file.
+        progress: show a progress bar per pass on stderr.
+        extra_attrs: more root attributes.
+        extra_datasets: more root datasets.
+
+    Returns:
+        The written dataset's metadata.
+
+    Raises:
+        DatasetError: an image differs between the two passes, or ``read``, ``split`` or the
+            writer refuse the data.
+    """
+    labels = np.zeros(count, dtype=np.int64)
+    stats: list[tuple[np.ndarray, np.ndarray]] = []
+    for i in tqdm(range(count), desc="pass 1/2 (check)", unit="image", disable=not progress):
+        image, labels[i] = read(i)
+        pixels = image.reshape(image.shape[0], -1).astype(np.float64)
+        mean = pixels.mean(axis=1)
+        stats.append((mean, ((pixels - mean[:, None]) ** 2).sum(axis=1)))
+    shape = image.shape
+    means, m2s = (np.stack(s) for s in zip(*stats, strict=True))
+    names, train, test = split(labels)
+    mean = means[train].mean(axis=0)
+    m2 = m2s[train].sum(axis=0) + shape[1] * shape[2] * ((means[train] - mean) ** 2).sum(axis=0)
+    std = np.sqrt(m2 / (shape[1] * shape[2] * train.size))
+    std[std < 1e-12] = 1.0
+    mean32, std32 = mean.astype(np.float32)[:, None, None], std.astype(np.float32)[:, None, None]
+    if shape[1] != shape[2]:
+        log.warning("images are %s, not square; models get input_size=%d", shape, shape[1])
+    block = max(1, BLOCK_BYTES // (4 * int(np.prod(shape))))
+    log.info("pass 2: writing %s in blocks of %d images", out, block)
+    writer = DatasetWriter(
+        out, shape, num_samples=count, kind="scenes", class_names=names, source=source
+    )
+    with writer:
+        buf = np.empty((block, *shape), dtype=np.float32)
+        filled = 0
+        for i in tqdm(range(count), desc="pass 2/2 (write)", unit="image", disable=not progress):
+            image, label = read(i)
+            again = image.reshape(shape[0], -1).astype(np.float64).mean(axis=1)
+            if label != labels[i] or not np.allclose(again, means[i], rtol=1e-6, atol=1e-9):
+                raise DatasetError(
+                    f"sample {i} differs between two reads (random transforms?); the dataset "
+                    "must return the same sample for the same index"
+                )
+            np.subtract(image, mean32, out=buf[filled])
+            buf[filled] /= std32
+            filled += 1
+            if filled == block or i == count - 1:
+                writer.write(buf[:filled], labels[i + 1 - filled : i + 1])
+                filled = 0
+        writer.close(train, test, extra_attrs, mean, std, extra_datasets)
+    with DatasetReader(out, cache_bytes=0) as reader:
+        return reader.meta

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
-from common.data.dataset import DatasetMeta, DatasetReader
+from common.data.dataset import DatasetMeta
 from common.data.splits import stratified_split
-from common.data.writer import DatasetWriter
+from common.data.writer import write_scenes
 from common.errors import DatasetError
 
 log = logging.getLogger(__name__)
@@ -21,7 +20,6 @@ log = logging.getLogger(__name__)
 TIFF_SUFFIXES = (".tif", ".tiff")
 PIL_SUFFIXES = (".png", ".jpg", ".jpeg")
 SUFFIXES = TIFF_SUFFIXES + PIL_SUFFIXES
-BLOCK_BYTES = 32 << 20  # bytes of float32 samples held per write; bounds conversion memory
 _PATTERN = "*.tif|tiff|png|jpg|jpeg"
 
 
@@ -175,7 +173,7 @@ def _shape_text(shape: Sequence[int]) -> str:
 
 
 class _Images:
-    """Reads the scanned files in order and checks that they all share one shape."""
+    """Reads scanned file ``i`` and its label, and checks that all share one shape."""
 
     def __init__(self, scan: FolderScan, size: int | None) -> None:
         self.scan = scan
@@ -183,36 +181,18 @@ class _Images:
         self.shape: tuple[int, int, int] | None = None
         self._first: Path | None = None
 
-    def _check(self, path: Path, image: np.ndarray) -> None:
+    def __call__(self, i: int) -> tuple[np.ndarray, int]:
+        path = self.scan.files[i]
+        image = read_image(path, self.size)
         if self.shape is None:
             self.shape, self._first = image.shape, path
-            return
-        if image.shape != self.shape:
+        elif image.shape != self.shape:
             hint = "" if self.size is not None else " (or give --size S to resize them)"
             raise DatasetError(
                 f"image {str(path)!r} is {_shape_text(image.shape)} but {str(self._first)!r} is "
                 f"{_shape_text(self.shape)}: all images must share one band count and size{hint}"
             )
-
-    def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
-        for i, path in enumerate(self.scan.files):
-            image = read_image(path, self.size)
-            self._check(path, image)
-            yield i, image
-
-
-def _merge(
-    stats: tuple[float, np.ndarray, np.ndarray], image: np.ndarray
-) -> tuple[float, np.ndarray, np.ndarray]:
-    """Add one image's pixels to running per-band (count, mean, M2) (Chan et al.'s merge)."""
-    count, mean, m2 = stats
-    pixels = image.reshape(image.shape[0], -1).astype(np.float64)
-    n = pixels.shape[1]
-    m = pixels.mean(axis=1)
-    m2_new = ((pixels - m[:, None]) ** 2).sum(axis=1)
-    total = count + n
-    delta = m - mean
-    return total, mean + delta * (n / total), m2 + m2_new + delta**2 * (count * n / total)
+        return image, int(self.scan.labels[i])
 
 
 def prepare_folder(
@@ -225,9 +205,9 @@ def prepare_folder(
 ) -> DatasetMeta:
     """Convert a class-per-folder image collection (EuroSAT layout) into a scenes dataset.
 
-    Two streaming passes over the files: the first checks every image (readable, one shape)
-    and accumulates the per-band mean and standard deviation of the training images; the
-    second normalises the images and writes them in blocks of about ``BLOCK_BYTES``. At most
+    Two streaming passes over the files (``write_scenes``): the first checks every image
+    (readable, one shape) and takes its per-band statistics; the second normalises the images
+    with the training images' mean and standard deviation and writes them in blocks. At most
     one block of images is in memory at a time. Samples are stored class by class, files
     sorted by name; ``/files`` holds each sample's path relative to ``directory``.
 
@@ -254,64 +234,20 @@ def prepare_folder(
         raise DatasetError(f"size must be a positive integer, got {size!r}")
     scan = scan_folder(directory)
     k = len(scan.class_names)
-    train, test = stratified_split(scan.labels, train_fraction, seed, k)
-    is_train = np.zeros(scan.labels.size, dtype=bool)
-    is_train[train] = True
     log.info(
         "%s: %d images in %d classes; pass 1 (check, statistics)", scan.root, len(scan.files), k
     )
-    images = _Images(scan, size)
-    stats: tuple[float, np.ndarray, np.ndarray] | None = None
-    total = len(scan.files)
-    for i, image in tqdm(
-        images, total=total, desc="pass 1/2 (check)", unit="image", disable=not progress
-    ):
-        if is_train[i]:
-            if stats is None:
-                zeros = np.zeros(image.shape[0])
-                stats = (0.0, zeros, zeros.copy())
-            stats = _merge(stats, image)
-    assert images.shape is not None and stats is not None
-    count, mean, m2 = stats
-    std = np.sqrt(m2 / count)
-    std[std < 1e-12] = 1.0
-    mean32, std32 = mean.astype(np.float32)[:, None, None], std.astype(np.float32)[:, None, None]
-    shape = images.shape
-    if shape[1] != shape[2]:
-        log.warning("images are %s, not square; models get input_size=%d", shape, shape[1])
-    block = max(1, BLOCK_BYTES // (4 * int(np.prod(shape))))
+    attrs = {"train_fraction": float(train_fraction), "seed": int(seed)}
+    if size is not None:
+        attrs["size"] = int(size)
     rel = [str(p.relative_to(scan.root)).encode() for p in scan.files]
-    log.info("pass 2: writing %s in blocks of %d images", out, block)
-    source = f"prepare folder {scan.root}" + (f" --size {size}" if size else "")
-    with DatasetWriter(
+    return write_scenes(
         out,
-        shape,
-        num_samples=len(scan.files),
-        kind="scenes",
-        class_names=scan.class_names,
-        source=source,
-    ) as w:
-        buf = np.empty((block, *shape), dtype=np.float32)
-        filled = 0
-        for i, image in tqdm(
-            images, total=total, desc="pass 2/2 (write)", unit="image", disable=not progress
-        ):
-            np.subtract(image, mean32, out=buf[filled])
-            buf[filled] /= std32
-            filled += 1
-            if filled == block or i == len(scan.files) - 1:
-                w.write(buf[:filled], scan.labels[i + 1 - filled : i + 1])
-                filled = 0
-        attrs = {"train_fraction": float(train_fraction), "seed": int(seed)}
-        if size is not None:
-            attrs["size"] = int(size)
-        w.close(
-            train,
-            test,
-            extra_attrs=attrs,
-            norm_mean=mean,
-            norm_std=std,
-            extra_datasets={"files": np.asarray(rel, dtype=bytes)},
-        )
-    with DatasetReader(out, cache_bytes=0) as reader:
-        return reader.meta
+        _Images(scan, size),
+        len(scan.files),
+        lambda labels: (scan.class_names, *stratified_split(labels, train_fraction, seed, k)),
+        source=f"prepare folder {scan.root}" + (f" --size {size}" if size else ""),
+        progress=progress,
+        extra_attrs=attrs,
+        extra_datasets={"files": np.asarray(rel, dtype=bytes)},
+    )

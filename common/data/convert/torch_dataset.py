@@ -10,16 +10,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
-from common.data.dataset import DatasetMeta, DatasetReader
+from common.data.dataset import DatasetMeta
 from common.data.splits import stratified_split
-from common.data.writer import DatasetWriter
+from common.data.writer import write_scenes
 from common.errors import DatasetError
 
 log = logging.getLogger(__name__)
-
-BLOCK_BYTES = 32 << 20  # bytes of float32 samples held per write; bounds conversion memory
 
 
 def parse_kwargs(text: str | None) -> dict[str, Any]:
@@ -148,10 +145,10 @@ def prepare_torch(
 ) -> DatasetMeta:
     """Stream a map-style torch Dataset into a scenes dataset file.
 
-    Two passes, as for image folders: the first reads every sample (checks one shape,
-    collects labels and per-sample band statistics), the split is made (stratified), the
-    second reads every sample again, normalises it with the training samples' per-band mean
-    and std and writes blocks of about ``BLOCK_BYTES``. The dataset must return the same
+    Two passes, as for image folders (``write_scenes``): the first reads every sample (checks
+    one shape, collects labels and per-sample band statistics), the split is made
+    (stratified), the second reads every sample again, normalises it with the training
+    samples' per-band mean and std and writes it in blocks. The dataset must return the same
     sample for the same index (no random transforms): the second pass checks labels and means.
 
     Args:
@@ -177,60 +174,29 @@ def prepare_torch(
     n = len(dataset)
     if n < 2:
         raise DatasetError(f"{spec} has {n} samples; a dataset needs at least 2")
-    labels = np.zeros(n, dtype=np.int64)
-    shape: tuple[int, ...] | None = None
-    means: np.ndarray | None = None
-    m2s: np.ndarray | None = None
-    for i in tqdm(range(n), desc="pass 1/2 (check)", unit="sample", disable=not progress):
-        image, labels[i] = sample_arrays(dataset[i], i)
-        if shape is None:
-            shape = image.shape
-            means, m2s = np.zeros((n, shape[0])), np.zeros((n, shape[0]))
-        elif image.shape != shape:
+    shapes: list[tuple[int, ...]] = []
+
+    def read(i: int) -> tuple[np.ndarray, int]:
+        image, label = sample_arrays(dataset[i], i)
+        if not shapes:
+            shapes.append(image.shape)
+        if image.shape != shapes[0]:
             raise DatasetError(
-                f"sample {i} is {image.shape} but sample 0 is {shape} (bands, rows, cols): "
+                f"sample {i} is {image.shape} but sample 0 is {shapes[0]} (bands, rows, cols): "
                 "all samples must share one shape"
             )
-        assert means is not None and m2s is not None
-        pixels = image.reshape(image.shape[0], -1).astype(np.float64)
-        means[i] = pixels.mean(axis=1)
-        m2s[i] = ((pixels - means[i][:, None]) ** 2).sum(axis=1)
-    assert shape is not None and means is not None and m2s is not None
-    names = _names(dataset, class_names, labels)
-    train, test = stratified_split(labels, train_fraction, seed, len(names))
-    per_sample = shape[1] * shape[2]
-    mean = means[train].mean(axis=0)
-    m2 = m2s[train].sum(axis=0) + per_sample * ((means[train] - mean) ** 2).sum(axis=0)
-    std = np.sqrt(m2 / (per_sample * train.size))
-    std[std < 1e-12] = 1.0
-    mean32, std32 = mean.astype(np.float32)[:, None, None], std.astype(np.float32)[:, None, None]
-    block = max(1, BLOCK_BYTES // (4 * int(np.prod(shape))))
-    source = f"prepare torch --dataset {spec}" + (f" --kwargs {kwargs}" if kwargs else "")
-    with DatasetWriter(
-        out, shape, num_samples=n, kind="scenes", class_names=names, source=source
-    ) as w:
-        buf = np.empty((block, *shape), dtype=np.float32)
-        filled = 0
-        for i in tqdm(range(n), desc="pass 2/2 (write)", unit="sample", disable=not progress):
-            image, label = sample_arrays(dataset[i], i)
-            again = image.reshape(shape[0], -1).astype(np.float64).mean(axis=1)
-            if label != labels[i] or not np.allclose(again, means[i], rtol=1e-6, atol=1e-9):
-                raise DatasetError(
-                    f"sample {i} differs between two reads (random transforms?); the dataset "
-                    "must return the same sample for the same index"
-                )
-            np.subtract(image, mean32, out=buf[filled])
-            buf[filled] /= std32
-            filled += 1
-            if filled == block or i == n - 1:
-                w.write(buf[:filled], labels[i + 1 - filled : i + 1])
-                filled = 0
-        w.close(
-            train,
-            test,
-            extra_attrs={"train_fraction": float(train_fraction), "seed": int(seed)},
-            norm_mean=mean,
-            norm_std=std,
-        )
-    with DatasetReader(out, cache_bytes=0) as reader:
-        return reader.meta
+        return image, label
+
+    def split(labels: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray]:
+        names = _names(dataset, class_names, labels)
+        return names, *stratified_split(labels, train_fraction, seed, len(names))
+
+    return write_scenes(
+        out,
+        read,
+        n,
+        split,
+        source=f"prepare torch --dataset {spec}" + (f" --kwargs {kwargs}" if kwargs else ""),
+        progress=progress,
+        extra_attrs={"train_fraction": float(train_fraction), "seed": int(seed)},
+    )
