@@ -312,14 +312,15 @@ def write_scenes(
             writer refuse the data.
     """
     labels = np.zeros(count, dtype=np.int64)
-    stats: list[tuple[np.ndarray, np.ndarray]] = []
+    means = m2s = np.zeros(0)
     for i in tqdm(range(count), desc="pass 1/2 (check)", unit="image", disable=not progress):
         image, labels[i] = read(i)
+        if i == 0:
+            means, m2s = np.zeros((count, image.shape[0])), np.zeros((count, image.shape[0]))
         pixels = image.reshape(image.shape[0], -1).astype(np.float64)
-        mean = pixels.mean(axis=1)
-        stats.append((mean, ((pixels - mean[:, None]) ** 2).sum(axis=1)))
+        means[i] = pixels.mean(axis=1)
+        m2s[i] = ((pixels - means[i][:, None]) ** 2).sum(axis=1)
     shape = image.shape
-    means, m2s = (np.stack(s) for s in zip(*stats, strict=True))
     names, train, test = split(labels)
     mean = means[train].mean(axis=0)
     m2 = m2s[train].sum(axis=0) + shape[1] * shape[2] * ((means[train] - mean) ** 2).sum(axis=0)
