@@ -32,6 +32,7 @@ from launch.cluster.nodes import Nodes
 from launch.cluster.spec import ClusterSpec, NodeSpec
 from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local, worker_name
+from launch.procs import new_events
 from launch.progress import RunProgress, eval_label
 from launch.settings import TrainSettings, server_mode_args
 from launch.slurm.config import SlurmJob
@@ -350,19 +351,17 @@ def eval_curve(run_dir: Path) -> list[dict[str, float]]:
         (in-run, then again as the final evaluation) keeps the later, final scores.
     """
     start, by_version = 0.0, {}
-    with (run_dir / "metrics.jsonl").open(encoding="utf-8") as f:
-        for line in f:
-            event = json.loads(line)
-            if event["event"] == "train_start":
-                start = event["t"]
-            elif event["event"] == "eval":
-                time_s = event.get("train_t", event["t"] - start)
-                by_version[event["version"]] = {
-                    "time_s": round(max(time_s, 0.0), 4),
-                    "samples": event["samples"],
-                    **{k: event[k] for k in ("oa", "aa", "kappa")},
-                    **({"subset": event["test_samples"]} if event.get("subset") else {}),
-                }
+    for event in new_events(run_dir / "metrics.jsonl", 0):
+        if event["event"] == "train_start":
+            start = event["t"]
+        elif event["event"] == "eval":
+            time_s = event.get("train_t", event["t"] - start)
+            by_version[event["version"]] = {
+                "time_s": round(max(time_s, 0.0), 4),
+                "samples": event["samples"],
+                **{k: event[k] for k in ("oa", "aa", "kappa")},
+                **({"subset": event["test_samples"]} if event.get("subset") else {}),
+            }
     return sorted(by_version.values(), key=lambda p: (p["samples"], p["time_s"]))
 
 

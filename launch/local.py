@@ -25,8 +25,14 @@ from launch.cluster.netns import Host, Placement, cluster_hosts
 from launch.cluster.nodes import Nodes
 from launch.cluster.schedule import ScheduleFollower, ScheduleRunner
 from launch.cluster.spec import ClusterSpec
-from launch.procs import EventsMark, second_signal_kills, signals_interrupt, start_offset
-from launch.progress import EventTail, RunProgress
+from launch.procs import (
+    EventsMark,
+    EventTail,
+    second_signal_kills,
+    signals_interrupt,
+    start_offset,
+)
+from launch.progress import RunProgress
 from launch.restarts import Supervisor, restart_due
 from pserver.config import ServerConfig
 

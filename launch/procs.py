@@ -1,4 +1,4 @@
-"""A server's readiness and a launcher's signals.
+"""A server's readiness, the events it writes and a launcher's signals.
 
 A server is ready once its ``start`` event, which carries the address it listens on, is in the
 run's ``metrics.jsonl``; launchers, benchmarks and tests all wait for that event. Launchers run
@@ -68,30 +68,56 @@ def start_offset(metrics: Path) -> EventsMark:
     return EventsMark(metrics)
 
 
-def new_events(metrics: Path, mark: EventsMark | int) -> list[dict[str, Any]]:
-    """The events written to ``metrics`` after ``mark`` (none while the file does not exist).
+def _offset(mark: EventsMark | int, stat: os.stat_result) -> int:
+    return mark if isinstance(mark, int) else mark.offset(stat)
+
+
+class EventTail:
+    """The complete JSON lines a server appended to a file since the last read; a file that
+    replaces the one read so far is read from its start.
 
     Args:
-        metrics: the run's ``metrics.jsonl``.
-        mark: an ``EventsMark`` taken before the server started, or a byte offset (for a
-            process that did not start the server; it cannot tell a replaced file).
+        path: the run's ``metrics.jsonl``.
+        mark: where this launch's events begin: an ``EventsMark`` taken before the server
+            started, or a byte offset (for a process that did not start the server; it
+            cannot tell a replaced file).
     """
-    try:
-        with metrics.open("rb") as f:
-            offset = mark if isinstance(mark, int) else mark.offset(os.fstat(f.fileno()))
-            f.seek(offset)
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return []
-    records = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            continue  # a line still being written
-        if isinstance(record, dict):
-            records.append(record)
-    return records
+
+    def __init__(self, path: Path, mark: EventsMark | int) -> None:
+        self.path, self.mark = path, mark
+        self.offset = 0
+        self.file_id: tuple[int, int] | None = None
+        self._lock = threading.Lock()
+
+    def read(self) -> list[dict[str, Any]]:
+        """The events appended since the last call, in order."""
+        with self._lock:
+            try:
+                with self.path.open("rb") as f:
+                    stat = os.fstat(f.fileno())
+                    if (stat.st_dev, stat.st_ino) != self.file_id:
+                        first = self.file_id is None
+                        self.file_id = (stat.st_dev, stat.st_ino)
+                        self.offset = _offset(self.mark, stat) if first else 0
+                    f.seek(self.offset)
+                    data = f.read()
+            except FileNotFoundError:
+                return []
+            end = data.rfind(b"\n") + 1  # a last line without its newline is still being written
+            self.offset += end
+        records = []
+        for line in data[:end].splitlines():
+            with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError):
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    records.append(record)
+        return records
+
+
+def new_events(metrics: Path, mark: EventsMark | int) -> list[dict[str, Any]]:
+    """The complete events written to ``metrics`` after ``mark`` (none while the file does not
+    exist); ``mark`` as for ``EventTail``."""
+    return EventTail(metrics, mark).read()
 
 
 def new_start_address(metrics: Path, mark: EventsMark | int) -> str | None:

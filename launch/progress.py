@@ -8,8 +8,6 @@ counts updates. Its status shows the epoch, the model version and the latest tes
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +16,7 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from common.training.tables import oa_text
-from launch.procs import EventsMark
+from launch.procs import EventsMark, EventTail
 
 POLL_S = 0.5  # how often the file is read for new events
 
@@ -141,46 +139,6 @@ class RunProgress:
                 self.feed(record)
             if records:
                 self.bar.refresh()
-
-
-class EventTail:
-    """The complete JSON lines a server appended to a file since the last read; a file that
-    replaces the one read so far is read from its start.
-
-    Args:
-        path: the run's ``metrics.jsonl``.
-        mark: where this launch's events begin (``launch.procs.start_offset``).
-    """
-
-    def __init__(self, path: Path, mark: EventsMark) -> None:
-        self.path, self.mark = path, mark
-        self.offset = 0
-        self.file_id: tuple[int, int] | None = None
-        self._lock = threading.Lock()
-
-    def read(self) -> list[dict[str, Any]]:
-        """The events appended since the last call, in order."""
-        with self._lock:
-            try:
-                with self.path.open("rb") as f:
-                    stat = os.fstat(f.fileno())
-                    if (stat.st_dev, stat.st_ino) != self.file_id:
-                        first = self.file_id is None
-                        self.file_id = (stat.st_dev, stat.st_ino)
-                        self.offset = self.mark.offset(stat) if first else 0
-                    f.seek(self.offset)
-                    data = f.read()
-            except FileNotFoundError:
-                return []
-            end = data.rfind(b"\n") + 1  # a last line without its newline is still being written
-            self.offset += end
-        records = []
-        for line in data[:end].splitlines():
-            with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError):
-                record = json.loads(line)
-                if isinstance(record, dict):
-                    records.append(record)
-        return records
 
 
 def _int(value: Any) -> int:

@@ -9,7 +9,6 @@ from (the runs' ``join`` events) and, when given, the emulated cluster as a dict
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import re
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from common.training.tables import natural_key
+from launch.procs import new_events
 
 
 def cpu_model() -> str:
@@ -54,27 +54,6 @@ def collect_setup() -> dict[str, Any]:
     }
 
 
-def _joins(run_dirs: Sequence[str | Path]) -> list[dict[str, Any]]:
-    """The ``join`` events of the runs' ``metrics.jsonl`` that name a worker, in file order
-    (missing files and unreadable lines are skipped)."""
-    found = []
-    for run_dir in run_dirs:
-        path = Path(run_dir) / "metrics.jsonl"
-        if not path.is_file():
-            continue
-        with path.open(encoding="utf-8") as handle:
-            for line in handle:
-                if '"join"' not in line:
-                    continue
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(event, dict) and event.get("event") == "join" and event.get("worker"):
-                    found.append(event)
-    return found
-
-
 def worker_values(run_dirs: Sequence[str | Path], key: str, missing: str = "") -> dict[str, str]:
     """What each worker said of itself at join (``device``, ``host``), from the ``join``
     events of the runs' ``metrics.jsonl``.
@@ -88,7 +67,8 @@ def worker_values(run_dirs: Sequence[str | Path], key: str, missing: str = "") -
         worker name -> value (the first join's), sorted by name (``w2`` before ``w10``).
     """
     found: dict[str, str] = {}
-    for event in _joins(run_dirs):
+    events = [e for d in run_dirs for e in new_events(Path(d) / "metrics.jsonl", 0)]
+    for event in (e for e in events if e.get("event") == "join" and e.get("worker")):
         value = event.get(key)
         if (isinstance(value, str) and value) or missing:
             found.setdefault(str(event["worker"]), str(value or missing))

@@ -25,8 +25,7 @@ from common.polling import poll_until
 from common.procs import Children
 from launch.cluster.nodes import Nodes
 from launch.cluster.schedule import OFF, ON, ScheduleFollower, ScheduleRunner
-from launch.procs import POLL_S
-from launch.progress import EventTail
+from launch.procs import POLL_S, EventTail
 
 log = logging.getLogger(__name__)
 

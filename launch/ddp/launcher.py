@@ -35,8 +35,8 @@ from launch.cluster.schedule import ScheduleFollower
 from launch.ddp import checkpoint
 from launch.ddp.config import HOSTED_STORE_PORT, DDPConfig
 from launch.ddp.elastic import ElasticGroups
-from launch.procs import EventsMark, second_signal_kills, signals_interrupt
-from launch.progress import EventTail, RunProgress
+from launch.procs import EventsMark, EventTail, second_signal_kills, signals_interrupt
+from launch.progress import RunProgress
 from pserver.checkpoint import read_newest, remove_stale_tmp
 
 log = logging.getLogger(__name__)
