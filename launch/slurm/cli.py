@@ -171,25 +171,16 @@ def _groups(
     help="Extra 'worker join' option, e.g. --worker-opt=--data=/scratch/copy.h5.",
 )
 def slurm(
-    dataset: Path,
-    model: str,
-    mode: str,
+    het: str | None,
     workers: int | None,
     slowdowns: str,
     nodes: int | None,
-    partition: str | None,
     cpus_per_worker: int,
     gpus_per_worker: int,
     shards: int,
-    het: str | None,
-    time: str,
-    run_dir: Path,
     submit: bool,
     wait: bool,
     wait_timeout: float,
-    server_opt: tuple[str, ...],
-    worker_opt: tuple[str, ...],
-    sbatch_opt: tuple[str, ...],
     target_oa: float | None,
     **options: Any,
 ) -> None:
@@ -205,30 +196,20 @@ def slurm(
         server, groups = _groups(
             het, workers, slowdowns, nodes, cpus_per_worker, gpus_per_worker, shards
         )
+        mode_args = server_mode_args(options.pop("staleness"), options.pop("max_staleness"))
+        seconds = ("signal_before", "startup_timeout", "stop_timeout")
         job = SlurmJob(
-            dataset=dataset.resolve(),
-            model=model,
-            mode=mode,
-            run_dir=run_dir.resolve(),
+            dataset=options.pop("dataset").resolve(),
+            run_dir=options.pop("run_dir").resolve(),
             groups=groups,
             train=train,
             het=het is not None,
             server=server,
-            server_options=(
-                *server_mode_args(options.pop("staleness"), options.pop("max_staleness")),
-                *server_opt,
-            ),
-            worker_options=worker_opt,
-            partition=partition,
-            time=time,
-            signal_before_s=options.pop("signal_before"),
-            requeue=options.pop("requeue"),
-            resume=options.pop("resume"),
-            python=options.pop("python"),
-            job_name=options.pop("job_name"),
-            startup_timeout_s=options.pop("startup_timeout"),
-            stop_timeout_s=options.pop("stop_timeout"),
-            sbatch_options=sbatch_opt,
+            server_options=(*mode_args, *options.pop("server_opt")),
+            worker_options=options.pop("worker_opt"),
+            sbatch_options=options.pop("sbatch_opt"),
+            **{f"{key}_s": options.pop(key) for key in seconds},
+            **options,  # model, mode, partition, time, requeue, resume, python, job_name
         ).validate()
         if submit or wait:
             check_run_dir(job.run_dir, job.resume)

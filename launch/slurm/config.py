@@ -7,7 +7,7 @@ import re
 import sys
 from pathlib import Path
 
-from common.config import need
+from common.config import escape_control, need
 from common.errors import ConfigError
 from launch.ddp.config import DDPConfig
 from launch.settings import TrainSettings
@@ -16,26 +16,7 @@ from launch.slurm.groups import Group, ServerPlace
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+@,=:-]+$")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 DDP = "ddp"
-
-
-def refuse_control(option: str, value: str) -> None:
-    """Refuse a value with a control character (newline, carriage return, NUL, tab, ...):
-    in a job script it would end a comment or an ``#SBATCH`` line and start a shell line.
-
-    Args:
-        option: the option the value came from, named in the error.
-        value: the value.
-
-    Raises:
-        ConfigError: ``value`` holds a control character.
-    """
-    if _CONTROL.search(value):
-        raise ConfigError(
-            f"{option} {value!r}: control characters (newline, carriage return, NUL, tab, ...) "
-            "cannot go into a job script"
-        )
 
 
 def time_limit_s(text: str) -> int:
@@ -134,8 +115,12 @@ class SlurmJob:
             ConfigError: a value is out of range; the message quotes it.
         """
         need(self.groups, "the job has no workers")
-        for option, value in self._texts():
-            refuse_control(option, value)
+        for option, value in self._texts():  # a control character would end a script line
+            need(
+                escape_control(value) == value,
+                f"{option} {value!r}: control characters (newline, carriage return, NUL, tab, "
+                "...) cannot go into a job script",
+            )
         for group in self.groups:
             group.validate()
         need(
