@@ -149,50 +149,6 @@ def budget_options(func: F) -> F:
     )
 
 
-def emulated_workers(workers: int | None, slowdowns: str, options: dict[str, Any]) -> int | None:
-    """How many workers the emulation implies when ``--workers`` and ``--slowdowns`` leave
-    it open: the preset's node count, else the ``--node-cpus`` or ``--links`` entries."""
-    if workers is not None or "," in slowdowns:
-        return workers
-    if options.get("cluster"):
-        return len(PRESETS[options["cluster"]].node_cpus)
-    for key in ("node_cpus", "links"):
-        if options.get(key) and "," in options[key]:
-            return len(options[key].split(","))
-    return workers
-
-
-BUDGET_KEYS = ("cluster", "node_cpus", "server_cpus")
-
-
-def build_nodes(
-    workers: int,
-    links: str | None,
-    server_link: str | None,
-    link_delay: str | None,
-    options: dict[str, Any],
-) -> ClusterSpec | None:
-    """The emulated cluster of the link options and the budget options, which are popped from
-    ``options`` (``--allow-oversubscribe`` stays); None when nothing is emulated.
-
-    Raises:
-        click.BadParameter: a value is malformed or the counts disagree.
-    """
-    budgets = {key: options.pop(key) for key in BUDGET_KEYS}
-    try:
-        return parse_cluster(
-            workers,
-            preset=budgets["cluster"],
-            node_cpus=budgets["node_cpus"],
-            server_cpus=budgets["server_cpus"],
-            links=links,
-            server_link=server_link,
-            link_delay=link_delay,
-        )
-    except ConfigError as exc:
-        raise click.BadParameter(str(exc)) from exc
-
-
 def warn_unbudgeted_server(nodes: ClusterSpec | None) -> None:
     """Say in one line (on stderr) that the server runs without a CPU budget while workers
     have one."""
@@ -368,43 +324,45 @@ def run_options(func: F) -> F:
 
 
 CLUSTER_KEYS = ("workers", "slowdowns", "slowdown_schedules", "devices")
-LINK_KEYS = ("links", "server_link", "link_delay")
+EMULATION_KEYS = ("links", "server_link", "link_delay", "cluster", "node_cpus", "server_cpus")
 
 
 def build_cluster(options: dict[str, Any]) -> dict[str, Any]:
     """Pop ``norm`` and the cluster, link and budget options from ``options`` (setting the
-    model ``--norm`` names) into what a launcher's configuration takes: the per-worker
-    ``slowdowns``, ``slowdown_schedules`` and ``devices``, and the emulated ``nodes``.
+    model ``--norm`` names; ``--allow-oversubscribe`` stays) into what a launcher's
+    configuration takes: the per-worker ``slowdowns``, ``slowdown_schedules`` and ``devices``,
+    and the emulated ``nodes`` (None when nothing is emulated).
+
+    Without ``--workers`` and with one ``--slowdowns`` value, the worker count is the
+    preset's node count, else that of the ``--node-cpus`` or ``--links`` entries.
 
     Raises:
-        click.BadParameter: a value is malformed or the counts disagree.
+        click.BadParameter: a value is malformed or the counts disagree, or ``--norm group``
+            names a model without a GroupNorm build.
     """
-    apply_norm(options)
     given = {key: options.pop(key) for key in CLUSTER_KEYS}
-    links, server_link, link_delay = (options.pop(key, None) for key in LINK_KEYS)
-    workers = emulated_workers(given["workers"], given["slowdowns"], {**options, "links": links})
-    factors, schedules, devices = build_workers(
-        workers, given["slowdowns"], given["slowdown_schedules"], given["devices"]
-    )
-    nodes = build_nodes(len(factors), links, server_link, link_delay, options)
+    emulated = {key: options.pop(key, None) for key in EMULATION_KEYS}
+    workers, slowdowns = given["workers"], given["slowdowns"]
+    if workers is None and "," not in slowdowns:
+        if emulated["cluster"]:
+            workers = len(PRESETS[emulated["cluster"]].node_cpus)
+        else:
+            listed = [emulated[k] for k in ("node_cpus", "links") if "," in (emulated[k] or "")]
+            workers = len(listed[0].split(",")) if listed else None
+    try:
+        options["model"] = with_norm(options["model"], options.pop("norm"))
+        factors, schedules, devices = build_workers(
+            workers, slowdowns, given["slowdown_schedules"], given["devices"]
+        )
+        nodes = parse_cluster(len(factors), preset=emulated.pop("cluster"), **emulated)
+    except (ConfigError, ModelError) as exc:
+        raise click.BadParameter(str(exc)) from exc
     return {
         "slowdowns": factors,
         "slowdown_schedules": schedules,
         "devices": devices,
         "nodes": nodes,
     }
-
-
-def apply_norm(options: dict[str, Any]) -> None:
-    """Pop ``norm`` from ``options`` and set ``options["model"]`` to the model it names.
-
-    Raises:
-        click.BadParameter: ``--norm group`` for a model without a GroupNorm build.
-    """
-    try:
-        options["model"] = with_norm(options["model"], options.pop("norm"))
-    except ModelError as exc:
-        raise click.BadParameter(str(exc)) from exc
 
 
 def build_train(options: dict[str, Any], target_oa: float | None = None) -> TrainSettings:
