@@ -46,15 +46,6 @@ def all_commands() -> Iterator[tuple[click.Context, click.Command]]:
         yield from walk_commands(root, click.Context(root, info_name=name, **root.context_settings))
 
 
-def option_flags(command: click.Command) -> list[str]:
-    """The long flags of a command's options, e.g. ``["--bind", "--mode", "--progress"]``."""
-    flags = []
-    for param in command.params:
-        if isinstance(param, click.Option):
-            flags += [f for f in (*param.opts, *param.secondary_opts) if f.startswith("--")]
-    return flags
-
-
 def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 

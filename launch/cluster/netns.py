@@ -340,20 +340,6 @@ class Network:
         if self.config.delay is not None:
             _run([*qdisc, "parent", "1:1", "handle", "10:", "netem", "delay", self.config.delay])
 
-    def qdisc_stats(self) -> dict[str, str]:
-        """The tc statistics of every capped interface, for a report.
-
-        Returns:
-            ``{"<netns>/<device>": tc -s output}``.
-        """
-        stats = {}
-        for host in self.hosts:
-            port = f"{self.config.prefix}-p{host.index}"
-            for netns, device in ((host.netns, host.interface), (self.switch, port)):
-                done = _run(["tc", "-n", netns, "-s", "qdisc", "show", "dev", device], check=False)
-                stats[f"{netns}/{device}"] = done.stdout.strip()
-        return stats
-
 
 @dataclasses.dataclass(frozen=True)
 class Placement:

@@ -21,6 +21,21 @@ def _all_mh() -> set[str]:
     return {line.split()[0] for line in listing.stdout.splitlines() if line.startswith("mh")}
 
 
+def _qdisc_stats(net: Network) -> dict[str, str]:
+    """``tc -s qdisc show`` of both ends of every host's link, by ``<netns>/<device>``."""
+    ends = [(h.netns, h.interface) for h in net.hosts]
+    ends += [(net.switch, f"{PREFIX}-p{h.index}") for h in net.hosts]
+    return {
+        f"{netns}/{device}": subprocess.run(
+            ["tc", "-n", netns, "-s", "qdisc", "show", "dev", device],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        for netns, device in ends
+    }
+
+
 def test_capped_link_and_teardown(netns_ok: None, tmp_path: Path) -> None:
     before = _all_mh()
     # A stale namespace from a "crashed" earlier run with this prefix is removed at start.
@@ -35,7 +50,7 @@ def test_capped_link_and_teardown(netns_ok: None, tmp_path: Path) -> None:
             a, b = net.hosts
             up = measure_rate(a, b, 3_000_000, tmp_path, timeout=60)
             down = measure_rate(b, a, 3_000_000, tmp_path, timeout=60)
-            stats = net.qdisc_stats()
+            stats = _qdisc_stats(net)
         # TCP payload stays under the cap (headers take ~3 %); far below would mean a broken link.
         for rate in (up, down):
             assert 0.6 * cap < rate < 1.02 * cap, (up, down, stats)
