@@ -5,13 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from common.config import default
 from pserver.config import ServerConfig, check_training
-
-_SERVER_DEFAULTS: dict[str, Any] = {
-    f.name: f.default
-    for f in dataclasses.fields(ServerConfig)
-    if f.default is not dataclasses.MISSING
-}
 
 
 def server_default(name: str) -> Any:
@@ -23,7 +18,7 @@ def server_default(name: str) -> Any:
     Returns:
         Its default value.
     """
-    return _SERVER_DEFAULTS[name]
+    return default(ServerConfig, name)
 
 
 def server_mode_args(staleness: str | None, max_staleness: int | None) -> tuple[str, ...]:
