@@ -177,8 +177,7 @@ class CompareConfig:
             Nodes(self.nodes, allow_oversubscribe=self.allow_oversubscribe).open()
         if self.launcher == "slurm":
             self._validate_slurm()
-        if self.resume and self.overwrite:
-            raise ConfigError("--resume and --overwrite exclude each other")
+        need(not (self.resume and self.overwrite), "--resume and --overwrite exclude each other")
         held = [p.name for p in sorted(self.out.glob("runs/*")) if rundir.started(p)]
         if held and not (self.resume or self.overwrite):  # the run-folder rule, for them all
             raise ConfigError(

@@ -29,8 +29,7 @@ def parse_slowdowns(text: str, workers: int | None = None) -> tuple[float, ...]:
         ConfigError: ``workers`` is below 1, an entry is not a number or below 1, or the count
             does not match.
     """
-    if workers is not None and workers < 1:
-        raise ConfigError(f"--workers must be >= 1, got {workers}")
+    need(workers is None or workers >= 1, f"--workers must be >= 1, got {workers}")
     try:
         factors = tuple(float(part) for part in text.split(",") if part.strip())
     except ValueError:
@@ -38,8 +37,7 @@ def parse_slowdowns(text: str, workers: int | None = None) -> tuple[float, ...]:
             f"--slowdowns {text!r} is not a comma-separated list of numbers"
         ) from None
     need(factors, "--slowdowns is empty; give at least one factor")
-    if any(f < 1 for f in factors):
-        raise ConfigError(f"--slowdowns must all be >= 1, got {text!r}")
+    need(all(f >= 1 for f in factors), f"--slowdowns must all be >= 1, got {text!r}")
     count = workers or len(factors)
     if len(factors) == 1:
         factors *= count
@@ -87,8 +85,7 @@ def parse_schedules(text: str, slowdowns: tuple[float, ...]) -> tuple[str, ...]:
                 0 <= i < count,
                 f"--slowdown-schedules entry {entry!r}: worker index {i} is not in [0, {count})",
             )
-            if schedules[i]:
-                raise ConfigError(f"--slowdown-schedules names worker {i} twice")
+            need(not schedules[i], f"--slowdown-schedules names worker {i} twice")
             schedules[i] = spec.strip()
     elif len(entries) == 1:
         schedules = entries * count

@@ -252,8 +252,7 @@ PRESETS: Mapping[str, Preset] = {
 def _per_worker(text: str, option: str, count: int) -> list[str]:
     """Split a comma list; one value applies to all ``count`` workers."""
     items = [item.strip() for item in text.split(",")]
-    if any(not item for item in items):
-        raise ConfigError(f"{option} {text!r} has an empty entry")
+    need(all(items), f"{option} {text!r} has an empty entry")
     if len(items) == 1:
         return items * count
     need(len(items) == count, f"{option} {text!r} has {len(items)} entries for {count} workers")

@@ -217,8 +217,7 @@ class DDPConfig:
             self.checkpoint_every >= 1,
             f"--ddp-checkpoint-every must be >= 1, got {self.checkpoint_every}",
         )
-        if self.resume and self.overwrite:
-            raise ConfigError("give --resume or --overwrite, not both")
+        need(not (self.resume and self.overwrite), "give --resume or --overwrite, not both")
         if self.names and len(self.names) != self.world_size:
             raise ConfigError(f"{len(self.names)} rank names for {self.world_size} ranks")
         return self

@@ -202,8 +202,7 @@ class SlurmJob:
             (bool(self.worker_options), "--worker-opt"),
         ]
         for present, name in refused:
-            if present:
-                raise ConfigError(f"--mode ddp runs torch DDP ranks: {name} does not apply")
+            need(not present, f"--mode ddp runs torch DDP ranks: {name} does not apply")
         self.ddp_config().validate()
 
     def ddp_config(self) -> DDPConfig:

@@ -130,8 +130,7 @@ def _pairs(body: str, where: str, allowed: tuple[str, ...]) -> dict[str, str]:
             continue
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
-        if not sep or not value:
-            raise ConfigError(f"--het {where}: {item!r} is not key=value")
+        need(sep and value, f"--het {where}: {item!r} is not key=value")
         need(key in allowed, f"--het {where}: unknown key {key!r}; use {', '.join(allowed)}")
         need(key not in pairs, f"--het {where}: {key} is given twice")
         need(
@@ -192,8 +191,7 @@ def spread_shards(groups: tuple[Group, ...], shards: int) -> tuple[Group, ...]:
     named = sum(g.shards for g in groups)
     if shards in (0, named):
         return groups
-    if named:
-        raise ConfigError(f"--shards {shards} but the --het components hold {named}")
+    need(not named, f"--shards {shards} but the --het components hold {named}")
     counts = [shards // len(groups) + (i < shards % len(groups)) for i in range(len(groups))]
     return tuple(dataclasses.replace(g, shards=k) for g, k in zip(groups, counts, strict=True))
 

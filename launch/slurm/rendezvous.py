@@ -89,8 +89,7 @@ class SlurmRank:
             PSError: the first node's address cannot be found.
         """
         missing = [k for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID") if k not in env]
-        if missing:
-            raise ConfigError(f"{', '.join(missing)} not set: run this inside an srun step")
+        need(not missing, f"{', '.join(missing)} not set: run this inside an srun step")
         try:
             rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
             port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None
