@@ -195,6 +195,7 @@ def run_local(
                 ],
                 startup_timeout_s=cluster.startup_timeout_s,
                 marks=marks,
+                set_budget=budgets.set_budget,
             )
             following = progress.follow(metrics, marks[0]) if progress is not None else None
             with following or contextlib.nullcontext():
@@ -205,7 +206,7 @@ def run_local(
                         for i, (n, c) in enumerate(_workers(cluster, address, hosts))
                     ]
                 )
-                runner = _schedule(cluster, _NodeActions(supervisor, budgets))
+                runner = _schedule(cluster, supervisor)
                 if runner is not None:
                     tail = EventTail(metrics, marks[0])
                     supervisor.tick = lambda: runner.step(tail.read())
@@ -370,25 +371,7 @@ def _shutdown_budget_s(server_options: Sequence[str]) -> float:
     ) + SHUTDOWN_MARGIN_S
 
 
-class _NodeActions:
-    """What a node's schedule does to a local cluster's workers: rewrite a worker's quota,
-    take it out (SIGKILL: the server drops it as any dead worker; the supervisor does not
-    restart it) and bring it back (its command again: same name, node and budget)."""
-
-    def __init__(self, supervisor: Supervisor, budgets: Nodes) -> None:
-        self.supervisor, self.budgets = supervisor, budgets
-
-    def set_budget(self, index: int, cores: float) -> None:
-        self.budgets.set_budget(index, cores)
-
-    def leave(self, index: int) -> None:
-        self.supervisor.take_out(index)
-
-    def rejoin(self, index: int) -> None:
-        self.supervisor.bring_back(index)
-
-
-def _schedule(cluster: LocalCluster, actions: _NodeActions) -> ScheduleRunner | None:
+def _schedule(cluster: LocalCluster, actions: Supervisor) -> ScheduleRunner | None:
     """The runner of the workers' schedules (None: no node has one)."""
     if cluster.nodes is None or not cluster.nodes.scheduled:
         return None

@@ -9,7 +9,7 @@ new shards; with no checkpoint yet it starts the run again (``--overwrite``). A 
 dies after joining is started again with the same command and rejoins. The server may be
 restarted ``restarts`` times in all and each worker as often; past that a dead server ends the
 launch with its error and a dead worker stays dead (the run goes on without it). A worker
-taken out on purpose (its node leaves, ``take_out``) is neither a failure nor restarted until
+taken out on purpose (its node leaves, ``leave``) is neither a failure nor restarted until
 it is brought back.
 """
 
@@ -49,6 +49,9 @@ class Supervisor:
         marks: where each server's events begin: the first server's (taken by the caller
             before anything started); the supervisor appends one per restart. The caller
             closes them.
+        set_budget: rewrites worker ``index``'s CPU quota (``Nodes.set_budget``), for the
+            nodes' schedules (``launch.cluster.schedule.NodeActions``, with ``leave`` and
+            ``rejoin``).
     """
 
     def __init__(
@@ -61,10 +64,12 @@ class Supervisor:
         shard_argvs: Callable[[str], list[tuple[str, list[str]]]],
         startup_timeout_s: float,
         marks: list[EventsMark],
+        set_budget: Callable[[int, float], None],
     ) -> None:
         self.children, self.run_dir, self.restarts = children, run_dir, restarts
         self.server_argv, self.shard_argvs = server_argv, shard_argvs
         self.startup_timeout_s, self.marks = startup_timeout_s, marks
+        self.set_budget = set_budget
         self.metrics = run_dir / "metrics.jsonl"
         self.server: Child | None = None
         self.shards: list[Child] = []
@@ -110,13 +115,15 @@ class Supervisor:
         self.workers = [self.children.start(n, c) for n, c in commands]
         self.worker_restarts = [0] * len(commands)
 
-    def take_out(self, index: int) -> None:
-        """Kill worker ``index`` (SIGKILL, as a node that is gone) without restarting it."""
+    def leave(self, index: int) -> None:
+        """Kill worker ``index`` (SIGKILL, as a node that is gone: the server drops it as any
+        dead worker) without restarting it."""
         self.away.add(index)
         self.workers[index].kill()
 
-    def bring_back(self, index: int) -> None:
-        """Start worker ``index`` again, taken out before, with its command."""
+    def rejoin(self, index: int) -> None:
+        """Start worker ``index`` again, taken out before, with its command (same name, node
+        and budget)."""
         self.away.discard(index)
         self.workers[index] = self.children.start(*self.commands[index])
 
