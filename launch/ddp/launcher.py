@@ -21,7 +21,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 from common import rundir
@@ -42,23 +42,21 @@ from pserver.checkpoint import read_newest, remove_stale_tmp
 log = logging.getLogger(__name__)
 
 
-def _loopback_interface() -> str | None:
-    """The loopback interface's name (``lo``, ``lo0``) for gloo, if there is one."""
+def use_loopback(env: MutableMapping[str, str]) -> None:
+    """Point gloo at the loopback interface (``lo``, ``lo0``), where every rank is, unless
+    ``GLOO_SOCKET_IFNAME`` already names one."""
     with contextlib.suppress(OSError):
-        for _, name in socket.if_nameindex():
-            if name.startswith("lo"):
-                return name
-    return None
+        names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+        if names and "GLOO_SOCKET_IFNAME" not in env:
+            env["GLOO_SOCKET_IFNAME"] = names[0]
 
 
 def _rank_env(links: bool = False) -> dict[str, str]:
     env = child_environment(os.environ, PYTHONUNBUFFERED="1")
     if links:
         env["GLOO_SOCKET_IFNAME"] = HOST_INTERFACE  # every host's one link
-    elif "GLOO_SOCKET_IFNAME" not in env:
-        loopback = _loopback_interface()
-        if loopback:
-            env["GLOO_SOCKET_IFNAME"] = loopback  # all ranks are on 127.0.0.1
+    else:
+        use_loopback(env)  # all ranks are on 127.0.0.1
     return env
 
 

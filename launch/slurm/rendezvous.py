@@ -23,7 +23,7 @@ from common.config import need
 from common.errors import ConfigError, NetworkTimeout, PSError, WaitTimeout
 from common.polling import poll_until
 from common.procs import POLL_S
-from launch.ddp.launcher import DDPConfig, _loopback_interface
+from launch.ddp.launcher import DDPConfig, use_loopback
 from launch.slurm.placement import node_address, pick_device
 
 
@@ -219,10 +219,8 @@ def run_slurm_rank(config_path: Path, gpu: bool, env: MutableMapping[str, str]) 
     config = DDPConfig.from_json(config_path.read_text(encoding="utf-8"))
     place = SlurmRank.from_env(env, config.run_dir)
     path = task_config(config, config_path, place, gpu, env)
-    if place.on_loopback() and "GLOO_SOCKET_IFNAME" not in env:
-        loopback = _loopback_interface()
-        if loopback:
-            env["GLOO_SOCKET_IFNAME"] = loopback  # every rank is on this machine
+    if place.on_loopback():
+        use_loopback(env)  # every rank is on this machine
     args = ["--config", str(path), "--rank", str(place.rank)]
     store = None
     if place.world_size > 1:
