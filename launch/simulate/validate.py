@@ -168,11 +168,6 @@ def measure(setup: Setup) -> dict[str, Any]:
     return {"repeats": repeats}
 
 
-def _measured_epoch_s(run_dir: Path) -> float:
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return float(summary["train_time_s"]) / max(int(summary["epochs"]), 1)
-
-
 # (mode, calibration runs, what the prediction tests)
 PREDICTIONS = (
     ("weighted-sync", ("ps",), "another run of the same configuration"),
@@ -207,7 +202,8 @@ def predict(setup: Setup, measured: dict[str, Any]) -> list[dict[str, Any]]:
                 for i in range(max(len(d) for d in dirs))
             ]
             predicted = statistics.fmean(predictions)
-            pairs.append((predicted, _measured_epoch_s(Path(repeat["runs"][mode]))))
+            summary = json.loads((Path(repeat["runs"][mode]) / "summary.json").read_text())
+            pairs.append((predicted, summary["train_time_s"] / max(summary["epochs"], 1)))
         errors = [p / m - 1 for p, m in pairs]
         error = float(statistics.median(errors))
         rows.append(
@@ -250,18 +246,8 @@ def kept_figures(kept: Path = MULTIHOST_KEPT) -> dict[str, Any]:
     """The figures of a kept multi-host bench record (``bench/results/NAME.json``), in
     ``bench_figures``' shape: communication = round time after the slowest worker's compute
     (DDP: the all-reduce alone), and each layout's slowest worker's compute per round."""
-    figures = (record := json.loads(kept.read_text(encoding="utf-8")))["figures"]
-    comm = {"ddp": figures["allreduce_s"]}
-    comm |= {k: figures[f"comm_s_{k}"] for k in MULTIHOST_LAYOUTS if f"comm_s_{k}" in figures}
-    compute = {
-        k: figures[f"compute_s_{k}"] for k in MULTIHOST_LAYOUTS if f"compute_s_{k}" in figures
-    }
-    return {
-        "source": f"{kept.name}: {record['date']}, {record['command']}",
-        "compute_s": figures["compute_s"],
-        "communication_s": comm,
-        "layout_compute_s": compute,
-    }
+    record = json.loads(kept.read_text(encoding="utf-8"))
+    return _figures(record["figures"], f"{kept.name}: {record['date']}, {record['command']}")
 
 
 def bench_figures(results: Path) -> dict[str, Any]:
@@ -271,17 +257,26 @@ def bench_figures(results: Path) -> dict[str, Any]:
     Raises:
         ValueError: the file holds no all-reduce reference (gloo failed in that run).
     """
-    data = json.loads(results.read_text(encoding="utf-8"))
-    figures = data["figures"]
+    figures = json.loads(results.read_text(encoding="utf-8"))["figures"]
     if not figures.get("reference"):
         raise ValueError(f"{results} holds no all-reduce reference")
-    rows = {k: row for k in MULTIHOST_LAYOUTS if (row := figures["variants"].get(k)) is not None}
-    comm = {"ddp": figures["reference"]["allreduce_s"]}
-    comm |= {k: row["comm_s_median"] for k, row in rows.items()}
-    compute = {k: v for k, row in rows.items() if (v := row.get("compute_s_median")) is not None}
+    flat = dict(figures["reference"])  # allreduce_s and compute_s, as a kept record has them
+    for layout, row in figures["variants"].items():
+        flat[f"comm_s_{layout}"] = None if row is None else row["comm_s_median"]
+        flat[f"compute_s_{layout}"] = None if row is None else row.get("compute_s_median")
+    return _figures(flat, str(results))
+
+
+def _figures(flat: dict[str, Any], source: str) -> dict[str, Any]:
+    """The figures of a kept record's keys (``allreduce_s``, ``compute_s``, ``comm_s_LAYOUT``,
+    ``compute_s_LAYOUT``) for the layouts the simulator knows (None: not run)."""
+    got = {k: v for k, v in flat.items() if v is not None}
+    comm = {"ddp": got["allreduce_s"]}
+    comm |= {k: got[f"comm_s_{k}"] for k in MULTIHOST_LAYOUTS if f"comm_s_{k}" in got}
+    compute = {k: got[f"compute_s_{k}"] for k in MULTIHOST_LAYOUTS if f"compute_s_{k}" in got}
     return {
-        "source": str(results),
-        "compute_s": figures["reference"]["compute_s"],
+        "source": source,
+        "compute_s": got["compute_s"],
         "communication_s": comm,
         "layout_compute_s": compute,
     }
