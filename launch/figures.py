@@ -54,7 +54,7 @@ def representative(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def settings_title(settings: dict[str, Any]) -> str:
     """One line naming what was compared: data, model, slowdowns, batch, optimizer, epochs, and
     the emulated cluster when there was one."""
-    train = settings.get("train", {})
+    train, cluster = settings.get("train", {}), settings.get("cluster")
     slowdowns = ",".join(f"{s:g}" for s in settings.get("slowdowns", []))
     stop = (
         f"{train['epochs']} epochs"
@@ -66,15 +66,8 @@ def settings_title(settings: dict[str, Any]) -> str:
         f"slowdowns {slowdowns} · B={train.get('global_batch')} · {train.get('optimizer')} "
         f"lr {train.get('lr')} ({train.get('lr_schedule')}) · {stop} · seed "
         f"{train.get('seed')} · {settings.get('repeats')} repeat(s)"
-        + _cluster_words(settings.get("cluster"))
+        + (f" · cluster {ClusterSpec.from_description(cluster).summary_line()}" if cluster else "")
     )
-
-
-def _cluster_words(described: dict[str, Any] | None) -> str:
-    """`` · cluster ...`` for an emulated cluster's description, empty without one."""
-    if not described:
-        return ""
-    return f" · cluster {ClusterSpec.from_description(described).summary_line()}"
 
 
 def curve_points(run: dict[str, Any], key: str, initial: float | None) -> np.ndarray:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from common.errors import PSError
 from common.procs import Child, Children
+from common.rundir import UPDATES
 from launch.procs import EventsMark, joined_names, new_events, start_offset, wait_for_address
 from pserver.checkpoint import latest
 
@@ -146,7 +147,8 @@ class Supervisor:
             code = self.children.wait(self.server, timeout_s, self._check)
             if not self._restart_left():
                 return code
-            before = _last_version(new_events(self.metrics, self.marks[-1]))
+            events = new_events(self.metrics, self.marks[-1])
+            before = max((e["version"] for e in events if e["event"] in UPDATES), default=0)
             for shard in self.shards:
                 shard.stop()
             resume = "--resume" if latest(self.run_dir / "checkpoints") else "--overwrite"
@@ -205,9 +207,3 @@ class Supervisor:
             "worker_restarts": sum(self.worker_restarts),
             "versions_replayed": self.versions_replayed,
         }
-
-
-def _last_version(events: list[dict[str, object]]) -> int:
-    """The highest version of the updates among ``events`` (0: none)."""
-    versions = [e["version"] for e in events if e.get("event") in ("round", "push")]
-    return max((v for v in versions if isinstance(v, int)), default=0)

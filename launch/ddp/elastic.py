@@ -104,7 +104,7 @@ class ElasticGroups:
                 child.wait()
             self.group.close()
             self.runner.step(self._take(self.metrics.read()))  # the steps before the failure
-            self._failed = (self._now(), self.applied)
+            self._failed = (time.monotonic() - (self.origin or 0.0), self.applied)
             for index, action in changes:
                 members = [m for m in members if m != index] if action == OFF else [*members, index]
                 log.info("node %d %s: restarting the group from its last checkpoint", index, action)
@@ -117,9 +117,6 @@ class ElasticGroups:
         if self.group is not None:
             self.group.stop()
             self.group.close()
-
-    def _now(self) -> float:
-        return time.monotonic() - (self.origin or 0.0)
 
     def _watch(self, group: Children, deadline: float) -> list[tuple[int, str]] | None:
         """Follow the group until it ends (None) or a node leaves or returns (those changes)."""
