@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +14,14 @@ from common.errors import PSError
 from launch.settings import TrainSettings
 from launch.slurm.config import DDP, SlurmJob, time_limit_s
 from launch.slurm.groups import Group
-from launch.slurm.submit import check_run_dir, read_summary, submit, wait_job, write_script
+from launch.slurm.submit import (
+    check_run_dir,
+    read_summary,
+    slurm_command,
+    submit,
+    wait_job,
+    write_script,
+)
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +114,8 @@ class SlurmRuns:
 def cancel(job_id: str, timeout_s: float = 30.0) -> None:
     """``scancel`` a job; a failure is logged, not raised (the job may have just ended)."""
     try:
-        done = subprocess.run(
-            ["scancel", job_id], capture_output=True, text=True, timeout=timeout_s
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        done = slurm_command(["scancel", job_id], timeout_s)
+    except (OSError, PSError) as exc:
         log.warning("scancel %s: %s", job_id, exc)
         return
     if done.returncode != 0:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Mapping
 
 from common.config import need
+from common.errors import PSError
+from launch.slurm.submit import slurm_command
 
 
 def pick_device(gpu: bool, env: Mapping[str, str]) -> str:
@@ -50,13 +51,8 @@ def node_address(node: str, timeout_s: float = 30.0) -> str:
         A host name or IP address.
     """
     try:
-        done = subprocess.run(
-            ["scontrol", "show", "node", "--oneliner", node],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
-    except (OSError, subprocess.TimeoutExpired):
+        done = slurm_command(["scontrol", "show", "node", "--oneliner", node], timeout_s)
+    except (OSError, PSError):
         return node
     for token in done.stdout.split():
         if token.startswith("NodeAddr=") and len(token) > len("NodeAddr="):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import ipaddress
-import subprocess
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from common.polling import poll_until
 from common.procs import POLL_S
 from launch.ddp.launcher import DDPConfig, use_loopback
 from launch.slurm.placement import node_address, pick_device
+from launch.slurm.submit import slurm_command
 
 
 def first_node(nodelist: str, timeout_s: float = 30.0) -> str:
@@ -38,17 +38,10 @@ def first_node(nodelist: str, timeout_s: float = 30.0) -> str:
         The first node's name.
 
     Raises:
-        PSError: scontrol failed or printed nothing.
+        PSError: scontrol is missing, failed or printed nothing.
+        NetworkTimeout: it did not answer in time.
     """
-    try:
-        done = subprocess.run(
-            ["scontrol", "show", "hostnames", nodelist],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise PSError(f"scontrol show hostnames {nodelist}: {exc}") from exc
+    done = slurm_command(["scontrol", "show", "hostnames", nodelist], timeout_s)
     names = done.stdout.split()
     if done.returncode != 0 or not names:
         raise PSError(f"scontrol show hostnames {nodelist}: {done.stderr.strip() or 'no hosts'}")

@@ -113,8 +113,13 @@ class JobEnd:
         return self.state == "COMPLETED" and self.exit_code == 0
 
 
-def _run(command: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
-    """Run a Slurm client command with a timeout."""
+def slurm_command(command: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Run a Slurm client command with a timeout.
+
+    Raises:
+        PSError: the command is not installed.
+        NetworkTimeout: it did not answer within ``timeout_s``.
+    """
     try:
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     except FileNotFoundError:
@@ -139,7 +144,7 @@ def submit(script: Path, timeout_s: float = 60.0) -> str:
     """
     if shutil.which("sbatch") is None:
         raise PSError("sbatch not found: submit from a machine where Slurm is installed")
-    done = _run(["sbatch", "--parsable", str(script)], timeout_s)
+    done = slurm_command(["sbatch", "--parsable", str(script)], timeout_s)
     if done.returncode != 0 or not done.stdout.strip():
         raise PSError(f"sbatch refused the job: {done.stderr.strip() or done.stdout.strip()}")
     return done.stdout.strip().splitlines()[-1].split(";")[0]
@@ -162,7 +167,7 @@ def job_state(job_id: str, timeout_s: float = 30.0) -> tuple[str, int | None] | 
     Raises:
         PSError: scontrol failed for another reason.
     """
-    done = _run(["scontrol", "show", "job", "--oneliner", job_id], timeout_s)
+    done = slurm_command(["scontrol", "show", "job", "--oneliner", job_id], timeout_s)
     if done.returncode != 0:
         if "Invalid job id" in done.stderr:
             return None
