@@ -44,17 +44,14 @@ class EventsMark:
             self._old = metrics.open("rb")
             self.size = os.fstat(self._old.fileno()).st_size
 
-    def same_file(self, stat: os.stat_result) -> bool:
-        """Whether ``stat`` (of the file now at the path) is the file that was there."""
-        if self._old is None:
-            return False
-        old = os.fstat(self._old.fileno())
-        return (old.st_dev, old.st_ino) == (stat.st_dev, stat.st_ino)
-
     def offset(self, stat: os.stat_result) -> int:
-        """Where the new events begin in the file whose ``stat`` is given (0 also when the old
-        file was truncated)."""
-        return self.size if self.same_file(stat) and stat.st_size >= self.size else 0
+        """Where the new events begin in the file whose ``stat`` is given: 0 unless it is the
+        file that was there, and 0 also when that file was truncated."""
+        if self._old is None:
+            return 0
+        old = os.fstat(self._old.fileno())
+        same = (old.st_dev, old.st_ino) == (stat.st_dev, stat.st_ino)
+        return self.size if same and stat.st_size >= self.size else 0
 
     def close(self) -> None:
         """Let go of the old file."""

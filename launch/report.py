@@ -114,14 +114,6 @@ def throughput(summary: dict[str, Any]) -> float | None:
     return samples / seconds if seconds > 0 else None
 
 
-def filled_columns(
-    headers: Sequence[str], rows: list[list[str]], keep: int = 1
-) -> tuple[list[str], list[list[str]]]:
-    """Drop the columns (after the first ``keep``) that no row fills (every cell ``-``)."""
-    used = [i for i in range(len(headers)) if i < keep or any(r[i] != "-" for r in rows)]
-    return [headers[i] for i in used], [[r[i] for i in used] for r in rows]
-
-
 def speedup_section(stats: dict[str, dict[str, Any]], target: float | None) -> list[str]:
     """The speed-up table, with a column only for baselines that ran (and time to target only
     with a target); a sentence instead when no baseline ran."""
@@ -184,7 +176,8 @@ def render_markdown(data: dict[str, Any]) -> str:
                 s["restarts"],
             ]
         )
-    headers, results = filled_columns(RESULT_COLUMNS, results, keep=2)
+    used = [i for i in range(len(RESULT_COLUMNS)) if i < 2 or any(r[i] != "-" for r in results)]
+    headers, results = [RESULT_COLUMNS[i] for i in used], [[r[i] for i in used] for r in results]
     limits = [f"epochs {train['epochs']}"] if train.get("epochs") is not None else []
     if train.get("max_steps") is not None:
         limits.append(f"max steps {train['max_steps']}")

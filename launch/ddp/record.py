@@ -316,6 +316,7 @@ class RunRecorder:
     ) -> dict[str, Any]:
         """The shared summary schema, for mode ``ddp`` or ``weighted-ddp``."""
         times = np.array(self.round_times) if self.round_times else np.zeros(1)
+        nodes = self.config.nodes
         summary = run_summary(
             mode=self.config.mode,
             model=self.config.model,
@@ -333,7 +334,8 @@ class RunRecorder:
                     "name": self.config.rank_name(rank),
                     "device": self.config.device_of(rank),
                     "slowdown": self.config.slowdowns[rank],
-                    **self._node(rank),
+                    "cpus": nodes and nodes.workers[rank].cpus,  # null when not emulated
+                    "link": nodes and nodes.workers[rank].link,
                     "speed": round(self.speeds[rank].speed, 3),
                     "samples": self.samples[rank],
                     "pushes": self.pushes[rank],
@@ -363,15 +365,9 @@ class RunRecorder:
                 ),
             },
         )
-        if self.config.nodes is not None:
-            summary["cluster"] = self.config.nodes.describe()
+        if nodes is not None:
+            summary["cluster"] = nodes.describe()
         return summary
-
-    def _node(self, rank: int) -> dict[str, Any]:
-        """The rank's emulated ``cpus`` and ``link`` (null when not emulated)."""
-        nodes = self.config.nodes
-        node = nodes.workers[rank] if nodes is not None else None
-        return {"cpus": node and node.cpus, "link": node and node.link}
 
     def close(self) -> None:
         """Finish the snapshot writes; close ``metrics.jsonl``."""
