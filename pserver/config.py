@@ -22,6 +22,11 @@ SCHEDULES = ("constant", "cosine", "step")
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
+def need_choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raise ``ConfigError`` unless ``value`` of option ``flag`` is one of ``choices``."""
+    need(value in choices, f"{flag} {value!r} is not one of {', '.join(choices)}")
+
+
 class TrainingSettings(Protocol):
     """The settings every trainer of a run shares: ``ServerConfig`` and the DDP baseline's
     ``TrainSettings`` both have them."""
@@ -68,9 +73,7 @@ def check_training(settings: TrainingSettings) -> None:
     need(
         global_batch <= MAX_INDICES, f"--global-batch must be <= {MAX_INDICES}, got {global_batch}"
     )
-    need(
-        optimizer in OPTIMIZERS, f"--optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}"
-    )
+    need_choice("--optimizer", optimizer, OPTIMIZERS)
     need(math.isfinite(lr) and lr > 0, f"--lr must be > 0, got {lr}")
     need(0 <= momentum < 1, f"--momentum must be in [0, 1), got {momentum}")
     need(not nesterov or momentum > 0, "--nesterov needs --momentum > 0")
@@ -78,10 +81,7 @@ def check_training(settings: TrainingSettings) -> None:
         math.isfinite(weight_decay) and weight_decay >= 0,
         f"--weight-decay must be >= 0, got {weight_decay}",
     )
-    need(
-        lr_schedule in SCHEDULES,
-        f"--lr-schedule {lr_schedule!r} is not one of {', '.join(SCHEDULES)}",
-    )
+    need_choice("--lr-schedule", lr_schedule, SCHEDULES)
     need(0 <= warmup_fraction < 1, f"--warmup-fraction must be in [0, 1), got {warmup_fraction}")
     need(epochs is None or epochs >= 1, f"--epochs must be >= 1, got {epochs}")
     need(max_steps is None or max_steps >= 1, f"--max-steps must be >= 1, got {max_steps}")
@@ -168,15 +168,9 @@ class ServerConfig:
         Raises:
             ConfigError: a value is out of range; the message quotes it.
         """
-        need(self.mode in MODES, f"--mode {self.mode!r} is not one of {', '.join(MODES)}")
-        need(
-            self.planner in PLANNERS,
-            f"--planner {self.planner!r} is not one of {', '.join(PLANNERS)}",
-        )
-        need(
-            self.staleness in STALENESS,
-            f"--staleness {self.staleness!r} is not one of {', '.join(STALENESS)}",
-        )
+        need_choice("--mode", self.mode, MODES)
+        need_choice("--planner", self.planner, PLANNERS)
+        need_choice("--staleness", self.staleness, STALENESS)
         check_training(self)
         need(
             self.min_local_batch is None or self.min_local_batch >= 1,
@@ -245,10 +239,7 @@ class ServerConfig:
             "(the same file as each 'pserver shard --secret-file'; make one with "
             "'head -c 32 /dev/urandom > FILE') or CURVE keys",
         )
-        need(
-            self.wire_dtype in WIRE_DTYPES,
-            f"--wire-dtype {self.wire_dtype!r} is not one of {', '.join(WIRE_DTYPES)}",
-        )
+        need_choice("--wire-dtype", self.wire_dtype, WIRE_DTYPES)
         need(
             0.01 <= self.chunk_mb <= 256, f"--chunk-mb must be in [0.01, 256], got {self.chunk_mb}"
         )

@@ -19,6 +19,24 @@ SYNTH_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+OUT = click.option("--out", required=True, type=OutFile(), help="The HDF5 file to write.")
+SEED = click.option("--seed", default=0, show_default=True, type=int, help="Seed of the split.")
+PROGRESS = click.option(
+    "--progress/--no-progress", default=True, show_default=True, help="Show progress bars."
+)
+
+
+def _train_fraction(default: float | None, help: str) -> Any:
+    """``--train-fraction``: a fraction in (0, 1)."""
+    return click.option(
+        "--train-fraction",
+        default=default,
+        show_default=True,
+        type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
+        help=help,
+    )
+
+
 def _run(fn: Callable[..., DatasetMeta], **kwargs: Any) -> DatasetMeta:
     """Call a dataset function, turning DatasetError into a click error."""
     try:
@@ -79,15 +97,9 @@ def prepare_group() -> None:
     help="Class map (rows, cols): FILE.mat[:KEY], a single-band GeoTIFF or an ENVI "
     "classification file; 0 = unlabelled, 1..K = classes.",
 )
-@click.option("--out", required=True, type=OutFile(), help="The HDF5 file to write.")
+@OUT
 @click.option("--patch", default=5, show_default=True, type=int, help="Odd patch side P.")
-@click.option(
-    "--train-fraction",
-    default=0.1,
-    show_default=True,
-    type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
-    help="Fraction of each class's labelled pixels used for training.",
-)
+@_train_fraction(0.1, "Fraction of each class's labelled pixels used for training.")
 @click.option(
     "--split",
     default="random",
@@ -96,7 +108,7 @@ def prepare_group() -> None:
     help="random: stratified per pixel (test patches overlap training patches); "
     "disjoint: spatial tiles, no test patch shares a pixel with a training patch.",
 )
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the split.")
+@SEED
 @click.option(
     "--classes",
     default=None,
@@ -141,9 +153,7 @@ def prepare_group() -> None:
     type=click.FloatRange(0.0, 1.0),
     help="With --gt-abundance: pixels whose largest abundance is below this are unlabelled.",
 )
-@click.option(
-    "--progress/--no-progress", default=True, show_default=True, help="Show progress bars."
-)
+@PROGRESS
 def prepare_hsi_cmd(
     cube: str,
     gt: str,
@@ -197,15 +207,9 @@ def prepare_hsi_cmd(
 
 @prepare_group.command("folder")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
-@click.option("--out", required=True, type=OutFile(), help="The HDF5 file to write.")
-@click.option(
-    "--train-fraction",
-    default=0.8,
-    show_default=True,
-    type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
-    help="Fraction of each class's images used for training.",
-)
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the split.")
+@OUT
+@_train_fraction(0.8, "Fraction of each class's images used for training.")
+@SEED
 @click.option(
     "--size",
     type=click.IntRange(min=1),
@@ -213,9 +217,7 @@ def prepare_hsi_cmd(
     show_default=True,
     help="Resize every image to SIZE x SIZE (default: keep; all images must share one size).",
 )
-@click.option(
-    "--progress/--no-progress", default=True, show_default=True, help="Show progress bars."
-)
+@PROGRESS
 def prepare_folder_cmd(
     directory: str, out: Path, train_fraction: float, seed: int, size: int | None, progress: bool
 ) -> None:
@@ -252,7 +254,7 @@ def prepare_folder_cmd(
     show_default=True,
     help="Factory arguments as k=v,k2=v2 (values: Python literals, else strings).",
 )
-@click.option("--out", required=True, type=OutFile(), help="The HDF5 file to write.")
+@OUT
 @click.option(
     "--classes",
     default=None,
@@ -260,17 +262,9 @@ def prepare_folder_cmd(
     help="Comma-separated class names for labels 0..K-1 (default: the dataset's 'classes' "
     "attribute, else class_0..class_K-1).",
 )
-@click.option(
-    "--train-fraction",
-    default=0.8,
-    show_default=True,
-    type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
-    help="Fraction of each class's samples used for training (stratified).",
-)
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the split.")
-@click.option(
-    "--progress/--no-progress", default=True, show_default=True, help="Show progress bars."
-)
+@_train_fraction(0.8, "Fraction of each class's samples used for training (stratified).")
+@SEED
+@PROGRESS
 def prepare_torch_cmd(
     dataset: str,
     kwargs: str | None,
@@ -307,7 +301,7 @@ def prepare_torch_cmd(
     type=click.Choice(["hsi", "scenes"]),
     help="hsi: patches of a synthetic hyperspectral scene; scenes: EuroSAT-shaped images.",
 )
-@click.option("--out", required=True, type=OutFile(), help="The HDF5 file to write.")
+@OUT
 @click.option(
     "--samples",
     type=click.IntRange(min=1),
@@ -338,13 +332,7 @@ def prepare_torch_cmd(
     help="Number of classes (default: hsi 6, scenes 10).",
 )
 @click.option("--patch", default=5, show_default=True, type=int, help="hsi only: odd patch side P.")
-@click.option(
-    "--train-fraction",
-    type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
-    default=None,
-    show_default=True,
-    help="Training fraction per class (default: hsi 0.1, scenes 0.8).",
-)
+@_train_fraction(None, "Training fraction per class (default: hsi 0.1, scenes 0.8).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
 def synth_cmd(
     kind: str,
