@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 from collections.abc import Iterable, Mapping
@@ -39,33 +40,20 @@ def _flat(record: Mapping[str, Any], keys: Iterable[str]) -> dict[str, Any]:
     return {k: _clean(record.get(k)) for k in keys}
 
 
+@dataclasses.dataclass(slots=True)
 class WorkerTotals:
     """What the events say about one worker, summed over the whole run."""
 
-    __slots__ = (
-        "batch_share",
-        "compute_s",
-        "idle_derived",
-        "idle_s",
-        "pushes",
-        "round_s",
-        "samples",
-        "staleness_last",
-        "staleness_max",
-        "staleness_sum",
-    )
-
-    def __init__(self) -> None:
-        self.batch_share: float | None = None
-        self.compute_s = 0.0
-        self.idle_s = 0.0
-        self.round_s = 0.0
-        self.idle_derived = False
-        self.pushes = 0
-        self.samples = 0
-        self.staleness_last: int | None = None
-        self.staleness_max: int | None = None
-        self.staleness_sum = 0
+    batch_share: float | None = None
+    compute_s: float = 0.0
+    idle_s: float = 0.0
+    round_s: float = 0.0
+    idle_derived: bool = False
+    pushes: int = 0
+    samples: int = 0
+    staleness_last: int | None = None
+    staleness_max: int | None = None
+    staleness_sum: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """The totals as JSON-ready data (idle share over this worker's rounds)."""
