@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import socket
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -20,6 +22,12 @@ from worker.config import WorkerConfig
 from worker.resolve import check_server_host
 
 
+def _opt(name: str, **kwargs: Any) -> Callable[[Any], Any]:
+    """A click option whose default comes from the ``WorkerConfig`` field ``name``."""
+    flag = "--" + name.removesuffix("_s").replace("_", "-")
+    return click.option(flag, name, default=default(WorkerConfig, name), **kwargs)
+
+
 @click.group(
     cls=FullHelpGroup, context_settings={"auto_envvar_prefix": "WORKER", "show_default": True}
 )
@@ -29,10 +37,9 @@ def main() -> None:
 
 @main.command()
 @click.option("--server", required=True, help="Server endpoint, e.g. tcp://HOST:5555.")
-@click.option("--device", default=default(WorkerConfig, "device"), help="cpu, cuda or cuda:N.")
-@click.option(
-    "--slowdown",
-    default=default(WorkerConfig, "slowdown"),
+@_opt("device", help="cpu, cuda or cuda:N.")
+@_opt(
+    "slowdown",
     type=float,
     help="Emulate a device F times slower: after t s of compute, wait (F-1)*t s.",
 )
@@ -49,13 +56,9 @@ def main() -> None:
     help="Worker name in logs and metrics: 1-64 letters, digits or ._:@+- (the first a "
     "letter or digit).",
 )
-@click.option(
-    "--threads", default=default(WorkerConfig, "threads"), type=int, help="Torch CPU threads."
-)
-@click.option(
-    "--connect-timeout",
+@_opt("threads", type=int, help="Torch CPU threads.")
+@_opt(
     "connect_timeout_s",
-    default=default(WorkerConfig, "connect_timeout_s"),
     type=float,
     help="Give up when the server cannot be reached (or keeps answering 'busy') for this many "
     "seconds at start.",
@@ -68,24 +71,14 @@ def main() -> None:
     help="Let the server make this worker import and build this user model (built-in models "
     "need no permission; repeat for several).",
 )
-@click.option(
-    "--reply-timeout",
+@_opt(
     "reply_timeout_s",
-    default=default(WorkerConfig, "reply_timeout_s"),
     type=float,
     help="Seconds to wait for a task (sync rounds wait for the slowest worker).",
 )
-@click.option(
-    "--data-timeout",
-    "data_timeout_s",
-    default=default(WorkerConfig, "data_timeout_s"),
-    type=float,
-    help="Seconds to wait for a data reply.",
-)
-@click.option(
-    "--rejoin-timeout",
+@_opt("data_timeout_s", type=float, help="Seconds to wait for a data reply.")
+@_opt(
     "rejoin_timeout_s",
-    default=default(WorkerConfig, "rejoin_timeout_s"),
     type=float,
     help="Keep trying to rejoin a lost or restarted server for this many seconds.",
 )
@@ -109,9 +102,8 @@ def main() -> None:
     help="Read samples from this local or shared copy of the dataset instead of pulling them "
     "from the server; its fingerprint must match the server's.",
 )
-@click.option(
-    "--cache-mb",
-    default=default(WorkerConfig, "cache_mb"),
+@_opt(
+    "cache_mb",
     type=int,
     help="Keep up to this many MiB of samples pulled from the server, so later epochs do not "
     "pull them again (0: keep none; not used with --data).",
@@ -122,20 +114,14 @@ def main() -> None:
     help="Augment training batches with random flips and 90-degree rotations, reproducibly "
     "per task.",
 )
-@click.option(
-    "--augment-noise",
-    default=default(WorkerConfig, "augment_noise"),
+@_opt(
+    "augment_noise",
     type=float,
     metavar="STD",
     help="With --augment: add a Gaussian offset per sample and band with this standard "
     "deviation (the data have unit variance per band); 0 disables it.",
 )
-@click.option(
-    "--log-every",
-    default=default(WorkerConfig, "log_every"),
-    type=int,
-    help="Log progress every N steps.",
-)
+@_opt("log_every", type=int, help="Log progress every N steps.")
 @click.option("--log-level", default="INFO", help="Logging level.")
 def join(log_level: str, **options: object) -> None:
     """Join a server and train until training ends."""
