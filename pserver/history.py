@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from pserver.policies.staleness import staleness_function
+from pserver.policies.staleness import lr_scale, staleness_function
 
 RULES = {
     "versions": "after a start at 0 or a resume at v, the updates make versions v+1, v+2, ... "
@@ -140,7 +140,8 @@ def _judge_update(
     if rule.get("max") is not None and tau > rule["max"]:
         yield Violation("staleness", line, f"staleness {tau} > {rule['max']}")
     if rule:
-        want = samples / batch * staleness_function(rule["function"], rule["a"], rule["b"])(tau)
+        f = staleness_function(rule["function"], rule["a"], rule["b"])
+        want = lr_scale(f, tau, samples, batch)
         if not math.isclose(event.get("lr_scale", math.nan), want, rel_tol=1e-9):
             detail = f"lr_scale {event.get('lr_scale')} at staleness {tau}, batch {samples}: {want}"
             yield Violation("lr_scale", line, detail)

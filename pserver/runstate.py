@@ -34,8 +34,6 @@ class RunState:
             ended training when ``reason`` is ``FAILED``, else a failure of the end itself.
         train_start: run-clock time training started (None before).
         train_end: run-clock time training ended (None while it runs).
-        eval_s: evaluation time that blocked training (always 0 on the server, where
-            evaluation runs beside training).
         evals: every ``eval`` record, in the order they were logged.
         epochs_done: the highest epoch completed.
         time_to_target: training time when a version first reached ``--target-oa``.
@@ -47,7 +45,6 @@ class RunState:
     error: str = ""
     train_start: float | None = None
     train_end: float | None = None
-    eval_s: float = 0.0
     evals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     epochs_done: int = 0
     time_to_target: float | None = None
@@ -114,7 +111,7 @@ class RunState:
         if self.train_start is None:
             return 0.0
         end = t if self.train_end is None else min(t, self.train_end)
-        return max(end - self.train_start - self.eval_s, 0.0)
+        return max(end - self.train_start, 0.0)
 
     def to_meta(self) -> dict[str, Any]:
         """JSON-able fields for a checkpoint."""
