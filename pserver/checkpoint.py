@@ -106,6 +106,15 @@ def restore_sampler(
     return requeued
 
 
+def _write_npz(path: Path, checkpoint: Checkpoint) -> Path:
+    """Write ``checkpoint`` (its meta as JSON bytes) atomically and synced to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    document = json.dumps({"format": FORMAT, **checkpoint.meta}).encode()
+    arrays = {"meta": np.frombuffer(document, dtype=np.uint8), **checkpoint.arrays}
+    fill = lambda handle: np.savez(handle, **arrays)  # type: ignore[arg-type]  # noqa: E731
+    return write_atomic(path, fill, sync=True)
+
+
 def write(directory: Path, checkpoint: Checkpoint) -> Path:
     """Write ``checkpoint`` atomically as ``ckpt-<version>.npz``; keep the newest few.
 
@@ -115,14 +124,7 @@ def write(directory: Path, checkpoint: Checkpoint) -> Path:
     Raises:
         OSError: the file could not be written (no temporary file is left behind).
     """
-    directory.mkdir(parents=True, exist_ok=True)
-    document = json.dumps({"format": FORMAT, **checkpoint.meta}).encode()
-    arrays = {"meta": np.frombuffer(document, dtype=np.uint8), **checkpoint.arrays}
-    path = write_atomic(
-        directory / f"ckpt-{checkpoint.version:010d}.npz",
-        lambda handle: np.savez(handle, **arrays),  # type: ignore[arg-type]  # stub: **kwds bool
-        sync=True,
-    )
+    path = _write_npz(directory / f"ckpt-{checkpoint.version:010d}.npz", checkpoint)
     for old in sorted(p for p in directory.iterdir() if NAME.match(p.name))[:-KEEP]:
         old.unlink()
     return path
@@ -351,15 +353,9 @@ class BestCheckpoint:
         """Write ``state`` of ``version`` if ``oa`` beats the best so far; a failure is logged."""
         if oa <= self.oa:
             return
-        meta = {"format": FORMAT, **self.identity, "version": version, "oa": oa}
-        arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), "state": state}
-
-        def write() -> Path:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fill = lambda handle: np.savez(handle, **arrays)  # type: ignore[arg-type]  # noqa: E731
-            return write_atomic(self.path, fill, sync=True)
-
+        best = Checkpoint({"state": state}, {**self.identity, "version": version, "oa": oa})
         try:
+            write = lambda: _write_npz(self.path, best)  # noqa: E731
             await run_bounded(write, self.write_timeout_s, f"the best checkpoint ({version})")
         except OSError as exc:
             log.error("best checkpoint not written: %s", exc)
