@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import hashlib
 import json
 import logging
@@ -226,9 +227,9 @@ class StatusPage:
         self._bodies.attach(owner, self._loop)
         app = web.Application(middlewares=[self._limit, _headers], client_max_size=1024)
         app.router.add_get("/", self._index)
-        app.router.add_get("/status.json", self._status)
-        app.router.add_get("/history.json", self._history)
-        app.router.add_get("/metrics", self._metrics)
+        types = ("application/json", "application/json", prometheus.CONTENT_TYPE)
+        for name, content_type in zip(BODIES, types, strict=True):
+            app.router.add_get(f"/{name}", functools.partial(self._cached, name, content_type))
         self._runner = web.AppRunner(
             app,
             access_log=None,
@@ -308,20 +309,11 @@ class StatusPage:
             headers={"Content-Security-Policy": self._policy, "Referrer-Policy": "no-referrer"},
         )
 
-    async def _cached(self, name: str, content_type: str) -> web.Response:
+    async def _cached(self, name: str, content_type: str, request: web.Request) -> web.Response:
         body = await self._bodies.get(name)
         if body is None:
             return web.Response(status=503, headers={"Retry-After": "1"})
         return web.Response(body=body, headers={"Content-Type": content_type})
-
-    async def _status(self, request: web.Request) -> web.Response:
-        return await self._cached("status.json", "application/json")
-
-    async def _history(self, request: web.Request) -> web.Response:
-        return await self._cached("history.json", "application/json")
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return await self._cached("metrics", prometheus.CONTENT_TYPE)
 
 
 @web.middleware
