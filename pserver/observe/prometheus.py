@@ -12,7 +12,7 @@ from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # what ``generate_latest`` writes
 
-# name, type, help, key in the status map
+# name, type, help, key in the status map (RUN) or in its last evaluation (EVAL)
 RUN_METRICS = (
     ("pserver_version", "gauge", "Parameter version (updates applied so far).", "version"),
     ("pserver_epoch", "gauge", "Epoch the sampler is handing out.", "epoch"),
@@ -23,10 +23,10 @@ RUN_METRICS = (
     ("pserver_waiting_for_workers", "gauge", "Workers awaited before round 1.", "waiting_for"),
 )
 EVAL_METRICS = (
-    ("pserver_eval_oa", "Overall accuracy of the last evaluation (test split).", "oa"),
-    ("pserver_eval_aa", "Average per-class accuracy of the last evaluation.", "aa"),
-    ("pserver_eval_kappa", "Cohen's kappa of the last evaluation.", "kappa"),
-    ("pserver_eval_loss", "Mean cross-entropy of the last evaluation.", "loss"),
+    ("pserver_eval_oa", "gauge", "Overall accuracy of the last evaluation (test split).", "oa"),
+    ("pserver_eval_aa", "gauge", "Average per-class accuracy of the last evaluation.", "aa"),
+    ("pserver_eval_kappa", "gauge", "Cohen's kappa of the last evaluation.", "kappa"),
+    ("pserver_eval_loss", "gauge", "Mean cross-entropy of the last evaluation.", "loss"),
 )
 # name, type, help, where: "status" (the worker's status entry) or "view" (the live history)
 WORKER_METRICS = (
@@ -71,19 +71,14 @@ class _StatusCollector(Collector):
         )
         info.add_metric((str(status.get("mode", "")), str(status.get("model", ""))), 1)
         yield info
-        for name, kind, text, key in RUN_METRICS:
-            value = _number(status.get(key))
-            if value is not None:
-                family = _family(kind, name, text)
-                family.add_metric((), value)
-                yield family
         last = status.get("last_eval") or {}
-        for name, text, key in EVAL_METRICS:
-            value = _number(last.get(key))
-            if value is not None:
-                family = _family("gauge", name, text)
-                family.add_metric((), value)
-                yield family
+        for table, source in ((RUN_METRICS, status), (EVAL_METRICS, last)):
+            for name, kind, text, key in table:
+                value = _number(source.get(key))
+                if value is not None:
+                    family = _family(kind, name, text)
+                    family.add_metric((), value)
+                    yield family
         totals = (self.view or {}).get("workers", {})
         workers = [w for w in status.get("workers", []) if isinstance(w, Mapping)]
         for name, kind, text, key in WORKER_METRICS:
