@@ -29,6 +29,7 @@ from common.errors import ConfigError, DatasetError, ModelError
 from common.safefile import open_temporary
 from common.training.flat import FlatLayout
 from common.training.models import build_model, check_allowed
+from pserver.history import read_history
 
 log = logging.getLogger(__name__)
 
@@ -131,15 +132,10 @@ def _run_record(run_dir: Path) -> dict[str, Any]:
     summary = run_dir / "summary.json"
     if summary.is_file():
         return {"summary": json.loads(summary.read_text(encoding="utf-8")), "start": None}
-    start = None
     metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file():
-        for line in metrics.read_text(encoding="utf-8").splitlines():
-            with contextlib.suppress(ValueError):
-                record = json.loads(line)
-                if isinstance(record, dict) and record.get("event") == "start":
-                    start = record
-    return {"summary": None, "start": start}
+    events = read_history(metrics) if metrics.is_file() else []
+    starts = [event for _, event in events if event["event"] == "start"]
+    return {"summary": None, "start": starts[-1] if starts else None}
 
 
 def _checkpoint(config: ExportConfig) -> tuple[Path, np.ndarray, dict[str, Any]]:
