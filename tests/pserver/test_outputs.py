@@ -277,3 +277,13 @@ def test_user_models_named_in_files_are_refused_unless_allowed(
     assert not imported.exists()
     assert invoke([*args, "--allow-model", model]).exit_code == 0
     assert imported.exists() and out.is_file()
+
+
+def test_export_reads_the_last_start_event_of_a_run_without_summary(tmp_path: Path) -> None:
+    from pserver.outputs.export import _run_record
+
+    lines = [{"event": "start", "dataset": "a.h5"}, {"event": "start", "dataset": "b.h5"}]
+    text = "".join(json.dumps(line) + "\n" for line in lines) + '{"event": "sta'
+    (tmp_path / "metrics.jsonl").write_text(text, encoding="utf-8")
+    assert _run_record(tmp_path) == {"summary": None, "start": lines[1]}
+    assert _run_record(tmp_path / "absent") == {"summary": None, "start": None}
