@@ -45,29 +45,21 @@ class SnapshotHook:
         evaluations: EvalScheduler,
         newest_state: StateSource,
     ) -> None:
-        cfg = context.config
-        self._options = (
-            cfg.run_dir,
-            cfg.snapshot_every_updates,
-            cfg.snapshot_limit,
-            info,
-            resumed_at,
-        )
-        self.updater, self.evaluations, self.run, self.log = (
-            updater,
-            evaluations,
-            context.run,
-            context.log,
-        )
-        self.newest_state = newest_state
+        self.config, self.info, self.resumed_at = context.config, info, resumed_at
+        self.updater, self.evaluations = updater, evaluations
+        self.run, self.log, self.newest_state = context.run, context.log, newest_state
         self.writer: SnapshotWriter | None = None
 
     def open(self) -> None:
         """Start the writer (when the run directory is written, at the server's start)."""
-        run_dir, every, limit, info, resumed_at = self._options
-        if every is not None and run_dir is not None:
+        cfg = self.config
+        if cfg.snapshot_every_updates is not None and cfg.run_dir is not None:
             self.writer = SnapshotWriter(
-                run_dir, every, limit=limit, info=info, resumed_at=resumed_at
+                cfg.run_dir,
+                cfg.snapshot_every_updates,
+                limit=cfg.snapshot_limit,
+                info=self.info,
+                resumed_at=self.resumed_at,
             )
 
     async def take(self, final: bool = False) -> None:
