@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-from types import TracebackType
 
 import numpy as np
 
@@ -30,27 +29,11 @@ class LocalData(AheadReader):
         super().__init__("local-data")
         self.reader = reader
 
-    @property
-    def fingerprint(self) -> str:
-        """The fingerprint stored in the file."""
-        return self.reader.meta.fingerprint
-
     def _fetch(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
         return self.reader.read(indices)
 
     def _close_source(self) -> None:
         self.reader.close()
-
-    def __enter__(self) -> LocalData:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def _short(fingerprint: str) -> str:

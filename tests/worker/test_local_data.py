@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from contextlib import closing
 from pathlib import Path
 
 import h5py
@@ -31,7 +32,9 @@ def test_reads_match_the_dataset_reader(small_hsi: Path, cache_bytes: int) -> No
         first = train[:16].tolist()
         second = [*train[::-3][:10].tolist(), int(train[0]), int(train[0])]
         expected = [reference.read(ix) for ix in (first, second, second)]
-    with open_local_copy(small_hsi, _fingerprint(small_hsi), cache_bytes=cache_bytes) as data:
+    with closing(
+        open_local_copy(small_hsi, _fingerprint(small_hsi), cache_bytes=cache_bytes)
+    ) as data:
         assert isinstance(data, LocalData)
         data.start(first)
         got = [data.get(first)]  # the prefetched read
@@ -47,7 +50,7 @@ def test_reads_match_the_dataset_reader(small_hsi: Path, cache_bytes: int) -> No
 
 
 def test_a_prefetch_for_other_indices_is_not_returned(small_hsi: Path) -> None:
-    with open_local_copy(small_hsi, _fingerprint(small_hsi)) as data:
+    with closing(open_local_copy(small_hsi, _fingerprint(small_hsi))) as data:
         data.start([0, 1, 2])
         x, y = data.get([5, 4])
         with DatasetReader(small_hsi) as reference:
@@ -57,7 +60,7 @@ def test_a_prefetch_for_other_indices_is_not_returned(small_hsi: Path) -> None:
 
 
 def test_read_errors_surface_in_get(small_hsi: Path) -> None:
-    with open_local_copy(small_hsi, _fingerprint(small_hsi)) as data:
+    with closing(open_local_copy(small_hsi, _fingerprint(small_hsi))) as data:
         data.start([10**9])
         with pytest.raises(DatasetError, match="outside"):
             data.get([10**9])
