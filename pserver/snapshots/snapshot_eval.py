@@ -22,6 +22,7 @@ from common.errors import ConfigError
 from common.safefile import write_atomic
 from common.training.evaluator import Evaluator
 from common.training.models import build_model, check_allowed
+from common.training.summary import SCORE_KEYS
 from pserver.snapshots import snapshots as snap
 
 log = logging.getLogger(__name__)
@@ -133,15 +134,7 @@ def evaluate_snapshots(config: SnapshotEvalConfig) -> dict[str, Any]:
         for (_, path), meta in zip(bar, metas, strict=True):
             _, state = snap.read(path, size)
             scores = evaluator.evaluate(state)
-            rows.append(
-                {
-                    **dataclasses.asdict(meta),
-                    "oa": scores.oa,
-                    "aa": scores.aa,
-                    "kappa": scores.kappa,
-                    "loss": scores.loss,
-                }
-            )
+            rows.append({**dataclasses.asdict(meta), **{k: getattr(scores, k) for k in SCORE_KEYS}})
             bar.set_postfix_str(f"version {meta.version} OA {scores.oa:.4f}")
     finally:
         reader.close()
@@ -150,12 +143,6 @@ def evaluate_snapshots(config: SnapshotEvalConfig) -> dict[str, Any]:
     write_atomic(out, lambda handle: handle.write(text))
     first = first_reaching(rows, target)
     return {"rows": rows, "target_oa": target, "first": first, "every": info["every"], "path": out}
-
-
-def read_results(run_dir: Path) -> list[dict[str, Any]]:
-    """The rows of ``RUN_DIR/snapshots.jsonl`` written by ``evaluate_snapshots``."""
-    with (run_dir / RESULTS).open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def describe(result: dict[str, Any]) -> str:
