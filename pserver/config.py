@@ -133,7 +133,6 @@ class ServerConfig:
     eval_samples: int | None = None
     shutdown_timeout_s: float = 120.0
     write_timeout_s: float = 60.0
-    data_threads: int = 2
     torch_threads: int = 1
     heartbeat_s: float = 1.0
     checkpoint_every: int | None = None

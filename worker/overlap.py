@@ -49,7 +49,6 @@ class OverlappedPush:
                 param.register_post_accumulate_grad_hook(self._hook(mine))
             offset += n
         self._left: list[int] = []
-        self.sent_during_backward = 0
 
     def _hook(self, chunks: list[int]) -> Callable[[torch.Tensor], None]:
         def ready(_param: torch.Tensor) -> None:
@@ -63,7 +62,6 @@ class OverlappedPush:
                         done.append(j)
             for j in done:
                 self._send(j)
-                self.sent_during_backward += 1
 
         return ready
 
@@ -71,7 +69,6 @@ class OverlappedPush:
         """After the forward pass, before backward: start the push of this task."""
         self.stores.begin_push(task_id, push_token, version)
         self._left = list(self._needed)
-        self.sent_during_backward = 0
         self._armed = True
         for j, left in enumerate(self._left):
             if left == 0:  # buffers only: complete once forward has run
