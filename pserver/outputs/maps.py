@@ -14,7 +14,6 @@ from common.errors import DatasetError
 from pserver.outputs.palette import (
     COLOURBLIND,
     CORRECT_CANDIDATES,
-    TAB20,
     UNLABELLED,
     WRONG_CANDIDATES,
     distinct,
@@ -25,7 +24,6 @@ from pserver.outputs.palette import (
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-PALETTE = TAB20  # the colours of maps drawn before palettes could be chosen (``--palette tab20``)
 NOT_SCORED_CANDIDATES = ((95, 95, 95), (130, 130, 130), (60, 60, 60))
 MAX_SIDE = 2000  # pixels of the longest side drawn in the PNG; larger maps are subsampled
 PANEL_IN = 4.2  # inches of a panel's longer side
