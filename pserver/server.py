@@ -443,14 +443,6 @@ class ParameterServer:
         self.run.fail(reason, stores_lost)
         self.finish(FinishReason.FAILED)
 
-    async def save_checkpoint(self) -> bool:
-        """Write a checkpoint now (one at a time); a failure is logged and training goes on.
-
-        Returns:
-            Whether it was written.
-        """
-        return await self.checkpointer.save()
-
     @property
     def version(self) -> int:
         """The published version."""

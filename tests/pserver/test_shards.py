@@ -231,7 +231,7 @@ async def test_a_state_a_shard_hands_back_is_checked_before_a_checkpoint(
         live_server(small_hsi, **options) as ps,
         _shards(ps, 2, secret_file=secret) as servers,
     ):
-        assert await ps.save_checkpoint()  # an honest capture is written
+        assert await ps.checkpointer.save()  # an honest capture is written
         written = sorted((run_dir / "checkpoints").glob("ckpt-*.npz"))
         service = servers[1].service
         honest = service.capture
@@ -247,7 +247,7 @@ async def test_a_state_a_shard_hands_back_is_checked_before_a_checkpoint(
                 await ps.stores.capture(with_slots=True)
             assert refused.value.code == code
             assert f"shard {servers[1].index} at" in str(refused.value)
-            assert not await ps.save_checkpoint()
+            assert not await ps.checkpointer.save()
         assert sorted((run_dir / "checkpoints").glob("ckpt-*.npz")) == written
 
 

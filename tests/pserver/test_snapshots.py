@@ -123,7 +123,7 @@ async def test_a_stuck_write_is_abandoned_and_the_server_still_ends_in_time(
     try:
         async with live_server(small_hsi, snapshot_every_updates=1, **options) as ps:
             begin = asyncio.get_running_loop().time()
-            assert not await asyncio.wait_for(ps.save_checkpoint(), 10)
+            assert not await asyncio.wait_for(ps.checkpointer.save(), 10)
             assert asyncio.get_running_loop().time() - begin < 5
             failed = [e for e in ps.log.events if e["event"] == "checkpoint_failed"]
             assert "did not finish within 1 s" in failed[0]["error"]
