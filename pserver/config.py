@@ -285,16 +285,12 @@ class ShardConfig:
     torch_threads: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("coordinator", "bind"):
+        for name in ("coordinator", "bind", "advertise"):  # --advertise may be left out
             value = getattr(self, name)
             need(
-                value.startswith(ENDPOINT_SCHEMES),
+                value is None or value.startswith(ENDPOINT_SCHEMES),
                 f"--{name} {value!r} must look like tcp://HOST:PORT",
             )
-        need(
-            self.advertise is None or self.advertise.startswith(ENDPOINT_SCHEMES),
-            f"--advertise {self.advertise!r} must look like tcp://HOST:PORT",
-        )
         need(
             self.connect_timeout_s > 0,
             f"--connect-timeout must be > 0, got {self.connect_timeout_s}",

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.errors import ErrorCode, ProtocolError, RemoteError
+from common.errors import ConfigError, ErrorCode, ProtocolError, RemoteError
 from common.protocol.messages import (
     HeartbeatRequest,
     JoinReply,
@@ -268,3 +268,10 @@ def test_shards_need_a_secret_of_their_own(small_hsi, tmp_path) -> None:
     assert secret.stat().st_mode & 0o077 == 0 and len(shard_secret(secret, None)) == 32
     with pytest.raises(FileExistsError):
         write_shard_secret(secret)  # never over (or through) what is already there
+
+
+@pytest.mark.parametrize("option", ["coordinator", "bind", "advertise"])
+def test_a_shard_refuses_an_endpoint_without_a_scheme(option: str) -> None:
+    given = {"coordinator": "tcp://127.0.0.1:5555", option: "host:5555"}
+    with pytest.raises(ConfigError, match=f"--{option} 'host:5555' must look like tcp://"):
+        ShardConfig(**given)
