@@ -9,7 +9,7 @@ import socket
 from pathlib import Path
 from typing import Protocol
 
-from common.config import default, need
+from common.config import need
 from common.errors import ConfigError
 from common.protocol.base import MAX_INDICES
 from common.protocol.wire import WIRE_DTYPES
@@ -333,6 +333,3 @@ def _is_ip(text: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-__all__ = ["ServerConfig", "ShardConfig", "check_training", "default", "need"]
