@@ -30,6 +30,12 @@ def allow_model_option(what: str) -> Any:
     )
 
 
+def file_option(flag: str, help: str, out: bool = False) -> Any:
+    """An optional option naming a file to read (``out``: one to write)."""
+    kind = OutFile() if out else click.Path(dir_okay=False, path_type=Path)
+    return click.option(flag, type=kind, default=None, help=help)
+
+
 def _fail(exc: Exception) -> click.ClickException:
     return click.ClickException(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
 
@@ -42,23 +48,15 @@ def _fail(exc: Exception) -> click.ClickException:
     type=OutFile(),
     help="The model file to write (e.g. MODEL.pt).",
 )
-@click.option(
-    "--checkpoint",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Checkpoint to export (default: the newest in RUN_DIR/checkpoints).",
-)
+@file_option("--checkpoint", "Checkpoint to export (default: the newest in RUN_DIR/checkpoints).")
 @click.option(
     "--best",
     is_flag=True,
     help="Export the state of the best OA on the whole test split (RUN_DIR/checkpoints/"
     "best.npz, kept by 'pserver start --keep-best') instead of the newest.",
 )
-@click.option(
-    "--dataset",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="The run's dataset file (default: the one named in RUN_DIR/summary.json).",
+@file_option(
+    "--dataset", "The run's dataset file (default: the one named in RUN_DIR/summary.json)."
 )
 @click.option(
     "--format",
@@ -271,17 +269,11 @@ def _test_pixels(
     type=OutFile(),
     help="MAP.png (with --cube) or predictions.csv (with --images).",
 )
-@click.option(
-    "--npy",
-    type=OutFile(),
-    default=None,
-    help="Also save the class indices (0..K-1) as a .npy array.",
-)
-@click.option(
+@file_option("--npy", "Also save the class indices (0..K-1) as a .npy array.", out=True)
+@file_option(
     "--geotiff",
-    type=OutFile(),
-    default=None,
-    help="Also save the map as a GeoTIFF with the cube's CRS and transform (classes 1..K).",
+    "Also save the map as a GeoTIFF with the cube's CRS and transform (classes 1..K).",
+    out=True,
 )
 @click.option(
     "--gt",
@@ -289,12 +281,7 @@ def _test_pixels(
     help="Ground truth FILE[:KEY] (0 = unlabelled): prints OA/AA/kappa and per-class accuracy "
     "on labelled pixels and draws it beside the map.",
 )
-@click.option(
-    "--metrics",
-    type=OutFile(),
-    default=None,
-    help="With --gt or --test-only: also write the scores as JSON here.",
-)
+@file_option("--metrics", "With --gt or --test-only: also write the scores as JSON here.", out=True)
 @click.option(
     "--palette",
     default="auto",
@@ -310,11 +297,9 @@ def _test_pixels(
     help="Score only the test pixels of the model's dataset (or --dataset); the ground truth "
     "is the dataset's labels unless --gt is given.",
 )
-@click.option(
+@file_option(
     "--dataset",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="With --test-only: the prepared dataset whose test pixels are scored (default: the "
+    "With --test-only: the prepared dataset whose test pixels are scored (default: the "
     "one the model was trained on, as recorded in the model file).",
 )
 @click.option(
@@ -323,12 +308,11 @@ def _test_pixels(
     help="R,G,B: 0-based band indices of the cube drawn as a composite panel (2-98 percentile "
     "stretch), e.g. 29,19,9 for a true-colour view of a 198-band AVIRIS cube.",
 )
-@click.option(
+@file_option(
     "--proba",
-    type=OutFile(),
-    default=None,
-    help="Also save per-class probabilities (rows x cols x K float32 softmax) as .npy, and draw "
+    "Also save per-class probabilities (rows x cols x K float32 softmax) as .npy, and draw "
     "the largest as a confidence panel.",
+    out=True,
 )
 @click.option(
     "--batch",

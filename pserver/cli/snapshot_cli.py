@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from common.errors import PSError
-from pserver.cli.model_cli import allow_model_option
+from pserver.cli.model_cli import allow_model_option, file_option
 
 
 @click.command("evaluate-snapshots")
@@ -18,11 +18,8 @@ from pserver.cli.model_cli import allow_model_option
     default=None,
     help="Report the first version reaching this test OA (default: the run's --target-oa).",
 )
-@click.option(
-    "--dataset",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="The run's dataset file (default: the one RUN_DIR/snapshots/run.json names).",
+@file_option(
+    "--dataset", "The run's dataset file (default: the one RUN_DIR/snapshots/run.json names)."
 )
 @click.option("--batch", type=int, default=512, help="Evaluation batch size.")
 @click.option("--threads", type=int, default=1, help="Torch CPU threads.")
