@@ -155,20 +155,7 @@ def prepare_group() -> None:
 )
 @PROGRESS
 def prepare_hsi_cmd(
-    cube: str,
-    gt: str,
-    out: Path,
-    patch: int,
-    train_fraction: float,
-    split: str,
-    seed: int,
-    classes: str | None,
-    x_dtype: str,
-    shape: str | None,
-    bands_first: bool,
-    gt_abundance: bool,
-    min_abundance: float,
-    progress: bool,
+    cube: str, gt: str, classes: str | None, shape: str | None, **options: Any
 ) -> None:
     """Cut P x P patches around every labelled pixel of a cube and class map.
 
@@ -186,23 +173,14 @@ def prepare_hsi_cmd(
         prepare_hsi,
         cube_spec=cube,
         gt_spec=gt,
-        out=out,
-        patch=patch,
-        train_fraction=train_fraction,
-        split=split,
-        seed=seed,
         class_names=_names(classes),
-        x_dtype=x_dtype,
-        progress=progress,
         shape=scene_shape,
-        bands_first=bands_first,
-        gt_abundance=gt_abundance,
-        min_abundance=min_abundance,
+        **options,
     )
     click.echo(f"cube layout: {meta.attrs.get('layout')}")
     click.echo(f"ground truth: {meta.attrs.get('gt_layout')}")
     click.echo(_summary(meta))
-    _echo_split(meta, train_fraction, patch, split)
+    _echo_split(meta, options["train_fraction"], options["patch"], options["split"])
 
 
 @prepare_group.command("folder")
@@ -218,26 +196,16 @@ def prepare_hsi_cmd(
     help="Resize every image to SIZE x SIZE (default: keep; all images must share one size).",
 )
 @PROGRESS
-def prepare_folder_cmd(
-    directory: str, out: Path, train_fraction: float, seed: int, size: int | None, progress: bool
-) -> None:
+def prepare_folder_cmd(**options: Any) -> None:
     """Build a scenes dataset from DIR/<class>/*.tif|tiff|png|jpg|jpeg (EuroSAT layout).
 
     Class names are the sorted folder names; TIFFs may have any number of bands.
     """
     from common.data.convert.folder import prepare_folder
 
-    meta = _run(
-        prepare_folder,
-        directory=directory,
-        out=out,
-        train_fraction=train_fraction,
-        seed=seed,
-        size=size,
-        progress=progress,
-    )
+    meta = _run(prepare_folder, **options)
     click.echo(_summary(meta))
-    _echo_split(meta, train_fraction, None, "random")
+    _echo_split(meta, options["train_fraction"], None, "random")
 
 
 @prepare_group.command("torch")
@@ -266,13 +234,7 @@ def prepare_folder_cmd(
 @SEED
 @PROGRESS
 def prepare_torch_cmd(
-    dataset: str,
-    kwargs: str | None,
-    out: Path,
-    classes: str | None,
-    train_fraction: float,
-    seed: int,
-    progress: bool,
+    dataset: str, kwargs: str | None, classes: str | None, **options: Any
 ) -> None:
     """Stream a torch Dataset (e.g. a torchgeo classification dataset) into a scenes file."""
     from common.data.convert.torch_dataset import parse_kwargs, prepare_torch
@@ -284,12 +246,9 @@ def prepare_torch_cmd(
     meta = _run(
         prepare_torch,
         spec=dataset,
-        out=out,
         kwargs=factory_kwargs,
         class_names=_names(classes),
-        train_fraction=train_fraction,
-        seed=seed,
-        progress=progress,
+        **options,
     )
     click.echo(_summary(meta))
 
@@ -334,27 +293,11 @@ def prepare_torch_cmd(
 @click.option("--patch", default=5, show_default=True, type=int, help="hsi only: odd patch side P.")
 @_train_fraction(None, "Training fraction per class (default: hsi 0.1, scenes 0.8).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
-def synth_cmd(
-    kind: str,
-    out: Path,
-    samples: int | None,
-    bands: int | None,
-    size: int | None,
-    classes: int | None,
-    patch: int,
-    train_fraction: float | None,
-    seed: int,
-) -> None:
+def synth_cmd(kind: str, out: Path, patch: int, seed: int, **given: float | None) -> None:
     """Write a synthetic dataset that a small CNN needs a few epochs to learn."""
     from common.data.convert.synth import synth_hsi, synth_scenes
 
-    given = {
-        "samples": samples,
-        "bands": bands,
-        "size": size,
-        "classes": classes,
-        "train_fraction": train_fraction,
-    }
+    # given: --samples, --bands, --size, --classes, --train-fraction (None: the kind's default)
     args = {k: v if v is not None else SYNTH_DEFAULTS[kind][k] for k, v in given.items()}
     if kind == "hsi":
         meta = _run(synth_hsi, out=out, patch=patch, seed=seed, **args)
