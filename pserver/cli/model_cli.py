@@ -66,44 +66,28 @@ def _fail(exc: Exception) -> click.ClickException:
     "torch.export.load alone; state-dict: weights for torch.load(weights_only=True).",
 )
 @allow_model_option("the run")
-def export_cmd(
-    run_dir: Path,
-    out: Path,
-    checkpoint: Path | None,
-    best: bool,
-    dataset: Path | None,
-    format: str,
-    allow_model: tuple[str, ...],
-) -> None:
+def export_cmd(run_dir: Path, best: bool, **options: Any) -> None:
     """Export a run's model: raw (unnormalised) C x P x P samples in, class logits out."""
     from pserver.checkpoint import BEST
     from pserver.outputs.export import ExportConfig, export
 
     if best:
-        if checkpoint is not None:
+        if options["checkpoint"] is not None:
             raise click.UsageError("give --best or --checkpoint, not both")
-        checkpoint = run_dir / "checkpoints" / BEST
+        options["checkpoint"] = checkpoint = run_dir / "checkpoints" / BEST
         if not checkpoint.is_file():
             raise click.ClickException(
                 f"no {checkpoint}: a run keeps one once an evaluation on the whole test split "
                 "is done (pserver start --keep-best, the default)"
             )
-
-    config = ExportConfig(
-        run_dir=run_dir,
-        out=out,
-        checkpoint=checkpoint,
-        dataset=dataset,
-        format=format,
-        allow_model=allow_model,
-    )
+    config = ExportConfig(run_dir=run_dir, **options)
     try:
         meta = export(config)
     except PSError as exc:
         raise _fail(exc) from exc
     shape = f"{meta['bands']}x{meta['height']}x{meta['width']}"
     click.echo(
-        f"wrote {out} ({format}): {meta['model']} taking raw {shape} samples, "
+        f"wrote {config.out} ({config.format}): {meta['model']} taking raw {shape} samples, "
         f"{meta['num_classes']} classes {meta['class_names']}, checkpoint version "
         f"{meta['checkpoint']['version']}"
     )
