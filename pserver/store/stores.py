@@ -1,6 +1,6 @@
 """The coordinator's view of where parameters live: its own ``StoreService`` (``--shards 1``), or
-K shard servers (``RemoteStores``). Both offer the operations of ``ParameterStores``, so the push
-path does not care which.
+K shard servers (``RemoteStores``). Both offer the same operations (``ParameterStores``), so the
+push path does not care which.
 
 With shards every operation fans out to all of them at once and completes when all answered.
 An update is published in two phases: every shard computes and validates its candidate
@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias, TypeVar
 
 import numpy as np
 
@@ -24,7 +24,6 @@ from common.protocol.messages import (
     GradientChunk,
     GradientPushRequest,
     Message,
-    ParamsChunk,
     PullRequest,
 )
 from common.protocol.shard_messages import (
@@ -42,77 +41,12 @@ from common.protocol.shard_messages import (
     StagedRequest,
     StateReply,
 )
-from pserver.store.pool import Lease
-from pserver.store.service import CapturedState, StageReport
+from pserver.store.service import CapturedState, StageReport, StoreService
 
 __all__ = ["CapturedState", "ParameterStores", "RemoteStores", "ShardLink"]
 
-_T = TypeVar("_T")
+_M = TypeVar("_M", bound=Message)
 SHUTDOWN_S = 2.0  # how long a shard may take to acknowledge the end of the run
-
-
-class ParameterStores(Protocol):
-    """What the coordinator needs of wherever the parameters live."""
-
-    @property
-    def addresses(self) -> list[str]:
-        """Where workers reach each store, in range order ("" is the coordinator)."""
-
-    @property
-    def bounds(self) -> list[int]:
-        """The K + 1 range boundaries."""
-
-    async def staged(self, task_id: int, worker_id: int, timeout_s: float) -> StageReport:
-        """Wait until every chunk of a push arrived; its finiteness and squared norms."""
-
-    async def prepare(
-        self,
-        version: int,
-        task_ids: list[int],
-        weights: list[float],
-        lr_scale: float,
-        buffer_scale: float,
-    ) -> tuple[bool, str]:
-        """Compute version ``version`` everywhere as a candidate; ``(all valid, why not)``."""
-
-    async def publish(self, version: int) -> None:
-        """Publish the candidate everywhere (answering its chunks with the new parameters)."""
-
-    async def abort(self, version: int, code: int, message: str) -> None:
-        """Discard the candidate everywhere, answering its chunks with error ``code``."""
-
-    async def drop(self, task_ids: list[int], code: int, message: str) -> None:
-        """Forget staged gradients everywhere, answering their chunks with error ``code``."""
-
-    async def capture(self, with_slots: bool) -> CapturedState:
-        """The published state (and optimizer slots)."""
-
-    async def newest_state(self) -> tuple[int, np.ndarray, Callable[[], None]]:
-        """The published version, its state and the call that lets go of it."""
-
-    async def close(self, reason: str) -> None:
-        """Answer what is pending and stop."""
-
-    async def wait_ready(self) -> None:
-        """Return once every store can serve workers.
-
-        Raises:
-            ProtocolError: BUSY, the stores are not all there within their timeout.
-        """
-
-    @property
-    def fused_params(self) -> Callable[[], tuple[ParamsChunk, Lease | None] | None] | None:
-        """The published parameters as one chunk for replies to pushes that carried their
-        gradient (None: no push may carry its gradient)."""
-
-    async def on_gradient_chunk(self, identity: bytes, request_id: int, msg: GradientChunk) -> None:
-        """A worker's gradient chunk sent to the coordinator."""
-
-    async def on_gradient_push(self, msg: GradientPushRequest) -> None:
-        """A push that carried its whole gradient."""
-
-    async def on_pull(self, identity: bytes, request_id: int, msg: PullRequest) -> None:
-        """A worker's pull sent to the coordinator."""
 
 
 @dataclasses.dataclass
@@ -131,7 +65,8 @@ class ShardLink:
 
 
 class RemoteStores:
-    """K shard servers, each holding one contiguous range of the state.
+    """K shard servers, each holding one contiguous range of the state; ``StoreService``'s
+    operations, each sent to every shard.
 
     Args:
         bounds: K + 1 range boundaries.
@@ -176,8 +111,16 @@ class RemoteStores:
         if len(self.links) == self.expected:
             self.ready.set()
 
-    async def _all(self, calls: Sequence[Awaitable[_T]], what: str) -> list[_T]:
-        results = await asyncio.gather(*calls, return_exceptions=True)
+    async def _ask(
+        self, request: Message, expect: type[_M], timeout_s: float | None = None
+    ) -> list[_M]:
+        """Send ``request`` to every shard at once; their replies in range order."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        results = await asyncio.gather(
+            *(s.connection.request(request, limit, expect) for s in self.links),
+            return_exceptions=True,
+        )
+        what = request.TYPE.removesuffix("_request")
         for link, result in zip(self.links, results, strict=True):
             if isinstance(result, NetworkTimeout):
                 raise ShardLost(f"{link.describe()} did not answer {what}: {result}")
@@ -193,13 +136,7 @@ class RemoteStores:
         request = StagedRequest(
             key=self.key, task_id=task_id, worker_id=worker_id, timeout_s=timeout_s
         )
-        replies = await self._all(
-            [
-                s.connection.request(request, timeout_s + self.timeout_s, StagedReply)
-                for s in self.links
-            ],
-            "staged",
-        )
+        replies = await self._ask(request, StagedReply, timeout_s + self.timeout_s)
         return StageReport(
             all(r.finite for r in replies),
             sum(r.grad_sq for r in replies),
@@ -222,10 +159,7 @@ class RemoteStores:
             lr_scale=lr_scale,
             buffer_scale=buffer_scale,
         )
-        replies = await self._all(
-            [s.connection.request(request, self.timeout_s, PrepareReply) for s in self.links],
-            "prepare",
-        )
+        replies = await self._ask(request, PrepareReply)
         failed = [(s, r) for s, r in zip(self.links, replies, strict=True) if not r.ok]
         if failed:
             link, reply = failed[0]
@@ -234,31 +168,19 @@ class RemoteStores:
 
     async def publish(self, version: int) -> None:
         request = PublishRequest(key=self.key, version=version)
-        await self._all(
-            [s.connection.request(request, self.timeout_s, AckReply) for s in self.links],
-            "publish",
-        )
+        await self._ask(request, AckReply)
 
     async def abort(self, version: int, code: int, message: str) -> None:
         request = AbortRequest(key=self.key, version=version, code=code, message=message)
-        await self._all(
-            [s.connection.request(request, self.timeout_s, AckReply) for s in self.links],
-            "abort",
-        )
+        await self._ask(request, AckReply)
 
     async def drop(self, task_ids: list[int], code: int, message: str) -> None:
         request = DropRequest(key=self.key, task_ids=task_ids, code=code, message=message)
-        await self._all(
-            [s.connection.request(request, self.timeout_s, AckReply) for s in self.links],
-            "drop",
-        )
+        await self._ask(request, AckReply)
 
     async def capture(self, with_slots: bool) -> CapturedState:
         request = CaptureRequest(key=self.key, with_slots=with_slots)
-        replies = await self._all(
-            [s.connection.request(request, self.timeout_s * 4, StateReply) for s in self.links],
-            "capture",
-        )
+        replies = await self._ask(request, StateReply, self.timeout_s * 4)
         for link, reply in zip(self.links, replies, strict=True):
             self._check_state(link, reply, with_slots)
         versions = {r.version for r in replies}
@@ -324,10 +246,7 @@ class RemoteStores:
         """Every shard's version (raises ``ShardLost`` naming a shard that did not answer)."""
         request = PingRequest(key=self.key)
         begin = time.monotonic()
-        replies = await self._all(
-            [s.connection.request(request, self.timeout_s, PingReply) for s in self.links],
-            "ping",
-        )
+        replies = await self._ask(request, PingReply)
         rtt = time.monotonic() - begin
         for link, reply in zip(self.links, replies, strict=True):
             self.health[link.index] = {
@@ -379,3 +298,7 @@ def _on_shards(msg: Message) -> None:
 
 def _code(code: Any) -> ErrorCode:
     return ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.INTERNAL
+
+
+ParameterStores: TypeAlias = StoreService | RemoteStores
+"""Wherever the coordinator's parameters live."""
