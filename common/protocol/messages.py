@@ -12,45 +12,9 @@ from typing import ClassVar
 
 import numpy as np
 
-from common.protocol.base import (
-    MAX_INDICES,
-    MAX_STRING,
-    Message,
-    error_frames,
-    parse_message,
-    request_id_of,
-)
+from common.protocol.base import Message as Message
+from common.protocol.base import parse_message as parse_message
 from common.protocol.ending import FinishReason
-
-__all__ = [
-    "MAX_INDICES",
-    "MAX_STRING",
-    "REPLIES",
-    "STORE_REQUESTS",
-    "WORKER_REQUESTS",
-    "DataReply",
-    "DataRequest",
-    "GradientChunk",
-    "GradientPushRequest",
-    "HeartbeatReply",
-    "HeartbeatRequest",
-    "JoinReply",
-    "JoinRequest",
-    "LeaveReply",
-    "LeaveRequest",
-    "Message",
-    "ParamsChunk",
-    "PullRequest",
-    "PushRequest",
-    "StatusReply",
-    "StatusRequest",
-    "TaskParamsReply",
-    "TaskReply",
-    "TaskRequest",
-    "error_frames",
-    "parse_message",
-    "request_id_of",
-]
 
 # --- worker -> coordinator ---------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from common.errors import ErrorCode, ProtocolError, RemoteError
+from common.protocol.base import error_frames
 from common.protocol.chunks import (
     ALIGN,
     as_tensor,
@@ -41,7 +42,6 @@ from common.protocol.messages import (
     TaskParamsReply,
     TaskReply,
     TaskRequest,
-    error_frames,
     parse_message,
 )
 from common.protocol.shard_messages import (
