@@ -30,11 +30,6 @@ class FlatLayout:
         parts = [t.detach().reshape(-1).float().cpu() for t in (*self.params, *self.buffers)]
         return torch.cat(parts) if parts else torch.zeros(0)
 
-    def read_buffers(self) -> torch.Tensor:
-        """Copy only the float buffers into a new flat CPU float32 tensor."""
-        parts = [b.detach().reshape(-1).float().cpu() for b in self.buffers]
-        return torch.cat(parts) if parts else torch.zeros(0)
-
     def write_state(self, flat: torch.Tensor | np.ndarray) -> None:
         """Load a flat state vector into the model (on whatever device it lives).
 
@@ -50,23 +45,6 @@ class FlatLayout:
                 n = t.numel()
                 t.copy_(flat[offset : offset + n].view_as(t), non_blocking=True)
                 offset += n
-
-    def read_push(self, buffers_before: torch.Tensor) -> torch.Tensor:
-        """Flat ``[gradients..., buffer changes...]`` after a backward pass.
-
-        Args:
-            buffers_before: the float buffers as they were when the step started.
-
-        Returns:
-            A new flat CPU float32 tensor; parameters without a gradient contribute zeros.
-        """
-        grads = [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float()
-            for p in self.params
-        ]
-        parts = [g.cpu() for g in grads]
-        parts.append(self.read_buffers() - buffers_before)
-        return torch.cat(parts)
 
 
 def nonnegative_bounds(model: nn.Module, layout: FlatLayout) -> list[int]:

@@ -21,6 +21,7 @@ from pserver.policies.weighted_sync import WeightedSync
 from pserver.sampler import EpochSampler
 from pserver.store.optimizer import FlatOptimizer
 from pserver.store.slices import SliceStore
+from tests.support.pushes import push_of
 
 
 def _model_and_batch(n: int = 24) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -33,9 +34,10 @@ def _model_and_batch(n: int = 24) -> tuple[nn.Module, torch.Tensor, torch.Tensor
 
 def _mean_gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     layout = FlatLayout(model)
+    before = layout.read_state()
     model.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
-    return layout.read_push(layout.read_buffers())
+    return push_of(layout, before)
 
 
 def _store(state: torch.Tensor, num_params: int, optimizer: FlatOptimizer) -> SliceStore:

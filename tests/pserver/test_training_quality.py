@@ -37,6 +37,7 @@ from pserver.policies.weighted_sync import (
 from pserver.sampler import EpochSampler
 from pserver.store.optimizer import FlatOptimizer
 from pserver.store.slices import SliceStore
+from tests.support.pushes import push_of
 
 
 @pytest.fixture(autouse=True)
@@ -210,11 +211,10 @@ def _local_push(
     """What a worker pushes for one local batch: mean gradient and statistics change, with the
     model's state left as it was."""
     state = layout.read_state()
-    before = layout.read_buffers()
     model.train()
     model.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
-    push = layout.read_push(before)
+    push = push_of(layout, state)
     layout.write_state(state)
     return push
 
