@@ -21,20 +21,8 @@ WIRE_DTYPES = ("fp32", "bf16", "fp16")  # formats of gradients and parameters on
 # Only plain numeric dtypes may cross the wire; object, string and void dtypes never do.
 # bfloat16 has no numpy dtype: it travels as 16-bit words, tagged by ``BFloat16Array``.
 ALLOWED_DTYPES = frozenset(
-    {
-        BFLOAT16,
-        "float16",
-        "float32",
-        "float64",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-    }
+    {BFLOAT16, "float16", "float32", "float64"}
+    | {f"{sign}int{bits}" for sign in ("", "u") for bits in (8, 16, 32, 64)}
 )
 
 
