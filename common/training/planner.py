@@ -196,14 +196,6 @@ def expected_max_deviate(n: int) -> float:
     return float(np.sum(x * density) * (x[1] - x[0]))
 
 
-def expected_round_s(fits: Mapping[int, Fit], sizes: Mapping[int, int], spread_s: float) -> float:
-    """The predicted round time of a plan plus the expected wait for its slowest member."""
-    if not sizes:
-        return 0.0
-    latest = max(fits[w].predict(n) for w, n in sizes.items())
-    return latest + spread_s * expected_max_deviate(len(sizes))
-
-
 def at_least(
     sizes: dict[int, int], minimum: int, replan: Callable[[list[int]], dict[int, int]]
 ) -> dict[int, int]:
@@ -238,7 +230,7 @@ def plan_by_model(
     round time without them get 0, see the module docstring); they are floored and the
     samples left go one at a time to the worker that would then finish first, so the
     predicted round time (the largest) is as small as integers allow. With a ``spread_s``,
-    members are then dropped, smallest batch first, while that lowers ``expected_round_s``.
+    members are then dropped, smallest batch first, while that lowers the expected round time.
     Members whose batch would be below ``min_batch`` sit out (``at_least``).
 
     Args:
@@ -348,7 +340,7 @@ class _Models:
         return sums[0] - inverse[position], sums[1] - lifted[position]
 
     def expected_round_s(self, members: np.ndarray, batch: np.ndarray, spread_s: float) -> float:
-        """``expected_round_s`` of a plan."""
+        """The predicted round time of a plan plus the expected wait for its slowest member."""
         latest = float(self.predict(members, batch).max())
         return latest + spread_s * expected_max_deviate(len(members))
 
