@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from common.protocol.chunks import shard_bounds
+from common.protocol.shard_messages import ShardWelcome
 from common.protocol.tokens import TokenBook
 from pserver.config import ServerConfig
 from pserver.store.optimizer import FlatOptimizer
@@ -14,8 +15,9 @@ from pserver.store.slices import SliceStore
 from pserver.store.stores import ParameterStores, RemoteStores
 
 
-def make_optimizer(config: ServerConfig) -> FlatOptimizer:
-    """The run's optimizer (for one slice of the parameters)."""
+def make_optimizer(config: ServerConfig | ShardWelcome) -> FlatOptimizer:
+    """The run's optimizer (for one slice of the parameters), as the server's configuration or
+    a shard's welcome sets it."""
     return FlatOptimizer(
         config.optimizer,
         config.lr,

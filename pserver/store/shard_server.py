@@ -47,7 +47,7 @@ from common.protocol.shard_messages import (
 )
 from common.protocol.tokens import TokenBook
 from pserver.config import ShardConfig, advertised
-from pserver.store.optimizer import FlatOptimizer
+from pserver.store.build import make_optimizer
 from pserver.store.service import StoreService
 from pserver.store.slices import SliceStore
 from pserver.transport import Endpoint, Request, TaskOwner
@@ -147,13 +147,7 @@ class ShardServer:
     def _adopt(self, welcome: ShardWelcome) -> None:
         self.key, self.index = welcome.key, welcome.index
         self._dead_after_s = welcome.dead_after_s
-        optimizer = FlatOptimizer(
-            welcome.optimizer,
-            welcome.lr,
-            momentum=welcome.momentum,
-            nesterov=welcome.nesterov,
-            weight_decay=welcome.weight_decay,
-        )
+        optimizer = make_optimizer(welcome)
         state = torch.from_numpy(np.array(welcome.state, dtype=np.float32))
         store = SliceStore(
             welcome.lo,
