@@ -300,7 +300,7 @@ class StoreService:
         pushed again: after STALE or NON_FINITE the worker recomputes it)."""
         await self._run(self.store.drop, task_ids)
         self._wake(task_ids)
-        error = ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.INTERNAL
+        error = error_code(code)
         for task_id in task_ids:
             for identity, request_id, _ in self._pending.pop(task_id, []):
                 self.replier.reply_error(identity, request_id, error, message)
@@ -391,3 +391,8 @@ class StoreService:
             for start, stop in store.spans
         }
         return _Encoded(store.version, chunks, lease)
+
+
+def error_code(code: int) -> ErrorCode:
+    """``code`` as an ``ErrorCode``; INTERNAL when it is none."""
+    return ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.INTERNAL

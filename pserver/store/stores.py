@@ -41,7 +41,7 @@ from common.protocol.shard_messages import (
     StagedRequest,
     StateReply,
 )
-from pserver.store.service import CapturedState, StageReport, StoreService
+from pserver.store.service import CapturedState, StageReport, StoreService, error_code
 
 __all__ = ["CapturedState", "ParameterStores", "RemoteStores", "ShardLink"]
 
@@ -126,7 +126,7 @@ class RemoteStores:
                 raise ShardLost(f"{link.describe()} did not answer {what}: {result}")
             if isinstance(result, RemoteError):
                 raise ProtocolError(
-                    _code(result.code), f"{link.describe()}: {result.remote_message}"
+                    error_code(result.code), f"{link.describe()}: {result.remote_message}"
                 )
             if isinstance(result, BaseException):
                 raise result
@@ -294,10 +294,6 @@ def _on_shards(msg: Message) -> None:
     raise ProtocolError(
         ErrorCode.BAD_FIELD, f"{msg.TYPE}: this run's parameters live on its shards"
     )
-
-
-def _code(code: Any) -> ErrorCode:
-    return ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.INTERNAL
 
 
 ParameterStores: TypeAlias = StoreService | RemoteStores
