@@ -9,7 +9,7 @@ a shard can neither forge a token the coordinator accepts nor recover the coordi
 
 from __future__ import annotations
 
-import collections
+import functools
 import hashlib
 import hmac
 import secrets
@@ -35,16 +35,10 @@ class TokenBook:
     def __init__(self, key: str) -> None:
         self.key = key
         self._key = bytes.fromhex(key)
-        self._signed: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._sign = functools.lru_cache(SIGNED_KEPT)(self._hmac)
 
-    def _sign(self, text: str) -> str:
-        token = self._signed.get(text)
-        if token is None:
-            token = hmac.new(self._key, text.encode(), hashlib.sha256).hexdigest()[:TOKEN_CHARS]
-            self._signed[text] = token
-            if len(self._signed) > SIGNED_KEPT:
-                self._signed.popitem(last=False)
-        return token
+    def _hmac(self, text: str) -> str:
+        return hmac.new(self._key, text.encode(), hashlib.sha256).hexdigest()[:TOKEN_CHARS]
 
     def derive(self, purpose: str) -> TokenBook:
         """A book under a key derived from this one for ``purpose``; its holder cannot
