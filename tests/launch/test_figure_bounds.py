@@ -39,13 +39,19 @@ def texts_out_of_place(fig: Figure, monkeypatch: pytest.MonkeyPatch) -> list[str
     monkeypatch.setattr(Text, "draw", draw)
     box = fig.bbox
     problems = []
+    # Pairwise as Bbox.overlaps tests it (edges touching count), for every pair at once: a wide
+    # figure draws over a thousand texts.
+    corners = np.array([ext.extents for _, ext in drawn]).reshape(-1, 2, 2)
+    lo, hi = corners.min(axis=1), corners.max(axis=1)
+    overlap = ((lo[:, None] <= hi[None]) & (lo[None] <= hi[:, None])).all(axis=2)
+    axes = [text.axes for text, _ in drawn]
     for i, (text, ext) in enumerate(drawn):
         name = repr(text.get_text()[:40])
         if ext.x0 < -0.5 or ext.y0 < -0.5 or ext.x1 > box.x1 + 0.5 or ext.y1 > box.y1 + 0.5:
             problems.append(f"{name} {ext.bounds} outside {box.bounds}")
-        for other, other_ext in drawn[:i]:
-            if text.axes is not other.axes and ext.overlaps(other_ext):
-                problems.append(f"{name} overlaps {other.get_text()[:40]!r}")
+        for j in np.flatnonzero(overlap[i, :i]):
+            if axes[i] is not axes[j]:
+                problems.append(f"{name} overlaps {drawn[j][0].get_text()[:40]!r}")
     return problems
 
 
@@ -169,6 +175,20 @@ def test_no_figure_clips_a_text(
     assert drawn, f"{kind}: no figure drawn"
     for fig in drawn:
         assert texts_out_of_place(fig, monkeypatch) == []
+
+
+def test_the_check_finds_a_clipped_text_and_texts_of_two_panels_that_overlap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fig = Figure(figsize=(4, 2))
+    left, right = fig.subplots(1, 2)
+    left.text(0.9, 0.5, "a label far too long for its panel", transform=left.transAxes)
+    right.text(0.0, 0.5, "its neighbour", transform=right.transAxes)
+    fig.text(0.98, 0.1, "runs off the canvas")
+    problems = texts_out_of_place(fig, monkeypatch)
+    assert any("overlaps" in p and "its neighbour" in p for p in problems), problems
+    assert any("'runs off the canvas'" in p and "outside" in p for p in problems), problems
+    assert texts_out_of_place(Figure(figsize=(4, 2)), monkeypatch) == []
 
 
 def test_the_timeline_keeps_a_row_for_a_worker_that_sat_out(
