@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import math
 import statistics
 import tempfile
@@ -33,6 +32,7 @@ from common.data.dataset import DatasetReader
 from common.training.models import build_model
 from launch.local import LocalCluster, run_local
 from pserver.config import ServerConfig
+from pserver.history import read_history
 
 BATCH = 64
 WARMUP = 10
@@ -90,7 +90,7 @@ def ps_round_s(
             ),
         )
         run_local(cluster)
-    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    events = [event for _, event in read_history(run_dir / "metrics.jsonl")]
     if mode == "async":
         pushes = [e for e in events if e["event"] == "push"]
         pairs = [
