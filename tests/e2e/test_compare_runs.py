@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from common.data.convert.synth import synth_hsi
 from common.polling import poll_until
 from launch.cli import main
-from launch.compare import CompareConfig
+from launch.compare import KEPT_SHARE, CompareConfig
 from launch.report import RESULT_COLUMNS, SPEEDUP_COLUMNS
 from launch.settings import TrainSettings
 from tests.support.launches import start_pslaunch
@@ -203,10 +203,15 @@ def test_ddp_kept_runs_plain_ddp_on_the_nodes_weighted_sync_kept(tmp_path: Path)
     assert result.exit_code == 0, result.output
     runs = {r["mode"]: r for r in json.loads((out / "compare.json").read_text())["runs"]}
     samples = {w["name"]: w["samples"] for w in runs["weighted-sync"]["summary"]["workers"]}
-    assert samples["w2-x40"] < 0.05 * sum(samples.values())  # the 40x slower worker sat out
+    assert samples["w2-x40"] < KEPT_SHARE * sum(samples.values())  # the 40x slower worker sat out
+    # On two busy cores one fast worker can do as well as two, so the planner may sit either
+    # out as well: ddp-kept runs on exactly the nodes weighted-sync gave a share of samples.
+    names = ["w0-x1", "w1-x1", "w2-x40"]
+    shared = [i for i, n in enumerate(names) if samples[n] >= KEPT_SHARE * sum(samples.values())]
     kept = runs["ddp-kept"]
-    assert kept["kept_nodes"] == [0, 1] and kept["summary"]["mode"] == "ddp"
-    assert [w["name"] for w in kept["summary"]["workers"]] == ["r0-x1", "r1-x1"]
+    assert kept["kept_nodes"] == shared and 2 not in shared and kept["summary"]["mode"] == "ddp"
+    ranks = [w["name"] for w in kept["summary"]["workers"]]
+    assert ranks == [f"r{i}-x1" for i in range(len(shared))]
     weighted = runs["weighted-ddp"]["summary"]
     assert weighted["mode"] == "weighted-ddp" and len(weighted["workers"]) == 3
     assert weighted["workers"][2]["samples"] < weighted["workers"][0]["samples"] / 10
