@@ -92,6 +92,7 @@ def run_regime(name: str, cluster: str, args: argparse.Namespace) -> tuple[list[
     out = args.out / name if cluster == STATIC else args.out / cluster / name
     out.mkdir(parents=True, exist_ok=True)
     epochs = args.epochs or epochs
+    target = args.target_oa or target
     data = jasper(args.out, patch, fraction)
     if cluster == STATIC:
         count = worker_count(args, args.slowdowns)
@@ -220,6 +221,9 @@ def main(argv: list[str] | None = None, defaults: dict | None = None) -> int:
         help="worker slowdowns (none: 1,1,2,4 on shared cores, 1 on an emulated cluster)",
     )
     parser.add_argument("--epochs", type=int, default=None, help="epochs (none: the regime's)")
+    parser.add_argument(
+        "--target-oa", type=float, default=None, help="target OA (none: the regime's)"
+    )
     parser.add_argument(
         "--modes",
         default=",".join(MODES),
