@@ -43,11 +43,14 @@ ci-deps:
 			chromium chromium-driver; \
 	fi
 
-# The whole suite: unit tests, then end-to-end tests (tests/e2e/) that start processes.
+# The whole suite: the unit tests that are not marked slow in $(TEST_JOBS) processes (as
+# test-fast), then the slow unit tests and the end-to-end tests (tests/e2e/), which start
+# processes and some of which measure time, one at a time.
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest -q -ra --durations=25 $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -m "unit and not slow" -n $(TEST_JOBS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=25 -m "not (unit and not slow)" $(PYTEST_ARGS)
 
 # The unit tests that are not marked slow, in $(TEST_JOBS) processes of one compute thread
 # each (more threads than cores make torch's OpenMP workers spin against each other).
