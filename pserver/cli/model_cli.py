@@ -113,12 +113,11 @@ def _predict_cube(model: Any, options: dict[str, Any]) -> None:
     from pserver.outputs.predict import (
         check_scene,
         count_nodata,
-        nodata_index,
         predict_scene,
         score_map,
         scores_report,
     )
-    from pserver.outputs.scene_views import composite, parse_bands, predict_probabilities
+    from pserver.outputs.scene_views import composite, parse_bands
 
     out: Path = options["out"]
     if out.suffix.lower() != ".png":
@@ -138,11 +137,8 @@ def _predict_cube(model: Any, options: dict[str, Any]) -> None:
             rgb = composite(cube, parse_bands(options["rgb_bands"], cube.shape[2]))
         proba = None
         if options["proba"]:
-            proba = predict_probabilities(model, cube, options["batch"], options["progress"])
-            classes = proba.argmax(axis=2).astype(np.uint8 if len(names) < 256 else np.uint16)
-            classes[~np.isfinite(proba).all(axis=2)] = nodata_index(names)
-        else:
-            classes = predict_scene(model, cube, options["batch"], options["progress"])
+            proba = np.empty((*cube.shape[:2], len(names)), dtype=np.float32)
+        classes = predict_scene(model, cube, options["batch"], options["progress"], proba)
         georef = cube.georef
     nodata = count_nodata(classes, names)
     if nodata:

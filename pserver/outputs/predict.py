@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -44,7 +43,11 @@ def check_scene(model: LoadedModel, cube: Cube) -> int:
 
 
 def predict_scene(
-    model: LoadedModel, cube: Cube, batch: int = 1024, progress: bool = True
+    model: LoadedModel,
+    cube: Cube,
+    batch: int = 1024,
+    progress: bool = True,
+    proba: np.ndarray | None = None,
 ) -> np.ndarray:
     """Classify every pixel of ``cube`` from the P x P patch around it (reflect padding).
 
@@ -58,66 +61,48 @@ def predict_scene(
         cube: the scene, with the model's band count.
         batch: patches per forward pass.
         progress: show a progress bar (pixels) on stderr.
+        proba: a C-contiguous (rows, cols, K) float32 array to fill with the softmax class
+            probabilities (NaN for no data); the map is then their argmax. None: the argmax
+            of the logits.
 
     Returns:
         The (rows, cols) class indices 0..K-1, K for no data (uint8 for up to 255 classes,
         else uint16).
 
     Raises:
-        ModelError, DatasetError: see ``check_scene``; DatasetError when the cube is unreadable.
-    """
-    batches = patch_batches(model, cube, batch, progress)
-    rows, cols, _ = cube.shape
-    nodata = nodata_index(model.class_names)
-    dtype = np.uint8 if nodata <= 255 else np.uint16
-    out = np.zeros((rows, cols), dtype=dtype)
-    flat = out.reshape(-1)
-    for offset, patches in batches:
-        finite = np.isfinite(patches).reshape(len(patches), -1).all(axis=1)
-        predicted = np.full(len(patches), nodata, dtype=np.int64)
-        if finite.any():
-            predicted[finite] = model.classify(patches[finite])
-        flat[offset : offset + len(patches)] = predicted
-    return out
-
-
-def patch_batches(
-    model: LoadedModel, cube: Cube, batch: int, progress: bool
-) -> Iterator[tuple[int, np.ndarray]]:
-    """The P x P patches around every pixel, ``batch`` at a time, in row-major pixel order.
-
-    The cube is read a band of rows at a time, so memory holds one band and one batch. The
-    scene is checked before the first batch is asked for.
-
-    Returns:
-        An iterator of (index of the batch's first pixel, patches (n, C, P, P)).
-
-    Raises:
-        ModelError, DatasetError: see ``check_scene``; DatasetError when ``batch`` < 1.
+        ModelError, DatasetError: see ``check_scene``; DatasetError when ``batch`` < 1 or the
+            cube is unreadable.
     """
     if batch < 1:
         raise DatasetError(f"batch must be >= 1, got {batch}")
     patch = check_scene(model, cube)
-    cols = cube.shape[1]
-
-    def batches() -> Iterator[tuple[int, np.ndarray]]:
-        with tqdm(
-            total=cube.shape[0] * cols,
-            unit="px",
-            unit_scale=True,
-            desc="predict",
-            disable=not progress,
-        ) as bar:
-            for start, stop, windows in iter_bands(cube, patch):
-                n = (stop - start) * cols
-                for first in range(0, n, batch):
-                    idx = np.arange(first, min(n, first + batch))
-                    r, c = np.divmod(idx, cols)
-                    yield start * cols + first, windows[r, c]
-                    bar.update(idx.size)
-                del windows  # one band in memory at a time
-
-    return batches()
+    rows, cols, _ = cube.shape
+    nodata = nodata_index(model.class_names)
+    out = np.zeros((rows, cols), dtype=np.uint8 if nodata <= 255 else np.uint16)
+    flat = out.reshape(-1)
+    probs = None if proba is None else proba.reshape(rows * cols, nodata)
+    bar = tqdm(total=rows * cols, unit="px", unit_scale=True, desc="predict", disable=not progress)
+    with bar:
+        for start, stop, windows in iter_bands(cube, patch):
+            n = (stop - start) * cols
+            for first in range(0, n, batch):
+                r, c = np.divmod(np.arange(first, min(n, first + batch)), cols)
+                patches, at = windows[r, c], start * cols + first
+                finite = np.isfinite(patches).reshape(len(patches), -1).all(axis=1)
+                if probs is None:
+                    predicted = np.full(len(patches), nodata, dtype=np.int64)
+                    if finite.any():
+                        predicted[finite] = model.classify(patches[finite])
+                else:
+                    p = probs[at : at + len(patches)]
+                    p[...] = np.nan
+                    if finite.any():
+                        p[finite] = model.probabilities(patches[finite])
+                    predicted = np.where(np.isfinite(p).all(axis=1), p.argmax(axis=1), nodata)
+                flat[at : at + len(patches)] = predicted
+                bar.update(len(patches))
+            del windows  # one band in memory at a time
+    return out
 
 
 def nodata_index(class_names: list[str]) -> int:

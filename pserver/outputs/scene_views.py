@@ -1,4 +1,4 @@
-"""What a map shows beside the classes: class probabilities, an RGB composite, test pixels."""
+"""What a map shows beside the classes: an RGB composite and the test pixels."""
 
 from __future__ import annotations
 
@@ -7,46 +7,13 @@ from collections.abc import Sequence
 
 import h5py
 import numpy as np
-import torch
 
 from common.data.convert.patches import rows_per_band
 from common.data.convert.raster import Cube
 from common.data.dataset import DatasetReader
 from common.errors import DatasetError
-from pserver.outputs.model_file import LoadedModel
-from pserver.outputs.predict import patch_batches
 
 STRETCH = (2.0, 98.0)  # percentiles mapped to 0 and 1 in a composite
-
-
-def predict_probabilities(
-    model: LoadedModel, cube: Cube, batch: int = 1024, progress: bool = True
-) -> np.ndarray:
-    """The softmax class probabilities of every pixel, from the P x P patch around it.
-
-    Streams the cube like ``predict_scene``; the result holds K float32 per pixel.
-
-    Args:
-        model: an exported pixel classifier.
-        cube: the scene.
-        batch: patches per forward pass.
-        progress: show a progress bar (pixels) on stderr.
-
-    Returns:
-        (rows, cols, K) float32; its argmax over K is ``predict_scene``'s map.
-
-    Raises:
-        ModelError, DatasetError: see ``check_scene``.
-    """
-    batches = patch_batches(model, cube, batch, progress)
-    rows, cols, _ = cube.shape
-    out = np.zeros((rows * cols, len(model.class_names)), dtype=np.float32)
-    with torch.inference_mode():
-        for offset, patches in batches:
-            x = torch.from_numpy(np.ascontiguousarray(patches, dtype=np.float32))
-            logits = model.module(x.to(model.device))
-            out[offset : offset + len(patches)] = torch.softmax(logits, dim=1).cpu().numpy()
-    return out.reshape(rows, cols, -1)
 
 
 def parse_bands(text: str, bands: int) -> tuple[int, int, int]:

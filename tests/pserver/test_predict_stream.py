@@ -99,14 +99,18 @@ def test_pixels_with_nan_in_their_patch_are_no_data_not_a_class(tmp_path: Path) 
     with rasterio.open(tmp_path / "c.tif", "w", **profile, **geo) as f:
         f.write(np.moveaxis(cube, -1, 0))
     model = tiny_model()
+    proba = np.empty((12, 10, len(model.class_names)), dtype=np.float32)
     with open_cube(str(tmp_path / "c.tif")) as source:
         classes = predict_scene(model, source, batch=16, progress=False)
+        np.testing.assert_array_equal(predict_scene(model, source, 7, False, proba), classes)
     expected = np.zeros((12, 10), dtype=bool)
     expected[4:7, 3:6] = True
     expected[0:2, 8:10] = True
     assert np.array_equal(classes == nodata_index(model.class_names), expected)
     assert count_nodata(classes, model.class_names) == 9 + 4
     assert classes[~expected].max() < len(model.class_names)
+    assert np.isnan(proba[expected]).all() and np.isfinite(proba[~expected]).all()
+    np.testing.assert_allclose(proba[~expected].sum(axis=1), 1.0, atol=1e-5)
     gt = np.ones((12, 10), dtype=np.int64)  # every pixel labelled class 0
     scores = score_map(classes, gt, len(model.class_names))
     assert sum(scores.support) == 120 - 13  # no-data pixels are left out of the scores
