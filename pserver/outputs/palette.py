@@ -3,7 +3,7 @@
 ``--palette`` takes ``auto`` (the ground-truth file's colours where it has them, else
 ``colourblind``), ``colourblind`` (Okabe and Ito's eight colours without black, given by class
 name where a name says what the class is: water blue, vegetation green, bare ground orange,
-built-up vermillion; ``BY_NAME``), ``tab20`` (matplotlib's categorical colours), or explicit
+built-up vermillion; ``BY_NAME``), ``tab20`` (matplotlib's, dark colours first), or explicit
 colours: ``#0072b2,#e69f00,...`` in class order or ``water=#0072b2,soil=#a0522d`` by class
 name (other classes keep the default). Agreement panels are drawn in colours no class uses
 (``distinct``).
@@ -32,29 +32,6 @@ COLOURBLIND: tuple[RGB, ...] = (
     (213, 94, 0),  # vermillion
     (240, 228, 66),  # yellow
 )
-TAB20: tuple[RGB, ...] = (
-    (31, 119, 180),
-    (44, 160, 44),
-    (214, 39, 40),
-    (255, 187, 20),
-    (148, 103, 189),
-    (23, 190, 207),
-    (140, 86, 75),
-    (227, 119, 194),
-    (188, 189, 34),
-    (255, 127, 14),
-    (174, 199, 232),
-    (152, 223, 138),
-    (255, 152, 150),
-    (197, 176, 213),
-    (158, 218, 229),
-    (196, 156, 148),
-    (247, 182, 210),
-    (219, 219, 141),
-    (255, 204, 153),
-    (0, 92, 49),
-)
-BUILT_IN = {"colourblind": COLOURBLIND, "colorblind": COLOURBLIND, "tab20": TAB20}
 # The first class whose name matches a rule gets the rule's colour; the others keep the
 # palette's order. Words of common land-cover legends (Jasper Ridge, Samson, Indian Pines,
 # Pavia, Salinas, EuroSAT).
@@ -150,9 +127,16 @@ def resolve_palette(
         if from_gt is not None and len(from_gt) >= k:
             return list(from_gt[:k]), "the ground truth's colours"
         return default, "colour-blind-safe (Okabe-Ito)"
-    if spec.lower() in BUILT_IN:
-        table = extend(BUILT_IN[spec.lower()], k)
-        return (by_name(table, names) if spec.lower() != "tab20" else table), spec.lower()
+    if spec.lower() == "tab20":  # its ten dark colours, then their light partners
+        from matplotlib import colormaps
+
+        tab = [
+            (round(r * 255), round(g * 255), round(b * 255))
+            for r, g, b, _ in colormaps["tab20"](range(20))
+        ]
+        return extend(tab[0::2] + tab[1::2], k), "tab20"
+    if spec.lower() in ("colourblind", "colorblind"):
+        return default, spec.lower()
     items = [i for i in spec.split(",") if i.strip()]
     if items and all("=" in i for i in items):
         out = list(default)
