@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from torch import nn
 
 from common.data.dataset import DatasetReader
 from common.errors import ConfigError, DatasetError, ModelError
-from common.safefile import open_temporary
+from common.safefile import write_atomic
 from common.training.flat import FlatLayout
 from common.training.models import build_model, check_allowed
 from pserver.history import read_history
@@ -254,10 +253,6 @@ def build_classifier(config: ExportConfig) -> tuple[RawInput, dict[str, Any]]:
     return RawInput(network, mean, std=std).eval(), description
 
 
-def _atomic(out: Path) -> Path:
-    return out.parent / f".{out.name}.tmp"
-
-
 def export(config: ExportConfig) -> dict[str, Any]:
     """Write the run's model to ``config.out``.
 
@@ -278,28 +273,22 @@ def export(config: ExportConfig) -> dict[str, Any]:
     """
     config.validate()
     module, meta = build_classifier(config)
-    tmp = _atomic(config.out)
-    try:
-        if config.format == "state-dict":
-            state = {k: v.detach().clone() for k, v in module.network.state_dict().items()}
-            with open_temporary(tmp) as handle:
-                torch.save({"format": MAGIC, "meta": meta, "state_dict": state}, handle)
-        else:
-            example = torch.zeros((2, meta["bands"], meta["height"], meta["width"]))
-            batch = torch.export.Dim("batch", min=1)
-            with quiet_torch(), torch.no_grad():
-                try:
-                    program = torch.export.export(module, (example,), dynamic_shapes=({0: batch},))
-                except Exception as exc:  # torch raises many internal types here
-                    raise ModelError(
-                        f"torch.export failed on model {meta['model']!r}: {exc}"
-                    ) from exc
-                # A file object, not a path: torch warns about paths not ending in .pt2.
-                with open_temporary(tmp) as handle:
-                    torch.export.save(program, handle, extra_files={META_FILE: json.dumps(meta)})
-        os.replace(tmp, config.out)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+    if config.format == "state-dict":
+        state = {k: v.detach().clone() for k, v in module.network.state_dict().items()}
+        document = {"format": MAGIC, "meta": meta, "state_dict": state}
+        write_atomic(config.out, lambda handle: torch.save(document, handle))
+    else:
+        example = torch.zeros((2, meta["bands"], meta["height"], meta["width"]))
+        batch = torch.export.Dim("batch", min=1)
+        with quiet_torch(), torch.no_grad():
+            try:
+                program = torch.export.export(module, (example,), dynamic_shapes=({0: batch},))
+            except Exception as exc:  # torch raises many internal types here
+                raise ModelError(f"torch.export failed on model {meta['model']!r}: {exc}") from exc
+            # A file object, not a path: torch warns about paths not ending in .pt2.
+            extra = {META_FILE: json.dumps(meta)}
+            write_atomic(
+                config.out, lambda handle: torch.export.save(program, handle, extra_files=extra)
+            )
     log.info("exported %s (%s) to %s", meta["model"], config.format, config.out)
     return meta
