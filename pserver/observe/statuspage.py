@@ -225,7 +225,7 @@ class StatusPage:
         """Set up the app and listen (on the page's loop)."""
         assert self._loop is not None
         self._bodies.attach(owner, self._loop)
-        app = web.Application(middlewares=[self._limit, _headers], client_max_size=1024)
+        app = web.Application(middlewares=[self._limit], client_max_size=1024)
         app.router.add_get("/", self._index)
         types = ("application/json", "application/json", prometheus.CONTENT_TYPE)
         for name, content_type in zip(BODIES, types, strict=True):
@@ -296,9 +296,12 @@ class StatusPage:
     async def _limit(
         self, request: web.Request, handler: Callable[[web.Request], Any]
     ) -> web.StreamResponse:
+        """Refuse beyond the request budget; answers are never cached nor sniffed."""
         if not self._budget.take():
             return web.Response(status=503, headers={"Retry-After": "1"})
         response: web.StreamResponse = await handler(request)
+        response.headers["Cache-Control"] = "no-store"
+        response.headers["X-Content-Type-Options"] = "nosniff"
         return response
 
     async def _index(self, request: web.Request) -> web.Response:
@@ -314,16 +317,6 @@ class StatusPage:
         if body is None:
             return web.Response(status=503, headers={"Retry-After": "1"})
         return web.Response(body=body, headers={"Content-Type": content_type})
-
-
-@web.middleware
-async def _headers(
-    request: web.Request, handler: Callable[[web.Request], Any]
-) -> web.StreamResponse:
-    response = await handler(request)
-    response.headers["Cache-Control"] = "no-store"
-    response.headers["X-Content-Type-Options"] = "nosniff"
-    return response
 
 
 async def start_page(
