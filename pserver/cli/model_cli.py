@@ -108,7 +108,8 @@ def _print_scores(report: dict[str, Any], scored: str) -> None:
 
 def _predict_cube(model: Any, options: dict[str, Any]) -> None:
     from common.data.convert.cube import load_labels, open_cube
-    from pserver.outputs.maps import write_geotiff, write_npy, write_png
+    from common.data.convert.geotiff import write_class_geotiff
+    from pserver.outputs.maps import write_png
     from pserver.outputs.palette import ground_truth_colours, resolve_palette
     from pserver.outputs.predict import (
         check_scene,
@@ -173,13 +174,13 @@ def _predict_cube(model: Any, options: dict[str, Any]) -> None:
         f"(colours: {where})"
     )
     if proba is not None:
-        write_npy(options["proba"], proba)
+        np.save(options["proba"], proba, allow_pickle=False)
         click.echo(
             f"wrote {options['proba']}: {'x'.join(map(str, proba.shape))} float32 class "
             "probabilities (softmax)"
         )
     if options["npy"]:
-        write_npy(options["npy"], classes)
+        np.save(options["npy"], classes, allow_pickle=False)
         click.echo(
             f"wrote {options['npy']}: class indices 0..{len(names) - 1}, {len(names)} = no data"
         )
@@ -188,7 +189,7 @@ def _predict_cube(model: Any, options: dict[str, Any]) -> None:
             click.echo(
                 "note: the cube has no georeferencing; the GeoTIFF has none either", err=True
             )
-        write_geotiff(options["geotiff"], classes, georef, names, palette)
+        write_class_geotiff(options["geotiff"], classes, georef, names, palette)
         click.echo(f"wrote {options['geotiff']}: classes 1..{len(names)}, 0 = no data")
     if report is not None:
         _print_scores(report, _scored_wording(report["labelled"], test_mask))

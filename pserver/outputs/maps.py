@@ -1,4 +1,4 @@
-"""Classification maps as files: a PNG with a legend, a .npy array and a georeferenced GeoTIFF."""
+"""Classification maps drawn as a PNG: prediction, ground truth and agreement, with a legend."""
 
 from __future__ import annotations
 
@@ -9,20 +9,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common.data.convert.raster import GeoRef
-from common.errors import DatasetError
 from pserver.outputs.palette import (
-    COLOURBLIND,
     CORRECT_CANDIDATES,
     UNLABELLED,
     WRONG_CANDIDATES,
     distinct,
-    extend,
     resolve_palette,
 )
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
 NOT_SCORED_CANDIDATES = ((95, 95, 95), (130, 130, 130), (60, 60, 60))
 MAX_SIDE = 2000  # pixels of the longest side drawn in the PNG; larger maps are subsampled
@@ -30,24 +27,16 @@ PANEL_IN = 4.2  # inches of a panel's longer side
 WIDE = 1.6  # scenes with cols / rows above this stack their panels vertically
 
 
-def colours(num_classes: int, names: Sequence[str] | None = None) -> list[tuple[int, int, int]]:
-    """The default RGB colour (0-255) of each class: colour-blind-safe, given by class name
-    where it says what the class is (water blue, vegetation green; ``palette.BY_NAME``).
-
-    Args:
-        num_classes: K.
-        names: the class names (for the rules by name); None: no names.
-
-    Returns:
-        K colours; the same inputs always give the same list.
-    """
-    if names is None:
-        return extend(COLOURBLIND, num_classes)
-    return resolve_palette("auto", names)[0]
-
-
 def _rgb(index_map: np.ndarray, table: Sequence[tuple[int, int, int]]) -> np.ndarray:
     return np.asarray(table, dtype=np.uint8)[index_map]
+
+
+def _patch(rgb: tuple[int, int, int], label: str) -> Patch:
+    """A legend entry of an 8-bit RGB colour."""
+    from matplotlib.patches import Patch
+
+    r, g, b = rgb
+    return Patch(color=(r / 255, g / 255, b / 255), label=label)
 
 
 def _layout(rows: int, cols: int, panels: int) -> tuple[int, int, float, float]:
@@ -84,7 +73,7 @@ def map_figure(
         gt: (rows, cols) ground truth, 0 = unlabelled and k + 1 = class k; adds the ground
             truth and agreement panels.
         title: a line above the panels (wrapped to the figure's width).
-        palette: K RGB colours (default ``colours(K, class_names)``).
+        palette: K RGB colours (default: ``resolve_palette`` ``auto``, by class name).
         scored: (rows, cols) bool, the labelled pixels that were scored (e.g. the test split);
             the agreement panel marks the other labelled pixels "not scored". None: all.
         rgb: (rows, cols, 3) floats in [0, 1]: a composite panel drawn first.
@@ -98,11 +87,10 @@ def map_figure(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
     step = max(1, -(-max(classes.shape) // MAX_SIDE))
     shown = classes[::step, ::step]
-    table = list(palette) if palette is not None else colours(len(class_names), class_names)
+    table = list(palette) if palette is not None else resolve_palette("auto", class_names)[0]
     panels: list[tuple[str, np.ndarray]] = []
     if rgb is not None:
         panels.append(("composite", rgb[::step, ::step]))
@@ -117,25 +105,21 @@ def map_figure(
         panels.append(("ground truth", _rgb(g, [UNLABELLED, *table])))
         agree = np.where((g == 0) | nodata, 0, np.where(g - 1 == shown, 1, 2))
         agreement = [UNLABELLED, correct, wrong]
-        extra = [
-            Patch(color=_colour(UNLABELLED, 255), label="unlabelled"),
-            Patch(color=_colour(correct, 255), label="correct"),
-            Patch(color=_colour(wrong, 255), label="wrong"),
-        ]
+        labels = ("unlabelled", "correct", "wrong")
+        extra = [_patch(c, n) for c, n in zip(agreement, labels, strict=True)]
         if scored is not None:
             grey = distinct(NOT_SCORED_CANDIDATES, [*table, *agreement])
             agree = np.where((g > 0) & ~scored[::step, ::step], 3, agree)
             agreement.append(grey)
-            extra.append(Patch(color=_colour(grey, 255), label="not scored"))
+            extra.append(_patch(grey, "not scored"))
         panels.append(("agreement", _rgb(agree, agreement)))
     if nodata.any():
-        extra.append(Patch(color=_colour(UNLABELLED, 255), label="no data (NaN in its patch)"))
+        extra.append(_patch(UNLABELLED, "no data (NaN in its patch)"))
     if confidence is not None:
         panels.append(("confidence (max probability)", confidence[::step, ::step]))
     nrows, ncols, width, height = _layout(shown.shape[0], shown.shape[1], len(panels))
-    handles = [
-        Patch(color=_colour(c, 255), label=f"{k + 1}: {n}")  # the ground truth's numbers
-        for k, (c, n) in enumerate(zip(table, class_names, strict=True))
+    handles = [  # numbered as the ground truth numbers classes
+        _patch(c, f"{k + 1}: {n}") for k, (c, n) in enumerate(zip(table, class_names, strict=True))
     ]
     entries = handles + extra
     label_in = 0.35 + 0.085 * max(len(str(h.get_label())) for h in entries)
@@ -189,37 +173,3 @@ def write_png(
     fig = map_figure(classes, class_names, gt, title, **options)
     fig.savefig(path, dpi=110, metadata={"Title": title, "Software": "rs-pserver"})
     plt.close(fig)
-
-
-def write_npy(path: Path, classes: np.ndarray) -> None:
-    """Save the (rows, cols) class indices 0..K-1 (K: no data) as a .npy file (no pickle)."""
-    np.save(path, classes, allow_pickle=False)
-
-
-def write_geotiff(
-    path: Path,
-    classes: np.ndarray,
-    georef: GeoRef | None,
-    class_names: Sequence[str],
-    palette: Sequence[tuple[int, int, int]] | None = None,
-) -> None:
-    """Write the map as a single-band GeoTIFF with the input's georeferencing.
-
-    Values are class k + 1 (0 = no data, like a ground-truth map), with a colour table and the
-    class names as tags.
-
-    Raises:
-        DatasetError: the file cannot be written.
-    """
-    from common.data.convert.geotiff import write_class_geotiff
-
-    if classes.ndim != 2:
-        raise DatasetError(f"a class map is (rows, cols), got {classes.shape}")
-    table = list(palette) if palette is not None else colours(len(class_names), class_names)
-    write_class_geotiff(path, classes, georef, class_names, table)
-
-
-def _colour(rgb: tuple[int, int, int] | np.ndarray, scale: int) -> tuple[float, float, float]:
-    """An 8-bit RGB colour as matplotlib's (r, g, b) in [0, 1]."""
-    r, g, b = (float(v) / scale for v in rgb)
-    return (r, g, b)

@@ -21,7 +21,7 @@ from rasterio.transform import Affine
 
 from common.data.dataset import DatasetReader
 from pserver.cli import main
-from pserver.outputs.maps import colours
+from pserver.outputs.palette import resolve_palette
 from tests.support.cli import one_line_error
 from tests.support.runs import train
 
@@ -138,7 +138,7 @@ def test_export_loads_without_the_project_and_predicts_the_full_map(
     image = np.asarray(Image.open(out).convert("RGB")).astype(int)
     assert image.shape[0] > 300 and image.shape[1] > 900
     strip = image[int(image.shape[0] * 0.85) :].reshape(-1, 3)
-    for colour in [*colours(4, ["tree", "water", "dirt", "road"]), (0, 0, 0)]:
+    for colour in [*resolve_palette("auto", ["tree", "water", "dirt", "road"])[0], (0, 0, 0)]:
         near = np.abs(strip - np.array(colour)).max(axis=1) <= 2
         assert near.sum() > 50, f"legend colour {colour} missing"
 
@@ -204,7 +204,10 @@ def test_geotiff_and_envi_scenes_give_the_same_map_and_keep_georeferencing(
         assert out.count == 1 and out.nodata == 0
         np.testing.assert_array_equal(out.read(1), maps["scene.tif"] + 1)
         assert json.loads(out.tags(1)["CLASS_NAMES"]) == ["tree", "water", "dirt", "road"]
-        assert out.colormap(1)[1][:3] == colours(4, ["tree", "water", "dirt", "road"])[0]
+        assert (
+            out.colormap(1)[1][:3]
+            == resolve_palette("auto", ["tree", "water", "dirt", "road"])[0][0]
+        )
 
 
 @pytest.mark.realdata
