@@ -104,37 +104,18 @@ def _check_meta(path: Path, meta: Any) -> dict[str, Any]:
     return meta
 
 
-def _build(path: Path, meta: dict[str, Any], allow_model: tuple[str, ...]) -> nn.Module:
-    """The model ``meta`` names (built in, or allowed), with the normalisation in front."""
+def _build(path: Path, meta: dict[str, Any], allow_model: tuple[str, ...]) -> RawInput:
+    """The model ``meta`` names (built in, or allowed), with its normalisation in front."""
     from common.training.models import build_model, check_allowed
 
     check_allowed(meta["model"], allow_model, f"model file {str(path)!r}")
     network = build_model(meta["model"], meta["bands"], meta["num_classes"], meta["height"])
-    bands = int(meta["bands"])
-    return RawInput(network, np.zeros(bands), std=np.ones(bands))
-
-
-def _rebuild(
-    path: Path,
-    meta: dict[str, Any],
-    weights: dict[str, torch.Tensor],
-    module: nn.Module,
-    device: torch.device,
-) -> nn.Module:
-    """``module`` with ``weights`` (a ``RawInput`` state dict: normalisation buffers and
-    network) loaded, ready to run on ``device``."""
-    try:
-        module.load_state_dict(weights)
-    except (KeyError, RuntimeError) as exc:
-        raise ModelError(
-            f"weights in {str(path)!r} do not fit {meta['model']!r}: {first_line(exc)}"
-        ) from exc
-    return module.eval().to(device)
+    return RawInput(network, np.asarray(meta["norm_mean"]), std=np.asarray(meta["norm_std"]))
 
 
 def _load_program(
-    path: Path, device: torch.device, allow_model: tuple[str, ...]
-) -> tuple[nn.Module, dict[str, Any]]:
+    path: Path, allow_model: tuple[str, ...]
+) -> tuple[dict[str, Any], nn.Module, dict[str, torch.Tensor]]:
     built: list[tuple[dict[str, Any], nn.Module]] = []
 
     def shapes(meta: Any) -> dict[str, tuple[int, ...]]:
@@ -143,13 +124,12 @@ def _load_program(
         return {k: tuple(v.shape) for k, v in built[0][1].state_dict().items()}
 
     _, weights = read_program(path, shapes)
-    meta, module = built[0]
-    return _rebuild(path, meta, weights, module, device), meta
+    return *built[0], weights
 
 
 def _load_state_dict(
-    path: Path, device: torch.device, allow_model: tuple[str, ...]
-) -> tuple[nn.Module, dict[str, Any]]:
+    path: Path, allow_model: tuple[str, ...]
+) -> tuple[dict[str, Any], nn.Module, dict[str, torch.Tensor]]:
     try:
         with quiet_torch():
             saved = torch.load(path, map_location="cpu", weights_only=True)
@@ -161,11 +141,9 @@ def _load_state_dict(
     state = saved.get("state_dict")
     if not isinstance(state, dict):
         raise ModelError(f"{str(path)!r} holds no weights")
-    bands = int(meta["bands"])
-    mean = torch.as_tensor(np.asarray(meta["norm_mean"], dtype=np.float32)).reshape(1, bands, 1, 1)
-    std = torch.as_tensor(np.asarray(meta["norm_std"], dtype=np.float32)).reshape(1, bands, 1, 1)
-    weights = {"mean": mean, "std": std, **{f"network.{k}": v for k, v in state.items()}}
-    return _rebuild(path, meta, weights, _build(path, meta, allow_model), device), meta
+    module = _build(path, meta, allow_model)
+    network = {f"network.{k}": v for k, v in state.items()}
+    return meta, module, {"mean": module.mean, "std": module.std, **network}
 
 
 def load_model(
@@ -214,8 +192,12 @@ def load_model(
         )
     if not any("/" in name for name in names):  # torch keeps every entry in a folder
         raise ModelError(f"{str(path)!r} is not a model file written by 'pserver export'")
-    if any(name.endswith("archive_format") for name in names):
-        module, meta = _load_program(path, device, allow_model)
-    else:
-        module, meta = _load_state_dict(path, device, allow_model)
-    return LoadedModel(path=path, meta=meta, module=module, device=device)
+    program = any(name.endswith("archive_format") for name in names)
+    meta, module, weights = (_load_program if program else _load_state_dict)(path, allow_model)
+    try:
+        module.load_state_dict(weights)
+    except (KeyError, RuntimeError) as exc:
+        raise ModelError(
+            f"weights in {str(path)!r} do not fit {meta['model']!r}: {first_line(exc)}"
+        ) from exc
+    return LoadedModel(path=path, meta=meta, module=module.eval().to(device), device=device)
