@@ -42,6 +42,8 @@ async def test_status_json_is_exactly_pserver_status(small_hsi: Path) -> None:
         assert server.http.url.startswith("http://127.0.0.1:")
         status, headers, body = await _get(server.http.url + "status.json")
         assert status == 200 and headers["Content-Type"].startswith("application/json")
+        assert headers["Cache-Control"] == "no-store"
+        assert headers["X-Content-Type-Options"] == "nosniff"
         reply = await client.request(StatusRequest())
         assert isinstance(reply, StatusReply)
         # The CLI blocks on its socket, so it runs on a thread while the loop serves it.
