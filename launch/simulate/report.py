@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from common.training.tables import format_table
 from launch.simulate.engine import ModeResult
 from launch.simulate.spec import MB, Cluster
 
@@ -42,7 +43,7 @@ def table(rows: Sequence[Row]) -> str:
     axes = [k for k in (rows[0][0] if rows else {}) if k != "mode"]
     head = [*axes, "mode", "round s", "epoch s", "idle", "comm s", "members", "worker MB",
             "server MB", "ring s", "comm/ring", "tau"]  # fmt: skip
-    lines = [head]
+    lines = []
     for point, r in rows:
         tau = "-"
         if r.staleness is not None:
@@ -63,10 +64,7 @@ def table(rows: Sequence[Row]) -> str:
                 tau,
             ]
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    text = ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) for line in lines]
-    text.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(text)
+    return format_table(head, lines)
 
 
 def document(

@@ -20,7 +20,7 @@ from common.protocol.chunks import as_tensor, chunk_elems_for, decode_into, enco
 from common.training.flat import FlatModel
 from launch.simulate.spec import FP32_BYTES, WIRE_BYTES, ServerCosts
 from pserver.config import ServerConfig
-from pserver.store.optimizer import FlatOptimizer
+from pserver.store.build import make_optimizer
 from pserver.store.slices import SliceStore
 
 
@@ -72,13 +72,7 @@ def _measure(model_params: int, shards: int, members: int, wire: str, repeats: i
         hi,
         num_params=model_params,
         state=torch.randn(hi - lo, generator=generator),
-        optimizer=FlatOptimizer(
-            config.optimizer,
-            config.lr,
-            momentum=config.momentum,
-            nesterov=config.nesterov,
-            weight_decay=config.weight_decay,
-        ),
+        optimizer=make_optimizer(config),
         nonneg_bounds=[],
         chunk_elems=chunk_elems_for(config.chunk_bytes, wire),
     )
