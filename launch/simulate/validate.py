@@ -12,8 +12,8 @@ is compared with (``PREDICTIONS`` says which), is the mean of the predictions fr
 before and after it, and is compared with the measured train time per epoch of the run
 between them; the table gives every repeat and the median error. With ``--node-cpus`` (and
 ``--server-cpus``) every run is on the emulated cluster, each node in its own CPU budget.
-``--multihost`` also compares the multi-host bench's figures (kept here, or a run's
-``--multihost-results``) with the simulator, with CPU stage costs measured now. Writes
+``--multihost`` also compares the multi-host bench's figures (kept here, or another kept
+record, ``--multihost-results``) with the simulator, with CPU stage costs measured now. Writes
 ``DIR/validate.json`` and prints the tables (Markdown) that docs/scale.md keeps.
 """
 
@@ -243,39 +243,24 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def kept_figures(kept: Path = MULTIHOST_KEPT) -> dict[str, Any]:
-    """The figures of a kept multi-host bench record (``bench/results/NAME.json``), in
-    ``bench_figures``' shape: communication = round time after the slowest worker's compute
-    (DDP: the all-reduce alone), and each layout's slowest worker's compute per round."""
-    record = json.loads(kept.read_text(encoding="utf-8"))
-    return _figures(record["figures"], f"{kept.name}: {record['date']}, {record['command']}")
-
-
-def bench_figures(results: Path) -> dict[str, Any]:
-    """The multi-host bench's figures from the ``results.json`` a run of ``python -m bench
-    multihost`` wrote, in ``kept_figures``' shape (layouts it did not run are left out).
+    """The figures of a kept multi-host bench record (``bench/results/NAME.json``, or the file
+    ``python -m bench --out FILE multihost ...`` wrote) for the layouts the simulator knows:
+    communication = round time after the slowest worker's compute (DDP: the all-reduce
+    alone), and each layout's slowest worker's compute per round (layouts the run did not
+    have are left out).
 
     Raises:
-        ValueError: the file holds no all-reduce reference (gloo failed in that run).
+        ValueError: the record holds no all-reduce reference (gloo failed in that run).
     """
-    figures = json.loads(results.read_text(encoding="utf-8"))["figures"]
-    if not figures.get("reference"):
-        raise ValueError(f"{results} holds no all-reduce reference")
-    flat = dict(figures["reference"])  # allreduce_s and compute_s, as a kept record has them
-    for layout, row in figures["variants"].items():
-        flat[f"comm_s_{layout}"] = None if row is None else row["comm_s_median"]
-        flat[f"compute_s_{layout}"] = None if row is None else row.get("compute_s_median")
-    return _figures(flat, str(results))
-
-
-def _figures(flat: dict[str, Any], source: str) -> dict[str, Any]:
-    """The figures of a kept record's keys (``allreduce_s``, ``compute_s``, ``comm_s_LAYOUT``,
-    ``compute_s_LAYOUT``) for the layouts the simulator knows (None: not run)."""
-    got = {k: v for k, v in flat.items() if v is not None}
+    record = json.loads(kept.read_text(encoding="utf-8"))
+    got = record["figures"]
+    if "allreduce_s" not in got:
+        raise ValueError(f"{kept} holds no all-reduce reference")
     comm = {"ddp": got["allreduce_s"]}
     comm |= {k: got[f"comm_s_{k}"] for k in MULTIHOST_LAYOUTS if f"comm_s_{k}" in got}
     compute = {k: got[f"compute_s_{k}"] for k in MULTIHOST_LAYOUTS if f"compute_s_{k}" in got}
     return {
-        "source": source,
+        "source": f"{kept.name}: {record['date']}, {record['command']}",
         "compute_s": got["compute_s"],
         "communication_s": comm,
         "layout_compute_s": compute,
@@ -292,7 +277,7 @@ def multihost(
     Args:
         spec: the bench's cluster as a simulator spec file.
         repeats: measurements per stage cost (the fastest counts).
-        measured: the bench's figures (``bench_figures``); default ``kept_figures()``.
+        measured: the bench's figures (``kept_figures``); default ``kept_figures()``.
 
     Returns:
         ``{"measured": the figures, "stage_costs": {wire: rates in ms per MB},
@@ -421,8 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--multihost-results",
         type=Path,
-        help="The results.json of a `python -m bench multihost` run to compare with (default: "
-        "the kept record bench/results/multihost-1gbit-equal-sync.json).",
+        default=MULTIHOST_KEPT,
+        help="The kept record of a `python -m bench multihost` run to compare with (`python -m "
+        "bench --out FILE multihost ...` writes one).",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -464,8 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     if args.multihost:
-        figures = bench_figures(args.multihost_results) if args.multihost_results else None
-        result["multihost"] = multihost(measured=figures)
+        result["multihost"] = multihost(measured=kept_figures(args.multihost_results))
     (args.out / "validate.json").write_text(json.dumps(result, indent=1) + "\n")
     if rows:
         print(markdown(rows))

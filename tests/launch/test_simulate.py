@@ -27,7 +27,6 @@ from launch.simulate.validate import (
     MULTIHOST_LAYOUTS,
     ORDER,
     Setup,
-    bench_figures,
     kept_figures,
     markdown,
     predict,
@@ -419,21 +418,20 @@ def test_validation_of_some_modes_runs_only_what_their_predictions_need(tmp_path
 
 
 def test_multihost_figures_come_from_a_bench_run(tmp_path: Path) -> None:
-    results = tmp_path / "results.json"
-    variants = {
-        "ps-kN": {"comm_s_median": 0.61, "compute_s_median": 0.58},
-        "ps-kN-bf16": {"comm_s_median": 0.33},
-        "ps-kN-pull": {"comm_s_median": 0.7},  # not a simulated layout
-    }
-    figures = {"reference": {"allreduce_s": 0.52, "compute_s": 0.27}, "variants": variants}
-    results.write_text(json.dumps({"figures": figures}))
-    measured = bench_figures(results)
+    record = tmp_path / "multihost.json"
+    figures = {
+        "allreduce_s": 0.52, "compute_s": 0.27, "comm_s_ps-kN": 0.61, "compute_s_ps-kN": 0.58,
+        "comm_s_ps-kN-bf16": 0.33, "comm_s_ps-kN-pull": 0.7,  # not a simulated layout
+    }  # fmt: skip
+    record.write_text(json.dumps({"figures": figures, "date": "d", "command": "c"}))
+    measured = kept_figures(record)
     assert measured["compute_s"] == 0.27
     assert measured["communication_s"] == {"ddp": 0.52, "ps-kN": 0.61, "ps-kN-bf16": 0.33}
     assert measured["layout_compute_s"] == {"ps-kN": 0.58}  # what the run recorded
-    results.write_text(json.dumps({"figures": {"reference": None, "variants": variants}}))
+    del figures["allreduce_s"]
+    record.write_text(json.dumps({"figures": figures, "date": "d", "command": "c"}))
     with pytest.raises(ValueError, match="no all-reduce reference"):
-        bench_figures(results)
+        kept_figures(record)
 
 
 def test_validation_runs_take_the_budgets_and_equal_ranks_the_largest(tmp_path: Path) -> None:
