@@ -19,6 +19,7 @@ from common.config import need
 from common.errors import ConfigError
 from common.regular_files import open_regular
 from common.training.perfmodel import RoundSpread, robust_line
+from common.training.rounds import WorkerRound, breakdown
 from launch.simulate.spec import Cluster, Node, ServerCosts
 
 MAX_RUN_BYTES = 4 << 30  # a run's metrics.jsonl read at most
@@ -80,12 +81,12 @@ def _global_batch(run: RunFiles) -> int:
     return max(totals, default=0)
 
 
-def _worker_node(name: str, parts: list[dict[str, Any]], sigma: float) -> Node | None:
-    """A worker's node from its round records: compute ``alpha + beta * b`` by the robust
+def _worker_node(name: str, parts: list[WorkerRound], sigma: float) -> Node | None:
+    """A worker's node from its parts of the rounds: compute ``alpha + beta * b`` by the robust
     line through (batch, compute_s), shifted so its mean residual is 0, and its mean time
     outside compute (an epoch is a sum of rounds: means, not medians, add up to it) and, for
     async pushes, the ``PUSH_QUANTILE`` of that time (see there)."""
-    points = [(int(p["batch"]), float(p["compute_s"])) for p in parts if p.get("batch")]
+    points = [(p.batch, p.compute_s) for p in parts if p.batch]
     line = robust_line(points)
     if line is None:
         if not points:
@@ -93,7 +94,7 @@ def _worker_node(name: str, parts: list[dict[str, Any]], sigma: float) -> Node |
         line = (0.0, math.fsum(t for _, t in points) / sum(b for b, _ in points))
     alpha, beta = line
     shift = statistics.fmean(t - alpha - beta * b for b, t in points)
-    outside = [float(p["transfer_s"]) for p in parts]
+    outside = [p.transfer_s or 0.0 for p in parts]
     return Node(
         name=name,
         alpha_s=max(alpha + shift, 0.0),
@@ -104,42 +105,37 @@ def _worker_node(name: str, parts: list[dict[str, Any]], sigma: float) -> Node |
     )
 
 
-def ps_nodes(run: RunFiles) -> tuple[list[Node], float]:
-    """Nodes calibrated on every round of a parameter-server run (each worker's compute model
-    and its time outside compute, measured rather than modelled), and the spread of round
-    times (the robust sigma ``RoundSpread`` measures over the run); a run without round
-    events (async) gives the fitted models of ``summary.json``.
-
-    Raises:
-        ConfigError: no worker has a fitted model.
-    """
-    spread = RoundSpread(horizon=max(len(run.rounds), 1))
-    by_worker: dict[str, list[dict[str, Any]]] = {}
-    for record in run.rounds:
-        parts = [w for w in record.get("workers", []) if "predicted_s" in w and "actual_s" in w]
-        spread.add_round([w["actual_s"] for w in parts], [w["predicted_s"] for w in parts])
-        for w in record.get("workers", []):
-            if "compute_s" in w and "transfer_s" in w:
-                by_worker.setdefault(str(w["worker"]), []).append(w)
-    sigma = spread.sigma_s()
+def _round_nodes(rounds: list[dict[str, Any]], sigma: float) -> list[Node]:
+    """One node per worker of the round events, as ``breakdown`` reads them (DDP: each rank's
+    emulated compute), sorted by name."""
+    by_worker: dict[str, list[WorkerRound]] = {}
+    for record in rounds:
+        for part in breakdown(record):
+            by_worker.setdefault(part.worker, []).append(part)
     nodes = [
         node
         for name, parts in by_worker.items()
         if (node := _worker_node(name, parts, sigma)) is not None
     ]
-    if not nodes:
-        nodes = [
-            Node(
-                name=str(w["name"]),
-                alpha_s=float(w["model"]["alpha_s"]),
-                beta_s=float(w["model"]["beta_s_per_sample"]),
-                transfer_s=float(w["model"]["transfer_s"]),
-            )
-            for w in run.summary.get("workers", [])
-            if isinstance(w.get("model"), dict)
-        ]
-    need(nodes, f"{run.path}: no worker has a fitted model")
-    return sorted(nodes, key=lambda n: n.name), sigma
+    return sorted(nodes, key=lambda n: n.name)
+
+
+def ps_nodes(run: RunFiles) -> tuple[list[Node], float]:
+    """Nodes calibrated on every round of a parameter-server run (each worker's compute model
+    and its time outside compute, measured rather than modelled), and the spread of round
+    times (the robust sigma ``RoundSpread`` measures over the run).
+
+    Raises:
+        ConfigError: no round event times a worker's compute.
+    """
+    spread = RoundSpread(horizon=max(len(run.rounds), 1))
+    for record in run.rounds:
+        parts = [w for w in record.get("workers", []) if "predicted_s" in w and "actual_s" in w]
+        spread.add_round([w["actual_s"] for w in parts], [w["predicted_s"] for w in parts])
+    sigma = spread.sigma_s()
+    nodes = _round_nodes(run.rounds, sigma)
+    need(nodes, f"{run.path}: no round event times a worker's compute")
+    return nodes, sigma
 
 
 def async_nodes(run: RunFiles) -> tuple[list[Node], float]:
@@ -189,22 +185,12 @@ def ddp_nodes(run: RunFiles) -> tuple[list[Node], float]:
         ConfigError: the run recorded no steps.
     """
     need(run.rounds, f"{run.path}: no DDP steps to measure")
-    by_rank: dict[str, list[dict[str, Any]]] = {}
-    overhead = []
-    for record in run.rounds:
-        ranks = record.get("workers", [])
-        for rank in ranks:
-            by_rank.setdefault(str(rank["worker"]), []).append(
-                {"batch": rank["batch"], "compute_s": rank["emulated_s"], "transfer_s": 0.0}
-            )
-        slowest = max((float(r["emulated_s"]) for r in ranks), default=0.0)
-        overhead.append(float(record["round_s"]) - slowest)
-    nodes = [
-        dataclasses.replace(node, transfer_s=None)
-        for name, parts in by_rank.items()
-        if (node := _worker_node(name, parts, 0.0)) is not None
+    overhead = [
+        float(record["round_s"]) - max((p.compute_s for p in breakdown(record)), default=0.0)
+        for record in run.rounds
     ]
-    return sorted(nodes, key=lambda n: n.name), max(statistics.fmean(overhead), 0.0)
+    nodes = [dataclasses.replace(node, transfer_s=None) for node in _round_nodes(run.rounds, 0.0)]
+    return nodes, max(statistics.fmean(overhead), 0.0)
 
 
 def cluster_from_runs(paths: Sequence[Path]) -> Cluster:
