@@ -40,7 +40,7 @@ def ring_allreduce_s(nbytes: float, n: int, bytes_per_s: float, latency_s: float
     return 2 * (n - 1) / n * nbytes / bytes_per_s + 2 * (n - 1) * latency_s
 
 
-def ddp_step_s(cluster: Cluster, compute_s: np.ndarray) -> tuple[float, float]:
+def ddp_step_s(cluster: Cluster, compute_s: np.ndarray) -> float:
     """A DDP step: buckets all-reduced in turn as the slowest rank's backward produces them.
 
     Torch DDP fills ``ddp_bucket_mb`` buckets during the backward pass and starts each one's
@@ -52,13 +52,13 @@ def ddp_step_s(cluster: Cluster, compute_s: np.ndarray) -> tuple[float, float]:
         compute_s: each rank's compute time for the step.
 
     Returns:
-        (step time, the part of it spent on communication after the compute ended).
+        The step time (the slowest rank's compute and the communication left after it).
     """
     slowest = float(compute_s.max())
     n = len(compute_s)
     nbytes = cluster.wire_bytes
     if cluster.ddp_allreduce_s is not None:  # measured on the cluster itself
-        return slowest + cluster.ddp_allreduce_s, cluster.ddp_allreduce_s
+        return slowest + cluster.ddp_allreduce_s
     rate = min(node.link_bytes_s for node in cluster.nodes[:n])
     latency = max(node.latency_s for node in cluster.nodes[:n])
     buckets = max(1, math.ceil(nbytes / (cluster.ddp_bucket_mb * MB)))
@@ -69,7 +69,7 @@ def ddp_step_s(cluster: Cluster, compute_s: np.ndarray) -> tuple[float, float]:
         size = min(cluster.ddp_bucket_mb * MB, nbytes - j * cluster.ddp_bucket_mb * MB)
         ready = forward + backward * (j + 1) / buckets
         end = max(end, ready) + ring_allreduce_s(size, n, rate, latency)
-    return max(end, slowest), max(end - slowest, 0.0)
+    return max(end, slowest)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -162,12 +162,10 @@ def simulate(
         f"simulates ({MAX_WORK:,} node rounds); give --rounds R (at most "
         f"{MAX_WORK // len(cluster.nodes):,}) to extrapolate the epoch from R rounds",
     )
-    if mode in ("weighted-sync", "equal-sync"):
-        return _sync(cluster, mode, epochs, max_rounds, seed, plan_spread)
+    if mode in ("weighted-sync", "equal-sync", "ddp"):
+        return _rounds(cluster, mode, epochs, max_rounds, seed, plan_spread)
     if mode == "async":
         return _async(cluster, epochs, max_rounds, seed)
-    if mode == "ddp":
-        return _ddp(cluster, epochs, max_rounds, seed)
     raise ValueError(f"unknown mode {mode!r}; choose from {SIM_MODES}")
 
 
@@ -258,14 +256,24 @@ class _Planner:
                 self.transfer[i] = robust_location(list(window))
 
 
-def _sync(
+def _rounds(
     cluster: Cluster, mode: str, epochs: int, max_rounds: int | None, seed: int, plan_spread: bool
 ) -> ModeResult:
+    """Synchronous rounds: the parameter server's (sharded rounds) or DDP's (equal local
+    batches, buckets all-reduced during backward, then the optimizer step on every rank)."""
     sizes, per_epoch = round_sizes(cluster, epochs, max_rounds)
     jitter = Jitter(cluster, seed)
-    planner = _Planner(cluster, mode, plan_spread=plan_spread)
+    ddp = mode == "ddp"
+    planner = _Planner(cluster, "equal-sync" if ddp else mode, plan_spread=plan_spread)
     transfer = np.array([np.nan if n.transfer_s is None else n.transfer_s for n in cluster.nodes])
     rounds: dict[tuple[int, ...], ShardedRound] = {}
+    optimizer_s = cluster.server.step_s + cluster.server.step_s_per_byte * (
+        cluster.model_params * FP32_BYTES
+    )
+    if cluster.ddp_allreduce_s is not None:  # measured as the step minus compute: it is in
+        optimizer_s = 0.0
+    n_nodes = len(cluster.nodes)
+    ring_bytes = 2 * 2 * (n_nodes - 1) / n_nodes * cluster.wire_bytes  # both directions
 
     def layout(members: np.ndarray) -> ShardedRound:
         key = tuple(members.tolist())
@@ -275,7 +283,7 @@ def _sync(
         return rounds[key]
 
     if mode == "weighted-sync":  # the transfer the planner starts from: an equal round's
-        plan = plan_equal(list(range(len(cluster.nodes))), cluster.global_batch)
+        plan = plan_equal(list(range(n_nodes)), cluster.global_batch)
         members = np.array(sorted(plan))
         compute = jitter.alpha[members] + jitter.beta[members] * np.array(
             [plan[i] for i in sorted(plan)]
@@ -284,7 +292,7 @@ def _sync(
         planner.learn(members.tolist(), (dry.accepted_s - compute).tolist())
     times: list[float] = []
     idle = busy = comm = members_sum = worker_bytes = server_bytes = 0.0
-    rounds_in, samples = np.zeros(len(cluster.nodes)), np.zeros(len(cluster.nodes))
+    rounds_in, samples = np.zeros(n_nodes), np.zeros(n_nodes)
     for total in sizes:
         plan = planner.plan(total)
         members = np.array(sorted(plan))
@@ -292,22 +300,27 @@ def _sync(
         rounds_in[members] += batch > 0
         samples[members] += batch
         compute = jitter.compute(members, batch)
-        timed = layout(members).times(compute, transfer[members])
-        planner.closed(members, batch, compute, timed.accepted_s)
-        last = float(timed.accepted_s.max())
-        times.append(timed.round_s)
-        idle += float((last - timed.accepted_s).sum())
-        busy += float(timed.accepted_s.sum()) + float((last - timed.accepted_s).sum())
-        comm += timed.round_s - float(compute.max())
+        if ddp:  # a rank is in the barrier when its compute ends
+            accepted, round_s = compute, ddp_step_s(cluster, compute) + optimizer_s
+            worker_bytes += ring_bytes
+        else:
+            timed = layout(members).times(compute, transfer[members])
+            planner.closed(members, batch, compute, timed.accepted_s)
+            accepted, round_s = timed.accepted_s, timed.round_s
+            worker_bytes += float(timed.worker_bytes.max())
+            server_bytes += float(timed.shard_bytes.max())
+        last = float(accepted.max())
+        times.append(round_s)
+        idle += float((last - accepted).sum())
+        busy += float(accepted.sum()) + float((last - accepted).sum())
+        comm += round_s - float(compute.max())
         members_sum += len(members)
-        worker_bytes += float(timed.worker_bytes.max())
-        server_bytes += float(timed.shard_bytes.max())
     n = len(times)
     epoch_s, extrapolated = _epoch_s(times, per_epoch, epochs)
     return ModeResult(
         mode=mode,
-        workers=len(cluster.nodes),
-        shards=cluster.shards,
+        workers=n_nodes,
+        shards=1 if ddp else cluster.shards,
         rounds=n,
         round_s=math.fsum(times) / n,
         epoch_s=epoch_s,
@@ -318,48 +331,7 @@ def _sync(
         worker_link_bytes=worker_bytes / n,
         server_link_bytes=server_bytes / n,
         ring_s=_ring_s(cluster),
-        groups=group_stats(cluster, rounds_in, samples, n),
-    )
-
-
-def _ddp(cluster: Cluster, epochs: int, max_rounds: int | None, seed: int) -> ModeResult:
-    sizes, per_epoch = round_sizes(cluster, epochs, max_rounds)
-    jitter = Jitter(cluster, seed)
-    ids = list(range(len(cluster.nodes)))
-    optimizer_s = cluster.server.step_s + cluster.server.step_s_per_byte * (
-        cluster.model_params * FP32_BYTES
-    )
-    if cluster.ddp_allreduce_s is not None:  # measured as the step minus compute: it is in
-        optimizer_s = 0.0
-    n_ranks = len(ids)
-    ring_bytes = 2 * 2 * (n_ranks - 1) / n_ranks * cluster.wire_bytes  # both directions
-    times: list[float] = []
-    idle = busy = comm = 0.0
-    for total in sizes:
-        plan = plan_equal(ids, total)
-        members = np.array(sorted(plan))
-        compute = jitter.compute(members, np.array([plan[int(i)] for i in members]))
-        step, after = ddp_step_s(cluster, compute)
-        times.append(step + optimizer_s)
-        idle += float((compute.max() - compute).sum())
-        busy += float(compute.max()) * len(members)
-        comm += after + optimizer_s
-    n = len(times)
-    epoch_s, extrapolated = _epoch_s(times, per_epoch, epochs)
-    return ModeResult(
-        mode="ddp",
-        workers=n_ranks,
-        shards=1,
-        rounds=n,
-        round_s=math.fsum(times) / n,
-        epoch_s=epoch_s,
-        extrapolated=extrapolated,
-        idle_share=idle / busy if busy > 0 else 0.0,
-        comm_s=comm / n,
-        members=float(n_ranks),
-        worker_link_bytes=ring_bytes,
-        ring_s=_ring_s(cluster),
-        groups=group_stats(cluster, np.full(n_ranks, float(n)), np.ones(n_ranks), n),
+        groups=group_stats(cluster, rounds_in, np.ones(n_nodes) if ddp else samples, n),
     )
 
 
