@@ -126,15 +126,13 @@ class ShardedRound:
         # a push's last chunk leaves after backward ends
         self.last_chunk_s = np.minimum(cluster.chunk_mb * MB, self.member_bytes) / rate + lat
         self.backward_share = cluster.backward_share
-        server = cluster.server
-        slice_bytes = cluster.model_params * FP32_BYTES / k
         shards_busy, members_busy = cpu_stretch(cluster, k), cpu_stretch(cluster, m)
-        decode = server.decode_s_per_byte * self.piece * shards_busy
+        decode = cluster.server.decode_s_per_byte * self.piece * shards_busy
         self.cost = np.maximum(np.where(self.remote, self.piece / shard_rate[:, None], 0.0), decode)
         # after the last piece: sum, step, and the reply pieces of the new version, on every
         # shard at once; a member takes the pulled parameters in before it computes and turns
         # its gradient into pieces after
-        self.step_s = shards_busy * (update_s(cluster, m) + server.encode_s_per_byte * slice_bytes)
+        self.step_s = shard_step_s(cluster, m)
         self.worker_cpu_s = members_busy * worker_cpu_s(cluster)
         shard_bytes = 2 * self.remote.sum(axis=1) * self.piece
         self.shard_bytes = shard_bytes
@@ -213,35 +211,28 @@ def worker_cpu_s(cluster: Cluster) -> float:
     )
 
 
-def update_s(cluster: Cluster, gradients: int) -> float:
-    """A shard's update from ``gradients`` pushed gradients: sum them, then step its slice."""
+def shard_step_s(cluster: Cluster, gradients: int) -> float:
+    """A shard's update from ``gradients`` pushed gradients (sum them, step its slice) and the
+    reply pieces of the new version, on every shard at once."""
     server = cluster.server
     slice_bytes = cluster.model_params * FP32_BYTES / cluster.shards
-    return (
+    update = (
         server.step_s
         + server.step_s_per_byte * slice_bytes
         + server.sum_s_per_byte * slice_bytes * max(gradients - 1, 0)
     )
+    return cpu_stretch(cluster, cluster.shards) * (update + server.encode_s_per_byte * slice_bytes)
 
 
 def push_cost_s(cluster: Cluster, node: Node) -> float:
     """Server time to take in and apply one async push of ``node`` (the K shards work in
     parallel). A node fitted from a run brings its measured push time, which holds the
     take-in already: then only the step is charged."""
-    server = cluster.server
-    slice_bytes = cluster.model_params * FP32_BYTES / cluster.shards
-    step = cpu_stretch(cluster, cluster.shards) * (
-        update_s(cluster, 1) + server.encode_s_per_byte * slice_bytes
-    )
     if node.push_s is not None:
-        return step
+        return shard_step_s(cluster, 1)
     piece = cluster.wire_bytes / cluster.shards
-    rate = (
-        min(n.link_bytes_s for n in cluster.nodes[: cluster.shards])
-        if cluster.colocated
-        else cluster.server_link_bytes_s
-    )
-    return max(piece / rate, server.decode_s_per_byte * piece) + step
+    take_in = max(piece / cluster.shard_link_bytes_s, cluster.server.decode_s_per_byte * piece)
+    return take_in + shard_step_s(cluster, 1)
 
 
 def one_way_s(cluster: Cluster, node: Node) -> float:

@@ -186,6 +186,13 @@ class Cluster:
         """Bytes of the model on the wire (parameters or gradient)."""
         return self.model_params * WIRE_BYTES[self.wire_dtype]
 
+    @property
+    def shard_link_bytes_s(self) -> float:
+        """The slowest shard host's link rate."""
+        if not self.colocated:
+            return self.server_link_bytes_s
+        return min(n.link_bytes_s for n in self.nodes[: self.shards])
+
     def with_workers(self, n: int) -> Cluster:
         """The same cluster with ``n`` nodes: groups keep their ratios (nodes are taken from
         each group in turn, repeating when ``n`` exceeds the nodes given)."""

@@ -152,12 +152,7 @@ def notes(
                 f"  {', '.join(out)} sit{'s' if len(out) == 1 else ''} out; DDP on the other "
                 f"nodes alone: {alone.epoch_s:.4g} s an epoch (this: {result.epoch_s:.4g} s)"
             )
-        rate = (
-            varied.server_link_bytes_s
-            if not varied.colocated
-            else min(n.link_bytes_s for n in varied.nodes[: varied.shards])
-        )
-        busy_s = result.server_link_bytes / rate  # a round pulls, then pushes
+        busy_s = result.server_link_bytes / varied.shard_link_bytes_s  # a pull, then a push
         busier = result.server_link_bytes > 1.5 * result.worker_link_bytes  # than any worker
         if result.mode in SYNC and busier and busy_s > BINDS * result.round_s:
             powers = ",".join(str(2**k) for k in range(int(math.log2(len(varied.nodes))) + 1))
