@@ -3,7 +3,6 @@ cannot hold, from a spec file or calibrated on real runs."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -16,13 +15,8 @@ from common.errors import ConfigError
 from launch.simulate.engine import SIM_MODES
 from launch.simulate.fromrun import cluster_from_runs
 from launch.simulate.report import LEGEND, document, table, write
-from launch.simulate.spec import (
-    MAX_NODES,
-    WIRE_BYTES,
-    Cluster,
-    load_spec,
-)
-from launch.simulate.sweep import AXES, notes, parse_sweep, run_grid
+from launch.simulate.spec import MAX_NODES, WIRE_BYTES, load_spec
+from launch.simulate.sweep import AXES, notes, parse_sweep, run_grid, vary
 from pserver.config import PLANNERS, STALENESS
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -155,7 +149,8 @@ def simulate(
         else:
             cluster = cluster_from_runs(from_runs)
             source = ", ".join(str(p) for p in from_runs)
-        cluster = _override(cluster, workers, overrides)
+        given = {"workers": workers, **overrides}
+        cluster = vary(cluster, {k: v for k, v in given.items() if v is not None})
         axes = parse_sweep(sweep) or {}
         args = {"epochs": epochs, "max_rounds": rounds, "seed": seed, "plan_spread": plan_spread}
         rows = run_grid(cluster, _modes(mode), axes, **args)
@@ -171,10 +166,3 @@ def simulate(
     if out is not None:
         for path in write(out, cluster, rows, source, found):
             click.echo(f"wrote {path}", err=True)
-
-
-def _override(cluster: Cluster, workers: int | None, overrides: dict[str, Any]) -> Cluster:
-    if workers is not None:
-        cluster = cluster.with_workers(workers)
-    given = {k: v for k, v in overrides.items() if v is not None}
-    return dataclasses.replace(cluster, **given) if given else cluster

@@ -108,8 +108,6 @@ def _plot(rows: Sequence[Row], axis: str, path: Path) -> Path:
         if axis not in point and r.mode != "ddp":
             continue
         others = ", ".join(f"{k}={v}" for k, v in point.items() if k not in (axis, "mode"))
-        if r.mode == "ddp" and axis == "shards":
-            others = ", ".join(f"{k}={v}" for k, v in point.items() if k not in ("shards", "mode"))
         label = r.mode + (f" ({others})" if others else "")
         lines[label].append((float(point.get(axis, 0)), r.epoch_s))
     fig, ax = plt.subplots(figsize=(7, 4.5))

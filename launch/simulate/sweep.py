@@ -53,7 +53,8 @@ def _value(key: str, text: str) -> Any:
 
 
 def vary(cluster: Cluster, point: dict[str, Any]) -> Cluster:
-    """``cluster`` with the values of one grid point (``mode`` is not a cluster value).
+    """``cluster`` with the values of one grid point (``mode`` is not a cluster value; any
+    other key names a ``Cluster`` field).
 
     Raises:
         ConfigError: the point makes an invalid cluster (e.g. more co-located shards than
@@ -70,11 +71,9 @@ def vary(cluster: Cluster, point: dict[str, Any]) -> Cluster:
         latency = point["latency_ms"] / 1e3
         nodes = tuple(dataclasses.replace(n, latency_s=latency) for n in nodes)
         cluster = dataclasses.replace(cluster, server_latency_s=latency)
-    changes: dict[str, Any] = {"nodes": nodes}
-    for key in ("shards", "global_batch", "wire_dtype"):
-        if key in point:
-            changes[key] = point[key]
-    return dataclasses.replace(cluster, **changes)
+    same = ("workers", "gbit", "latency_ms", "mode")  # not fields, or applied above
+    changes = {k: v for k, v in point.items() if k not in same}
+    return dataclasses.replace(cluster, nodes=nodes, **changes)
 
 
 def run_grid(
