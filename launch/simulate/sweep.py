@@ -8,12 +8,22 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import click
+
 from common.config import need
 from common.errors import ConfigError
 from launch.simulate.engine import SIM_MODES, ModeResult, simulate
 from launch.simulate.spec import GBIT, MAX_NODES, MB, WIRE_BYTES, Cluster
 
-AXES = ("workers", "shards", "gbit", "latency_ms", "global_batch", "wire_dtype", "mode")
+AXES: dict[str, click.ParamType] = {  # an axis and the values it takes
+    "workers": click.IntRange(min=1, max=MAX_NODES),
+    "shards": click.IntRange(min=1, max=MAX_NODES),
+    "gbit": click.FloatRange(min=0, min_open=True),
+    "latency_ms": click.FloatRange(min=0),
+    "global_batch": click.IntRange(min=1),
+    "wire_dtype": click.Choice(list(WIRE_BYTES)),
+    "mode": click.Choice(SIM_MODES),
+}
 
 
 def parse_sweep(items: Iterable[str]) -> dict[str, list[Any]]:
@@ -28,28 +38,15 @@ def parse_sweep(items: Iterable[str]) -> dict[str, list[Any]]:
             key, sep, values = part.partition("=")
             key = key.replace("-", "_")
             if not sep or key not in AXES or not values:
-                raise ConfigError(f"--sweep takes AXIS=V1,V2,... with AXIS in {AXES}, got {part!r}")
+                raise ConfigError(
+                    f"--sweep takes AXIS=V1,V2,... with AXIS in {tuple(AXES)}, got {part!r}"
+                )
             need(key not in axes, f"--sweep names {key} twice")
-            axes[key] = [_value(key, v) for v in values.split(",")]
+            try:
+                axes[key] = [AXES[key].convert(v, None, None) for v in values.split(",")]
+            except click.BadParameter as exc:
+                raise ConfigError(f"--sweep {key}: {exc.message}") from None
     return axes
-
-
-def _value(key: str, text: str) -> Any:
-    if key == "wire_dtype":
-        need(text in WIRE_BYTES, f"--sweep wire_dtype takes {list(WIRE_BYTES)}, got {text!r}")
-        return text
-    if key == "mode":
-        need(text in SIM_MODES, f"--sweep mode takes {list(SIM_MODES)}, got {text!r}")
-        return text
-    try:
-        number = float(text) if key in ("gbit", "latency_ms") else int(text)
-    except ValueError:
-        raise ConfigError(f"--sweep {key} takes numbers, got {text!r}") from None
-    if number <= 0 and not (key == "latency_ms" and number == 0):
-        raise ConfigError(f"--sweep {key} takes positive numbers, got {text!r}")
-    if key in ("workers", "shards") and number > MAX_NODES:
-        raise ConfigError(f"--sweep {key} takes at most {MAX_NODES:,}, got {text!r}")
-    return number
 
 
 def vary(cluster: Cluster, point: dict[str, Any]) -> Cluster:
