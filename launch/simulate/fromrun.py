@@ -107,11 +107,12 @@ def _worker_node(name: str, parts: list[WorkerRound], sigma: float) -> Node | No
 
 def _round_nodes(rounds: list[dict[str, Any]], sigma: float) -> list[Node]:
     """One node per worker of the round events, as ``breakdown`` reads them (DDP: each rank's
-    emulated compute), sorted by name."""
+    emulated compute), from the rounds that timed the worker, sorted by name."""
     by_worker: dict[str, list[WorkerRound]] = {}
     for record in rounds:
         for part in breakdown(record):
-            by_worker.setdefault(part.worker, []).append(part)
+            if not part.compute_estimated:
+                by_worker.setdefault(part.worker, []).append(part)
     nodes = [
         node
         for name, parts in by_worker.items()

@@ -234,6 +234,11 @@ def test_from_run_dirs_calibrates_on_the_recorded_rounds(tmp_path: Path) -> None
     assert equal.round_s == pytest.approx(0.004 + 0.002 * 32 + 0.020 + 0.005, rel=0.01)
     ddp_result = simulate(cluster, "ddp")
     assert ddp_result.round_s == pytest.approx(0.004 + 0.002 * 32 + 0.03, rel=0.01)
+    # a worker the round did not time (no compute_s, transfer_s) is fitted from nothing
+    untimed = [{**r, "workers": [*r["workers"], {"worker": "w2", "batch": 8, "speed": 99.0}]}
+               for r in rounds]  # fmt: skip
+    run = _write_run(tmp_path / "untimed", "weighted-sync", untimed, {})
+    assert [n.name for n in cluster_from_runs([run]).nodes] == ["w0", "w1"]
 
 
 def test_async_pushes_cost_what_a_push_costs_not_a_sync_rounds_wait(tmp_path: Path) -> None:
