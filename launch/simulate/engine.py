@@ -302,7 +302,6 @@ def _rounds(
         compute = jitter.compute(members, batch)
         if ddp:  # a rank is in the barrier when its compute ends
             accepted, round_s = compute, ddp_step_s(cluster, compute) + optimizer_s
-            worker_bytes += ring_bytes
         else:
             timed = layout(members).times(compute, transfer[members])
             planner.closed(members, batch, compute, timed.accepted_s)
@@ -316,6 +315,8 @@ def _rounds(
         comm += round_s - float(compute.max())
         members_sum += len(members)
     n = len(times)
+    if ddp:  # every rank joins every step's all-reduce, with an equal share
+        rounds_in, samples, members_sum = np.full(n_nodes, float(n)), np.ones(n_nodes), n_nodes * n
     epoch_s, extrapolated = _epoch_s(times, per_epoch, epochs)
     return ModeResult(
         mode=mode,
@@ -328,10 +329,10 @@ def _rounds(
         idle_share=idle / busy if busy > 0 else 0.0,
         comm_s=comm / n,
         members=members_sum / n,
-        worker_link_bytes=worker_bytes / n,
+        worker_link_bytes=ring_bytes if ddp else worker_bytes / n,
         server_link_bytes=server_bytes / n,
         ring_s=_ring_s(cluster),
-        groups=group_stats(cluster, rounds_in, np.ones(n_nodes) if ddp else samples, n),
+        groups=group_stats(cluster, rounds_in, samples, n),
     )
 
 
