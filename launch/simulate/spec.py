@@ -267,9 +267,6 @@ class _Section:
         )
         return float(value)
 
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.data.get(key, default)
-
 
 def _mapping(value: object, what: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
@@ -368,7 +365,7 @@ def _name(group: object, index: int) -> str:
 
 
 def _group_nodes(group: _Section, link: _Section, rng: np.random.Generator) -> list[Node]:
-    name = str(group.get("name", "node"))
+    name = str(group.data.get("name", "node"))
     count = int(group.number("count", 1))
     per_sample = group.number("per_sample_ms") / 1e3
     fixed = group.number("fixed_ms", 0.0) / 1e3
