@@ -6,32 +6,68 @@ import shlex
 from collections.abc import Iterable
 
 from common.config import escape_control
-from launch.slurm.config import SlurmJob
+from launch.slurm.config import DDP, SlurmJob
 from launch.slurm.groups import Group
-
-STEP_LOG = "workers-$SLURM_JOB_ID.$ATTEMPT.log"
 
 _HEADER = """\
 #!/bin/bash
-# rs-pserver training job, written by `pslaunch slurm`. Edit it freely; submit it with
+# rs-pserver {kind} job, written by `pslaunch slurm{flag}`. Edit it freely; submit it with
 #   sbatch {script}
 # Written for:
 #   {command}
 #
+"""
+
+_ABOUT = """\
 # The parameter server runs in this script, on the job's first node; the workers run as
 # srun steps: {layout}. The job ends when training ends.
 # A TERM (scancel, or Slurm's warning {before} s before the time limit: --signal) makes the
 # server write a checkpoint and summary.json before it exits{requeue}.
 """
 
-_BODY = """
+_DDP_ABOUT = """\
+# torch DistributedDataParallel with one srun task per rank ({ranks} ranks): the rank is
+# SLURM_PROCID, the world size SLURM_NTASKS. Task 0 hosts the rendezvous (a TCPStore) on the
+# job's first node, at MASTER_ADDR:MASTER_PORT when those are set, else at that node's Slurm
+# address and a port it picks and publishes in RUN_DIR/rendezvous-<job>.<step>. Rank 0
+# evaluates after every epoch and writes metrics.jsonl and summary.json in RUN_DIR.
+# A DDP run keeps no checkpoint: the job is never requeued, and a cancelled job leaves no
+# summary.json.
+"""
+
+_SETTINGS = """
 set -uo pipefail
 
 # --- settings ----------------------------------------------------------------------------
 # A Python with rs-pserver installed, at the same path on every node.
 PY={python}
-# The run directory (metrics.jsonl, summary.json, checkpoints/, logs), seen by every node.
+# The run directory (metrics.jsonl, summary.json, {files}logs), seen by every node.
 RUN_DIR={run_dir}
+"""
+
+_DDP_BODY = """
+export PYTHONUNBUFFERED=1
+mkdir -p "$RUN_DIR"
+# The run's settings, read by every rank (launch.ddp.config.DDPConfig): dataset, model,
+# one slowdown per rank, the training settings shared with the parameter server, timeouts.
+# "run_dir" must name RUN_DIR. The job writes the file when it starts: edit the settings here.
+CONFIG=$RUN_DIR/ddp_config.json
+cat >"$CONFIG" <<'END_OF_CONFIG'
+{config}
+END_OF_CONFIG
+
+# --- the ranks ----------------------------------------------------------------------------
+RANKS_LOG=$RUN_DIR/ranks-$SLURM_JOB_ID.log
+echo "job $SLURM_JOB_ID: {ranks} DDP ranks on $SLURM_JOB_NODELIST, log $RANKS_LOG"
+# --kill-on-bad-exit=1: a rank that fails ends the others (they could only wait for it).
+{step} \\
+    "$PY" -m launch.slurm.node ddp --config "$CONFIG" {gpu} >>"$RANKS_LOG" 2>&1
+RC=$?
+echo "job: the ranks exited with code $RC"
+exit "$RC"
+"""
+
+_BODY = """\
 DATASET={dataset}
 # 'pserver start' options (see: $PY -m pserver.cli start --help).
 SERVER_ARGS=(
@@ -112,7 +148,7 @@ echo "job: the server listens on $ADDRESS"
 # Each task runs 'worker join' with its own slowdown, name and device: launch.slurm.node
 # reads SLURM_PROCID, SLURM_LOCALID and CUDA_VISIBLE_DEVICES (a task that sees one GPU uses
 # cuda:0; tasks sharing a node's GPUs use cuda:SLURM_LOCALID).
-WORKERS_LOG=$RUN_DIR/{step_log}
+WORKERS_LOG=$RUN_DIR/workers-$SLURM_JOB_ID.$ATTEMPT.log
 (
 {steps}
     wait
@@ -201,20 +237,27 @@ def placement(partition: str | None, constraint: str | None) -> list[str]:
 def _sbatch_lines(job: SlurmJob) -> list[str]:
     """The ``#SBATCH`` block: job-wide options, then one block per component."""
     run_dir = job.run_dir  # checked: no characters that need quoting
+    ddp = job.mode == DDP
     common = [
         f"--job-name={job.job_name}",
         f"--output={run_dir}/slurm-%j.out",
         "--open-mode=append",
         f"--time={job.time}",
-        f"--signal=B:TERM@{job.signal_before_s}",
-        "--requeue" if job.requeue else "--no-requeue",
+        *([] if ddp else [f"--signal=B:TERM@{job.signal_before_s}"]),
+        "--requeue" if job.requeue and not ddp else "--no-requeue",
         *job.sbatch_options,
     ]
-    lines = ["# Job-wide: name, log, time limit, the TERM before it, requeue."]
+    if ddp:
+        lines = ["# Job-wide: name, log, time limit, no requeue; then one task per rank."]
+    else:
+        lines = ["# Job-wide: name, log, time limit, the TERM before it, requeue."]
     lines += [f"#SBATCH {o}" for o in common]
     if not job.het:
         group = job.groups[0]
-        lines.append(f"# {group.workers} workers, one task each; the server shares the first node.")
+        if not ddp:
+            lines.append(
+                f"# {group.workers} workers, one task each; the server shares the first node."
+            )
         lines += [f"#SBATCH {o}" for o in placement(job.partition, group.constraint)]
         lines += [f"#SBATCH {o}" for o in resources(group)]
         return lines
@@ -353,52 +396,87 @@ def server_args(job: SlurmJob) -> tuple[str, ...]:
     )
 
 
-def worker_args(job: SlurmJob, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The ``worker join`` options every worker gets (not server, name, slowdown, device)."""
-    return (*extra, *job.worker_options)
+def worker_extras(job: SlurmJob) -> tuple[str, ...]:
+    """``worker join`` options the launcher adds for every worker.
+
+    ``--connect-timeout`` covers the server's start-up (and the shards' registration);
+    ``--allow-model`` lets workers build the user's own model (built-in models need none).
+
+    Args:
+        job: the job (its model and start-up timeout).
+
+    Returns:
+        The options.
+    """
+    extras = ["--connect-timeout", f"{job.startup_timeout_s:g}"]
+    if ":" in job.model:
+        extras += ["--allow-model", job.model]
+    return tuple(extras)
 
 
-def render(job: SlurmJob, command: str, script: str, worker_extra: tuple[str, ...] = ()) -> str:
-    """The job script's text.
+def _server_body(job: SlurmJob) -> str:
+    """The script after its settings' first lines: the server, its shards and workers."""
+    steps = "\n".join(_step(job, i, g) for i, g in enumerate(job.groups))
+    return _BODY.format(
+        dataset=shlex.quote(str(job.dataset)),
+        server_args=_quote_lines(server_args(job)),
+        worker_args=_quote_lines((*worker_extras(job), *job.worker_options)),
+        startup_timeout=job.startup_timeout_s,
+        stop_timeout=job.stop_timeout_s,
+        resume=int(job.resume),
+        requeue=int(job.requeue),
+        nodes=_nodes_line(job),
+        shards=_shards(job),
+        secret=_secret(job),
+        steps=steps,
+    )
+
+
+def _ddp_body(job: SlurmJob) -> str:
+    """The script after its settings' first lines: the DDP ranks as one srun step."""
+    group = job.groups[0]
+    return _DDP_BODY.format(
+        config=job.ddp_config().to_json(),
+        ranks=group.workers,
+        step=wrap(["srun", *resources(group), "--kill-on-bad-exit=1", "--label"], ""),
+        gpu="--gpu" if group.gpus else "--no-gpu",
+    )
+
+
+def render(job: SlurmJob, command: str, script: str) -> str:
+    """The job script's text: a parameter-server run, or DDP ranks (mode ``ddp``).
 
     Args:
         job: the validated job.
         command: the command line that made it (quoted in the header).
         script: where the script is written (quoted in the header).
-        worker_extra: ``worker join`` options the launcher adds for every worker.
 
     Returns:
         The complete script.
     """
-    if job.het:
-        layout = f"one srun step per component, {job.workers} tasks in all"
-    else:
-        layout = f"one srun step, one task per worker, {job.workers} tasks"
+    ddp = job.mode == DDP
     head = _HEADER.format(
+        kind="DDP" if ddp else "training",
+        flag=" --mode ddp" if ddp else "",
         script=script,
         command=escape_control(command),
-        layout=layout,
-        before=job.signal_before_s,
-        requeue=";\n# after the time-limit warning the job is requeued and resumes"
-        if job.requeue
-        else "",
     )
-    steps = "\n".join(_step(job, i, g) for i, g in enumerate(job.groups))
-    body = _BODY.format(
+    if ddp:
+        head += _DDP_ABOUT.format(ranks=job.workers)
+    else:
+        head += _ABOUT.format(
+            layout=f"one srun step per component, {job.workers} tasks in all"
+            if job.het
+            else f"one srun step, one task per worker, {job.workers} tasks",
+            before=job.signal_before_s,
+            requeue=";\n# after the time-limit warning the job is requeued and resumes"
+            if job.requeue
+            else "",
+        )
+    settings = _SETTINGS.format(
         python=shlex.quote(job.python),
         run_dir=shlex.quote(str(job.run_dir)),
-        dataset=shlex.quote(str(job.dataset)),
-        server_args=_quote_lines(server_args(job)),
-        worker_args=_quote_lines(worker_args(job, worker_extra)),
-        startup_timeout=job.startup_timeout_s,
-        stop_timeout=job.stop_timeout_s,
-        resume=int(job.resume),
-        requeue=int(job.requeue),
-        layout=layout,
-        nodes=_nodes_line(job),
-        shards=_shards(job),
-        secret=_secret(job),
-        step_log=STEP_LOG,
-        steps=steps,
+        files="" if ddp else "checkpoints/, ",
     )
-    return head + "\n".join(_sbatch_lines(job)) + "\n" + body
+    body = _ddp_body(job) if ddp else _server_body(job)
+    return head + "\n".join(_sbatch_lines(job)) + "\n" + settings + body

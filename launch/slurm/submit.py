@@ -14,31 +14,10 @@ from typing import Any
 from common import rundir
 from common.errors import ConfigError, NetworkTimeout, PSError, WaitTimeout
 from common.polling import poll_until
-from launch.slurm.config import DDP, SlurmJob
-from launch.slurm.ddp_script import render_ddp
+from launch.slurm.config import SlurmJob
 from launch.slurm.script import render
 
 log = logging.getLogger(__name__)
-
-SCRIPT_NAME = "job.sbatch"
-
-
-def worker_extras(job: SlurmJob) -> tuple[str, ...]:
-    """``worker join`` options a launcher adds for every worker.
-
-    ``--connect-timeout`` covers the server's start-up (and the shards' registration);
-    ``--allow-model`` lets workers build the user's own model (built-in models need none).
-
-    Args:
-        job: the job (its model and start-up timeout).
-
-    Returns:
-        The options.
-    """
-    extras = ["--connect-timeout", f"{job.startup_timeout_s:g}"]
-    if ":" in job.model:
-        extras += ["--allow-model", job.model]
-    return tuple(extras)
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> None:
@@ -64,12 +43,8 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
 def write_script(job: SlurmJob, command: str) -> Path:
     """Write ``run_dir/job.sbatch`` (executable) and return its path."""
     job.run_dir.mkdir(parents=True, exist_ok=True)
-    path = job.run_dir / SCRIPT_NAME
-    if job.mode == DDP:
-        text = render_ddp(job, command, str(path))
-    else:
-        text = render(job, command, str(path), worker_extras(job))
-    path.write_text(text, encoding="utf-8")
+    path = job.run_dir / "job.sbatch"
+    path.write_text(render(job, command, str(path)), encoding="utf-8")
     path.chmod(0o755)
     return path
 

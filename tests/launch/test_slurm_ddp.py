@@ -18,10 +18,10 @@ from launch.compare import CompareConfig
 from launch.ddp.launcher import DDPConfig
 from launch.settings import TrainSettings
 from launch.slurm.config import SlurmJob
-from launch.slurm.ddp_script import render_ddp
 from launch.slurm.groups import Group
 from launch.slurm.jobs import SlurmRuns
 from launch.slurm.rendezvous import SlurmRank, host_store, store_address, task_config
+from launch.slurm.script import render
 
 ENV = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
 
@@ -49,7 +49,7 @@ def _ddp_job(data: Path, **changes: object) -> SlurmJob:
 
 def test_ddp_job_script_runs_one_task_per_rank(data: Path, tmp_path: Path) -> None:
     job = _ddp_job(data)
-    text = render_ddp(job, "pslaunch slurm --mode ddp ...", "/x/job.sbatch")
+    text = render(job, "pslaunch slurm --mode ddp ...", "/x/job.sbatch")
     script = tmp_path / "job.sbatch"
     script.write_text(text)
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0

@@ -19,8 +19,8 @@ from launch.slurm.config import SlurmJob, time_limit_s
 from launch.slurm.groups import Group, parse_het, spread_shards
 from launch.slurm.node import shard_command, wait_for_address, worker_command
 from launch.slurm.placement import pick_device
-from launch.slurm.script import render, resources
-from launch.slurm.submit import check_run_dir, worker_extras
+from launch.slurm.script import render, resources, worker_extras
+from launch.slurm.submit import check_run_dir
 
 
 def _job(tmp_path: Path, **changes: object) -> SlurmJob:
@@ -137,8 +137,9 @@ def test_plain_script(tmp_path: Path) -> None:
         sbatch_options=("--account=rs1",),
         server_options=("--checkpoint-every", "50"),
         worker_options=("--data=/scratch/copy.h5",),
+        model="mypkg.nets:make",
     )
-    text = render(job, "pslaunch slurm ...", "/x/job.sbatch", ("--allow-model", "hsi-cnn"))
+    text = render(job, "pslaunch slurm ...", "/x/job.sbatch")
     assert _bash_syntax_ok(text, tmp_path)
     sbatch = [line for line in text.splitlines() if line.startswith("#SBATCH")]
     assert sbatch == [
@@ -156,7 +157,7 @@ def test_plain_script(tmp_path: Path) -> None:
         "#SBATCH --gpus-per-task=1",
     ]
     assert "--workers 3" in text and "--checkpoint-every 50" in text
-    assert "--allow-model hsi-cnn" in text and "--data=/scratch/copy.h5" in text
+    assert "--allow-model mypkg.nets:make" in text and "--data=/scratch/copy.h5" in text
     assert "--slowdowns 1,2,4 --gpu" in text and "--threads 2" in text
     assert "--het-group" not in text
     # The executable part comes after every #SBATCH line (sbatch stops reading at a command).
@@ -176,7 +177,7 @@ def test_a_server_that_died_requeues_the_job_when_it_left_a_checkpoint(
 ) -> None:
     """The script's end, run by bash with Slurm's commands as functions: a server killed (137)
     or failed (1) requeues the job when a checkpoint exists; a clean end or a stop does not."""
-    text = render(_job(tmp_path), "pslaunch slurm ...", "/x/job.sbatch", ())
+    text = render(_job(tmp_path), "pslaunch slurm ...", "/x/job.sbatch")
     end = text[text.index("# A server that died") : text.index('exit "$SERVER_RC"')]
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
