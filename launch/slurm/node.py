@@ -16,33 +16,6 @@ from launch.procs import wait_for_start
 from launch.slurm.placement import node_address, pick_device
 
 
-def wait_for_address(metrics: Path, offset: int, pid: int, timeout_s: float) -> str:
-    """Wait until the server started by this job writes its ``start`` event; return its address.
-
-    Only events written after byte ``offset`` (the file's size before the server started)
-    count, so an earlier attempt's ``start`` event is never taken.
-
-    Args:
-        metrics: the run's ``metrics.jsonl``.
-        offset: its size in bytes before this attempt's server started.
-        pid: the server's process id (the job shell's child, so it may linger as a zombie).
-        timeout_s: how long to wait.
-
-    Returns:
-        The address workers connect to.
-
-    Raises:
-        PSError: the server exited first.
-        NetworkTimeout: it did not start within ``timeout_s``.
-    """
-    return wait_for_start(
-        metrics,
-        offset,
-        timeout_s,
-        lambda: None if is_running(pid) else f"the server (pid {pid}) exited before it listened",
-    )
-
-
 def worker_command(
     name_prefix: str, slowdowns: str, gpu: bool, env: Mapping[str, str], rest: tuple[str, ...]
 ) -> list[str]:
@@ -131,9 +104,15 @@ def main() -> None:
 @click.option("--pid", required=True, type=int, help="The server's process id.")
 @click.option("--timeout", default=300.0, show_default=True, help="Seconds to wait.")
 def address(run_dir: Path, offset: int, pid: int, timeout: float) -> None:
-    """Print the server's address once its ``start`` event is written."""
+    """Print the address of the server started by this job (process PID) once it writes its
+    ``start`` event; only events after byte OFFSET of metrics.jsonl count, so an earlier
+    attempt's event is never taken."""
+
+    def gone() -> str | None:
+        return None if is_running(pid) else f"the server (pid {pid}) exited before it listened"
+
     try:
-        click.echo(wait_for_address(run_dir / "metrics.jsonl", offset, pid, timeout))
+        click.echo(wait_for_start(run_dir / "metrics.jsonl", offset, timeout, gone))
     except PSError as exc:
         raise click.ClickException(str(exc)) from exc
 

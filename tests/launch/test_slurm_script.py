@@ -17,7 +17,7 @@ from launch.cli import main
 from launch.settings import TrainSettings
 from launch.slurm.config import SlurmJob, time_limit_s
 from launch.slurm.groups import Group, parse_het, spread_shards
-from launch.slurm.node import shard_command, wait_for_address, worker_command
+from launch.slurm.node import address, shard_command, worker_command
 from launch.slurm.placement import pick_device
 from launch.slurm.script import render, resources, worker_extras
 from launch.slurm.submit import check_run_dir
@@ -369,6 +369,16 @@ if listen:
         f.write(json.dumps({"event": "start", "t": 0, "address": "tcp://127.0.0.1:4242"}) + "\\n")
     time.sleep(30)
 """
+
+
+def wait_for_address(metrics: Path, offset: int, pid: int, timeout_s: float) -> str:
+    """What ``python -m launch.slurm.node address`` prints, or the error it stops on."""
+    runner = CliRunner()
+    args = ["--run-dir", str(metrics.parent), "--offset", str(offset), "--pid", str(pid)]
+    done = runner.invoke(address, [*args, "--timeout", str(timeout_s)], standalone_mode=False)
+    if done.exception is not None:
+        raise done.exception.__cause__ or done.exception
+    return done.output.strip()
 
 
 def _fake_server(tmp_path: Path, delay: float, listen: bool) -> subprocess.Popen[bytes]:
