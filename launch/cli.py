@@ -37,7 +37,7 @@ from launch.progress import RunProgress
 from launch.settings import TrainSettings, server_mode_args
 from launch.simulate.cli import simulate
 from launch.slurm.cli import slurm
-from launch.slurm.jobs import LAUNCHERS, SlurmRuns
+from launch.slurm.config import LAUNCHERS, SlurmRuns
 from pserver.config import MODES
 
 

@@ -3,7 +3,7 @@
 Runs are interleaved (repeat 1 of every mode, then repeat 2, ...) so that a change in the
 machine's load affects every mode alike. Each run gets the same seed and the same number of
 samples, so only the mode differs. With ``launcher="slurm"`` each run is a Slurm job (see
-``launch.slurm.jobs``), submitted and waited for in the same order. The target accuracy is
+``launch.slurm.submit``), submitted and waited for in the same order. The target accuracy is
 read off the eval events afterwards (runs are not stopped at it), so one run gives both the
 time to target and the final scores.
 """
@@ -35,8 +35,8 @@ from launch.local import LocalCluster, run_local, worker_name
 from launch.procs import new_events
 from launch.progress import RunProgress, eval_label
 from launch.settings import TrainSettings, server_mode_args
-from launch.slurm.config import SlurmJob
-from launch.slurm.jobs import LAUNCHERS, SlurmRuns, run_job
+from launch.slurm.config import LAUNCHERS, SlurmJob, SlurmRuns
+from launch.slurm.submit import run_job
 from launch.snapshot_times import score_run
 from launch.snapshot_times import server_options as snapshot_options
 from pserver.config import MODES, STALENESS

@@ -1,4 +1,4 @@
-"""What ``pslaunch slurm`` writes into a job script: one validated config."""
+"""What ``pslaunch slurm`` writes into a job script, and how comparison runs become such jobs."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+@,=:-]+$")
 DDP = "ddp"
+LAUNCHERS = ("local", "slurm")
 
 
 def time_limit_s(text: str) -> int:
@@ -220,3 +221,86 @@ class SlurmJob:
             startup_timeout_s=self.startup_timeout_s,
             run_timeout_s=float(time_limit_s(self.time)),
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmRuns:
+    """How each run of a comparison becomes a Slurm job.
+
+    Attributes:
+        partition: Slurm partition (None: the cluster's default).
+        time: each job's time limit, in Slurm's format.
+        wait_timeout_s: how long to wait for one job, queueing included; a job still
+            unfinished then is cancelled and recorded as failed.
+        python: the Python with rs-pserver installed, as the nodes see it.
+        sbatch_options: further ``#SBATCH`` options for every job.
+    """
+
+    partition: str | None = None
+    time: str = "01:00:00"
+    wait_timeout_s: float = 86400.0
+    python: str = sys.executable
+    sbatch_options: tuple[str, ...] = ()
+
+    def validate(self) -> SlurmRuns:
+        """Check the fields.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            ConfigError: a value is out of range; the message quotes it.
+        """
+        time_limit_s(self.time)
+        need(self.wait_timeout_s > 0, f"--wait-timeout must be > 0, got {self.wait_timeout_s}")
+        return self
+
+    def job(
+        self,
+        *,
+        dataset: Path,
+        model: str,
+        mode: str,
+        run_dir: Path,
+        slowdowns: tuple[float, ...],
+        train: TrainSettings,
+        cpus: int,
+        server_options: tuple[str, ...] = (),
+        worker_options: tuple[str, ...] = (),
+    ) -> SlurmJob:
+        """One run as a plain job: a server and one worker task per slowdown, or DDP ranks.
+
+        Args:
+            dataset, model: as for ``pserver start``.
+            mode: a server mode, or ``ddp``.
+            run_dir: the run's directory.
+            slowdowns: one per worker (or rank).
+            train: the training settings every run shares.
+            cpus: CPUs (and torch threads) per worker or rank.
+            server_options: further ``pserver start`` options (server modes only).
+            worker_options: further ``worker join`` options (server modes only).
+
+        Returns:
+            The validated job. The time-limit warning comes a third of the limit (at most
+            180 s) before its end, so short test limits still leave time to train.
+
+        Raises:
+            ConfigError: the job is invalid.
+        """
+        limit = time_limit_s(self.time)
+        return SlurmJob(
+            dataset=dataset.resolve(),
+            model=model,
+            mode=mode,
+            run_dir=run_dir.resolve(),
+            groups=(Group(name="workers", slowdowns=slowdowns, cpus=cpus),),
+            train=train,
+            server_options=server_options if mode != DDP else (),
+            worker_options=worker_options if mode != DDP else (),
+            partition=self.partition,
+            time=self.time,
+            signal_before_s=min(180, limit // 3),
+            python=self.python,
+            job_name=f"rs-compare-{mode}",
+            sbatch_options=self.sbatch_options,
+        ).validate()

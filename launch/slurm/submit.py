@@ -1,4 +1,4 @@
-"""Write ``job.sbatch``, submit it with ``sbatch``, and wait for the job to end."""
+"""Write ``job.sbatch``, submit it with ``sbatch``, wait for the job to end, or cancel it."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -206,3 +207,55 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise PSError(f"the job wrote no readable {path}: {exc}") from exc
+
+
+def cancel(job_id: str, timeout_s: float = 30.0) -> None:
+    """``scancel`` a job; a failure is logged, not raised (the job may have just ended)."""
+    try:
+        done = slurm_command(["scancel", job_id], timeout_s)
+    except (OSError, PSError) as exc:
+        log.warning("scancel %s: %s", job_id, exc)
+        return
+    if done.returncode != 0:
+        log.warning("scancel %s: %s", job_id, done.stderr.strip())
+
+
+def run_job(
+    job: SlurmJob,
+    command: str,
+    wait_timeout_s: float,
+    on_submit: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Write the job's script, submit it, wait for the job and return the run's summary.
+
+    Args:
+        job: the validated job.
+        command: the command quoted in the script's header.
+        wait_timeout_s: how long to wait, queueing included.
+        on_submit: called with the job id once Slurm has accepted the job.
+
+    Returns:
+        The run's ``summary.json``.
+
+    Raises:
+        ConfigError: the run directory already holds a run.
+        PSError: the job was refused, did not complete, or wrote no summary; a job still
+            unfinished at the timeout (or on Ctrl-C) is cancelled first.
+    """
+    check_run_dir(job.run_dir, job.resume)
+    script = write_script(job, command)
+    job_id = submit(script)
+    log.info("submitted job %s (%s) for %s", job_id, job.mode, job.run_dir)
+    if on_submit is not None:
+        on_submit(job_id)
+    try:
+        end = wait_job(job_id, wait_timeout_s)
+    except BaseException:
+        cancel(job_id)
+        raise
+    if not end.ok:
+        raise PSError(
+            f"job {job_id} ended {end.state}, exit code {end.exit_code}; see its logs in "
+            f"{job.run_dir}"
+        )
+    return read_summary(job.run_dir)

@@ -13,10 +13,10 @@ import pytest
 
 from common.errors import NetworkTimeout
 from launch.settings import TrainSettings
+from launch.slurm.config import SlurmRuns
 from launch.slurm.groups import Group
-from launch.slurm.jobs import SlurmRuns, run_job
 from launch.slurm.script import resources
-from launch.slurm.submit import wait_job
+from launch.slurm.submit import run_job, wait_job
 from tests.support.slurm_jobs import (
     JOB_TIMEOUT_S,
     ROOT,

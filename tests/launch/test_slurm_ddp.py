@@ -17,9 +17,8 @@ from launch.cli import main
 from launch.compare import CompareConfig
 from launch.ddp.launcher import DDPConfig
 from launch.settings import TrainSettings
-from launch.slurm.config import SlurmJob
+from launch.slurm.config import SlurmJob, SlurmRuns
 from launch.slurm.groups import Group
-from launch.slurm.jobs import SlurmRuns
 from launch.slurm.rendezvous import SlurmRank, host_store, store_address, task_config
 from launch.slurm.script import render
 
