@@ -296,21 +296,31 @@ def folder_options(func: F) -> F:
     )
 
 
+def extra_options(func: F) -> F:
+    """--server-opt and --worker-opt (local, compare and slurm)."""
+    return _apply(
+        func,
+        [
+            click.option(
+                "--server-opt",
+                multiple=True,
+                help="Extra 'pserver start' option for the parameter-server runs, e.g. "
+                "--server-opt=--staleness-a=1.",
+            ),
+            click.option(
+                "--worker-opt",
+                multiple=True,
+                help="Extra 'worker join' option for every worker of the parameter-server runs, "
+                "e.g. --worker-opt=--data=COPY.h5 (read a local copy of the dataset, as DDP's "
+                "ranks do).",
+            ),
+        ],
+    )
+
+
 def run_options(func: F) -> F:
     """--threads, --server-opt, --worker-opt, --restarts and --progress/--no-progress (local
     and compare)."""
-    server_opt = click.option(
-        "--server-opt",
-        multiple=True,
-        help="Extra 'pserver start' option for the parameter-server runs, e.g. "
-        "--server-opt=--staleness-a=1.",
-    )
-    worker_opt = click.option(
-        "--worker-opt",
-        multiple=True,
-        help="Extra 'worker join' option for every worker of the parameter-server runs, e.g. "
-        "--worker-opt=--data=COPY.h5 (read a local copy of the dataset, as DDP's ranks do).",
-    )
     restarts = click.option(
         "--restarts",
         type=click.IntRange(min=0),
@@ -320,7 +330,7 @@ def run_options(func: F) -> F:
         "--checkpoint-every says otherwise), and a worker that dies, each up to N times; "
         "0: never. A clean end or a Ctrl-C/SIGTERM stop is not restarted.",
     )
-    return _apply(func, [threads_option, server_opt, worker_opt, restarts, progress_option])
+    return _apply(func, [threads_option, extra_options, restarts, progress_option])
 
 
 CLUSTER_KEYS = ("workers", "slowdowns", "slowdown_schedules", "devices")

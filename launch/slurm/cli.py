@@ -12,14 +12,14 @@ import click
 from common.errors import ConfigError, PSError
 from common.logsetup import setup_logging
 from common.training.tables import summary_tables
-from launch.cli_options import build_train, train_options
+from launch.cli_options import async_options, build_train, extra_options, train_options
 from launch.settings import server_mode_args
 from launch.slowdowns import parse_slowdowns
 from launch.slurm.config import DDP, SlurmJob
 from launch.slurm.groups import HET_HELP, Group, parse_het, spread_shards
 from launch.slurm.submit import check_run_dir, read_summary, wait_job, write_script
 from launch.slurm.submit import submit as submit_job
-from pserver.config import MODES, STALENESS
+from pserver.config import MODES
 
 
 def _groups(
@@ -153,23 +153,8 @@ def _groups(
 )
 @train_options
 @click.option("--target-oa", type=float, default=None, help="Stop at this test OA.")
-@click.option(
-    "--staleness",
-    type=click.Choice(STALENESS),
-    default=None,
-    help="Async staleness function (server default).",
-)
-@click.option("--max-staleness", type=int, default=None, help="Async staleness bound.")
-@click.option(
-    "--server-opt",
-    multiple=True,
-    help="Extra 'pserver start' option, e.g. --server-opt=--checkpoint-every=50.",
-)
-@click.option(
-    "--worker-opt",
-    multiple=True,
-    help="Extra 'worker join' option, e.g. --worker-opt=--data=/scratch/copy.h5.",
-)
+@async_options
+@extra_options
 def slurm(
     het: str | None,
     workers: int | None,
