@@ -166,31 +166,17 @@ class SlurmJob:
 
     def _texts(self) -> list[tuple[str, str]]:
         """Every text that goes into the job script, with the option it came from."""
-        texts = [
-            ("--dataset", str(self.dataset)),
-            ("--run-dir", str(self.run_dir)),
-            ("--model", self.model),
-            ("--mode", self.mode),
-            ("--partition", self.partition or ""),
-            ("--time", self.time),
-            ("--python", self.python),
-            ("--job-name", self.job_name),
-        ]
-        texts += [("--sbatch-opt", option) for option in self.sbatch_options]
-        texts += [("--server-opt", option) for option in self.server_options]
-        texts += [("--worker-opt", option) for option in self.worker_options]
-        for group in self.groups:
-            texts += [("--het", group.name), ("--partition", group.partition or "")]
-            texts.append(("--het", group.constraint or ""))
-        if self.server is not None:
-            texts += [
-                ("--het", self.server.partition or ""),
-                ("--het", self.server.constraint or ""),
-            ]
-        flag = "--server-opt"
-        for arg in self.train.server_args():
-            flag = arg if arg.startswith("--") else flag
-            texts.append((flag, arg))
+        fields = ("dataset", "run_dir", "model", "mode", "partition", "time", "python", "job_name")
+        texts = [("--" + f.replace("_", "-"), str(getattr(self, f) or "")) for f in fields]
+        for flag, options in (
+            ("--sbatch-opt", self.sbatch_options),
+            ("--server-opt", (*self.server_options, *self.train.server_args())),
+            ("--worker-opt", self.worker_options),
+        ):
+            texts += [(flag, option) for option in options]
+        for place in (*self.groups, *([self.server] if self.server else [])):
+            texts += [("--het", getattr(place, "name", "")), ("--het", place.partition or "")]
+            texts.append(("--het", place.constraint or ""))
         return texts
 
     def _validate_ddp(self) -> None:
