@@ -199,33 +199,25 @@ def slurm(
         if submit or wait:
             check_run_dir(job.run_dir, job.resume)
         script = write_script(job, shlex.join(["pslaunch", *sys.argv[1:]]))
-    except PSError as exc:
-        raise click.ClickException(str(exc)) from exc
-    click.echo(f"pslaunch: wrote {script}")
-    if not (submit or wait):
-        click.echo(f"pslaunch: submit it with: sbatch {script}")
-        return
-    try:
+        click.echo(f"pslaunch: wrote {script}")
+        if not (submit or wait):
+            click.echo(f"pslaunch: submit it with: sbatch {script}")
+            return
         job_id = submit_job(script)
-    except PSError as exc:
-        raise click.ClickException(str(exc)) from exc
-    click.echo(
-        f"pslaunch: submitted job {job_id} ({job.workers} workers); "
-        f"job log {job.run_dir}/slurm-{job_id}.out"
-    )
-    if not wait:
-        return
-    try:
-        end = wait_job(job_id, wait_timeout)
-    except PSError as exc:
-        raise click.ClickException(str(exc)) from exc
-    except KeyboardInterrupt:
-        click.echo(f"pslaunch: stopped waiting; job {job_id} goes on", err=True)
-        sys.exit(130)
-    click.echo(f"pslaunch: job {job_id} ended: {end.state}, exit code {end.exit_code}")
-    try:
+        click.echo(
+            f"pslaunch: submitted job {job_id} ({job.workers} workers); "
+            f"job log {job.run_dir}/slurm-{job_id}.out"
+        )
+        if not wait:
+            return
+        try:
+            end = wait_job(job_id, wait_timeout)
+        except KeyboardInterrupt:
+            click.echo(f"pslaunch: stopped waiting; job {job_id} goes on", err=True)
+            sys.exit(130)
+        click.echo(f"pslaunch: job {job_id} ended: {end.state}, exit code {end.exit_code}")
         click.echo(summary_tables(read_summary(job.run_dir)))
     except PSError as exc:
-        raise click.ClickException(f"job {job_id} wrote no summary: {exc}") from exc
+        raise click.ClickException(str(exc)) from exc
     if not end.ok:
         raise click.ClickException(f"job {job_id} did not complete; see {job.run_dir}")

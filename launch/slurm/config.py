@@ -174,7 +174,8 @@ class SlurmJob:
             ("--worker-opt", self.worker_options),
         ):
             texts += [(flag, option) for option in options]
-        for place in (*self.groups, *([self.server] if self.server else [])):
+        places: list[Group | ServerPlace] = [*self.groups, *([self.server] if self.server else [])]
+        for place in places:
             texts += [("--het", getattr(place, "name", "")), ("--het", place.partition or "")]
             texts.append(("--het", place.constraint or ""))
         return texts
