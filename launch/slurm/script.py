@@ -35,6 +35,18 @@ _DDP_ABOUT = """\
 # summary.json.
 """
 
+# A fresh shard secret for each attempt, readable by the job's user alone: the shards prove it
+# to the server when they register.
+_SECRET = """\
+# The secret the shards prove to the server: new for every attempt, for this user only.
+SHARD_SECRET=$RUN_DIR/shard-$SLURM_JOB_ID.$ATTEMPT.secret
+if ! (set -C && umask 077 && head -c 32 /dev/urandom >"$SHARD_SECRET"); then
+    echo "job: cannot write the shard secret $SHARD_SECRET" >&2
+    exit 1
+fi
+SECRET_ARGS=(--shard-secret-file "$SHARD_SECRET")
+"""
+
 _SETTINGS = """
 set -uo pipefail
 
@@ -278,13 +290,14 @@ def _sbatch_lines(job: SlurmJob) -> list[str]:
     return lines
 
 
+def _het_group(job: SlurmJob, index: int) -> list[str]:
+    """``--het-group`` of the ``index``-th worker group's component (none in a plain job)."""
+    return [f"--het-group={index + (job.server is not None)}"] if job.het else []
+
+
 def _step(job: SlurmJob, index: int, group: Group) -> str:
     """One srun step running a group's workers in the background."""
-    options = []
-    if job.het:
-        options.append(f"--het-group={index + (job.server is not None)}")
-    options += resources(group)
-    options += ["--kill-on-bad-exit=0", "--label"]
+    options = [*_het_group(job, index), *resources(group), "--kill-on-bad-exit=0", "--label"]
     factors = [f"{f:g}" for f in group.slowdowns]
     slowdowns = factors[0] if len(set(factors)) == 1 else ",".join(factors)
     prefix = "w" if not job.het else f"{group.name}-w"
@@ -326,32 +339,22 @@ def _shards(job: SlurmJob) -> str:
     lines = [
         "",
         "# --- parameter shards, on the workers' nodes ----------------------------------------",
-        "SHARD_PIDS=()",
     ]
     if job.shards < 2:
-        lines.insert(2, "# None: the server keeps the parameters (pslaunch slurm --shards K).")
-        return "\n".join(lines) + "\n"
-    lines.insert(
-        2,
+        lines.append("# None: the server keeps the parameters (pslaunch slurm --shards K).")
+        return "\n".join([*lines, "SHARD_PIDS=()"]) + "\n"
+    lines += [
         f"# {job.shards} 'pserver shard' servers hold 1/{job.shards} of the state each, spread "
         "one per node\n# (--distribution=cyclic) next to the workers; the server waits for all "
         "of them.",
-    )
-    lines.append("SHARDS_LOG=$RUN_DIR/shards-$SLURM_JOB_ID.$ATTEMPT.log")
+        "SHARD_PIDS=()",
+        "SHARDS_LOG=$RUN_DIR/shards-$SLURM_JOB_ID.$ATTEMPT.log",
+    ]
     for index, group in enumerate(job.groups):
         if not group.shards:
             continue
-        options = []
-        if job.het:
-            options.append(f"--het-group={index + (job.server is not None)}")
-        options += [
-            "--overlap",
-            f"--ntasks={group.shards}",
-            "--cpus-per-task=1",
-            "--distribution=cyclic",
-            "--kill-on-bad-exit=0",
-            "--label",
-        ]
+        options = [*_het_group(job, index), "--overlap", f"--ntasks={group.shards}"]
+        options += ["--cpus-per-task=1", "--distribution=cyclic", "--kill-on-bad-exit=0", "--label"]
         prefix = "shard" if not job.het else f"{group.name}-shard"
         lines += [
             wrap(["srun", *options], "") + " \\",
@@ -362,22 +365,6 @@ def _shards(job: SlurmJob) -> str:
             "SHARD_PIDS+=($!)",
         ]
     return "\n".join(lines) + "\n"
-
-
-def _secret(job: SlurmJob) -> str:
-    """A fresh shard secret for this attempt, readable by the job's user alone (none without
-    shards): the shards prove it to the server when they register."""
-    if job.shards < 2:
-        return "SHARD_SECRET=\nSECRET_ARGS=()\n"
-    return (
-        "# The secret the shards prove to the server: new for every attempt, for this user only.\n"
-        "SHARD_SECRET=$RUN_DIR/shard-$SLURM_JOB_ID.$ATTEMPT.secret\n"
-        'if ! (set -C && umask 077 && head -c 32 /dev/urandom >"$SHARD_SECRET"); then\n'
-        '    echo "job: cannot write the shard secret $SHARD_SECRET" >&2\n'
-        "    exit 1\n"
-        "fi\n"
-        'SECRET_ARGS=(--shard-secret-file "$SHARD_SECRET")\n'
-    )
 
 
 def server_args(job: SlurmJob) -> tuple[str, ...]:
@@ -427,7 +414,7 @@ def _server_body(job: SlurmJob) -> str:
         requeue=int(job.requeue),
         nodes=_nodes_line(job),
         shards=_shards(job),
-        secret=_secret(job),
+        secret=_SECRET if job.shards > 1 else "SHARD_SECRET=\nSECRET_ARGS=()\n",
         steps=steps,
     )
 
