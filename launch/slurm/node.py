@@ -1,4 +1,4 @@
-"""Helpers a Slurm job script runs on its nodes: the server's address, workers, shards, ranks."""
+"""Helpers a Slurm job script runs on its nodes: the server's address, workers, shards."""
 
 from __future__ import annotations
 
@@ -153,26 +153,6 @@ def shard(name_prefix: str, rest: tuple[str, ...]) -> None:
         raise click.ClickException(str(exc)) from exc
     sys.stdout.flush()
     os.execv(argv[0], argv)
-
-
-@main.command()
-@click.option(
-    "--config",
-    "config_path",
-    required=True,
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="The job's ddp_config.json.",
-)
-@click.option("--gpu/--no-gpu", default=False, show_default=True, help="The task has GPUs.")
-def ddp(config_path: Path, gpu: bool) -> None:
-    """Run this srun task's DDP rank (SLURM_PROCID of SLURM_NTASKS); task 0 hosts the
-    rendezvous (see launch.slurm.rendezvous)."""
-    from launch.slurm.rendezvous import run_slurm_rank  # torch only in DDP tasks
-
-    try:
-        run_slurm_rank(config_path, gpu, os.environ)
-    except PSError as exc:
-        raise click.ClickException(str(exc)) from exc
 
 
 if __name__ == "__main__":

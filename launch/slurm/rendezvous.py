@@ -14,9 +14,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import ipaddress
+import os
+import sys
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
+
+import click
 
 from common.config import need
 from common.errors import ConfigError, NetworkTimeout, PSError, WaitTimeout
@@ -224,3 +228,25 @@ def run_slurm_rank(config_path: Path, gpu: bool, env: MutableMapping[str, str]) 
         args += ["--store", address]
     ddp_rank.main(args)  # with several ranks this ends the process, store included
     del store
+
+
+@click.command()
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="The job's ddp_config.json.",
+)
+@click.option("--gpu/--no-gpu", default=False, show_default=True, help="The task has GPUs.")
+def main(config_path: Path, gpu: bool) -> None:
+    """Run this srun task's DDP rank (SLURM_PROCID of SLURM_NTASKS); task 0 hosts the
+    rendezvous."""
+    try:
+        run_slurm_rank(config_path, gpu, os.environ)
+    except PSError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -73,7 +73,7 @@ RANKS_LOG=$RUN_DIR/ranks-$SLURM_JOB_ID.log
 echo "job $SLURM_JOB_ID: {ranks} DDP ranks on $SLURM_JOB_NODELIST, log $RANKS_LOG"
 # --kill-on-bad-exit=1: a rank that fails ends the others (they could only wait for it).
 {step} \\
-    "$PY" -m launch.slurm.node ddp --config "$CONFIG" {gpu} >>"$RANKS_LOG" 2>&1
+    "$PY" -m launch.slurm.rendezvous --config "$CONFIG" {gpu} >>"$RANKS_LOG" 2>&1
 RC=$?
 echo "job: the ranks exited with code $RC"
 exit "$RC"

@@ -270,7 +270,7 @@ def test_compare_launcher_slurm_writes_the_report(jasper_h5: Path, tmp_path: Pat
         runs = data["runs"]
         assert [r["mode"] for r in runs] == ["weighted-sync", "ddp"]
         job_ids = []
-        for run, kind in zip(runs, ("pserver.cli start", "launch.slurm.node ddp"), strict=True):
+        for run, kind in zip(runs, ("pserver.cli start", "launch.slurm.rendezvous"), strict=True):
             assert "error" not in run, run
             result = run["summary"]
             assert result["mode"] == run["mode"] and result["epochs"] == 4

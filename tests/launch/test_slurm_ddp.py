@@ -56,7 +56,7 @@ def test_ddp_job_script_runs_one_task_per_rank(data: Path, tmp_path: Path) -> No
     assert "#SBATCH --no-requeue" in sbatch and "#SBATCH --time=30:00" in sbatch
     assert {"#SBATCH --ntasks=2", "#SBATCH --cpus-per-task=2", "#SBATCH --nodes=2"} <= set(sbatch)
     assert not any("--signal" in line or "hetjob" in line for line in sbatch)
-    step = re.search(r"^srun .*?launch\.slurm\.node ddp .*$", text, re.M | re.S)
+    step = re.search(r"^srun .*?launch\.slurm\.rendezvous .*$", text, re.M | re.S)
     assert step is not None and "--ntasks=2" in step.group(0) and "--no-gpu" in step.group(0)
     # The embedded configuration is the job's own DDP configuration.
     body = text.split("<<'END_OF_CONFIG'\n", 1)[1].split("\nEND_OF_CONFIG\n", 1)[0]
@@ -84,7 +84,7 @@ def test_cli_writes_a_ddp_job(data: Path) -> None:
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     text = (run_dir / "job.sbatch").read_text()
-    assert "launch.slurm.node ddp" in text and '"slowdowns": [\n    1.0,\n    3.0\n  ]' in text
+    assert "launch.slurm.rendezvous" in text and '"slowdowns": [\n    1.0,\n    3.0\n  ]' in text
     bad = CliRunner().invoke(main, [*args, "--shards", "2"])
     assert bad.exit_code != 0 and "--shards does not apply" in bad.output
     assert "Traceback" not in bad.output
