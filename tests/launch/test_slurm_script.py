@@ -371,7 +371,7 @@ if listen:
 """
 
 
-def wait_for_address(metrics: Path, offset: int, pid: int, timeout_s: float) -> str:
+def _node_address(metrics: Path, offset: int, pid: int, timeout_s: float) -> str:
     """What ``python -m launch.slurm.node address`` prints, or the error it stops on."""
     runner = CliRunner()
     args = ["--run-dir", str(metrics.parent), "--offset", str(offset), "--pid", str(pid)]
@@ -387,7 +387,7 @@ def _fake_server(tmp_path: Path, delay: float, listen: bool) -> subprocess.Popen
     )
 
 
-def test_wait_for_address_of_a_server_that_starts(tmp_path: Path) -> None:
+def test_node_address_of_a_server_that_starts(tmp_path: Path) -> None:
     # An older attempt's start event (before the offset) must not be taken, nor a line still
     # being written.
     metrics = tmp_path / "metrics.jsonl"
@@ -395,24 +395,24 @@ def test_wait_for_address_of_a_server_that_starts(tmp_path: Path) -> None:
     offset = metrics.stat().st_size
     proc = _fake_server(tmp_path, 0.5, True)
     try:
-        address = wait_for_address(metrics, offset, proc.pid, 60)
+        address = _node_address(metrics, offset, proc.pid, 60)
     finally:
         proc.kill()
         proc.wait()
     assert address == "tcp://127.0.0.1:4242"
 
 
-def test_wait_for_address_of_a_server_that_dies_or_hangs(tmp_path: Path) -> None:
+def test_node_address_of_a_server_that_dies_or_hangs(tmp_path: Path) -> None:
     proc = _fake_server(tmp_path, 0.0, False)
     try:
         with pytest.raises(PSError, match="exited before it listened"):
-            wait_for_address(tmp_path / "metrics.jsonl", 0, proc.pid, 60)
+            _node_address(tmp_path / "metrics.jsonl", 0, proc.pid, 60)
     finally:
         proc.wait()
     proc = _fake_server(tmp_path, 30.0, False)
     try:
         with pytest.raises(NetworkTimeout, match=r"did not listen within 0\.5 s"):
-            wait_for_address(tmp_path / "metrics.jsonl", 0, proc.pid, 0.5)
+            _node_address(tmp_path / "metrics.jsonl", 0, proc.pid, 0.5)
     finally:
         proc.kill()
         proc.wait()
