@@ -27,7 +27,7 @@ from common.errors import ConfigError, NetworkTimeout, PSError, WaitTimeout
 from common.polling import poll_until
 from common.procs import POLL_S
 from launch.ddp.launcher import DDPConfig, use_loopback
-from launch.slurm.placement import node_address, pick_device
+from launch.slurm.node import node_address, pick_device
 from launch.slurm.submit import slurm_command
 
 

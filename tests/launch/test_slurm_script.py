@@ -17,8 +17,7 @@ from launch.cli import main
 from launch.settings import TrainSettings
 from launch.slurm.config import SlurmJob, time_limit_s
 from launch.slurm.groups import Group, parse_het, spread_shards
-from launch.slurm.node import address, shard_command, worker_command
-from launch.slurm.placement import pick_device
+from launch.slurm.node import address, pick_device, shard_command, worker_command
 from launch.slurm.script import render, resources, worker_extras
 from launch.slurm.submit import check_run_dir
 
