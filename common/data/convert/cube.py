@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common.data.convert.envi import EnviCube, read_envi_labels
-from common.data.convert.geotiff import GeoTiffCube, read_geotiff_labels
+from common.data.convert.envi import envi_data_file
+from common.data.convert.geotiff import GdalCube
 from common.data.convert.matfile import load_class_names, load_mat_array, split_spec
 from common.data.convert.raster import ArrayCube, Cube, GeoRef
 from common.errors import DatasetError
@@ -77,8 +77,8 @@ def open_cube(spec: str) -> Cube:
             )
         return ArrayCube(array, spec)
     if fmt == "geotiff":
-        return GeoTiffCube(path)
-    return EnviCube(path)
+        return GdalCube(path)
+    return GdalCube(envi_data_file(path), "ENVI file")
 
 
 def load_labels(spec: str) -> tuple[np.ndarray, list[str] | None, GeoRef | None]:
@@ -97,15 +97,16 @@ def load_labels(spec: str) -> tuple[np.ndarray, list[str] | None, GeoRef | None]
             are not non-negative integers.
     """
     fmt, path, _ = source_format(spec)
-    names: list[str] | None = None
-    georef: GeoRef | None = None
     if fmt == "mat":
-        labels = load_mat_array(spec)
-        names = load_class_names(path)
-    elif fmt == "geotiff":
-        labels, georef = read_geotiff_labels(path)
+        labels, names, georef = load_mat_array(spec), load_class_names(path), None
     else:
-        labels, names = read_envi_labels(path)
+        with open_cube(spec) as cube:
+            if cube.shape[2] != 1:
+                raise DatasetError(
+                    f"ground truth {spec!r} has {cube.shape[2]} bands; a class map has one"
+                )
+            labels = cube.read_rows(0, cube.shape[0])[..., 0]
+            names, georef = cube.class_names, cube.georef
     if labels.ndim != 2:
         raise DatasetError(f"ground truth {spec!r} must be (rows, cols), got {labels.shape}")
     if labels.dtype.kind == "f" and not np.all(np.mod(labels, 1) == 0):
