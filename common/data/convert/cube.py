@@ -8,6 +8,7 @@ import numpy as np
 
 from common.data.convert.envi import envi_data_file
 from common.data.convert.geotiff import GdalCube
+from common.data.convert.layout import load_scene
 from common.data.convert.matfile import load_class_names, load_mat_array, split_spec
 from common.data.convert.raster import ArrayCube, Cube, GeoRef
 from common.errors import DatasetError
@@ -52,33 +53,36 @@ def source_format(spec: str) -> tuple[str, Path, str | None]:
     )
 
 
-def open_cube(spec: str) -> Cube:
+def open_cube(spec: str, shape: tuple[int, int] | None = None, bands_first: bool = False) -> Cube:
     """Open a hyperspectral scene for reading by rows.
 
-    .mat files (v5 and v7.3) are loaded whole; ENVI and GeoTIFF files are read a window of
-    rows at a time, so scenes larger than memory can be processed.
+    .mat files (v5 and v7.3) are loaded whole, in any layout ``load_scene`` reads; ENVI and
+    GeoTIFF files are read a window of rows at a time, so scenes larger than memory can be
+    processed.
 
     Args:
         spec: see ``source_format``.
+        shape: (rows, cols) of a bands x pixels .mat matrix (see ``load_scene``).
+        bands_first: a .mat cube is (bands, rows, cols), or its matrix is bands x pixels.
 
     Returns:
-        The open scene; close it (or use ``with``).
+        The open scene; close it (or use ``with``). ``layout`` says how a .mat array was read.
 
     Raises:
-        DatasetError: the file is missing, unreadable or not a 3-D numeric cube.
+        DatasetError: the file is missing, unreadable or not a numeric cube in a known layout,
+            or ``shape``/``bands_first`` is given for a file that is not .mat.
     """
     fmt, path, _ = source_format(spec)
-    if fmt == "mat":
-        array = load_mat_array(spec)
-        if array.ndim != 3:
-            raise DatasetError(
-                f"cube {spec!r} must be (rows, cols, bands), got {array.shape}; a bands x "
-                "pixels matrix needs nRow/nCol in the file or --shape ROWS,COLS"
-            )
-        return ArrayCube(array, spec)
+    if fmt != "mat" and (shape is not None or bands_first):
+        raise DatasetError(f"--shape and --bands-first apply to .mat cubes, not to {spec!r}")
     if fmt == "geotiff":
         return GdalCube(path)
-    return GdalCube(envi_data_file(path), "ENVI file")
+    if fmt == "envi":
+        return GdalCube(envi_data_file(path), "ENVI file")
+    array, layout = load_scene(spec, shape, bands_first)
+    cube = ArrayCube(array, spec)
+    cube.layout = layout
+    return cube
 
 
 def load_labels(spec: str) -> tuple[np.ndarray, list[str] | None, GeoRef | None]:

@@ -14,7 +14,6 @@ import numpy as np
 from common.data.convert.raster import Cube, GeoRef
 from common.errors import DatasetError
 
-
 # GDAL keeps read blocks in a cache of 5 % of RAM by default, which would undo windowed reads'
 # memory bound; a cube open for row-band reads gets this many MB instead.
 GDAL_CACHE_MB = 32
