@@ -127,11 +127,6 @@ class DatasetWriter:
                 f"cannot create dataset file next to {str(self.path)!r}: {exc}"
             ) from exc
 
-    @property
-    def written(self) -> int:
-        """How many samples have been written so far."""
-        return self._written
-
     def write(self, x_block: np.ndarray, y_block: np.ndarray) -> None:
         """Append a block of samples after those already written.
 

@@ -13,10 +13,7 @@ from common.data.convert.matfile import load_class_names, load_mat_array, split_
 from common.data.convert.raster import ArrayCube, Cube, GeoRef
 from common.errors import DatasetError
 
-MAT_SUFFIXES = (".mat",)
 TIFF_SUFFIXES = (".tif", ".tiff")
-ENVI_SUFFIXES = (".hdr",)
-FORMATS = ("mat", "envi", "geotiff")
 
 
 def source_format(spec: str) -> tuple[str, Path, str | None]:
@@ -27,7 +24,7 @@ def source_format(spec: str) -> tuple[str, Path, str | None]:
             ENVI data file next to its ``.hdr``.
 
     Returns:
-        ``(format, path, key)``; format is one of ``FORMATS``; key only for .mat.
+        ``(format, path, key)``: format ``mat``, ``envi`` or ``geotiff``; key only for .mat.
 
     Raises:
         DatasetError: the file is missing, its format is unknown, or a KEY is given for a
@@ -35,7 +32,7 @@ def source_format(spec: str) -> tuple[str, Path, str | None]:
     """
     path, key = split_spec(spec)
     suffix = path.suffix.lower()
-    if suffix in MAT_SUFFIXES:
+    if suffix == ".mat":
         return "mat", path, key
     if not path.is_file():
         raise DatasetError(f"file {str(path)!r} does not exist")
@@ -43,9 +40,9 @@ def source_format(spec: str) -> tuple[str, Path, str | None]:
         raise DatasetError(f"{spec!r}: a :KEY only applies to .mat files")
     if suffix in TIFF_SUFFIXES:
         return "geotiff", path, None
-    if suffix in ENVI_SUFFIXES or path.with_suffix(".hdr").is_file():
-        return "envi", path, None
-    if Path(str(path) + ".hdr").is_file():
+    if suffix == ".hdr" or any(
+        Path(h).is_file() for h in (path.with_suffix(".hdr"), f"{path}.hdr")
+    ):
         return "envi", path, None
     raise DatasetError(
         f"cannot tell the format of {str(path)!r}: expected FILE.mat[:KEY], a GeoTIFF "
