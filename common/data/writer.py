@@ -127,11 +127,6 @@ class DatasetWriter:
                 f"cannot create dataset file next to {str(self.path)!r}: {exc}"
             ) from exc
 
-    @property
-    def written(self) -> int:
-        """How many samples have been written so far."""
-        return self._written
-
     def write(self, x_block: np.ndarray, y_block: np.ndarray) -> None:
         """Append a block of samples after those already written.
 
@@ -286,13 +281,15 @@ def write_scenes(
     progress: bool = False,
     extra_attrs: dict[str, Any] | None = None,
     extra_datasets: dict[str, np.ndarray] | None = None,
+    block: int | None = None,
 ) -> DatasetMeta:
     """Stream ``count`` images into a scenes dataset file in two passes.
 
     The first pass reads every image and keeps its per-band mean and sum of squared
     deviations; ``split`` then names the classes and splits the samples. The second pass reads
     every image again, checks that it is the one read before, normalises it with the training
-    images' per-band mean and std and writes blocks of about ``BLOCK_BYTES``.
+    images' per-band mean and std and writes blocks of ``block`` images (default: about
+    ``BLOCK_BYTES``).
 
     Args:
         out: the dataset file to write.
@@ -303,6 +300,7 @@ def write_scenes(
         progress: show a progress bar per pass on stderr.
         extra_attrs: more root attributes.
         extra_datasets: more root datasets.
+        block: images per write.
 
     Returns:
         The written dataset's metadata.
@@ -329,7 +327,7 @@ def write_scenes(
     mean32, std32 = mean.astype(np.float32)[:, None, None], std.astype(np.float32)[:, None, None]
     if shape[1] != shape[2]:
         log.warning("images are %s, not square; models get input_size=%d", shape, shape[1])
-    block = max(1, BLOCK_BYTES // (4 * int(np.prod(shape))))
+    block = block or max(1, BLOCK_BYTES // (4 * int(np.prod(shape))))
     log.info("pass 2: writing %s in blocks of %d images", out, block)
     writer = DatasetWriter(
         out, shape, num_samples=count, kind="scenes", class_names=names, source=source

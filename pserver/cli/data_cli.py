@@ -26,6 +26,29 @@ PROGRESS = click.option(
 )
 
 
+SYNTH_SIZES = (  # option, lowest value, help (None: the kind's default, SYNTH_DEFAULTS)
+    (
+        "samples",
+        1,
+        "hsi: cap on labelled pixels used (default: all, about size*size); "
+        "scenes: number of images (default 2000).",
+    ),
+    ("bands", 1, "Spectral bands (default: hsi 64, scenes 13)."),
+    ("size", 1, "hsi: scene side in pixels; scenes: image side (default 64 for both)."),
+    ("classes", 2, "Number of classes (default: hsi 6, scenes 10)."),
+)
+
+
+def _synth_sizes(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``synth``'s size options, in ``SYNTH_SIZES`` order."""
+    for name, low, text in reversed(SYNTH_SIZES):
+        option = click.option(
+            f"--{name}", type=click.IntRange(min=low), show_default=True, help=text
+        )
+        command = option(command)
+    return command
+
+
 def _train_fraction(default: float | None, help: str) -> Any:
     """``--train-fraction``: a fraction in (0, 1)."""
     return click.option(
@@ -261,35 +284,7 @@ def prepare_torch_cmd(
     help="hsi: patches of a synthetic hyperspectral scene; scenes: EuroSAT-shaped images.",
 )
 @OUT
-@click.option(
-    "--samples",
-    type=click.IntRange(min=1),
-    default=None,
-    show_default=True,
-    help="hsi: cap on labelled pixels used (default: all, about size*size); "
-    "scenes: number of images (default 2000).",
-)
-@click.option(
-    "--bands",
-    type=click.IntRange(min=1),
-    default=None,
-    show_default=True,
-    help="Spectral bands (default: hsi 64, scenes 13).",
-)
-@click.option(
-    "--size",
-    type=click.IntRange(min=1),
-    default=None,
-    show_default=True,
-    help="hsi: scene side in pixels; scenes: image side (default 64 for both).",
-)
-@click.option(
-    "--classes",
-    type=click.IntRange(min=2),
-    default=None,
-    show_default=True,
-    help="Number of classes (default: hsi 6, scenes 10).",
-)
+@_synth_sizes
 @click.option("--patch", default=5, show_default=True, type=int, help="hsi only: odd patch side P.")
 @_train_fraction(None, "Training fraction per class (default: hsi 0.1, scenes 0.8).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")

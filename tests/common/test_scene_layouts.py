@@ -34,13 +34,13 @@ def test_bands_by_pixels_with_nrow_ncol(tmp_path: Path) -> None:
     )
     back, layout = load_scene(str(path))
     np.testing.assert_array_equal(back, cube)
-    assert layout.shape == (6, 5)
-    assert "bands x pixels (7 x 30), 6 x 5 from nRow/nCol in the file" in layout.description
+    assert back.shape[:2] == (6, 5)
+    assert "bands x pixels (7 x 30), 6 x 5 from nRow/nCol in the file" in layout
     # pixels x bands with --shape, and (bands, rows, cols) with --bands-first
     scipy.io.savemat(tmp_path / "t.mat", {"X": to_matrix(cube).T})
     back, layout = load_scene(str(tmp_path / "t.mat"), shape=(6, 5))
     np.testing.assert_array_equal(back, cube)
-    assert layout.description.startswith("pixels x bands (30 x 7), 6 x 5 from --shape")
+    assert layout is not None and layout.startswith("pixels x bands (30 x 7), 6 x 5 from --shape")
     scipy.io.savemat(tmp_path / "b.mat", {"X": cube.transpose(2, 0, 1)})
     back, layout = load_scene(str(tmp_path / "b.mat"), bands_first=True)
     np.testing.assert_array_equal(back, cube)

@@ -12,7 +12,7 @@ from rasterio.transform import Affine
 
 import common.data.convert.patches as patches
 from common.data.convert.cube import open_cube
-from common.data.convert.geotiff import GeoTiffCube
+from common.data.convert.geotiff import GdalCube
 from common.errors import DatasetError
 from pserver.outputs.export import RawInput
 from pserver.outputs.model_file import LoadedModel
@@ -44,13 +44,13 @@ def test_predict_reads_windows_and_matches_the_whole_scene(
         f.write(np.moveaxis(cube, -1, 0))
     monkeypatch.setattr(patches, "BAND_BYTES", 7 * (29 + PATCH - 1) * BANDS * 4)
     spans: list[int] = []
-    original = GeoTiffCube.read_rows
+    original = GdalCube.read_rows
 
-    def recording(self: GeoTiffCube, start: int, stop: int) -> np.ndarray:
+    def recording(self: GdalCube, start: int, stop: int) -> np.ndarray:
         spans.append(stop - start)
         return original(self, start, stop)
 
-    monkeypatch.setattr(GeoTiffCube, "read_rows", recording)
+    monkeypatch.setattr(GdalCube, "read_rows", recording)
     model = tiny_model()
     with open_cube(str(tmp_path / "c.tif")) as source:
         classes = predict_scene(model, source, batch=37, progress=False)

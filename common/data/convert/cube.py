@@ -6,16 +6,14 @@ from pathlib import Path
 
 import numpy as np
 
-from common.data.convert.envi import EnviCube, read_envi_labels
-from common.data.convert.geotiff import GeoTiffCube, read_geotiff_labels
+from common.data.convert.envi import envi_data_file
+from common.data.convert.geotiff import GdalCube
+from common.data.convert.layout import load_scene
 from common.data.convert.matfile import load_class_names, load_mat_array, split_spec
 from common.data.convert.raster import ArrayCube, Cube, GeoRef
 from common.errors import DatasetError
 
-MAT_SUFFIXES = (".mat",)
 TIFF_SUFFIXES = (".tif", ".tiff")
-ENVI_SUFFIXES = (".hdr",)
-FORMATS = ("mat", "envi", "geotiff")
 
 
 def source_format(spec: str) -> tuple[str, Path, str | None]:
@@ -26,7 +24,7 @@ def source_format(spec: str) -> tuple[str, Path, str | None]:
             ENVI data file next to its ``.hdr``.
 
     Returns:
-        ``(format, path, key)``; format is one of ``FORMATS``; key only for .mat.
+        ``(format, path, key)``: format ``mat``, ``envi`` or ``geotiff``; key only for .mat.
 
     Raises:
         DatasetError: the file is missing, its format is unknown, or a KEY is given for a
@@ -34,7 +32,7 @@ def source_format(spec: str) -> tuple[str, Path, str | None]:
     """
     path, key = split_spec(spec)
     suffix = path.suffix.lower()
-    if suffix in MAT_SUFFIXES:
+    if suffix == ".mat":
         return "mat", path, key
     if not path.is_file():
         raise DatasetError(f"file {str(path)!r} does not exist")
@@ -42,9 +40,9 @@ def source_format(spec: str) -> tuple[str, Path, str | None]:
         raise DatasetError(f"{spec!r}: a :KEY only applies to .mat files")
     if suffix in TIFF_SUFFIXES:
         return "geotiff", path, None
-    if suffix in ENVI_SUFFIXES or path.with_suffix(".hdr").is_file():
-        return "envi", path, None
-    if Path(str(path) + ".hdr").is_file():
+    if suffix == ".hdr" or any(
+        Path(h).is_file() for h in (path.with_suffix(".hdr"), f"{path}.hdr")
+    ):
         return "envi", path, None
     raise DatasetError(
         f"cannot tell the format of {str(path)!r}: expected FILE.mat[:KEY], a GeoTIFF "
@@ -52,33 +50,36 @@ def source_format(spec: str) -> tuple[str, Path, str | None]:
     )
 
 
-def open_cube(spec: str) -> Cube:
+def open_cube(spec: str, shape: tuple[int, int] | None = None, bands_first: bool = False) -> Cube:
     """Open a hyperspectral scene for reading by rows.
 
-    .mat files (v5 and v7.3) are loaded whole; ENVI and GeoTIFF files are read a window of
-    rows at a time, so scenes larger than memory can be processed.
+    .mat files (v5 and v7.3) are loaded whole, in any layout ``load_scene`` reads; ENVI and
+    GeoTIFF files are read a window of rows at a time, so scenes larger than memory can be
+    processed.
 
     Args:
         spec: see ``source_format``.
+        shape: (rows, cols) of a bands x pixels .mat matrix (see ``load_scene``).
+        bands_first: a .mat cube is (bands, rows, cols), or its matrix is bands x pixels.
 
     Returns:
-        The open scene; close it (or use ``with``).
+        The open scene; close it (or use ``with``). ``layout`` says how a .mat array was read.
 
     Raises:
-        DatasetError: the file is missing, unreadable or not a 3-D numeric cube.
+        DatasetError: the file is missing, unreadable or not a numeric cube in a known layout,
+            or ``shape``/``bands_first`` is given for a file that is not .mat.
     """
     fmt, path, _ = source_format(spec)
-    if fmt == "mat":
-        array = load_mat_array(spec)
-        if array.ndim != 3:
-            raise DatasetError(
-                f"cube {spec!r} must be (rows, cols, bands), got {array.shape}; a bands x "
-                "pixels matrix needs nRow/nCol in the file or --shape ROWS,COLS"
-            )
-        return ArrayCube(array, spec)
+    if fmt != "mat" and (shape is not None or bands_first):
+        raise DatasetError(f"--shape and --bands-first apply to .mat cubes, not to {spec!r}")
     if fmt == "geotiff":
-        return GeoTiffCube(path)
-    return EnviCube(path)
+        return GdalCube(path)
+    if fmt == "envi":
+        return GdalCube(envi_data_file(path), "ENVI file")
+    array, layout = load_scene(spec, shape, bands_first)
+    cube = ArrayCube(array, spec)
+    cube.layout = layout
+    return cube
 
 
 def load_labels(spec: str) -> tuple[np.ndarray, list[str] | None, GeoRef | None]:
@@ -97,15 +98,16 @@ def load_labels(spec: str) -> tuple[np.ndarray, list[str] | None, GeoRef | None]
             are not non-negative integers.
     """
     fmt, path, _ = source_format(spec)
-    names: list[str] | None = None
-    georef: GeoRef | None = None
     if fmt == "mat":
-        labels = load_mat_array(spec)
-        names = load_class_names(path)
-    elif fmt == "geotiff":
-        labels, georef = read_geotiff_labels(path)
+        labels, names, georef = load_mat_array(spec), load_class_names(path), None
     else:
-        labels, names = read_envi_labels(path)
+        with open_cube(spec) as cube:
+            if cube.shape[2] != 1:
+                raise DatasetError(
+                    f"ground truth {spec!r} has {cube.shape[2]} bands; a class map has one"
+                )
+            labels = cube.read_rows(0, cube.shape[0])[..., 0]
+            names, georef = cube.class_names, cube.georef
     if labels.ndim != 2:
         raise DatasetError(f"ground truth {spec!r} must be (rows, cols), got {labels.shape}")
     if labels.dtype.kind == "f" and not np.all(np.mod(labels, 1) == 0):

@@ -1,10 +1,9 @@
-"""GeoTIFF scenes and class maps read and written with rasterio, keeping their georeferencing."""
+"""Rasters via rasterio (GDAL): GeoTIFF and ENVI scenes read by rows; class-map GeoTIFFs written."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -14,8 +13,6 @@ import numpy as np
 
 from common.data.convert.raster import Cube, GeoRef
 from common.errors import DatasetError
-
-log = logging.getLogger(__name__)
 
 # GDAL keeps read blocks in a cache of 5 % of RAM by default, which would undo windowed reads'
 # memory bound; a cube open for row-band reads gets this many MB instead.
@@ -45,28 +42,27 @@ def _georef(dataset: Any) -> GeoRef | None:
     return GeoRef(crs=crs, transform=transform)
 
 
-def georef_of_file(path: Path) -> GeoRef | None:
-    """The georeferencing of any raster GDAL reads, or None when it has none or is unreadable."""
-    import rasterio
+class GdalCube(Cube):
+    """A multi-band raster GDAL reads (GeoTIFF, ENVI), one band per spectral band; reads only
+    the rows asked for.
 
-    try:
-        with _quiet(), rasterio.open(path) as dataset:
-            return _georef(dataset)
-    except rasterio.errors.RasterioError as exc:
-        log.debug("no georeferencing read from %s: %s", path, exc)
-        return None
-
-
-class GeoTiffCube(Cube):
-    """A multi-band GeoTIFF, one band per spectral band; reads only the rows asked for."""
+    Attributes:
+        class_names: an ENVI classification header's class names without its unlabelled
+            class 0, else None.
+    """
 
     windowed = True
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, what: str = "GeoTIFF") -> None:
         """Open ``path``.
 
+        Args:
+            path: the raster (for ENVI, the data file beside its .hdr).
+            what: the format's name in messages.
+
         Raises:
-            DatasetError: the file is not a readable raster or its bands differ in type.
+            DatasetError: the file is not a readable raster or its bands are not numbers of
+                one type.
         """
         import rasterio
 
@@ -75,17 +71,18 @@ class GeoTiffCube(Cube):
         self._stack.enter_context(rasterio.Env(GDAL_CACHEMAX=GDAL_CACHE_MB))
         try:
             with _quiet():
-                self._dataset = self._stack.enter_context(rasterio.open(path))
+                self._dataset = ds = self._stack.enter_context(rasterio.open(path))
         except rasterio.errors.RasterioError as exc:
             self._stack.close()
-            raise DatasetError(f"cannot read GeoTIFF {self.spec!r}: {exc}") from exc
-        ds = self._dataset
-        if len(set(ds.dtypes)) != 1:
+            raise DatasetError(f"cannot read {what} {self.spec!r}: {exc}") from exc
+        if len(set(ds.dtypes)) != 1 or np.dtype(ds.dtypes[0]).kind not in "biuf":
             self._stack.close()
-            raise DatasetError(f"GeoTIFF {self.spec!r} mixes band types {sorted(set(ds.dtypes))}")
+            raise DatasetError(f"{what} {self.spec!r} holds {set(ds.dtypes)}: not one numeric type")
         self.shape = (int(ds.height), int(ds.width), int(ds.count))
         self.dtype = np.dtype(ds.dtypes[0])
         self.georef = _georef(ds)
+        names = ds.tags(ns="ENVI").get("class_names", "").strip("{} ").split(",")
+        self.class_names = [n.strip() for n in names[1:]] if len(names) >= 2 else None
 
     def read_rows(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop``, every column and band, as (rows, cols, bands)."""
@@ -103,28 +100,6 @@ class GeoTiffCube(Cube):
     def close(self) -> None:
         """Close the file (and GDAL's settings for it)."""
         self._stack.close()
-
-
-def read_geotiff_labels(path: Path) -> tuple[np.ndarray, GeoRef | None]:
-    """Read a single-band GeoTIFF class map.
-
-    Returns:
-        ``(labels (rows, cols), georef or None)``.
-
-    Raises:
-        DatasetError: the file is unreadable or has more than one band.
-    """
-    import rasterio
-
-    try:
-        with _quiet(), rasterio.open(path) as dataset:
-            if dataset.count != 1:
-                raise DatasetError(
-                    f"ground truth {str(path)!r} has {dataset.count} bands; a class map has one"
-                )
-            return dataset.read(1), _georef(dataset)
-    except rasterio.errors.RasterioError as exc:
-        raise DatasetError(f"cannot read GeoTIFF {str(path)!r}: {exc}") from exc
 
 
 def write_class_geotiff(

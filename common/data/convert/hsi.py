@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from common.data.codec import RAW_DTYPES
-from common.data.convert.cube import load_labels, open_cube, source_format
-from common.data.convert.layout import DEFAULT_MIN_ABUNDANCE, abundance_labels, load_scene
+from common.data.convert.cube import load_labels, open_cube
+from common.data.convert.layout import DEFAULT_MIN_ABUNDANCE, abundance_labels
 from common.data.convert.patches import iter_bands, rows_per_band
 from common.data.convert.raster import ArrayCube, Cube
 from common.data.dataset import DatasetMeta, DatasetReader
@@ -199,23 +198,6 @@ def _stored_dtype(cube: np.ndarray | Cube, x_dtype: str) -> str:
     return np.dtype(cube.dtype).name
 
 
-@contextmanager
-def _open_scene(
-    spec: str, shape: tuple[int, int] | None, bands_first: bool
-) -> Iterator[tuple[Cube, str]]:
-    """Open the cube and describe its layout; .mat files may be in any distributed layout."""
-    if source_format(spec)[0] == "mat":
-        array, layout = load_scene(spec, shape, bands_first)
-        with ArrayCube(array, spec) as cube:
-            yield cube, layout.description
-        return
-    if shape is not None or bands_first:
-        raise DatasetError(f"--shape and --bands-first apply to .mat cubes, not to {spec!r}")
-    with open_cube(spec) as cube:
-        r, c, b = cube.shape
-        yield cube, f"rows x cols x bands ({r} x {c} x {b})"
-
-
 def prepare_hsi(
     cube_spec: str,
     gt_spec: str,
@@ -268,14 +250,9 @@ def prepare_hsi(
         DatasetError: a file or key is missing, shapes disagree, labels are not non-negative
             integers, or an argument is out of range.
     """
-    if not (isinstance(patch, (int, np.integer)) and patch >= 1 and patch % 2 == 1):
-        raise DatasetError(f"patch must be an odd integer >= 1, got {patch!r}")
-    if not 0.0 < train_fraction < 1.0:
-        raise DatasetError(f"train_fraction must be in (0, 1), got {train_fraction!r}")
-    if split not in SPLITS:
-        raise DatasetError(f"split must be one of {SPLITS}, got {split!r}")
-    with _open_scene(cube_spec, shape, bands_first) as (cube, layout):
-        rows, cols, _ = cube.shape
+    with open_cube(cube_spec, shape, bands_first) as cube:
+        rows, cols, bands = cube.shape
+        layout = cube.layout or f"rows x cols x bands ({rows} x {cols} x {bands})"
         if gt_abundance:
             gt, names, gt_layout = abundance_labels(gt_spec, (rows, cols), min_abundance)
             gt_georef = None

@@ -10,7 +10,6 @@ cube and the (rows, cols) class map the rest of the pipeline reads, and says wha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,19 +22,6 @@ COLS_KEYS = ("nCol", "ncol", "nCols", "cols")
 NAME_KEYS = ("class_names", "cood")
 ABUNDANCE_KEY = "A"
 DEFAULT_MIN_ABUNDANCE = 0.5
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a scene array was read.
-
-    Attributes:
-        description: one line for the user, e.g. ``bands x pixels (198 x 10000), ...``.
-        shape: (rows, cols) of the scene.
-    """
-
-    description: str
-    shape: tuple[int, int]
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -138,7 +124,7 @@ def pixels_to_grid(
 
 def load_scene(
     spec: str, shape: tuple[int, int] | None = None, bands_first: bool = False
-) -> tuple[np.ndarray, Layout]:
+) -> tuple[np.ndarray, str | None]:
     """Load a .mat scene in any of the layouts it is distributed in, as (rows, cols, bands).
 
     Layouts: a (rows, cols, bands) cube; a (bands, rows, cols) cube with ``bands_first``; a
@@ -152,7 +138,8 @@ def load_scene(
         bands_first: a 3-D array is (bands, rows, cols); a 2-D one is bands x pixels.
 
     Returns:
-        ``(cube, layout)``.
+        ``(cube, layout)``: the layout says how the array was read, None for a plain
+        (rows, cols, bands) cube.
 
     Raises:
         DatasetError: the file cannot be read or its shape does not fit any layout.
@@ -166,11 +153,9 @@ def load_scene(
     if array.ndim == 3:
         if bands_first:
             b, r, c = array.shape
-            return np.ascontiguousarray(array.transpose(1, 2, 0)), Layout(
-                f"bands x rows x cols ({b} x {r} x {c}) -> {r} x {c} x {b}", (r, c)
-            )
-        r, c, b = array.shape
-        return array, Layout(f"rows x cols x bands ({r} x {c} x {b})", (r, c))
+            layout = f"bands x rows x cols ({b} x {r} x {c}) -> {r} x {c} x {b}"
+            return np.ascontiguousarray(array.transpose(1, 2, 0)), layout
+        return array, None
     if array.ndim != 2:
         raise DatasetError(
             f"cube {spec!r} must be (rows, cols, bands), (bands, rows, cols) with --bands-first, "
@@ -186,10 +171,9 @@ def load_scene(
         )
     cube, orientation = pixels_to_grid(array, shape, True if bands_first else None, name)
     rows, cols, bands = cube.shape
-    return cube, Layout(
+    return cube, (
         f"{orientation} ({array.shape[0]} x {array.shape[1]}), {rows} x {cols} from {where}, "
-        f"pixels in column-major order -> {rows} x {cols} x {bands}",
-        (rows, cols),
+        f"pixels in column-major order -> {rows} x {cols} x {bands}"
     )
 
 

@@ -32,6 +32,8 @@ class Cube:
         shape: (rows, cols, bands).
         dtype: the stored sample type.
         georef: georeferencing when the file has it.
+        class_names: names of classes 1..K when the file holds a named class map.
+        layout: how the stored array became (rows, cols, bands), when not stored so.
         windowed: True when ``read_rows`` reads only the rows asked for (ENVI, GeoTIFF);
             False when the whole scene is in memory (.mat).
     """
@@ -40,6 +42,8 @@ class Cube:
     shape: tuple[int, int, int]
     dtype: np.dtype
     georef: GeoRef | None = None
+    class_names: list[str] | None = None
+    layout: str | None = None
     windowed: bool = False
 
     def read_rows(self, start: int, stop: int) -> np.ndarray:

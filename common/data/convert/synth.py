@@ -10,14 +10,15 @@ import numpy as np
 from scipy.ndimage import gaussian_filter
 
 from common.data.convert.hsi import write_patch_dataset
-from common.data.dataset import DatasetMeta, DatasetReader
+from common.data.dataset import DatasetMeta
 from common.data.splits import stratified_split
-from common.data.writer import DatasetWriter
+from common.data.writer import write_scenes
 from common.errors import DatasetError
 
 log = logging.getLogger(__name__)
 
-SCENE_BLOCK = 256  # images generated and written at a time
+SCENE_BLOCK = 256  # images generated at a time
+WRITE_BLOCK = 32  # images normalised and written at a time (beside the generated block)
 # Difficulty of the scenes, tuned so scene-cnn is near 0.5 after one epoch and above 0.85
 # after a few (see docs/data.md): angle jitter (radians), distractor texture strength,
 # texture strength, pixel noise, spread of the spectral signatures.
@@ -239,8 +240,8 @@ def synth_scenes(
     or isotropic blobs of a class-specific frequency/scale); each texture is shared by two
     classes with different signatures, so a model needs both. Images get random brightness,
     texture jitter, a smooth background and pixel noise. Generation is streamed in blocks and
-    runs twice with the same seeds: once for the per-band mean/std of the training images,
-    once to write normalised data.
+    runs twice with the same seeds (``write_scenes``): once for the per-band mean/std of the
+    training images, once to write normalised data.
 
     Args:
         out: the dataset file to write.
@@ -264,43 +265,22 @@ def synth_scenes(
         raise DatasetError(f"samples must be >= 2 * classes = {2 * classes}, got {samples}")
     model = _SceneModel(bands, size, classes=classes, seed=seed)
     y = np.random.default_rng([seed, 404]).permutation(np.arange(samples) % classes)
-    train, test = stratified_split(y, train_fraction, seed, classes)
-    is_train = np.zeros(samples, dtype=bool)
-    is_train[train] = True
-    total = np.zeros(bands)
-    total_sq = np.zeros(bands)
-    for b, start in enumerate(range(0, samples, SCENE_BLOCK)):
-        sel = is_train[start : start + SCENE_BLOCK]
-        if sel.any():
-            x = model.block(y[start : start + SCENE_BLOCK], b)[sel]
-            total += x.sum(axis=(0, 2, 3), dtype=np.float64)
-            total_sq += np.einsum("nchw,nchw->c", x, x, dtype=np.float64)
-    count = train.size * size * size
-    mean = total / count
-    std = np.sqrt(np.maximum(total_sq / count - mean**2, 0.0))
-    std[std < 1e-12] = 1.0
+    blocks: dict[int, np.ndarray] = {}  # the block being read (both passes go in order)
+
+    def read(i: int) -> tuple[np.ndarray, int]:
+        b = i // SCENE_BLOCK
+        if b not in blocks:
+            blocks.clear()
+            blocks[b] = model.block(y[b * SCENE_BLOCK : (b + 1) * SCENE_BLOCK], b)
+        return blocks[b][i % SCENE_BLOCK], int(y[i])
+
     names = [f"class_{i}" for i in range(1, classes + 1)]
-    source = f"synth scenes bands={bands} size={size} classes={classes} seed={seed}"
-    with DatasetWriter(
+    return write_scenes(
         out,
-        (bands, size, size),
-        num_samples=samples,
-        kind="scenes",
-        class_names=names,
-        source=source,
-    ) as w:
-        for b, start in enumerate(range(0, samples, SCENE_BLOCK)):
-            yb = y[start : start + SCENE_BLOCK]
-            x = model.block(yb, b)
-            x -= mean.astype(np.float32)[:, None, None]
-            x /= std.astype(np.float32)[:, None, None]
-            w.write(x, yb)
-        w.close(
-            train,
-            test,
-            extra_attrs={"synthetic": 1, "train_fraction": float(train_fraction), "seed": seed},
-            norm_mean=mean,
-            norm_std=std,
-        )
-    with DatasetReader(out, cache_bytes=0) as reader:
-        return reader.meta
+        read,
+        samples,
+        lambda labels: (names, *stratified_split(labels, train_fraction, seed, classes)),
+        source=f"synth scenes bands={bands} size={size} classes={classes} seed={seed}",
+        extra_attrs={"synthetic": 1, "train_fraction": float(train_fraction), "seed": seed},
+        block=WRITE_BLOCK,
+    )
