@@ -224,7 +224,7 @@ def train_options(func: F) -> F:
 
 
 def async_options(func: F) -> F:
-    """--staleness and --max-staleness, passed to ``pserver start`` (local and compare)."""
+    """--staleness and --max-staleness, passed to ``pserver start`` (local, compare, slurm)."""
     return _apply(
         func,
         [

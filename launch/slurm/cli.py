@@ -216,7 +216,10 @@ def slurm(
             click.echo(f"pslaunch: stopped waiting; job {job_id} goes on", err=True)
             sys.exit(130)
         click.echo(f"pslaunch: job {job_id} ended: {end.state}, exit code {end.exit_code}")
-        click.echo(summary_tables(read_summary(job.run_dir)))
+        try:
+            click.echo(summary_tables(read_summary(job.run_dir)))
+        except PSError as exc:
+            raise PSError(f"job {job_id}: {exc}") from exc
     except PSError as exc:
         raise click.ClickException(str(exc)) from exc
     if not end.ok:

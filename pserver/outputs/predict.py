@@ -70,8 +70,8 @@ def predict_scene(
         else uint16).
 
     Raises:
-        ModelError, DatasetError: see ``check_scene``; DatasetError when ``batch`` < 1 or the
-            cube is unreadable.
+        ModelError, DatasetError: see ``check_scene``; DatasetError when ``batch`` < 1, the
+            cube is unreadable or ``proba`` is not such an array.
     """
     if batch < 1:
         raise DatasetError(f"batch must be >= 1, got {batch}")
@@ -80,6 +80,12 @@ def predict_scene(
     nodata = nodata_index(model.class_names)
     out = np.zeros((rows, cols), dtype=np.uint8 if nodata <= 255 else np.uint16)
     flat = out.reshape(-1)
+    if proba is not None and (
+        proba.shape != (rows, cols, nodata)
+        or proba.dtype != np.float32
+        or not proba.flags.c_contiguous
+    ):
+        raise DatasetError(f"proba must be a C-contiguous ({rows}, {cols}, {nodata}) float32 array")
     probs = None if proba is None else proba.reshape(rows * cols, nodata)
     bar = tqdm(total=rows * cols, unit="px", unit_scale=True, desc="predict", disable=not progress)
     with bar:

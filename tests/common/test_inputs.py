@@ -192,6 +192,17 @@ def _envi_header(path: Path, rows: int, cols: int, bands: int) -> None:
     )
 
 
+@pytest.mark.parametrize("lines", ["+4000000", "4000000\t;x"])
+def test_header_numbers_only_gdal_reads_are_checked_too(tmp_path: Path, lines: str) -> None:
+    """The size check runs again on the header as GDAL read it."""
+    (tmp_path / "scene.img").write_bytes(bytes(240))
+    _envi_header(tmp_path / "scene.hdr", 4, 5, 3)
+    text = (tmp_path / "scene.hdr").read_text().replace("lines = 4\n", f"lines = {lines}\n")
+    (tmp_path / "scene.hdr").write_text(text)
+    with pytest.raises(DatasetError, match=r"4000000 x 5 x 3 .* but its data .* holds 240"):
+        open_cube(str(tmp_path / "scene.hdr"))
+
+
 @pytest.mark.parametrize(("rows", "cols", "bands"), [(10**6, 10**6, 16), (10, 10, 10**11)])
 def test_an_envi_header_larger_than_its_data_is_refused(
     tmp_path: Path, rows: int, cols: int, bands: int

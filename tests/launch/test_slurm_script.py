@@ -18,6 +18,7 @@ from launch.settings import TrainSettings
 from launch.slurm.config import SlurmJob, time_limit_s
 from launch.slurm.groups import Group, parse_het, spread_shards
 from launch.slurm.node import address, pick_device, shard_command, worker_command
+from launch.slurm.node import main as node_main
 from launch.slurm.script import render, resources, worker_extras
 from launch.slurm.submit import check_run_dir
 
@@ -524,3 +525,19 @@ def test_the_job_drops_option_variables_of_the_submitting_shell(tmp_path: Path) 
     names = {line.split("=", 1)[0] for line in done.stdout.splitlines()}
     assert "KEEP_ME" in names and not {n for n in names if n.startswith(("PSERVER_", "WORKER_"))}
     assert "PSLAUNCH_LOCAL_WORKERS" not in names
+
+
+def test_node_ddp_runs_the_rendezvous_with_the_same_options(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[list[str]] = []
+
+    def execv(path: str, argv: list[str]) -> None:  # replacing pytest's own process is no test
+        calls.append([path, *argv])
+        raise SystemExit(0)
+
+    monkeypatch.setattr("launch.slurm.node.os.execv", execv)
+    result = CliRunner().invoke(node_main, ["ddp", "--config", "job/ddp_config.json", "--gpu"])
+    assert result.exit_code == 0, result.output
+    rank = ["launch.slurm.rendezvous", "--config", "job/ddp_config.json", "--gpu"]
+    assert calls == [[sys.executable, sys.executable, "-m", *rank]]

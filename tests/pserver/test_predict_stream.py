@@ -103,6 +103,9 @@ def test_pixels_with_nan_in_their_patch_are_no_data_not_a_class(tmp_path: Path) 
     with open_cube(str(tmp_path / "c.tif")) as source:
         classes = predict_scene(model, source, batch=16, progress=False)
         np.testing.assert_array_equal(predict_scene(model, source, 7, False, proba), classes)
+        for wrong in (np.empty((10, 12, len(model.class_names)), np.float32), proba[:, ::-1]):
+            with pytest.raises(DatasetError, match="C-contiguous"):  # filled, then lost
+                predict_scene(model, source, 7, False, wrong)
     expected = np.zeros((12, 10), dtype=bool)
     expected[4:7, 3:6] = True
     expected[0:2, 8:10] = True

@@ -75,7 +75,7 @@ def open_cube(spec: str, shape: tuple[int, int] | None = None, bands_first: bool
     if fmt == "geotiff":
         return GdalCube(path)
     if fmt == "envi":
-        return GdalCube(envi_data_file(path), "ENVI file")
+        return GdalCube(envi_data_file(path), "ENVI file", driver="ENVI")
     array, layout = load_scene(spec, shape, bands_first)
     cube = ArrayCube(array, spec)
     cube.layout = layout

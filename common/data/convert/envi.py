@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def envi_data_file(path: Path) -> Path:
         if not header.is_file():
             header = Path(str(path) + ".hdr")
     try:
-        text, held = header.read_text(errors="replace"), data.stat().st_size
+        text = header.read_text(errors="replace")
     except OSError as exc:
         raise DatasetError(f"cannot read ENVI file {str(path)!r}: {exc}") from exc
     pattern = r"^\s*(samples|lines|bands|header\s+offset|data\s+type)\s*=\s*(\d+)\s*$"
@@ -51,13 +52,32 @@ def envi_data_file(path: Path) -> Path:
     numbers = {"header offset": 0} | {" ".join(k.lower().split()): int(v) for k, v in found}
     if len(numbers) < 5 or numbers["data type"] not in DATA_TYPES:
         return data  # GDAL says what is wrong with it
-    rows, cols, bands = numbers["lines"], numbers["samples"], numbers["bands"]
-    dtype = np.dtype(DATA_TYPES[numbers["data type"]])
-    needed = numbers["header offset"] + rows * cols * bands * dtype.itemsize
-    if min(rows, cols, bands) < 1 or needed > held:
+    shape = (numbers["lines"], numbers["samples"], numbers["bands"])
+    check_size(
+        path, data, shape, np.dtype(DATA_TYPES[numbers["data type"]]), numbers["header offset"]
+    )
+    return data
+
+
+def check_size(
+    path: Path, data: Path, shape: tuple[int, int, int], dtype: np.dtype, offset: int | str
+) -> None:
+    """Refuse an ENVI scene whose (rows, cols, bands) of ``dtype`` after ``offset`` bytes need
+    more bytes than its data file holds; run on the header as read here and again on what
+    GDAL opened.
+
+    Raises:
+        DatasetError: the header offset is not a number, the data file cannot be read, or the
+            header describes more data than the file holds.
+    """
+    try:
+        needed = int(offset) + math.prod(shape) * dtype.itemsize
+        held = data.stat().st_size
+    except (ValueError, OSError) as exc:
+        raise DatasetError(f"cannot read ENVI file {str(path)!r}: {exc}") from exc
+    if min(shape) < 1 or needed > held:
         raise DatasetError(
-            f"ENVI header of {str(path)!r} describes {rows} x {cols} x {bands} "
+            f"ENVI header of {str(path)!r} describes {' x '.join(map(str, shape))} "
             f"{dtype.name} values ({needed} bytes), but its data file {str(data)!r} holds "
             f"{held} bytes"
         )
-    return data

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from common.data.convert.envi import check_size
 from common.data.convert.raster import Cube, GeoRef
 from common.errors import DatasetError
 
@@ -53,16 +54,18 @@ class GdalCube(Cube):
 
     windowed = True
 
-    def __init__(self, path: Path, what: str = "GeoTIFF") -> None:
+    def __init__(self, path: Path, what: str = "GeoTIFF", *, driver: str | None = None) -> None:
         """Open ``path``.
 
         Args:
             path: the raster (for ENVI, the data file beside its .hdr).
             what: the format's name in messages.
+            driver: the GDAL driver to open it with (None: GDAL picks); with ``ENVI`` the
+                header GDAL read is checked against the data file's size.
 
         Raises:
-            DatasetError: the file is not a readable raster or its bands are not numbers of
-                one type.
+            DatasetError: the file is not a readable raster, its bands are not numbers of
+                one type, or (ENVI) its header describes more data than the file holds.
         """
         import rasterio
 
@@ -71,7 +74,7 @@ class GdalCube(Cube):
         self._stack.enter_context(rasterio.Env(GDAL_CACHEMAX=GDAL_CACHE_MB))
         try:
             with _quiet():
-                self._dataset = ds = self._stack.enter_context(rasterio.open(path))
+                self._dataset = ds = self._stack.enter_context(rasterio.open(path, driver=driver))
         except rasterio.errors.RasterioError as exc:
             self._stack.close()
             raise DatasetError(f"cannot read {what} {self.spec!r}: {exc}") from exc
@@ -80,6 +83,14 @@ class GdalCube(Cube):
             raise DatasetError(f"{what} {self.spec!r} holds {set(ds.dtypes)}: not one numeric type")
         self.shape = (int(ds.height), int(ds.width), int(ds.count))
         self.dtype = np.dtype(ds.dtypes[0])
+        if driver == "ENVI":
+            try:
+                check_size(
+                    path, path, self.shape, self.dtype, ds.tags(ns="ENVI").get("header_offset", 0)
+                )
+            except DatasetError:
+                self._stack.close()
+                raise
         self.georef = _georef(ds)
         names = ds.tags(ns="ENVI").get("class_names", "").strip("{} ").split(",")
         self.class_names = [n.strip() for n in names[1:]] if len(names) >= 2 else None
