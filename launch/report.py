@@ -26,13 +26,6 @@ RESULT_COLUMNS = (
     "restarts",
 )
 RESTART_KEYS = ("restarts", "worker_restarts", "versions_replayed", "lost_samples", "restart_s")
-SPEEDUP_COLUMNS = (
-    "mode",
-    "epoch time vs ddp",
-    "epoch time vs equal-sync",
-    "time to target vs ddp",
-    "time to target vs equal-sync",
-)
 
 
 def spread(values: Sequence[float | None]) -> tuple[float, float, float] | None:
@@ -263,11 +256,8 @@ def schedule_section(data: dict[str, Any]) -> list[str]:
 
 def subset_note(data: dict[str, Any]) -> str:
     """The sentence marking in-run scores on a subset of the test split (OA*), if any."""
-    from launch.figures import subset_points
-
-    sizes = sorted(
-        {p["subset"] for r in data["runs"] if "error" not in r for p in subset_points(r)}
-    )
+    runs = [r for r in data["runs"] if "error" not in r]
+    sizes = sorted({p["subset"] for r in runs for p in figures.subset_points(r)})
     if not sizes:
         return ""
     return (
@@ -403,9 +393,8 @@ def per_class_section(data: dict[str, Any]) -> list[str]:
     Returns:
         The section's lines (empty when no run's summary has ``per_class``).
     """
-    names: list[str] = []
+    first: dict[str, Any] = {}  # the first mode's first run names the classes
     rows = []
-    support: list[int] = []
     for mode in data["settings"]["modes"]:
         found = [
             r["summary"]["per_class"]
@@ -414,20 +403,18 @@ def per_class_section(data: dict[str, Any]) -> list[str]:
         ]
         if not found:
             continue
-        names = names or list(found[0]["names"])
-        support = support or list(found[0]["support"])
+        first = first or found[0]
         row = [mode]
-        for k in range(len(names)):
+        for k in range(len(first["names"])):
             stats = spread([p["accuracy"][k] for p in found if k < len(p["accuracy"])])
-            if stats is None:
-                row.append("-")
-            elif stats[0] == stats[2]:
-                row.append(f"{stats[1]:.3f}")
-            else:
-                row.append(f"{stats[1]:.3f} ({stats[0]:.3f}-{stats[2]:.3f})")
+            cell = "-" if stats is None else f"{stats[1]:.3f}"
+            if stats is not None and stats[0] != stats[2]:
+                cell += f" ({stats[0]:.3f}-{stats[2]:.3f})"
+            row.append(cell)
         rows.append(row)
     if not rows:
         return []
+    names, support = first["names"], first["support"]
     headers = ["mode", *(f"{n} (n={s})" for n, s in zip(names, support, strict=False))]
     return [
         "## Per-class accuracy (final evaluation, median over repeats, min-max in brackets)",
