@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +45,18 @@ def wrapped(text: str, fig: Any, fontsize: float) -> str:
     return "\n".join(textwrap.fill(line, chars) for line in text.split("\n"))
 
 
-def representative(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run whose epoch time is the median of its mode (the lower one for an even count)."""
-    ordered = sorted(runs, key=lambda r: r["epoch_time_s"] or 0.0)
-    return ordered[(len(ordered) - 1) // 2]
+def representatives(
+    data: dict[str, Any], keep: Callable[[dict[str, Any]], bool] = lambda run: True
+) -> dict[str, dict[str, Any]]:
+    """Per mode, of its runs that ended without an error (and that ``keep``), the one whose
+    epoch time is the median (the lower one for an even count); modes without such runs are
+    left out."""
+    out = {}
+    for mode in data["settings"]["modes"]:
+        runs = [r for r in data["runs"] if r["mode"] == mode and "error" not in r and keep(r)]
+        if runs:
+            out[mode] = sorted(runs, key=lambda r: r["epoch_time_s"] or 0.0)[(len(runs) - 1) // 2]
+    return out
 
 
 def settings_title(settings: dict[str, Any]) -> str:
@@ -182,13 +190,9 @@ def plot_curves(data: dict[str, Any], stem: Path) -> list[str]:
 def scheduled_runs(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per mode whose runs recorded the schedule they applied (``summary["schedule"]``), its
     run of median epoch time; empty without an emulated cluster."""
-    out = {}
-    for mode in data["settings"]["modes"]:
-        runs = [r for r in data["runs"] if r["mode"] == mode and "error" not in r]
-        runs = [r for r in runs if r["summary"].get("schedule") is not None]
-        if runs and data["settings"].get("cluster"):
-            out[mode] = representative(runs)
-    return out
+    if not data["settings"].get("cluster"):
+        return {}
+    return representatives(data, lambda r: r["summary"].get("schedule") is not None)
 
 
 def budget_steps(
@@ -282,11 +286,7 @@ def plot_timeline(data: dict[str, Any], stem: Path) -> list[str] | None:
         The paths written, or None when no run has round events (async only).
     """
     panels = []
-    for mode in data["settings"]["modes"]:
-        runs = [r for r in data["runs"] if r["mode"] == mode and "error" not in r]
-        if not runs:
-            continue
-        run = representative(runs)
+    for mode, run in representatives(data).items():
         events = round_events(Path(run["run_dir"]))
         everyone = {part.worker for event in events for part in breakdown(event)}
         rounds = _window(events, TIMELINE_ROUNDS)
@@ -349,9 +349,8 @@ def plot_confusion(data: dict[str, Any], stem: Path) -> list[str] | None:
         The paths written, or None (with a logged reason) when no summary has the matrix.
     """
     panels = []
-    for mode in data["settings"]["modes"]:
-        runs = [r for r in data["runs"] if r["mode"] == mode and "error" not in r]
-        found = confusion_of(representative(runs)["summary"]) if runs else None
+    for mode, run in representatives(data).items():
+        found = confusion_of(run["summary"])
         if found is not None:
             panels.append((mode, *found))
     if not panels:
