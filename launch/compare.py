@@ -26,6 +26,7 @@ from common import rundir
 from common.config import need
 from common.data.dataset import DatasetReader
 from common.errors import ConfigError, PSError
+from common.safefile import write_atomic
 from common.training.rounds import round_events, round_spread
 from common.training.tables import oa_text
 from launch.cluster.nodes import Nodes
@@ -165,7 +166,6 @@ class CompareConfig:
             )
         if self.snapshot_every is not None and self.snapshot_every < 1:
             raise ConfigError(f"--snapshot-every must be >= 1, got {self.snapshot_every}")
-        need(self.threads >= 1, f"--threads must be >= 1, got {self.threads}")
         self.cluster("weighted-sync", self.out).validate()
         self.ddp("ddp", self.out).validate()
         need(
@@ -456,13 +456,20 @@ def run_compare(config: CompareConfig, show_progress: bool = True) -> dict[str, 
     if config.resume:
         data = _resumed(config)
     else:
+        from launch.initial import initial_scores  # torch only when a comparison starts
+
         # nothing of an earlier comparison, finished or not, may stay
         if any((config.out / name).exists() for name in COMPARISON_FILES):
             log.info("compare: removing the earlier comparison in %s", config.out)
             shutil.rmtree(config.out)
         config.out.mkdir(parents=True, exist_ok=True)
-        data = {"settings": config.settings(), "runs": []}
-        data["initial"] = _initial_scores(config, show_progress)  # the curves' t = 0 point
+        data = {"settings": config.settings(), "runs": [], "initial": None}
+        try:  # the scores of the initial model all runs share: the curves' t = 0 point
+            data["initial"] = initial_scores(
+                config.dataset, config.model, config.train.seed, progress=show_progress
+            )
+        except PSError as exc:
+            log.warning("compare: no t = 0 point: %s", exc)
     with DatasetReader(config.dataset, cache_bytes=0) as reader:
         epoch_samples = len(reader.train_indices)
     total = config.repeats * len(config.modes)
@@ -586,18 +593,6 @@ def _run_slurm(
     return run_job(job, command, config.slurm.wait_timeout_s, on_submit=submitted)
 
 
-def _initial_scores(config: CompareConfig, progress: bool) -> dict[str, float] | None:
-    """Scores of the initial model all runs share; None (logged) if it cannot be built."""
-    from launch.initial import initial_scores
-
-    try:
-        return initial_scores(config.dataset, config.model, config.train.seed, progress=progress)
-    except PSError as exc:
-        log.warning("compare: no t = 0 point: %s", exc)
-        return None
-
-
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    text = json.dumps(data, indent=2) + "\n"
+    write_atomic(path, lambda handle: handle.write(text.encode()))

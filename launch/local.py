@@ -21,6 +21,7 @@ from common.data.dataset import DatasetReader
 from common.errors import ConfigError, PSError
 from common.procs import Children, TextSink, python_module
 from common.protocol.security import write_shard_secret
+from common.safefile import write_atomic
 from launch.cluster.netns import Host, Placement, cluster_hosts
 from launch.cluster.nodes import Nodes
 from launch.cluster.schedule import ScheduleFollower, ScheduleRunner
@@ -216,8 +217,10 @@ def run_local(
             children.stop()  # any straggler is stopped
     except BaseException:
         server = None if supervisor is None else supervisor.server
+        budget = _option(cluster.server_options, "--shutdown-timeout")  # how long it may stop
+        grace = ServerConfig.shutdown_timeout_s if budget is None else float(budget)
         with second_signal_kills(children):
-            children.stop(server, first_grace_s=_shutdown_budget_s(cluster.server_options))
+            children.stop(server, first_grace_s=grace + SHUTDOWN_MARGIN_S)
         raise
     finally:
         children.close()
@@ -266,9 +269,8 @@ def _record(summary_path: Path, cluster: LocalCluster, launch: dict[str, Any]) -
                 node = cluster.nodes.workers[index].describe()
                 worker.update({k: node[k] for k in ("cpus", "schedule", "link")})
         summary["cluster"] = cluster.nodes.describe()
-    tmp = summary_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(summary_path)
+    text = json.dumps(summary, indent=2) + "\n"
+    write_atomic(summary_path, lambda handle: handle.write(text.encode()))
     return summary
 
 
@@ -361,14 +363,6 @@ def worker_name(index: int, slowdown: float, cores: float | None) -> str:
     if cores is None:
         return f"w{index}-x{slowdown:g}"
     return f"w{index}-{cores:g}c" + (f"-x{slowdown:g}" if slowdown != 1 else "")
-
-
-def _shutdown_budget_s(server_options: Sequence[str]) -> float:
-    """How long the server may take to stop: its ``--shutdown-timeout`` and a margin."""
-    budget = _option(server_options, "--shutdown-timeout")
-    return (
-        ServerConfig.shutdown_timeout_s if budget is None else float(budget)
-    ) + SHUTDOWN_MARGIN_S
 
 
 def _schedule(cluster: LocalCluster, actions: Supervisor) -> ScheduleRunner | None:

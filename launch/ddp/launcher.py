@@ -51,15 +51,6 @@ def use_loopback(env: MutableMapping[str, str]) -> None:
             env["GLOO_SOCKET_IFNAME"] = names[0]
 
 
-def _rank_env(links: bool = False) -> dict[str, str]:
-    env = child_environment(os.environ, PYTHONUNBUFFERED="1")
-    if links:
-        env["GLOO_SOCKET_IFNAME"] = HOST_INTERFACE  # every host's one link
-    else:
-        use_loopback(env)  # all ranks are on 127.0.0.1
-    return env
-
-
 def run_ddp(
     config: DDPConfig,
     log_stream: TextSink | None = None,
@@ -98,7 +89,11 @@ def run_ddp(
         log_stream = own_log
     sink = log_stream
     stores: list[Any] = []  # the rendezvous of the running group
-    env = _rank_env(config.nodes is not None and config.nodes.links)
+    env = child_environment(os.environ, PYTHONUNBUFFERED="1")
+    if config.nodes is not None and config.nodes.links:
+        env["GLOO_SOCKET_IFNAME"] = HOST_INTERFACE  # every host's one link
+    else:
+        use_loopback(env)  # all ranks are on 127.0.0.1
     hosts_scope = contextlib.ExitStack()  # closed after the ranks have been stopped
     budgets = Nodes(config.nodes, server=False, allow_oversubscribe=config.allow_oversubscribe)
     mark = EventsMark(metrics)  # a resumed run's events start after the earlier ones
