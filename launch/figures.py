@@ -141,8 +141,17 @@ def plot_curves(data: dict[str, Any], stem: Path) -> list[str]:
         constrained_layout=True,
     )
     left, right = axes["time"], axes["samples"]
-    for mode, run in scheduled.items():
-        draw_budgets(axes[f"budget {mode}"], mode, run, settings["cluster"], left)
+    for mode, run in scheduled.items():  # one panel of node budgets per mode, under the time axis
+        axis, summary, cluster = axes[f"budget {mode}"], run["summary"], settings["cluster"]
+        axis.sharex(left)
+        steps = budget_steps(cluster, summary["schedule"], summary.get("train_time_s") or 0.0)
+        for index, (times, cores) in enumerate(steps):
+            axis.step(times, cores, where="post", label=f"node {index}", linewidth=1.4)
+        axis.set_ylim(bottom=0)
+        axis.set_ylabel("cores", fontsize=8)
+        axis.set_title(f"{mode}, repeat {run['repeat']}: CPU budget per node", fontsize=8)
+        axis.grid(alpha=0.3)
+        axis.legend(loc="upper right", fontsize=7, ncols=len(cluster["workers"]))
     target = settings.get("target_oa")
     for index, mode in enumerate(settings["modes"]):
         runs = [r for r in data["runs"] if r["mode"] == mode and "error" not in r and r["curve"]]
@@ -210,27 +219,6 @@ def budget_steps(
     return lines
 
 
-def draw_budgets(
-    axis: Any, mode: str, run: dict[str, Any], cluster: dict[str, Any], shared: Any
-) -> None:
-    """One mode's panel of node budgets over training time, on the x axis of ``shared``."""
-    axis.sharex(shared)
-    end = run["summary"].get("train_time_s") or 0.0
-    for index, (times, cores) in enumerate(budget_steps(cluster, run["summary"]["schedule"], end)):
-        axis.step(times, cores, where="post", label=f"node {index}", linewidth=1.4)
-    axis.set_ylim(bottom=0)
-    axis.set_ylabel("cores", fontsize=8)
-    axis.set_title(f"{mode}, repeat {run['repeat']}: CPU budget per node", fontsize=8)
-    axis.grid(alpha=0.3)
-    axis.legend(loc="upper right", fontsize=7, ncols=len(cluster["workers"]))
-
-
-def _window(rounds: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
-    """``count`` consecutive rounds from the middle of the run (past the warm-up)."""
-    start = max((len(rounds) - count) // 2, 0)
-    return rounds[start : start + count]
-
-
 def _draw_timeline(axis: Any, rounds: list[dict[str, Any]], everyone: set[str]) -> set[str]:
     """Draw one run's rounds, one row per worker of the run (``everyone``); returns notes on
     derived quantities and on the workers that sat the rounds out."""
@@ -289,7 +277,8 @@ def plot_timeline(data: dict[str, Any], stem: Path) -> list[str] | None:
     for mode, run in representatives(data).items():
         events = round_events(Path(run["run_dir"]))
         everyone = {part.worker for event in events for part in breakdown(event)}
-        rounds = _window(events, TIMELINE_ROUNDS)
+        start = max((len(events) - TIMELINE_ROUNDS) // 2, 0)  # the middle: past the warm-up
+        rounds = events[start : start + TIMELINE_ROUNDS]
         if rounds:
             panels.append((mode, run, rounds, everyone))
     if not panels:
