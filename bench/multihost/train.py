@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import ROOT
-from bench.harness.cluster import add_cluster_arguments
+from bench.harness.cluster import add_cluster_arguments, cluster_from_args
 from bench.harness.record import parse_settings
 from bench.harness.stats import spread_text
 from bench.multihost.config import hsi_dataset, scenes_dataset
@@ -23,7 +23,7 @@ from common.errors import PSError
 from common.logsetup import setup_logging
 from common.training.rounds import breakdown, round_events
 from launch.cluster.netns import available
-from launch.cluster.spec import PRESETS, ClusterSpec, parse_cluster
+from launch.cluster.spec import PRESETS, ClusterSpec
 from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
 from launch.settings import TrainSettings
@@ -139,13 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
     modes = tuple(m for m in args.modes.split(",") if m)
-    spec = parse_cluster(
-        args.workers,
-        preset=args.cluster,
-        node_cpus=args.node_cpus,
-        server_cpus=args.server_cpus,
-        links=args.links or (None if args.cluster and PRESETS[args.cluster].links else "1gbit"),
-    )
+    links = args.links or (None if args.cluster and PRESETS[args.cluster].links else "1gbit")
+    spec = cluster_from_args(args, args.workers, links)
     assert spec is not None
     default_slowdowns = "1" if spec.budgets else "1,1,2"
     slowdowns = parse_slowdowns(args.slowdowns or default_slowdowns, len(spec.workers))
