@@ -32,6 +32,7 @@ from common.training.models import build_model
 from common.training.planner import plan_equal
 from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.settings import TrainSettings
+from pserver.history import read_history
 
 CALIBRATION_PASSES = 16
 TIMEOUT_S = 900.0
@@ -181,9 +182,8 @@ def run_pslaunch(data: Path, factors: list[float], args: argparse.Namespace, out
         overwrite=True,  # each repeat replaces the last
     )
     summary = run_ddp(config)
-    with (config.run_dir / "metrics.jsonl").open(encoding="utf-8") as f:
-        events = [json.loads(line) for line in f]
-    ends = [e["t"] for e in events if e["event"] in ("train_start", "round")]
+    events = read_history(config.run_dir / "metrics.jsonl")
+    ends = [e["t"] for _, e in events if e["event"] in ("train_start", "round")]
     return float(summary["train_time_s"]), statistics.median(np.diff(ends).tolist())
 
 

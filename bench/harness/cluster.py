@@ -27,11 +27,12 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def cluster_from_args(args: argparse.Namespace, workers: int) -> ClusterSpec | None:
-    """The spec the options give for ``workers`` workers (None: shared cores)."""
-    return parse_cluster(
-        workers, preset=args.cluster, node_cpus=args.node_cpus, server_cpus=args.server_cpus
-    )
+def cluster_from_args(
+    args: argparse.Namespace, workers: int, links: str | None = None
+) -> ClusterSpec | None:
+    """The spec the options give for ``workers`` workers, every node's link at ``links`` if
+    given (None: shared cores)."""
+    return parse_cluster(workers, args.cluster, args.node_cpus, args.server_cpus, links)
 
 
 def worker_count(args: argparse.Namespace, slowdowns: str | None) -> int:

@@ -7,12 +7,10 @@ whether workers read a local copy.
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 from pathlib import Path
 
-from bench import ROOT
+from common.data.convert.synth import synth_hsi, synth_scenes
 from common.errors import ConfigError
-from common.procs import python_module
 from launch.cluster.spec import rate_bits
 
 
@@ -148,29 +146,20 @@ class BenchConfig:
         return next(v for v in VARIANTS if v.name == name)
 
 
-SYNTH_TIMEOUT_S = 300.0
-
-
 def scenes_dataset(out: Path, samples: int, size: int) -> Path:
-    """Synthetic 3-band, 10-class scenes through the user-facing ``pserver data synth``, made
-    once per (samples, size) in ``out``."""
+    """Synthetic 3-band, 10-class scenes (as ``pserver data synth --kind scenes`` writes them),
+    made once per (samples, size) in ``out``."""
     path = out / f"scenes-{size}px-{samples}.h5"
     if not path.exists():
-        argv = python_module("pserver.cli", "data", "synth", "--kind", "scenes", "--out", str(path))
-        argv += ["--samples", str(samples), "--bands", "3", "--size", str(size)]
-        argv += ["--classes", "10", "--seed", "0"]
-        subprocess.run(argv, check=True, timeout=SYNTH_TIMEOUT_S, cwd=ROOT, capture_output=True)
+        synth_scenes(path, samples=samples, bands=3, size=size, classes=10, seed=0)
     return path
 
 
 def hsi_dataset(out: Path, size: int, patch: int) -> Path:
     """``patch`` x ``patch`` patches of every labelled pixel of a synthetic 32-band, 6-class
-    hyperspectral scene of side ``size`` (half of each class for training) through ``pserver
-    data synth``, made once per (size, patch) in ``out``."""
+    hyperspectral scene of side ``size`` (half of each class for training, as ``pserver data
+    synth --kind hsi`` writes them), made once per (size, patch) in ``out``."""
     path = out / f"hsi-{size}px-p{patch}.h5"
     if not path.exists():
-        argv = python_module("pserver.cli", "data", "synth", "--kind", "hsi", "--out", str(path))
-        argv += ["--bands", "32", "--size", str(size), "--patch", str(patch)]
-        argv += ["--classes", "6", "--train-fraction", "0.5", "--seed", "0"]
-        subprocess.run(argv, check=True, timeout=SYNTH_TIMEOUT_S, cwd=ROOT, capture_output=True)
+        synth_hsi(path, bands=32, size=size, classes=6, patch=patch, train_fraction=0.5, seed=0)
     return path

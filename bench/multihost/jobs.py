@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import statistics
@@ -14,6 +15,7 @@ from bench.multihost.config import BenchConfig, Variant
 from common import stagetrace
 from common.procs import Child, ChildError, python_module
 from common.protocol.security import write_shard_secret
+from common.training.rounds import breakdown, round_events
 from launch.cluster.netns import Network
 from launch.procs import EventsMark, wait_for_address
 
@@ -153,40 +155,33 @@ def run_ps(
             )
         for shard in shards:
             shard.wait(EXIT_TIMEOUT_S)
-        report = _rounds(run_dir / "metrics.jsonl", cfg.warmup)
+        report = _rounds(run_dir, cfg.warmup)
         report["wall_s"] = time.monotonic() - started
         return report
     finally:
         _stop_all(children)
 
 
-def _rounds(metrics: Path, warmup: int) -> dict[str, Any]:
+def _rounds(run_dir: Path, warmup: int) -> dict[str, Any]:
     """Round times, the slowest worker's compute per round and their difference.
 
-    A round record's worker entries carry ``compute_s`` once the server logs it; until then
-    compute is estimated as batch / speed (the worker's smoothed compute speed).
+    A worker's compute comes from its entry in the round record (``rounds.breakdown``): its
+    ``compute_s`` once the server logs it, else estimated as batch / speed.
     """
-    events = [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines()]
-    rounds = [e for e in events if e.get("event") == "round"][warmup:]
+    rounds = round_events(run_dir)[warmup:]
     if not rounds:
-        raise ChildError(f"{metrics} holds no rounds past the {warmup} warm-up rounds")
-    measured = all("compute_s" in w for r in rounds for w in r["workers"])
-    round_s: list[float] = []
-    compute_s: list[float] = []
+        raise ChildError(f"{run_dir} holds no rounds past the {warmup} warm-up rounds")
+    parts = [breakdown(r) for r in rounds]
+    round_s = [float(r["round_s"]) for r in rounds]
+    compute_s = [max((w.compute_s for w in ws), default=0.0) for ws in parts]
     batches: dict[str, list[int]] = {}
-    for r in rounds:
-        if measured:
-            per_worker = [float(w["compute_s"]) for w in r["workers"]]
-        else:
-            per_worker = [w["batch"] / w["speed"] for w in r["workers"] if w["speed"] > 0]
-        round_s.append(float(r["round_s"]))
-        compute_s.append(max(per_worker, default=0.0))
-        for w in r["workers"]:
-            batches.setdefault(w["worker"], []).append(int(w["batch"]))
+    for w in itertools.chain(*parts):
+        batches.setdefault(w.worker, []).append(w.batch)
+    estimated = any(w.compute_estimated for ws in parts for w in ws)
     return {
         "round_s": round_s,
         "compute_s": compute_s,
         "comm_s": [t - c for t, c in zip(round_s, compute_s, strict=True)],
         "batches": {name: statistics.median(b) for name, b in sorted(batches.items())},
-        "compute_source": "round records" if measured else "batch / speed",
+        "compute_source": "batch / speed" if estimated else "round records",
     }

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import signal
 import subprocess
@@ -147,16 +146,7 @@ def run(cfg: BenchConfig) -> int:
     print(text)
     print(legend(cfg, figures, params))
     print(figure_lines(figures))
-    results = {
-        "config": {k: str(v) for k, v in vars(cfg).items()},
-        "links": links,
-        "figures": figures,
-        "failures": failures,
-        "gloo": gloo_runs,
-        "ps": ps_runs,
-    }
-    (cfg.out / "results.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
-    print(f"results: {cfg.out / 'results.json'}")
+    print(f"run folders and logs: {cfg.out}")
     return 1 if failures else 0
 
 

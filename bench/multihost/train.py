@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from bench import ROOT
-from bench.harness.cluster import add_cluster_arguments
+from bench.harness.cluster import add_cluster_arguments, cluster_from_args
 from bench.harness.record import parse_settings
 from bench.harness.stats import spread_text
 from bench.multihost.config import hsi_dataset, scenes_dataset
 from common.errors import PSError
 from common.logsetup import setup_logging
-from common.training.rounds import round_events
+from common.training.rounds import breakdown, round_events
 from launch.cluster.netns import available
-from launch.cluster.spec import PRESETS, ClusterSpec, parse_cluster
+from launch.cluster.spec import PRESETS, ClusterSpec
 from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
 from launch.settings import TrainSettings
@@ -85,8 +85,7 @@ def step_split(run_dir: Path) -> tuple[float, float]:
     round (DDP's emulated compute counts its slowdown; a PS worker's compute_s does)."""
     compute, rest = [], []
     for event in round_events(run_dir):
-        key = "emulated_s" if "emulated_s" in event["workers"][0] else "compute_s"
-        slowest = max(float(w.get(key) or 0.0) for w in event["workers"])
+        slowest = max(w.compute_s for w in breakdown(event))
         compute.append(slowest)
         rest.append(float(event["round_s"]) - slowest)
     return statistics.median(compute), statistics.median(rest)
@@ -140,13 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
     modes = tuple(m for m in args.modes.split(",") if m)
-    spec = parse_cluster(
-        args.workers,
-        preset=args.cluster,
-        node_cpus=args.node_cpus,
-        server_cpus=args.server_cpus,
-        links=args.links or (None if args.cluster and PRESETS[args.cluster].links else "1gbit"),
-    )
+    links = args.links or (None if args.cluster and PRESETS[args.cluster].links else "1gbit")
+    spec = cluster_from_args(args, args.workers, links)
     assert spec is not None
     default_slowdowns = "1" if spec.budgets else "1,1,2"
     slowdowns = parse_slowdowns(args.slowdowns or default_slowdowns, len(spec.workers))
@@ -200,7 +194,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{statistics.median(r['slowest_compute_s'] for r in records):.3f} | "
                 f"{statistics.median(r['rest_of_step_s'] for r in records):.3f}"
             )
-    figures = {}
     if runs.get("ws-bf16"):
         ws_epoch = statistics.median(r["epoch_time_s"] for r in runs["ws-bf16"])
         ws_oa = statistics.median(r["oa"] for r in runs["ws-bf16"])
@@ -208,22 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             if runs.get(mode):
                 epoch = statistics.median(r["epoch_time_s"] for r in runs[mode])
                 oa = statistics.median(r["oa"] for r in runs[mode])
-                figures[mode] = {"ratio_epoch": epoch / ws_epoch, "oa_diff": ws_oa - oa}
                 print(f"ratio_epoch_{mode.replace('-', '_')}_vs_ws={epoch / ws_epoch:.2f}")
                 print(f"oa_diff_{mode.replace('-', '_')}_vs_ws={ws_oa - oa:+.4f}")
     for line in failures:
         print(f"failed: {line}")
-    (out / "results.json").write_text(
-        json.dumps(
-            {
-                "args": {k: str(v) for k, v in vars(args).items()},
-                "runs": runs,
-                "figures": figures,
-                "failures": failures,
-            },
-            indent=2,
-        ),
-        encoding="utf-8",
-    )
-    print(f"results: {out / 'results.json'}")
     return 1 if failures else 0

@@ -58,7 +58,7 @@ def test_round_records_give_communication_time(tmp_path: Path) -> None:
         record(3.0, ("w1", 8, 16.0), ("w2", 4, 4.0)),
     ]
     metrics.write_text("\n".join(json.dumps(e) for e in events) + "\n")
-    report = _rounds(metrics, warmup=1)
+    report = _rounds(tmp_path, warmup=1)
     assert report["round_s"] == [3.0]
     assert report["compute_s"] == [1.0]  # the slower worker: 4 samples at 4 samples/s
     assert report["comm_s"] == [2.0]
@@ -66,7 +66,7 @@ def test_round_records_give_communication_time(tmp_path: Path) -> None:
     events[2]["workers"][1]["compute_s"] = 1.5
     events[2]["workers"][0]["compute_s"] = 0.5
     metrics.write_text("\n".join(json.dumps(e) for e in events) + "\n")
-    report = _rounds(metrics, warmup=1)
+    report = _rounds(tmp_path, warmup=1)
     assert report["compute_s"] == [1.5] and report["comm_s"] == [1.5]
     assert report["compute_source"] == "round records"
 
