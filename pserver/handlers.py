@@ -210,7 +210,6 @@ class Handlers:
             msg.device,
             msg.slowdown,
             msg.threads,
-            self.log.now(),
             request.user_id,
         )
         self.log.event(
