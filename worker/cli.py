@@ -18,8 +18,7 @@ from common.cli_help import FullHelpGroup
 from common.config import default
 from common.errors import PSError
 from common.logsetup import setup_logging
-from worker.config import WorkerConfig
-from worker.resolve import check_server_host
+from worker.config import WorkerConfig, check_server_host
 
 
 def _opt(name: str, **kwargs: Any) -> Callable[[Any], Any]:
