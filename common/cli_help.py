@@ -4,10 +4,13 @@ an output-file type checked before any work is done."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
+
+from common.config import default, flag
 
 SHORT_HELP_CHARS = 200  # click's default cuts at the terminal width with "..."
 
@@ -43,3 +46,10 @@ class OutFile(click.Path):
         if not os.access(folder, os.W_OK | os.X_OK):
             self.fail(f"the folder {str(folder)!r} is not writable", param, ctx)
         return path
+
+
+def config_option(name: str, cls: type, **kwargs: Any) -> Callable[[Any], Any]:
+    """A click option for field ``name`` of the config dataclass ``cls``, with its default;
+    ``flag`` overrides the option's flags (``--`` and ``flag(name)``)."""
+    flags = kwargs.pop("flag", "--" + flag(name))
+    return click.option(flags, name, default=default(cls, name), **kwargs)

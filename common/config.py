@@ -45,3 +45,9 @@ def default(cls: type, name: str) -> Any:
             if field.default_factory is not dataclasses.MISSING:
                 return field.default_factory()
     raise KeyError(name)
+
+
+def flag(name: str) -> str:
+    """The option of config field ``name``, without ``--``: ``shutdown_timeout_s`` is
+    ``shutdown-timeout``."""
+    return name.removesuffix("_s").replace("_", "-")

@@ -177,26 +177,14 @@ def read_newest(directory: Path) -> Checkpoint:
         ConfigError: there is none.
     """
     found = (
-        sorted((p for p in directory.iterdir() if NAME.match(p.name)), reverse=True)
-        if (directory.is_dir())
-        else []
+        sorted(p for p in directory.iterdir() if NAME.match(p.name)) if directory.is_dir() else []
     )
-    for path in found:
+    for path in reversed(found):
         try:
             return read(path)
         except ConfigError as exc:
             log.warning("%s; trying the previous checkpoint", exc)
     raise ConfigError(f"--resume: no readable checkpoint in {directory}")
-
-
-def torch_rng() -> np.ndarray:
-    """torch's CPU random-number state as bytes."""
-    return torch.get_rng_state().numpy().copy()
-
-
-def set_torch_rng(state: np.ndarray) -> None:
-    """Restore torch's CPU random-number state."""
-    torch.set_rng_state(torch.from_numpy(state.astype(np.uint8)))
 
 
 # --- a run's checkpoints --------------------------------------------------------------------
@@ -294,7 +282,7 @@ class Checkpointer:
         arrays = {
             "state": captured.state,
             "slots": captured.slot_state.astype(np.float32),
-            "torch_rng": torch_rng(),
+            "torch_rng": torch.get_rng_state().numpy().copy(),
             **sampler_arrays,
         }
         self.log.flush()  # every update it holds is on disk before it is
@@ -392,7 +380,7 @@ def restore(
             f"the checkpoint holds {state.size} values, this model {identity['state_size']}"
         )
     requeued = restore_sampler(sampler, checkpoint.arrays, meta["sampler"])
-    set_torch_rng(checkpoint.arrays["torch_rng"])
+    torch.set_rng_state(torch.from_numpy(checkpoint.arrays["torch_rng"].astype(np.uint8)))
     run.load_meta(meta)
     roster.restore_history(meta["workers"])
     policy.restore(meta["policy"])

@@ -9,7 +9,7 @@ import socket
 from pathlib import Path
 from typing import Protocol
 
-from common.config import need
+from common.config import flag, need
 from common.errors import ConfigError
 from common.protocol.base import MAX_INDICES
 from common.protocol.wire import WIRE_DTYPES
@@ -22,9 +22,9 @@ SCHEDULES = ("constant", "cosine", "step")
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
-def need_choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
-    """Raise ``ConfigError`` unless ``value`` of option ``flag`` is one of ``choices``."""
-    need(value in choices, f"{flag} {value!r} is not one of {', '.join(choices)}")
+def need_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raise ``ConfigError`` unless ``value`` of the option ``option`` is one of ``choices``."""
+    need(value in choices, f"{option} {value!r} is not one of {', '.join(choices)}")
 
 
 class TrainingSettings(Protocol):
@@ -197,7 +197,7 @@ class ServerConfig:
             "snapshot_every_updates",
         ):
             value = getattr(self, name)
-            need(value is None or value >= 1, f"--{_flag(name)} must be >= 1, got {value}")
+            need(value is None or value >= 1, f"--{flag(name)} must be >= 1, got {value}")
         need(
             self.run_dir is not None or not (self.resume or self.checkpoint_every),
             "--resume and --checkpoint-every need --run-dir",
@@ -226,7 +226,7 @@ class ServerConfig:
         need(self.cache_mb >= 0, f"--cache-mb must be >= 0, got {self.cache_mb}")
         for name in ("shutdown_timeout_s", "write_timeout_s", "stage_timeout_s", "shard_timeout_s"):
             value = getattr(self, name)
-            need(value > 0, f"--{_flag(name)} must be > 0, got {value}")
+            need(value > 0, f"--{flag(name)} must be > 0, got {value}")
         need(
             self.bind.startswith(ENDPOINT_SCHEMES),
             f"--bind {self.bind!r} must look like tcp://HOST:PORT",
@@ -264,10 +264,6 @@ class ServerConfig:
     def chunk_bytes(self) -> int:
         """Target bytes per wire chunk."""
         return int(self.chunk_mb * (1 << 20))
-
-
-def _flag(name: str) -> str:
-    return name.removesuffix("_s").replace("_", "-")
 
 
 @dataclasses.dataclass(frozen=True)

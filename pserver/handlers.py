@@ -80,22 +80,6 @@ class Admission:
     stores: ParameterStores
 
 
-def router(routes: dict[type[Message], Handler]) -> Callable[[Request, Message], Awaitable[None]]:
-    """The endpoint's dispatch: each parsed request to the handler of its type.
-
-    Args:
-        routes: one handler per request type.
-
-    Returns:
-        The dispatch call.
-    """
-
-    async def dispatch(request: Request, message: Message) -> None:
-        await routes[type(message)](request, message)
-
-    return dispatch
-
-
 def store_routes(
     stores: ParameterStores, pushes: Pushes, shards: ShardRegistry | None
 ) -> dict[type[Message], Handler]:
@@ -210,7 +194,6 @@ class Handlers:
             msg.device,
             msg.slowdown,
             msg.threads,
-            self.log.now(),
             request.user_id,
         )
         self.log.event(

@@ -91,7 +91,6 @@ class WorkerInfo:
     device: str
     slowdown: float
     threads: int
-    joined_t: float
     user_id: str = ""
     speed: float = 0.0
     tasks: collections.deque[Task] = dataclasses.field(default_factory=collections.deque)
@@ -174,7 +173,6 @@ class Roster:
         device: str,
         slowdown: float,
         threads: int,
-        t: float,
         user_id: str = "",
     ) -> WorkerInfo:
         """A new member; a name already in use gets the worker id appended (and counts on
@@ -191,7 +189,7 @@ class Roster:
         unique, suffix = name, self._next_id
         while unique in names:  # a member may already be called "name-<id>"
             unique, suffix = f"{name}-{suffix}", suffix + 1
-        worker = WorkerInfo(self._next_id, unique, device[:MAX_NAME], slowdown, threads, t, user_id)
+        worker = WorkerInfo(self._next_id, unique, device[:MAX_NAME], slowdown, threads, user_id)
         past = self.history.pop(unique, None)
         if past is not None:  # the same worker before it rejoined or the server restarted
             for counter in COUNTERS:

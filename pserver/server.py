@@ -15,14 +15,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from common import stagetrace
+from common import rundir, stagetrace
 from common.data.dataset import DatasetReader
+from common.protocol.base import Message
 from common.protocol.chunks import chunk_elems_for
 from common.protocol.ending import FinishReason
 from common.protocol.messages import STORE_REQUESTS, WORKER_REQUESTS, DataRequest
@@ -33,7 +34,7 @@ from common.training.evaluator import Evaluator
 from common.training.flat import FlatLayout, nonnegative_bounds
 from common.training.models import build_model, has_batchnorm
 from common.training.runlog import RunLog
-from pserver import checkpoint, rundir
+from pserver import checkpoint
 from pserver.booking import Ledger
 from pserver.checkpoint import Checkpointer
 from pserver.config import ServerConfig
@@ -41,7 +42,7 @@ from pserver.context import RunBooks, RunContext
 from pserver.departures import Departures
 from pserver.desk import TaskDesk
 from pserver.evaluation import EvalScheduler
-from pserver.handlers import Admission, DataRequests, Handlers, router, store_routes
+from pserver.handlers import Admission, DataRequests, Handler, Handlers, store_routes
 from pserver.membership import Roster, TaskFactory, WorkerInfo
 from pserver.policies import POLICIES
 from pserver.policies.weighted_sync import resolve_min_local_batch
@@ -54,7 +55,7 @@ from pserver.store.build import build_stores
 from pserver.store.shards import ShardRegistry, ShardTerms
 from pserver.store.stores import CapturedState
 from pserver.summary import StatusView
-from pserver.transport import Endpoint, TaskOwner
+from pserver.transport import Endpoint, Request, TaskOwner
 from pserver.updates import GradientGuard, Updater
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,16 @@ class ParameterServer:
     """
 
     def __init__(self, config: ServerConfig) -> None:
-        # 1. The run directory, the dataset and the model.
-        resumed = rundir.prepare(config)
+        # 1. The run directory (checked, not changed: start() replaces an earlier run), the
+        # dataset and the model.
+        resumed = None
+        if config.run_dir is not None:
+            removed = checkpoint.remove_stale_tmp(config.run_dir / "checkpoints")
+            if removed:
+                log.warning("removed %d unfinished checkpoint files", removed)
+            rundir.check(config.run_dir, resume=config.resume, overwrite=config.overwrite)
+            if config.resume:
+                resumed = checkpoint.read_newest(config.run_dir / "checkpoints")
         self.log = RunLog(
             config.run_dir, resume_at=resumed.meta["t"] if resumed else None, open_now=False
         )  # opened by start()
@@ -276,13 +285,11 @@ class ParameterServer:
             departures=self.departures,
         )
         self.data = DataRequests(self.reader, self.roster, endpoint=self.endpoint)
-        self.dispatch = router(
-            {
-                **self.handlers.routes,
-                **store_routes(self.stores, self.pushes, self.shards),
-                DataRequest: self.data.data,
-            }
-        )
+        self.routes: dict[type[Message], Handler] = {
+            **self.handlers.routes,
+            **store_routes(self.stores, self.pushes, self.shards),
+            DataRequest: self.data.data,
+        }
         self.http: Any = None  # the status page (pserver.observe.statuspage), with --http
         self.address = ""
         self._flusher: asyncio.TimerHandle | None = None
@@ -304,7 +311,11 @@ class ParameterServer:
                 self.status.status, self.log, self.config.http_bind, self.config.http_port
             )
         self.address = self.endpoint.bind()
-        rundir.clear(self.config)  # --overwrite
+        run_dir = self.config.run_dir
+        if run_dir is not None and not self.config.resume:  # --overwrite, or a failed start's
+            removed = rundir.clear(run_dir)
+            if removed:
+                log.info("removed %s from %s", ", ".join(removed), run_dir)
         self.log.open()
         self.snapshots.open()
         warm = self.reader.train_indices[:1]
@@ -364,7 +375,7 @@ class ParameterServer:
         Returns:
             The run summary (also written to ``summary.json``).
         """
-        receiver = asyncio.create_task(self.endpoint.receive_loop(self.dispatch))
+        receiver = asyncio.create_task(self.endpoint.receive_loop(self._dispatch))
         try:
             await self.shutdown.done.wait()
         finally:
@@ -404,6 +415,9 @@ class ParameterServer:
         return self.shutdown.done
 
     # --- what the server does ---------------------------------------------------------------
+
+    def _dispatch(self, request: Request, message: Message) -> Awaitable[None]:
+        return self.routes[type(message)](request, message)
 
     def _on_dead(self, worker: WorkerInfo) -> None:
         self.departures.drop(worker, f"dead: silent for {self.config.dead_after_s:g} s")

@@ -6,26 +6,19 @@ Every option can also be set by an environment variable such as ``WORKER_JOIN_SE
 
 from __future__ import annotations
 
+import functools
 import socket
 import sys
-from collections.abc import Callable
-from typing import Any
 
 import click
 
 from common.cli_env import show_envvars
-from common.cli_help import FullHelpGroup
-from common.config import default
+from common.cli_help import FullHelpGroup, config_option
 from common.errors import PSError
 from common.logsetup import setup_logging
-from worker.config import WorkerConfig
-from worker.resolve import check_server_host
+from worker.config import WorkerConfig, check_server_host
 
-
-def _opt(name: str, **kwargs: Any) -> Callable[[Any], Any]:
-    """A click option whose default comes from the ``WorkerConfig`` field ``name``."""
-    flag = "--" + name.removesuffix("_s").replace("_", "-")
-    return click.option(flag, name, default=default(WorkerConfig, name), **kwargs)
+_opt = functools.partial(config_option, cls=WorkerConfig)
 
 
 @click.group(

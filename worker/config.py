@@ -1,4 +1,4 @@
-"""The worker's validated configuration."""
+"""The worker's validated configuration, and the check that its server's host resolves."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import dataclasses
 import math
 import os
 import socket
+from urllib.parse import urlsplit
 
 from common.config import name_problem
 from common.errors import ConfigError
@@ -34,7 +35,6 @@ class WorkerConfig:
     curve_server_key: str | None = None
     curve_secret: str | None = None
     allow_model: tuple[str, ...] = ()
-    overlap: bool = True
     cache_mb: int = 512
 
     def __post_init__(self) -> None:
@@ -87,3 +87,28 @@ class WorkerConfig:
                 f"--augment-noise {self.augment_noise} has no effect without --augment"
             )
         return self
+
+
+def check_server_host(endpoint: str) -> None:
+    """Resolve the host of a ``tcp://HOST:PORT`` endpoint once, before connecting.
+
+    ZeroMQ retries an unresolvable name silently until the connect timeout, so a typo in
+    ``--server`` would cost the whole ``--connect-timeout``; this turns it into an error at once.
+    Other transports (``ipc://``, ``inproc://``) are not checked.
+
+    Args:
+        endpoint: the ``--server`` value.
+
+    Raises:
+        ConfigError: the host name cannot be resolved.
+    """
+    parts = urlsplit(endpoint)
+    if parts.scheme != "tcp" or not parts.hostname or parts.hostname == "*":
+        return
+    try:
+        socket.getaddrinfo(parts.hostname, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigError(
+            f"--server {endpoint!r}: host {parts.hostname!r} cannot be resolved ({exc}); "
+            "check the name, or give the server's IP address"
+        ) from None

@@ -221,8 +221,7 @@ class Worker:
             )
             replica = self.replica
             assert replica is not None
-            if self.config.overlap:
-                replica.overlap_with(self.stores)
+            replica.overlap_with(self.stores)
             prefetcher = self._open_data(spec, abort)
             if self.config.augment:
                 replica.augmenter = Augmenter(spec.seed, noise=self.config.augment_noise)

@@ -8,6 +8,7 @@ option, e.g. ``PSERVER_START_MODE=async`` or ``PSERVER_SHARD_COORDINATOR=tcp://.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ import click
 
 from common import eventloop
 from common.cli_env import show_envvars
-from common.cli_help import FullHelpGroup
+from common.cli_help import FullHelpGroup, config_option
 from common.config import default
 from common.errors import PSError
 from common.logsetup import setup_logging
@@ -46,10 +47,7 @@ from pserver.policies.weighted_sync import BATCHNORM_MIN_LOCAL_BATCH
 CONTEXT = {"auto_envvar_prefix": "PSERVER", "show_default": True}
 
 
-def _opt(name: str, cls: type = ServerConfig, **kwargs: Any) -> Callable[[Any], Any]:
-    """A click option whose default comes from the config dataclass field ``name``."""
-    flag = kwargs.pop("flag", "--" + name.removesuffix("_s").replace("_", "-"))
-    return click.option(flag, name, default=default(cls, name), **kwargs)
+_opt = functools.partial(config_option, cls=ServerConfig)
 
 
 def _path(**kwargs: Any) -> click.Path:
@@ -357,40 +355,40 @@ async def _serve(config: ServerConfig) -> tuple[dict[str, Any], str, int]:
     required=True,
     help="The coordinator's endpoint (its 'pserver start --bind').",
 )
-@_opt("bind", ShardConfig, help="Endpoint this shard listens on (port 0 picks a free port).")
+@_opt("bind", cls=ShardConfig, help="Endpoint this shard listens on (port 0 picks a free port).")
 @_opt(
     "advertise",
-    ShardConfig,
+    cls=ShardConfig,
     help="Address workers use to reach this shard, when --bind is 0.0.0.0 (port 0 takes the "
     "bound port).",
 )
-@_opt("name", ShardConfig, show_default="this host's name", help="Shard name in logs.")
+@_opt("name", cls=ShardConfig, show_default="this host's name", help="Shard name in logs.")
 @_opt(
     "connect_timeout_s",
-    ShardConfig,
+    cls=ShardConfig,
     type=float,
     help="Give up when the coordinator cannot be reached for this long.",
 )
 @_opt(
     "curve_secret",
-    ShardConfig,
+    cls=ShardConfig,
     type=_path(exists=True, dir_okay=False),
     help="The server's CURVE secret key file (the coordinator's --curve-secret).",
 )
 @_opt(
     "authorized_keys",
-    ShardConfig,
+    cls=ShardConfig,
     type=_path(exists=True, file_okay=False),
     help="Directory of worker public keys allowed to connect (the coordinator's).",
 )
 @_opt(
     "secret_file",
-    ShardConfig,
+    cls=ShardConfig,
     type=_path(exists=True, dir_okay=False),
     help="The coordinator's --shard-secret-file, proved at registration (default with "
     "--curve-secret: a secret derived from it).",
 )
-@_opt("torch_threads", ShardConfig, type=int, help="Torch threads for updates.")
+@_opt("torch_threads", cls=ShardConfig, type=int, help="Torch threads for updates.")
 @click.option("--log-level", default="INFO", help="Logging level.")
 def shard(log_level: str, **options: Any) -> None:
     """Serve one parameter shard for a coordinator started with --shards K."""

@@ -370,7 +370,7 @@ def _policy(planner: str, plan_spread: bool = True) -> tuple[WeightedSync, list[
     )
     workers = []
     for wid, transfer in ((1, 0.0), (2, 0.02)):  # same compute; worker 2 on a slow link
-        worker = WorkerInfo(wid, f"w{wid}", "cpu", 1.0, 1, 0.0, speed=100.0 * wid)
+        worker = WorkerInfo(wid, f"w{wid}", "cpu", 1.0, 1, speed=100.0 * wid)
         worker.perf.seed([8, 32], [0.002 + 0.008, 0.002 + 0.032])
         worker.perf.add_transfer(transfer)
         workers.append(worker)
@@ -388,7 +388,7 @@ def test_weighted_sync_plans_with_the_chosen_planner(planner: str, sizes: dict) 
 
 def test_weighted_sync_falls_back_to_speed_and_reprobes_a_worker_at_zero() -> None:
     policy, (fast, slow) = _policy("model")
-    fresh = WorkerInfo(3, "w3", "cpu", 1.0, 1, 0.0, speed=200.0)  # no calibration, no push
+    fresh = WorkerInfo(3, "w3", "cpu", 1.0, 1, speed=200.0)  # no calibration, no push
     assert policy.batch_sizes([fast, fresh], 60) == plan_batches({1: 100.0, 3: 200.0}, 60)
     slow.perf.add_transfer(0.5)
     slow.perf.add_transfer(0.5)  # now 0.5 s per round on the wire: it cannot contribute

@@ -18,7 +18,7 @@ from launch.progress import RunProgress
 from pserver.cli import main as pserver_main
 from tests.support.live import live_server
 from worker.cli import main as worker_main
-from worker.resolve import check_server_host
+from worker.config import check_server_host
 
 
 def test_workers_default_to_one_per_device() -> None:

@@ -73,8 +73,7 @@ def _drive(
     sampler = EpochSampler(n, 0, max_epochs=epochs)
     policy = policy_cls(config, sampler, tasks=TaskFactory(np.arange(n)))
     workers = [
-        WorkerInfo(w, f"w{w}", "cpu", 1.0, 1, 0.0, speed=s)
-        for w, s in ((1, 40.0), (2, 20.0), (3, 4.0))
+        WorkerInfo(w, f"w{w}", "cpu", 1.0, 1, speed=s) for w, s in ((1, 40.0), (2, 20.0), (3, 4.0))
     ]
     updates, exact = [], []
     while True:
@@ -154,11 +153,11 @@ def test_a_round_nobody_is_left_in_waits_for_a_worker() -> None:
     policy = WeightedSync(
         config, EpochSampler(16, 0, max_epochs=1), tasks=TaskFactory(np.arange(16))
     )
-    alone = WorkerInfo(1, "a", "cpu", 1.0, 1, 0.0, speed=10.0)
+    alone = WorkerInfo(1, "a", "cpu", 1.0, 1, speed=10.0)
     planned = policy.plan([alone])
     assert policy.leave(alone, [t for _, t in planned]) == []
     assert policy.plan([]) == [] and policy.runnable(alone) is None
-    late = WorkerInfo(2, "late", "cpu", 1.0, 1, 0.0, speed=10.0)
+    late = WorkerInfo(2, "late", "cpu", 1.0, 1, speed=10.0)
     adopted = policy.plan([late])
     assert [t.positions.tolist() for _, t in adopted] == [t.positions.tolist() for _, t in planned]
     late.tasks.append(adopted[0][1])  # what the server's desk queues
@@ -246,7 +245,7 @@ def test_batchnorm_statistics_after_a_round_with_a_tiny_share_equal_the_hand_mer
         expected_var += share * bn.momentum * (h.var(dim=(0, 2, 3), unbiased=True) - var0)
     pushes = {w: _local_push(model, layout, *parts[w]) for w in sizes}
     # the round as the policy closes it, applied by the store as the server applies it
-    workers = {w: WorkerInfo(w, f"w{w}", "cpu", 1.0, 1, 0.0) for w in sizes}
+    workers = {w: WorkerInfo(w, f"w{w}", "cpu", 1.0, 1) for w in sizes}
     tasks = TaskFactory(np.arange(total))
     planned = {w: tasks.new(1, np.arange(n), 1) for w, n in sizes.items()}
     weights = WeightedSync.weights(None, sizes)  # type: ignore[arg-type]
@@ -302,7 +301,7 @@ def test_weighted_sync_leaves_out_a_worker_below_the_minimum_and_probes_it() -> 
     )
     workers = []
     for wid, per_sample in ((1, 0.001), (2, 0.001), (3, 0.008)):
-        worker = WorkerInfo(wid, f"w{wid}", "cpu", 1.0, 1, 0.0, speed=1 / per_sample)
+        worker = WorkerInfo(wid, f"w{wid}", "cpu", 1.0, 1, speed=1 / per_sample)
         worker.perf.seed([8, 32], [0.002 + 8 * per_sample, 0.002 + 32 * per_sample])
         workers.append(worker)
     plans = [policy.batch_sizes(workers, 64) for _ in range(PROBE_EVERY + 1)]
