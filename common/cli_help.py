@@ -1,5 +1,5 @@
-"""Click helpers: a group whose command list shows each command's first sentence whole, and
-an output-file type checked before any work is done."""
+"""Click helpers: a group whose command list shows each command's first sentence whole, an
+output-file type checked before any work is done, and options with a config field's default."""
 
 from __future__ import annotations
 
@@ -49,7 +49,16 @@ class OutFile(click.Path):
 
 
 def config_option(name: str, cls: type, **kwargs: Any) -> Callable[[Any], Any]:
-    """A click option for field ``name`` of the config dataclass ``cls``, with its default;
-    ``flag`` overrides the option's flags (``--`` and ``flag(name)``)."""
+    """A click option for field ``name`` of the config dataclass ``cls``, with its default.
+
+    Args:
+        name: the field (and the option's parameter name).
+        cls: the config dataclass.
+        kwargs: click.option's other arguments; ``flag`` overrides the option's flags
+            (``--`` and ``flag(name)``).
+
+    Returns:
+        The option decorator.
+    """
     flags = kwargs.pop("flag", "--" + flag(name))
     return click.option(flags, name, default=default(cls, name), **kwargs)

@@ -77,8 +77,8 @@ class ParameterServer:
     """
 
     def __init__(self, config: ServerConfig) -> None:
-        # 1. The run directory (checked, not changed: start() replaces an earlier run), the
-        # dataset and the model.
+        # 1. The run directory (checked; only unfinished checkpoint files are removed here:
+        # start() replaces an earlier run), the dataset and the model.
         resumed = None
         if config.run_dir is not None:
             removed = checkpoint.remove_stale_tmp(config.run_dir / "checkpoints")

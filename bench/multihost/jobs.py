@@ -93,7 +93,7 @@ def run_ps(
         batch: samples per worker per step (default ``cfg.batch``).
 
     Returns:
-        ``{"round_s", "compute_s", "comm_s", "batches", "compute_source", "wall_s"}``: per
+        ``{"round_s", "compute_s", "comm_s", "batches", "compute_source"}``: per
         measured round its time, the slowest worker's compute and the rest; per worker its
         median batch.
 
@@ -155,9 +155,7 @@ def run_ps(
             )
         for shard in shards:
             shard.wait(EXIT_TIMEOUT_S)
-        report = _rounds(run_dir, cfg.warmup)
-        report["wall_s"] = time.monotonic() - started
-        return report
+        return _rounds(run_dir, cfg.warmup)
     finally:
         _stop_all(children)
 

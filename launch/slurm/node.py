@@ -209,8 +209,8 @@ def shard(name_prefix: str, rest: tuple[str, ...]) -> None:
 @main.command(context_settings={"ignore_unknown_options": True}, add_help_option=False)
 @click.argument("rest", nargs=-1, type=click.UNPROCESSED)
 def ddp(rest: tuple[str, ...]) -> None:
-    """Replace this process with 'python -m launch.slurm.rendezvous' and the same options
-    (this srun task's DDP rank; the entry point of older DDP job scripts)."""
+    """Run this srun task's DDP rank: replace this process with 'python -m
+    launch.slurm.rendezvous' and the same options."""
     argv = [sys.executable, "-m", "launch.slurm.rendezvous", *rest]
     sys.stdout.flush()
     os.execv(argv[0], argv)
