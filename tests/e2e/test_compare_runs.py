@@ -217,7 +217,7 @@ def test_ddp_kept_runs_plain_ddp_on_the_nodes_weighted_sync_kept(tmp_path: Path)
     kept = runs["ddp-kept"]
     assert kept["kept_nodes"] == shared and 2 not in shared and kept["summary"]["mode"] == "ddp"
     ranks = [w["name"] for w in kept["summary"]["workers"]]
-    assert ranks == [f"r{i}-x1" for i in range(len(shared))]
+    assert ranks == [f"r{i}-x1" for i in shared]  # ranks keep their node's name
     weighted = runs["weighted-ddp"]["summary"]
     assert weighted["mode"] == "weighted-ddp" and len(weighted["workers"]) == 3
     assert weighted["workers"][2]["samples"] < weighted["workers"][0]["samples"] / 10

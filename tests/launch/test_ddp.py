@@ -184,6 +184,21 @@ def test_config_rejects_bad_values(tmp_path: Path) -> None:
         ).validate()
 
 
+def test_a_subset_of_ranks_keeps_each_node_s_name_slowdown_and_share(tmp_path: Path) -> None:
+    config = DDPConfig(
+        tmp_path / "d.h5",
+        "hsi-cnn",
+        (1.0, 1.0, 40.0),
+        tmp_path,
+        TrainSettings(epochs=1),
+        weighted=True,
+        shares=(3.0, 2.0, 1.0),
+    )
+    kept = config.subset([1, 2])
+    assert [kept.rank_name(r) for r in range(2)] == ["r1-x1", "r2-x40"]
+    assert kept.slowdowns == (1.0, 40.0) and kept.shares == (2.0, 1.0)
+
+
 @pytest.mark.parametrize(
     ("settings", "option"),
     [
