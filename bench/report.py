@@ -7,7 +7,7 @@ records alone (sorted, numbers formatted one way), so the same records give the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from itertools import groupby
 from typing import Any
 
@@ -180,50 +180,71 @@ README_NOTE = (
     "The figures need a quiet machine: a budget caps a node's CPU, it does not reserve a core, "
     "so other load on the machine takes from the nodes and moves the ratios."
 )
-OWN_GROUND = "own-ground"  # the kept result of `python -m bench own-ground`
+OWN_GROUND = "own-ground"  # the bench whose kept results fill the README's second table
 OWN_GROUND_CLUSTERS = {"": "static `small-1124`", "shifting_load_": "`shifting-load`"}
 OWN_GROUND_CLUSTERS["leave_return_"] = "`leave-return`"
-OWN_GROUND_BASES = {"ddp": "DDP", "ddp_kept": "DDP on kept nodes", "weighted_ddp": "weighted DDP"}
-OWN_GROUND_BASES |= {
+OWN_GROUND_BASES = {
+    "weighted_ddp": "weighted DDP",
     "weighted_ddp_rebalance": "weighted DDP rebalanced",
-    "equal_sync": "equal-sync",
 }
+OWN_GROUND_BASES |= {"ddp_kept": "DDP on kept nodes", "ddp": "DDP", "equal_sync": "equal-sync"}
 OWN_GROUND_BASES["async"] = "async"
+OWN_GROUND_REGIMES = ("small", "heavy")
 
 
-def own_ground_table(result: Result) -> list[str]:
-    """The README's table of ``python -m bench own-ground``: per cluster, weighted-sync's time
-    to target against each baseline (the baseline's over weighted-sync's), its final OA less
-    the static cluster's, and whether every epoch used every sample once; each cell is
-    ``small / heavy``."""
+def own_ground_table(results: Sequence[Result]) -> list[str]:
+    """The README's table of ``python -m bench own-ground``: a row per cluster and regime, from
+    the kept result with the most seeds of weighted-sync there (the newest on a tie). Each ratio
+    cell is a baseline's epoch time and time to target over weighted-sync's; a column no row
+    has a figure in is left out.
 
-    def cell(name: str, form: Callable[[float], str]) -> str:
-        values = [result.figures.get(name.format(regime=r)) for r in ("small", "heavy")]
-        return " / ".join("–" if v is None else form(v) for v in values)
+    Args:
+        results: kept results of any benches; only own-ground's are read.
 
-    rows = []
+    Returns:
+        The table's lines after a blank line, or nothing when no own-ground result is kept.
+    """
+    picked = []
     for prefix, cluster in OWN_GROUND_CLUSTERS.items():
-        label = f"{prefix}{{regime}}"
-        seeds = cell(f"runs_{label}_weighted_sync", "{:.0f}".format)
-        if seeds == "– / –":
-            continue
-        row = [f"{cluster} ({seeds} seeds)"]
+        for regime in OWN_GROUND_REGIMES:
+            label = f"{prefix}{regime}"
+            runs = f"runs_{label}_weighted_sync"
+            held = [r for r in results if r.bench == OWN_GROUND and runs in r.figures]
+            if held:
+                best = max(held, key=lambda r: (r.figures[runs], r.date))
+                picked.append((cluster, regime, label, best))
+    rows = []
+    for cluster, regime, label, result in picked:
+        figures = result.figures
+        target = result.settings.get("target_oa")
+        row = [cluster, f"{regime}, target {target}" if target else regime]
+        row.append(f"{figures[f'runs_{label}_weighted_sync']:.0f}")
         for base in OWN_GROUND_BASES:
-            row.append(cell(f"ratio_{label}_ttt_weighted_sync_vs_{base}", "{:.2f}×".format))
-        row.append(cell(f"final_oa_diff_{label}_weighted_sync_vs_static", "{:+.3f}".format))
-        once = cell(f"exactly_once_{label}_weighted_sync", lambda v: "yes" if v else "**no**")
-        rows.append([*row, once])
-    title = (
-        f"own ground, time to target small / heavy ({result.date[:10]}, load "
-        f"{_load(result.machine.get('load_average'))})"
-    )
-    columns = [title, *(f"vs {name}" for name in OWN_GROUND_BASES.values())]
-    return ["", *_table([*columns, "final OA vs static", "every sample once"], rows)]
+            ratios = [
+                figures.get(f"ratio_{label}_{kind}_weighted_sync_vs_{base}")
+                for kind in ("epoch", "ttt")
+            ]
+            row.append(" / ".join("–" if v is None else f"{v:.2f}×" for v in ratios))
+        diff = figures.get(f"final_oa_diff_{label}_weighted_sync_vs_static")
+        row.append("–" if diff is None else f"{diff:+.3f}")
+        once = figures.get(f"exactly_once_{label}_weighted_sync")
+        row.append("–" if once is None else "yes" if once else "**no**")
+        row.append(f"{result.date[:10]}, load {_load(result.machine.get('load_average'))}")
+        rows.append(row)
+    if not rows:
+        return []
+    columns = ["own ground", "regime", "seeds"]
+    columns += [f"vs {name}: epoch / to target" for name in OWN_GROUND_BASES.values()]
+    columns += ["final OA vs static", "every sample once", "measured"]
+    shown = [i for i in range(len(columns)) if any(row[i].strip("– /") for row in rows)]
+    columns = [columns[i] for i in shown]
+    rows = [[row[i] for i in shown] for row in rows]
+    return ["", *_table(columns, rows)]
 
 
 def readme_table(results: dict[str, Result]) -> str:
     """The README's results table (between its markers) from the kept results by file stem,
-    the own-ground table when that result is kept, and a note on reading them.
+    the own-ground table from the kept own-ground results, and a note on reading them.
 
     Args:
         results: kept results by file name without ``.json``.
@@ -253,7 +274,7 @@ def readme_table(results: dict[str, Result]) -> str:
                 f"{result.date[:10]}, load {_load(result.machine.get('load_average'))}",
             ]
         )
-    own = own_ground_table(results[OWN_GROUND]) if OWN_GROUND in results else []
+    own = own_ground_table(list(results.values()))
     block = [README_START, *_table(README_COLUMNS, rows), *own, "", README_NOTE, README_END]
     return "\n".join(block)
 

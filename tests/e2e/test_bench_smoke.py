@@ -351,39 +351,56 @@ def test_rerun_runs_a_kept_command_again_into_its_own_file(tmp_path: Path) -> No
     assert refused.returncode != 0 and "not a python -m bench command" in refused.stderr
 
 
-def test_the_own_ground_result_renders_its_readme_table() -> None:
-    figures = {
-        "runs_small_weighted_sync": 3.0,
-        "runs_heavy_weighted_sync": 3.0,
-        "ratio_small_ttt_weighted_sync_vs_ddp": 4.5,
-        "ratio_heavy_ttt_weighted_sync_vs_ddp": 2.25,
-        "ratio_small_ttt_weighted_sync_vs_weighted_ddp": 2.5,
-        "runs_leave_return_heavy_weighted_sync": 3.0,
-        "ratio_leave_return_heavy_ttt_weighted_sync_vs_ddp": 1.5,
-        "final_oa_diff_leave_return_heavy_weighted_sync_vs_static": -0.004,
-        "exactly_once_leave_return_heavy_weighted_sync": 1.0,
-    }
-    own = Result(
-        bench="own-ground",
-        date="2026-12-01T10:00:00+00:00",
-        command="python -m bench own-ground",
-        settings={},
-        machine={"load_average": [0.4, 0.3, 0.2]},
-        git_commit="",
-        figures=figures,
+def test_the_own_ground_table_takes_each_row_from_the_result_with_the_most_seeds() -> None:
+    def own(date: str, figures: dict[str, float], target: float | None = None) -> Result:
+        return Result(
+            bench="own-ground",
+            date=f"2026-12-0{date}T10:00:00+00:00",
+            command=f"python -m bench own-ground --seed {date}",
+            settings={"target_oa": target},
+            machine={"load_average": [0.4, 0.3, 0.2]},
+            git_commit="",
+            figures=figures,
+        )
+
+    three = own(
+        "1",
+        {
+            "runs_small_weighted_sync": 3.0,
+            "ratio_small_epoch_weighted_sync_vs_weighted_ddp": 2.25,
+            "ratio_small_ttt_weighted_sync_vs_weighted_ddp": 1.5,
+            "runs_leave_return_heavy_weighted_sync": 1.0,
+            "ratio_leave_return_heavy_ttt_weighted_sync_vs_weighted_ddp": 9.0,
+        },
     )
-    kept = results_by_name(RESULTS_DIR)
-    kept.pop("own-ground", None)
-    without, table = readme_table(kept), readme_table({**kept, "own-ground": own})
-    assert "own ground" not in without and "\n".join(own_ground_table(own)) in table
-    lines = table.splitlines()
-    assert "own ground, time to target small / heavy (2026-12-01, load 0.4)" in table
-    row = next(line for line in lines if line.startswith("| static `small-1124` (3 / 3 seeds)"))
-    assert row.split(" | ")[1:4] == ["4.50× / 2.25×", "– / –", "2.50× / –"]
-    row = next(line for line in lines if line.startswith("| `leave-return` (– / 3 seeds)"))
-    assert row.endswith(
-        "| – / 1.50× | – / – | – / – | – / – | – / – | – / – | – / -0.004 | – / yes |"
+    two = own(
+        "2",
+        {
+            "runs_leave_return_heavy_weighted_sync": 2.0,
+            "ratio_leave_return_heavy_ttt_weighted_sync_vs_weighted_ddp": 7.5,
+            "ratio_leave_return_heavy_epoch_weighted_sync_vs_async": 0.5,
+            "final_oa_diff_leave_return_heavy_weighted_sync_vs_static": -0.004,
+            "exactly_once_leave_return_heavy_weighted_sync": 0.0,
+        },
+        target=0.85,
     )
-    assert not any(line.startswith("| `shifting-load`") for line in lines)  # not run
+    kept = {k: r for k, r in results_by_name(RESULTS_DIR).items() if r.bench != "own-ground"}
+    without = readme_table(kept)
+    table = readme_table({**kept, "a": three, "b": two})
+    assert "own ground" not in without and own_ground_table([]) == []
+    assert "\n".join(own_ground_table([three, two])) in table
+    lines = own_ground_table([three, two])[1:]
+    assert lines[0] == (
+        "| own ground | regime | seeds | vs weighted DDP: epoch / to target "
+        "| vs async: epoch / to target | final OA vs static | every sample once | measured |"
+    )  # columns nobody ran are left out
+    assert lines[2] == (
+        "| static `small-1124` | small | 3 | 2.25× / 1.50× | – / – | – | – | 2026-12-01, load 0.4 |"
+    )
+    assert lines[3] == (
+        "| `leave-return` | heavy, target 0.85 | 2 | – / 7.50× | 0.50× / – | -0.004 | **no** "
+        "| 2026-12-02, load 0.4 |"
+    )  # two seeds beat one
+    assert len(lines) == 4  # not run: shifting-load, static heavy
     assert "exceed the linear ideal" in table
     assert table.startswith(README_START) and table.endswith(README_END)
