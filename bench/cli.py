@@ -71,7 +71,6 @@ BENCHES: dict[str, Bench] = {
     "round-overhead": Bench("bench.round_overhead", "a weighted-sync round against a local step"),
     "round-profile": Bench("bench.round_profile", "where a round's time goes (py-spy samples)"),
     "simulate-speed": Bench("bench.simulate_speed", "simulator time for 1024 workers"),
-    "staleness": Bench("bench.staleness", "async: staleness functions and bounds"),
     "tail-rounds": Bench("bench.tail_rounds", "epoch-tail rules replayed in one process"),
     "time-to-target": Bench("bench.time_to_target", "every mode on Jasper Ridge: time to target"),
     "wire": Bench(
