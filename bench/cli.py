@@ -60,7 +60,7 @@ BENCHES: dict[str, Bench] = {
     "multihost-train": Bench(
         "bench.multihost.train", "training end to end on emulated hosts, PS against DDP (root)"
     ),
-    "observe": Bench("bench.observe", "cost of TensorBoard events, status renders and pollers"),
+    "observe": Bench("bench.observe", "cost of TensorBoard events, status pages and snapshots"),
     "own-ground": Bench(
         "bench.time_to_target",
         "static, shifting and leave-return clusters: weighted-sync against every baseline",
@@ -71,8 +71,6 @@ BENCHES: dict[str, Bench] = {
     "round-overhead": Bench("bench.round_overhead", "a weighted-sync round against a local step"),
     "round-profile": Bench("bench.round_profile", "where a round's time goes (py-spy samples)"),
     "simulate-speed": Bench("bench.simulate_speed", "simulator time for 1024 workers"),
-    "snapshots": Bench("bench.snapshots", "cost of snapshots for time to target"),
-    "staleness": Bench("bench.staleness", "async: staleness functions and bounds"),
     "tail-rounds": Bench("bench.tail_rounds", "epoch-tail rules replayed in one process"),
     "time-to-target": Bench("bench.time_to_target", "every mode on Jasper Ridge: time to target"),
     "wire": Bench(

@@ -1,7 +1,11 @@
 """Cost of watching a run: the TensorBoard sink per run-log event, the server-loop time of one
 render of each status-page body with a full live view (the page serves cached bodies from its
-own thread), and the training rate of a weighted-sync run polled by many clients against the
-same run unpolled, side by side.
+own thread), and the training rate of a weighted-sync run unpolled, polled by many clients and
+with snapshots every N updates, side by side.
+
+Also the time one snapshot file takes to write (on the server's write thread, not the event
+loop) against the median round time, and the time ``pserver evaluate-snapshots`` takes per
+snapshot.
 """
 
 from __future__ import annotations
@@ -17,14 +21,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from bench import ROOT
 from bench.harness.record import parse_settings
 from common.data.convert.synth import synth_hsi
 from common.procs import Child
+from common.training.rounds import round_events
 from common.training.runlog import RunLog
 from launch.local import LocalCluster, run_local
 from pserver.observe import liveview
 from pserver.observe.statuspage import BODIES, REFRESH_S, StatusPage
+from pserver.snapshots import snapshots as snap
+from pserver.snapshots.snapshot_eval import SnapshotEvalConfig, evaluate_snapshots
 
 URL = re.compile(r"status page on (\S+)")
 ROUND: dict[str, Any] = {
@@ -119,8 +128,11 @@ class Pollers:
             self.counts = (self.process.output().strip().splitlines() or [""])[-1]
 
 
-def training_rate(data: Path, run_dir: Path, steps: int, clients: int) -> tuple[float, str]:
-    """Samples applied per second of training time, and the pollers' answer counts."""
+def training_run(
+    data: Path, run_dir: Path, options: tuple[str, ...], clients: int
+) -> tuple[dict[str, Any], str]:
+    """A 2-worker weighted-sync run with its status page on; its summary and the answer counts
+    of ``clients`` pollers (none: unpolled)."""
     pollers = Pollers(clients)
     cluster = LocalCluster(
         dataset=data,
@@ -128,13 +140,36 @@ def training_rate(data: Path, run_dir: Path, steps: int, clients: int) -> tuple[
         mode="weighted-sync",
         slowdowns=(1.0, 1.0),
         run_dir=run_dir,
-        server_options=("--max-steps", str(steps), "--global-batch", "32", "--http", "0"),
+        server_options=("--global-batch", "32", "--http", "0", *options),
     )
     try:
         summary = run_local(cluster, log_stream=pollers)
     finally:
         pollers.close()
-    return summary["samples_seen"] / summary["train_time_s"], pollers.counts
+    return summary, pollers.counts
+
+
+def write_seconds(state_size: int, count: int = 20) -> float:
+    """Median time to write one snapshot of ``state_size`` values."""
+    state = np.random.default_rng(0).standard_normal(state_size).astype(np.float32)
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for version in range(1, count + 1):
+            begin = time.perf_counter()
+            snap.write(Path(tmp), state, snap.SnapshotMeta(version, 1, version, 0.1))
+            times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def snapshot_costs(run_dir: Path) -> tuple[float, float, int]:
+    """Scoring seconds per snapshot of a run with snapshots, its median round seconds and the
+    snapshots' size in values."""
+    files = sorted((run_dir / "snapshots").glob("snap-*.npz"))
+    begin = time.perf_counter()
+    evaluate_snapshots(SnapshotEvalConfig(run_dir, progress=False))
+    scoring = (time.perf_counter() - begin) / len(files)
+    median_round = statistics.median(e["round_s"] for e in round_events(run_dir))
+    return scoring, median_round, snap.read_run_file(run_dir / "snapshots")["state_size"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--events", type=int, default=20000, help="run-log events timed")
     parser.add_argument("--clients", type=int, default=200, help="pollers of the status page")
     parser.add_argument("--steps", type=int, default=300, help="updates per training run")
+    parser.add_argument("--snapshot-every", type=int, default=1, help="snapshot interval")
     parser.add_argument("--repeats", type=int, default=3)
     args = parse_settings(parser, argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -165,21 +201,42 @@ def main(argv: list[str] | None = None) -> None:
         print(" ".join(f"render_{path}_us={1e6 * s:.0f}" for path, s in request_costs(300).items()))
         data = root / "hsi.h5"
         synth_hsi(data, bands=16, size=32, classes=4, train_fraction=0.5, seed=1)
-        rates: dict[bool, list[float]] = {False: [], True: []}
+        variants = {
+            "unpolled": ((), 0),
+            "polled": ((), args.clients),
+            "snapshots": (("--snapshot-every-updates", str(args.snapshot_every)), 0),
+        }
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+        costs_of_snapshots = []
         for repeat in range(args.repeats):
-            for polled in (False, True):
-                run_dir = root / f"run-{polled}-{repeat}"
-                rate, counts = training_rate(
-                    data, run_dir, args.steps, args.clients if polled else 0
+            for name, (options, clients) in variants.items():
+                run_dir = root / f"run-{name}-{repeat}"
+                summary, counts = training_run(
+                    data, run_dir, ("--max-steps", str(args.steps), *options), clients
                 )
-                rates[polled].append(rate)
-                shown = f", answers {counts}" if polled else ""
-                print(f"repeat {repeat + 1}: {'polled' if polled else 'unpolled'} {rate:.0f} "
-                      f"samples/s{shown}", flush=True)  # fmt: skip
-        off, on = statistics.median(rates[False]), statistics.median(rates[True])
+                runs[name].append(summary)
+                rate = summary["samples_seen"] / summary["train_time_s"]
+                shown = f", answers {counts}" if clients else ""
+                print(f"repeat {repeat + 1}: {name} {rate:.0f} samples/s{shown}", flush=True)
+                if name == "snapshots":
+                    costs_of_snapshots.append(snapshot_costs(run_dir))
+        off, on = (
+            statistics.median(s["samples_seen"] / s["train_time_s"] for s in runs[name])
+            for name in ("unpolled", "polled")
+        )
         print(
             f"weighted-sync, 2 workers: {off:.0f} samples/s unpolled, {on:.0f} with "
             f"{args.clients} pollers of /status.json at 1/s (medians of {args.repeats})"
         )
         print(f"samples_per_s={off:.1f} samples_per_s_polled={on:.1f}")
         print(f"ratio_polled_vs_unpolled={on / off:.3f}")
+        pairs = zip(runs["snapshots"], runs["unpolled"], strict=True)
+        ratios = [s["train_time_s"] / u["train_time_s"] for s, u in pairs]
+        print(f"ratio_train_time_snapshots_vs_off={statistics.median(ratios):.2f}")
+        scoring, median_round, state_size = (
+            statistics.median(c) for c in zip(*costs_of_snapshots, strict=True)
+        )
+        write_s = write_seconds(int(state_size))
+        print(f"write_ms_per_snapshot={1000 * write_s:.2f} ({int(state_size)} values)")
+        print(f"ratio_write_vs_median_round={write_s / median_round:.3f}")
+        print(f"evaluate_s_per_snapshot={scoring:.4f}")

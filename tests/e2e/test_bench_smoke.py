@@ -91,11 +91,6 @@ SMOKE: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     "round-profile": (("--seconds", "2"), "py-spy"),
     "simulate-speed": (("--workers", "16", "--shards", "2", "--rounds", "5"), ""),
-    "snapshots": (("--repeats", "1", "--epochs", "1"), ""),
-    "staleness": (
-        ("--repeats", "1", "--epochs", "1", "--functions", "inverse", "--bounds", "4"),
-        "data",
-    ),
     "tail-rounds": (("--seeds", "0", "--epochs", "1", "--variants", "baseline"), "data"),
     "time-to-target": (
         ("--regimes", "small", "--epochs", "1", "--modes", "weighted-sync,ddp"),
@@ -112,8 +107,6 @@ RUN_FOLDER_OPTION = {
     "multihost",
     "multihost-train",
     "own-ground",
-    "snapshots",
-    "staleness",
     "tail-rounds",
     "time-to-target",
 }
