@@ -62,4 +62,4 @@ def open_local_copy(
         reader.close()
         raise
     log.info("reading samples from local copy %s (fingerprint %s)", path, _short(found))
-    return AheadReader("local-data", reader.read, reader.close)
+    return AheadReader("local-data", reader.read, close=reader.close)

@@ -41,6 +41,7 @@ class AheadReader:
         self,
         thread_name: str,
         fetch: Callable[[list[int]], tuple[np.ndarray, np.ndarray]],
+        *,
         close: Callable[[], None],
         cache_bytes: int = 0,
     ) -> None:
@@ -126,7 +127,9 @@ class Prefetcher(AheadReader):
         shape: tuple[int, int, int],
         cache_bytes: int = 0,
     ) -> None:
-        super().__init__("prefetch", self._pull, self._close_connections, cache_bytes)
+        super().__init__(
+            "prefetch", self._pull, close=self._close_connections, cache_bytes=cache_bytes
+        )
         self.connect, self.worker_id, self.token = connect, worker_id, token
         self.codec, self.shape = codec, shape
         self._local = threading.local()

@@ -18,7 +18,7 @@ class CountingReader(AheadReader):
     def __init__(self, path: Path, cache_bytes: int) -> None:
         self.reader = DatasetReader(path, cache_bytes=0)
         self.reads: list[list[int]] = []
-        super().__init__("test-read", self._count, self.reader.close, cache_bytes)
+        super().__init__("test-read", self._count, close=self.reader.close, cache_bytes=cache_bytes)
 
     def _count(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
         self.reads.append(list(indices))
