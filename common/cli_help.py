@@ -1,9 +1,10 @@
-"""Click helpers: a group whose command list shows each command's first sentence whole, an
-output-file type checked before any work is done, and options with a config field's default."""
+"""Click helpers: a group listing each command's whole first sentence, an output-file type
+checked before any work is done, and options typed and defaulted by a config field."""
 
 from __future__ import annotations
 
 import os
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,16 +50,19 @@ class OutFile(click.Path):
 
 
 def config_option(name: str, cls: type, **kwargs: Any) -> Callable[[Any], Any]:
-    """A click option for field ``name`` of the config dataclass ``cls``, with its default.
+    """A click option for field ``name`` of the config dataclass ``cls``, with its default and,
+    for an ``int`` or ``float`` field (or one that may be None), its type.
 
     Args:
         name: the field (and the option's parameter name).
         cls: the config dataclass.
-        kwargs: click.option's other arguments; ``flag`` overrides the option's flags
-            (``--`` and ``flag(name)``).
+        kwargs: click.option's other arguments (a ``type`` given here wins); ``flag`` overrides
+            the option's flags (``--`` and ``flag(name)``).
 
     Returns:
         The option decorator.
     """
     flags = kwargs.pop("flag", "--" + flag(name))
+    kind = typing.get_type_hints(cls)[name]
+    kwargs.setdefault("type", next((t for t in (int, float) if kind in (t, t | None)), None))
     return click.option(flags, name, default=default(cls, name), **kwargs)

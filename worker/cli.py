@@ -31,11 +31,7 @@ def main() -> None:
 @main.command()
 @click.option("--server", required=True, help="Server endpoint, e.g. tcp://HOST:5555.")
 @_opt("device", help="cpu, cuda or cuda:N.")
-@_opt(
-    "slowdown",
-    type=float,
-    help="Emulate a device F times slower: after t s of compute, wait (F-1)*t s.",
-)
+@_opt("slowdown", help="Emulate a device F times slower: after t s of compute, wait (F-1)*t s.")
 @click.option(
     "--slowdown-schedule",
     default="",
@@ -49,10 +45,9 @@ def main() -> None:
     help="Worker name in logs and metrics: 1-64 letters, digits or ._:@+- (the first a "
     "letter or digit).",
 )
-@_opt("threads", type=int, help="Torch CPU threads.")
+@_opt("threads", help="Torch CPU threads.")
 @_opt(
     "connect_timeout_s",
-    type=float,
     help="Give up when the server cannot be reached (or keeps answering 'busy') for this many "
     "seconds at start.",
 )
@@ -66,13 +61,11 @@ def main() -> None:
 )
 @_opt(
     "reply_timeout_s",
-    type=float,
     help="Seconds to wait for a task (sync rounds wait for the slowest worker).",
 )
-@_opt("data_timeout_s", type=float, help="Seconds to wait for a data reply.")
+@_opt("data_timeout_s", help="Seconds to wait for a data reply.")
 @_opt(
     "rejoin_timeout_s",
-    type=float,
     help="Keep trying to rejoin a lost or restarted server for this many seconds.",
 )
 @click.option(
@@ -97,7 +90,6 @@ def main() -> None:
 )
 @_opt(
     "cache_mb",
-    type=int,
     help="Keep up to this many MiB of samples pulled from the server, so later epochs do not "
     "pull them again (0: keep none; not used with --data).",
 )
@@ -109,12 +101,11 @@ def main() -> None:
 )
 @_opt(
     "augment_noise",
-    type=float,
     metavar="STD",
     help="With --augment: add a Gaussian offset per sample and band with this standard "
     "deviation (the data have unit variance per band); 0 disables it.",
 )
-@_opt("log_every", type=int, help="Log progress every N steps.")
+@_opt("log_every", help="Log progress every N steps.")
 @click.option("--log-level", default="INFO", help="Logging level.")
 def join(log_level: str, **options: object) -> None:
     """Join a server and train until training ends."""

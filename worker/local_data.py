@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import os
 
-import numpy as np
-
 from common.data.dataset import DatasetReader
 from common.errors import DatasetError
 from worker.prefetch import AheadReader
@@ -18,24 +16,6 @@ log = logging.getLogger(__name__)
 DEFAULT_CACHE_BYTES = 256 << 20
 
 
-class LocalData(AheadReader):
-    """Reads samples from a dataset file instead of the server (``worker join --data``).
-
-    Args:
-        reader: an open reader; ``close()`` closes it.
-    """
-
-    def __init__(self, reader: DatasetReader) -> None:
-        super().__init__("local-data")
-        self.reader = reader
-
-    def _fetch(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        return self.reader.read(indices)
-
-    def _close_source(self) -> None:
-        self.reader.close()
-
-
 def _short(fingerprint: str) -> str:
     return f"{fingerprint[:12]}…" if len(fingerprint) > 12 else fingerprint
 
@@ -45,7 +25,7 @@ def open_local_copy(
     expected_fingerprint: str,
     cache_bytes: int = DEFAULT_CACHE_BYTES,
     verify: bool = False,
-) -> LocalData:
+) -> AheadReader:
     """Open a copy of the server's dataset after checking it holds the same data and split.
 
     The check compares the fingerprint stored in the file with the server's (from the join
@@ -59,7 +39,7 @@ def open_local_copy(
         verify: recompute the fingerprint from the contents as well.
 
     Returns:
-        A ``LocalData`` reading from ``path``.
+        An ``AheadReader`` reading from ``path`` (``worker join --data``).
 
     Raises:
         DatasetError: the file is missing or invalid, or its fingerprint differs from the
@@ -82,4 +62,4 @@ def open_local_copy(
         reader.close()
         raise
     log.info("reading samples from local copy %s (fingerprint %s)", path, _short(found))
-    return LocalData(reader)
+    return AheadReader("local-data", reader.read, close=reader.close)

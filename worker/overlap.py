@@ -36,13 +36,11 @@ class OverlappedPush:
         self.chunks = stores.chunks
         self._lock = threading.Lock()
         self._armed = False
-        covers: list[list[int]] = []  # per parameter: the chunks it overlaps
         self._needed = [0] * len(self.chunks)
         offset = 0
         for param in flat.model.parameters():
             n = param.numel()
             mine = [j for j, (a, b) in enumerate(self.chunks) if a < offset + n and b > offset]
-            covers.append(mine)
             for j in mine:
                 self._needed[j] += 1
             if param.requires_grad:

@@ -3,7 +3,6 @@ the samples it got (up to a byte budget) so later epochs need no data request fo
 
 from __future__ import annotations
 
-import abc
 import concurrent.futures
 import threading
 import time
@@ -18,12 +17,12 @@ from common.protocol.messages import DataReply, DataRequest, JoinReply
 from worker.sample_cache import SampleCache
 
 
-class AheadReader(abc.ABC):
+class AheadReader:
     """Reads ``(x, y)`` for index lists on its own thread, one task ahead.
 
     ``start(indices)`` begins reading in the background; ``get(indices)`` returns the data,
     using the started read when it matches and reading now otherwise. The time ``get`` blocks
-    is added to ``wait_s``. Subclasses say where samples come from.
+    is added to ``wait_s``.
 
     With ``cache_bytes``, samples read are kept (the first ones until the budget is full, none
     evicted; kept on the thread, right after the read) and only the samples not kept are read:
@@ -33,24 +32,26 @@ class AheadReader(abc.ABC):
 
     Args:
         thread_name: name prefix of the reading thread.
+        fetch: reads the samples of an index list (called on the reading thread).
+        close: releases the source once the thread has stopped.
         cache_bytes: how many bytes of samples to keep (0: none).
     """
 
-    def __init__(self, thread_name: str, cache_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        thread_name: str,
+        fetch: Callable[[list[int]], tuple[np.ndarray, np.ndarray]],
+        *,
+        close: Callable[[], None],
+        cache_bytes: int = 0,
+    ) -> None:
+        self._fetch, self._close_source = fetch, close
         self.wait_s = 0.0
         self.cache_hits = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=thread_name)
         # (task indices, the indices being read for it, the read)
         self._pending: tuple[tuple[int, ...], list[int], concurrent.futures.Future] | None = None
         self._cache = SampleCache(cache_bytes)
-
-    @abc.abstractmethod
-    def _fetch(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Read the samples (runs on the reading thread)."""
-
-    @abc.abstractmethod
-    def _close_source(self) -> None:
-        """Release the source once the thread has stopped."""
 
     def start(self, indices: list[int]) -> None:
         """Begin reading ``indices`` (those not kept) in the background; when every one is
@@ -126,13 +127,15 @@ class Prefetcher(AheadReader):
         shape: tuple[int, int, int],
         cache_bytes: int = 0,
     ) -> None:
-        super().__init__("prefetch", cache_bytes)
+        super().__init__(
+            "prefetch", self._pull, close=self._close_connections, cache_bytes=cache_bytes
+        )
         self.connect, self.worker_id, self.token = connect, worker_id, token
         self.codec, self.shape = codec, shape
         self._local = threading.local()
         self._connections: list[Connection] = []
 
-    def _fetch(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def _pull(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
         conn = getattr(self._local, "conn", None)
         if conn is None:
             conn = self._local.conn = self.connect()
@@ -153,7 +156,7 @@ class Prefetcher(AheadReader):
             )
         return self.codec.decode(reply.x), reply.y
 
-    def _close_source(self) -> None:
+    def _close_connections(self) -> None:
         for conn in self._connections:
             conn.close()
 

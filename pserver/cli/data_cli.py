@@ -13,12 +13,6 @@ from common.cli_help import FullHelpGroup, OutFile
 from common.data.dataset import DatasetMeta, describe
 from common.errors import DatasetError
 
-SYNTH_DEFAULTS: dict[str, dict[str, Any]] = {
-    "hsi": {"samples": None, "bands": 64, "size": 64, "classes": 6, "train_fraction": 0.1},
-    "scenes": {"samples": 2000, "bands": 13, "size": 64, "classes": 10, "train_fraction": 0.8},
-}
-
-
 OUT = click.option("--out", required=True, type=OutFile(), help="The HDF5 file to write.")
 SEED = click.option("--seed", default=0, show_default=True, type=int, help="Seed of the split.")
 PROGRESS = click.option(
@@ -26,7 +20,7 @@ PROGRESS = click.option(
 )
 
 
-SYNTH_SIZES = (  # option, lowest value, help (None: the kind's default, SYNTH_DEFAULTS)
+SYNTH_SIZES = (  # option, lowest value, help (not given: the default of synth_hsi/synth_scenes)
     (
         "samples",
         1,
@@ -293,7 +287,7 @@ def synth_cmd(kind: str, out: Path, patch: int, seed: int, **given: float | None
     from common.data.convert.synth import synth_hsi, synth_scenes
 
     # given: --samples, --bands, --size, --classes, --train-fraction (None: the kind's default)
-    args = {k: v if v is not None else SYNTH_DEFAULTS[kind][k] for k, v in given.items()}
+    args = {k: v for k, v in given.items() if v is not None}
     if kind == "hsi":
         meta = _run(synth_hsi, out=out, patch=patch, seed=seed, **args)
     else:

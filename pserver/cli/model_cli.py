@@ -30,10 +30,10 @@ def allow_model_option(what: str) -> Any:
     )
 
 
-def file_option(flag: str, help: str, out: bool = False) -> Any:
-    """An optional option naming a file to read (``out``: one to write)."""
+def file_option(flag: str, help: str, out: bool = False, required: bool = False) -> Any:
+    """An option naming a file to read (``out``: one to write), optional unless ``required``."""
     kind = OutFile() if out else click.Path(dir_okay=False, path_type=Path)
-    return click.option(flag, type=kind, default=None, help=help)
+    return click.option(flag, type=kind, default=None, required=required, help=help)
 
 
 def _fail(exc: Exception) -> click.ClickException:
@@ -42,12 +42,7 @@ def _fail(exc: Exception) -> click.ClickException:
 
 @click.command("export")
 @click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option(
-    "--out",
-    required=True,
-    type=OutFile(),
-    help="The model file to write (e.g. MODEL.pt).",
-)
+@file_option("--out", "The model file to write (e.g. MODEL.pt).", out=True, required=True)
 @file_option("--checkpoint", "Checkpoint to export (default: the newest in RUN_DIR/checkpoints).")
 @click.option(
     "--best",
@@ -244,11 +239,8 @@ def _test_pixels(
     default=None,
     help="Folder of images to classify one by one (scene models); --out is then a CSV file.",
 )
-@click.option(
-    "--out",
-    required=True,
-    type=OutFile(),
-    help="MAP.png (with --cube) or predictions.csv (with --images).",
+@file_option(
+    "--out", "MAP.png (with --cube) or predictions.csv (with --images).", out=True, required=True
 )
 @file_option("--npy", "Also save the class indices (0..K-1) as a .npy array.", out=True)
 @file_option(

@@ -48,6 +48,7 @@ CONTEXT = {"auto_envvar_prefix": "PSERVER", "show_default": True}
 
 
 _opt = functools.partial(config_option, cls=ServerConfig)
+_shard_opt = functools.partial(config_option, cls=ShardConfig)
 
 
 def _path(**kwargs: Any) -> click.Path:
@@ -106,26 +107,22 @@ def main() -> None:
     "as MODEL-gn: no batch statistics, so speed-sized local batches give exactly one "
     "global-batch step).",
 )
-@_opt("workers", type=int, help="Workers to wait for before training starts.")
-@_opt("global_batch", type=int, help="Global batch B per update.")
+@_opt("workers", help="Workers to wait for before training starts.")
+@_opt("global_batch", help="Global batch B per update.")
 @_opt("optimizer", type=click.Choice(OPTIMIZERS), help="Server-side optimizer.")
-@_opt("lr", type=float, help="Learning rate.")
-@_opt("momentum", type=float, help="SGD momentum.")
+@_opt("lr", help="Learning rate.")
+@_opt("momentum", help="SGD momentum.")
 @_opt("nesterov", flag="--nesterov/--no-nesterov", help="Nesterov momentum for SGD.")
-@_opt("weight_decay", type=float, help="L2 weight decay.")
+@_opt("weight_decay", help="L2 weight decay.")
 @_opt("lr_schedule", type=click.Choice(SCHEDULES), help="Learning-rate schedule over training.")
-@_opt("warmup_fraction", type=float, help="Linear warm-up over this fraction of training.")
-@_opt("epochs", type=int, help="Stop after this many epochs.")
-@_opt("max_steps", type=int, help="Stop after this many updates.")
-@_opt("target_oa", type=float, help="Stop once test overall accuracy reaches this.")
+@_opt("warmup_fraction", help="Linear warm-up over this fraction of training.")
+@_opt("epochs", help="Stop after this many epochs.")
+@_opt("max_steps", help="Stop after this many updates.")
+@_opt("target_oa", help="Stop once test overall accuracy reaches this.")
 @_opt("staleness", type=click.Choice(STALENESS), help="Async learning-rate scaling by staleness.")
-@_opt("staleness_a", type=float, help="Decay a of the poly, hinge and exp staleness functions.")
-@_opt("staleness_b", type=float, help="Hinge point b of 'hinge'.")
-@_opt(
-    "max_staleness",
-    type=int,
-    help="Async: refuse pushes more than K versions old (the worker re-pulls).",
-)
+@_opt("staleness_a", help="Decay a of the poly, hinge and exp staleness functions.")
+@_opt("staleness_b", help="Hinge point b of 'hinge'.")
+@_opt("max_staleness", help="Async: refuse pushes more than K versions old (the worker re-pulls).")
 @_opt(
     "run_dir",
     type=_path(file_okay=False),
@@ -136,29 +133,25 @@ def main() -> None:
     flag="--overwrite/--no-overwrite",
     help="Replace the run already in --run-dir (without it, such a directory is refused).",
 )
-@_opt("seed", type=int, help="Seed for initialisation and shuffling.")
-@_opt("cache_mb", type=int, help="Keep the sample array in memory when it is at most this large.")
+@_opt("seed", help="Seed for initialisation and shuffling.")
+@_opt("cache_mb", help="Keep the sample array in memory when it is at most this large.")
 @_opt(
     "eval_every",
-    type=int,
     help="Evaluate every this many epochs (and always at the end; 0: only at the end).",
 )
 @_opt(
     "eval_every_updates",
-    type=int,
     help="Also evaluate every this many updates (the newest version; superseded ones are "
     "skipped when evaluation falls behind).",
 )
 @_opt(
     "eval_samples",
-    type=int,
     help="In-run evaluations use a fixed stratified subset of this many test samples (default: "
     "the whole split until evaluations fall behind, then a subset that fits); the final "
     "evaluation always uses the whole test split.",
 )
 @_opt(
     "shutdown_timeout_s",
-    type=float,
     help="Seconds the whole shutdown may take after training ends (final checkpoint, final "
     "evaluation, stopping workers, summary).",
 )
@@ -172,7 +165,6 @@ def main() -> None:
 )
 @_opt(
     "checkpoint_every",
-    type=int,
     help="Write a checkpoint to RUN_DIR/checkpoints every this many updates (one is always "
     "written at shutdown, also on SIGTERM, when --run-dir is given).",
 )
@@ -184,13 +176,11 @@ def main() -> None:
 )
 @_opt(
     "snapshot_every_updates",
-    type=int,
     help="Save the state of every N-th version to RUN_DIR/snapshots for 'pserver "
     "evaluate-snapshots' (off by default; disk: at most --snapshot-limit states).",
 )
 @_opt(
     "snapshot_limit",
-    type=int,
     help="Snapshots kept at most; beyond it every other one is deleted and the interval doubles.",
 )
 @_opt(
@@ -209,16 +199,14 @@ def main() -> None:
     type=_path(exists=True, file_okay=False),
     help="Directory of worker public keys (*.key) allowed to connect (with --curve-secret).",
 )
-@_opt("heartbeat_s", type=float, help="Seconds between the heartbeats workers are asked to send.")
+@_opt("heartbeat_s", help="Seconds between the heartbeats workers are asked to send.")
 @_opt(
     "dead_after_s",
-    type=float,
     help="A worker silent this long is dropped; its unfinished samples go to others.",
 )
-@_opt("torch_threads", type=int, help="Torch threads for updates and evaluation.")
+@_opt("torch_threads", help="Torch threads for updates and evaluation.")
 @_opt(
     "shards",
-    type=int,
     help="Parameter shards: 1 keeps the parameters in this process; K > 1 makes this server "
     "the coordinator and waits for K 'pserver shard' servers, each holding 1/K of the state.",
 )
@@ -234,38 +222,31 @@ def main() -> None:
     type=click.Choice(WIRE_DTYPES),
     help="Format of gradients and parameters on the wire (master weights stay fp32).",
 )
-@_opt("chunk_mb", type=float, help="Large transfers travel in chunks of about this many MB.")
+@_opt("chunk_mb", help="Large transfers travel in chunks of about this many MB.")
 @_opt(
     "max_grad_norm",
-    type=float,
     help="Clip each push to this gradient norm (off by default: absurd outliers are refused "
     "instead, see --outlier-factor).",
 )
 @_opt(
     "outlier_factor",
-    type=float,
     help="Refuse a push whose gradient norm exceeds this many times the typical one (the "
     "lower median over members of their recent medians; the third push of the same task is "
     "taken, clipped to the typical norm).",
 )
 @_opt(
     "stage_timeout_s",
-    type=float,
     help="Seconds a push's gradient chunks may take to arrive after the push is announced.",
 )
-@_opt("shard_timeout_s", type=float, help="Seconds a shard may take to answer the coordinator.")
-@_opt("max_workers", type=int, help="Members the run accepts at most.")
+@_opt("shard_timeout_s", help="Seconds a shard may take to answer the coordinator.")
+@_opt("max_workers", help="Members the run accepts at most.")
 @_opt(
     "http_port",
     flag="--http",
-    type=int,
     help="Serve a read-only live status page, /status.json and /metrics on this port "
     "(0 picks a free one; off by default).",
 )
-@_opt(
-    "http_bind",
-    help="Address the status page binds (0.0.0.0 exposes it to the network).",
-)
+@_opt("http_bind", help="Address the status page binds (0.0.0.0 exposes it to the network).")
 @click.option("--log-level", default="INFO", help="Logging level.")
 @click.option(
     "--json",
@@ -355,40 +336,34 @@ async def _serve(config: ServerConfig) -> tuple[dict[str, Any], str, int]:
     required=True,
     help="The coordinator's endpoint (its 'pserver start --bind').",
 )
-@_opt("bind", cls=ShardConfig, help="Endpoint this shard listens on (port 0 picks a free port).")
-@_opt(
+@_shard_opt("bind", help="Endpoint this shard listens on (port 0 picks a free port).")
+@_shard_opt(
     "advertise",
-    cls=ShardConfig,
     help="Address workers use to reach this shard, when --bind is 0.0.0.0 (port 0 takes the "
     "bound port).",
 )
-@_opt("name", cls=ShardConfig, show_default="this host's name", help="Shard name in logs.")
-@_opt(
+@_shard_opt("name", show_default="this host's name", help="Shard name in logs.")
+@_shard_opt(
     "connect_timeout_s",
-    cls=ShardConfig,
-    type=float,
     help="Give up when the coordinator cannot be reached for this long.",
 )
-@_opt(
+@_shard_opt(
     "curve_secret",
-    cls=ShardConfig,
     type=_path(exists=True, dir_okay=False),
     help="The server's CURVE secret key file (the coordinator's --curve-secret).",
 )
-@_opt(
+@_shard_opt(
     "authorized_keys",
-    cls=ShardConfig,
     type=_path(exists=True, file_okay=False),
     help="Directory of worker public keys allowed to connect (the coordinator's).",
 )
-@_opt(
+@_shard_opt(
     "secret_file",
-    cls=ShardConfig,
     type=_path(exists=True, dir_okay=False),
     help="The coordinator's --shard-secret-file, proved at registration (default with "
     "--curve-secret: a secret derived from it).",
 )
-@_opt("torch_threads", cls=ShardConfig, type=int, help="Torch threads for updates.")
+@_shard_opt("torch_threads", help="Torch threads for updates.")
 @click.option("--log-level", default="INFO", help="Logging level.")
 def shard(log_level: str, **options: Any) -> None:
     """Serve one parameter shard for a coordinator started with --shards K."""

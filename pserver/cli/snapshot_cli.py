@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -25,15 +26,7 @@ from pserver.cli.model_cli import allow_model_option, file_option
 @click.option("--threads", type=int, default=1, help="Torch CPU threads.")
 @click.option("--progress/--no-progress", default=True, help="Progress bar.")
 @allow_model_option("RUN_DIR/snapshots/run.json")
-def evaluate_snapshots_cmd(
-    run_dir: Path,
-    target_oa: float | None,
-    dataset: Path | None,
-    batch: int,
-    threads: int,
-    progress: bool,
-    allow_model: tuple[str, ...],
-) -> None:
+def evaluate_snapshots_cmd(**options: Any) -> None:
     """Score every snapshot in RUN_DIR/snapshots on the whole test split after training.
 
     Writes RUN_DIR/snapshots.jsonl (version, epoch, train_time_s, samples, final, oa, aa,
@@ -42,10 +35,7 @@ def evaluate_snapshots_cmd(
     from pserver.snapshots.snapshot_eval import SnapshotEvalConfig, describe, evaluate_snapshots
 
     try:
-        config = SnapshotEvalConfig(
-            run_dir, dataset, target_oa, batch, threads, progress, allow_model
-        )
-        result = evaluate_snapshots(config)
+        result = evaluate_snapshots(SnapshotEvalConfig(**options))
     except PSError as exc:
         raise click.ClickException(str(exc).strip().splitlines()[0]) from exc
     click.echo(describe(result))

@@ -17,7 +17,8 @@ from common.data.dataset import DatasetReader
 from common.errors import ConfigError, DatasetError
 from worker.cli import main as worker_main
 from worker.config import WorkerConfig
-from worker.local_data import LocalData, open_local_copy
+from worker.local_data import open_local_copy
+from worker.prefetch import AheadReader
 
 
 def _fingerprint(path: Path) -> str:
@@ -35,7 +36,7 @@ def test_reads_match_the_dataset_reader(small_hsi: Path, cache_bytes: int) -> No
     with closing(
         open_local_copy(small_hsi, _fingerprint(small_hsi), cache_bytes=cache_bytes)
     ) as data:
-        assert isinstance(data, LocalData)
+        assert isinstance(data, AheadReader)
         data.start(first)
         got = [data.get(first)]  # the prefetched read
         data.start(second)

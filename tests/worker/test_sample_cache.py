@@ -16,16 +16,13 @@ class CountingReader(AheadReader):
     """Reads a real dataset file and records which indices each read asked for."""
 
     def __init__(self, path: Path, cache_bytes: int) -> None:
-        super().__init__("test-read", cache_bytes)
         self.reader = DatasetReader(path, cache_bytes=0)
         self.reads: list[list[int]] = []
+        super().__init__("test-read", self._count, close=self.reader.close, cache_bytes=cache_bytes)
 
-    def _fetch(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def _count(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
         self.reads.append(list(indices))
         return self.reader.read(indices)
-
-    def _close_source(self) -> None:
-        self.reader.close()
 
 
 def _tasks(train: np.ndarray, epochs: int, size: int) -> list[list[int]]:
