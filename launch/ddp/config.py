@@ -9,12 +9,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from common.config import need
+from common.config import default, need
 from common.errors import ConfigError
 from common.training.slowdown import SlowdownSchedule
 from launch.cluster.schedule import OFF
 from launch.cluster.spec import ClusterSpec
-from launch.settings import TrainSettings, server_default
+from launch.settings import TrainSettings
+from pserver.config import ServerConfig
 
 BACKENDS = ("auto", "gloo", "nccl")
 GRAD_COMPRESSION = ("none", "bf16")
@@ -71,13 +72,13 @@ class DDPConfig:
     devices: tuple[str, ...] = ("cpu",)
     backend: str = "auto"
     threads: int = 1
-    eval_batch: int = server_default("eval_batch")
+    eval_batch: int = default(ServerConfig, "eval_batch")
     cache_mb: int = 1024
     startup_timeout_s: float = 120.0
     collective_timeout_s: float = 600.0
     run_timeout_s: float = 3600.0
     snapshot_every_steps: int | None = None
-    snapshot_limit: int = server_default("snapshot_limit")
+    snapshot_limit: int = default(ServerConfig, "snapshot_limit")
     nodes: ClusterSpec | None = None
     allow_oversubscribe: bool = False
     grad_compression: str = "none"
