@@ -323,14 +323,10 @@ def build_workers(
     entry when only the devices are listed.
 
     Raises:
-        click.BadParameter: an option is malformed or the counts disagree.
+        ConfigError: an option is malformed or the counts disagree.
     """
     device_list = tuple(d.strip() for d in devices.split(",") if d.strip())
     if workers is None and len(device_list) > 1 and "," not in slowdowns.strip(", "):
         workers = len(device_list)
-    try:
-        factors = parse_slowdowns(slowdowns, workers)
-        changes = parse_schedules(schedules, factors)
-    except ConfigError as exc:
-        raise click.BadParameter(str(exc)) from exc
-    return factors, changes, device_list
+    factors = parse_slowdowns(slowdowns, workers)
+    return factors, parse_schedules(schedules, factors), device_list
