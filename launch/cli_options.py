@@ -148,23 +148,19 @@ def warn_unbudgeted_server(nodes: ClusterSpec | None) -> None:
 
 # The training settings shared with ``pserver start`` (same defaults).
 train_options = _options(
-    _train(
-        "epochs",
-        type=int,
-        help="Stop after this many epochs (compare: 5 unless --max-steps is given).",
-    ),
-    _train("max_steps", type=int, help="Stop after this many updates."),
-    _train("global_batch", type=int, help="Global batch B per update."),
+    _train("epochs", help="Stop after this many epochs (compare: 5 unless --max-steps is given)."),
+    _train("max_steps", help="Stop after this many updates."),
+    _train("global_batch", help="Global batch B per update."),
     _train("optimizer", type=click.Choice(OPTIMIZERS), help="Optimizer."),
-    _train("lr", type=float, help="Learning rate."),
-    _train("momentum", type=float, help="SGD momentum."),
+    _train("lr", help="Learning rate."),
+    _train("momentum", help="SGD momentum."),
     _train("nesterov", flag="--nesterov/--no-nesterov", help="Nesterov momentum for SGD."),
-    _train("weight_decay", type=float, help="L2 weight decay."),
+    _train("weight_decay", help="L2 weight decay."),
     _train(
         "lr_schedule", type=click.Choice(SCHEDULES), help="Learning-rate schedule over training."
     ),
-    _train("warmup_fraction", type=float, help="Linear warm-up over this fraction of training."),
-    _train("seed", type=int, help="Seed for initialisation and shuffling."),
+    _train("warmup_fraction", help="Linear warm-up over this fraction of training."),
+    _train("seed", help="Seed for initialisation and shuffling."),
 )
 
 
