@@ -40,6 +40,13 @@ from launch.slurm.cli import slurm
 from launch.slurm.config import LAUNCHERS, SlurmRuns
 from pserver.config import MODES
 
+run_dir_option = click.option(  # local and ddp
+    "--run-dir",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory for metrics.jsonl, summary.json and cluster.log.",
+)
+
 
 @click.group(
     cls=FullHelpGroup, context_settings={"auto_envvar_prefix": "PSLAUNCH", "show_default": True}
@@ -51,12 +58,7 @@ def main() -> None:
 @main.command()
 @cluster_options
 @click.option("--mode", type=click.Choice(MODES), default="weighted-sync", help="Server mode.")
-@click.option(
-    "--run-dir",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Directory for metrics.jsonl, summary.json and cluster.log.",
-)
+@run_dir_option
 @train_options
 @click.option("--target-oa", type=float, default=None, help="Stop at this test OA.")
 @async_options
@@ -125,12 +127,7 @@ def local_cluster(
 
 @main.command()
 @cluster_options
-@click.option(
-    "--run-dir",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Directory for metrics.jsonl, summary.json and cluster.log.",
-)
+@run_dir_option
 @train_options
 @click.option("--target-oa", type=float, default=None, help="Stop at this test OA.")
 @click.option(

@@ -2,151 +2,137 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
+from common.cli_help import config_option
 from common.errors import ConfigError, ModelError
 from common.training.models import NORMS, with_norm
 from launch.cluster.spec import PRESETS, ClusterSpec, parse_cluster
-from launch.settings import TrainSettings, server_default
+from launch.settings import TrainSettings
 from launch.slowdowns import SCHEDULES_HELP, parse_schedules, parse_slowdowns
 from pserver.config import OPTIMIZERS, SCHEDULES, STALENESS
 
-F = TypeVar("F", bound=Callable[..., Any])
+# The training options: every ``TrainSettings`` field but the target (each command has its own).
+TRAIN_KEYS = tuple(f.name for f in dataclasses.fields(TrainSettings) if f.name != "target_oa")
+_train = functools.partial(config_option, cls=TrainSettings)
 
-TRAIN_KEYS = (
-    "epochs",
-    "max_steps",
-    "global_batch",
-    "optimizer",
-    "lr",
-    "momentum",
-    "nesterov",
-    "weight_decay",
-    "lr_schedule",
-    "warmup_fraction",
-    "seed",
+
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def _options(*decorators: Decorator) -> Decorator:
+    """One decorator that applies ``decorators`` as if stacked in this order."""
+
+    def apply(func: Callable[..., Any]) -> Callable[..., Any]:
+        for decorator in reversed(decorators):
+            func = decorator(func)
+        return func
+
+    return apply
+
+
+# --dataset, --model, --workers, --slowdowns, --slowdown-schedules, --devices.
+cluster_options = _options(
+    click.option(
+        "--dataset",
+        required=True,
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        help="HDF5 dataset made by 'pserver data'.",
+    ),
+    click.option("--model", required=True, help="Built-in model name or package.module:factory."),
+    click.option(
+        "--norm",
+        type=click.Choice(NORMS),
+        default="batch",
+        show_default=True,
+        help="Normalisation of a built-in model: batch (BatchNorm) or group (GroupNorm, "
+        "the model MODEL-gn), for the parameter server and DDP alike.",
+    ),
+    click.option(
+        "--workers",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Number of workers (default: one per --slowdowns entry).",
+    ),
+    click.option(
+        "--slowdowns",
+        default="1",
+        help="Comma-separated slowdown per worker; a single value applies to all.",
+    ),
+    click.option("--slowdown-schedules", default="", help=SCHEDULES_HELP),
+    click.option(
+        "--devices",
+        default="cpu",
+        help="Comma-separated device per worker, or one for all.",
+    ),
 )
 
 
-def _apply(func: F, options: list[Callable[[F], F]]) -> F:
-    for option in reversed(options):
-        func = option(func)
-    return func
+# --links, --server-link and --link-delay: a host and a capped link per node (root).
+link_options = _options(
+    click.option(
+        "--links",
+        default=None,
+        help="A tc rate per worker (or DDP rank), e.g. 1gbit,1gbit,100mbit, or one for "
+        "all: each runs on its own emulated host (a network namespace) whose link is "
+        "capped both ways at that rate; needs root.",
+    ),
+    click.option(
+        "--server-link",
+        default=None,
+        help="The server's link rate (default: the fastest worker link).",
+    ),
+    click.option(
+        "--link-delay",
+        default=None,
+        help="One-way delay on every link, e.g. 2ms (needs the kernel's netem qdisc).",
+    ),
+)
 
 
-def cluster_options(func: F) -> F:
-    """--dataset, --model, --workers, --slowdowns, --slowdown-schedules, --devices."""
-    return _apply(
-        func,
-        [
-            click.option(
-                "--dataset",
-                required=True,
-                type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                help="HDF5 dataset made by 'pserver data'.",
-            ),
-            click.option(
-                "--model", required=True, help="Built-in model name or package.module:factory."
-            ),
-            click.option(
-                "--norm",
-                type=click.Choice(NORMS),
-                default="batch",
-                show_default=True,
-                help="Normalisation of a built-in model: batch (BatchNorm) or group (GroupNorm, "
-                "the model MODEL-gn), for the parameter server and DDP alike.",
-            ),
-            click.option(
-                "--workers",
-                type=click.IntRange(min=1),
-                default=None,
-                help="Number of workers (default: one per --slowdowns entry).",
-            ),
-            click.option(
-                "--slowdowns",
-                default="1",
-                help="Comma-separated slowdown per worker; a single value applies to all.",
-            ),
-            click.option("--slowdown-schedules", default="", help=SCHEDULES_HELP),
-            click.option(
-                "--devices",
-                default="cpu",
-                help="Comma-separated device per worker, or one for all.",
-            ),
-        ],
-    )
-
-
-def link_options(func: F) -> F:
-    """--links, --server-link and --link-delay: a host and a capped link per node (root)."""
-    return _apply(
-        func,
-        [
-            click.option(
-                "--links",
-                default=None,
-                help="A tc rate per worker (or DDP rank), e.g. 1gbit,1gbit,100mbit, or one for "
-                "all: each runs on its own emulated host (a network namespace) whose link is "
-                "capped both ways at that rate; needs root.",
-            ),
-            click.option(
-                "--server-link",
-                default=None,
-                help="The server's link rate (default: the fastest worker link).",
-            ),
-            click.option(
-                "--link-delay",
-                default=None,
-                help="One-way delay on every link, e.g. 2ms (needs the kernel's netem qdisc).",
-            ),
-        ],
-    )
-
-
-def budget_options(func: F) -> F:
-    """--node-cpus, --server-cpus, --allow-oversubscribe and --cluster: a CPU budget per node
-    (root), or a named emulated cluster."""
-    presets = "; ".join(f"{name}: {p.description}" for name, p in PRESETS.items())
-    return _apply(
-        func,
-        [
-            click.option(
-                "--node-cpus",
-                default=None,
-                help="CPU budget in cores per worker (or DDP rank), comma-separated in "
-                "--slowdowns order, one value for all: each runs in its own CPU-quota control "
-                "group (root; cgroup v2 cpu.max or v1 cfs quota, 10 ms period). An entry may be "
-                "a schedule: its budget, then ;VALUE@N% (a share of the run's work: epochs x "
-                "training samples) or ;VALUE@Ns (seconds of training) steps, VALUE a budget, "
-                "off (the process is killed) or on (started again with the budget it left "
-                "with), e.g. '0.4;0.05@33.3%;0.4@66.7%,0.4;off@33.3%;on@66.7%,0.2,0.1'; the "
-                "presets shifting-load and leave-return are such schedules (--cluster).",
-            ),
-            click.option(
-                "--server-cpus",
-                type=float,
-                default=None,
-                help="CPU budget in cores of the server, and of each shard.",
-            ),
-            click.option(
-                "--allow-oversubscribe",
-                is_flag=True,
-                default=False,
-                help="Run budgets that sum to more cores than the machine has (the emulated "
-                "nodes then compete for cores).",
-            ),
-            click.option(
-                "--cluster",
-                type=click.Choice(sorted(PRESETS)),
-                default=None,
-                help=f"A named emulated cluster (options given beside it override it): {presets}.",
-            ),
-        ],
-    )
+# --node-cpus, --server-cpus, --allow-oversubscribe and --cluster: a CPU budget per node
+# (root), or a named emulated cluster.
+budget_options = _options(
+    click.option(
+        "--node-cpus",
+        default=None,
+        help="CPU budget in cores per worker (or DDP rank), comma-separated in "
+        "--slowdowns order, one value for all: each runs in its own CPU-quota control "
+        "group (root; cgroup v2 cpu.max or v1 cfs quota, 10 ms period). An entry may be "
+        "a schedule: its budget, then ;VALUE@N% (a share of the run's work: epochs x "
+        "training samples) or ;VALUE@Ns (seconds of training) steps, VALUE a budget, "
+        "off (the process is killed) or on (started again with the budget it left "
+        "with), e.g. '0.4;0.05@33.3%;0.4@66.7%,0.4;off@33.3%;on@66.7%,0.2,0.1'; the "
+        "presets shifting-load and leave-return are such schedules (--cluster).",
+    ),
+    click.option(
+        "--server-cpus",
+        type=float,
+        default=None,
+        help="CPU budget in cores of the server, and of each shard.",
+    ),
+    click.option(
+        "--allow-oversubscribe",
+        is_flag=True,
+        default=False,
+        help="Run budgets that sum to more cores than the machine has (the emulated "
+        "nodes then compete for cores).",
+    ),
+    click.option(
+        "--cluster",
+        type=click.Choice(sorted(PRESETS)),
+        default=None,
+        help="A named emulated cluster (options given beside it override it): "
+        + "; ".join(f"{name}: {p.description}" for name, p in PRESETS.items())
+        + ".",
+    ),
+)
 
 
 def warn_unbudgeted_server(nodes: ClusterSpec | None) -> None:
@@ -160,168 +146,103 @@ def warn_unbudgeted_server(nodes: ClusterSpec | None) -> None:
         )
 
 
-def train_options(func: F) -> F:
-    """The training settings shared with ``pserver start`` (same defaults)."""
-    return _apply(
-        func,
-        [
-            click.option(
-                "--epochs",
-                type=int,
-                default=None,
-                help="Stop after this many epochs (compare: 5 unless --max-steps is given).",
-            ),
-            click.option(
-                "--max-steps", type=int, default=None, help="Stop after this many updates."
-            ),
-            click.option(
-                "--global-batch",
-                type=int,
-                default=server_default("global_batch"),
-                help="Global batch B per update.",
-            ),
-            click.option(
-                "--optimizer",
-                type=click.Choice(OPTIMIZERS),
-                default=server_default("optimizer"),
-                help="Optimizer.",
-            ),
-            click.option("--lr", type=float, default=server_default("lr"), help="Learning rate."),
-            click.option(
-                "--momentum", type=float, default=server_default("momentum"), help="SGD momentum."
-            ),
-            click.option(
-                "--nesterov/--no-nesterov",
-                default=server_default("nesterov"),
-                help="Nesterov momentum for SGD.",
-            ),
-            click.option(
-                "--weight-decay",
-                type=float,
-                default=server_default("weight_decay"),
-                help="L2 weight decay.",
-            ),
-            click.option(
-                "--lr-schedule",
-                type=click.Choice(SCHEDULES),
-                default=server_default("lr_schedule"),
-                help="Learning-rate schedule over training.",
-            ),
-            click.option(
-                "--warmup-fraction",
-                type=float,
-                default=server_default("warmup_fraction"),
-                help="Linear warm-up over this fraction of training.",
-            ),
-            click.option(
-                "--seed",
-                type=int,
-                default=server_default("seed"),
-                help="Seed for initialisation and shuffling.",
-            ),
-        ],
-    )
+# The training settings shared with ``pserver start`` (same defaults).
+train_options = _options(
+    _train("epochs", help="Stop after this many epochs (compare: 5 unless --max-steps is given)."),
+    _train("max_steps", help="Stop after this many updates."),
+    _train("global_batch", help="Global batch B per update."),
+    _train("optimizer", type=click.Choice(OPTIMIZERS), help="Optimizer."),
+    _train("lr", help="Learning rate."),
+    _train("momentum", help="SGD momentum."),
+    _train("nesterov", flag="--nesterov/--no-nesterov", help="Nesterov momentum for SGD."),
+    _train("weight_decay", help="L2 weight decay."),
+    _train(
+        "lr_schedule", type=click.Choice(SCHEDULES), help="Learning-rate schedule over training."
+    ),
+    _train("warmup_fraction", help="Linear warm-up over this fraction of training."),
+    _train("seed", help="Seed for initialisation and shuffling."),
+)
 
 
-def async_options(func: F) -> F:
-    """--staleness and --max-staleness, passed to ``pserver start`` (local, compare, slurm)."""
-    return _apply(
-        func,
-        [
-            click.option(
-                "--staleness",
-                type=click.Choice(STALENESS),
-                default=None,
-                help="Async staleness function (server default).",
-            ),
-            click.option(
-                "--max-staleness",
-                type=click.IntRange(min=0),
-                default=None,
-                help="Async staleness bound.",
-            ),
-        ],
-    )
+# --staleness and --max-staleness, passed to ``pserver start`` (local, compare, slurm).
+async_options = _options(
+    click.option(
+        "--staleness",
+        type=click.Choice(STALENESS),
+        default=None,
+        help="Async staleness function (server default).",
+    ),
+    click.option(
+        "--max-staleness",
+        type=click.IntRange(min=0),
+        default=None,
+        help="Async staleness bound.",
+    ),
+)
 
 
-def threads_option(func: F) -> F:
-    """--threads (local, compare and ddp)."""
-    return click.option(
-        "--threads",
-        type=click.IntRange(min=1),
-        default=1,
-        help="Torch CPU threads per worker (and per DDP rank).",
-    )(func)
+threads_option = click.option(  # local, compare and ddp
+    "--threads",
+    type=click.IntRange(min=1),
+    default=1,
+    help="Torch CPU threads per worker (and per DDP rank).",
+)
+checkpoint_option = click.option(  # ddp and compare
+    "--ddp-checkpoint-every",
+    type=click.IntRange(min=1),
+    default=1,
+    help="DDP runs write a checkpoint every E epochs (and when stopped by a signal), which "
+    "--resume and the restarts of a node that leaves and returns continue from.",
+)
+progress_option = click.option(  # local, compare and ddp
+    "--progress/--no-progress",
+    default=True,
+    help="Show a live progress bar (samples trained, epoch, version, latest OA).",
+)
 
 
-def checkpoint_option(func: F) -> F:
-    """--ddp-checkpoint-every (ddp and compare)."""
-    return click.option(
-        "--ddp-checkpoint-every",
-        type=click.IntRange(min=1),
-        default=1,
-        help="DDP runs write a checkpoint every E epochs (and when stopped by a signal), which "
-        "--resume and the restarts of a node that leaves and returns continue from.",
-    )(func)
+# --resume and --overwrite: the one rule for run folders (``common.rundir``), in every
+# launcher.
+folder_options = _options(
+    click.option(
+        "--resume",
+        is_flag=True,
+        help="Continue the run already in the folder (from its newest checkpoint; a "
+        "comparison: run only what it has not finished).",
+    ),
+    click.option(
+        "--overwrite",
+        is_flag=True,
+        help="Replace the run already in the folder; without --resume or --overwrite "
+        "a folder holding a run is refused before anything is written.",
+    ),
+)
 
 
-def progress_option(func: F) -> F:
-    """--progress/--no-progress (local, compare and ddp)."""
-    return click.option(
-        "--progress/--no-progress",
-        default=True,
-        help="Show a live progress bar (samples trained, epoch, version, latest OA).",
-    )(func)
+# --server-opt and --worker-opt (local, compare and slurm).
+extra_options = _options(
+    click.option(
+        "--server-opt",
+        multiple=True,
+        help="Extra 'pserver start' option for the parameter-server runs, e.g. "
+        "--server-opt=--staleness-a=1.",
+    ),
+    click.option(
+        "--worker-opt",
+        multiple=True,
+        help="Extra 'worker join' option for every worker of the parameter-server runs, "
+        "e.g. --worker-opt=--data=COPY.h5 (read a local copy of the dataset, as DDP's "
+        "ranks do).",
+    ),
+)
 
 
-def folder_options(func: F) -> F:
-    """--resume and --overwrite: the one rule for run folders (``common.rundir``), in every
-    launcher."""
-    return _apply(
-        func,
-        [
-            click.option(
-                "--resume",
-                is_flag=True,
-                help="Continue the run already in the folder (from its newest checkpoint; a "
-                "comparison: run only what it has not finished).",
-            ),
-            click.option(
-                "--overwrite",
-                is_flag=True,
-                help="Replace the run already in the folder; without --resume or --overwrite "
-                "a folder holding a run is refused before anything is written.",
-            ),
-        ],
-    )
-
-
-def extra_options(func: F) -> F:
-    """--server-opt and --worker-opt (local, compare and slurm)."""
-    return _apply(
-        func,
-        [
-            click.option(
-                "--server-opt",
-                multiple=True,
-                help="Extra 'pserver start' option for the parameter-server runs, e.g. "
-                "--server-opt=--staleness-a=1.",
-            ),
-            click.option(
-                "--worker-opt",
-                multiple=True,
-                help="Extra 'worker join' option for every worker of the parameter-server runs, "
-                "e.g. --worker-opt=--data=COPY.h5 (read a local copy of the dataset, as DDP's "
-                "ranks do).",
-            ),
-        ],
-    )
-
-
-def run_options(func: F) -> F:
-    """--threads, --server-opt, --worker-opt, --restarts and --progress/--no-progress (local
-    and compare)."""
-    restarts = click.option(
+# --threads, --server-opt, --worker-opt, --restarts and --progress/--no-progress (local and
+# compare).
+run_options = _options(
+    threads_option,
+    extra_options,
+    click.option(
         "--restarts",
         type=click.IntRange(min=0),
         default=3,
@@ -329,8 +250,9 @@ def run_options(func: F) -> F:
         "(--resume; a checkpoint every epoch's worth of updates unless --server-opt "
         "--checkpoint-every says otherwise), and a worker that dies, each up to N times; "
         "0: never. A clean end or a Ctrl-C/SIGTERM stop is not restarted.",
-    )
-    return _apply(func, [threads_option, extra_options, restarts, progress_option])
+    ),
+    progress_option,
+)
 
 
 CLUSTER_KEYS = ("workers", "slowdowns", "slowdown_schedules", "devices")
@@ -397,14 +319,10 @@ def build_workers(
     entry when only the devices are listed.
 
     Raises:
-        click.BadParameter: an option is malformed or the counts disagree.
+        ConfigError: an option is malformed or the counts disagree.
     """
     device_list = tuple(d.strip() for d in devices.split(",") if d.strip())
     if workers is None and len(device_list) > 1 and "," not in slowdowns.strip(", "):
         workers = len(device_list)
-    try:
-        factors = parse_slowdowns(slowdowns, workers)
-        changes = parse_schedules(schedules, factors)
-    except ConfigError as exc:
-        raise click.BadParameter(str(exc)) from exc
-    return factors, changes, device_list
+    factors = parse_slowdowns(slowdowns, workers)
+    return factors, parse_schedules(schedules, factors), device_list

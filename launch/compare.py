@@ -295,10 +295,8 @@ class CompareConfig:
             slowdowns=self.slowdowns if mode != SINGLE else (1.0,),
             train=self.train,
             cpus=self.threads,
-            server_options=(*self._server_mode_options(mode), *self.server_options)
-            if server_mode
-            else (),
-            worker_options=self.worker_options if server_mode else (),
+            server_options=(*self._server_mode_options(mode), *self.server_options),
+            worker_options=self.worker_options,
         )
 
     def settings(self) -> dict[str, Any]:

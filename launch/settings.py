@@ -3,22 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from common.config import default
 from pserver.config import ServerConfig, check_training
-
-
-def server_default(name: str) -> Any:
-    """The default of a ``pserver start`` option, so both sides of a comparison agree.
-
-    Args:
-        name: a ``ServerConfig`` field name, e.g. ``"lr"``.
-
-    Returns:
-        Its default value.
-    """
-    return default(ServerConfig, name)
 
 
 def server_mode_args(staleness: str | None, max_staleness: int | None) -> tuple[str, ...]:
@@ -46,18 +33,18 @@ class TrainSettings:
         seed: model initialisation and epoch permutations.
     """
 
-    global_batch: int = server_default("global_batch")
-    optimizer: str = server_default("optimizer")
-    lr: float = server_default("lr")
-    momentum: float = server_default("momentum")
-    nesterov: bool = server_default("nesterov")
-    weight_decay: float = server_default("weight_decay")
-    lr_schedule: str = server_default("lr_schedule")
-    warmup_fraction: float = server_default("warmup_fraction")
+    global_batch: int = default(ServerConfig, "global_batch")
+    optimizer: str = default(ServerConfig, "optimizer")
+    lr: float = default(ServerConfig, "lr")
+    momentum: float = default(ServerConfig, "momentum")
+    nesterov: bool = default(ServerConfig, "nesterov")
+    weight_decay: float = default(ServerConfig, "weight_decay")
+    lr_schedule: str = default(ServerConfig, "lr_schedule")
+    warmup_fraction: float = default(ServerConfig, "warmup_fraction")
     epochs: int | None = None
     max_steps: int | None = None
     target_oa: float | None = None
-    seed: int = server_default("seed")
+    seed: int = default(ServerConfig, "seed")
 
     def validate(self) -> TrainSettings:
         """Check every field with the rules ``pserver start`` applies to the same options.

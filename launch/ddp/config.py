@@ -9,16 +9,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from common.config import need
+from common.config import default, flag, need
 from common.errors import ConfigError
 from common.training.slowdown import SlowdownSchedule
 from launch.cluster.schedule import OFF
 from launch.cluster.spec import ClusterSpec
-from launch.settings import TrainSettings, server_default
+from launch.settings import TrainSettings
+from pserver.config import ServerConfig
 
 BACKENDS = ("auto", "gloo", "nccl")
 GRAD_COMPRESSION = ("none", "bf16")
 REBALANCE = ("none", "epoch")
+CHOICES = {"backend": BACKENDS, "grad_compression": GRAD_COMPRESSION, "rebalance": REBALANCE}
 HOSTED_STORE_PORT = 29500  # rank 0's store on its emulated host
 
 
@@ -71,13 +73,13 @@ class DDPConfig:
     devices: tuple[str, ...] = ("cpu",)
     backend: str = "auto"
     threads: int = 1
-    eval_batch: int = server_default("eval_batch")
+    eval_batch: int = default(ServerConfig, "eval_batch")
     cache_mb: int = 1024
     startup_timeout_s: float = 120.0
     collective_timeout_s: float = 600.0
     run_timeout_s: float = 3600.0
     snapshot_every_steps: int | None = None
-    snapshot_limit: int = server_default("snapshot_limit")
+    snapshot_limit: int = default(ServerConfig, "snapshot_limit")
     nodes: ClusterSpec | None = None
     allow_oversubscribe: bool = False
     grad_compression: str = "none"
@@ -161,10 +163,9 @@ class DDPConfig:
             len(self.devices) in (1, self.world_size),
             f"--devices lists {len(self.devices)} devices for {self.world_size} ranks",
         )
-        need(
-            self.backend in BACKENDS,
-            f"--backend {self.backend!r} is not one of {', '.join(BACKENDS)}",
-        )
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            need(value in choices, f"--{flag(name)} {value!r} is not one of {', '.join(choices)}")
         if self.resolved_backend() == "nccl" and not all(
             self.device_of(r).startswith("cuda") for r in range(self.world_size)
         ):
@@ -194,16 +195,8 @@ class DDPConfig:
                 "every node's schedule takes it off: a DDP group restarts on the nodes left, "
                 "so keep one node on throughout"
             )
-        need(
-            self.grad_compression in GRAD_COMPRESSION,
-            f"--grad-compression {self.grad_compression!r} is not one of "
-            f"{', '.join(GRAD_COMPRESSION)}",
-        )
         if (self.shares or self.rebalance != "none") and not self.weighted:
             raise ConfigError("--shares and --rebalance apply to weighted DDP: add --weighted")
-        need(
-            self.rebalance in REBALANCE, f"--rebalance {self.rebalance!r} is not one of none, epoch"
-        )
         if self.shares and (
             len(self.shares) != self.world_size
             or not all(0 <= s < math.inf for s in self.shares)
