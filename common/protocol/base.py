@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -21,11 +22,19 @@ MAX_STRING = 4096
 MAX_LIST = 1024
 
 
+@typing.dataclass_transform(frozen_default=True)
 @dataclasses.dataclass(frozen=True)
 class Message:
-    """Base of every message: fields are header entries, ``np.ndarray`` fields are frames."""
+    """Base of every message: each subclass is a frozen dataclass (``kw_only`` may be given as a
+    class keyword) whose fields are header entries, ``np.ndarray`` fields frames; its wire
+    ``TYPE`` is the class name in snake case (``PushRequest``: ``push_request``)."""
 
     TYPE: ClassVar[str] = ""
+
+    def __init_subclass__(cls, kw_only: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.TYPE = re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
+        dataclasses.dataclass(frozen=True, kw_only=kw_only)(cls)
 
     def to_wire(self, request_id: int) -> list[Any]:
         """Encode this message as frames tagged with ``request_id``."""

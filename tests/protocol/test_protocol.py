@@ -217,6 +217,47 @@ def test_every_type_has_an_example() -> None:
     assert {m.TYPE for m in EXAMPLES} == set(REQUESTS) | set(ALL_REPLIES)
 
 
+def test_wire_type_names_are_the_documented_ones() -> None:
+    """A message's wire type comes from its class name: these are the names peers send."""
+    names = {
+        "join_request",
+        "task_request",
+        "push_request",
+        "gradient_push_request",
+        "data_request",
+        "heartbeat_request",
+        "status_request",
+        "leave_request",
+        "gradient_chunk",
+        "pull_request",
+        "join_reply",
+        "task_reply",
+        "task_params_reply",
+        "params_chunk",
+        "data_reply",
+        "status_reply",
+        "heartbeat_reply",
+        "leave_reply",
+        "shard_hello",
+        "shard_welcome",
+        "staged_request",
+        "staged_reply",
+        "prepare_request",
+        "prepare_reply",
+        "publish_request",
+        "abort_request",
+        "drop_request",
+        "capture_request",
+        "state_reply",
+        "ping_request",
+        "ping_reply",
+        "shutdown_request",
+        "ack_reply",
+    }
+    assert sorted(m.TYPE for m in EXAMPLES) == sorted(names)
+    assert REQUESTS.keys() | ALL_REPLIES.keys() == names
+
+
 def test_error_reply_raises_remote_error_with_code() -> None:
     with pytest.raises(RemoteError) as info:
         parse_message(_wire_bytes(error_frames(7, ErrorCode.STALE, "too old")), REPLIES)
