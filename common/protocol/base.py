@@ -187,6 +187,11 @@ def _only(values: list[Any], *kinds: type) -> bool:
     return set(map(type, values)).issubset(kinds)
 
 
+def by_type(*classes: type[Message]) -> dict[str, type[Message]]:
+    """A table for ``parse_message``: each message class under its wire type."""
+    return {m.TYPE: m for m in classes}
+
+
 def request_id_of(header: dict[str, Any]) -> int:
     """The request id of a decoded header, or 0 when it has none usable."""
     rid = header.get("id")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from common.protocol.base import Message as Message
+from common.protocol.base import by_type
 from common.protocol.base import parse_message as parse_message
 from common.protocol.ending import FinishReason
 
@@ -233,30 +234,24 @@ class LeaveReply(Message):
     """Acknowledges a leave."""
 
 
-WORKER_REQUESTS: dict[str, type[Message]] = {
-    m.TYPE: m
-    for m in (
-        JoinRequest,
-        TaskRequest,
-        PushRequest,
-        GradientPushRequest,
-        DataRequest,
-        HeartbeatRequest,
-        StatusRequest,
-        LeaveRequest,
-    )
-}
-STORE_REQUESTS: dict[str, type[Message]] = {m.TYPE: m for m in (GradientChunk, PullRequest)}
-REPLIES: dict[str, type[Message]] = {
-    m.TYPE: m
-    for m in (
-        JoinReply,
-        TaskReply,
-        TaskParamsReply,
-        ParamsChunk,
-        DataReply,
-        HeartbeatReply,
-        StatusReply,
-        LeaveReply,
-    )
-}
+WORKER_REQUESTS = by_type(
+    JoinRequest,
+    TaskRequest,
+    PushRequest,
+    GradientPushRequest,
+    DataRequest,
+    HeartbeatRequest,
+    StatusRequest,
+    LeaveRequest,
+)
+STORE_REQUESTS = by_type(GradientChunk, PullRequest)
+REPLIES = by_type(
+    JoinReply,
+    TaskReply,
+    TaskParamsReply,
+    ParamsChunk,
+    DataReply,
+    HeartbeatReply,
+    StatusReply,
+    LeaveReply,
+)

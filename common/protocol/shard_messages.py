@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from common.protocol.base import Message
+from common.protocol.base import Message, by_type
 
 
 class ShardHello(Message):
@@ -156,19 +156,14 @@ class AckReply(Message):
     """Done."""
 
 
-CONTROL_REQUESTS: dict[str, type[Message]] = {
-    m.TYPE: m
-    for m in (
-        StagedRequest,
-        PrepareRequest,
-        PublishRequest,
-        AbortRequest,
-        DropRequest,
-        CaptureRequest,
-        PingRequest,
-        ShutdownRequest,
-    )
-}
-CONTROL_REPLIES: dict[str, type[Message]] = {
-    m.TYPE: m for m in (ShardWelcome, StagedReply, PrepareReply, StateReply, PingReply, AckReply)
-}
+CONTROL_REQUESTS = by_type(
+    StagedRequest,
+    PrepareRequest,
+    PublishRequest,
+    AbortRequest,
+    DropRequest,
+    CaptureRequest,
+    PingRequest,
+    ShutdownRequest,
+)
+CONTROL_REPLIES = by_type(ShardWelcome, StagedReply, PrepareReply, StateReply, PingReply, AckReply)
