@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 import re
 import types
@@ -40,12 +41,11 @@ class Message:
         """Encode this message as frames tagged with ``request_id``."""
         body: dict[str, Any] = {}
         tensors: list[np.ndarray] = []
-        optional = _optional(type(self))
-        for name, _, _, kind in _schema(type(self)):
+        for name, _, optional, kind in _schema(type(self)):
             value = getattr(self, name)
             if kind == "tensor":
                 tensors.append(value)
-            elif value is not None or name not in optional:  # an unset optional one stays off
+            elif value is not None or not optional:  # an unset optional one stays off
                 body[name] = value.value if kind == "enum" and value is not None else value
         return encode_frames(
             {"type": self.TYPE, "id": request_id, "status": "ok", "body": body}, tensors
@@ -73,12 +73,9 @@ class Message:
             if kind == "tensor":
                 values[name] = next(arrays)
                 continue
-            if name not in body:
-                if name in _optional(cls):
-                    values[name] = None
-                    continue
+            if name not in body and not optional:
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE}: missing field {name!r}")
-            values[name] = _check(cls.TYPE, name, optional, kind, body[name])
+            values[name] = _check(cls.TYPE, name, optional, kind, body.get(name))
             if kind == "enum" and values[name] is not None:
                 try:
                     values[name] = base(values[name])
@@ -94,26 +91,13 @@ class Message:
         return cls(**values)
 
 
-_SCHEMAS: dict[type, list[tuple[str, Any, bool, str]]] = {}
-
-
+@functools.cache
 def _schema(cls: type) -> list[tuple[str, Any, bool, str]]:
-    """Per field: name, type (without None), whether None is allowed and the checked kind
-    (resolved once per class, so parsing a message does no ``typing`` introspection)."""
-    if cls not in _SCHEMAS:
-        hints = typing.get_type_hints(cls)
-        _SCHEMAS[cls] = [(f.name, *_resolve(hints[f.name])) for f in dataclasses.fields(cls)]
-    return _SCHEMAS[cls]
-
-
-_OPTIONAL: dict[type, frozenset[str]] = {}
-
-
-def _optional(cls: type) -> frozenset[str]:
-    """Fields that default to None: they may be absent on the wire."""
-    if cls not in _OPTIONAL:
-        _OPTIONAL[cls] = frozenset(f.name for f in dataclasses.fields(cls) if f.default is None)
-    return _OPTIONAL[cls]
+    """Per field: name, type (without None), whether it is optional (``X | None = None``: null
+    or absent on the wire) and the checked kind (resolved once per class, so parsing a message
+    does no ``typing`` introspection)."""
+    hints = typing.get_type_hints(cls)
+    return [(f.name, *_resolve(hints[f.name])) for f in dataclasses.fields(cls)]
 
 
 def _resolve(kind: Any) -> tuple[Any, bool, str]:
