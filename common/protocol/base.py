@@ -75,14 +75,7 @@ class Message:
                 continue
             if name not in body and not optional:
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE}: missing field {name!r}")
-            values[name] = _check(cls.TYPE, name, optional, kind, body.get(name))
-            if kind == "enum" and values[name] is not None:
-                try:
-                    values[name] = base(values[name])
-                except ValueError:
-                    raise ProtocolError(
-                        ErrorCode.BAD_FIELD, f"{cls.TYPE}: field {name!r} unknown value"
-                    ) from None
+            values[name] = _check(cls.TYPE, name, optional, kind, base, body.get(name))
         extra = set(body) - set(values)
         if extra:
             raise ProtocolError(
@@ -119,8 +112,9 @@ def _resolve(kind: Any) -> tuple[Any, bool, str]:
     raise TypeError(f"unsupported field annotation {kind!r}")  # a bug in a message class
 
 
-def _check(mtype: str, name: str, optional: bool, kind: str, value: Any) -> Any:
-    """Return ``value`` if it matches the resolved annotation, else raise BAD_FIELD."""
+def _check(mtype: str, name: str, optional: bool, kind: str, base: Any, value: Any) -> Any:
+    """Return ``value`` if it matches the resolved annotation (an enum's value as the enum
+    ``base``), else raise BAD_FIELD."""
 
     def bad(why: str) -> ProtocolError:
         return ProtocolError(ErrorCode.BAD_FIELD, f"{mtype}: field {name!r} {why}")
@@ -138,7 +132,9 @@ def _check(mtype: str, name: str, optional: bool, kind: str, value: Any) -> Any:
     if kind in ("str", "enum"):
         if type(value) is not str or len(value) > MAX_STRING:
             raise bad(f"must be a string of at most {MAX_STRING} characters")
-        return value
+        if kind == "enum" and value not in {e.value for e in base}:
+            raise bad("unknown value")
+        return base(value) if kind == "enum" else value
     if kind == "bool":
         if type(value) is not bool:
             raise bad(f"must be a bool, got {value!r:.60}")

@@ -356,6 +356,19 @@ def test_malformed_frames_are_rejected_with_a_code(name: str) -> None:
     assert info.value.code == code, str(info.value)
 
 
+def test_optional_fields_may_be_null_or_absent_and_enums_take_only_their_values() -> None:
+    def heartbeat(**body):
+        frames = [_header(type="heartbeat_reply", body={"server_id": "s", **body})]
+        return parse_message(frames, ALL_REPLIES)[0]
+
+    assert heartbeat() == heartbeat(failure=None, finish_reason=None) == HeartbeatReply("s")
+    assert heartbeat(finish_reason="epochs").finish_reason is FinishReason.EPOCHS
+    with pytest.raises(ProtocolError, match="heartbeat_reply: field 'finish_reason' unknown value"):
+        heartbeat(finish_reason="nope")
+    with pytest.raises(ProtocolError, match="heartbeat_reply: field 'failure' must be a string"):
+        heartbeat(failure=3)
+
+
 def test_tensors_are_read_without_copy_and_big_endian_is_refused() -> None:
     array = np.arange(6, dtype=np.float64).reshape(2, 3)
     frames = encode_frames({"type": "x", "id": 1}, [array])
