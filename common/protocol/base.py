@@ -172,24 +172,19 @@ def by_type(*classes: type[Message]) -> dict[str, type[Message]]:
     return {m.TYPE: m for m in classes}
 
 
-def request_id_of(header: dict[str, Any]) -> int:
-    """The request id of a decoded header, or 0 when it has none usable."""
-    rid = header.get("id")
-    return rid if type(rid) is int and 0 <= rid < 1 << 63 else 0
-
-
 def parse_message(frames: Sequence[Any], table: dict[str, type[Message]]) -> tuple[Message, int]:
     """Decode frames into one of the messages in ``table``.
 
     Returns:
-        The message and its request id.
+        The message and its request id (0 when the header has none usable).
 
     Raises:
         ProtocolError: malformed frames, wrong version, unknown type or invalid fields.
         RemoteError: the frames are an error reply.
     """
     header, tensors = decode_frames(frames)
-    rid = request_id_of(header)
+    rid = header.get("id")
+    rid = rid if type(rid) is int and 0 <= rid < 1 << 63 else 0
     if header.get("status") == "error":
         error = RemoteError(header.get("code", ErrorCode.INTERNAL), str(header.get("message")))
         error.request_id = rid
