@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import math
 import re
 import types
@@ -84,13 +83,17 @@ class Message:
         return cls(**values)
 
 
-@functools.cache
+_SCHEMAS: dict[type, list[tuple[str, Any, bool, str]]] = {}
+
+
 def _schema(cls: type) -> list[tuple[str, Any, bool, str]]:
     """Per field: name, type (without None), whether it is optional (``X | None = None``: null
     or absent on the wire) and the checked kind (resolved once per class, so parsing a message
     does no ``typing`` introspection)."""
-    hints = typing.get_type_hints(cls)
-    return [(f.name, *_resolve(hints[f.name])) for f in dataclasses.fields(cls)]
+    if cls not in _SCHEMAS:
+        hints = typing.get_type_hints(cls)
+        _SCHEMAS[cls] = [(f.name, *_resolve(hints[f.name])) for f in dataclasses.fields(cls)]
+    return _SCHEMAS[cls]
 
 
 def _resolve(kind: Any) -> tuple[Any, bool, str]:
