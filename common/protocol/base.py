@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -21,22 +22,29 @@ MAX_STRING = 4096
 MAX_LIST = 1024
 
 
+@typing.dataclass_transform(frozen_default=True)
 @dataclasses.dataclass(frozen=True)
 class Message:
-    """Base of every message: fields are header entries, ``np.ndarray`` fields are frames."""
+    """Base of every message: each subclass is a frozen dataclass (``kw_only`` may be given as a
+    class keyword) whose fields are header entries, ``np.ndarray`` fields frames; its wire
+    ``TYPE`` is the class name in snake case (``PushRequest``: ``push_request``)."""
 
     TYPE: ClassVar[str] = ""
+
+    def __init_subclass__(cls, kw_only: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.TYPE = re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
+        dataclasses.dataclass(frozen=True, kw_only=kw_only)(cls)
 
     def to_wire(self, request_id: int) -> list[Any]:
         """Encode this message as frames tagged with ``request_id``."""
         body: dict[str, Any] = {}
         tensors: list[np.ndarray] = []
-        optional = _optional(type(self))
-        for name, _, _, kind in _schema(type(self)):
+        for name, _, optional, kind in _schema(type(self)):
             value = getattr(self, name)
             if kind == "tensor":
                 tensors.append(value)
-            elif value is not None or name not in optional:  # an unset optional one stays off
+            elif value is not None or not optional:  # an unset optional one stays off
                 body[name] = value.value if kind == "enum" and value is not None else value
         return encode_frames(
             {"type": self.TYPE, "id": request_id, "status": "ok", "body": body}, tensors
@@ -64,19 +72,9 @@ class Message:
             if kind == "tensor":
                 values[name] = next(arrays)
                 continue
-            if name not in body:
-                if name in _optional(cls):
-                    values[name] = None
-                    continue
+            if name not in body and not optional:
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE}: missing field {name!r}")
-            values[name] = _check(cls.TYPE, name, optional, kind, body[name])
-            if kind == "enum" and values[name] is not None:
-                try:
-                    values[name] = base(values[name])
-                except ValueError:
-                    raise ProtocolError(
-                        ErrorCode.BAD_FIELD, f"{cls.TYPE}: field {name!r} unknown value"
-                    ) from None
+            values[name] = _check(cls.TYPE, name, optional, kind, base, body.get(name))
         extra = set(body) - set(values)
         if extra:
             raise ProtocolError(
@@ -89,22 +87,13 @@ _SCHEMAS: dict[type, list[tuple[str, Any, bool, str]]] = {}
 
 
 def _schema(cls: type) -> list[tuple[str, Any, bool, str]]:
-    """Per field: name, type (without None), whether None is allowed and the checked kind
-    (resolved once per class, so parsing a message does no ``typing`` introspection)."""
+    """Per field: name, type (without None), whether it is optional (``X | None = None``: null
+    or absent on the wire) and the checked kind (resolved once per class, so parsing a message
+    does no ``typing`` introspection)."""
     if cls not in _SCHEMAS:
         hints = typing.get_type_hints(cls)
         _SCHEMAS[cls] = [(f.name, *_resolve(hints[f.name])) for f in dataclasses.fields(cls)]
     return _SCHEMAS[cls]
-
-
-_OPTIONAL: dict[type, frozenset[str]] = {}
-
-
-def _optional(cls: type) -> frozenset[str]:
-    """Fields that default to None: they may be absent on the wire."""
-    if cls not in _OPTIONAL:
-        _OPTIONAL[cls] = frozenset(f.name for f in dataclasses.fields(cls) if f.default is None)
-    return _OPTIONAL[cls]
 
 
 def _resolve(kind: Any) -> tuple[Any, bool, str]:
@@ -126,8 +115,9 @@ def _resolve(kind: Any) -> tuple[Any, bool, str]:
     raise TypeError(f"unsupported field annotation {kind!r}")  # a bug in a message class
 
 
-def _check(mtype: str, name: str, optional: bool, kind: str, value: Any) -> Any:
-    """Return ``value`` if it matches the resolved annotation, else raise BAD_FIELD."""
+def _check(mtype: str, name: str, optional: bool, kind: str, base: Any, value: Any) -> Any:
+    """Return ``value`` if it matches the resolved annotation (an enum's value as the enum
+    ``base``), else raise BAD_FIELD."""
 
     def bad(why: str) -> ProtocolError:
         return ProtocolError(ErrorCode.BAD_FIELD, f"{mtype}: field {name!r} {why}")
@@ -145,7 +135,9 @@ def _check(mtype: str, name: str, optional: bool, kind: str, value: Any) -> Any:
     if kind in ("str", "enum"):
         if type(value) is not str or len(value) > MAX_STRING:
             raise bad(f"must be a string of at most {MAX_STRING} characters")
-        return value
+        if kind == "enum" and value not in {e.value for e in base}:
+            raise bad("unknown value")
+        return base(value) if kind == "enum" else value
     if kind == "bool":
         if type(value) is not bool:
             raise bad(f"must be a bool, got {value!r:.60}")
@@ -178,24 +170,24 @@ def _only(values: list[Any], *kinds: type) -> bool:
     return set(map(type, values)).issubset(kinds)
 
 
-def request_id_of(header: dict[str, Any]) -> int:
-    """The request id of a decoded header, or 0 when it has none usable."""
-    rid = header.get("id")
-    return rid if type(rid) is int and 0 <= rid < 1 << 63 else 0
+def by_type(*classes: type[Message]) -> dict[str, type[Message]]:
+    """A table for ``parse_message``: each message class under its wire type."""
+    return {m.TYPE: m for m in classes}
 
 
 def parse_message(frames: Sequence[Any], table: dict[str, type[Message]]) -> tuple[Message, int]:
     """Decode frames into one of the messages in ``table``.
 
     Returns:
-        The message and its request id.
+        The message and its request id (0 when the header has none usable).
 
     Raises:
         ProtocolError: malformed frames, wrong version, unknown type or invalid fields.
         RemoteError: the frames are an error reply.
     """
     header, tensors = decode_frames(frames)
-    rid = request_id_of(header)
+    rid = header.get("id")
+    rid = rid if type(rid) is int and 0 <= rid < 1 << 63 else 0
     if header.get("status") == "error":
         error = RemoteError(header.get("code", ErrorCode.INTERNAL), str(header.get("message")))
         error.request_id = rid

@@ -26,11 +26,6 @@ _FP16_TARGET = 2.0**14  # scale chunks so that their largest magnitude lands nea
 _FP16_MAX_EXPONENT = 40
 
 
-def wire_itemsize(wire: str) -> int:
-    """Bytes per element on the wire."""
-    return 4 if wire == "fp32" else 2
-
-
 def shard_bounds(size: int, shards: int) -> list[int]:
     """Boundaries of ``shards`` contiguous ranges over ``size`` elements, about equal in bytes.
 
@@ -54,7 +49,8 @@ def chunk_spans(lo: int, hi: int, chunk_elems: int) -> list[tuple[int, int]]:
 
 def chunk_elems_for(chunk_bytes: int, wire: str) -> int:
     """Elements per chunk for about ``chunk_bytes`` on the wire (a multiple of ALIGN)."""
-    return max(ALIGN, chunk_bytes // wire_itemsize(wire) // ALIGN * ALIGN)
+    itemsize = 4 if wire == "fp32" else 2  # bytes per element on the wire
+    return max(ALIGN, chunk_bytes // itemsize // ALIGN * ALIGN)
 
 
 def _fp16_scale(values: torch.Tensor) -> float:

@@ -7,19 +7,16 @@ for another worker.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import ClassVar
-
 import numpy as np
 
 from common.protocol.base import Message as Message
+from common.protocol.base import by_type
 from common.protocol.base import parse_message as parse_message
 from common.protocol.ending import FinishReason
 
 # --- worker -> coordinator ---------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
 class JoinRequest(Message):
     """A worker asks to join; the reply tells it which model to build and where the stores are.
 
@@ -28,7 +25,6 @@ class JoinRequest(Message):
     the name of the machine the worker runs on (recorded in the ``join`` event).
     """
 
-    TYPE: ClassVar[str] = "join_request"
     name: str
     device: str
     slowdown: float
@@ -37,7 +33,6 @@ class JoinRequest(Message):
     host: str | None = None
 
 
-@dataclasses.dataclass(frozen=True)
 class TaskRequest(Message):
     """A worker asks for its next task, reporting its speed in samples/s: first after joining
     and calibrating, then to re-pull after a rejected push.
@@ -47,7 +42,6 @@ class TaskRequest(Message):
     performance model of the worker; absent when the worker did not calibrate.
     """
 
-    TYPE: ClassVar[str] = "task_request"
     worker_id: int
     token: str
     speed: float
@@ -55,7 +49,6 @@ class TaskRequest(Message):
     calibration_s: list[float] | None = None
 
 
-@dataclasses.dataclass(frozen=True)
 class PushRequest(Message):
     """A worker reports its task done; its gradient went to the stores as ``gradient_chunk``s.
 
@@ -63,7 +56,6 @@ class PushRequest(Message):
     the time the worker spent receiving its previous parameters.
     """
 
-    TYPE: ClassVar[str] = "push_request"
     worker_id: int
     token: str
     task_id: int
@@ -75,50 +67,39 @@ class PushRequest(Message):
     loss: float
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GradientPushRequest(PushRequest):
+class GradientPushRequest(PushRequest, kw_only=True):
     """A push that carries its gradient, for runs whose coordinator is the only store and whose
     state is one chunk: ``push_token``, ``scale`` and ``gradient`` as in ``gradient_chunk``
     (offset 0, the whole state). Answered as ``push_request`` is; a task to train comes as a
     ``task_params_reply`` with the new parameters inside."""
 
-    TYPE: ClassVar[str] = "gradient_push_request"
     push_token: str
     scale: float
     gradient: np.ndarray
 
 
-@dataclasses.dataclass(frozen=True)
 class DataRequest(Message):
     """A worker asks for the samples with the given training indices."""
 
-    TYPE: ClassVar[str] = "data_request"
     worker_id: int
     token: str
     indices: list[int]
 
 
-@dataclasses.dataclass(frozen=True)
 class HeartbeatRequest(Message):
     """A worker says it is alive (sent from its own thread while it computes or waits)."""
 
-    TYPE: ClassVar[str] = "heartbeat_request"
     worker_id: int
     token: str
 
 
-@dataclasses.dataclass(frozen=True)
 class StatusRequest(Message):
     """Anyone asks for the server's status."""
 
-    TYPE: ClassVar[str] = "status_request"
 
-
-@dataclasses.dataclass(frozen=True)
 class LeaveRequest(Message):
     """A worker leaves gracefully."""
 
-    TYPE: ClassVar[str] = "leave_request"
     worker_id: int
     token: str
     reason: str
@@ -127,14 +108,12 @@ class LeaveRequest(Message):
 # --- worker -> parameter store (the coordinator itself, or a shard) ---------------------------
 
 
-@dataclasses.dataclass(frozen=True)
 class GradientChunk(Message):
     """One chunk of a task's gradient: ``gradient`` holds state elements ``[offset, offset + n)``
     in the run's wire format, multiplied by ``scale``; ``token`` is the task's push token.
     Answered with the same range of the next parameters (``params_chunk``) once the update is
     published, or with an error."""
 
-    TYPE: ClassVar[str] = "gradient_chunk"
     worker_id: int
     token: str
     task_id: int
@@ -144,11 +123,9 @@ class GradientChunk(Message):
     gradient: np.ndarray
 
 
-@dataclasses.dataclass(frozen=True)
 class PullRequest(Message):
     """Parameters ``[offset, offset + length)`` of version ``min_version`` or newer."""
 
-    TYPE: ClassVar[str] = "pull_request"
     worker_id: int
     token: str
     min_version: int
@@ -159,7 +136,6 @@ class PullRequest(Message):
 # --- replies -----------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
 class JoinReply(Message):
     """Membership granted: what to build, how the run is set up, and where parameters live.
 
@@ -170,7 +146,6 @@ class JoinReply(Message):
     per band.
     """
 
-    TYPE: ClassVar[str] = "join_reply"
     worker_id: int
     token: str
     store_token: str
@@ -195,7 +170,6 @@ class JoinReply(Message):
     norm_std: list[float]
 
 
-@dataclasses.dataclass(frozen=True)
 class TaskReply(Message):
     """The next task: train on ``indices`` from parameters of version ``version`` (pulled from
     the stores), and prefetch ``prefetch`` meanwhile; or ``action == "stop"``, with the
@@ -203,7 +177,6 @@ class TaskReply(Message):
     exits non-zero). The gradient's chunks carry ``push_token``, which only this worker got for
     this task."""
 
-    TYPE: ClassVar[str] = "task_reply"
     action: str
     task_id: int
     push_token: str
@@ -215,89 +188,70 @@ class TaskReply(Message):
     finish_reason: FinishReason | None = None
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TaskParamsReply(TaskReply):
+class TaskParamsReply(TaskReply, kw_only=True):
     """A ``task_reply`` to a ``gradient_push_request`` that also carries the published
     parameters: the whole state of ``params_version`` in the wire format, times ``scale``."""
 
-    TYPE: ClassVar[str] = "task_params_reply"
     params_version: int
     scale: float
     params: np.ndarray
 
 
-@dataclasses.dataclass(frozen=True)
 class ParamsChunk(Message):
     """Parameters ``[offset, offset + n)`` of ``version`` in the wire format, times ``scale``."""
 
-    TYPE: ClassVar[str] = "params_chunk"
     version: int
     offset: int
     scale: float
     params: np.ndarray
 
 
-@dataclasses.dataclass(frozen=True)
 class DataReply(Message):
     """Samples ``x`` (n, C, H, W) in the join reply's ``sample_dtype`` and labels ``y`` (n,)
     int64, in request order."""
 
-    TYPE: ClassVar[str] = "data_reply"
     x: np.ndarray
     y: np.ndarray
 
 
-@dataclasses.dataclass(frozen=True)
 class StatusReply(Message):
     """The server's status as a JSON-like map."""
 
-    TYPE: ClassVar[str] = "status_reply"
     status: dict
 
 
-@dataclasses.dataclass(frozen=True)
 class HeartbeatReply(Message):
     """Acknowledges a heartbeat; a changed ``server_id`` means the server restarted, and a
     ``finish_reason`` that training has ended (the worker stops whatever it waits for), because
     of ``failure`` when one ended it."""
 
-    TYPE: ClassVar[str] = "heartbeat_reply"
     server_id: str
     failure: str | None = None
     finish_reason: FinishReason | None = None
 
 
-@dataclasses.dataclass(frozen=True)
 class LeaveReply(Message):
     """Acknowledges a leave."""
 
-    TYPE: ClassVar[str] = "leave_reply"
 
-
-WORKER_REQUESTS: dict[str, type[Message]] = {
-    m.TYPE: m
-    for m in (
-        JoinRequest,
-        TaskRequest,
-        PushRequest,
-        GradientPushRequest,
-        DataRequest,
-        HeartbeatRequest,
-        StatusRequest,
-        LeaveRequest,
-    )
-}
-STORE_REQUESTS: dict[str, type[Message]] = {m.TYPE: m for m in (GradientChunk, PullRequest)}
-REPLIES: dict[str, type[Message]] = {
-    m.TYPE: m
-    for m in (
-        JoinReply,
-        TaskReply,
-        TaskParamsReply,
-        ParamsChunk,
-        DataReply,
-        HeartbeatReply,
-        StatusReply,
-        LeaveReply,
-    )
-}
+WORKER_REQUESTS = by_type(
+    JoinRequest,
+    TaskRequest,
+    PushRequest,
+    GradientPushRequest,
+    DataRequest,
+    HeartbeatRequest,
+    StatusRequest,
+    LeaveRequest,
+)
+STORE_REQUESTS = by_type(GradientChunk, PullRequest)
+REPLIES = by_type(
+    JoinReply,
+    TaskReply,
+    TaskParamsReply,
+    ParamsChunk,
+    DataReply,
+    HeartbeatReply,
+    StatusReply,
+    LeaveReply,
+)

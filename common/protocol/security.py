@@ -41,14 +41,11 @@ class ClientKeys:
         sock.curve_secretkey = self.secret
 
 
-def _load(path: Path, need_secret: bool) -> tuple[bytes, bytes | None]:
+def _load(path: Path) -> tuple[bytes, bytes | None]:
     try:
-        public, secret = zmq.auth.load_certificate(path)
+        return zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read ZeroMQ certificate {str(path)!r}: {exc}") from exc
-    if need_secret and not secret:
-        raise ConfigError(f"{str(path)!r} holds no secret key; give the .key_secret file")
-    return public, secret
 
 
 def load_client_keys(server_key: Path, secret_file: Path) -> ClientKeys:
@@ -57,10 +54,7 @@ def load_client_keys(server_key: Path, secret_file: Path) -> ClientKeys:
     Raises:
         ConfigError: a file is missing, malformed, or the secret file has no secret key.
     """
-    server_public, _ = _load(server_key, need_secret=False)
-    public, secret = _load(secret_file, need_secret=True)
-    assert secret is not None
-    return ClientKeys(server_public, public, secret)
+    return ClientKeys(_load(server_key)[0], *load_server_secret(secret_file))
 
 
 def load_server_secret(secret_file: Path) -> tuple[bytes, bytes]:
@@ -69,8 +63,9 @@ def load_server_secret(secret_file: Path) -> tuple[bytes, bytes]:
     Raises:
         ConfigError: missing, malformed or without a secret key.
     """
-    public, secret = _load(secret_file, need_secret=True)
-    assert secret is not None
+    public, secret = _load(secret_file)
+    if not secret:
+        raise ConfigError(f"{str(secret_file)!r} holds no secret key; give the .key_secret file")
     return public, secret
 
 

@@ -217,6 +217,47 @@ def test_every_type_has_an_example() -> None:
     assert {m.TYPE for m in EXAMPLES} == set(REQUESTS) | set(ALL_REPLIES)
 
 
+def test_wire_type_names_are_the_documented_ones() -> None:
+    """A message's wire type comes from its class name: these are the names peers send."""
+    names = {
+        "join_request",
+        "task_request",
+        "push_request",
+        "gradient_push_request",
+        "data_request",
+        "heartbeat_request",
+        "status_request",
+        "leave_request",
+        "gradient_chunk",
+        "pull_request",
+        "join_reply",
+        "task_reply",
+        "task_params_reply",
+        "params_chunk",
+        "data_reply",
+        "status_reply",
+        "heartbeat_reply",
+        "leave_reply",
+        "shard_hello",
+        "shard_welcome",
+        "staged_request",
+        "staged_reply",
+        "prepare_request",
+        "prepare_reply",
+        "publish_request",
+        "abort_request",
+        "drop_request",
+        "capture_request",
+        "state_reply",
+        "ping_request",
+        "ping_reply",
+        "shutdown_request",
+        "ack_reply",
+    }
+    assert sorted(m.TYPE for m in EXAMPLES) == sorted(names)
+    assert REQUESTS.keys() | ALL_REPLIES.keys() == names
+
+
 def test_error_reply_raises_remote_error_with_code() -> None:
     with pytest.raises(RemoteError) as info:
         parse_message(_wire_bytes(error_frames(7, ErrorCode.STALE, "too old")), REPLIES)
@@ -313,6 +354,19 @@ def test_malformed_frames_are_rejected_with_a_code(name: str) -> None:
     with pytest.raises(ProtocolError) as info:
         parse_message(frames, REQUESTS)
     assert info.value.code == code, str(info.value)
+
+
+def test_optional_fields_may_be_null_or_absent_and_enums_take_only_their_values() -> None:
+    def heartbeat(**body):
+        frames = [_header(type="heartbeat_reply", body={"server_id": "s", **body})]
+        return parse_message(frames, ALL_REPLIES)[0]
+
+    assert heartbeat() == heartbeat(failure=None, finish_reason=None) == HeartbeatReply("s")
+    assert heartbeat(finish_reason="epochs").finish_reason is FinishReason.EPOCHS
+    with pytest.raises(ProtocolError, match="heartbeat_reply: field 'finish_reason' unknown value"):
+        heartbeat(finish_reason="nope")
+    with pytest.raises(ProtocolError, match="heartbeat_reply: field 'failure' must be a string"):
+        heartbeat(failure=3)
 
 
 def test_tensors_are_read_without_copy_and_big_endian_is_refused() -> None:

@@ -9,7 +9,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from common.errors import ErrorCode, RemoteError
+from common.errors import ConfigError, ErrorCode, RemoteError
 from common.protocol.messages import REPLIES, StatusReply, StatusRequest, parse_message
 from common.protocol.security import hello_proof, is_loopback, load_client_keys
 from common.protocol.shard_messages import CONTROL_REPLIES, ShardHello
@@ -65,6 +65,16 @@ def test_clear_text_warning_only_off_loopback() -> None:
     assert is_loopback("tcp://localhost:1") and is_loopback("ipc:///tmp/x")
     assert not is_loopback("tcp://0.0.0.0:5555") and not is_loopback("tcp://*:5555")
     assert not is_loopback("tcp://10.1.2.3:5555")
+
+
+def test_client_keys_need_readable_certificates_and_a_secret_key(curve_keys, tmp_path) -> None:
+    keys = load_client_keys(curve_keys["server"], curve_keys["worker_secret"])
+    assert keys.server_public == zmq.auth.load_certificate(curve_keys["server"])[0]
+    assert (keys.public, keys.secret) == zmq.auth.load_certificate(curve_keys["worker_secret"])
+    with pytest.raises(ConfigError, match=r"holds no secret key; give the \.key_secret file"):
+        load_client_keys(curve_keys["server"], curve_keys["worker"])
+    with pytest.raises(ConfigError, match="cannot read ZeroMQ certificate"):
+        load_client_keys(tmp_path / "missing.key", curve_keys["worker_secret"])
 
 
 async def test_a_worker_key_cannot_register_a_shard(small_hsi: Path, curve_keys) -> None:
