@@ -18,8 +18,11 @@ from launch.settings import TrainSettings
 from launch.slowdowns import SCHEDULES_HELP, parse_schedules, parse_slowdowns
 from pserver.config import OPTIMIZERS, SCHEDULES, STALENESS
 
-# The training options: every ``TrainSettings`` field but the target (each command has its own).
-TRAIN_KEYS = tuple(f.name for f in dataclasses.fields(TrainSettings) if f.name != "target_oa")
+# The training options: every ``TrainSettings`` field but those each command declares itself.
+OWN_TRAIN_KEYS = frozenset({"target_oa"})
+TRAIN_KEYS = tuple(
+    f.name for f in dataclasses.fields(TrainSettings) if f.name not in OWN_TRAIN_KEYS
+)
 _train = functools.partial(config_option, cls=TrainSettings)
 
 
