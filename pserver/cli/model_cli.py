@@ -33,7 +33,8 @@ def allow_model_option(what: str) -> Any:
 def file_option(flag: str, help: str, out: bool = False, required: bool = False) -> Any:
     """An option naming a file to read (``out``: one to write), optional unless ``required``."""
     kind = OutFile() if out else click.Path(dir_okay=False, path_type=Path)
-    return click.option(flag, type=kind, default=None, required=required, help=help)
+    optional = {} if required else {"default": None}  # a default makes click skip `required`
+    return click.option(flag, type=kind, required=required, help=help, **optional)
 
 
 def _fail(exc: Exception) -> click.ClickException:

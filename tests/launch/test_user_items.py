@@ -199,6 +199,16 @@ async def test_stop_and_heartbeat_replies_say_why_training_ended(
 
 @pytest.mark.parametrize(
     "args",
+    [["export", "."], ["predict", "--model", "m.pt", "--cube", "c.mat"]],
+    ids=["export", "predict"],
+)
+def test_a_missing_output_file_is_a_usage_error_before_any_work(args: list[str]) -> None:
+    result = CliRunner().invoke(pserver_main, args)
+    assert result.exit_code == 2 and "Missing option '--out'" in result.output
+
+
+@pytest.mark.parametrize(
+    "args",
     [
         ["predict", "--model", "m.pt", "--cube", "c.mat", "--out", "NOWHERE/map.png"],
         ["predict", "--model", "m.pt", "--cube", "c", "--out", "m.png", "--npy", "NOWHERE/m.npy"],
