@@ -291,17 +291,17 @@ async def test_evaluations_keep_up_by_skipping_superseded_versions(small_hsi) ->
     async with (
         live_server(
             small_hsi, mode="async", workers=1, global_batch=4, epochs=3, eval_every_updates=1,
-            eval_samples=50,
+            eval_samples=200,
         ) as ps,
         clients(ps.address, 1) as (client,),
     ):  # fmt: skip
         member, task = await client.join("fast")
         while task.action == "train":  # an update per push, far faster than an evaluation
             task = await client.push(member, task, _gradient(ps, 1e-4))
-        await _wait(lambda: ps.run.evals and ps.run.evals[-1]["test_samples"] > 50, 60)
+        await _wait(lambda: ps.run.evals and ps.run.evals[-1]["test_samples"] > 200, 60)
     evals = [e for e in ps.log.events if e["event"] == "eval"]
     assert ps.evaluations.skipped > 0 and len(evals) < ps.updater.version
-    assert all(e["test_samples"] == 50 for e in evals[:-1])  # the fixed stratified subset
+    assert all(e["test_samples"] == 200 for e in evals[:-1])  # the fixed stratified subset
     assert evals[-1]["version"] == ps.updater.version  # the final one: whole test split
     assert evals[-1]["test_samples"] == len(ps.reader.test_indices)
     times = [e["t"] for e in ps.log.events]
