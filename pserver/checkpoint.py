@@ -38,7 +38,6 @@ from pserver.store.stores import CapturedState, ParameterStores
 log = logging.getLogger(__name__)
 
 FORMAT = 2
-READABLE_FORMATS = (1, 2)
 KEEP = 3
 BEST = "best.npz"  # beside the newest checkpoints, never pruned; not resumed from
 NAME = re.compile(r"^ckpt-(\d{10})\.npz$")
@@ -125,7 +124,7 @@ def write(directory: Path, checkpoint: Checkpoint) -> Path:
         OSError: the file could not be written (no temporary file is left behind).
     """
     path = _write_npz(directory / f"ckpt-{checkpoint.version:010d}.npz", checkpoint)
-    for old in sorted(p for p in directory.iterdir() if NAME.match(p.name))[:-KEEP]:
+    for old in _listed(directory)[:-KEEP]:
         old.unlink()
     return path
 
@@ -140,16 +139,18 @@ def remove_stale_tmp(directory: Path) -> int:
     return len(stale)
 
 
+def _listed(directory: Path) -> list[Path]:
+    """The checkpoints in ``directory``, oldest first (none when it does not exist)."""
+    return sorted(p for p in directory.glob("ckpt-*.npz") if NAME.match(p.name))
+
+
 def latest(directory: Path) -> Path | None:
     """The newest checkpoint in ``directory``, or None."""
-    if not directory.is_dir():
-        return None
-    found = sorted(p for p in directory.iterdir() if NAME.match(p.name))
-    return found[-1] if found else None
+    return next(reversed(_listed(directory)), None)
 
 
 def read(path: Path) -> Checkpoint:
-    """Load a checkpoint written by ``write`` (this format or the first one).
+    """Load a checkpoint written by ``write``.
 
     Raises:
         ConfigError: the file is damaged or not a checkpoint of a known format.
@@ -160,13 +161,8 @@ def read(path: Path) -> Checkpoint:
         meta = json.loads(arrays.pop("meta").tobytes().decode())
     except (OSError, ValueError, KeyError, EOFError, MemoryError, zipfile.BadZipFile) as exc:
         raise ConfigError(f"cannot read checkpoint {str(path)!r}: {exc}") from exc
-    if not isinstance(meta, dict) or meta.get("format") not in READABLE_FORMATS:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ConfigError(f"checkpoint {str(path)!r} has an unknown format")
-    if meta["format"] == 1:  # optimizer tensors as opt/<name>
-        names = sorted(k.removeprefix("opt/") for k in arrays if k.startswith("opt/"))
-        rows = [arrays.pop(f"opt/{n}").astype(np.float32) for n in names]
-        arrays["slots"] = np.stack(rows) if rows else np.zeros((0, 0), dtype=np.float32)
-        meta["slots"] = names
     return Checkpoint(arrays, meta)
 
 
@@ -176,10 +172,7 @@ def read_newest(directory: Path) -> Checkpoint:
     Raises:
         ConfigError: there is none.
     """
-    found = (
-        sorted(p for p in directory.iterdir() if NAME.match(p.name)) if directory.is_dir() else []
-    )
-    for path in reversed(found):
+    for path in reversed(_listed(directory)):
         try:
             return read(path)
         except ConfigError as exc:
