@@ -86,10 +86,8 @@ class ModeResult:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able form (floats rounded)."""
-        out: dict[str, Any] = {}
-        for key, value in dataclasses.asdict(self).items():
-            out[key] = round(value, 9) if isinstance(value, float) else value
-        return out
+        items = dataclasses.asdict(self).items()
+        return {k: round(v, 9) if isinstance(v, float) else v for k, v in items}
 
 
 def round_sizes(cluster: Cluster, epochs: int, max_rounds: int | None) -> tuple[list[int], int]:
