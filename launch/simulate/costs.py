@@ -101,7 +101,6 @@ class ShardedRound:
         nodes = cluster.nodes
         k = cluster.shards
         self.piece = cluster.wire_bytes / k
-        self.members = members
         m = len(members)
         rate = np.array([nodes[i].link_bytes_s for i in members])
         lat = np.array([nodes[i].latency_s for i in members])
@@ -114,8 +113,7 @@ class ShardedRound:
             shard_lat = np.full(k, cluster.server_latency_s)
             local = np.zeros((k, m), dtype=bool)
         self.remote = ~local
-        remote_pieces = self.remote.sum(axis=0)  # per member
-        self.member_bytes = remote_pieces * self.piece  # each way
+        self.member_bytes = self.remote.sum(axis=0) * self.piece  # per member, each way
         # a shard's egress sends one piece to each remote member: the pull ends when it has
         pull_egress = self.remote.sum(axis=1) * self.piece / shard_rate
         self.pull_s = (
@@ -134,15 +132,9 @@ class ShardedRound:
         # its gradient into pieces after
         self.step_s = shard_step_s(cluster, m)
         self.worker_cpu_s = members_busy * worker_cpu_s(cluster)
-        shard_bytes = 2 * self.remote.sum(axis=1) * self.piece
-        self.shard_bytes = shard_bytes
-        worker_bytes = 2 * self.member_bytes
-        if cluster.colocated:  # a host that holds a shard also carries its traffic
-            hosts = {int(n): j for j, n in enumerate(members)}
-            for s in range(k):
-                if s in hosts:
-                    worker_bytes[hosts[s]] += shard_bytes[s]
-        self.worker_bytes = worker_bytes
+        self.shard_bytes = 2 * self.remote.sum(axis=1) * self.piece
+        # a host that holds a shard also carries its traffic
+        self.worker_bytes = 2 * self.member_bytes + (local * self.shard_bytes[:, None]).sum(axis=0)
 
     def times(self, compute_s: np.ndarray, transfer_s: np.ndarray) -> RoundTimes:
         """Time a round in which member j computes ``compute_s[j]``.

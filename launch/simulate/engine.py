@@ -86,10 +86,8 @@ class ModeResult:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able form (floats rounded)."""
-        out: dict[str, Any] = {}
-        for key, value in dataclasses.asdict(self).items():
-            out[key] = round(value, 9) if isinstance(value, float) else value
-        return out
+        items = dataclasses.asdict(self).items()
+        return {k: round(v, 9) if isinstance(v, float) else v for k, v in items}
 
 
 def round_sizes(cluster: Cluster, epochs: int, max_rounds: int | None) -> tuple[list[int], int]:
@@ -199,12 +197,6 @@ def _speeds(cluster: Cluster) -> dict[int, float]:
     return {i: ref / node.compute_s(ref) for i, node in enumerate(cluster.nodes)}
 
 
-def _epoch_s(times: list[float], per_epoch: int, epochs: int) -> tuple[float, bool]:
-    if len(times) >= per_epoch * epochs:
-        return math.fsum(times) / epochs, False
-    return math.fsum(times) / len(times) * per_epoch, True
-
-
 class _Planner:
     """Weighted-sync's or equal-sync's plan for each round, as the server's policies make it.
 
@@ -285,9 +277,8 @@ def _rounds(
     if mode == "weighted-sync":  # the transfer the planner starts from: an equal round's
         plan = plan_equal(list(range(n_nodes)), cluster.global_batch)
         members = np.array(sorted(plan))
-        compute = jitter.alpha[members] + jitter.beta[members] * np.array(
-            [plan[i] for i in sorted(plan)]
-        )
+        batch = np.array([plan[int(i)] for i in members])
+        compute = jitter.alpha[members] + jitter.beta[members] * batch
         dry = layout(members).times(compute, transfer[members])
         planner.learn(members.tolist(), (dry.accepted_s - compute).tolist())
     times: list[float] = []
@@ -317,7 +308,8 @@ def _rounds(
     n = len(times)
     if ddp:  # every rank joins every step's all-reduce, with an equal share
         rounds_in, samples, members_sum = np.full(n_nodes, float(n)), np.ones(n_nodes), n_nodes * n
-    epoch_s, extrapolated = _epoch_s(times, per_epoch, epochs)
+    extrapolated = n < per_epoch * epochs
+    epoch_s = math.fsum(times) / n * per_epoch if extrapolated else math.fsum(times) / epochs
     return ModeResult(
         mode=mode,
         workers=n_nodes,

@@ -222,13 +222,14 @@ def predict(setup: Setup, measured: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _markdown(head: str, lines: list[str]) -> str:
+    """A Markdown table of six columns: the header, the rule and ``lines``."""
+    return "\n".join([head, "|---|---|---|---|---|---|", *lines])
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The validation table as docs/scale.md keeps it."""
-    lines = [
-        "| mode | calibrated on (what the prediction tests) | predicted / measured epoch s, "
-        "per repeat | error per repeat | median error | within 15 % |",
-        "|---|---|---|---|---|---|",
-    ]
+    lines = []
     for r in rows:
         pairs = ", ".join(
             f"{p:.3f} / {m:.3f}"
@@ -239,7 +240,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {r['mode']} | {' + '.join(r['calibrated_on'])} ({r['predicts']}) | {pairs} | "
             f"{errors} | {100 * r['error']:+.1f} % | {'yes' if r['within_15pct'] else 'no'} |"
         )
-    return "\n".join(lines)
+    head = "| mode | calibrated on (what the prediction tests) | predicted / measured epoch s, "
+    return _markdown(head + "per repeat | error per repeat | median error | within 15 % |", lines)
 
 
 def kept_figures(kept: Path = MULTIHOST_KEPT) -> dict[str, Any]:
@@ -293,7 +295,6 @@ def multihost(
     }
     communication = measured["communication_s"]
     layout_compute = measured.get("layout_compute_s", {})
-    assert isinstance(communication, dict) and isinstance(layout_compute, dict)
     rows = []
     for layout, (mode, shards, colocated, wire) in MULTIHOST_LAYOUTS.items():
         if layout not in communication:
@@ -308,11 +309,8 @@ def multihost(
         with_cpu = dataclasses.replace(plain, server=costs[wire], shared_cores=float(cores))
         if mode == "ddp":  # the stages are the parameter server's; gloo's are in its figure
             with_cpu = plain
-        predicted = {}
-        for name, cluster in (("links", plain), ("links_cpu", with_cpu)):
-            comm = simulate(cluster, mode, max_rounds=5).comm_s
-            assert comm is not None
-            predicted[name] = comm
+        pairs = (("links", plain), ("links_cpu", with_cpu))
+        predicted = {k: simulate(c, mode, max_rounds=5).comm_s or 0.0 for k, c in pairs}
         rows.append(
             {
                 "layout": layout,
@@ -355,17 +353,13 @@ def _computing(cluster: Cluster, compute_s: float | None) -> tuple[Node, ...]:
 def multihost_markdown(result: dict[str, Any]) -> str:
     """The multi-host table as docs/scale.md keeps it."""
     lines = [
-        "| layout | communication measured (s) | links only (s) | error | links + CPU stages (s) "
-        "| error |",
-        "|---|---|---|---|---|---|",
+        f"| {r['layout']} | {r['measured_s']:.3f} | {r['links_s']:.3f} | "
+        f"{100 * r['links_error']:+.1f} % | {r['links_cpu_s']:.3f} | "
+        f"{100 * r['links_cpu_error']:+.1f} % |"
+        for r in result["rows"]
     ]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['layout']} | {r['measured_s']:.3f} | {r['links_s']:.3f} | "
-            f"{100 * r['links_error']:+.1f} % | {r['links_cpu_s']:.3f} | "
-            f"{100 * r['links_cpu_error']:+.1f} % |"
-        )
-    return "\n".join(lines)
+    head = "| layout | communication measured (s) | links only (s) | error | links + CPU stages (s)"
+    return _markdown(head + " | error |", lines)
 
 
 def main(argv: list[str] | None = None) -> int:
