@@ -309,8 +309,11 @@ def multihost(
         with_cpu = dataclasses.replace(plain, server=costs[wire], shared_cores=float(cores))
         if mode == "ddp":  # the stages are the parameter server's; gloo's are in its figure
             with_cpu = plain
-        pairs = (("links", plain), ("links_cpu", with_cpu))
-        predicted = {k: simulate(c, mode, max_rounds=5).comm_s or 0.0 for k, c in pairs}
+        predicted = {}
+        for name, cluster in (("links", plain), ("links_cpu", with_cpu)):
+            comm = simulate(cluster, mode, max_rounds=5).comm_s
+            assert comm is not None  # every mode of MULTIHOST_LAYOUTS communicates
+            predicted[name] = comm
         rows.append(
             {
                 "layout": layout,
