@@ -135,9 +135,12 @@ def _check(mtype: str, name: str, optional: bool, kind: str, base: Any, value: A
     if kind in ("str", "enum"):
         if type(value) is not str or len(value) > MAX_STRING:
             raise bad(f"must be a string of at most {MAX_STRING} characters")
-        if kind == "enum" and value not in {e.value for e in base}:
-            raise bad("unknown value")
-        return base(value) if kind == "enum" else value
+        if kind == "str":
+            return value
+        try:
+            return base(value)
+        except ValueError:
+            raise bad("unknown value") from None
     if kind == "bool":
         if type(value) is not bool:
             raise bad(f"must be a bool, got {value!r:.60}")
