@@ -181,14 +181,21 @@ README_NOTE = (
     "so other load on the machine takes from the nodes and moves the ratios."
 )
 OWN_GROUND = "own-ground"  # the bench whose kept results fill the README's second table
-OWN_GROUND_CLUSTERS = {"": "static `small-1124`", "shifting_load_": "`shifting-load`"}
-OWN_GROUND_CLUSTERS["leave_return_"] = "`leave-return`"
+# Figure-name prefix of each cluster, and how the table names it.
+OWN_GROUND_CLUSTERS = {
+    "": "static `small-1124`",
+    "shifting_load_": "`shifting-load`",
+    "leave_return_": "`leave-return`",
+}
+# Figure-name suffix of each baseline, and how a column names it (in this order).
 OWN_GROUND_BASES = {
     "weighted_ddp": "weighted DDP",
     "weighted_ddp_rebalance": "weighted DDP rebalanced",
+    "ddp_kept": "DDP on kept nodes",
+    "ddp": "DDP",
+    "equal_sync": "equal-sync",
+    "async": "async",
 }
-OWN_GROUND_BASES |= {"ddp_kept": "DDP on kept nodes", "ddp": "DDP", "equal_sync": "equal-sync"}
-OWN_GROUND_BASES["async"] = "async"
 OWN_GROUND_REGIMES = ("small", "heavy")
 
 
