@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from common.errors import ErrorCode, RemoteError
+from common.polling import poll_until_async
 from common.protocol.ending import FinishReason
 from common.protocol.messages import (
     REPLIES,
@@ -221,11 +222,8 @@ async def test_an_update_closed_after_training_ended_is_not_applied(small_hsi) -
         zeros = np.zeros(ps.state_size, dtype=np.float32)
         async with ps.updater.lock:  # an update being applied holds the lock
             pushing = asyncio.create_task(client.push(member, task, zeros))
-            for _ in range(200):  # until the push is accepted and waits for the lock
-                if worker.waiter is not None:
-                    break
-                await asyncio.sleep(0.05)
-            assert worker.waiter is not None
+            # until the push is accepted and waits for the lock
+            await poll_until_async(lambda: worker.waiter is not None, 10, 0.05, "a waiting push")
             ps.finish(FinishReason.STOPPED)
         reply = await asyncio.wait_for(pushing, 20)
         assert isinstance(reply, TaskReply) and reply.action == "stop"

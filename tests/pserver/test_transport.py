@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from common.errors import ConfigError, ErrorCode, ProtocolError, RemoteError
+from common.polling import poll_until_async
 from common.protocol.base import Message, error_frames
 from common.protocol.messages import (
     REPLIES,
@@ -179,7 +180,7 @@ async def test_large_replies_count_in_flight_until_handed_to_the_network() -> No
 
     async with serving(remember) as served:
         await served.send(StatusRequest().to_wire(1))
-        await asyncio.wait_for(_until(lambda: bool(identities)), REPLY_TIMEOUT_S)
+        await poll_until_async(lambda: bool(identities), REPLY_TIMEOUT_S, what="a peer")
         peer, endpoint = identities[0], served.endpoint
         small = DataReply(x=np.zeros((4, 4), np.float32), y=np.zeros(4, np.int64))
         endpoint.reply(peer, 1, small)
@@ -190,7 +191,9 @@ async def test_large_replies_count_in_flight_until_handed_to_the_network() -> No
         first, second = await served.reply(), await served.reply()
         assert (first[1], second[1]) == (1, 2)
         assert np.array_equal(second[0].x, big.x)
-        await asyncio.wait_for(_until(lambda: endpoint.in_flight(peer) == 0), REPLY_TIMEOUT_S)
+        await poll_until_async(
+            lambda: endpoint.in_flight(peer) == 0, REPLY_TIMEOUT_S, what="no replies in flight"
+        )
 
 
 async def test_the_owner_logs_failures_and_cancels_what_is_left(
@@ -211,12 +214,6 @@ async def test_the_owner_logs_failures_and_cancels_what_is_left(
     assert forever.cancelled()
 
 
-async def _until(condition: Callable[[], bool]) -> None:
-    """Return once ``condition`` holds (callers bound the wait)."""
-    while not condition():
-        await asyncio.sleep(0.01)
-
-
 async def test_the_record_of_large_replies_stays_small_when_nobody_asks() -> None:
     """Each large reply leaves a send tracker; every send prunes the ones that left, so over
     thousands of replies (a version each) the record does not grow."""
@@ -227,7 +224,7 @@ async def test_the_record_of_large_replies_stays_small_when_nobody_asks() -> Non
 
     async with serving(remember) as served:
         await served.send(StatusRequest().to_wire(1))
-        await asyncio.wait_for(_until(lambda: bool(identities)), REPLY_TIMEOUT_S)
+        await poll_until_async(lambda: bool(identities), REPLY_TIMEOUT_S, what="a peer")
         peer, endpoint = identities[0], served.endpoint
         big = DataReply(x=np.ones((128, 256), np.float32), y=np.zeros(128, np.int64))
         largest = 0
