@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(TORCH)
 SHARED ?= ../shared
 JASPER := $(SHARED)/datasets/jasper_ridge
 DEMO_DIR ?= runs/demo
-# Extra pytest options, e.g. PYTEST_ARGS="--require data,browser,slurm,netns,cgroup,profiler" (.ci/run).
+# Extra pytest options, e.g. PYTEST_ARGS="--require data,browser,slurm,netns,cgroup,profiler,tmpfs" (.ci/run).
 PYTEST_ARGS ?=
 # Processes the fast lane runs its tests in (pytest-xdist).
 TEST_JOBS ?= 2

@@ -27,6 +27,7 @@ from tests.support.cluster import (
     summary,
 )
 from tests.support.paths import ROOT
+from tests.support.requirements import missing
 
 QUICK = ("--epochs", "3", "--global-batch", "16", "--shutdown-timeout", "20")
 
@@ -49,10 +50,10 @@ def _one_line_error(result: subprocess.CompletedProcess[str], text: str) -> None
 
 
 @contextlib.contextmanager
-def small_disk(path: Path, size_kb: int) -> Iterator[Path]:
+def small_disk(path: Path, size_kb: int, config: pytest.Config) -> Iterator[Path]:
     """A tmpfs of ``size_kb`` mounted at ``path`` (needs root), unmounted afterwards."""
     if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
+        missing(config, "tmpfs", "mounting a small tmpfs needs root")
     path.mkdir(parents=True)
     subprocess.run(
         ["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(path)], check=True
@@ -71,9 +72,9 @@ def _fill(disk: Path, leave_kb: int) -> None:
 
 
 def test_a_full_disk_ends_the_run_with_a_clear_error_and_no_leftovers(
-    small_hsi: Path, tmp_path: Path
+    small_hsi: Path, tmp_path: Path, pytestconfig: pytest.Config
 ) -> None:
-    with small_disk(tmp_path / "disk", 1024) as disk:
+    with small_disk(tmp_path / "disk", 1024, pytestconfig) as disk:
         run_dir = disk / "run"
         run_dir.mkdir()
         _fill(disk, leave_kb=24)  # metrics fit for a while; no checkpoint (600 kB) ever fits
@@ -169,8 +170,10 @@ def test_sigterm_ends_a_server_whose_write_is_stuck(small_hsi: Path, tmp_path: P
     assert "abandoned a stuck write: summary.json did not finish" in err, err
 
 
-def test_an_unwritable_metrics_log_does_not_stop_training(small_hsi: Path, tmp_path: Path) -> None:
-    with small_disk(tmp_path / "disk", 512) as disk:
+def test_an_unwritable_metrics_log_does_not_stop_training(
+    small_hsi: Path, tmp_path: Path, pytestconfig: pytest.Config
+) -> None:
+    with small_disk(tmp_path / "disk", 512, pytestconfig) as disk:
         run_dir = disk / "run"
         run_dir.mkdir()
         _fill(disk, leave_kb=0)

@@ -15,6 +15,7 @@ import pytest
 from common.errors import ConfigError
 from pserver.config import ServerConfig
 from pserver.snapshots import snapshots as snap
+from tests.support.requirements import missing
 
 INFO = {"model": "m", "dataset": "d.h5", "fingerprint": "f", "state_size": 10, "mode": "async"}
 
@@ -140,7 +141,7 @@ async def test_a_stuck_write_is_abandoned_and_the_server_still_ends_in_time(
 
 
 @pytest.fixture
-def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+def tiny_disk(tmp_path: Path, pytestconfig: pytest.Config) -> Iterator[Path]:
     """A 4 MiB tmpfs mounted for the test (root only), unmounted after."""
     disk = tmp_path / "disk"
     disk.mkdir()
@@ -148,7 +149,7 @@ def tiny_disk(tmp_path: Path) -> Iterator[Path]:
         ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True
     )
     if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
+        missing(pytestconfig, "tmpfs", f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
     try:
         yield disk
     finally:

@@ -1,10 +1,11 @@
 """Real parts some tests need (data, a browser, Slurm, network namespaces, control groups, a
-sampling profiler).
+sampling profiler, a tmpfs mount).
 
 A test whose part is missing skips with the reason, or fails when the run requires that part:
-``pytest --require data,browser,slurm,netns,cgroup,profiler`` (what ``.ci/run`` passes). The
+``pytest --require data,browser,slurm,netns,cgroup,profiler,tmpfs`` (what ``.ci/run`` passes). The
 variables ``REQUIRE_REAL_DATA=1``, ``REQUIRE_BROWSER=1``, ``REQUIRE_SLURM=1``,
-``REQUIRE_NETNS=1``, ``REQUIRE_CGROUP=1`` and ``REQUIRE_PROFILER=1`` require the same parts.
+``REQUIRE_NETNS=1``, ``REQUIRE_CGROUP=1``, ``REQUIRE_PROFILER=1`` and ``REQUIRE_TMPFS=1``
+require the same parts.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ PARTS = {
     "netns": "REQUIRE_NETNS",
     "cgroup": "REQUIRE_CGROUP",
     "profiler": "REQUIRE_PROFILER",
+    "tmpfs": "REQUIRE_TMPFS",
 }
 _REQUIRED = pytest.StashKey[frozenset[str]]()
 
