@@ -163,14 +163,11 @@ class TensorBoardSink:
         self._closed = True
         self._hand_off()
         deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self._queue.put(None, timeout=0.1)
-                break
-            except queue.Full:
-                if time.monotonic() > deadline:
-                    log.warning("TensorBoard writer did not drain in %.0f s", timeout_s)
-                    return
+        try:
+            self._queue.put(None, timeout=timeout_s)
+        except queue.Full:
+            log.warning("TensorBoard writer did not drain in %.0f s", timeout_s)
+            return
         self._thread.join(max(deadline - time.monotonic(), 0.1))
         if self._thread.is_alive():
             log.warning("TensorBoard writer did not finish in %.0f s", timeout_s)
