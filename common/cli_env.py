@@ -15,22 +15,6 @@ from collections.abc import Mapping
 import click
 
 
-def envvar_name(prefix: str, path: tuple[str, ...], option: click.Option) -> str:
-    """The environment variable that sets ``option`` of the command at ``path``.
-
-    Args:
-        prefix: the program's prefix, e.g. ``"PSERVER"``.
-        path: the subcommand names below the program, e.g. ``("data", "prepare", "hsi")``.
-        option: one of that command's options.
-
-    Returns:
-        The name, e.g. ``PSERVER_DATA_PREPARE_HSI_CUBE``.
-    """
-    assert option.name is not None
-    parts = [prefix, *path, option.name]
-    return "_".join(part.replace("-", "_").upper() for part in parts)
-
-
 def walk_options(
     command: click.Command, path: tuple[str, ...] = ()
 ) -> list[tuple[tuple[str, ...], click.Option]]:

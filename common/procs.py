@@ -4,8 +4,7 @@ A ``Child`` runs in its own session, so its whole process group can be signalled
 reads its output line by line (kept for waits and error messages, and passed on to a hook or a
 log file); every wait has a timeout and every stop reaps. ``Children`` stops a group of them in
 order. Facts about processes come from ``psutil`` (whether one runs here; callers read RSS and
-CPU times from it too), a process's own peak RSS and its reaped children's from
-``resource.getrusage``.
+CPU times from it too), a process's own peak RSS from ``/proc`` or ``resource.getrusage``.
 """
 
 from __future__ import annotations
@@ -432,23 +431,20 @@ def is_running(pid: int) -> bool:
         return False
 
 
-def peak_rss_bytes(children: bool = False) -> int:
-    """The peak resident set size of this program, or of the largest of its reaped children.
+def peak_rss_bytes() -> int:
+    """The peak resident set size of this program.
 
     Linux's ``getrusage`` carries the parent's size at fork into a child's maximum across
     ``exec``, so a small program started by a large one would report the large one's size:
-    this program's own peak is read from ``VmHWM`` in ``/proc/self/status`` (its address space
-    since ``exec``) where that exists. The children's figure is ``getrusage``'s, with that
-    caveat (Linux reports kibibytes, macOS bytes).
+    the peak is read from ``VmHWM`` in ``/proc/self/status`` (the address space since
+    ``exec``) where that exists, else from ``getrusage`` (Linux reports kibibytes, macOS bytes).
     """
-    if not children:
-        try:
-            with open("/proc/self/status", encoding="ascii") as status:
-                for line in status:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    who = resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF
-    peak = resource.getrusage(who).ru_maxrss
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024

@@ -94,38 +94,28 @@ async def run_bounded(work: Callable[[], _T], timeout_s: float, what: str) -> _T
         WriteTimeout: it did not finish within ``timeout_s``.
         Exception: whatever ``work`` raised.
     """
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[_T] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if done.done():
-            return
-        if error is not None:
-            done.set_exception(error)
-        else:
-            done.set_result(result)
-
-    def run() -> None:
-        result: Any = None
-        error: BaseException | None = None
-        try:
-            result = work()
-        except BaseException as exc:
-            error = exc
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=run, name=f"write: {what}", daemon=True).start()
+    future: concurrent.futures.Future[_T] = concurrent.futures.Future()
+    thread = threading.Thread(target=_run_into, args=(work, future), name=f"write: {what}")
+    thread.daemon = True
+    thread.start()
     try:
-        return await asyncio.wait_for(asyncio.shield(done), timeout_s)
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
     except TimeoutError:
-        done.cancel()  # nobody waits for the outcome any more
         log.error("abandoned a stuck write: %s did not finish within %g s", what, timeout_s)
         raise WriteTimeout(f"{what} did not finish within {timeout_s:g} s (abandoned)") from None
     except asyncio.CancelledError:
-        if done.cancel():
+        if not future.done():
             log.error("abandoned a stuck write at shutdown: %s had not finished", what)
         raise
+
+
+def _run_into(work: Callable[[], _T], future: concurrent.futures.Future[_T]) -> None:
+    """Run ``work`` into ``future``, unless the future was cancelled before it started."""
+    if future.set_running_or_notify_cancel():
+        try:
+            future.set_result(work())
+        except BaseException as exc:
+            future.set_exception(exc)
 
 
 class WriteThread:
@@ -148,13 +138,7 @@ class WriteThread:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            work, future = job
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(work())
-            except BaseException as exc:
-                future.set_exception(exc)
+            _run_into(*job)
 
     def close(self, timeout_s: float | None = None) -> bool:
         """Let the queued writes finish for at most ``timeout_s`` (None: however long).

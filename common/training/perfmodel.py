@@ -70,19 +70,20 @@ class Fit:
         }
 
 
-def _seconds(value: object) -> float | None:
+def finite(value: object, low: float = -math.inf, high: float = math.inf) -> float | None:
+    """``value`` as a float when it is a finite number (not a bool) in [low, high], else None."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    value = float(value)
-    return value if math.isfinite(value) and 0 <= value <= MAX_SECONDS else None
+    return float(value) if math.isfinite(value) and low <= value <= high else None
+
+
+def _seconds(value: object) -> float | None:
+    return finite(value, 0.0, MAX_SECONDS)
 
 
 def _batch(value: object) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    if not math.isfinite(value) or value != int(value) or not 1 <= value <= MAX_BATCH:
-        return None
-    return int(value)
+    number = finite(value, 1, MAX_BATCH)
+    return int(number) if number is not None and number == int(number) else None
 
 
 def _median(values: np.ndarray) -> float:

@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from common.training.perfmodel import finite
+
 TAIL = 0.02  # the slowest share of rounds whose part of the time is checked
 TAIL_LIMIT = 0.2  # above it, a figure rests on a few rounds (a load spike, a stall)
 MIN_ROUNDS = 10  # fewer rounds tell nothing about their tail
@@ -46,11 +48,7 @@ class WorkerRound:
 
 def _number(entry: Mapping[str, Any], key: str) -> float | None:
     """``entry[key]`` as a finite float >= 0, or None when absent or not such a number."""
-    value = entry.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) and value >= 0 else None
+    return finite(entry.get(key), 0.0)
 
 
 def breakdown(event: Mapping[str, Any]) -> list[WorkerRound]:

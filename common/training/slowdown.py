@@ -58,19 +58,11 @@ class SlowdownSchedule:
         Returns:
             The emulated step time wall_s + (F-1)·compute_s.
         """
-        return wall_s + self.pause(step, compute_s)
+        wait = self.wait_s(step, compute_s)
+        if wait > 0:
+            time.sleep(wait)
+        return wall_s + wait
 
     def wait_s(self, step: int, basis_s: float) -> float:
         """(F-1)·basis_s for this step's factor F (basis_s: a compute time), without sleeping."""
         return (self.factor(step) - 1) * basis_s
-
-    def pause(self, step: int, basis_s: float) -> float:
-        """Sleep (F-1)·basis_s for this step's factor F (basis_s: a compute time).
-
-        Returns:
-            The seconds slept, (F-1)·basis_s.
-        """
-        wait = self.wait_s(step, basis_s)
-        if wait > 0:
-            time.sleep(wait)
-        return wait

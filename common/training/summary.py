@@ -31,13 +31,6 @@ SUMMARY_KEYS = (
 )
 
 
-def scores_of(record: dict[str, Any] | None) -> dict[str, float] | None:
-    """The OA/AA/kappa/loss of an ``eval`` record, or None."""
-    if record is None:
-        return None
-    return {k: record[k] for k in SCORE_KEYS}
-
-
 def final_eval(evals: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """The final evaluation: the highest version, and of that version the one marked ``final``
     (on the whole test split) over an in-run one on a subset."""
@@ -123,7 +116,7 @@ def run_summary(
         "steps": steps,
         "epochs": epochs,
         "samples_seen": samples_seen,
-        "final": scores_of(final),
+        "final": None if final is None else {k: final[k] for k in SCORE_KEYS},
         "best_oa": max((r["oa"] for r in evals if not r.get("subset")), default=None),
         "target_oa": target_oa,
         "time_to_target_s": None if time_to_target_s is None else round(time_to_target_s, 4),

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from common.training.perfmodel import finite
 from common.training.rounds import breakdown, idle_share
 
 log = logging.getLogger(__name__)
@@ -29,13 +30,6 @@ def _tag(name: str) -> str:
     return _TAG_UNSAFE.sub("_", name)[:64] or "_"
 
 
-def _finite(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    value = float(value)
-    return value if value == value and abs(value) != float("inf") else None
-
-
 class _Window:
     """Round or push scalars gathered over a stretch of the run clock, written as one record."""
 
@@ -49,19 +43,19 @@ class _Window:
         self.maxes: dict[str, float] = {}
 
     def mean(self, tag: str, value: Any) -> None:
-        number = _finite(value)
+        number = finite(value)
         if number is not None:
             acc = self.sums.setdefault(tag, [0.0, 0.0])
             acc[0] += number
             acc[1] += 1
 
     def last(self, tag: str, value: Any) -> None:
-        number = _finite(value)
+        number = finite(value)
         if number is not None:
             self.lasts[tag] = number
 
     def most(self, tag: str, value: Any) -> None:
-        number = _finite(value)
+        number = finite(value)
         if number is not None:
             self.maxes[tag] = max(self.maxes.get(tag, number), number)
 
@@ -169,14 +163,11 @@ class TensorBoardSink:
         self._closed = True
         self._hand_off()
         deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self._queue.put(None, timeout=0.1)
-                break
-            except queue.Full:
-                if time.monotonic() > deadline:
-                    log.warning("TensorBoard writer did not drain in %.0f s", timeout_s)
-                    return
+        try:
+            self._queue.put(None, timeout=timeout_s)
+        except queue.Full:
+            log.warning("TensorBoard writer did not drain in %.0f s", timeout_s)
+            return
         self._thread.join(max(deadline - time.monotonic(), 0.1))
         if self._thread.is_alive():
             log.warning("TensorBoard writer did not finish in %.0f s", timeout_s)
@@ -213,10 +204,10 @@ class TensorBoardSink:
             self._emit(window.scalars(), window.step, window.t)
 
     def _write(self, record: Mapping[str, Any]) -> None:
-        kind, t = record["event"], _finite(record.get("t")) or 0.0
+        kind, t = record["event"], finite(record.get("t")) or 0.0
         if kind == "eval":
-            scores = [(f"eval/{k}", _finite(record.get(k))) for k in SCORES]
-            step = int(_finite(record.get("samples")) or _finite(record.get("version")) or 0)
+            scores = [(f"eval/{k}", finite(record.get(k))) for k in SCORES]
+            step = int(finite(record.get("samples")) or finite(record.get("version")) or 0)
             self._emit([(tag, v) for tag, v in scores if v is not None], step, t)
             self._writer.flush()  # evaluations are rare and the ones people watch
             return
@@ -226,7 +217,7 @@ class TensorBoardSink:
             self._window = _Window(t)
         window = self._window
         window.t = t
-        window.step = int(_finite(record.get("version")) or window.step)
+        window.step = int(finite(record.get("version")) or window.step)
         if kind == "round":
             self._round(window, record)
         else:
@@ -234,7 +225,7 @@ class TensorBoardSink:
 
     def _round(self, window: _Window, record: Mapping[str, Any]) -> None:
         parts = breakdown(record)
-        round_s = _finite(record.get("round_s"))
+        round_s = finite(record.get("round_s"))
         if not parts or not round_s:
             return
         window.count["round/count"] = window.count.get("round/count", 0) + 1
@@ -249,7 +240,7 @@ class TensorBoardSink:
     def _push(self, window: _Window, record: Mapping[str, Any]) -> None:
         worker = str(record.get("worker", "?"))
         name = _tag(worker)
-        batch = int(_finite(record.get("batch")) or 0)
+        batch = int(finite(record.get("batch")) or 0)
         self._samples[worker] = self._samples.get(worker, 0) + batch
         total = sum(self._samples.values())
         window.count["push/count"] = window.count.get("push/count", 0) + 1

@@ -12,7 +12,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from common.cli_env import envvar_name, walk_options
+from common.cli_env import walk_options
 from common.training.tables import summary_tables
 from launch.cli import local_cluster
 from launch.cli import main as pslaunch
@@ -64,7 +64,7 @@ def test_every_help_names_each_option_variable_of_the_one_scheme(prefix: str) ->
     assert len(options) > 10
     for path, option in options:
         assert option.envvar is None, f"{path} {option.opts}: explicit envvar {option.envvar}"
-        name = envvar_name(prefix, path, option)
+        name = "_".join(part.replace("-", "_").upper() for part in (prefix, *path, option.name))
         assert f"env var: {name}" in helps[path], (path, option.opts, name)
         flag = next(o for o in option.opts if o.startswith("--"))[2:].replace("-", "_")
         assert flag == option.name or option.name in FIELD_NAMED, (path, flag, option.name)

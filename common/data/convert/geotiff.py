@@ -75,22 +75,20 @@ class GdalCube(Cube):
         try:
             with _quiet():
                 self._dataset = ds = self._stack.enter_context(rasterio.open(path, driver=driver))
-        except rasterio.errors.RasterioError as exc:
-            self._stack.close()
-            raise DatasetError(f"cannot read {what} {self.spec!r}: {exc}") from exc
-        if len(set(ds.dtypes)) != 1 or np.dtype(ds.dtypes[0]).kind not in "biuf":
-            self._stack.close()
-            raise DatasetError(f"{what} {self.spec!r} holds {set(ds.dtypes)}: not one numeric type")
-        self.shape = (int(ds.height), int(ds.width), int(ds.count))
-        self.dtype = np.dtype(ds.dtypes[0])
-        if driver == "ENVI":
-            try:
-                check_size(
-                    path, path, self.shape, self.dtype, ds.tags(ns="ENVI").get("header_offset", 0)
+            if len(set(ds.dtypes)) != 1 or np.dtype(ds.dtypes[0]).kind not in "biuf":
+                raise DatasetError(
+                    f"{what} {self.spec!r} holds {set(ds.dtypes)}: not one numeric type"
                 )
-            except DatasetError:
-                self._stack.close()
-                raise
+            self.shape = (int(ds.height), int(ds.width), int(ds.count))
+            self.dtype = np.dtype(ds.dtypes[0])
+            if driver == "ENVI":
+                offset = ds.tags(ns="ENVI").get("header_offset", 0)
+                check_size(path, path, self.shape, self.dtype, offset)
+        except BaseException as exc:
+            self._stack.close()
+            if isinstance(exc, rasterio.errors.RasterioError):
+                raise DatasetError(f"cannot read {what} {self.spec!r}: {exc}") from exc
+            raise
         self.georef = _georef(ds)
         names = ds.tags(ns="ENVI").get("class_names", "").strip("{} ").split(",")
         self.class_names = [n.strip() for n in names[1:]] if len(names) >= 2 else None
