@@ -14,7 +14,10 @@ import dataclasses
 import json
 import logging
 import math
+import platform
+import re
 import shutil
+import socket
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +32,7 @@ from common.errors import ConfigError, PSError
 from common.safefile import write_atomic
 from common.training.rounds import round_events, round_spread
 from common.training.tables import oa_text
+from launch.cluster.budgets import usable_cores
 from launch.cluster.nodes import Nodes
 from launch.cluster.spec import ClusterSpec, NodeSpec
 from launch.ddp.launcher import DDPConfig, run_ddp
@@ -301,13 +305,79 @@ class CompareConfig:
 
     def settings(self) -> dict[str, Any]:
         """The settings as JSON-ready data."""
-        from launch.setup_info import collect_setup
-
         data = dataclasses.asdict(self)
         data["dataset"], data["out"] = str(self.dataset), str(self.out)
         data["setup"] = collect_setup()
         data["cluster"] = None if self.nodes is None else self.nodes.describe()
         return data
+
+
+def collect_setup() -> dict[str, Any]:
+    """The machine a comparison runs on.
+
+    Returns:
+        ``{"host", "cpu", "cpus", "gpus", "torch", "python", "os"}``: ``cpu`` the model name
+        (``/proc/cpuinfo``, else ``platform.processor()``, else "unknown"), ``cpus`` the usable
+        cores, ``gpus`` the CUDA device names (empty without CUDA).
+    """
+    import torch
+
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        cpuinfo = ""
+    found = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
+    return {
+        "host": socket.gethostname(),
+        "cpu": found.group(1).strip() if found else platform.processor() or "unknown",
+        "cpus": usable_cores(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "torch": str(torch.__version__),
+        "python": platform.python_version(),
+        "os": f"{platform.system()} {platform.release()}",
+    }
+
+
+def initial_scores(
+    dataset: Path, model: str, seed: int, batch: int = 512, progress: bool = False
+) -> dict[str, float]:
+    """Evaluate the model as the server and every DDP rank initialise it.
+
+    They all call ``torch.manual_seed(seed)`` and then ``build_model``, so with the same seed
+    every run of a comparison starts from these parameters.
+
+    Args:
+        dataset: the HDF5 dataset.
+        model: a built-in model name or ``package.module:factory``.
+        seed: the runs' seed.
+        batch: evaluation batch size.
+        progress: show a progress bar of the evaluation on stderr.
+
+    Returns:
+        ``{"oa", "aa", "kappa", "loss"}`` on the whole test split.
+
+    Raises:
+        DatasetError, ModelError: the dataset or the model cannot be loaded.
+    """
+    import torch  # only when a comparison starts
+
+    from common.training.evaluator import Evaluator
+    from common.training.flat import FlatLayout
+    from common.training.models import build_model
+
+    reader = DatasetReader(dataset)
+    try:
+        channels, height, _ = reader.meta.shape
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            net = build_model(model, channels, reader.meta.num_classes, height)
+        state = FlatLayout(net).read_state().numpy()
+        scores = Evaluator(net, reader, num_classes=reader.meta.num_classes, batch=batch).evaluate(
+            state, progress=progress
+        )
+    finally:
+        reader.close()
+    return {"oa": scores.oa, "aa": scores.aa, "kappa": scores.kappa, "loss": scores.loss}
 
 
 class RunStatus(RunProgress):
@@ -454,8 +524,6 @@ def run_compare(config: CompareConfig, show_progress: bool = True) -> dict[str, 
     if config.resume:
         data = _resumed(config)
     else:
-        from launch.initial import initial_scores  # torch only when a comparison starts
-
         # nothing of an earlier comparison, finished or not, may stay
         if any((config.out / name).exists() for name in COMPARISON_FILES):
             log.info("compare: removing the earlier comparison in %s", config.out)

@@ -333,7 +333,7 @@ def test_an_evaluation_of_the_whole_test_split_can_show_its_progress(
     small_hsi: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from common.data.dataset import DatasetReader
-    from launch.initial import initial_scores
+    from launch.compare import initial_scores
 
     with DatasetReader(small_hsi) as reader:
         test = len(reader.test_indices)
