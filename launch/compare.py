@@ -42,9 +42,8 @@ from launch.progress import RunProgress, eval_label
 from launch.settings import TrainSettings, server_mode_args
 from launch.slurm.config import LAUNCHERS, SlurmJob, SlurmRuns
 from launch.slurm.submit import run_job
-from launch.snapshot_times import score_run
-from launch.snapshot_times import server_options as snapshot_options
 from pserver.config import MODES, STALENESS
+from pserver.snapshots.snapshot_eval import SnapshotEvalConfig, evaluate_snapshots
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ class CompareConfig:
         launcher: ``local`` (processes on this machine) or ``slurm`` (one job per run).
         slurm: how runs become Slurm jobs (``launcher="slurm"`` only).
         snapshot_every: snapshot every N updates and take time to target from the snapshots
-            (``launch.snapshot_times``); None: from the per-epoch evaluations.
+            (``score_snapshots``); None: from the per-epoch evaluations.
         nodes: the emulated cluster every run of every mode runs on (DDP rank i on worker
             i's node; ``single`` on the worker node with the largest CPU budget); None: all
             processes on this machine's loopback.
@@ -218,8 +217,18 @@ class CompareConfig:
         self.slurm_job("ddp", self.out / "runs" / "check")
 
     def _server_mode_options(self, mode: str) -> list[str]:
-        """``pserver start`` options for the async settings and snapshots given."""
-        options = snapshot_options(mode, self.snapshot_every, len(self.slowdowns))
+        """``pserver start`` options for the snapshots and the async settings given.
+
+        Snapshots are kept every ``snapshot_every`` updates, in async every that many times
+        the workers pushes (one push applies about B / workers samples), so they are about
+        equally many samples apart in every mode. With snapshots the server evaluates only at
+        the end: the curve comes from the snapshots, and in-run evaluations would only take
+        cores from the workers of the same machine.
+        """
+        options: list[str] = []
+        if self.snapshot_every is not None:
+            every = self.snapshot_every * (len(self.slowdowns) if mode == "async" else 1)
+            options = ["--snapshot-every-updates", str(every), "--eval-every", "0"]
         return [*options, *server_mode_args(self.staleness, self.max_staleness)]
 
     def cluster(self, mode: str, run_dir: Path) -> LocalCluster:
@@ -497,6 +506,61 @@ def run_record(
     }
 
 
+def score_snapshots(
+    run_dir: Path,
+    target: float | None,
+    every: int | None,
+    threads: int = 1,
+    allow_model: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """Score a finished run's snapshots; the fields they add to its compare.json entry.
+
+    ``pserver evaluate-snapshots`` scores them on the whole test split, and the time to
+    target becomes the training time at which the first version reaching the target was
+    produced, instead of the time of the first per-epoch evaluation above it.
+
+    Args:
+        run_dir: the run directory (with ``snapshots/``).
+        target: the target OA (None: no time to target).
+        every: the compare's ``--snapshot-every`` (None: snapshots are off; nothing is done).
+        threads: torch threads for the evaluation.
+        allow_model: the user model the runs were given (``package.module:factory``), if any.
+
+    Returns:
+        ``{"time_to_target_source": "evaluations"}`` when snapshots are off or could not be
+        scored (then also ``"snapshot_error"``); else ``"snapshots"`` with ``"time_to_target_s"``
+        (training time of the first snapshot reaching the target, or None), ``"snapshot_every"``
+        (updates) and ``"snapshot_curve"`` (one point per snapshot, in the curve format).
+    """
+    if every is None:
+        return {"time_to_target_source": "evaluations"}
+    config = SnapshotEvalConfig(
+        run_dir, target_oa=target, threads=threads, progress=False, allow_model=allow_model
+    )
+    try:
+        result = evaluate_snapshots(config)
+    except PSError as exc:
+        log.error("compare: snapshots of %s not scored: %s", run_dir.name, exc)
+        return {"time_to_target_source": "evaluations", "snapshot_error": str(exc)}
+    first = result["first"]
+    curve = [
+        {
+            "time_s": row["train_time_s"],
+            "samples": row["samples"],
+            "version": row["version"],
+            **{k: row[k] for k in ("oa", "aa", "kappa")},
+        }
+        for row in result["rows"]
+    ]
+    return {
+        "time_to_target_source": "snapshots",
+        "time_to_target_s": None if first is None else first["train_time_s"],
+        "time_to_target_version": None if first is None else first["version"],
+        "snapshot_every": result["every"],
+        "snapshot_curve": curve,
+    }
+
+
 def run_compare(config: CompareConfig, show_progress: bool = True) -> dict[str, Any]:
     """Run every mode ``repeats`` times and write compare.json, report.md and report.png.
 
@@ -639,7 +703,7 @@ def _run_one(
     if every is not None:  # Slurm DDP jobs keep no snapshots: their per-epoch evaluations count
         status.show("scoring snapshots")
     user_model = (config.model,) if ":" in config.model else ()  # the model compare was given
-    scored = score_run(run_dir, config.target_oa, every, config.threads, user_model)
+    scored = score_snapshots(run_dir, config.target_oa, every, config.threads, user_model)
     record = {**run_record(mode, repeat, run_dir, summary, config.target_oa), **scored, **noted}
     curve = record.get("snapshot_curve") or record["curve"]
     return {**record, "max_drop": max_drop(curve, epoch_samples)}
