@@ -14,7 +14,10 @@ import dataclasses
 import json
 import logging
 import math
+import platform
+import re
 import shutil
+import socket
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +32,7 @@ from common.errors import ConfigError, PSError
 from common.safefile import write_atomic
 from common.training.rounds import round_events, round_spread
 from common.training.tables import oa_text
+from launch.cluster.budgets import usable_cores
 from launch.cluster.nodes import Nodes
 from launch.cluster.spec import ClusterSpec, NodeSpec
 from launch.ddp.launcher import DDPConfig, run_ddp
@@ -38,9 +42,8 @@ from launch.progress import RunProgress, eval_label
 from launch.settings import TrainSettings, server_mode_args
 from launch.slurm.config import LAUNCHERS, SlurmJob, SlurmRuns
 from launch.slurm.submit import run_job
-from launch.snapshot_times import score_run
-from launch.snapshot_times import server_options as snapshot_options
 from pserver.config import MODES, STALENESS
+from pserver.snapshots.snapshot_eval import SnapshotEvalConfig, evaluate_snapshots
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +86,7 @@ class CompareConfig:
         launcher: ``local`` (processes on this machine) or ``slurm`` (one job per run).
         slurm: how runs become Slurm jobs (``launcher="slurm"`` only).
         snapshot_every: snapshot every N updates and take time to target from the snapshots
-            (``launch.snapshot_times``); None: from the per-epoch evaluations.
+            (``score_snapshots``); None: from the per-epoch evaluations.
         nodes: the emulated cluster every run of every mode runs on (DDP rank i on worker
             i's node; ``single`` on the worker node with the largest CPU budget); None: all
             processes on this machine's loopback.
@@ -214,8 +217,18 @@ class CompareConfig:
         self.slurm_job("ddp", self.out / "runs" / "check")
 
     def _server_mode_options(self, mode: str) -> list[str]:
-        """``pserver start`` options for the async settings and snapshots given."""
-        options = snapshot_options(mode, self.snapshot_every, len(self.slowdowns))
+        """``pserver start`` options for the snapshots and the async settings given.
+
+        Snapshots are kept every ``snapshot_every`` updates, in async every that many times
+        the workers pushes (one push applies about B / workers samples), so they are about
+        equally many samples apart in every mode. With snapshots the server evaluates only at
+        the end: the curve comes from the snapshots, and in-run evaluations would only take
+        cores from the workers of the same machine.
+        """
+        options: list[str] = []
+        if self.snapshot_every is not None:
+            every = self.snapshot_every * (len(self.slowdowns) if mode == "async" else 1)
+            options = ["--snapshot-every-updates", str(every), "--eval-every", "0"]
         return [*options, *server_mode_args(self.staleness, self.max_staleness)]
 
     def cluster(self, mode: str, run_dir: Path) -> LocalCluster:
@@ -301,13 +314,79 @@ class CompareConfig:
 
     def settings(self) -> dict[str, Any]:
         """The settings as JSON-ready data."""
-        from launch.setup_info import collect_setup
-
         data = dataclasses.asdict(self)
         data["dataset"], data["out"] = str(self.dataset), str(self.out)
         data["setup"] = collect_setup()
         data["cluster"] = None if self.nodes is None else self.nodes.describe()
         return data
+
+
+def collect_setup() -> dict[str, Any]:
+    """The machine a comparison runs on.
+
+    Returns:
+        ``{"host", "cpu", "cpus", "gpus", "torch", "python", "os"}``: ``cpu`` the model name
+        (``/proc/cpuinfo``, else ``platform.processor()``, else "unknown"), ``cpus`` the usable
+        cores, ``gpus`` the CUDA device names (empty without CUDA).
+    """
+    import torch
+
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        cpuinfo = ""
+    found = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
+    return {
+        "host": socket.gethostname(),
+        "cpu": found.group(1).strip() if found else platform.processor() or "unknown",
+        "cpus": usable_cores(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "torch": str(torch.__version__),
+        "python": platform.python_version(),
+        "os": f"{platform.system()} {platform.release()}",
+    }
+
+
+def initial_scores(
+    dataset: Path, model: str, seed: int, batch: int = 512, progress: bool = False
+) -> dict[str, float]:
+    """Evaluate the model as the server and every DDP rank initialise it.
+
+    They all call ``torch.manual_seed(seed)`` and then ``build_model``, so with the same seed
+    every run of a comparison starts from these parameters.
+
+    Args:
+        dataset: the HDF5 dataset.
+        model: a built-in model name or ``package.module:factory``.
+        seed: the runs' seed.
+        batch: evaluation batch size.
+        progress: show a progress bar of the evaluation on stderr.
+
+    Returns:
+        ``{"oa", "aa", "kappa", "loss"}`` on the whole test split.
+
+    Raises:
+        DatasetError, ModelError: the dataset or the model cannot be loaded.
+    """
+    import torch  # only when a comparison starts
+
+    from common.training.evaluator import Evaluator
+    from common.training.flat import FlatLayout
+    from common.training.models import build_model
+
+    reader = DatasetReader(dataset)
+    try:
+        channels, height, _ = reader.meta.shape
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            net = build_model(model, channels, reader.meta.num_classes, height)
+        state = FlatLayout(net).read_state().numpy()
+        scores = Evaluator(net, reader, num_classes=reader.meta.num_classes, batch=batch).evaluate(
+            state, progress=progress
+        )
+    finally:
+        reader.close()
+    return {"oa": scores.oa, "aa": scores.aa, "kappa": scores.kappa, "loss": scores.loss}
 
 
 class RunStatus(RunProgress):
@@ -427,6 +506,61 @@ def run_record(
     }
 
 
+def score_snapshots(
+    run_dir: Path,
+    target: float | None,
+    every: int | None,
+    threads: int = 1,
+    allow_model: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """Score a finished run's snapshots; the fields they add to its compare.json entry.
+
+    ``pserver evaluate-snapshots`` scores them on the whole test split, and the time to
+    target becomes the training time at which the first version reaching the target was
+    produced, instead of the time of the first per-epoch evaluation above it.
+
+    Args:
+        run_dir: the run directory (with ``snapshots/``).
+        target: the target OA (None: no time to target).
+        every: the compare's ``--snapshot-every`` (None: snapshots are off; nothing is done).
+        threads: torch threads for the evaluation.
+        allow_model: the user model the runs were given (``package.module:factory``), if any.
+
+    Returns:
+        ``{"time_to_target_source": "evaluations"}`` when snapshots are off or could not be
+        scored (then also ``"snapshot_error"``); else ``"snapshots"`` with ``"time_to_target_s"``
+        (training time of the first snapshot reaching the target, or None), ``"snapshot_every"``
+        (updates) and ``"snapshot_curve"`` (one point per snapshot, in the curve format).
+    """
+    if every is None:
+        return {"time_to_target_source": "evaluations"}
+    config = SnapshotEvalConfig(
+        run_dir, target_oa=target, threads=threads, progress=False, allow_model=allow_model
+    )
+    try:
+        result = evaluate_snapshots(config)
+    except PSError as exc:
+        log.error("compare: snapshots of %s not scored: %s", run_dir.name, exc)
+        return {"time_to_target_source": "evaluations", "snapshot_error": str(exc)}
+    first = result["first"]
+    curve = [
+        {
+            "time_s": row["train_time_s"],
+            "samples": row["samples"],
+            "version": row["version"],
+            **{k: row[k] for k in ("oa", "aa", "kappa")},
+        }
+        for row in result["rows"]
+    ]
+    return {
+        "time_to_target_source": "snapshots",
+        "time_to_target_s": None if first is None else first["train_time_s"],
+        "time_to_target_version": None if first is None else first["version"],
+        "snapshot_every": result["every"],
+        "snapshot_curve": curve,
+    }
+
+
 def run_compare(config: CompareConfig, show_progress: bool = True) -> dict[str, Any]:
     """Run every mode ``repeats`` times and write compare.json, report.md and report.png.
 
@@ -454,8 +588,6 @@ def run_compare(config: CompareConfig, show_progress: bool = True) -> dict[str, 
     if config.resume:
         data = _resumed(config)
     else:
-        from launch.initial import initial_scores  # torch only when a comparison starts
-
         # nothing of an earlier comparison, finished or not, may stay
         if any((config.out / name).exists() for name in COMPARISON_FILES):
             log.info("compare: removing the earlier comparison in %s", config.out)
@@ -571,7 +703,7 @@ def _run_one(
     if every is not None:  # Slurm DDP jobs keep no snapshots: their per-epoch evaluations count
         status.show("scoring snapshots")
     user_model = (config.model,) if ":" in config.model else ()  # the model compare was given
-    scored = score_run(run_dir, config.target_oa, every, config.threads, user_model)
+    scored = score_snapshots(run_dir, config.target_oa, every, config.threads, user_model)
     record = {**run_record(mode, repeat, run_dir, summary, config.target_oa), **scored, **noted}
     curve = record.get("snapshot_curve") or record["curve"]
     return {**record, "max_drop": max_drop(curve, epoch_samples)}

@@ -31,7 +31,6 @@ from launch.procs import (
     EventTail,
     second_signal_kills,
     signals_interrupt,
-    start_offset,
 )
 from launch.progress import RunProgress
 from launch.restarts import Supervisor, restart_due
@@ -182,7 +181,7 @@ def run_local(
         with signals_interrupt():
             hosts = hosts_scope.enter_context(cluster_hosts(cluster.nodes))
             metrics = cluster.run_dir / "metrics.jsonl"
-            marks.append(start_offset(metrics))
+            marks.append(EventsMark(metrics))
             supervisor = Supervisor(
                 children=children,
                 run_dir=cluster.run_dir,

@@ -60,11 +60,6 @@ class EventsMark:
             self._old = None
 
 
-def start_offset(metrics: Path) -> EventsMark:
-    """Where a server started now will write its events (close the mark when done)."""
-    return EventsMark(metrics)
-
-
 def _offset(mark: EventsMark | int, stat: os.stat_result) -> int:
     return mark if isinstance(mark, int) else mark.offset(stat)
 

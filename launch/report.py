@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from common.training.rounds import TAIL, TAIL_LIMIT
+from common.training.tables import natural_key
 from launch import figures
 from launch.cluster.spec import PRESETS, ClusterSpec
+from launch.procs import new_events
 
 RESULT_COLUMNS = (
     "mode",
@@ -287,15 +289,65 @@ def carried_lines(stats: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def setup_section(data: dict[str, Any]) -> list[str]:
-    """The setup block: machine, torch, the workers' devices and hosts (the emulated cluster
-    is in the settings above it, from ``cluster_lines``)."""
-    from launch.setup_info import setup_lines, worker_values
-
-    settings = data["settings"]
+    """The setup block: the machine and torch (``settings.setup``, from ``collect_setup``),
+    the device each worker joined with and the host it joined from (the runs' ``join``
+    events); no lines when there is nothing to say. The emulated cluster is in the settings
+    above it, from ``cluster_lines``."""
+    setup = data["settings"].get("setup")
     run_dirs = [r["run_dir"] for r in data["runs"] if r.get("run_dir")]
     devices, hosts = worker_values(run_dirs, "device", "?"), worker_values(run_dirs, "host")
-    lines = setup_lines(settings.get("setup"), devices, hosts)
+    lines = []
+    if setup:
+        gpus = ", ".join(setup.get("gpus") or []) or "none"
+        lines += [
+            f"- host: `{setup.get('host')}` ({setup.get('os')}); CPU: {setup.get('cpu')}, "
+            f"{setup.get('cpus')} logical CPUs usable; GPUs: {gpus}",
+            f"- torch {setup.get('torch')}, Python {setup.get('python')}",
+        ]
+    if devices:
+        lines.append("- workers' devices: " + _grouped(devices))
+    if hosts:
+        lines.append("- workers' hosts: " + _grouped(hosts, "`"))
     return ["## Setup", "", *lines, ""] if lines else []
+
+
+def worker_values(run_dirs: Sequence[str | Path], key: str, missing: str = "") -> dict[str, str]:
+    """What each worker said of itself at join (``device``, ``host``), from the ``join``
+    events of the runs' ``metrics.jsonl``.
+
+    Args:
+        run_dirs: run directories (missing files are skipped).
+        key: the ``join`` event's field.
+        missing: the value of a worker that did not say ("": the worker is left out).
+
+    Returns:
+        worker name -> value (the first join's), sorted by name (``w2`` before ``w10``).
+    """
+    found: dict[str, str] = {}
+    events = [e for d in run_dirs for e in new_events(Path(d) / "metrics.jsonl", 0)]
+    for event in (e for e in events if e.get("event") == "join" and e.get("worker")):
+        value = event.get(key)
+        if (isinstance(value, str) and value) or missing:
+            found.setdefault(str(event["worker"]), str(value or missing))
+    return {name: found[name] for name in sorted(found, key=natural_key)}
+
+
+def _grouped(values: dict[str, str], quote: str = "") -> str:
+    """``a: w1, w2; b: w3`` from worker name -> value, values in order of first appearance."""
+    by_value: dict[str, list[str]] = {}
+    for name, value in values.items():
+        by_value.setdefault(value, []).append(name)
+    return "; ".join(
+        f"{quote}{_shown(value)}{quote}: {', '.join(map(_shown, names))}"
+        for value, names in by_value.items()
+    )
+
+
+def _shown(text: str) -> str:
+    """``text`` as Markdown shows it literally on one line: printable characters only (at most
+    64), no backquote or table bar, HTML's ``&<>`` as entities."""
+    kept = "".join(c for c in text[:64] if c.isprintable() and c not in "`|")
+    return kept.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def option_lines(settings: dict[str, Any]) -> list[str]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from common.errors import PSError
 from common.procs import Child, Children
 from common.rundir import UPDATES
-from launch.procs import EventsMark, joined_names, new_events, start_offset, wait_for_address
+from launch.procs import EventsMark, joined_names, new_events, wait_for_address
 from pserver.checkpoint import latest
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class Supervisor:
         """
         while True:
             if self.server is not None:  # a restart: its events begin here
-                self.marks.append(start_offset(self.metrics))
+                self.marks.append(EventsMark(self.metrics))
             self.server = self.children.start("server", self.server_argv(extra), stderr_only=True)
             try:
                 self.address = wait_for_address(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from common.cli_env import child_environment
 from common.procs import Child, Children
-from launch.procs import EventsMark, start_offset, wait_for_address
+from launch.procs import EventsMark, wait_for_address
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def served_run(
     python = [sys.executable, "-m"]
     with (run_dir / "cluster.log").open("w", encoding="utf-8") as log:
         children = Children(log, env, cwd=code)
-        mark = start_offset(metrics)
+        mark = EventsMark(metrics)
         server = children.start(
             "server",
             [

@@ -278,12 +278,12 @@ def test_workers_on_budgets_are_named_and_tabled_by_their_budget(
 def test_a_launch_finds_the_new_server_after_it_replaced_the_file(tmp_path: Path) -> None:
     """--overwrite removes the old metrics.jsonl: the new server's start event is at byte 0 of
     a new file, not after the old file's end."""
-    from launch.procs import new_start_address, start_offset
+    from launch.procs import EventsMark, new_start_address
 
     metrics = tmp_path / "metrics.jsonl"
     old = {"event": "start", "t": 0, "address": "tcp://127.0.0.1:1"}
     metrics.write_text((json.dumps(old) + "\n") * 50, encoding="utf-8")
-    mark = start_offset(metrics)
+    mark = EventsMark(metrics)
     try:
         assert new_start_address(metrics, mark) is None  # only the old server's events
         with metrics.open("a", encoding="utf-8") as f:  # a resumed server appends
@@ -333,7 +333,7 @@ def test_an_evaluation_of_the_whole_test_split_can_show_its_progress(
     small_hsi: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from common.data.dataset import DatasetReader
-    from launch.initial import initial_scores
+    from launch.compare import initial_scores
 
     with DatasetReader(small_hsi) as reader:
         test = len(reader.test_indices)

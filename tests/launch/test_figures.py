@@ -11,7 +11,7 @@ import pytest
 
 from launch import figures
 from launch.cluster.spec import PRESETS
-from launch.initial import initial_scores
+from launch.compare import initial_scores
 from launch.report import cluster_lines, schedule_section
 from tests.support.live import live_server, published
 

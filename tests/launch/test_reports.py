@@ -9,9 +9,9 @@ import matplotlib.pyplot as plt
 
 from common.training.tables import files_written, natural_key, summary_tables
 from launch.cluster.spec import ClusterSpec, parse_cluster
+from launch.compare import collect_setup
 from launch.figures import _draw_timeline
-from launch.report import render_markdown
-from launch.setup_info import collect_setup, setup_lines, worker_values
+from launch.report import render_markdown, setup_section, worker_values
 
 
 def _run(mode: str, oa: float, run_dir: Path | None = None) -> dict:
@@ -108,9 +108,9 @@ def test_setup_and_devices_helpers(tmp_path: Path) -> None:
     assert setup["cpus"] >= 1 and setup["torch"] and setup["cpu"]
     assert sorted(["w10", "w2", "w1"], key=natural_key) == ["w1", "w2", "w10"]
     assert worker_values([tmp_path / "missing"], "device", "?") == {}
-    lines = setup_lines(setup, {})
+    lines = setup_section({"settings": {"setup": setup}, "runs": []})
     assert any(line.startswith("- torch ") for line in lines)
-    assert setup_lines(None, {}) == []
+    assert setup_section({"settings": {"setup": None}, "runs": []}) == []
     text = files_written(tmp_path, {"markdown": str(tmp_path / "report.md")})
     assert text.splitlines() == [
         f"results: {tmp_path / 'compare.json'}",
@@ -148,9 +148,9 @@ def test_names_and_devices_from_run_files_reach_the_report_as_plain_text(tmp_pat
     hostile = "w4\n# Pwned <img src=x onerror=alert(1)> | x"
     join = {"event": "join", "t": 0.1, "worker": hostile, "device": "cpu\n## <b>", "host": "h"}
     (tmp_path / "metrics.jsonl").write_text(json.dumps(join) + "\n")
-    lines = setup_lines(
-        None, worker_values([tmp_path], "device", "?"), worker_values([tmp_path], "host")
-    )
+    section = setup_section({"settings": {}, "runs": [{"run_dir": str(tmp_path)}]})
+    assert section[:2] == ["## Setup", ""] and section[-1] == ""
+    lines = section[2:-1]
     assert len(lines) == 2 and all("\n" not in line for line in lines)
     text = "\n".join(lines)
     assert "<" not in text and "|" not in text and "&lt;img src=x" in text
