@@ -45,15 +45,15 @@ ci-deps:
 
 # The whole suite in three lanes: the unit tests that are not marked slow (as test-fast); the
 # slow unit tests and the end-to-end tests (tests/e2e/, which start processes) that are not
-# marked exclusive, also in $(TEST_JOBS) processes (a module marked xdist_group stays in one,
-# so its module-scoped run is made once); then the exclusive ones, which time what they run or
-# use a machine-wide resource, one at a time.
+# marked exclusive, also in $(TEST_JOBS) processes, a module's tests in one (module-scoped
+# runs are made once); then the exclusive ones, which time what they run or use a machine-wide
+# resource, one at a time.
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -m "unit and not slow" -n $(TEST_JOBS) $(PYTEST_ARGS)
 	$(PY) -m pytest -q -ra --durations=25 -m "not (unit and not slow) and not exclusive" \
-		-n $(TEST_JOBS) --dist loadgroup $(PYTEST_ARGS)
+		-n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 	$(PY) -m pytest -q -ra --durations=25 -m exclusive $(PYTEST_ARGS)
 
 # The unit tests that are not marked slow, in $(TEST_JOBS) processes of one compute thread

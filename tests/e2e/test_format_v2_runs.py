@@ -16,8 +16,6 @@ from common.data.dataset import DatasetReader
 from common.errors import DatasetError
 from tests.support.datasets import SHAPE, raw_samples, write_dataset
 
-pytestmark = pytest.mark.xdist_group("format_v2_runs")  # one process makes the module's run
-
 
 def test_statistics_of_another_band_count_are_refused_on_open(tmp_path: Path) -> None:
     """Else every worker fails on its first batch while the server waits for them."""

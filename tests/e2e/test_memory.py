@@ -15,8 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.xdist_group("memory")  # one process makes the big dataset
-
 # A synthetic scenes file of about 300 MB: 24000 images of 13 x 16 x 16 float32.
 SYNTH = {"samples": 24000, "bands": 13, "size": 16, "classes": 10}
 

@@ -15,8 +15,6 @@ from launch.figures import confusion_of
 from launch.settings import TrainSettings
 from tests.support.tensorboard import scalars
 
-pytestmark = pytest.mark.xdist_group("observe")  # one process makes the module's run
-
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MODES = ("weighted-sync", "async", "ddp")
 

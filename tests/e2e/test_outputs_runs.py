@@ -25,8 +25,6 @@ from pserver.outputs.palette import resolve_palette
 from tests.support.cli import one_line_error
 from tests.support.runs import train
 
-pytestmark = pytest.mark.xdist_group("outputs_runs")  # one process makes the module's run
-
 PATCH = 5
 
 

@@ -21,8 +21,6 @@ from launch.local import LocalCluster, run_local
 from pserver.cli import main
 from pserver.snapshots import snapshots as snap
 
-pytestmark = pytest.mark.xdist_group("snapshots_runs")  # one process makes the module's run
-
 EVERY = 4
 
 
