@@ -43,14 +43,18 @@ ci-deps:
 			chromium chromium-driver; \
 	fi
 
-# The whole suite: the unit tests that are not marked slow in $(TEST_JOBS) processes (as
-# test-fast), then the slow unit tests and the end-to-end tests (tests/e2e/), which start
-# processes and some of which measure time, one at a time.
+# The whole suite in three lanes: the unit tests that are not marked slow (as test-fast); the
+# slow unit tests and the end-to-end tests (tests/e2e/, which start processes) that are not
+# marked exclusive, also in $(TEST_JOBS) processes, a module's tests in one (module-scoped
+# runs are made once); then the exclusive ones, which time what they run or use a machine-wide
+# resource, one at a time.
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -m "unit and not slow" -n $(TEST_JOBS) $(PYTEST_ARGS)
-	$(PY) -m pytest -q -ra --durations=25 -m "not (unit and not slow)" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=25 -m "not (unit and not slow) and not exclusive" \
+		-n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=25 -m exclusive $(PYTEST_ARGS)
 
 # The unit tests that are not marked slow, in $(TEST_JOBS) processes of one compute thread
 # each (more threads than cores make torch's OpenMP workers spin against each other).

@@ -116,6 +116,12 @@ SCRATCH_OPTION = {"memory": "--dir", "coordinator-memory": "--dir"}
 # with a run folder start from the fixture's file; round-overhead and round-profile, which
 # prepare theirs in a temporary folder, still run the preparation.
 BENCH_JASPER = "jasper_p5_tf10.h5"
+# Smoke runs that need the machine to themselves: control groups, namespaces on a fixed subnet,
+# a profiler sampling for fixed seconds, and request loops that wait a fixed time for replies.
+EXCLUSIVE = {
+    *("multihost", "multihost-train", "own-ground"),
+    *("round-floor", "round-overhead", "round-profile", "wire"),
+}
 
 
 def test_every_bench_has_a_smoke_run() -> None:
@@ -144,7 +150,13 @@ def _require(needs: str, request: pytest.FixtureRequest) -> None:
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(name, marks=[pytest.mark.realdata] if "data" in SMOKE[name][1] else [])
+        pytest.param(
+            name,
+            marks=[
+                *([pytest.mark.realdata] if "data" in SMOKE[name][1] else []),
+                *([pytest.mark.exclusive] if name in EXCLUSIVE else []),
+            ],
+        )
         for name in sorted(SMOKE)
     ],
 )

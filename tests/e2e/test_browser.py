@@ -100,6 +100,7 @@ def _drawn(driver: Any) -> bool:
 
 
 @pytest.mark.parametrize("mode", ["weighted-sync", "async"])
+@pytest.mark.exclusive  # the slow worker's share follows speeds
 def test_live_page_in_chromium(browser: Any, small_hsi: Path, tmp_path: Path, mode: str) -> None:
     from selenium.webdriver.support.ui import WebDriverWait
 

@@ -198,6 +198,7 @@ def test_ctrl_c_keeps_a_report_of_the_finished_runs_and_resume_runs_the_rest(
     assert (out / "runs" / "equal-sync-1" / "summary.json").read_bytes() == first  # kept
 
 
+@pytest.mark.exclusive  # shares follow speeds
 def test_ddp_kept_runs_plain_ddp_on_the_nodes_weighted_sync_kept(tmp_path: Path) -> None:
     data = tmp_path / "hsi.h5"
     synth_hsi(data, samples=300, bands=8, size=24, classes=3, train_fraction=0.3, seed=4)

@@ -27,6 +27,9 @@ from launch.cluster.spec import parse_cluster
 from tests.support import requirements
 from tests.support.paths import ROOT
 
+# Control groups of the machine's cpu hierarchy; most tests time CPU-bound work under them.
+pytestmark = pytest.mark.exclusive
+
 
 @pytest.fixture
 def cgroups(pytestconfig: pytest.Config) -> CpuHierarchy:

@@ -76,6 +76,7 @@ def scenes(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("slowdowns", [(1.0, 4.0), (2.0, 4.0)])
+@pytest.mark.exclusive  # compares step times
 def test_compute_only_slowdown_does_not_feed_back(
     scenes: Path, tmp_path: Path, slowdowns: tuple[float, float]
 ) -> None:
@@ -167,6 +168,7 @@ def test_weighted_ddp_on_uneven_ranks_ends_where_one_process_ends(
         assert epoch["samples"] == 153 and epoch["exactly_once"]
 
 
+@pytest.mark.exclusive  # shares follow measured speeds
 def test_weighted_ddp_measures_its_shares_and_rebalances_each_epoch(
     hsi_153: Path, tmp_path: Path
 ) -> None:

@@ -80,6 +80,7 @@ def test_the_only_worker_failing_ends_the_run_with_its_error(
     assert (tmp_path / "summary.json").exists()
 
 
+@pytest.mark.exclusive  # asserts how long the stop took
 def test_a_worker_failing_at_start_stops_the_launch_while_the_others_wait(
     small_hsi: Path, tmp_path: Path, mark: str
 ) -> None:
@@ -173,6 +174,7 @@ def test_a_stopped_launch_stops_every_child_and_keeps_the_summary(
     assert summary["finish_reason"] == "stopped" and summary["steps"] > 0
 
 
+@pytest.mark.exclusive  # asserts how long the stop took
 def test_a_failing_ddp_rank_stops_the_others_with_its_error(
     small_hsi: Path, tmp_path: Path, mark: str
 ) -> None:

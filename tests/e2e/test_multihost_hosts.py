@@ -13,6 +13,8 @@ from common.procs import Child
 from launch.cluster.netns import NetConfig, Network, namespaces
 from launch.cluster.spec import rate_bits
 
+pytestmark = pytest.mark.exclusive  # namespaces on a fixed subnet; measures link rates
+
 PREFIX = "mht"  # not the bench's "mh-": a bench run at the same time is left alone
 
 

@@ -71,6 +71,7 @@ def _fill(disk: Path, leave_kb: int) -> None:
     (disk / "filler").write_bytes(b"\0" * max(free - leave_kb * 1024, 0))
 
 
+@pytest.mark.exclusive  # mounts a tmpfs
 def test_a_full_disk_ends_the_run_with_a_clear_error_and_no_leftovers(
     small_hsi: Path, tmp_path: Path, pytestconfig: pytest.Config
 ) -> None:
@@ -145,6 +146,7 @@ common.training.runlog.RunLog.write_summary = _stuck
 """
 
 
+@pytest.mark.exclusive  # asserts how long the stop took
 def test_sigterm_ends_a_server_whose_write_is_stuck(small_hsi: Path, tmp_path: Path) -> None:
     """The summary write never returns (a stalled file system, which cannot be made here: a
     ``sitecustomize`` makes it block forever); SIGTERM still ends the server within
@@ -170,6 +172,7 @@ def test_sigterm_ends_a_server_whose_write_is_stuck(small_hsi: Path, tmp_path: P
     assert "abandoned a stuck write: summary.json did not finish" in err, err
 
 
+@pytest.mark.exclusive  # mounts a tmpfs
 def test_an_unwritable_metrics_log_does_not_stop_training(
     small_hsi: Path, tmp_path: Path, pytestconfig: pytest.Config
 ) -> None:
@@ -313,6 +316,7 @@ def test_one_line_errors_for_a_busy_port_and_bad_addresses(small_hsi: Path, tmp_
     _one_line_error(too_big, "--global-batch must be <= 131072")
 
 
+@pytest.mark.exclusive  # asserts how long the exit took
 def test_a_second_ctrl_c_exits_at_once(small_hsi: Path, tmp_path: Path) -> None:
     server, address = start_server(
         small_hsi, tmp_path, "--epochs", "500", "--shutdown-timeout", "120", "--dead-after", "120"

@@ -34,6 +34,7 @@ def mark(monkeypatch: pytest.MonkeyPatch) -> str:
     return value
 
 
+@pytest.mark.exclusive  # asserts when the death was detected
 def test_kill_9_of_a_worker_mid_round_in_weighted_sync(jasper_h5: Path, tmp_path: Path) -> None:
     server, address = start_server(
         jasper_h5,
@@ -79,6 +80,7 @@ def test_kill_9_of_a_worker_mid_round_in_weighted_sync(jasper_h5: Path, tmp_path
 EPOCHS = 400
 
 
+@pytest.mark.exclusive  # interrupts a worker before the run ends
 def test_late_joiner_is_used_and_a_leaver_is_not_waited_for(
     small_hsi: Path, tmp_path: Path
 ) -> None:
@@ -132,6 +134,7 @@ def test_late_joiner_is_used_and_a_leaver_is_not_waited_for(
     assert any(w["worker"] == "late" for r in rounds for w in r["workers"])
 
 
+@pytest.mark.exclusive  # --dead-after 2 against compute time
 def test_kill_9_of_the_server_then_resume_with_the_same_workers(
     jasper_h5: Path, tmp_path: Path
 ) -> None:
@@ -182,6 +185,7 @@ def test_kill_9_of_the_server_then_resume_with_the_same_workers(
     assert {w["name"] for w in result["workers"]} == {"w1", "w2"}
 
 
+@pytest.mark.exclusive  # asserts how long the stop took
 def test_sigterm_stops_the_round_checkpoints_and_workers_exit_0_server_non_zero(
     small_hsi: Path, tmp_path: Path
 ) -> None:
@@ -289,6 +293,7 @@ def _launch(small_hsi: Path, run_dir: Path, restarts: int) -> Child:
     )
 
 
+@pytest.mark.exclusive  # --dead-after 2 against compute time
 def test_a_killed_server_is_restarted_by_pslaunch_and_the_run_goes_on(
     small_hsi: Path, tmp_path: Path, mark: str
 ) -> None:
@@ -336,6 +341,7 @@ def test_with_restarts_0_a_killed_server_fails_the_launch_and_nothing_is_left(
     assert processes_marked(mark) == []
 
 
+@pytest.mark.exclusive  # --dead-after 2 against compute time
 def test_a_worker_killed_mid_round_changes_no_update(small_hsi: Path, tmp_path: Path) -> None:
     """GroupNorm, weighted-sync, the same seed: one run without faults, one whose worker c is
     killed -9 once it computed its 6th task, before pushing it; its samples in the rounds it
@@ -375,6 +381,7 @@ def test_a_worker_killed_mid_round_changes_no_update(small_hsi: Path, tmp_path: 
     assert gap <= 1e-5, f"max |difference| {gap:.3g}"
 
 
+@pytest.mark.exclusive  # --dead-after 2 against compute time
 def test_a_frozen_worker_is_dropped_and_joins_again_when_it_thaws(
     small_hsi: Path, tmp_path: Path
 ) -> None:

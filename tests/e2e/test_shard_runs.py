@@ -8,6 +8,8 @@ import statistics
 import time
 from pathlib import Path
 
+import pytest
+
 from common.procs import Child
 from tests.support.cluster import events, start_server, start_shard, start_worker, summary
 
@@ -54,6 +56,7 @@ def test_async_with_two_shards_trains_jasper_ridge(jasper_h5: Path, tmp_path: Pa
     _check_epochs(tmp_path, 8, 964)
 
 
+@pytest.mark.exclusive  # asserts how long the failure took
 def test_a_killed_shard_ends_the_run_naming_it_and_a_resume_finishes(
     jasper_h5: Path, tmp_path: Path
 ) -> None:
@@ -95,6 +98,7 @@ def test_a_killed_shard_ends_the_run_naming_it_and_a_resume_finishes(
     _check_epochs(tmp_path, 6, 964)
 
 
+@pytest.mark.exclusive  # --shard-timeout 2 against compute time
 def test_workers_exit_non_zero_naming_the_shard_loss_that_stopped_the_run(
     small_hsi: Path, tmp_path: Path
 ) -> None:
@@ -130,6 +134,7 @@ def _final_oa(dataset: Path, run_dir: Path, wire: str, seed: int) -> float:
     return float(summary(run_dir)["final"]["oa"])
 
 
+@pytest.mark.exclusive  # weighted-sync shares follow speeds
 def test_bf16_on_the_wire_costs_less_than_a_point_of_accuracy(
     jasper_h5: Path, tmp_path: Path
 ) -> None:

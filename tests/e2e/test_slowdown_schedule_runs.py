@@ -14,6 +14,8 @@ from common.data.convert.synth import synth_scenes
 from launch.cli import main
 from pserver.policies.sync_rounds import ROUNDS_AHEAD
 
+pytestmark = pytest.mark.exclusive  # the plan follows measured speeds
+
 CHANGE_STEP = 12
 SLOW = 20.0
 PUSHES_TO_FOLLOW = 4

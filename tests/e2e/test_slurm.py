@@ -30,7 +30,7 @@ from tests.support.slurm_jobs import (
     wait_for_state,
 )
 
-pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_testbed")]
+pytestmark = [pytest.mark.slurm, pytest.mark.exclusive, pytest.mark.usefixtures("slurm_testbed")]
 
 TRAIN_COUNT = 964  # 10 % of Jasper Ridge's labelled pixels (the jasper_h5 fixture)
 TRAIN = ("--lr", "0.05", "--lr-schedule", "cosine")

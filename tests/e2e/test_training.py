@@ -24,6 +24,7 @@ def _events(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("mode", ["weighted-sync", "async"])
+@pytest.mark.exclusive  # shares and staleness follow speeds
 def test_jasper_ridge_three_heterogeneous_workers(
     jasper_h5: Path, tmp_path: Path, mode: str
 ) -> None:
