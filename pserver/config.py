@@ -7,7 +7,6 @@ import ipaddress
 import math
 import socket
 from pathlib import Path
-from typing import Protocol
 
 from common.config import flag, need
 from common.errors import ConfigError
@@ -27,87 +26,20 @@ def need_choice(option: str, value: str, choices: tuple[str, ...]) -> None:
     need(value in choices, f"{option} {value!r} is not one of {', '.join(choices)}")
 
 
-class TrainingSettings(Protocol):
-    """The settings every trainer of a run shares: ``ServerConfig`` and the DDP baseline's
-    ``TrainSettings`` both have them."""
-
-    @property
-    def global_batch(self) -> int: ...
-    @property
-    def optimizer(self) -> str: ...
-    @property
-    def lr(self) -> float: ...
-    @property
-    def momentum(self) -> float: ...
-    @property
-    def nesterov(self) -> bool: ...
-    @property
-    def weight_decay(self) -> float: ...
-    @property
-    def lr_schedule(self) -> str: ...
-    @property
-    def warmup_fraction(self) -> float: ...
-    @property
-    def epochs(self) -> int | None: ...
-    @property
-    def max_steps(self) -> int | None: ...
-    @property
-    def target_oa(self) -> float | None: ...
-
-
-def check_training(settings: TrainingSettings) -> None:
-    """The checks every trainer of a run shares (server and DDP baseline alike).
-
-    Args:
-        settings: a ``ServerConfig``, a ``TrainSettings`` or anything with their fields.
-
-    Raises:
-        ConfigError: a value is out of range; the message quotes it.
-    """
-    global_batch, optimizer, lr = settings.global_batch, settings.optimizer, settings.lr
-    momentum, nesterov = settings.momentum, settings.nesterov
-    weight_decay, lr_schedule = settings.weight_decay, settings.lr_schedule
-    warmup_fraction, epochs = settings.warmup_fraction, settings.epochs
-    max_steps, target_oa = settings.max_steps, settings.target_oa
-    need(global_batch >= 1, f"--global-batch must be >= 1, got {global_batch}")
-    need(
-        global_batch <= MAX_INDICES, f"--global-batch must be <= {MAX_INDICES}, got {global_batch}"
-    )
-    need_choice("--optimizer", optimizer, OPTIMIZERS)
-    need(math.isfinite(lr) and lr > 0, f"--lr must be > 0, got {lr}")
-    need(0 <= momentum < 1, f"--momentum must be in [0, 1), got {momentum}")
-    need(not nesterov or momentum > 0, "--nesterov needs --momentum > 0")
-    need(
-        math.isfinite(weight_decay) and weight_decay >= 0,
-        f"--weight-decay must be >= 0, got {weight_decay}",
-    )
-    need_choice("--lr-schedule", lr_schedule, SCHEDULES)
-    need(0 <= warmup_fraction < 1, f"--warmup-fraction must be in [0, 1), got {warmup_fraction}")
-    need(epochs is None or epochs >= 1, f"--epochs must be >= 1, got {epochs}")
-    need(max_steps is None or max_steps >= 1, f"--max-steps must be >= 1, got {max_steps}")
-    need(target_oa is None or 0 < target_oa <= 1, f"--target-oa must be in (0, 1], got {target_oa}")
-    need(
-        epochs is not None or max_steps is not None or target_oa is not None,
-        "give at least one of --epochs, --max-steps or --target-oa, or training never ends",
-    )
-    need(
-        lr_schedule == "constant" or epochs is not None or max_steps is not None,
-        f"--lr-schedule {lr_schedule} needs --epochs or --max-steps",
-    )
-
-
 @dataclasses.dataclass(frozen=True)
-class ServerConfig:
-    """Everything ``pserver start`` needs; checked on construction (errors quote the value)."""
+class TrainSettings:
+    """What a parameter server and a DDP run must share to be comparable; ``pserver start``'s
+    own training settings and defaults.
 
-    dataset: Path
-    model: str
-    mode: str = "weighted-sync"
-    planner: str = "model"
-    plan_spread: bool = True
-    min_local_batch: int | None = None
-    bind: str = "tcp://127.0.0.1:5555"
-    workers: int = 1
+    Attributes:
+        global_batch: B, samples per update (split over workers or ranks).
+        optimizer: ``sgd`` or ``adam``.
+        lr, momentum, nesterov, weight_decay: optimizer settings.
+        lr_schedule, warmup_fraction: the schedule of ``pserver.store.optimizer.lr_factor``.
+        epochs, max_steps, target_oa: when training stops (at least one must be set).
+        seed: model initialisation and epoch permutations.
+    """
+
     global_batch: int = 64
     optimizer: str = "sgd"
     lr: float = 0.05
@@ -119,13 +51,85 @@ class ServerConfig:
     epochs: int | None = None
     max_steps: int | None = None
     target_oa: float | None = None
+    seed: int = 0
+
+    def validate(self) -> TrainSettings:
+        """Check the training settings (the rules of ``pserver start`` and the DDP baseline).
+
+        Returns:
+            ``self``.
+
+        Raises:
+            ConfigError: a value is out of range; the message quotes it.
+        """
+        global_batch, optimizer, lr = self.global_batch, self.optimizer, self.lr
+        momentum, nesterov = self.momentum, self.nesterov
+        weight_decay, lr_schedule = self.weight_decay, self.lr_schedule
+        warmup_fraction, epochs = self.warmup_fraction, self.epochs
+        max_steps, target_oa = self.max_steps, self.target_oa
+        need(global_batch >= 1, f"--global-batch must be >= 1, got {global_batch}")
+        need(
+            global_batch <= MAX_INDICES,
+            f"--global-batch must be <= {MAX_INDICES}, got {global_batch}",
+        )
+        need_choice("--optimizer", optimizer, OPTIMIZERS)
+        need(math.isfinite(lr) and lr > 0, f"--lr must be > 0, got {lr}")
+        need(0 <= momentum < 1, f"--momentum must be in [0, 1), got {momentum}")
+        need(not nesterov or momentum > 0, "--nesterov needs --momentum > 0")
+        need(
+            math.isfinite(weight_decay) and weight_decay >= 0,
+            f"--weight-decay must be >= 0, got {weight_decay}",
+        )
+        need_choice("--lr-schedule", lr_schedule, SCHEDULES)
+        need(
+            0 <= warmup_fraction < 1, f"--warmup-fraction must be in [0, 1), got {warmup_fraction}"
+        )
+        need(epochs is None or epochs >= 1, f"--epochs must be >= 1, got {epochs}")
+        need(max_steps is None or max_steps >= 1, f"--max-steps must be >= 1, got {max_steps}")
+        need(
+            target_oa is None or 0 < target_oa <= 1,
+            f"--target-oa must be in (0, 1], got {target_oa}",
+        )
+        need(
+            epochs is not None or max_steps is not None or target_oa is not None,
+            "give at least one of --epochs, --max-steps or --target-oa, or training never ends",
+        )
+        need(
+            lr_schedule == "constant" or epochs is not None or max_steps is not None,
+            f"--lr-schedule {lr_schedule} needs --epochs or --max-steps",
+        )
+        return self
+
+    def server_args(self) -> tuple[str, ...]:
+        """The training settings as ``pserver start`` options."""
+        args: list[str] = []
+        for field in dataclasses.fields(TrainSettings):
+            value = getattr(self, field.name)
+            if field.name == "nesterov":
+                args.append("--nesterov" if value else "--no-nesterov")
+            elif value is not None:
+                args += ["--" + field.name.replace("_", "-"), str(value)]
+        return tuple(args)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerConfig(TrainSettings):
+    """Everything ``pserver start`` needs; checked on construction (errors quote the value)."""
+
+    dataset: Path
+    model: str
+    mode: str = "weighted-sync"
+    planner: str = "model"
+    plan_spread: bool = True
+    min_local_batch: int | None = None
+    bind: str = "tcp://127.0.0.1:5555"
+    workers: int = 1
     staleness: str = "inverse"
     staleness_a: float = 0.5
     staleness_b: float = 4.0
     max_staleness: int | None = None
     run_dir: Path | None = None
     overwrite: bool = False
-    seed: int = 0
     cache_mb: int = 2048
     eval_batch: int = 512
     eval_every: int = 1
@@ -170,7 +174,7 @@ class ServerConfig:
         need_choice("--mode", self.mode, MODES)
         need_choice("--planner", self.planner, PLANNERS)
         need_choice("--staleness", self.staleness, STALENESS)
-        check_training(self)
+        super().validate()
         need(
             self.min_local_batch is None or self.min_local_batch >= 1,
             f"--min-local-batch must be >= 1, got {self.min_local_batch}",

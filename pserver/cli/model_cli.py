@@ -1,4 +1,4 @@
-"""``pserver export`` and ``pserver predict``: get a trained model out and classify scenes."""
+"""``pserver export``, ``predict`` and ``evaluate-snapshots``: use a run's trained model."""
 
 from __future__ import annotations
 
@@ -338,4 +338,34 @@ def predict_cmd(
     )
 
 
-COMMANDS = (export_cmd, predict_cmd)
+@click.command("evaluate-snapshots")
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option(
+    "--target-oa",
+    type=float,
+    default=None,
+    help="Report the first version reaching this test OA (default: the run's --target-oa).",
+)
+@file_option(
+    "--dataset", "The run's dataset file (default: the one RUN_DIR/snapshots/run.json names)."
+)
+@click.option("--batch", type=int, default=512, help="Evaluation batch size.")
+@click.option("--threads", type=int, default=1, help="Torch CPU threads.")
+@click.option("--progress/--no-progress", default=True, help="Progress bar.")
+@allow_model_option("RUN_DIR/snapshots/run.json")
+def evaluate_snapshots_cmd(**options: Any) -> None:
+    """Score every snapshot in RUN_DIR/snapshots on the whole test split after training.
+
+    Writes RUN_DIR/snapshots.jsonl (version, epoch, train_time_s, samples, final, oa, aa,
+    kappa, loss) and prints the first version reaching the target and its training time.
+    """
+    from pserver.snapshots.snapshot_eval import SnapshotEvalConfig, describe, evaluate_snapshots
+
+    try:
+        result = evaluate_snapshots(SnapshotEvalConfig(**options))
+    except PSError as exc:
+        raise _fail(exc) from exc
+    click.echo(describe(result))
+
+
+COMMANDS = (export_cmd, predict_cmd, evaluate_snapshots_cmd)

@@ -32,7 +32,6 @@ from common.protocol.wire import WIRE_DTYPES
 from common.training.models import NORMS, with_norm
 from pserver.cli.data_cli import data_group
 from pserver.cli.model_cli import COMMANDS as MODEL_COMMANDS
-from pserver.cli.snapshot_cli import evaluate_snapshots_cmd
 from pserver.config import (
     MODES,
     OPTIMIZERS,
@@ -429,7 +428,6 @@ def keygen(directory: Path) -> None:
 
 
 main.add_command(data_group)
-main.add_command(evaluate_snapshots_cmd)
 for _command in MODEL_COMMANDS:
     main.add_command(_command)
 show_envvars(main)  # PSERVER_<COMMAND>_<OPTION>, e.g. PSERVER_START_MODE

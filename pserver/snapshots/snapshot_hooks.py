@@ -4,20 +4,15 @@ after it is booked (and the final one at the end), while no other update is publ
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
-
-import numpy as np
 
 from common.errors import PSError
 from pserver.context import RunContext
 from pserver.evaluation import EvalScheduler
-from pserver.snapshots.snapshots import SnapshotMeta, SnapshotWriter
+from pserver.snapshots.snapshots import Fetch, SnapshotMeta, SnapshotWriter
 from pserver.updates import Updater
 
 log = logging.getLogger(__name__)
-
-StateSource = Callable[[], Awaitable[tuple[int, np.ndarray, Callable[[], None]]]]
 
 
 class SnapshotHook:
@@ -43,7 +38,7 @@ class SnapshotHook:
         info: dict[str, Any],
         resumed_at: int | None,
         evaluations: EvalScheduler,
-        newest_state: StateSource,
+        newest_state: Fetch,
     ) -> None:
         self.config, self.info, self.resumed_at = context.config, info, resumed_at
         self.updater, self.evaluations = updater, evaluations

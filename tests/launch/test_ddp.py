@@ -214,5 +214,5 @@ def test_ddp_settings_follow_the_server_rules(settings: dict, option: str) -> No
     with pytest.raises(ConfigError, match=option) as from_ddp:
         TrainSettings(**values).validate()
     with pytest.raises(ConfigError) as from_server:
-        ServerConfig(Path("data.h5"), "hsi-cnn", **values)
+        ServerConfig(dataset=Path("data.h5"), model="hsi-cnn", **values)
     assert str(from_ddp.value) == str(from_server.value)
