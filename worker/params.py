@@ -220,8 +220,7 @@ class StoreClient:
         params: np.ndarray,
         state: torch.Tensor,
     ) -> None:
-        """Write the received chunk ``params`` at ``offset`` into ``state`` once it is checked
-        to be the asked ``span`` in the run's wire format."""
+        """Write a received chunk into ``state`` once checked to be ``span`` in the wire format."""
         start, stop = span
         if offset != start:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"chunk at {offset}, asked {start}")

@@ -25,9 +25,8 @@ class AheadReader:
 
     ``start(indices)`` begins reading in the background; ``get(indices)`` returns the batch,
     using the started read when it matches and reading now otherwise. The time ``get`` blocks
-    is added to ``wait_s``. Everything but that hand-off runs on the thread: finding which
-    samples are kept, the read, gathering the batch and making it tensors, so the training
-    loop gets a finished batch.
+    is added to ``wait_s``. All else runs on the thread (finding the kept samples, the read,
+    the gather, the tensors): the training loop gets a finished batch.
 
     With ``cache_bytes``, samples read are kept (the first ones until the budget is full, none
     evicted) and only the samples not kept are read: once every sample of a task is kept, the
