@@ -103,10 +103,7 @@ class StoreClient:
             ProtocolError: they are not the whole state in the run's wire format.
         """
         span = self._chunks[0]
-        chunk = ParamsChunk(
-            version=reply.params_version, offset=span[0], scale=reply.scale, params=reply.params
-        )
-        self._load(chunk, span, state)
+        self._load(span, span[0], reply.scale, reply.params, state)
         self.transfer_s = 0.0  # they came with the reply, not chunk by chunk
         return reply.params_version
 
@@ -208,21 +205,29 @@ class StoreClient:
                         continue  # a late answer to an earlier request
                     first = time.monotonic() if first is None else first
                     stagetrace.mark("w_chunk_in", version=reply.version, offset=reply.offset)
-                    self._load(reply, span, state)
+                    self._load(span, reply.offset, reply.scale, reply.params, state)
                     versions.append(reply.version)
         self.transfer_s = 0.0 if first is None else time.monotonic() - first
         if error is not None:
             raise error
         return min(versions)
 
-    def _load(self, reply: ParamsChunk, span: tuple[int, int], state: torch.Tensor) -> None:
+    def _load(
+        self,
+        span: tuple[int, int],
+        offset: int,
+        scale: float,
+        params: np.ndarray,
+        state: torch.Tensor,
+    ) -> None:
+        """Write a received chunk into ``state`` once checked to be ``span`` in the wire format."""
         start, stop = span
-        if reply.offset != start:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"chunk at {reply.offset}, asked {start}")
-        data = as_tensor(reply.params, self.wire, "params")
-        if data.numel() != stop - start or not reply.scale > 0:
+        if offset != start:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"chunk at {offset}, asked {start}")
+        data = as_tensor(params, self.wire, "params")
+        if data.numel() != stop - start or not scale > 0:
             raise ProtocolError(ErrorCode.BAD_TENSOR, f"chunk at {start} has the wrong size")
-        decode_into(data, reply.scale, state[start:stop])
+        decode_into(data, scale, state[start:stop])
 
     def close(self) -> None:
         """Close every socket."""

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from common.data.codec import SampleCodec
 from common.errors import DatasetError, ErrorCode, ProtocolError
@@ -16,19 +17,21 @@ from common.protocol.client import Connection
 from common.protocol.messages import DataReply, DataRequest, JoinReply
 from worker.sample_cache import SampleCache
 
+_Batch = tuple[torch.Tensor, torch.Tensor, bool]  # x, y, every sample was kept
+
 
 class AheadReader:
     """Reads ``(x, y)`` for index lists on its own thread, one task ahead.
 
-    ``start(indices)`` begins reading in the background; ``get(indices)`` returns the data,
+    ``start(indices)`` begins reading in the background; ``get(indices)`` returns the batch,
     using the started read when it matches and reading now otherwise. The time ``get`` blocks
-    is added to ``wait_s``.
+    is added to ``wait_s``. All else runs on the thread (finding the kept samples, the read,
+    the gather, the tensors): the training loop gets a finished batch.
 
     With ``cache_bytes``, samples read are kept (the first ones until the budget is full, none
-    evicted; kept on the thread, right after the read) and only the samples not kept are read:
-    once every sample of a task is kept, the task needs no read, and a started task's batch is
-    gathered from the kept samples on the thread, off the training loop. The dataset does not
-    change during a run, so a kept sample equals a fresh read.
+    evicted) and only the samples not kept are read: once every sample of a task is kept, the
+    task needs no read. The dataset does not change during a run, so a kept sample equals a
+    fresh read.
 
     Args:
         thread_name: name prefix of the reading thread.
@@ -49,53 +52,47 @@ class AheadReader:
         self.wait_s = 0.0
         self.cache_hits = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=thread_name)
-        # (task indices, the indices being read for it, the read)
-        self._pending: tuple[tuple[int, ...], list[int], concurrent.futures.Future] | None = None
+        self._pending: tuple[tuple[int, ...], concurrent.futures.Future[_Batch]] | None = None
         self._cache = SampleCache(cache_bytes)
 
     def start(self, indices: list[int]) -> None:
-        """Begin reading ``indices`` (those not kept) in the background; when every one is
-        kept, gather the batch there instead, so ``get`` finds it assembled."""
-        if not indices:
-            return
-        missing = self._cache.missing(indices)
-        work = (
-            self._pool.submit(self._read, missing)
-            if missing
-            else self._pool.submit(self._cache.batch, indices)
-        )
-        self._pending = (tuple(indices), missing, work)
+        """Begin making the batch of ``indices`` in the background."""
+        if indices:
+            self._pending = (tuple(indices), self._pool.submit(self._batch, indices))
 
-    def get(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def get(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The samples for ``indices``, in order: float32 (n, C, H, W) and int64 (n,).
 
         Raises:
             NetworkTimeout, RemoteError, DatasetError: the source did not deliver them.
         """
         pending, self._pending = self._pending, None
-        if pending is not None and pending[0] != tuple(indices):
-            concurrent.futures.wait([pending[2]])  # it uses the kept samples: let it finish
-            pending = None
-        if pending is None:
-            missing = self._cache.missing(indices)
-            if indices and not missing:
-                self.cache_hits += 1
-                return self._cache.batch(indices)
-            future = self._pool.submit(self._read, missing)
+        if pending is None or pending[0] != tuple(indices):
+            # after the started read (one thread): what it keeps is not read again
+            future = self._pool.submit(self._batch, indices)
         else:
-            _, missing, future = pending
+            future = pending[1]
         begin = time.perf_counter()
         try:
-            x, y = future.result()
+            x, y, kept = future.result()
         finally:
             self.wait_s += time.perf_counter() - begin
-        if indices and not missing:  # gathered from the kept samples in the background
-            self.cache_hits += 1
-            return x, y
-        return self._cache.merge(indices, missing, x, y)
+        self.cache_hits += kept
+        return x, y
+
+    def _batch(self, indices: list[int]) -> _Batch:
+        """The batch of ``indices`` as tensors and whether every sample was kept (on the
+        reading thread, the only one that touches the kept samples)."""
+        missing = self._cache.missing(indices)
+        kept = bool(indices) and not missing
+        if kept:
+            x, y = self._cache.batch(indices)
+        else:
+            x, y = self._cache.merge(indices, missing, *self._read(missing))
+        return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y), kept
 
     def _read(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Read the samples and keep them (on the reading thread)."""
+        """Read the samples and keep them."""
         return self._cache.add(indices, *self._fetch(indices))
 
     def close(self) -> None:

@@ -8,7 +8,6 @@ import logging
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -182,15 +181,12 @@ class Replica:
     def batch(self, task: TaskReply, data: AheadReader) -> tuple[torch.Tensor, torch.Tensor]:
         """The task's samples on the device (from pinned memory on CUDA), augmented if asked;
         starts prefetching the next task's."""
-        x_np, y_np = data.get(task.indices)
+        x, y = data.get(task.indices)
         data.start(task.prefetch)
-        pin = self.device.type == "cuda"
-        x = torch.from_numpy(np.ascontiguousarray(x_np))
-        y = torch.from_numpy(np.ascontiguousarray(y_np))
-        if pin:
-            x, y = x.pin_memory(), y.pin_memory()
-        x = x.to(self.device, non_blocking=pin)
-        y = y.to(self.device, non_blocking=pin)
+        if self.device.type != "cpu":
+            pin = self.device.type == "cuda"
+            x = (x.pin_memory() if pin else x).to(self.device, non_blocking=pin)
+            y = (y.pin_memory() if pin else y).to(self.device, non_blocking=pin)
         if self.augmenter is not None:
             x = self.augmenter(x, step_key=task.task_id)
         return x, y

@@ -130,6 +130,8 @@ def decode_into(data: torch.Tensor, scale: float, out: torch.Tensor) -> None:
 def _readonly_tensor(array: np.ndarray) -> torch.Tensor:
     import warnings
 
+    if array.flags.writeable:  # a frame received without a copy: no warning to silence
+        return torch.from_numpy(array)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # a received frame is never written
         return torch.from_numpy(array)

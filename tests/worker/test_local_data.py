@@ -10,6 +10,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 
 from common.data.convert.synth import synth_hsi
@@ -44,7 +45,7 @@ def test_reads_match_the_dataset_reader(small_hsi: Path, cache_bytes: int) -> No
         got.append(data.get(second))  # not started: read now
         data.start([])  # the last task has nothing to prefetch
         for (x, y), (ex, ey) in zip(got, expected, strict=True):
-            assert x.dtype == np.float32 and y.dtype == np.int64
+            assert x.dtype == torch.float32 and y.dtype == torch.int64
             np.testing.assert_array_equal(x, ex)
             np.testing.assert_array_equal(y, ey)
         assert data.wait_s > 0
