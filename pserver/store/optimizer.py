@@ -64,6 +64,12 @@ class FlatOptimizer:
             return SLOTS["adam"]
         return SLOTS["sgd"] if self.momentum else SLOTS["sgd-plain"]
 
+    @property
+    def unseen_slots(self) -> tuple[str, ...]:
+        """The slots whose non-finite values need not make the stepped parameters non-finite
+        (Adam's second moment divides the step; a non-finite momentum always reaches them)."""
+        return ("exp_avg_sq",) if self.kind == "adam" else ()
+
     def _buffers(
         self, like: torch.Tensor
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -105,11 +111,12 @@ class FlatOptimizer:
         """
         lr = self.lr * lr_scale
         full_old, full_new = self._buffers(params)
-        lo, hi = window if window is not None else (0, params.numel())
-        p, o = params[lo:hi], out[lo:hi]
-        old = {k: v[lo:hi] for k, v in full_old.items()}
-        new = {k: v[lo:hi] for k, v in full_new.items()}
-        scratch = self.scratch(params)[lo:hi]
+        p, o, old, new, scratch = params, out, full_old, full_new, self.scratch(params)
+        if window is not None and window != (0, params.numel()):  # views cost more than 1 µs
+            lo, hi = window
+            p, o, scratch = params[lo:hi], out[lo:hi], scratch[lo:hi]
+            old = {k: v[lo:hi] for k, v in full_old.items()}
+            new = {k: v[lo:hi] for k, v in full_new.items()}
         if self.weight_decay:
             grad = torch.add(grad, p, alpha=self.weight_decay, out=scratch)
         if self.kind == "sgd":

@@ -232,15 +232,17 @@ class SliceStore:
         return window
 
     def _invalid(self, new: torch.Tensor, slots: dict[str, torch.Tensor]) -> str:
-        """Why a candidate is invalid ("" when it is not): every check in one reduction each
+        """Why a candidate is invalid ("" when it is not): one reduction each over the new
+        state, the optimizer slots whose non-finite values it need not show, and the variances,
         and one read of their results."""
-        checks = [new.sum(), *(t.sum() for t in slots.values())]
+        unseen = self.optimizer.unseen_slots
+        checks = [new.sum(), *(slots[name].sum() for name in unseen)]
         if self._nonneg is not None:
             checks.append(new.index_select(0, self._nonneg).min())
         found = torch.stack(checks).tolist()
         if not math.isfinite(found[0]):
             return "the update makes parameters or statistics non-finite"
-        if not all(map(math.isfinite, found[1 : 1 + len(slots)])):
+        if not all(map(math.isfinite, found[1 : 1 + len(unseen)])):
             return "the update makes the optimizer state non-finite"
         if self._nonneg is not None and found[-1] < 0:
             return "the update makes a running variance negative"
