@@ -218,24 +218,21 @@ class Roster:
         return worker
 
     def touch(self, worker: WorkerInfo) -> None:
-        """The worker was heard from: restart its liveness deadline (its timer, when it fires
-        early, waits for the rest)."""
+        """The worker was heard from: restart its liveness deadline."""
         worker.heard_at = asyncio.get_running_loop().time()
-        if worker.active and worker.worker_id not in self._timers:
-            self._arm(worker.worker_id, self.dead_after_s)
-
-    def _arm(self, worker_id: int, delay_s: float) -> None:
-        loop = asyncio.get_running_loop()
-        self._timers[worker_id] = loop.call_later(delay_s, self._expire, worker_id)
+        if worker.worker_id not in self._timers:
+            self._expire(worker.worker_id)
 
     def _expire(self, worker_id: int) -> None:
+        """Hand the worker to ``on_dead`` once its deadline passed, else wait for the rest."""
         self._timers.pop(worker_id, None)
         worker = self.workers.get(worker_id)
         if worker is None or not worker.active:
             return
-        left = worker.heard_at + self.dead_after_s - asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        left = worker.heard_at + self.dead_after_s - loop.time()
         if left > 0:
-            self._arm(worker_id, left)
+            self._timers[worker_id] = loop.call_later(left, self._expire, worker_id)
         else:
             self.on_dead(worker)
 
@@ -243,8 +240,7 @@ class Roster:
         """The worker is gone (left, dead or stopped): its counters go to the history."""
         worker.active = False
         worker.waiter = None
-        timer = self._timers.pop(worker.worker_id, None)
-        if timer is not None:
+        if (timer := self._timers.pop(worker.worker_id, None)) is not None:
             timer.cancel()
         self.workers.pop(worker.worker_id, None)
         self._remember(worker.name, worker.summary())

@@ -23,7 +23,6 @@ from pserver.store.pool import Lease
 
 log = logging.getLogger(__name__)
 
-IN_FLIGHT_FROM = 1 << 16  # replies of more bytes count as in flight until they left
 COPY_BELOW = 1 << 19  # leased replies of fewer bytes are copied, not sent zero-copy
 
 
@@ -176,15 +175,14 @@ class Endpoint:
     def send(
         self, identity: bytes, frames: list[Any], lease: Lease | None = None, nbytes: int = 0
     ) -> None:
-        """Queue frames for ``identity`` (``nbytes``, when given, of them); ``lease`` is held
-        until they are sent. Frames leased for fewer than ``COPY_BELOW`` bytes are copied (a
-        copy costs less than tracking a zero-copy send), the others sent zero-copy."""
+        """Queue ``nbytes`` of frames for ``identity``, holding ``lease`` until they are sent:
+        copied below ``COPY_BELOW`` (cheaper than tracking a zero-copy send), else zero-copy."""
         if self._sock is None:
             return
         if lease is not None:
             lease.hold()
         entry: list[Any] | None = None
-        if nbytes > IN_FLIGHT_FROM:
+        if nbytes > 1 << 16:  # a large reply: in flight until it left
             # Every send prunes its peer's record (and now and then every peer's), so replies
             # that left are forgotten even when nobody asks what is in flight.
             for peer in list(self._in_flight) if len(self._in_flight) > 64 else [identity]:
@@ -213,12 +211,11 @@ class Endpoint:
     def reply_error(self, identity: bytes, request_id: int, code: ErrorCode, text: str) -> None:
         """Send an error reply (and log it, rate-limited per code; SHUTTING_DOWN, the expected
         answer to requests that arrive while any run ends, only at debug level)."""
+        args = ("rejected request %d: %s: %s", request_id, code.name, text)
         if code == ErrorCode.SHUTTING_DOWN:
-            log.debug("rejected request %d: %s: %s", request_id, code.name, text)
+            log.debug(*args)
         else:
-            self._errors.warning(
-                code.name, "rejected request %d: %s: %s", request_id, code.name, text
-            )
+            self._errors.warning(code.name, *args)
         self.send(identity, error_frames(request_id, code, text))
 
     async def receive_loop(self, dispatch: Dispatch) -> None:

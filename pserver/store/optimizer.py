@@ -14,6 +14,8 @@ import torch
 from common.errors import ConfigError
 
 SLOTS = {"sgd": ("momentum",), "sgd-plain": (), "adam": ("exp_avg", "exp_avg_sq")}
+# Slots whose non-finite values may leave the stepped parameters finite (they divide the step)
+UNSEEN = {"adam": ("exp_avg_sq",)}
 
 
 class FlatOptimizer:
@@ -63,12 +65,6 @@ class FlatOptimizer:
         if self.kind == "adam":
             return SLOTS["adam"]
         return SLOTS["sgd"] if self.momentum else SLOTS["sgd-plain"]
-
-    @property
-    def unseen_slots(self) -> tuple[str, ...]:
-        """The slots whose non-finite values need not make the stepped parameters non-finite
-        (Adam's second moment divides the step; a non-finite momentum always reaches them)."""
-        return ("exp_avg_sq",) if self.kind == "adam" else ()
 
     def _buffers(
         self, like: torch.Tensor
@@ -146,9 +142,3 @@ class FlatOptimizer:
             raise ValueError("publish takes the state the last prepare returned")
         self.state, self._spare = candidate, self.state
         self.steps += 1
-
-    def step(
-        self, params: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, lr_scale: float = 1.0
-    ) -> None:
-        """``prepare`` and ``publish`` in one call."""
-        self.publish(self.prepare(params, grad, out, lr_scale))

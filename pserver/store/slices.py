@@ -16,7 +16,7 @@ import torch
 
 from common.errors import ErrorCode, ProtocolError
 from common.protocol.chunks import check_scale, chunk_spans
-from pserver.store.optimizer import FlatOptimizer
+from pserver.store.optimizer import UNSEEN, FlatOptimizer
 from pserver.store.pool import BufferPool, Lease
 
 MAX_STAGED_PER_WORKER = 2  # its task of a round and one taken over from a worker that left
@@ -233,9 +233,8 @@ class SliceStore:
 
     def _invalid(self, new: torch.Tensor, slots: dict[str, torch.Tensor]) -> str:
         """Why a candidate is invalid ("" when it is not): one reduction each over the new
-        state, the optimizer slots whose non-finite values it need not show, and the variances,
-        and one read of their results."""
-        unseen = self.optimizer.unseen_slots
+        state, the slots whose non-finite values it need not show, the variances; one read."""
+        unseen = UNSEEN.get(self.optimizer.kind, ())
         checks = [new.sum(), *(slots[name].sum() for name in unseen)]
         if self._nonneg is not None:
             checks.append(new.index_select(0, self._nonneg).min())
