@@ -105,6 +105,7 @@ class WorkerInfo:
     transfer_s: float = 0.0
     idle_s: float = 0.0  # waiting at sync barriers, summed over rounds
     sent_at: float = 0.0  # monotonic time its last task was sent
+    heard_at: float = 0.0  # the loop's time when it was last heard from
     sent_task: int | None = None  # the id of the task it was last sent
     last_round: int = -1  # the last sync round it pushed in
     perf: PerfModel = dataclasses.field(default_factory=PerfModel)
@@ -218,27 +219,28 @@ class Roster:
 
     def touch(self, worker: WorkerInfo) -> None:
         """The worker was heard from: restart its liveness deadline."""
-        timer = self._timers.pop(worker.worker_id, None)
-        if timer is not None:
-            timer.cancel()
-        if worker.active:
-            loop = asyncio.get_running_loop()
-            self._timers[worker.worker_id] = loop.call_later(
-                self.dead_after_s, self._expire, worker.worker_id
-            )
+        worker.heard_at = asyncio.get_running_loop().time()
+        if worker.worker_id not in self._timers:
+            self._expire(worker.worker_id)
 
     def _expire(self, worker_id: int) -> None:
+        """Hand the worker to ``on_dead`` once its deadline passed, else wait for the rest."""
         self._timers.pop(worker_id, None)
         worker = self.workers.get(worker_id)
-        if worker is not None and worker.active:
+        if worker is None or not worker.active:
+            return
+        loop = asyncio.get_running_loop()
+        left = worker.heard_at + self.dead_after_s - loop.time()
+        if left > 0:
+            self._timers[worker_id] = loop.call_later(left, self._expire, worker_id)
+        else:
             self.on_dead(worker)
 
     def remove(self, worker: WorkerInfo) -> None:
         """The worker is gone (left, dead or stopped): its counters go to the history."""
         worker.active = False
         worker.waiter = None
-        timer = self._timers.pop(worker.worker_id, None)
-        if timer is not None:
+        if (timer := self._timers.pop(worker.worker_id, None)) is not None:
             timer.cancel()
         self.workers.pop(worker.worker_id, None)
         self._remember(worker.name, worker.summary())

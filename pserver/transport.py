@@ -23,6 +23,8 @@ from pserver.store.pool import Lease
 
 log = logging.getLogger(__name__)
 
+COPY_BELOW = 1 << 19  # leased replies of fewer bytes are copied, not sent zero-copy
+
 
 @dataclasses.dataclass(frozen=True)
 class Request:
@@ -173,25 +175,27 @@ class Endpoint:
     def send(
         self, identity: bytes, frames: list[Any], lease: Lease | None = None, nbytes: int = 0
     ) -> None:
-        """Queue frames for ``identity`` (zero-copy; ``lease`` is held until they are sent)."""
+        """Queue ``nbytes`` of frames for ``identity``, holding ``lease`` until they are sent:
+        copied below ``COPY_BELOW`` (cheaper than tracking a zero-copy send), else zero-copy."""
         if self._sock is None:
             return
         if lease is not None:
             lease.hold()
         entry: list[Any] | None = None
-        if nbytes:
+        if nbytes > 1 << 16:  # a large reply: in flight until it left
             # Every send prunes its peer's record (and now and then every peer's), so replies
             # that left are forgotten even when nobody asks what is in flight.
             for peer in list(self._in_flight) if len(self._in_flight) > 64 else [identity]:
                 self.in_flight(peer)
             entry = [nbytes, None]
             self._in_flight.setdefault(identity, _InFlight()).entries.append(entry)
-        track = lease is not None or entry is not None
+        copy = lease is not None and nbytes < COPY_BELOW
+        watch = lease is not None or entry is not None
         future = cast(
             "asyncio.Future[Any]",
-            self._sock.send_multipart([identity, *frames], copy=False, track=track),
+            self._sock.send_multipart([identity, *frames], copy=copy, track=watch and not copy),
         )
-        if track:
+        if watch:
             future.add_done_callback(lambda f: _tracked(f, lease, entry))
         self.owner.spawn(future)
 
@@ -202,17 +206,16 @@ class Endpoint:
         frames = message.to_wire(request_id)
         stagetrace.mark("reply", type=message.TYPE)
         nbytes = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
-        self.send(identity, frames, lease, nbytes if nbytes > 1 << 16 else 0)
+        self.send(identity, frames, lease, nbytes)
 
     def reply_error(self, identity: bytes, request_id: int, code: ErrorCode, text: str) -> None:
         """Send an error reply (and log it, rate-limited per code; SHUTTING_DOWN, the expected
         answer to requests that arrive while any run ends, only at debug level)."""
+        args = ("rejected request %d: %s: %s", request_id, code.name, text)
         if code == ErrorCode.SHUTTING_DOWN:
-            log.debug("rejected request %d: %s: %s", request_id, code.name, text)
+            log.debug(*args)
         else:
-            self._errors.warning(
-                code.name, "rejected request %d: %s: %s", request_id, code.name, text
-            )
+            self._errors.warning(code.name, *args)
         self.send(identity, error_frames(request_id, code, text))
 
     async def receive_loop(self, dispatch: Dispatch) -> None:
@@ -234,7 +237,8 @@ class Endpoint:
                 )
                 continue
             stagetrace.mark("request", type=message.TYPE)
-            request = Request(identity, request_id, _user_id(frames[1]))
+            user_id = _user_id(frames[1]) if self._auth is not None else ""
+            request = Request(identity, request_id, user_id)
             self.owner.spawn(self._handle(dispatch, request, message))
 
     async def _handle(self, dispatch: Dispatch, request: Request, message: Message) -> None:

@@ -14,6 +14,8 @@ import torch
 from common.errors import ConfigError
 
 SLOTS = {"sgd": ("momentum",), "sgd-plain": (), "adam": ("exp_avg", "exp_avg_sq")}
+# Slots whose non-finite values may leave the stepped parameters finite (they divide the step)
+UNSEEN = {"adam": ("exp_avg_sq",)}
 
 
 class FlatOptimizer:
@@ -105,11 +107,12 @@ class FlatOptimizer:
         """
         lr = self.lr * lr_scale
         full_old, full_new = self._buffers(params)
-        lo, hi = window if window is not None else (0, params.numel())
-        p, o = params[lo:hi], out[lo:hi]
-        old = {k: v[lo:hi] for k, v in full_old.items()}
-        new = {k: v[lo:hi] for k, v in full_new.items()}
-        scratch = self.scratch(params)[lo:hi]
+        p, o, old, new, scratch = params, out, full_old, full_new, self.scratch(params)
+        if window is not None and window != (0, params.numel()):  # views cost more than 1 µs
+            lo, hi = window
+            p, o, scratch = params[lo:hi], out[lo:hi], scratch[lo:hi]
+            old = {k: v[lo:hi] for k, v in full_old.items()}
+            new = {k: v[lo:hi] for k, v in full_new.items()}
         if self.weight_decay:
             grad = torch.add(grad, p, alpha=self.weight_decay, out=scratch)
         if self.kind == "sgd":
@@ -139,9 +142,3 @@ class FlatOptimizer:
             raise ValueError("publish takes the state the last prepare returned")
         self.state, self._spare = candidate, self.state
         self.steps += 1
-
-    def step(
-        self, params: torch.Tensor, grad: torch.Tensor, out: torch.Tensor, lr_scale: float = 1.0
-    ) -> None:
-        """``prepare`` and ``publish`` in one call."""
-        self.publish(self.prepare(params, grad, out, lr_scale))

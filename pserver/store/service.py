@@ -108,7 +108,7 @@ class StoreService:
             else None
         )
         self._pending: dict[int, list[tuple[bytes, int, int]]] = collections.defaultdict(list)
-        self._complete: dict[int, asyncio.Event] = {}
+        self._complete: dict[int, asyncio.Event] = collections.defaultdict(asyncio.Event)
         self._published = asyncio.Event()
         self._encoded: _Encoded | None = None
         self._whole: _Encoded | None = None  # one-chunk slices: the published one, held
@@ -147,7 +147,7 @@ class StoreService:
         )
         self._pending[msg.task_id].append((identity, request_id, msg.offset))
         if staged.complete(self.store.size):
-            self._event(msg.task_id).set()
+            self._complete[msg.task_id].set()
 
     async def on_gradient_push(self, msg: GradientPushRequest) -> None:
         """Stage the whole gradient that came inside its push; no chunk reply waits (the
@@ -167,7 +167,7 @@ class StoreService:
             msg.gradient,
         )  # fmt: skip
         if staged.complete(self.store.size):
-            self._event(msg.task_id).set()
+            self._complete[msg.task_id].set()
 
     async def _stage(
         self,
@@ -218,19 +218,13 @@ class StoreService:
 
     # --- from the coordinator ---------------------------------------------------------------
 
-    def _event(self, task_id: int) -> asyncio.Event:
-        event = self._complete.get(task_id)
-        if event is None:
-            event = self._complete[task_id] = asyncio.Event()
-        return event
-
     async def staged(self, task_id: int, worker_id: int, timeout_s: float) -> StageReport:
         """Wait until every chunk of ``task_id``'s gradient is in.
 
         Raises:
             ProtocolError: INCOMPLETE after ``timeout_s``; WRONG_TASK if another worker staged it.
         """
-        event = self._event(task_id)
+        event = self._complete[task_id]
         try:
             if not event.is_set():  # (a gradient that came inside its push is in already)
                 await asyncio.wait_for(event.wait(), timeout_s)

@@ -16,7 +16,7 @@ import torch
 
 from common.errors import ErrorCode, ProtocolError
 from common.protocol.chunks import check_scale, chunk_spans
-from pserver.store.optimizer import FlatOptimizer
+from pserver.store.optimizer import UNSEEN, FlatOptimizer
 from pserver.store.pool import BufferPool, Lease
 
 MAX_STAGED_PER_WORKER = 2  # its task of a round and one taken over from a worker that left
@@ -232,15 +232,16 @@ class SliceStore:
         return window
 
     def _invalid(self, new: torch.Tensor, slots: dict[str, torch.Tensor]) -> str:
-        """Why a candidate is invalid ("" when it is not): every check in one reduction each
-        and one read of their results."""
-        checks = [new.sum(), *(t.sum() for t in slots.values())]
+        """Why a candidate is invalid ("" when it is not): one reduction each over the new
+        state, the slots whose non-finite values it need not show, the variances; one read."""
+        unseen = UNSEEN.get(self.optimizer.kind, ())
+        checks = [new.sum(), *(slots[name].sum() for name in unseen)]
         if self._nonneg is not None:
             checks.append(new.index_select(0, self._nonneg).min())
         found = torch.stack(checks).tolist()
         if not math.isfinite(found[0]):
             return "the update makes parameters or statistics non-finite"
-        if not all(map(math.isfinite, found[1 : 1 + len(slots)])):
+        if not all(map(math.isfinite, found[1 : 1 + len(unseen)])):
             return "the update makes the optimizer state non-finite"
         if self._nonneg is not None and found[-1] < 0:
             return "the update makes a running variance negative"

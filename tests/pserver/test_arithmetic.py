@@ -186,7 +186,7 @@ def test_flat_optimizer_matches_torch_optim(kind) -> None:
         grad = torch.randn(50)
         new = torch.empty_like(current)
         before = current.clone()
-        mine.step(current, grad, new)
+        mine.publish(mine.prepare(current, grad, new))
         assert torch.equal(current, before)  # copy-on-step: the old snapshot is untouched
         current = new
         ref_param.grad = grad

@@ -26,7 +26,8 @@ from common.protocol.messages import (
     parse_message,
 )
 from common.protocol.wire import PROTOCOL_VERSION
-from pserver.transport import Endpoint, Request, TaskOwner
+from pserver.store.pool import BufferPool
+from pserver.transport import COPY_BELOW, Endpoint, Request, TaskOwner
 
 REPLY_TIMEOUT_S = 10.0
 Handler = Callable[[Endpoint, Request, Message], Awaitable[None]]
@@ -194,6 +195,33 @@ async def test_large_replies_count_in_flight_until_handed_to_the_network() -> No
         await poll_until_async(
             lambda: endpoint.in_flight(peer) == 0, REPLY_TIMEOUT_S, what="no replies in flight"
         )
+
+
+@pytest.mark.parametrize("values", [COPY_BELOW // 8, COPY_BELOW // 2])
+async def test_a_leased_reply_holds_its_buffer_until_sent_and_arrives_as_it_was(
+    values: int,
+) -> None:
+    """Below ``COPY_BELOW`` bytes the frames are copied, so the buffer is free once the send
+    is queued; above, ZeroMQ reads the buffer itself until the frames left. Either way the
+    buffer is reused only when free, and what arrives is what was sent."""
+    identities: list[bytes] = []
+
+    async def remember(endpoint: Endpoint, request: Request, message: Message) -> None:
+        identities.append(request.identity)
+
+    async with serving(remember) as served:
+        await served.send(StatusRequest().to_wire(1))
+        await poll_until_async(lambda: bool(identities), REPLY_TIMEOUT_S, what="a peer")
+        pool = BufferPool(values)
+        buffer, lease = pool.acquire()
+        buffer.fill_(3.0)
+        sent = buffer.numpy()
+        served.endpoint.reply(identities[0], 2, DataReply(x=sent, y=np.zeros(1, np.int64)), lease)
+        lease.release()  # the owner lets go; the reply still holds it
+        await poll_until_async(lease.free, REPLY_TIMEOUT_S, what="the buffer let go")
+        buffer.fill_(-1.0)  # reused
+        reply, request_id = await served.reply()
+        assert request_id == 2 and bool((reply.x == 3.0).all())
 
 
 async def test_the_owner_logs_failures_and_cancels_what_is_left(
