@@ -79,8 +79,8 @@ async def run_bounded(work: Callable[[], _T], timeout_s: float, what: str) -> _T
     """Run ``work`` (a blocking file write) on a thread of its own and wait at most ``timeout_s``.
 
     A thread blocked in the kernel cannot be stopped: after the timeout (or when the caller is
-    cancelled, e.g. by the end of a shutdown budget) it is abandoned and logged as such; it is a
-    daemon thread, so it never keeps the process alive.
+    cancelled, e.g. by the end of a shutdown budget) it is abandoned and logged as such (a write
+    cancelled before its thread began is not run); a daemon thread never keeps the process alive.
 
     Args:
         work: the write.

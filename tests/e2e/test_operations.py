@@ -285,6 +285,7 @@ def test_resume_checks_the_seed_falls_back_and_finishes_a_finished_run(
     assert summary(tmp_path)["steps"] == steps and summary(tmp_path)["epochs"] == 3
 
 
+@pytest.mark.exclusive  # asserts how long a refused join took
 def test_one_line_errors_for_a_busy_port_and_bad_addresses(small_hsi: Path, tmp_path: Path) -> None:
     server, address = start_server(small_hsi, tmp_path / "a", "--epochs", "1")
     try:

@@ -116,6 +116,7 @@ def test_a_budget_refusal_is_one_line_before_any_bar_or_file(
     assert not run_dir.exists()
 
 
+@pytest.mark.exclusive  # --dead-after 2 against compute time
 def test_a_worker_killed_during_the_run_is_reported_and_the_results_printed(
     small_hsi: Path, tmp_path: Path, mark: str
 ) -> None:
