@@ -232,7 +232,9 @@ async def test_a_leased_reply_holds_its_buffer_until_sent_and_arrives_as_it_was(
 
 
 @pytest.mark.parametrize("curve", [True, False])
-async def test_under_curve_every_request_carries_the_key_it_came_with(curve: bool, curve_keys) -> None:
+async def test_under_curve_every_request_carries_the_key_it_came_with(
+    curve: bool, curve_keys
+) -> None:
     """The sender's public key (z85) is read from each request under CURVE (members are bound
     to it); in clear there is none."""
     seen: list[str] = []
