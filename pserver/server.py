@@ -403,6 +403,7 @@ class ParameterServer:
         self.endpoint.close()
         self.reader.close()
         self.log.close()
+        gc.unfreeze()  # what start froze, this server among it, can be collected again
 
     async def __aenter__(self) -> ParameterServer:
         await self.start()

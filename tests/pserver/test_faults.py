@@ -24,7 +24,9 @@ from common.protocol.messages import (
     TaskReply,
     TaskRequest,
 )
+from common.protocol.tokens import TokenBook, new_key
 from common.training.planner import plan_batches
+from pserver.membership import Roster, WorkerInfo
 from tests.support.live import clients, live_server, published, push_request
 
 REPLY_S = 15.0
@@ -306,3 +308,42 @@ async def test_evaluations_keep_up_by_skipping_superseded_versions(small_hsi) ->
     assert evals[-1]["test_samples"] == len(ps.reader.test_indices)
     times = [e["t"] for e in ps.log.events]
     assert times == sorted(times)  # metrics.jsonl stays in time order
+
+
+async def test_a_silent_member_is_dead_after_dead_after_and_a_talking_one_never() -> None:
+    """Every message pushes a member's deadline on; one that keeps talking outlives several
+    deadlines, one that is silent (from its join, or after its last message) is handed to
+    ``on_dead`` once ``dead_after_s`` passed, within a bounded slack; one that left, never."""
+    dead_after_s, slack_s = 1.0, 5.0
+    loop = asyncio.get_running_loop()
+    dead: dict[str, float] = {}
+    both = asyncio.Event()
+
+    def on_dead(worker: WorkerInfo) -> None:
+        dead[worker.name] = loop.time()
+        roster.remove(worker)
+        if len(dead) == 2:
+            both.set()
+
+    roster = Roster(dead_after_s, on_dead, tokens=TokenBook(new_key()), max_members=8)
+    joined = loop.time()
+    talker, _, leaver = (roster.add(name, "cpu", 1.0, 1) for name in ("talker", "silent", "left"))
+    roster.remove(leaver)
+    talked, last = asyncio.Event(), [0.0]
+
+    def talk(times: int) -> None:  # a message every fifth of a deadline, ten times
+        last[0] = loop.time()
+        roster.touch(talker)
+        if times:
+            loop.call_later(dead_after_s / 5, talk, times - 1)
+        else:
+            talked.set()
+
+    talk(10)
+    await asyncio.wait_for(talked.wait(), REPLY_S)
+    assert "talker" not in dead and loop.time() - joined > 2 * dead_after_s
+    await asyncio.wait_for(both.wait(), REPLY_S)
+    assert dead_after_s <= dead["silent"] - joined < dead_after_s + slack_s
+    assert dead_after_s <= dead["talker"] - last[0] < dead_after_s + slack_s
+    roster.close()
+    assert set(dead) == {"talker", "silent"}

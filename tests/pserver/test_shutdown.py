@@ -5,7 +5,9 @@ final checkpoint and evaluation of the last version and the summary, and stays w
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -61,3 +63,13 @@ async def test_a_worker_that_never_collects_its_stop_does_not_hold_up_the_end(
     assert (result["finish_reason"], result["steps"]) == ("stopped", 1)
     pushes = {w["name"]: w["pushes"] for w in result["workers"]}
     assert pushes["a"] == 1
+
+
+async def test_a_closed_server_can_be_collected(small_hsi: Path) -> None:
+    """What a server froze out of the collector's reach at start is returned to it at close,
+    so the closed server's cycles are freed (a process may run one server after another)."""
+    async with live_server(small_hsi) as ps:
+        server = weakref.ref(ps)
+    del ps
+    gc.collect()
+    assert server() is None

@@ -99,11 +99,16 @@ def test_an_invalid_update_is_discarded_and_changes_nothing() -> None:
         store.publish(1)
 
 
+@pytest.mark.parametrize("lr_scale", [1.0, 0.0])
 @pytest.mark.parametrize(("kind", "why"), [("sgd", "parameters"), ("adam", "optimizer state")])
-def test_a_candidate_whose_optimizer_state_overflows_is_discarded(kind: str, why: str) -> None:
-    """SGD's momentum always reaches the parameters, so their check covers it; Adam's second
-    moment divides the step (an infinite one leaves the parameters finite): checked apart."""
-    optimizer = FlatOptimizer(kind, lr=0.5, momentum=0.9 if kind == "sgd" else 0.0)
+def test_a_candidate_whose_optimizer_state_overflows_is_discarded(
+    kind: str, why: str, lr_scale: float
+) -> None:
+    """SGD's momentum always reaches the parameters, so their check covers it, also at a
+    learning rate of 0 (a schedule's end: 0 times infinity is NaN); Adam's second moment
+    divides the step (an infinite one leaves the parameters finite): checked apart."""
+    momentum = 0.9 if kind == "sgd" else 0.0
+    optimizer = FlatOptimizer(kind, lr=0.5, momentum=momentum, weight_decay=1e-4)
     store = SliceStore(
         0, 1024, num_params=1024, state=torch.zeros(1024), optimizer=optimizer,
         nonneg_bounds=[], chunk_elems=1024,
@@ -112,11 +117,11 @@ def test_a_candidate_whose_optimizer_state_overflows_is_discarded(kind: str, why
     grad[5] = 3e38  # finite; its square is not
     if kind == "sgd":  # a first step leaves a momentum of 3e38; the second overflows it
         store.stage(1, 7, 0, 0, 1.0, grad)
-        assert store.prepare(1, [1], [1.0], 1.0, 1.0) == (True, "")
+        assert store.prepare(1, [1], [1.0], lr_scale, 1.0) == (True, "")
         store.publish(1)
     before = (store.state.clone(), {k: v.clone() for k, v in optimizer.state.items()})
     store.stage(2, 7, store.version, 0, 1.0, grad)
-    ok, reason = store.prepare(store.version + 1, [2], [1.0], 1.0, 1.0)
+    ok, reason = store.prepare(store.version + 1, [2], [1.0], lr_scale, 1.0)
     assert not ok and why in reason and "non-finite" in reason
     assert torch.equal(store.state, before[0])
     assert all(torch.equal(optimizer.state[k], v) for k, v in before[1].items())

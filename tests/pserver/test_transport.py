@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -25,6 +26,7 @@ from common.protocol.messages import (
     StatusRequest,
     parse_message,
 )
+from common.protocol.security import load_client_keys
 from common.protocol.wire import PROTOCOL_VERSION
 from pserver.store.pool import BufferPool
 from pserver.transport import COPY_BELOW, Endpoint, Request, TaskOwner
@@ -61,13 +63,16 @@ async def answer_status(endpoint: Endpoint, request: Request, message: Message) 
 
 
 @contextlib.asynccontextmanager
-async def serving(handler: Handler) -> AsyncIterator[Served]:
+async def serving(handler: Handler, keys: dict[str, Path] | None = None) -> AsyncIterator[Served]:
+    """``handler`` served, over CURVE with the worker's key pair when ``keys`` are given."""
     owner = TaskOwner()
     endpoint = Endpoint(
         "tcp://127.0.0.1:0",
         {StatusRequest.TYPE: StatusRequest},
         max_message_bytes=1 << 20,
         owner=owner,
+        curve_secret=keys["server_secret"] if keys else None,
+        authorized_keys=keys["authorized_keys"] if keys else None,
     )
     address = endpoint.bind()
     loop = owner.spawn(
@@ -75,6 +80,8 @@ async def serving(handler: Handler) -> AsyncIterator[Served]:
     )
     client = endpoint.context.socket(zmq.DEALER)
     client.setsockopt(zmq.LINGER, 0)
+    if keys:
+        load_client_keys(keys["server"], keys["worker_secret"]).apply(client)
     client.connect(address)
     try:
         yield Served(endpoint, client)
@@ -222,6 +229,26 @@ async def test_a_leased_reply_holds_its_buffer_until_sent_and_arrives_as_it_was(
         buffer.fill_(-1.0)  # reused
         reply, request_id = await served.reply()
         assert request_id == 2 and bool((reply.x == 3.0).all())
+
+
+@pytest.mark.parametrize("curve", [True, False])
+async def test_under_curve_every_request_carries_the_key_it_came_with(
+    curve: bool, curve_keys
+) -> None:
+    """The sender's public key (z85) is read from each request under CURVE (members are bound
+    to it); in clear there is none."""
+    seen: list[str] = []
+
+    async def remember(endpoint: Endpoint, request: Request, message: Message) -> None:
+        seen.append(request.user_id)
+        await answer_status(endpoint, request, message)
+
+    async with serving(remember, curve_keys if curve else None) as served:
+        for request_id in (1, 2):
+            await served.send(StatusRequest().to_wire(request_id))
+            await served.reply()
+    public = load_client_keys(curve_keys["server"], curve_keys["worker_secret"]).public
+    assert seen == [public.decode() if curve else ""] * 2
 
 
 async def test_the_owner_logs_failures_and_cancels_what_is_left(
