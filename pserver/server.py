@@ -13,7 +13,6 @@ carries out each push's decision).
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -344,7 +343,6 @@ class ParameterServer:
             plan={"planner": c.planner, "spread": c.plan_spread, "min_batch": c.min_local_batch},
         )
         self._schedule_flush()
-        gc.freeze()  # what setup made (torch, the model, the dataset) is never traversed again
         log.info(
             "serving %s on %s (%d parameters and buffers, %d training samples, %d shard%s)",
             self.config.mode,
@@ -403,7 +401,6 @@ class ParameterServer:
         self.endpoint.close()
         self.reader.close()
         self.log.close()
-        gc.unfreeze()  # what start froze, this server among it, can be collected again
 
     async def __aenter__(self) -> ParameterServer:
         await self.start()
