@@ -63,7 +63,9 @@ def test_kill_9_of_a_worker_mid_round_in_weighted_sync(jasper_h5: Path, tmp_path
         for proc in (server, *workers):
             proc.kill()
     print(f"dead worker detected after {detected_after:.2f} s (--dead-after 3)")
-    assert 2.5 <= detected_after <= 10
+    # The deadline runs from the worker's last message, which may precede the kill by up to
+    # the round it was waiting on; a declaration a second or more early would still show.
+    assert 2.0 <= detected_after <= 10
     records = events(tmp_path)
     gone = [e for e in records if e["event"] == "leave" and e["reason"].startswith("dead")]
     assert [e["worker"] for e in gone] == ["w2"]
