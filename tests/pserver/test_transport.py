@@ -98,6 +98,20 @@ async def served() -> AsyncIterator[Served]:
         yield it
 
 
+@contextlib.asynccontextmanager
+async def spoken_to() -> AsyncIterator[tuple[Served, bytes]]:
+    """An endpoint that answers nothing, and its client's identity once the client spoke."""
+    identities: list[bytes] = []
+
+    async def remember(endpoint: Endpoint, request: Request, message: Message) -> None:
+        identities.append(request.identity)
+
+    async with serving(remember) as served:
+        await served.send(StatusRequest().to_wire(1))
+        await poll_until_async(lambda: bool(identities), REPLY_TIMEOUT_S, what="a peer")
+        yield served, identities[0]
+
+
 def raw_header(**fields: object) -> bytes:
     header = {"v": PROTOCOL_VERSION, "type": "status_request", "id": 7, "body": {}, "tensors": []}
     header.update(fields)
@@ -181,15 +195,8 @@ async def test_binding_a_taken_address_is_a_config_error_naming_it(served: Serve
 
 
 async def test_large_replies_count_in_flight_until_handed_to_the_network() -> None:
-    identities: list[bytes] = []
-
-    async def remember(endpoint: Endpoint, request: Request, message: Message) -> None:
-        identities.append(request.identity)
-
-    async with serving(remember) as served:
-        await served.send(StatusRequest().to_wire(1))
-        await poll_until_async(lambda: bool(identities), REPLY_TIMEOUT_S, what="a peer")
-        peer, endpoint = identities[0], served.endpoint
+    async with spoken_to() as (served, peer):
+        endpoint = served.endpoint
         small = DataReply(x=np.zeros((4, 4), np.float32), y=np.zeros(4, np.int64))
         endpoint.reply(peer, 1, small)
         assert endpoint.in_flight(peer) == 0  # small replies are not counted
@@ -211,19 +218,12 @@ async def test_a_leased_reply_holds_its_buffer_until_sent_and_arrives_as_it_was(
     """Below ``COPY_BELOW`` bytes the frames are copied, so the buffer is free once the send
     is queued; above, ZeroMQ reads the buffer itself until the frames left. Either way the
     buffer is reused only when free, and what arrives is what was sent."""
-    identities: list[bytes] = []
-
-    async def remember(endpoint: Endpoint, request: Request, message: Message) -> None:
-        identities.append(request.identity)
-
-    async with serving(remember) as served:
-        await served.send(StatusRequest().to_wire(1))
-        await poll_until_async(lambda: bool(identities), REPLY_TIMEOUT_S, what="a peer")
+    async with spoken_to() as (served, peer):
         pool = BufferPool(values)
         buffer, lease = pool.acquire()
         buffer.fill_(3.0)
         sent = buffer.numpy()
-        served.endpoint.reply(identities[0], 2, DataReply(x=sent, y=np.zeros(1, np.int64)), lease)
+        served.endpoint.reply(peer, 2, DataReply(x=sent, y=np.zeros(1, np.int64)), lease)
         lease.release()  # the owner lets go; the reply still holds it
         await poll_until_async(lease.free, REPLY_TIMEOUT_S, what="the buffer let go")
         buffer.fill_(-1.0)  # reused
@@ -272,15 +272,8 @@ async def test_the_owner_logs_failures_and_cancels_what_is_left(
 async def test_the_record_of_large_replies_stays_small_when_nobody_asks() -> None:
     """Each large reply leaves a send tracker; every send prunes the ones that left, so over
     thousands of replies (a version each) the record does not grow."""
-    identities: list[bytes] = []
-
-    async def remember(endpoint: Endpoint, request: Request, message: Message) -> None:
-        identities.append(request.identity)
-
-    async with serving(remember) as served:
-        await served.send(StatusRequest().to_wire(1))
-        await poll_until_async(lambda: bool(identities), REPLY_TIMEOUT_S, what="a peer")
-        peer, endpoint = identities[0], served.endpoint
+    async with spoken_to() as (served, peer):
+        endpoint = served.endpoint
         big = DataReply(x=np.ones((128, 256), np.float32), y=np.zeros(128, np.int64))
         largest = 0
         for batch in range(150):
