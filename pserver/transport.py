@@ -24,6 +24,7 @@ from pserver.store.pool import Lease
 log = logging.getLogger(__name__)
 
 COPY_BELOW = 1 << 19  # leased replies of fewer bytes are copied, not sent zero-copy
+TRACK_ABOVE = 1 << 16  # replies of more bytes count as in flight until they left
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +183,7 @@ class Endpoint:
         if lease is not None:
             lease.hold()
         entry: list[Any] | None = None
-        if nbytes > 1 << 16:  # a large reply: in flight until it left
+        if nbytes > TRACK_ABOVE:
             # Every send prunes its peer's record (and now and then every peer's), so replies
             # that left are forgotten even when nobody asks what is in flight.
             for peer in list(self._in_flight) if len(self._in_flight) > 64 else [identity]:
