@@ -257,6 +257,7 @@ class Worker:
                 token=self.token,
                 codec=sample_codec(spec),
                 shape=(spec.in_channels, spec.input_size, spec.input_size),
+                num_classes=spec.num_classes,
                 cache_bytes=self.config.cache_mb << 20,
             )
         return open_local_copy(self.config.data, spec.dataset_fingerprint)

@@ -111,6 +111,7 @@ class Prefetcher(AheadReader):
         worker_id, token: this worker's membership.
         codec: the stored dtype and normalisation the join reply announced.
         shape: one sample's (C, H, W).
+        num_classes: labels are in ``[0, num_classes)``.
         cache_bytes: how many bytes of samples to keep for later epochs.
     """
 
@@ -122,13 +123,14 @@ class Prefetcher(AheadReader):
         token: str,
         codec: SampleCodec,
         shape: tuple[int, int, int],
+        num_classes: int,
         cache_bytes: int = 0,
     ) -> None:
         super().__init__(
             "prefetch", self._pull, close=self._close_connections, cache_bytes=cache_bytes
         )
         self.connect, self.worker_id, self.token = connect, worker_id, token
-        self.codec, self.shape = codec, shape
+        self.codec, self.shape, self.num_classes = codec, shape, num_classes
         self._local = threading.local()
         self._connections: list[Connection] = []
 
@@ -151,7 +153,14 @@ class Prefetcher(AheadReader):
                 f"data_reply has {len(reply.x)} samples and {reply.y.shape} labels "
                 f"for {len(indices)} indices",
             )
-        return self.codec.decode(reply.x), reply.y
+        y = reply.y
+        if y.dtype != np.int64 or (y.size and (y.min() < 0 or y.max() >= self.num_classes)):
+            got = f"{y.dtype} {y.min()}..{y.max()}" if y.size else str(y.dtype)
+            raise ProtocolError(
+                ErrorCode.BAD_TENSOR,
+                f"data_reply labels must be int64 in [0, {self.num_classes}), got {got}",
+            )
+        return self.codec.decode(reply.x), y
 
     def _close_connections(self) -> None:
         for conn in self._connections:
