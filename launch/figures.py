@@ -147,7 +147,8 @@ def plot_curves(data: dict[str, Any], stem: Path) -> list[str]:
         steps = budget_steps(cluster, summary["schedule"], summary.get("train_time_s") or 0.0)
         for index, (times, cores) in enumerate(steps):
             axis.step(times, cores, where="post", label=f"node {index}", linewidth=1.4)
-        axis.set_ylim(bottom=0)
+        top = max((max(cores) for _, cores in steps), default=1.0) or 1.0
+        axis.set_ylim(0, top * 1.6)  # headroom: the legend sits above the highest budget
         axis.set_ylabel("cores", fontsize=8)
         axis.set_title(f"{mode}, repeat {run['repeat']}: CPU budget per node", fontsize=8)
         axis.grid(alpha=0.3)

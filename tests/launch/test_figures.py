@@ -161,6 +161,8 @@ def test_budgets_are_drawn_under_the_curves_and_no_text_leaves_the_canvas(
     assert budgets.get_shared_x_axes().joined(budgets, time_axis)
     assert [line.get_ydata().tolist() for line in budgets.get_lines()][1] == [0.4, 0, 0.4, 0.4]
     fig.canvas.draw()
+    highest = budgets.transData.transform((0, 0.4))[1]  # the highest budget, in pixels
+    assert budgets.get_legend().get_window_extent().y0 > highest  # the legend hides no line
     drawn_box = fig.get_tightbbox(fig.canvas.get_renderer())  # all that is drawn, in inches
     width, height = fig.get_size_inches()
     assert drawn_box.x0 >= 0 and drawn_box.y0 >= 0, drawn_box
