@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import msgpack
 import numpy as np
@@ -380,6 +381,19 @@ def test_tensors_are_read_without_copy_and_big_endian_is_refused() -> None:
         encode_frames({}, [array.astype(">f8")])
     with pytest.raises(ProtocolError):
         encode_frames({}, [np.array(["a"], dtype=object)])
+
+
+def test_read_only_frames_become_tensors_without_a_warning() -> None:
+    """torch warns (once per process) that a read-only array is not writable: no conversion
+    of a received frame lets that out, the first or a later one."""
+    frames = [bytes(f) for f in encode_frames({"type": "x", "id": 1}, [np.ones(8, np.float32)])]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            _, (received,) = decode_frames(frames)
+            assert not received.flags.writeable
+            assert as_tensor(received, "fp32", "x").tolist() == [1.0] * 8
+    assert caught == []
 
 
 @pytest.mark.parametrize("wire", ["fp32", "bf16", "fp16"])
