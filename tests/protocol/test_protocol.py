@@ -204,6 +204,7 @@ def test_every_message_round_trips(message) -> None:
     decoded, rid = parse_message(_wire_bytes(message.to_wire(41)), table)
     assert rid == 41
     assert type(decoded) is type(message)
+    assert list(vars(decoded)) == list(vars(message))  # every field, as __init__ sets them
     for name, value in vars(message).items():
         got = getattr(decoded, name)
         if isinstance(value, np.ndarray):
