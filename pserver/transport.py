@@ -72,13 +72,18 @@ def _log_failure(task: asyncio.Future[Any]) -> None:
 
 
 class _InFlight:
-    """Bytes queued for one peer and not yet handed to the network."""
+    """Bytes queued for one peer and not yet handed to the network.
+
+    Each send is an entry ``[nbytes, tracker or None]``: it counts until it was queued
+    without a tracker (copied, or failed: ``_tracked`` sets its bytes to 0) or its tracker is
+    done; ``total`` forgets the entries that stopped counting.
+    """
 
     def __init__(self) -> None:
-        self.entries: list[list[Any]] = []  # [nbytes, tracker or None]
+        self.entries: list[list[Any]] = []
 
     def total(self) -> int:
-        self.entries = [e for e in self.entries if e[1] is None or not e[1].done]
+        self.entries = [e for e in self.entries if e[0] and (e[1] is None or not e[1].done)]
         return sum(e[0] for e in self.entries)
 
 

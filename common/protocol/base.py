@@ -9,7 +9,7 @@ import math
 import re
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -40,7 +40,7 @@ class Message:
         """Encode this message as frames tagged with ``request_id``."""
         body: dict[str, Any] = {}
         tensors: list[np.ndarray] = []
-        for name, _, optional, kind in _schema(type(self)):
+        for name, _, optional, kind, _ in _schema(type(self)):
             value = getattr(self, name)
             if kind == "tensor":
                 tensors.append(value)
@@ -59,40 +59,68 @@ class Message:
         """
         if not isinstance(body, dict):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE}: body must be a map")
-        values: dict[str, Any] = {}
         schema = _schema(cls)
-        tensor_fields = [n for n, _, _, k in schema if k == "tensor"]
-        if len(tensors) != len(tensor_fields):
+        expected = _TENSORS[cls]
+        if len(tensors) != expected:
             raise ProtocolError(
-                ErrorCode.BAD_TENSOR,
-                f"{cls.TYPE}: expects {len(tensor_fields)} tensors, got {len(tensors)}",
+                ErrorCode.BAD_TENSOR, f"{cls.TYPE}: expects {expected} tensors, got {len(tensors)}"
             )
+        values: dict[str, Any] = {}
         arrays = iter(tensors)
-        for name, base, optional, kind in schema:
-            if kind == "tensor":
+        given = 0  # header fields of the body that are fields of the message
+        for name, base, optional, _, check in schema:
+            if check is None:  # a tensor
                 values[name] = next(arrays)
                 continue
-            if name not in body and not optional:
-                raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE}: missing field {name!r}")
-            values[name] = _check(cls.TYPE, name, optional, kind, base, body.get(name))
-        extra = set(body) - set(values)
+            value = body.get(name, _ABSENT)
+            if value is _ABSENT:
+                if not optional:
+                    raise ProtocolError(ErrorCode.BAD_FIELD, f"{cls.TYPE}: missing field {name!r}")
+                value = None
+            else:
+                given += 1
+            if value is None and optional:
+                values[name] = None
+                continue
+            try:
+                values[name] = check(value, base)
+            except _BadValue as bad:
+                raise ProtocolError(
+                    ErrorCode.BAD_FIELD, f"{cls.TYPE}: field {name!r} {bad}"
+                ) from None
+        extra = set(body) - set(values) if given != len(body) else ()
         if extra:
             raise ProtocolError(
                 ErrorCode.BAD_FIELD, f"{cls.TYPE}: unknown fields {sorted(extra)!r}"
             )
-        return cls(**values)
+        if cls in _BUILT_BY_INIT:
+            return cls(**values)
+        message = object.__new__(cls)  # what __init__ does with every field given, faster
+        message.__dict__.update(values)
+        return message
 
 
-_SCHEMAS: dict[type, list[tuple[str, Any, bool, str]]] = {}
+Checker = Callable[[Any, Any], Any]
+_SCHEMAS: dict[type, list[tuple[str, Any, bool, str, Checker | None]]] = {}
+_TENSORS: dict[type, int] = {}  # tensor fields per class (filled in by ``_schema``)
+_BUILT_BY_INIT: set[type] = set()  # classes whose __init__ does more than set the fields
+_ABSENT = object()
 
 
-def _schema(cls: type) -> list[tuple[str, Any, bool, str]]:
+def _schema(cls: type) -> list[tuple[str, Any, bool, str, Checker | None]]:
     """Per field: name, type (without None), whether it is optional (``X | None = None``: null
-    or absent on the wire) and the checked kind (resolved once per class, so parsing a message
-    does no ``typing`` introspection)."""
+    or absent on the wire), the checked kind and its checker (None for a tensor), resolved once
+    per class, so parsing a message does no ``typing`` introspection."""
     if cls not in _SCHEMAS:
         hints = typing.get_type_hints(cls)
-        _SCHEMAS[cls] = [(f.name, *_resolve(hints[f.name])) for f in dataclasses.fields(cls)]
+        schema = []
+        for field in dataclasses.fields(cls):
+            base, optional, kind = _resolve(hints[field.name])
+            schema.append((field.name, base, optional, kind, _CHECKS.get(kind)))
+        _TENSORS[cls] = sum(kind == "tensor" for _, _, _, kind, _ in schema)
+        if hasattr(cls, "__post_init__") or any(not f.init for f in dataclasses.fields(cls)):
+            _BUILT_BY_INIT.add(cls)
+        _SCHEMAS[cls] = schema
     return _SCHEMAS[cls]
 
 
@@ -115,57 +143,85 @@ def _resolve(kind: Any) -> tuple[Any, bool, str]:
     raise TypeError(f"unsupported field annotation {kind!r}")  # a bug in a message class
 
 
-def _check(mtype: str, name: str, optional: bool, kind: str, base: Any, value: Any) -> Any:
-    """Return ``value`` if it matches the resolved annotation (an enum's value as the enum
-    ``base``), else raise BAD_FIELD."""
+class _BadValue(Exception):
+    """A value does not match its field's annotation; the text says why."""
 
-    def bad(why: str) -> ProtocolError:
-        return ProtocolError(ErrorCode.BAD_FIELD, f"{mtype}: field {name!r} {why}")
 
-    if value is None and optional:
-        return None
-    if kind == "int":
-        if type(value) is not int:
-            raise bad(f"must be an int, got {value!r:.60}")
-        return value
-    if kind == "float":
-        if type(value) not in (int, float) or not math.isfinite(value):
-            raise bad(f"must be a finite number, got {value!r:.60}")
-        return float(value)
-    if kind in ("str", "enum"):
-        if type(value) is not str or len(value) > MAX_STRING:
-            raise bad(f"must be a string of at most {MAX_STRING} characters")
-        if kind == "str":
-            return value
-        try:
-            return base(value)
-        except ValueError:
-            raise bad("unknown value") from None
-    if kind == "bool":
-        if type(value) is not bool:
-            raise bad(f"must be a bool, got {value!r:.60}")
-        return value
-    if kind == "list[int]":
-        if type(value) is not list or len(value) > MAX_INDICES:
-            raise bad(f"must be a list of at most {MAX_INDICES} ints")
-        if not _only(value, int):
-            raise bad("must contain only ints")
-        return value
-    if kind == "list[float]":
-        if type(value) is not list or len(value) > MAX_LIST:
-            raise bad(f"must be a list of at most {MAX_LIST} numbers")
-        if not (_only(value, int, float) and all(map(math.isfinite, value))):
-            raise bad("must contain only finite numbers")
-        return [float(v) for v in value]
-    if kind == "list[str]":
-        if type(value) is not list or len(value) > MAX_LIST:
-            raise bad(f"must be a list of at most {MAX_LIST} strings")
-        if not (_only(value, str) and all(len(v) <= MAX_STRING for v in value)):
-            raise bad(f"must contain only strings of at most {MAX_STRING} characters")
-        return value
-    if type(value) is not dict:  # kind == "dict"
-        raise bad("must be a map")
+def _check_int(value: Any, base: Any) -> Any:
+    if type(value) is not int:
+        raise _BadValue(f"must be an int, got {value!r:.60}")
     return value
+
+
+def _check_float(value: Any, base: Any) -> Any:
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise _BadValue(f"must be a finite number, got {value!r:.60}")
+    return float(value)
+
+
+def _check_str(value: Any, base: Any) -> Any:
+    if type(value) is not str or len(value) > MAX_STRING:
+        raise _BadValue(f"must be a string of at most {MAX_STRING} characters")
+    return value
+
+
+def _check_enum(value: Any, base: Any) -> Any:
+    """The enum ``base`` member of a string value."""
+    try:
+        return base(_check_str(value, base))
+    except ValueError:
+        raise _BadValue("unknown value") from None
+
+
+def _check_bool(value: Any, base: Any) -> Any:
+    if type(value) is not bool:
+        raise _BadValue(f"must be a bool, got {value!r:.60}")
+    return value
+
+
+def _check_ints(value: Any, base: Any) -> Any:
+    if type(value) is not list or len(value) > MAX_INDICES:
+        raise _BadValue(f"must be a list of at most {MAX_INDICES} ints")
+    if not _only(value, int):
+        raise _BadValue("must contain only ints")
+    return value
+
+
+def _check_floats(value: Any, base: Any) -> Any:
+    if type(value) is not list or len(value) > MAX_LIST:
+        raise _BadValue(f"must be a list of at most {MAX_LIST} numbers")
+    if not (_only(value, int, float) and all(map(math.isfinite, value))):
+        raise _BadValue("must contain only finite numbers")
+    return [float(v) for v in value]
+
+
+def _check_strs(value: Any, base: Any) -> Any:
+    if type(value) is not list or len(value) > MAX_LIST:
+        raise _BadValue(f"must be a list of at most {MAX_LIST} strings")
+    if not (_only(value, str) and all(len(v) <= MAX_STRING for v in value)):
+        raise _BadValue(f"must contain only strings of at most {MAX_STRING} characters")
+    return value
+
+
+def _check_dict(value: Any, base: Any) -> Any:
+    if type(value) is not dict:
+        raise _BadValue("must be a map")
+    return value
+
+
+# Per kind, the check of a value that is not an optional field's None: the value as the
+# message holds it (an enum's value as the enum), or ``_BadValue``.
+_CHECKS: dict[str, Checker] = {
+    "int": _check_int,
+    "float": _check_float,
+    "str": _check_str,
+    "enum": _check_enum,
+    "bool": _check_bool,
+    "list[int]": _check_ints,
+    "list[float]": _check_floats,
+    "list[str]": _check_strs,
+    "dict": _check_dict,
+}
 
 
 def _only(values: list[Any], *kinds: type) -> bool:

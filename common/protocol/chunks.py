@@ -14,6 +14,7 @@ underflow and large values do not overflow. The receiver multiplies by ``1 / sca
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -127,11 +128,19 @@ def decode_into(data: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         out.mul_(1.0 / scale)
 
 
-def _readonly_tensor(array: np.ndarray) -> torch.Tensor:
-    import warnings
+class _ReadOnlyWarning:
+    """Whether torch may still warn that an array is not writable: it warns once per process,
+    so once a conversion under watch raised nothing, later ones need no ``catch_warnings``
+    (whose cost per call exceeds the conversion's)."""
 
-    if array.flags.writeable:  # a frame received without a copy: no warning to silence
-        return torch.from_numpy(array)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # a received frame is never written
-        return torch.from_numpy(array)
+    possible = True
+
+
+def _readonly_tensor(array: np.ndarray) -> torch.Tensor:
+    if not _ReadOnlyWarning.possible or array.flags.writeable:
+        return torch.from_numpy(array)  # nothing to silence
+    with warnings.catch_warnings(record=True) as caught:  # a received frame is never written
+        warnings.simplefilter("always", UserWarning)
+        tensor = torch.from_numpy(array)
+    _ReadOnlyWarning.possible = bool(caught)
+    return tensor

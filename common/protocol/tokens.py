@@ -35,10 +35,13 @@ class TokenBook:
     def __init__(self, key: str) -> None:
         self.key = key
         self._key = bytes.fromhex(key)
+        self._keyed = hmac.new(self._key, digestmod=hashlib.sha256)  # copied per token
         self._sign = functools.lru_cache(SIGNED_KEPT)(self._hmac)
 
     def _hmac(self, text: str) -> str:
-        return hmac.new(self._key, text.encode(), hashlib.sha256).hexdigest()[:TOKEN_CHARS]
+        mac = self._keyed.copy()
+        mac.update(text.encode())
+        return mac.hexdigest()[:TOKEN_CHARS]
 
     def derive(self, purpose: str) -> TokenBook:
         """A book under a key derived from this one for ``purpose``; its holder cannot

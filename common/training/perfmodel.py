@@ -17,7 +17,6 @@ import itertools
 import math
 import statistics
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -164,8 +163,16 @@ def robust_line(points: Sequence[tuple[int, float]]) -> tuple[float, float] | No
     return alpha, beta
 
 
-def log_ratio(measured_s: Any, predicted_s: Any) -> Any:
-    """ln(measured / predicted) of floats or arrays, both lifted by ``NOISE_FLOOR_S``."""
+def log_ratio(measured_s: float, predicted_s: float) -> float:
+    """ln(measured / predicted) of one measurement, both lifted by ``NOISE_FLOOR_S``: what
+    ``log_ratios`` gives for it (to the last bit where numpy's log is the C library's),
+    without numpy's cost per call."""
+    ratio = (measured_s + NOISE_FLOOR_S) / (max(predicted_s, 0.0) + NOISE_FLOOR_S)
+    return math.log(ratio) if ratio > 0 else float(np.log(ratio))  # -inf or nan as numpy's
+
+
+def log_ratios(measured_s: np.ndarray, predicted_s: np.ndarray | float) -> np.ndarray:
+    """``log_ratio`` of every measurement of a window and its prediction."""
     return np.log((measured_s + NOISE_FLOOR_S) / (np.maximum(predicted_s, 0.0) + NOISE_FLOOR_S))
 
 
@@ -201,7 +208,7 @@ class Shift:
 
     def measure(self, measured_s: np.ndarray, predicted_s: np.ndarray | float) -> None:
         """``centre`` and ``sigma`` from a window and its predictions by the current fit."""
-        ratios = log_ratio(measured_s, predicted_s)
+        ratios = log_ratios(measured_s, predicted_s)
         self.centre = _median(ratios)
         few = len(ratios) < CHANGE_MIN_POINTS
         self.sigma = math.inf if few else _scale(ratios - self.centre, MIN_NOISE)

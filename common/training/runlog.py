@@ -118,7 +118,7 @@ class RunLog:
         if self._file is None:
             return
         try:
-            self._file.write(json.dumps(_finite(record), allow_nan=False) + "\n")
+            self._file.write(_json_line(record))
             if record["event"] in IMMEDIATE:
                 self._file.flush()
         except (OSError, ValueError) as exc:
@@ -165,6 +165,15 @@ class RunLog:
             except OSError as exc:
                 self._failed(exc)
             self._file = None
+
+
+def _json_line(record: dict[str, Any]) -> str:
+    """``record`` as one line of JSON, NaN and infinities as null (only a record that has
+    any is rebuilt with ``_finite``)."""
+    try:
+        return json.dumps(record, allow_nan=False) + "\n"
+    except ValueError:
+        return json.dumps(_finite(record), allow_nan=False) + "\n"
 
 
 def _finite(value: Any) -> Any:

@@ -37,7 +37,7 @@ class SpeedMeter:
         predicted = samples / self.speed
         factor = self.shift.add(seconds, predicted)
         if factor is None:
-            sigma, ratio = self.shift.sigma, float(log_ratio(seconds, predicted))  # > 0: slower
+            sigma, ratio = self.shift.sigma, log_ratio(seconds, predicted)  # > 0: slower
             factor = math.exp(self.smoothing * max(-HUBER_K * sigma, min(ratio, HUBER_K * sigma)))
             if abs(ratio) <= CHANGE_Z * sigma:  # beyond: an outlier, or a change under way
                 spread = math.sqrt(math.pi / 2) * abs(ratio) - sigma

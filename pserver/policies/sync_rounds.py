@@ -78,6 +78,8 @@ class Round:
         speed; each new task takes its share of the orphan's weight. A worker holds at most
         ``MAX_STAGED_PER_WORKER`` tasks of a round (the gradients a store keeps staged for
         it): when every ready worker does, the orphans wait for a worker to join."""
+        if not self.orphans:
+            return []
         held = collections.Counter(w.worker_id for w, _ in self.tasks.values())
         free = [w for w in ready if held[w.worker_id] < MAX_STAGED_PER_WORKER]
         members = [w for w in free if held[w.worker_id]] or free

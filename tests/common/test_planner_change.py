@@ -9,12 +9,31 @@ import random
 import numpy as np
 import pytest
 
-from common.training.perfmodel import MIN_NOISE, NOISE_FLOOR_S, Fit, PerfModel, Shift
+from common.training.perfmodel import (
+    MIN_NOISE,
+    NOISE_FLOOR_S,
+    Fit,
+    PerfModel,
+    Shift,
+    log_ratio,
+    log_ratios,
+)
 from common.training.planner import plan_by_model
 
 
 def _lifted(measured: float, predicted: float) -> float:
     return math.log((measured + NOISE_FLOOR_S) / (predicted + NOISE_FLOOR_S))
+
+
+def test_a_measurement_has_the_log_ratio_its_window_gives_it() -> None:
+    rng = np.random.default_rng(0)
+    measured = np.concatenate([[0.0, 0.0, 1.0, 1e5], rng.uniform(0.0, 2.0, 2000)])
+    predicted = np.concatenate([[0.0, -1.0, np.inf, 1e-9], rng.uniform(-0.1, 2.0, 2000)])
+    with np.errstate(divide="ignore"):  # an infinite prediction: a ratio of 0
+        window = log_ratios(measured, predicted)
+        for i, (m, p) in enumerate(zip(measured.tolist(), predicted.tolist(), strict=True)):
+            assert log_ratio(m, p) == pytest.approx(window[i], rel=1e-14, abs=1e-15)
+        assert log_ratio(1.0, np.inf) == -math.inf and math.isnan(log_ratio(1.0, math.nan))
 
 
 def test_three_far_measurements_on_one_side_make_a_change_point() -> None:

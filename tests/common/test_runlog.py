@@ -44,3 +44,31 @@ def test_a_resumed_log_starts_a_new_line_after_one_cut_short(tmp_path: Path) -> 
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert lines[1] == '{"event": "rou'
     assert json.loads(lines[2])["address"] == "tcp://x"
+
+
+def test_non_finite_numbers_are_written_as_null_and_kept_in_memory(tmp_path: Path) -> None:
+    log = RunLog(tmp_path, tensorboard=False)
+    log.event("round", round=1, round_s=0.5, workers=[{"worker": "w0", "batch": 8}], pair=(1, 2))
+    nan = float("nan")
+    log.event("round", round=2, loss=nan, workers=[{"speed": float("inf")}], pair=(nan, 2.5))
+    log.close()
+    lines = (tmp_path / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line) | {"t": 0} for line in lines] == [
+        {
+            "event": "round",
+            "t": 0,
+            "round": 1,
+            "round_s": 0.5,
+            "workers": [{"worker": "w0", "batch": 8}],
+            "pair": [1, 2],
+        },
+        {
+            "event": "round",
+            "t": 0,
+            "round": 2,
+            "loss": None,
+            "workers": [{"speed": None}],
+            "pair": [None, 2.5],
+        },
+    ]
+    assert log.events[-1]["loss"] != log.events[-1]["loss"]  # memory keeps the NaN

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import msgpack
 import numpy as np
@@ -203,6 +204,7 @@ def test_every_message_round_trips(message) -> None:
     decoded, rid = parse_message(_wire_bytes(message.to_wire(41)), table)
     assert rid == 41
     assert type(decoded) is type(message)
+    assert list(vars(decoded)) == list(vars(message))  # every field, as __init__ sets them
     for name, value in vars(message).items():
         got = getattr(decoded, name)
         if isinstance(value, np.ndarray):
@@ -380,6 +382,19 @@ def test_tensors_are_read_without_copy_and_big_endian_is_refused() -> None:
         encode_frames({}, [array.astype(">f8")])
     with pytest.raises(ProtocolError):
         encode_frames({}, [np.array(["a"], dtype=object)])
+
+
+def test_read_only_frames_become_tensors_without_a_warning() -> None:
+    """torch warns (once per process) that a read-only array is not writable: no conversion
+    of a received frame lets that out, the first or a later one."""
+    frames = [bytes(f) for f in encode_frames({"type": "x", "id": 1}, [np.ones(8, np.float32)])]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            _, (received,) = decode_frames(frames)
+            assert not received.flags.writeable
+            assert as_tensor(received, "fp32", "x").tolist() == [1.0] * 8
+    assert caught == []
 
 
 @pytest.mark.parametrize("wire", ["fp32", "bf16", "fp16"])

@@ -29,7 +29,7 @@ from common.protocol.messages import (
 from common.protocol.security import load_client_keys
 from common.protocol.wire import PROTOCOL_VERSION
 from pserver.store.pool import BufferPool
-from pserver.transport import COPY_BELOW, Endpoint, Request, TaskOwner
+from pserver.transport import COPY_BELOW, TRACK_ABOVE, Endpoint, Request, TaskOwner
 
 REPLY_TIMEOUT_S = 10.0
 Handler = Callable[[Endpoint, Request, Message], Awaitable[None]]
@@ -283,3 +283,25 @@ async def test_the_record_of_large_replies_stays_small_when_nobody_asks() -> Non
                 await served.reply()
             largest = max(largest, len(endpoint._in_flight[peer].entries))
         assert largest <= 20
+
+
+async def test_copied_leased_replies_leave_no_record_behind() -> None:
+    """A leased reply between ``TRACK_ABOVE`` and ``COPY_BELOW`` bytes (a fused reply of a
+    small model, one per round) is copied, so its send leaves no tracker: it stops counting
+    once queued, and its record goes with it."""
+    async with spoken_to() as (served, peer):
+        endpoint = served.endpoint
+        pool = BufferPool((TRACK_ABOVE + COPY_BELOW) // 2 // 4)
+        largest = 0
+        for request_id in range(200):
+            buffer, lease = pool.acquire()
+            reply = DataReply(x=buffer.numpy(), y=np.zeros(1, np.int64))
+            endpoint.reply(peer, request_id, reply, lease)
+            lease.release()
+            await served.reply()
+            record = endpoint._in_flight.get(peer)
+            largest = max(largest, len(record.entries) if record else 0)
+        assert largest <= 2
+        await poll_until_async(
+            lambda: endpoint.in_flight(peer) == 0, REPLY_TIMEOUT_S, what="no replies in flight"
+        )
