@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common.errors import ErrorCode, ProtocolError, RemoteError
-from common.protocol.base import error_frames
+from common.protocol.base import Message, error_frames
 from common.protocol.chunks import (
     ALIGN,
     as_tensor,
@@ -369,6 +369,46 @@ def test_optional_fields_may_be_null_or_absent_and_enums_take_only_their_values(
         heartbeat(finish_reason="nope")
     with pytest.raises(ProtocolError, match="heartbeat_reply: field 'failure' must be a string"):
         heartbeat(failure=3)
+
+
+class _Labelled(Message):
+    """A message whose ``__post_init__`` fills in a field left out."""
+
+    count: int
+    label: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.label is None:
+            object.__setattr__(self, "label", f"#{self.count}")
+
+
+class _Doubled(Message):
+    """A message with an ``__init__`` of its own."""
+
+    count: int
+
+    def __init__(self, count: int) -> None:
+        object.__setattr__(self, "count", 2 * count)
+
+
+def test_a_message_whose_init_does_more_than_set_its_fields_is_parsed_through_it() -> None:
+    assert _Labelled.from_parts({"count": 3}, []) == _Labelled(3) == _Labelled(3, "#3")
+    assert _Labelled.from_parts({"count": 3, "label": "x"}, []).label == "x"
+    doubled = _Doubled.from_parts({"count": 3}, [])
+    assert doubled == _Doubled(3) and doubled.count == 6
+
+
+def test_an_unknown_field_is_refused_when_an_optional_one_is_absent() -> None:
+    """An unknown key in place of an absent optional field: as many keys as fields, and one
+    of them is no field."""
+    fields = {"server_id": "s", "failure": None, "finish_reason": None}
+    for absent in ("failure", "finish_reason"):
+        body = {k: v for k, v in fields.items() if k != absent} | {"shutdown": True}
+        assert len(body) == len(fields)
+        frames = [_header(type="heartbeat_reply", body=body)]
+        with pytest.raises(ProtocolError, match=r"unknown fields \['shutdown'\]") as info:
+            parse_message(frames, ALL_REPLIES)
+        assert info.value.code == ErrorCode.BAD_FIELD
 
 
 def test_tensors_are_read_without_copy_and_big_endian_is_refused() -> None:
