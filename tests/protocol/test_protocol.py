@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import warnings
 
 import msgpack
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from common.errors import ErrorCode, ProtocolError, RemoteError
+from common.protocol import chunks
 from common.protocol.base import Message, error_frames
 from common.protocol.chunks import (
     ALIGN,
@@ -435,6 +437,49 @@ def test_read_only_frames_become_tensors_without_a_warning() -> None:
             assert not received.flags.writeable
             assert as_tensor(received, "fp32", "x").tolist() == [1.0] * 8
     assert caught == []
+
+
+THREAD_WAIT_S = 10.0
+
+
+def test_two_threads_converting_read_only_frames_leave_the_warning_filters_as_they_were(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first thread's conversion waits (up to a timeout) for the second thread's to begin,
+    and the second's for the first thread to finish: unless the watches take turns, the
+    second ends last and puts back the filters it found, the first's."""
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    convert, converted = torch.from_numpy, []
+
+    def converting(array: np.ndarray) -> torch.Tensor:
+        if threading.current_thread().name == "first":
+            first_in.set()
+            second_in.wait(0.5)
+        else:
+            second_in.set()
+            first_out.wait(THREAD_WAIT_S)
+        warnings.warn("not writable", UserWarning, stacklevel=1)  # as torch's first time
+        return convert(array)
+
+    def run(name: str) -> None:
+        if name == "second":
+            first_in.wait(THREAD_WAIT_S)
+        converted.append(as_tensor(received, "fp32", "x").tolist())
+        if name == "first":
+            first_out.set()
+
+    frames = [bytes(f) for f in encode_frames({"type": "x", "id": 1}, [np.ones(8, np.float32)])]
+    _, (received,) = decode_frames(frames)
+    monkeypatch.setattr(torch, "from_numpy", converting)
+    monkeypatch.setattr(chunks._ReadOnlyWarning, "possible", True)
+    filters = list(warnings.filters)
+    threads = [threading.Thread(target=run, args=(n,), name=n) for n in ("first", "second")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(THREAD_WAIT_S)
+    assert converted == [[1.0] * 8] * 2 and second_in.is_set()
+    assert warnings.filters == filters
 
 
 @pytest.mark.parametrize("wire", ["fp32", "bf16", "fp16"])
