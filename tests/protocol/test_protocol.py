@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 import threading
 import warnings
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -426,20 +429,34 @@ def test_tensors_are_read_without_copy_and_big_endian_is_refused() -> None:
         encode_frames({}, [np.array(["a"], dtype=object)])
 
 
-def test_read_only_frames_become_tensors_without_a_warning() -> None:
-    """torch warns (once per process) that a read-only array is not writable: no conversion
-    of a received frame lets that out, the first or a later one."""
-    frames = [bytes(f) for f in encode_frames({"type": "x", "id": 1}, [np.ones(8, np.float32)])]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            _, (received,) = decode_frames(frames)
-            assert not received.flags.writeable
-            assert as_tensor(received, "fp32", "x").tolist() == [1.0] * 8
-    assert caught == []
-
-
 THREAD_WAIT_S = 10.0
+PROCESS_TIMEOUT_S = 60.0
+CONVERT_READ_ONLY_FRAMES = """
+import numpy as np
+from common.protocol.chunks import as_tensor
+from common.protocol.wire import decode_frames, encode_frames
+
+frames = [bytes(f) for f in encode_frames({"type": "x", "id": 1}, [np.ones(8, np.float32)])]
+for _ in range(3):
+    _, (received,) = decode_frames(frames)
+    assert not received.flags.writeable
+    assert as_tensor(received, "fp32", "x").tolist() == [1.0] * 8
+print("converted")
+"""
+
+
+def test_read_only_frames_become_tensors_without_a_warning() -> None:
+    """torch warns once per process that a read-only array is not writable: in a fresh
+    process, where that warning is still to come, with user warnings as errors, no conversion
+    of a received frame lets it out, the first or a later one."""
+    done = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", CONVERT_READ_ONLY_FRAMES],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=PROCESS_TIMEOUT_S,
+    )
+    assert done.returncode == 0 and done.stdout == "converted\n", done.stderr[-2000:]
 
 
 def test_two_threads_converting_read_only_frames_leave_the_warning_filters_as_they_were(
