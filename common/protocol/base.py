@@ -34,7 +34,14 @@ class Message:
     def __init_subclass__(cls, kw_only: bool = False, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.TYPE = re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).lower()
+        own_init = "__init__" in vars(cls)  # kept by the dataclass in place of its own
         dataclasses.dataclass(frozen=True, kw_only=kw_only)(cls)
+        if (
+            own_init
+            or hasattr(cls, "__post_init__")
+            or not all(f.init for f in dataclasses.fields(cls))
+        ):
+            _BUILT_BY_INIT.add(cls)
 
     def to_wire(self, request_id: int) -> list[Any]:
         """Encode this message as frames tagged with ``request_id``."""
@@ -116,10 +123,9 @@ def _schema(cls: type) -> list[tuple[str, Any, bool, str, Checker | None]]:
         schema = []
         for field in dataclasses.fields(cls):
             base, optional, kind = _resolve(hints[field.name])
-            schema.append((field.name, base, optional, kind, _CHECKS.get(kind)))
+            check = None if kind == "tensor" else _CHECKS[kind]
+            schema.append((field.name, base, optional, kind, check))
         _TENSORS[cls] = sum(kind == "tensor" for _, _, _, kind, _ in schema)
-        if hasattr(cls, "__post_init__") or any(not f.init for f in dataclasses.fields(cls)):
-            _BUILT_BY_INIT.add(cls)
         _SCHEMAS[cls] = schema
     return _SCHEMAS[cls]
 

@@ -14,6 +14,7 @@ underflow and large values do not overflow. The receiver multiplies by ``1 / sca
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 
 import numpy as np
@@ -130,17 +131,21 @@ def decode_into(data: torch.Tensor, scale: float, out: torch.Tensor) -> None:
 
 class _ReadOnlyWarning:
     """Whether torch may still warn that an array is not writable: it warns once per process,
-    so once a conversion under watch raised nothing, later ones need no ``catch_warnings``
-    (whose cost per call exceeds the conversion's)."""
+    so once a conversion under watch warned nothing, later ones need no ``catch_warnings``
+    (whose cost per call exceeds the conversion's). ``catch_warnings`` swaps the process's
+    warning filters and restores what it found, so conversions under watch take ``lock``: two
+    at once in two threads could leave one's filters in place for good."""
 
     possible = True
+    lock = threading.Lock()
 
 
 def _readonly_tensor(array: np.ndarray) -> torch.Tensor:
     if not _ReadOnlyWarning.possible or array.flags.writeable:
         return torch.from_numpy(array)  # nothing to silence
-    with warnings.catch_warnings(record=True) as caught:  # a received frame is never written
-        warnings.simplefilter("always", UserWarning)
-        tensor = torch.from_numpy(array)
-    _ReadOnlyWarning.possible = bool(caught)
+    with _ReadOnlyWarning.lock:
+        with warnings.catch_warnings(record=True) as caught:  # a received frame is never written
+            warnings.simplefilter("always", UserWarning)
+            tensor = torch.from_numpy(array)
+        _ReadOnlyWarning.possible = bool(caught)
     return tensor

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
+import threading
 import warnings
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -11,7 +15,8 @@ import pytest
 import torch
 
 from common.errors import ErrorCode, ProtocolError, RemoteError
-from common.protocol.base import error_frames
+from common.protocol import chunks
+from common.protocol.base import Message, error_frames
 from common.protocol.chunks import (
     ALIGN,
     as_tensor,
@@ -371,6 +376,46 @@ def test_optional_fields_may_be_null_or_absent_and_enums_take_only_their_values(
         heartbeat(failure=3)
 
 
+class _Labelled(Message):
+    """A message whose ``__post_init__`` fills in a field left out."""
+
+    count: int
+    label: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.label is None:
+            object.__setattr__(self, "label", f"#{self.count}")
+
+
+class _Doubled(Message):
+    """A message with an ``__init__`` of its own."""
+
+    count: int
+
+    def __init__(self, count: int) -> None:
+        object.__setattr__(self, "count", 2 * count)
+
+
+def test_a_message_whose_init_does_more_than_set_its_fields_is_parsed_through_it() -> None:
+    assert _Labelled.from_parts({"count": 3}, []) == _Labelled(3) == _Labelled(3, "#3")
+    assert _Labelled.from_parts({"count": 3, "label": "x"}, []).label == "x"
+    doubled = _Doubled.from_parts({"count": 3}, [])
+    assert doubled == _Doubled(3) and doubled.count == 6
+
+
+def test_an_unknown_field_is_refused_when_an_optional_one_is_absent() -> None:
+    """An unknown key in place of an absent optional field: as many keys as fields, and one
+    of them is no field."""
+    fields = {"server_id": "s", "failure": None, "finish_reason": None}
+    for absent in ("failure", "finish_reason"):
+        body = {k: v for k, v in fields.items() if k != absent} | {"shutdown": True}
+        assert len(body) == len(fields)
+        frames = [_header(type="heartbeat_reply", body=body)]
+        with pytest.raises(ProtocolError, match=r"unknown fields \['shutdown'\]") as info:
+            parse_message(frames, ALL_REPLIES)
+        assert info.value.code == ErrorCode.BAD_FIELD
+
+
 def test_tensors_are_read_without_copy_and_big_endian_is_refused() -> None:
     array = np.arange(6, dtype=np.float64).reshape(2, 3)
     frames = encode_frames({"type": "x", "id": 1}, [array])
@@ -384,17 +429,74 @@ def test_tensors_are_read_without_copy_and_big_endian_is_refused() -> None:
         encode_frames({}, [np.array(["a"], dtype=object)])
 
 
+THREAD_WAIT_S = 10.0
+PROCESS_TIMEOUT_S = 60.0
+CONVERT_READ_ONLY_FRAMES = """
+import numpy as np
+from common.protocol.chunks import as_tensor
+from common.protocol.wire import decode_frames, encode_frames
+
+frames = [bytes(f) for f in encode_frames({"type": "x", "id": 1}, [np.ones(8, np.float32)])]
+for _ in range(3):
+    _, (received,) = decode_frames(frames)
+    assert not received.flags.writeable
+    assert as_tensor(received, "fp32", "x").tolist() == [1.0] * 8
+print("converted")
+"""
+
+
 def test_read_only_frames_become_tensors_without_a_warning() -> None:
-    """torch warns (once per process) that a read-only array is not writable: no conversion
-    of a received frame lets that out, the first or a later one."""
+    """torch warns once per process that a read-only array is not writable: in a fresh
+    process, where that warning is still to come, with user warnings as errors, no conversion
+    of a received frame lets it out, the first or a later one."""
+    done = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", CONVERT_READ_ONLY_FRAMES],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=PROCESS_TIMEOUT_S,
+    )
+    assert done.returncode == 0 and done.stdout == "converted\n", done.stderr[-2000:]
+
+
+def test_two_threads_converting_read_only_frames_leave_the_warning_filters_as_they_were(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first thread's conversion waits (up to a timeout) for the second thread's to begin,
+    and the second's for the first thread to finish: unless the watches take turns, the
+    second ends last and puts back the filters it found, the first's."""
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    convert, converted = torch.from_numpy, []
+
+    def converting(array: np.ndarray) -> torch.Tensor:
+        if threading.current_thread().name == "first":
+            first_in.set()
+            second_in.wait(0.5)
+        else:
+            second_in.set()
+            first_out.wait(THREAD_WAIT_S)
+        warnings.warn("not writable", UserWarning, stacklevel=1)  # as torch's first time
+        return convert(array)
+
+    def run(name: str) -> None:
+        if name == "second":
+            first_in.wait(THREAD_WAIT_S)
+        converted.append(as_tensor(received, "fp32", "x").tolist())
+        if name == "first":
+            first_out.set()
+
     frames = [bytes(f) for f in encode_frames({"type": "x", "id": 1}, [np.ones(8, np.float32)])]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            _, (received,) = decode_frames(frames)
-            assert not received.flags.writeable
-            assert as_tensor(received, "fp32", "x").tolist() == [1.0] * 8
-    assert caught == []
+    _, (received,) = decode_frames(frames)
+    monkeypatch.setattr(torch, "from_numpy", converting)
+    monkeypatch.setattr(chunks._ReadOnlyWarning, "possible", True)
+    filters = list(warnings.filters)
+    threads = [threading.Thread(target=run, args=(n,), name=n) for n in ("first", "second")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(THREAD_WAIT_S)
+    assert converted == [[1.0] * 8] * 2 and second_in.is_set()
+    assert warnings.filters == filters
 
 
 @pytest.mark.parametrize("wire", ["fp32", "bf16", "fp16"])

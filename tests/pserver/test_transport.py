@@ -305,3 +305,24 @@ async def test_copied_leased_replies_leave_no_record_behind() -> None:
         await poll_until_async(
             lambda: endpoint.in_flight(peer) == 0, REPLY_TIMEOUT_S, what="no replies in flight"
         )
+
+
+@pytest.mark.parametrize("nbytes", [TRACK_ABOVE + 1, COPY_BELOW])
+async def test_a_failed_send_or_one_to_a_peer_gone_frees_its_lease_and_leaves_no_record(
+    nbytes: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A leased send, copied or zero-copy, that fails (a frame ZeroMQ cannot send) or goes to
+    an identity nobody has: its lease is freed, it stops counting in flight and no record of
+    it stays."""
+    async with spoken_to() as (served, peer):
+        endpoint = served.endpoint
+        pool = BufferPool(nbytes // 4)
+        with caplog.at_level(logging.ERROR, logger="pserver.transport"):
+            for identity, frames in ((peer, [object()]), (b"gone", [bytes(nbytes)])):
+                _, lease = pool.acquire()
+                endpoint.send(identity, frames, lease, nbytes)
+                lease.release()
+                await poll_until_async(lease.free, REPLY_TIMEOUT_S, what="the lease free")
+                assert endpoint.in_flight(identity) == 0
+                assert identity not in endpoint._in_flight
+        assert len(caplog.records) == 1  # the failed send
