@@ -27,8 +27,8 @@ from launch.cluster.spec import parse_cluster
 from tests.support import requirements
 from tests.support.paths import ROOT
 
-# Control groups of the machine's cpu hierarchy; most tests time CPU-bound work under them.
-pytestmark = pytest.mark.exclusive
+# Control groups of the machine's cpu hierarchy, used by this module alone (its tests run one
+# after another in one process); a test that times work under them is exclusive.
 
 
 @pytest.fixture
@@ -74,6 +74,7 @@ print(json.dumps({{"quota": own_quota_cores(), "compute_s": total}}))
 """
 
 
+@pytest.mark.exclusive  # compares compute times
 def test_budgets_slow_a_cpu_bound_step_in_proportion(cgroups: CpuHierarchy, tmp_path: Path) -> None:
     budgets = CpuBudgets(cgroups, tag=f"{os.getpid()}-test")
     results = {}
@@ -126,6 +127,7 @@ def cpu_bound_hsi(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.exclusive  # shares follow measured speeds
 def test_planner_speeds_follow_the_budgets(
     cgroups: CpuHierarchy, cpu_bound_hsi: Path, tmp_path: Path
 ) -> None:
@@ -236,6 +238,7 @@ def own_quota_of(group: Path) -> float:
     return int(quota) / int(period)
 
 
+@pytest.mark.exclusive  # --dead-after 2 against budgeted compute
 def test_nodes_follow_their_schedules_a_worker_leaves_and_rejoins(
     cgroups: CpuHierarchy, small_hsi: Path, tmp_path: Path
 ) -> None:
