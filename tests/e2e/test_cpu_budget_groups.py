@@ -163,7 +163,7 @@ def test_sigterm_leaves_no_group_and_no_process(
     cgroups: CpuHierarchy, small_hsi: Path, tmp_path: Path
 ) -> None:
     hierarchy = cgroups
-    args = ["--mode", "weighted-sync", "--node-cpus", "0.3,0.3", "--server-cpus", "0.3"]
+    args = ["--mode", "weighted-sync", "--node-cpus", "0.6,0.6", "--server-cpus", "0.6"]
     args += ["--epochs", "100000", "--global-batch", "16"]
     launcher = Child(
         "pslaunch",
@@ -194,7 +194,7 @@ def test_child_failure_leaves_no_group_and_no_process(
     cgroups: CpuHierarchy, small_hsi: Path, tmp_path: Path
 ) -> None:
     hierarchy = cgroups
-    args = ["--mode", "weighted-sync", "--node-cpus", "0.3,0.3", "--server-cpus", "0.3"]
+    args = ["--mode", "weighted-sync", "--node-cpus", "0.6,0.6", "--server-cpus", "0.6"]
     args += ["--epochs", "1", "--devices", "cuda:99"]  # every worker fails at start
     pid, code, stderr = run_launcher(_local_args(small_hsi, tmp_path / "run", *args), 120)
     assert code != 0
@@ -287,7 +287,7 @@ def test_ddp_follows_a_schedule_and_restarts_when_a_node_leaves_and_returns(
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "launch.cli", "ddp", "--dataset", str(small_hsi)]
     args += ["--model", "hsi-cnn", "--run-dir", str(run_dir), "--no-progress"]
-    args += ["--node-cpus", "0.4,0.4;off@30%;on@60%,0.4;0.2@50%", "--epochs", "5"]
+    args += ["--node-cpus", "0.6,0.6;off@30%;on@60%,0.6;0.2@50%", "--epochs", "5"]
     pid, code, stderr = run_launcher([*args, "--global-batch", "16"], 300)
     assert code == 0, stderr
     assert "node 2 now has 0.2 cores" in stderr
