@@ -227,5 +227,5 @@ def test_ddp_kept_runs_plain_ddp_on_the_nodes_weighted_sync_kept(tmp_path: Path)
     )
     markdown = (out / "report.md").read_text()
     assert [row[0] for row in _table(markdown, "## Results")[1:]] == list(runs)
-    assert "same repeat's weighted-sync run: repeat 1: 0, 1" in markdown
+    assert f"same repeat's weighted-sync run: repeat 1: {', '.join(map(str, shared))}" in markdown
     assert "epoch time vs weighted-ddp" in markdown
