@@ -27,8 +27,8 @@ from launch.cluster.spec import parse_cluster
 from tests.support import requirements
 from tests.support.paths import ROOT
 
-# Control groups of the machine's cpu hierarchy, used by this module alone (its tests run one
-# after another in one process); a test that times work under them is exclusive.
+# Control groups of the machine's cpu hierarchy; most tests time CPU-bound work under them.
+pytestmark = pytest.mark.exclusive
 
 
 @pytest.fixture
@@ -74,7 +74,6 @@ print(json.dumps({{"quota": own_quota_cores(), "compute_s": total}}))
 """
 
 
-@pytest.mark.exclusive  # compares compute times
 def test_budgets_slow_a_cpu_bound_step_in_proportion(cgroups: CpuHierarchy, tmp_path: Path) -> None:
     budgets = CpuBudgets(cgroups, tag=f"{os.getpid()}-test")
     results = {}
@@ -127,7 +126,6 @@ def cpu_bound_hsi(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.exclusive  # shares follow measured speeds
 def test_planner_speeds_follow_the_budgets(
     cgroups: CpuHierarchy, cpu_bound_hsi: Path, tmp_path: Path
 ) -> None:
@@ -163,7 +161,7 @@ def test_sigterm_leaves_no_group_and_no_process(
     cgroups: CpuHierarchy, small_hsi: Path, tmp_path: Path
 ) -> None:
     hierarchy = cgroups
-    args = ["--mode", "weighted-sync", "--node-cpus", "0.6,0.6", "--server-cpus", "0.6"]
+    args = ["--mode", "weighted-sync", "--node-cpus", "0.3,0.3", "--server-cpus", "0.3"]
     args += ["--epochs", "100000", "--global-batch", "16"]
     launcher = Child(
         "pslaunch",
@@ -194,7 +192,7 @@ def test_child_failure_leaves_no_group_and_no_process(
     cgroups: CpuHierarchy, small_hsi: Path, tmp_path: Path
 ) -> None:
     hierarchy = cgroups
-    args = ["--mode", "weighted-sync", "--node-cpus", "0.6,0.6", "--server-cpus", "0.6"]
+    args = ["--mode", "weighted-sync", "--node-cpus", "0.3,0.3", "--server-cpus", "0.3"]
     args += ["--epochs", "1", "--devices", "cuda:99"]  # every worker fails at start
     pid, code, stderr = run_launcher(_local_args(small_hsi, tmp_path / "run", *args), 120)
     assert code != 0
@@ -238,7 +236,6 @@ def own_quota_of(group: Path) -> float:
     return int(quota) / int(period)
 
 
-@pytest.mark.exclusive  # --dead-after 2 against budgeted compute
 def test_nodes_follow_their_schedules_a_worker_leaves_and_rejoins(
     cgroups: CpuHierarchy, small_hsi: Path, tmp_path: Path
 ) -> None:
@@ -287,7 +284,7 @@ def test_ddp_follows_a_schedule_and_restarts_when_a_node_leaves_and_returns(
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "launch.cli", "ddp", "--dataset", str(small_hsi)]
     args += ["--model", "hsi-cnn", "--run-dir", str(run_dir), "--no-progress"]
-    args += ["--node-cpus", "0.6,0.6;off@30%;on@60%,0.6;0.2@50%", "--epochs", "5"]
+    args += ["--node-cpus", "0.4,0.4;off@30%;on@60%,0.4;0.2@50%", "--epochs", "5"]
     pid, code, stderr = run_launcher([*args, "--global-batch", "16"], 300)
     assert code == 0, stderr
     assert "node 2 now has 0.2 cores" in stderr

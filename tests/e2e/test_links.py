@@ -67,6 +67,7 @@ def test_links_cap_a_bulk_transfer_both_ways(netns_ok: None, tmp_path: Path) -> 
     assert _layout(os.getpid()) == []
 
 
+@pytest.mark.exclusive  # namespaces on a fixed subnet
 def test_pslaunch_local_trains_across_hosts(
     netns_ok: None, small_hsi: Path, tmp_path: Path
 ) -> None:
@@ -83,6 +84,7 @@ def test_pslaunch_local_trains_across_hosts(
     assert _layout(os.getpid()) == [] and _links() == before
 
 
+@pytest.mark.exclusive  # namespaces on a fixed subnet
 def test_pslaunch_ddp_trains_across_hosts(netns_ok: None, small_hsi: Path, tmp_path: Path) -> None:
     config = DDPConfig(
         dataset=small_hsi,
@@ -99,6 +101,7 @@ def test_pslaunch_ddp_trains_across_hosts(netns_ok: None, small_hsi: Path, tmp_p
     assert _layout(os.getpid()) == []
 
 
+@pytest.mark.exclusive  # namespaces on a fixed subnet
 def test_a_failing_worker_leaves_no_layout(netns_ok: None, small_hsi: Path, tmp_path: Path) -> None:
     """The only worker asks for CUDA on a machine without it and exits at once."""
     one = {"slowdowns": (1.0,), "nodes": parse_cluster(1, links="100mbit")}
@@ -116,6 +119,7 @@ def _processes_in(names: list[str]) -> list[str]:
     return pids
 
 
+@pytest.mark.exclusive  # namespaces on a fixed subnet
 def test_sigterm_to_pslaunch_removes_hosts_and_processes(
     netns_ok: None, small_hsi: Path, tmp_path: Path
 ) -> None:
@@ -139,6 +143,7 @@ def test_sigterm_to_pslaunch_removes_hosts_and_processes(
     assert summary["finish_reason"] == "stopped"
 
 
+@pytest.mark.exclusive  # removes every stale launch's namespaces
 def test_a_dead_runs_layout_is_removed(netns_ok: None) -> None:
     dead = 4_194_000  # above any pid this machine hands out (pid_max is at most 4194304)
     name = f"pl{dead}-h0"
@@ -150,6 +155,7 @@ def test_a_dead_runs_layout_is_removed(netns_ok: None) -> None:
     assert _layout(dead) == []
 
 
+@pytest.mark.exclusive  # namespaces on a fixed subnet
 def test_link_delay_is_applied_or_refused_in_one_line(netns_ok: None) -> None:
     spec = parse_cluster(2, links="1gbit", link_delay="5ms")
     try:

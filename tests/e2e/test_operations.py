@@ -71,6 +71,7 @@ def _fill(disk: Path, leave_kb: int) -> None:
     (disk / "filler").write_bytes(b"\0" * max(free - leave_kb * 1024, 0))
 
 
+@pytest.mark.exclusive  # mounts a tmpfs
 def test_a_full_disk_ends_the_run_with_a_clear_error_and_no_leftovers(
     small_hsi: Path, tmp_path: Path, pytestconfig: pytest.Config
 ) -> None:
@@ -171,6 +172,7 @@ def test_sigterm_ends_a_server_whose_write_is_stuck(small_hsi: Path, tmp_path: P
     assert "abandoned a stuck write: summary.json did not finish" in err, err
 
 
+@pytest.mark.exclusive  # mounts a tmpfs
 def test_an_unwritable_metrics_log_does_not_stop_training(
     small_hsi: Path, tmp_path: Path, pytestconfig: pytest.Config
 ) -> None:

@@ -30,8 +30,7 @@ from tests.support.slurm_jobs import (
     wait_for_state,
 )
 
-# The testbed is used by this module alone, whose tests run one after another in one process.
-pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_testbed")]
+pytestmark = [pytest.mark.slurm, pytest.mark.exclusive, pytest.mark.usefixtures("slurm_testbed")]
 
 TRAIN_COUNT = 964  # 10 % of Jasper Ridge's labelled pixels (the jasper_h5 fixture)
 TRAIN = ("--lr", "0.05", "--lr-schedule", "cosine")
@@ -67,7 +66,6 @@ def _check_trained(run_dir: Path, epochs: int, slowdowns: set[float]) -> dict:
     return result
 
 
-@pytest.mark.exclusive  # the fast worker's share follows measured speeds
 def test_pslaunch_slurm_wait_trains_jasper_ridge(jasper_h5: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "plain"
     jobs: list[str] = []
