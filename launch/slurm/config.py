@@ -23,12 +23,6 @@ LAUNCHERS = ("local", "slurm")
 def time_limit_s(text: str) -> int:
     """Seconds in a Slurm time limit (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH[:MM[:SS]]``).
 
-    Args:
-        text: the ``--time`` value.
-
-    Returns:
-        The limit in seconds.
-
     Raises:
         ConfigError: the text is not one of Slurm's time formats.
     """
@@ -107,10 +101,7 @@ class SlurmJob:
         return sum(group.shards for group in self.groups)
 
     def validate(self) -> SlurmJob:
-        """Check the job.
-
-        Returns:
-            ``self``.
+        """Check the job; returns ``self``.
 
         Raises:
             ConfigError: a value is out of range; the message quotes it.
@@ -230,10 +221,7 @@ class SlurmRuns:
     sbatch_options: tuple[str, ...] = ()
 
     def validate(self) -> SlurmRuns:
-        """Check the fields.
-
-        Returns:
-            ``self``.
+        """Check the fields; returns ``self``.
 
         Raises:
             ConfigError: a value is out of range; the message quotes it.
@@ -255,21 +243,11 @@ class SlurmRuns:
         server_options: tuple[str, ...] = (),
         worker_options: tuple[str, ...] = (),
     ) -> SlurmJob:
-        """One run as a plain job: a server and one worker task per slowdown, or DDP ranks.
-
-        Args:
-            dataset, model: as for ``pserver start``.
-            mode: a server mode, or ``ddp``.
-            run_dir: the run's directory.
-            slowdowns: one per worker (or rank).
-            train: the training settings every run shares.
-            cpus: CPUs (and torch threads) per worker or rank.
-            server_options: further ``pserver start`` options (server modes only).
-            worker_options: further ``worker join`` options (server modes only).
-
-        Returns:
-            The validated job. The time-limit warning comes a third of the limit (at most
-            180 s) before its end, so short test limits still leave time to train.
+        """One run (``mode``: a server mode, or ``ddp``) as a validated plain job: a server and
+        one worker task per slowdown, or DDP ranks, each with ``cpus`` CPUs (and torch
+        threads); the options apply to server modes only. The time-limit warning comes a third
+        of the limit (at most 180 s) before its end, so short test limits still leave time to
+        train.
 
         Raises:
             ConfigError: the job is invalid.
