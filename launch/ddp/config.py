@@ -143,10 +143,7 @@ class DDPConfig:
         )
 
     def validate(self) -> DDPConfig:
-        """Check every field.
-
-        Returns:
-            ``self``.
+        """Check every field; returns ``self``.
 
         Raises:
             ConfigError: a value is out of range; the message quotes it.
