@@ -86,8 +86,14 @@ def expected(current: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """Rewrite docs/cli.md, or with ``--check`` report whether it is current (exit status 1
-    when it is out of date)."""
+    """Rewrite docs/cli.md, or with ``--check`` report whether it is current.
+
+    Args:
+        argv: the command-line arguments (``--check`` or nothing).
+
+    Returns:
+        The exit status: 1 when ``--check`` finds the file out of date, else 0.
+    """
     current = CLI_DOC.read_text(encoding="utf-8")
     wanted = expected(current)
     if "--check" in argv:

@@ -126,7 +126,10 @@ class CompareConfig:
     restarts: int = 3
 
     def validate(self) -> CompareConfig:
-        """Check every field; returns ``self``.
+        """Check every field.
+
+        Returns:
+            ``self``.
 
         Raises:
             ConfigError: a value is out of range; the message quotes it.
@@ -347,11 +350,20 @@ def collect_setup() -> dict[str, Any]:
 def initial_scores(
     dataset: Path, model: str, seed: int, batch: int = 512, progress: bool = False
 ) -> dict[str, float]:
-    """The scores ``{"oa", "aa", "kappa", "loss"}`` on the whole test split of the model as
-    the server and every DDP rank initialise it.
+    """Evaluate the model as the server and every DDP rank initialise it.
 
     They all call ``torch.manual_seed(seed)`` and then ``build_model``, so with the same seed
     every run of a comparison starts from these parameters.
+
+    Args:
+        dataset: the HDF5 dataset.
+        model: a built-in model name or ``package.module:factory``.
+        seed: the runs' seed.
+        batch: evaluation batch size.
+        progress: show a progress bar of the evaluation on stderr.
+
+    Returns:
+        ``{"oa", "aa", "kappa", "loss"}`` on the whole test split.
 
     Raises:
         DatasetError, ModelError: the dataset or the model cannot be loaded.
@@ -378,8 +390,12 @@ def initial_scores(
 
 
 class RunStatus(RunProgress):
-    """Shows one run's latest evaluation on the compare bar (one step per run), after the
-    run's ``label``, from its ``metrics.jsonl`` events."""
+    """Shows one run's latest evaluation on the compare bar, from its ``metrics.jsonl`` events.
+
+    Args:
+        bar: the compare bar (one step per run).
+        label: the run's name on its status line.
+    """
 
     def __init__(self, bar: tqdm, label: str) -> None:
         super().__init__(None, None, enabled=False)
@@ -397,13 +413,18 @@ class RunStatus(RunProgress):
 
 
 def eval_curve(run_dir: Path) -> list[dict[str, float]]:
-    """The run's evaluations as training time (s), samples seen and scores: one point per
-    evaluated version, in order of samples seen; a version scored twice (in-run, then again as
-    the final evaluation) keeps the later, final scores.
+    """The run's evaluations as training time (s), samples seen and scores.
 
     Training time is ``train_t`` where the run records it (DDP: evaluation blocks training and
     is excluded), else the event time minus the ``train_start`` time (the server evaluates
     beside training).
+
+    Args:
+        run_dir: a run directory with ``metrics.jsonl``.
+
+    Returns:
+        One point per evaluated version, in order of samples seen; a version scored twice
+        (in-run, then again as the final evaluation) keeps the later, final scores.
     """
     start, by_version = 0.0, {}
     for event in new_events(run_dir / "metrics.jsonl", 0):
@@ -428,9 +449,16 @@ def time_to_target(curve: list[dict[str, float]], target: float | None) -> float
 
 
 def max_drop(curve: list[dict[str, Any]], epoch_samples: int) -> float | None:
-    """The largest fall (>= 0) of a point's OA below the best OA so far, over the points
-    after the first epoch (``samples >= epoch_samples``), of an eval or snapshot curve; the
-    best so far counts every earlier point. None when no point comes after the first epoch."""
+    """The largest fall of a point's OA below the best OA so far, over the points after the
+    first epoch (``samples >= epoch_samples``); the best so far counts every earlier point.
+
+    Args:
+        curve: points with ``samples`` and ``oa`` (an eval or snapshot curve).
+        epoch_samples: samples in one epoch (the training split's size).
+
+    Returns:
+        The drop (>= 0), or None when no point comes after the first epoch.
+    """
     best, drop = -math.inf, None
     for point in sorted(curve, key=lambda p: p["samples"]):
         best = max(best, point["oa"])
@@ -451,9 +479,19 @@ def drop_stats(runs: list[dict[str, Any]], modes: tuple[str, ...]) -> dict[str, 
 def run_record(
     mode: str, repeat: int, run_dir: Path, summary: dict[str, Any], target: float | None
 ) -> dict[str, Any]:
-    """One run's entry of compare.json: ``{"mode", "repeat", "run_dir", "epoch_time_s",
-    "round_median_s", "tail_share", "time_to_target_s", "curve", "summary"}``
-    (``common.training.rounds.round_spread``; no time to target without a ``target``)."""
+    """One run's entry of compare.json: its summary, epoch time, time to target and curve.
+
+    Args:
+        mode: the run's mode (or variant name).
+        repeat: the repeat number (from 1).
+        run_dir: the run directory (its metrics.jsonl is read).
+        summary: the run's summary.
+        target: the target OA (None: no time to target).
+
+    Returns:
+        ``{"mode", "repeat", "run_dir", "epoch_time_s", "round_median_s", "tail_share",
+        "time_to_target_s", "curve", "summary"}`` (``common.training.rounds.round_spread``).
+    """
     curve = eval_curve(run_dir)
     epochs = summary.get("epochs") or 0
     return {
@@ -479,8 +517,14 @@ def score_snapshots(
 
     ``pserver evaluate-snapshots`` scores them on the whole test split, and the time to
     target becomes the training time at which the first version reaching the target was
-    produced, instead of the time of the first per-epoch evaluation above it. ``every`` is the
-    compare's ``--snapshot-every`` (None: snapshots are off; nothing is done).
+    produced, instead of the time of the first per-epoch evaluation above it.
+
+    Args:
+        run_dir: the run directory (with ``snapshots/``).
+        target: the target OA (None: no time to target).
+        every: the compare's ``--snapshot-every`` (None: snapshots are off; nothing is done).
+        threads: torch threads for the evaluation.
+        allow_model: the user model the runs were given (``package.module:factory``), if any.
 
     Returns:
         ``{"time_to_target_source": "evaluations"}`` when snapshots are off or could not be
@@ -522,8 +566,11 @@ def run_compare(config: CompareConfig, show_progress: bool = True) -> dict[str, 
 
     A run that fails after it started is recorded with its error and the comparison goes on;
     a run that could not start, or Ctrl-C, stops it with a report of the runs that ended
-    (``"stopped"`` in compare.json), and ``resume`` later runs the rest. ``show_progress``
-    shows a bar with the current run, epoch and OA on stderr.
+    (``"stopped"`` in compare.json), and ``resume`` later runs the rest.
+
+    Args:
+        config: what to compare.
+        show_progress: show a progress bar with the current run, epoch and OA on stderr.
 
     Returns:
         The content of ``compare.json``: ``{"settings", "initial", "runs", "max_drop",

@@ -93,11 +93,16 @@ def subset_points(run: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def median_band(curves: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
-    """``(x, median, low, high)`` of several curves ((x, y) rows, x ascending) on the union
-    of their x values.
+    """Median and min–max of several curves on the union of their x values.
 
     Each curve counts only inside its own x range (linear interpolation between its
     points), so a repeat that ended early does not drag the others.
+
+    Args:
+        curves: arrays of (x, y) rows, x ascending.
+
+    Returns:
+        ``(x, median, low, high)``.
     """
     curves = [c for c in curves if len(c)]
     if not curves:
@@ -116,8 +121,14 @@ def median_band(curves: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
 def plot_curves(data: dict[str, Any], stem: Path) -> list[str]:
     """OA against training time (left) and samples seen (right): per mode the median over
     repeats as a line, the min–max over repeats as a band, from t = 0 where the initial
-    model's OA is known (``data["initial"]``). Writes ``stem.png`` and ``stem.svg`` and
-    returns their paths.
+    model's OA is known (``data["initial"]``).
+
+    Args:
+        data: compare.json content.
+        stem: output path without suffix (``.png`` and ``.svg`` are written).
+
+    Returns:
+        The paths written.
     """
     settings = data["settings"]
     initial = (data.get("initial") or {}).get("oa")
@@ -254,9 +265,15 @@ def _draw_timeline(axis: Any, rounds: list[dict[str, Any]], everyone: set[str]) 
 
 
 def plot_timeline(data: dict[str, Any], stem: Path) -> list[str] | None:
-    """Per sync mode, the median-speed run's rounds: compute / transfer / idle per worker
-    (from each run's ``metrics.jsonl``); returns the paths written, or None when no run has
-    round events (async only)."""
+    """Per sync mode, the median-speed run's rounds: compute / transfer / idle per worker.
+
+    Args:
+        data: compare.json content (each run's ``metrics.jsonl`` is read).
+        stem: output path without suffix.
+
+    Returns:
+        The paths written, or None when no run has round events (async only).
+    """
     panels = []
     for mode, run in representatives(data).items():
         events = round_events(Path(run["run_dir"]))
@@ -313,7 +330,14 @@ def confusion_of(summary: dict[str, Any]) -> tuple[np.ndarray, list[str]] | None
 
 def plot_confusion(data: dict[str, Any], stem: Path) -> list[str] | None:
     """Per mode, the median-speed run's final confusion matrix (row-normalised, counts shown).
-    Returns the paths written, or None (with a logged reason) when no summary has the matrix."""
+
+    Args:
+        data: compare.json content.
+        stem: output path without suffix.
+
+    Returns:
+        The paths written, or None (with a logged reason) when no summary has the matrix.
+    """
     panels = []
     for mode, run in representatives(data).items():
         found = confusion_of(run["summary"])

@@ -124,8 +124,10 @@ class LocalCluster:
 
     def check(self) -> Nodes:
         """Everything a launch can refuse, checked before anything is written: the worker
-        list, the run folder (``common.rundir``) and the CPU budgets. Returns the nodes,
-        opened (close them).
+        list, the run folder (``common.rundir``) and the CPU budgets.
+
+        Returns:
+            The nodes, opened (close them).
 
         Raises:
             ConfigError: as ``validate``; the folder holds a run and neither ``resume`` nor
@@ -147,8 +149,15 @@ def run_local(
 
     What dies meanwhile is restarted (``launch.restarts``). Ctrl-C (or any error) sends SIGTERM
     to the server, which tells the workers and shards to stop; all processes are waited for,
-    and killed if they outlive their timeout. The processes' logs go to ``log_stream``
-    (default: ``run_dir/cluster.log``); ``progress`` is fed from the run's events.
+    and killed if they outlive their timeout.
+
+    Args:
+        cluster: what to run.
+        log_stream: where the processes' logs go (default: ``run_dir/cluster.log``).
+        progress: a progress bar fed from the run's events while it trains (none by default).
+
+    Returns:
+        The parsed ``summary.json``.
 
     Raises:
         ConfigError: as ``LocalCluster.check`` (then nothing was written).

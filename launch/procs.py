@@ -30,8 +30,10 @@ POLL_S = 0.2
 class EventsMark:
     """Where the events of a server started now begin in ``metrics.jsonl``: after the current
     end of the file, or at 0 once the server has replaced it (``--overwrite``) or if there was
-    none (it may not exist yet). The old file is held open, so its inode cannot be reused by
-    the new one.
+    none. The old file is held open, so its inode cannot be reused by the new one.
+
+    Args:
+        metrics: the run's ``metrics.jsonl`` (it may not exist yet).
     """
 
     def __init__(self, metrics: Path) -> None:
@@ -66,9 +68,11 @@ class EventTail:
     """The complete JSON lines a server appended to a file since the last read; a file that
     replaces the one read so far is read from its start.
 
-    ``mark`` is where this launch's events begin: an ``EventsMark`` taken before the server
-    started, or a byte offset (for a process that did not start the server; it cannot tell a
-    replaced file).
+    Args:
+        path: the run's ``metrics.jsonl``.
+        mark: where this launch's events begin: an ``EventsMark`` taken before the server
+            started, or a byte offset (for a process that did not start the server; it
+            cannot tell a replaced file).
     """
 
     def __init__(self, path: Path, mark: EventsMark | int) -> None:
@@ -110,7 +114,12 @@ def new_events(metrics: Path, mark: EventsMark | int) -> list[dict[str, Any]]:
 
 def new_start_address(metrics: Path, mark: EventsMark | int) -> str | None:
     """The address of the last ``start`` event written after ``mark``, or None while there is
-    none (a resumed run's file holds earlier servers' events before it)."""
+    none (a resumed run's file holds earlier servers' events before it).
+
+    Args:
+        metrics: the run's ``metrics.jsonl``.
+        mark: as for ``new_events``.
+    """
     address = None
     for record in new_events(metrics, mark):
         value = record.get("address")
@@ -132,8 +141,16 @@ def wait_for_start(
     metrics: Path, mark: EventsMark | int, timeout_s: float, gone: Callable[[], str | None]
 ) -> str:
     """The address of the server's ``start`` event, the one readiness signal of a server: it is
-    written once the server listens, into the run's ``metrics.jsonl``. ``gone`` says None
-    while the server runs, else why it is not running (asked between reads).
+    written once the server listens, into the run's ``metrics.jsonl``.
+
+    Args:
+        metrics: the run's ``metrics.jsonl``.
+        mark: where the new server's events begin (see ``new_events``).
+        timeout_s: how long to wait.
+        gone: None while the server runs, else why it is not running (asked between reads).
+
+    Returns:
+        The address workers connect to.
 
     Raises:
         PSError: ``gone`` said the server is not running.

@@ -36,9 +36,14 @@ def eval_label(record: dict[str, Any]) -> str:
 
 
 class RunProgress:
-    """The progress of one run (its ``--epochs`` and ``--max-steps``, None when not given),
-    shown on a tqdm bar on ``file`` (default: stderr); ``enabled=False`` shows nothing (the
-    events are still read)."""
+    """The progress of one run, shown on a tqdm bar.
+
+    Args:
+        epochs: the run's ``--epochs`` (None: not given).
+        max_steps: the run's ``--max-steps`` (None: not given).
+        enabled: False shows nothing (the events are still read).
+        file: where the bar goes (default: stderr).
+    """
 
     def __init__(
         self,

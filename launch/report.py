@@ -49,8 +49,13 @@ def _cell(stats: tuple[float, float, float] | None, digits: int, reached: str = 
 
 
 def aggregate(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per mode, the (min, median, max) over repeats of every reported quantity in compare.json
-    content: mode -> ``{"runs", "failed", "reached", "epoch_time_s", "round_ms", "carried",
+    """Per mode, the (min, median, max) over repeats of every reported quantity.
+
+    Args:
+        data: compare.json content (``settings`` and ``runs``).
+
+    Returns:
+        mode -> ``{"runs", "failed", "reached", "epoch_time_s", "round_ms", "carried",
         "time_to_target_s", "max_drop", "oa", "aa", "kappa", "idle_share"}``, each quantity a
         (min, median, max) tuple or None (idle share: sync modes only; median round: modes
         with rounds); ``carried``: the runs whose slowest 2 % of rounds made more than 20 % of
@@ -302,9 +307,16 @@ def setup_section(data: dict[str, Any]) -> list[str]:
 
 def worker_values(run_dirs: Sequence[str | Path], key: str, missing: str = "") -> dict[str, str]:
     """What each worker said of itself at join (``device``, ``host``), from the ``join``
-    events of the runs' ``metrics.jsonl`` (missing files are skipped): worker name -> value
-    (the first join's), sorted by name (``w2`` before ``w10``); ``missing`` is the value of a
-    worker that did not say ("": the worker is left out)."""
+    events of the runs' ``metrics.jsonl``.
+
+    Args:
+        run_dirs: run directories (missing files are skipped).
+        key: the ``join`` event's field.
+        missing: the value of a worker that did not say ("": the worker is left out).
+
+    Returns:
+        worker name -> value (the first join's), sorted by name (``w2`` before ``w10``).
+    """
     found: dict[str, str] = {}
     events = [e for d in run_dirs for e in new_events(Path(d) / "metrics.jsonl", 0)]
     for event in (e for e in events if e.get("event") == "join" and e.get("worker")):
@@ -419,7 +431,13 @@ def per_class_section(data: dict[str, Any]) -> list[str]:
 
     Each cell is the median over the mode's repeats of the class's test accuracy in the
     final evaluation, with the min-max range when repeats differ; ``-`` where no run reported
-    the class. No lines when no run's summary has ``per_class``.
+    the class.
+
+    Args:
+        data: compare.json content.
+
+    Returns:
+        The section's lines (empty when no run's summary has ``per_class``).
     """
     first: dict[str, Any] = {}  # the first mode's first run names the classes
     rows = []
@@ -453,8 +471,11 @@ def per_class_section(data: dict[str, Any]) -> list[str]:
 
 
 def write_report(data: dict[str, Any], out: Path) -> dict[str, str]:
-    """Write ``report.md``, ``report.png``/``.svg`` and the timeline and confusion figures of
-    compare.json content ``data`` into ``out``.
+    """Write ``report.md``, ``report.png``/``.svg`` and the timeline and confusion figures.
+
+    Args:
+        data: compare.json content.
+        out: the output directory.
 
     Returns:
         The paths written, as ``{"markdown", "png", "svg"}`` plus ``timeline_png``,

@@ -87,7 +87,9 @@ class Supervisor:
     def start_server(self, extra: Sequence[str] = ()) -> str:
         """Start the server (with ``extra`` options) and, once it listens, its shards; a server
         killed by a signal before it listens is started again (a restart, if one is left).
-        Returns the address it listens on.
+
+        Returns:
+            The address it listens on.
 
         Raises:
             PSError: it exited before it listened (killed: with no restart left).
@@ -127,8 +129,13 @@ class Supervisor:
         self.workers[index] = self.children.start(*self.commands[index])
 
     def wait(self, timeout_s: float) -> int:
-        """Wait for the server to end, restarting what dies meanwhile; each server may run
-        ``timeout_s``. Returns the last server's exit code.
+        """Wait for the server to end, restarting what dies meanwhile.
+
+        Args:
+            timeout_s: how long each server may run.
+
+        Returns:
+            The last server's exit code.
 
         Raises:
             PSError: a worker failed before it joined, every worker has failed, a shard died

@@ -16,8 +16,14 @@ SCHEDULES_HELP = (
 
 
 def parse_slowdowns(text: str, workers: int | None = None) -> tuple[float, ...]:
-    """``"1,2,4"`` -> ``(1.0, 2.0, 4.0)``, one factor (>= 1) per worker; a single value is
-    repeated for ``workers`` workers (default: one worker per factor).
+    """``"1,2,4"`` -> ``(1.0, 2.0, 4.0)``; a single value is repeated for ``workers`` workers.
+
+    Args:
+        text: comma-separated factors (each >= 1).
+        workers: how many workers there are (default: one per factor).
+
+    Returns:
+        One factor per worker.
 
     Raises:
         ConfigError: ``workers`` is below 1, an entry is not a number or below 1, or the count
@@ -43,8 +49,14 @@ def parse_slowdowns(text: str, workers: int | None = None) -> tuple[float, ...]:
 
 
 def parse_schedules(text: str, slowdowns: tuple[float, ...]) -> tuple[str, ...]:
-    """Split ``--slowdown-schedules`` (see ``SCHEDULES_HELP``) into one ``STEP:F,...`` string
-    per worker of ``slowdowns`` ("" for none), or ``()`` when ``text`` is empty.
+    """Split ``--slowdown-schedules`` into one ``STEP:F,...`` string per worker.
+
+    Args:
+        text: the option's value (see ``SCHEDULES_HELP``); empty means no changes.
+        slowdowns: every worker's initial factor (fixes the number of workers).
+
+    Returns:
+        One schedule per worker ("" for none), or ``()`` when ``text`` is empty.
 
     Raises:
         ConfigError: a malformed entry, an index out of range, a repeated index, a mix of
