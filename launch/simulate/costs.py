@@ -24,9 +24,17 @@ from launch.simulate.spec import FP32_BYTES, MB, Cluster, Node
 
 
 def ring_allreduce_s(nbytes: float, n: int, bytes_per_s: float, latency_s: float = 0.0) -> float:
-    """Time of a ring all-reduce of ``nbytes`` over ``n`` ranks: 2(n-1) steps, each moving
-    ``nbytes / n`` over the slowest link, so 2(n-1)/n * nbytes / bytes_per_s + 2(n-1) *
-    latency_s (0 for one rank)."""
+    """Time of a ring all-reduce: 2(n-1) steps, each moving ``nbytes / n`` over the slowest link.
+
+    Args:
+        nbytes: bytes reduced.
+        n: ranks.
+        bytes_per_s: the slowest link's rate.
+        latency_s: one-way latency per step.
+
+    Returns:
+        2(n-1)/n * nbytes / bytes_per_s + 2(n-1) * latency_s (0 for one rank).
+    """
     if n <= 1:
         return 0.0
     return 2 * (n - 1) / n * nbytes / bytes_per_s + 2 * (n - 1) * latency_s
@@ -37,9 +45,14 @@ def ddp_step_s(cluster: Cluster, compute_s: np.ndarray) -> float:
 
     Torch DDP fills ``ddp_bucket_mb`` buckets during the backward pass and starts each one's
     all-reduce when every rank has produced it, so communication overlaps the backward pass
-    except for what the last buckets need after it ends. The step time is the slowest rank's
-    compute and the communication left after it; the cluster's slowest link and latency set
-    the ring's pace.
+    except for what the last buckets need after it ends.
+
+    Args:
+        cluster: the cluster (its slowest link and latency set the ring's pace).
+        compute_s: each rank's compute time for the step.
+
+    Returns:
+        The step time (the slowest rank's compute and the communication left after it).
     """
     slowest = float(compute_s.max())
     n = len(compute_s)
@@ -77,8 +90,12 @@ class RoundTimes:
 
 
 class ShardedRound:
-    """Times a synchronous round of a sharded parameter server over the cluster's links;
-    ``members`` index the round's members in ``cluster.nodes``."""
+    """Times a synchronous round of a sharded parameter server over the cluster's links.
+
+    Args:
+        cluster: the cluster.
+        members: indices into ``cluster.nodes`` of the round's members.
+    """
 
     def __init__(self, cluster: Cluster, members: np.ndarray) -> None:
         nodes = cluster.nodes
@@ -120,8 +137,15 @@ class ShardedRound:
         self.worker_bytes = 2 * self.member_bytes + (local * self.shard_bytes[:, None]).sum(axis=0)
 
     def times(self, compute_s: np.ndarray, transfer_s: np.ndarray) -> RoundTimes:
-        """Time a round in which member j computes ``compute_s[j]`` and spends
-        ``transfer_s[j]`` outside compute (NaN: use the link model)."""
+        """Time a round in which member j computes ``compute_s[j]``.
+
+        Args:
+            compute_s: per member compute time.
+            transfer_s: per member measured time outside compute (NaN: use the link model).
+
+        Returns:
+            The round's times.
+        """
         measured = ~np.isnan(transfer_s)
         computed = self.pull_s + self.worker_cpu_s + compute_s  # (m,)
         accepted = self._accepted(computed)

@@ -132,12 +132,20 @@ def simulate(
     seed: int = 0,
     plan_spread: bool = True,
 ) -> ModeResult:
-    """Predict ``mode`` (one of ``SIM_MODES``) on ``cluster``.
+    """Simulate ``mode`` on ``cluster``.
 
-    With ``max_rounds``, at most this many rounds are simulated (async: this many pushes per
-    worker) and the epoch time is extrapolated from them. ``seed`` seeds the jitter of compute
-    times; ``plan_spread``: weighted-sync weighs the measured spread of round times (the
-    server's ``--plan-spread``).
+    Args:
+        cluster: the cluster.
+        mode: one of ``SIM_MODES``.
+        epochs: epochs to simulate.
+        max_rounds: simulate at most this many rounds (async: this many pushes per worker)
+            and extrapolate the epoch time from them.
+        seed: seeds the jitter of compute times.
+        plan_spread: weighted-sync weighs the measured spread of round times (the server's
+            ``--plan-spread``).
+
+    Returns:
+        The prediction.
 
     Raises:
         ValueError: unknown mode.

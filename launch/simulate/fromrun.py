@@ -197,8 +197,14 @@ def ddp_nodes(run: RunFiles) -> tuple[list[Node], float]:
 def cluster_from_runs(paths: Sequence[Path]) -> Cluster:
     """A cluster calibrated on run directories: the nodes, server costs and spread of the
     first parameter-server run; the all-reduce time of the first DDP run (its nodes too when
-    no parameter-server run is given); ``pslaunch local`` or ``pslaunch ddp`` runs. The
-    cluster has the run's model size, training samples, global batch, shards and wire dtype.
+    no parameter-server run is given).
+
+    Args:
+        paths: run directories (``pslaunch local`` or ``pslaunch ddp``).
+
+    Returns:
+        The cluster, with the run's model size, training samples, global batch, shards and
+        wire dtype.
 
     Raises:
         ConfigError: no usable run, or a run directory cannot be read.

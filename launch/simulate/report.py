@@ -82,8 +82,11 @@ def document(
 def write(
     out: Path, cluster: Cluster, rows: Sequence[Row], source: str, notes: Sequence[str] = ()
 ) -> list[Path]:
-    """Write ``simulate.json`` and, for sweeps over workers or shards, the plots; returns the
-    files written."""
+    """Write ``simulate.json`` and, for sweeps over workers or shards, the plots.
+
+    Returns:
+        The files written.
+    """
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "simulate.json"]
     written[0].write_text(json.dumps(document(cluster, rows, source, notes), indent=1) + "\n")

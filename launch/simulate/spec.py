@@ -296,8 +296,14 @@ def load_spec(path: Path, seed: int = 0) -> Cluster:
 
 
 def cluster_from_spec(spec: Mapping[str, Any], seed: int = 0) -> Cluster:
-    """The cluster of a parsed spec (see the module docstring); ``seed`` seeds the lognormal
-    speeds of groups that have ``lognormal_sigma``.
+    """Build a cluster from a spec mapping (see the module docstring).
+
+    Args:
+        spec: the parsed spec.
+        seed: seeds the lognormal speeds of groups that have ``lognormal_sigma``.
+
+    Returns:
+        The cluster.
 
     Raises:
         ConfigError: an unknown key, a missing or invalid value (the message names it and

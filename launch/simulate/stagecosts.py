@@ -36,13 +36,18 @@ def _fastest(run: Callable[[], object], repeats: int) -> float:
 def measure_stage_costs(
     model_params: int, shards: int, members: int, wire: str, repeats: int = 5
 ) -> ServerCosts:
-    """Per-byte CPU rates of a round's stages for one layout, as ``ServerCosts`` (``step_s``
-    is 0: its fixed part is inside the per-byte rate).
+    """Per-byte CPU rates of a round's stages for one layout, as ``ServerCosts``.
 
-    The slice measured is one shard's (1/``shards`` of the ``model_params`` elements);
-    ``members`` gradients per round, at least 2: the sum's rate is the difference between an
-    update from ``members`` gradients and one from a single gradient. Each stage runs
-    ``repeats`` times; the fastest counts.
+    Args:
+        model_params: elements of the flat state.
+        shards: K (the slice measured is one shard's, 1/K of the state).
+        members: gradients per round (at least 2: the sum's rate is the difference between
+            an update from ``members`` gradients and one from a single gradient).
+        wire: ``fp32``, ``bf16`` or ``fp16``.
+        repeats: runs per stage; the fastest counts.
+
+    Returns:
+        The rates; ``step_s`` is 0 (its fixed part is inside the per-byte rate).
 
     Raises:
         ValueError: ``members`` below 2 or an unknown wire dtype.

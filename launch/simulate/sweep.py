@@ -79,9 +79,17 @@ def run_grid(
     axes: dict[str, list[Any]],
     **simulate_args: Any,
 ) -> list[tuple[dict[str, Any], ModeResult]]:
-    """(grid point, result) pairs, in grid order, of every mode (an axis ``mode`` replaces
-    ``modes``) at every point of the grid (the product of ``axes``), ``simulate_args`` passed
-    to ``simulate``; DDP, which has no shards, is simulated once per point of the other axes.
+    """Simulate every mode at every point of the grid (the product of ``axes``).
+
+    Args:
+        cluster: the base cluster.
+        modes: modes to simulate (an axis ``mode`` replaces them).
+        axes: axis -> values.
+        **simulate_args: passed to ``simulate`` (epochs, max_rounds, seed, plan_spread).
+
+    Returns:
+        (grid point, result) pairs in grid order; DDP, which has no shards, is simulated once
+        per point of the other axes.
     """
     keys = [k for k in axes if k != "mode"]
     results: list[tuple[dict[str, Any], ModeResult]] = []
@@ -109,8 +117,15 @@ def notes(
 ) -> list[str]:
     """What the table does not show: each node group's members and share of the samples,
     groups that sit out and what DDP on the other groups would take, and a shard host's link
-    that binds the round (more shards spread it); one line per observation on ``run_grid``'s
-    rows (the DDP comparisons run with its ``simulate_args``).
+    that binds the round (more shards spread it).
+
+    Args:
+        cluster: the base cluster.
+        rows: ``run_grid``'s result.
+        **simulate_args: as for ``run_grid`` (the DDP comparisons run with them).
+
+    Returns:
+        One line per observation.
     """
     lines = []
     for point, result in rows:

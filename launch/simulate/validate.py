@@ -274,8 +274,12 @@ def multihost(
 ) -> dict[str, Any]:
     """The multi-host bench's layouts simulated twice, on the links alone and with the CPU
     stages (rates measured now by ``measure_stage_costs`` for the bench's model, 3 shards and
-    3 members, every process on the machine's cores, the fastest of ``repeats``), against the
-    bench's figures (default ``kept_figures()``); ``spec`` is the bench's cluster.
+    3 members, every process on the machine's cores), against the bench's figures.
+
+    Args:
+        spec: the bench's cluster as a simulator spec file.
+        repeats: measurements per stage cost (the fastest counts).
+        measured: the bench's figures (``kept_figures``); default ``kept_figures()``.
 
     Returns:
         ``{"measured": the figures, "stage_costs": {wire: rates in ms per MB},
