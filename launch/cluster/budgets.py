@@ -83,9 +83,12 @@ def require_hierarchy() -> CpuHierarchy:
 
 
 class CpuBudgets:
-    """The control groups of one launch under ``hierarchy`` (``require_hierarchy``), created
-    on demand and removed by ``close``; ``tag`` makes the parent group's name unique (default:
-    this process's pid)."""
+    """The control groups of one launch, created on demand and removed by ``close``.
+
+    Args:
+        hierarchy: where the cpu controller is mounted (``require_hierarchy``).
+        tag: what makes the parent group's name unique (default: this process's pid).
+    """
 
     def __init__(self, hierarchy: CpuHierarchy, tag: str | None = None) -> None:
         self.hierarchy = hierarchy
@@ -118,8 +121,10 @@ class CpuBudgets:
                 self._write(self.parent / "cpu.shares", str(PARENT_SHARES))
 
     def group(self, name: str, cores: float) -> Path:
-        """Create the group ``name`` with a budget of ``cores``; returns its directory (give it
-        to ``wrap``).
+        """Create the group ``name`` with a budget of ``cores``.
+
+        Returns:
+            The group's directory (give it to ``wrap``).
 
         Raises:
             PSError: the group cannot be created or its quota set.

@@ -73,8 +73,10 @@ class NetConfig:
     delay: str | None = None
 
     def validate(self) -> NetConfig:
-        """Check the host count, the rates, the prefix, the subnet and the delay; returns
-        ``self``.
+        """Check the host count, the rates, the prefix, the subnet and the delay.
+
+        Returns:
+            The config itself.
 
         Raises:
             ConfigError: quoting the bad value.
@@ -130,8 +132,11 @@ def _run(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
 
 
 def available() -> str | None:
-    """Why the emulated hosts cannot be built here in one line (not root, ``ip`` or ``tc``
-    missing), or None when they can."""
+    """Why the emulated hosts cannot be built here, or None when they can.
+
+    Returns:
+        A one-line reason (not root, ``ip`` or ``tc`` missing), or None.
+    """
     if os.geteuid() != 0:
         return "network namespaces need root"
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
@@ -155,7 +160,12 @@ def remove(prefix: str) -> list[str]:
 
     Deleting a namespace removes its veth ends, their peers and the bridge with it. Only
     namespaces named ``<prefix>-...`` are touched, and only processes running inside them.
-    Returns the namespaces removed.
+
+    Args:
+        prefix: as in ``NetConfig.prefix``.
+
+    Returns:
+        The namespaces that were removed.
 
     Raises:
         NetnsError: a namespace could not be deleted.
@@ -177,8 +187,10 @@ def _lock_path(prefix: str) -> Path:
 def remove_stale_launches() -> list[str]:
     """Remove the layouts of launcher runs that ended without removing them.
 
-    A launcher layout (``pl<pid>-...``) is stale when no process holds its lock. Returns the
-    namespaces removed.
+    A launcher layout (``pl<pid>-...``) is stale when no process holds its lock.
+
+    Returns:
+        The namespaces that were removed.
 
     Raises:
         NetnsError: a namespace could not be deleted.
@@ -216,6 +228,9 @@ def _signals_held() -> Iterator[None]:
 
 class Network:
     """The emulated hosts, built on ``__enter__`` and always removed on ``__exit__``.
+
+    Args:
+        config: what to build.
 
     Raises:
         ConfigError: the config is invalid.
@@ -344,8 +359,11 @@ class Placement:
 
 
 def launch_config(spec: ClusterSpec, pid: int | None = None) -> NetConfig:
-    """The hosts a launcher run builds for ``spec``: the server's, then one per worker; the
-    layout is named ``pl<pid>`` (default: this process's pid).
+    """The hosts a launcher run builds for ``spec``: the server's, then one per worker.
+
+    Args:
+        spec: the emulated cluster (every worker and the server have a link).
+        pid: names the layout ``pl<pid>`` (default: this process's).
 
     Raises:
         ConfigError: the spec gives a node no link.
@@ -363,11 +381,16 @@ def launch_config(spec: ClusterSpec, pid: int | None = None) -> NetConfig:
 
 @contextlib.contextmanager
 def cluster_hosts(spec: ClusterSpec | None) -> Iterator[Placement | None]:
-    """Where the server, each worker and each shard of ``spec`` run: their hosts, for the
-    block, removed at its end whatever happens.
+    """The hosts of ``spec``'s nodes for the block, removed at its end whatever happens.
 
     Yields None (and builds nothing) when ``spec`` is None or gives no links, so a launcher
     can always enter it.
+
+    Args:
+        spec: the emulated cluster.
+
+    Yields:
+        Where the server, each worker and each shard run.
 
     Raises:
         NetnsError: in one line: not root, iproute2 missing, no netem for a delay, or a

@@ -56,9 +56,14 @@ class Change:
 
 
 def parse_schedule(text: str, option: str = "--node-cpus") -> tuple[float, tuple[Change, ...]]:
-    """The starting budget and the later changes, in order, of one node's entry: a budget, or
-    a budget followed by ``;VALUE@POINT`` steps (``0.4;off@33.3%;on@66.7%``); errors name
-    ``option``.
+    """Parse one node's entry: a budget, or a budget followed by ``;VALUE@POINT`` steps.
+
+    Args:
+        text: the node's entry, e.g. ``0.4;off@33.3%;on@66.7%``.
+        option: the option named in errors.
+
+    Returns:
+        The starting budget and the later changes, in order.
 
     Raises:
         ConfigError: a step that is not ``VALUE@POINT``, points not increasing or not within
@@ -125,8 +130,13 @@ class ScheduleFollower(RunProgress):
     events' ``t``), read off this process's clock less the smallest lag seen between an
     event's ``t`` and its reading; seconds of training run from the ``train_start`` event.
     Once the run logs ``finish``, no change is due any more: a node is not taken out or
-    brought back while the run ends. ``schedules`` are the nodes' ``NodeSpec.schedule``;
-    ``clock`` is monotonic, in seconds.
+    brought back while the run ends.
+
+    Args:
+        schedules: per node, its changes (``NodeSpec.schedule``).
+        epochs: the run's ``--epochs`` (None: not given).
+        max_steps: the run's ``--max-steps`` (None: not given).
+        clock: seconds, monotonic.
     """
 
     def __init__(
@@ -201,9 +211,13 @@ class NodeActions(Protocol):
 
 
 class ScheduleRunner:
-    """Applies the schedule changes a run reaches (``follower``), in order, and records each.
-    ``actions`` does them: a budget rewrite; ``off`` leaves; ``on`` sets the budget the node
-    left with and rejoins."""
+    """Applies the schedule changes a run reaches, in order, and records each.
+
+    Args:
+        follower: which changes are due, from the run's events.
+        actions: what is done at a change (a budget rewrite; ``off`` leaves; ``on`` sets the
+            budget the node left with and rejoins).
+    """
 
     def __init__(self, follower: ScheduleFollower, actions: NodeActions) -> None:
         self.follower, self.actions = follower, actions

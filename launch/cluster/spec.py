@@ -17,8 +17,13 @@ DELAY = re.compile(r"^(\d+(?:\.\d+)?)(us|ms|s)$")
 
 
 def rate_bits(rate: str) -> int:
-    """Bits per second of a tc rate such as ``1gbit`` or ``100mbit``: a number followed by
-    bit, kbit, mbit or gbit (decimal units, as tc reads them).
+    """Parse a tc rate such as ``1gbit`` or ``100mbit``.
+
+    Args:
+        rate: a number followed by bit, kbit, mbit or gbit (decimal units, as tc reads them).
+
+    Returns:
+        The rate in bits per second.
 
     Raises:
         ConfigError: the text is not such a rate, or it is zero.
@@ -263,11 +268,22 @@ def parse_cluster(
     server_link: str | None = None,
     link_delay: str | None = None,
 ) -> ClusterSpec | None:
-    """The validated emulated cluster of the launcher's options (as ``pslaunch`` takes them;
-    ``server_link`` defaults to the fastest worker link), or None when nothing is emulated.
+    """Build the emulated cluster from the launcher's options.
 
-    A preset (from ``PRESETS``) fixes the worker count; options given beside it override its
-    fields.
+    A preset fixes the worker count; options given beside it override its fields.
+
+    Args:
+        workers: the number of workers (or DDP ranks).
+        preset: a name from ``PRESETS``.
+        node_cpus: cores per worker, comma-separated, or one value for all; an entry may be
+            a schedule (``launch.cluster.schedule``).
+        server_cpus: the server's cores.
+        links: a tc rate per worker, comma-separated, or one for all.
+        server_link: the server's rate (default: the fastest worker link).
+        link_delay: one-way delay on every link.
+
+    Returns:
+        The validated spec, or None when nothing is emulated.
 
     Raises:
         ConfigError: an unknown preset, a count that does not match, or a bad value.

@@ -23,7 +23,10 @@ def save(
     run_dir: Path, layout: FlatLayout, optimizer: torch.optim.Optimizer, meta: dict[str, Any]
 ) -> Path:
     """Write the model's flat state, the optimizer's per-parameter state and ``meta`` (which
-    holds ``version``, the file's number) to ``run_dir/checkpoints``; returns the file.
+    holds ``version``, the file's number) to ``run_dir/checkpoints``.
+
+    Returns:
+        The file written.
 
     Raises:
         OSError: it could not be written.

@@ -143,7 +143,10 @@ class DDPConfig:
         )
 
     def validate(self) -> DDPConfig:
-        """Check every field; returns ``self``.
+        """Check every field.
+
+        Returns:
+            ``self``.
 
         Raises:
             ConfigError: a value is out of range; the message quotes it.

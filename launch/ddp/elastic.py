@@ -49,12 +49,17 @@ class Restarts:
 
 
 class ElasticGroups:
-    """Runs DDP groups until one ends, following the nodes' schedules (``follower``).
+    """Runs DDP groups until one ends, following the nodes' schedules.
 
-    Each of the ``world_size`` nodes runs one rank while it is on; ``start`` starts the ranks
-    of the nodes given, by index (resuming from the last checkpoint when told), and returns
-    them; ``origin`` is the run's start on the ``time.monotonic`` clock (None: 0); rank 0's
-    ``metrics`` are read from where this run's events begin.
+    Args:
+        follower: the nodes' schedules, followed by the run's progress.
+        world_size: the nodes (each runs one rank while it is on).
+        resume: the first group resumes from the last checkpoint.
+        origin: the run's start on the ``time.monotonic`` clock (None: 0).
+        start: starts the ranks of the nodes given, by index (resuming from the last
+            checkpoint when told), and returns them.
+        budgets: the nodes' CPU budgets (``Nodes.set_budget``).
+        metrics: rank 0's ``metrics.jsonl``, read from where this run's events begin.
     """
 
     def __init__(

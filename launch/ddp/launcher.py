@@ -64,9 +64,15 @@ def run_ddp(
     Ctrl-C, SIGTERM or the run timeout, every rank still running is terminated (then killed
     with its process group) and reaped.
 
-    The ranks' logs go to ``log_stream`` (default: ``run_dir/cluster.log``); ``progress`` is
-    fed from rank 0's events. Each rank runs ``python -m rank_module``; another module must
-    take ``launch.ddp.rank``'s arguments (a bench wraps it to change one thing).
+    Args:
+        config: what to run.
+        log_stream: where the ranks' logs go (default: ``run_dir/cluster.log``).
+        progress: a progress bar fed from rank 0's events (none by default).
+        rank_module: the module each rank runs (``python -m``); another one must take
+            ``launch.ddp.rank``'s arguments (a bench wraps it to change one thing).
+
+    Returns:
+        The parsed ``summary.json``.
 
     Raises:
         ConfigError: the configuration is invalid.

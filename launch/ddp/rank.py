@@ -111,6 +111,11 @@ def _wrap_ddp(model: nn.Module, device: torch.device, compression: str = "none")
 class RankTrainer:
     """Trains one rank's replica over seeded epoch permutations cut into global batches, each
     split into local batches: equal ones, or (weighted DDP) in proportion to the ranks' speeds.
+
+    Args:
+        config: the run's configuration.
+        rank: this process's rank.
+        collective: the communication between ranks.
     """
 
     def __init__(self, config: DDPConfig, rank: int, *, collective: Collective) -> None:
@@ -342,9 +347,15 @@ class RankTrainer:
 def run_rank(
     config: DDPConfig, rank: int, store_address: str | None, host_store: bool = False
 ) -> None:
-    """Join the process group (when there are several ranks) at the launcher's TCPStore
-    ``store_address`` (``HOST:PORT``), train, and leave. With ``host_store`` rank 0 binds the
-    store itself (the launcher cannot reach the ranks' emulated hosts)."""
+    """Join the process group (when there are several ranks), train, and leave.
+
+    Args:
+        config: the run's configuration.
+        rank: this process's rank.
+        store_address: ``HOST:PORT`` of the launcher's TCPStore (None for a single rank).
+        host_store: rank 0 binds the store at ``store_address`` itself (the launcher cannot
+            reach the ranks' emulated hosts).
+    """
     device = resolve_device(config.device_of(rank))
     if config.world_size > 1:
         if store_address is None:

@@ -31,6 +31,11 @@ class RunRecorder:
     out of the training clock: ``train_time_s`` and ``time_to_target_s`` exclude it, and every
     eval event carries ``train_t``, the training time at that point. ``t`` of an eval event is,
     as on the server, the moment its parameters were taken.
+
+    Args:
+        config: the run's configuration.
+        evaluator: scores a flat state on the test split.
+        layout: the training model's flat layout (to read its state).
     """
 
     def __init__(self, config: DDPConfig, evaluator: Evaluator, *, layout: FlatLayout) -> None:
@@ -130,8 +135,13 @@ class RunRecorder:
     def checkpoint(
         self, epoch: int, cursor: int, version: int, samples: int, optimizer: Optimizer
     ) -> None:
-        """Write a checkpoint of the run at this step (a failure is logged; training goes on):
-        ``cursor`` samples of ``epoch`` are done, ``version`` steps and ``samples`` applied."""
+        """Write a checkpoint of the run at this step (a failure is logged; training goes on).
+
+        Args:
+            epoch, cursor: the epoch in progress and how many of its samples are done.
+            version, samples: steps and training samples applied.
+            optimizer: the optimizer whose state is saved.
+        """
         begin, t = time.perf_counter(), self.log.now()
         meta: dict[str, Any] = {"version": version, "epoch": epoch, "cursor": cursor}
         meta["samples"] = samples
@@ -174,8 +184,15 @@ class RunRecorder:
     def round(
         self, epoch: int, version: int, batches: list[int], result: StepResult, round_s: float
     ) -> None:
-        """Record one step: every rank's local batch, speed and compute time; ``version``
-        counts this step, ``round_s`` is its wall time on rank 0."""
+        """Record one step: every rank's local batch, speed and compute time.
+
+        Args:
+            epoch: the epoch of the step's samples.
+            version: updates applied so far (this step included).
+            batches: per rank, its local batch.
+            result: the step's per-rank timings.
+            round_s: the step's wall time on rank 0.
+        """
         self.round_times.append(round_s)
         workers = []
         for rank, batch in enumerate(batches):
@@ -248,8 +265,16 @@ class RunRecorder:
         return record
 
     def epoch_done(self, epoch: int, version: int, samples: int) -> bool:
-        """Record the end of an epoch and evaluate; True when the target accuracy is now
-        reached (training should stop)."""
+        """Record the end of an epoch and evaluate.
+
+        Args:
+            epoch: the epoch that ended.
+            version: updates applied so far.
+            samples: training samples applied so far.
+
+        Returns:
+            True when the target accuracy is now reached (training should stop).
+        """
         self.epochs_done = max(self.epochs_done, epoch)
         self.log.event(
             "epoch",
@@ -266,8 +291,15 @@ class RunRecorder:
         return False
 
     def finish(self, reason: FinishReason, epoch: int, version: int, samples: int) -> None:
-        """Evaluate the final parameters if needed (after ``INTERRUPTED`` the last evaluation
-        stands for the final one), then write ``summary.json``."""
+        """Evaluate the final parameters if needed, then write ``summary.json``.
+
+        Args:
+            reason: why training ended (``INTERRUPTED``: the last evaluation stands for the
+                final one).
+            epoch: the last epoch reached.
+            version: updates applied.
+            samples: training samples applied.
+        """
         train_end = self.log.now()
         train_time = self.train_clock(train_end)
         log.info("training finished (%s) at version %d", reason.value, version)
