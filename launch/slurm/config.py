@@ -23,6 +23,12 @@ LAUNCHERS = ("local", "slurm")
 def time_limit_s(text: str) -> int:
     """Seconds in a Slurm time limit (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH[:MM[:SS]]``).
 
+    Args:
+        text: the ``--time`` value.
+
+    Returns:
+        The limit in seconds.
+
     Raises:
         ConfigError: the text is not one of Slurm's time formats.
     """
@@ -101,7 +107,10 @@ class SlurmJob:
         return sum(group.shards for group in self.groups)
 
     def validate(self) -> SlurmJob:
-        """Check the job; returns ``self``.
+        """Check the job.
+
+        Returns:
+            ``self``.
 
         Raises:
             ConfigError: a value is out of range; the message quotes it.
@@ -221,7 +230,10 @@ class SlurmRuns:
     sbatch_options: tuple[str, ...] = ()
 
     def validate(self) -> SlurmRuns:
-        """Check the fields; returns ``self``.
+        """Check the fields.
+
+        Returns:
+            ``self``.
 
         Raises:
             ConfigError: a value is out of range; the message quotes it.
@@ -243,11 +255,21 @@ class SlurmRuns:
         server_options: tuple[str, ...] = (),
         worker_options: tuple[str, ...] = (),
     ) -> SlurmJob:
-        """One run (``mode``: a server mode, or ``ddp``) as a validated plain job: a server and
-        one worker task per slowdown, or DDP ranks, each with ``cpus`` CPUs (and torch
-        threads); the options apply to server modes only. The time-limit warning comes a third
-        of the limit (at most 180 s) before its end, so short test limits still leave time to
-        train.
+        """One run as a plain job: a server and one worker task per slowdown, or DDP ranks.
+
+        Args:
+            dataset, model: as for ``pserver start``.
+            mode: a server mode, or ``ddp``.
+            run_dir: the run's directory.
+            slowdowns: one per worker (or rank).
+            train: the training settings every run shares.
+            cpus: CPUs (and torch threads) per worker or rank.
+            server_options: further ``pserver start`` options (server modes only).
+            worker_options: further ``worker join`` options (server modes only).
+
+        Returns:
+            The validated job. The time-limit warning comes a third of the limit (at most
+            180 s) before its end, so short test limits still leave time to train.
 
         Raises:
             ConfigError: the job is invalid.

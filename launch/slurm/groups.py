@@ -66,7 +66,10 @@ class Group:
         return self.gpus_per_worker > 0 or self.gpus_per_node > 0
 
     def validate(self) -> Group:
-        """Check the counts; returns ``self``.
+        """Check the counts.
+
+        Returns:
+            ``self``.
 
         Raises:
             ConfigError: a count is out of range; the message names the group and the value.
@@ -173,8 +176,14 @@ def _worker_group(name: str, pairs: dict[str, str]) -> Group:
 
 
 def spread_shards(groups: tuple[Group, ...], shards: int) -> tuple[Group, ...]:
-    """The groups with ``shards`` shard servers (``--shards K``; 0: as the groups say) given
-    round-robin, unless they name their own.
+    """Give ``shards`` shard servers to the groups, round-robin, unless they name their own.
+
+    Args:
+        groups: the worker groups.
+        shards: ``--shards K`` (0: as the groups say).
+
+    Returns:
+        The groups with their ``shards`` set.
 
     Raises:
         ConfigError: the groups name shards that do not add up to ``shards``.
@@ -188,9 +197,14 @@ def spread_shards(groups: tuple[Group, ...], shards: int) -> tuple[Group, ...]:
 
 
 def parse_het(spec: str) -> tuple[ServerPlace | None, tuple[Group, ...]]:
-    """Parse a ``--het`` spec (``NAME:key=value,...;NAME:...``, see ``HET_HELP``) into
-    ``(server, groups)``: ``server`` is None when the server shares the first group's first
-    node.
+    """Parse a ``--het`` spec into the server's component (if any) and the worker groups.
+
+    Args:
+        spec: ``NAME:key=value,...;NAME:...`` (see ``HET_HELP``).
+
+    Returns:
+        ``(server, groups)``: ``server`` is None when the server shares the first group's
+        first node.
 
     Raises:
         ConfigError: malformed text, an unknown key, a duplicate name, or no worker group.

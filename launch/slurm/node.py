@@ -17,11 +17,19 @@ from launch.slurm.submit import slurm_command
 
 
 def pick_device(gpu: bool, env: Mapping[str, str]) -> str:
-    """The device of one worker task (``gpu``: it was given GPUs): ``cpu`` or ``cuda:N``.
+    """The device of one worker task.
 
     A task that has GPUs of its own (``--gpus-per-task``) or sees exactly one GPU uses
     ``cuda:0``; tasks that share the GPUs of their node use ``cuda:SLURM_LOCALID`` (modulo the
-    GPUs they see, ``CUDA_VISIBLE_DEVICES``).
+    GPUs they see).
+
+    Args:
+        gpu: the task was given GPUs.
+        env: its environment (``CUDA_VISIBLE_DEVICES``, ``SLURM_GPUS_PER_TASK``,
+            ``SLURM_LOCALID``).
+
+    Returns:
+        ``cpu`` or ``cuda:N``.
 
     Raises:
         ConfigError: GPUs were requested but ``CUDA_VISIBLE_DEVICES`` lists none.
@@ -40,8 +48,15 @@ def pick_device(gpu: bool, env: Mapping[str, str]) -> str:
 
 
 def node_address(node: str, timeout_s: float = 30.0) -> str:
-    """The address (host name or IP) Slurm reaches ``node`` at (its ``NodeAddr``), or
-    ``node`` itself."""
+    """The address Slurm reaches ``node`` at (its ``NodeAddr``), or ``node`` itself.
+
+    Args:
+        node: a Slurm node name.
+        timeout_s: how long ``scontrol`` may take.
+
+    Returns:
+        A host name or IP address.
+    """
     try:
         done = slurm_command(["scontrol", "show", "node", "--oneliner", node], timeout_s)
     except (OSError, PSError):
@@ -55,9 +70,17 @@ def node_address(node: str, timeout_s: float = 30.0) -> str:
 def worker_command(
     name_prefix: str, slowdowns: str, gpu: bool, env: Mapping[str, str], rest: tuple[str, ...]
 ) -> list[str]:
-    """The ``worker join`` command line of this srun task, named
-    ``<name_prefix><SLURM_PROCID>-x<slowdown>``; ``slowdowns`` are comma-separated by task
-    rank (one value applies to every task), ``rest`` further options (``--server`` among them).
+    """The ``worker join`` command line of this srun task.
+
+    Args:
+        name_prefix: worker names are ``<prefix><SLURM_PROCID>-x<slowdown>``.
+        slowdowns: comma-separated slowdowns by task rank; one value applies to every task.
+        gpu: the task was given GPUs.
+        env: the task's environment (``SLURM_PROCID`` must be set).
+        rest: further ``worker join`` options (``--server`` among them).
+
+    Returns:
+        The argument vector to execute.
 
     Raises:
         ConfigError: not inside an srun task, or no slowdown for this rank.
@@ -89,9 +112,16 @@ def worker_command(
 def shard_command(
     name_prefix: str, env: Mapping[str, str], rest: tuple[str, ...], host: str | None = None
 ) -> list[str]:
-    """The ``pserver shard`` command line of this srun task, named
-    ``<name_prefix><SLURM_PROCID>-<node>``, listening on ``host`` (default: this node's
-    ``NodeAddr``); ``rest`` holds further options (``--coordinator`` among them).
+    """The ``pserver shard`` command line of this srun task.
+
+    Args:
+        name_prefix: shard names are ``<prefix><SLURM_PROCID>-<node>``.
+        env: the task's environment (``SLURM_PROCID``, ``SLURMD_NODENAME``).
+        rest: further ``pserver shard`` options (``--coordinator`` among them).
+        host: the address to listen on (default: this node's ``NodeAddr``).
+
+    Returns:
+        The argument vector to execute.
 
     Raises:
         ConfigError: not inside an srun task.

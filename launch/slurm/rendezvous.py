@@ -32,8 +32,14 @@ from launch.slurm.submit import slurm_command
 
 
 def first_node(nodelist: str, timeout_s: float = 30.0) -> str:
-    """The first host name of a Slurm node list (``sl[1-3]``), expanded by ``scontrol show
-    hostnames``.
+    """The first host name of a Slurm node list, expanded by ``scontrol show hostnames``.
+
+    Args:
+        nodelist: e.g. ``sl[1-3]``.
+        timeout_s: how long scontrol may take.
+
+    Returns:
+        The first node's name.
 
     Raises:
         PSError: scontrol is missing, failed or printed nothing.
@@ -66,7 +72,14 @@ class SlurmRank:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], run_dir: Path) -> SlurmRank:
-        """The task's place, from its environment (``run_dir`` holds the published address).
+        """Read the task's place from its environment.
+
+        Args:
+            env: the task's environment.
+            run_dir: the run directory (for the published address).
+
+        Returns:
+            The task's place.
 
         Raises:
             ConfigError: not inside an srun step, or a variable is malformed.
@@ -94,8 +107,15 @@ class SlurmRank:
 
 
 def host_store(place: SlurmRank, timeout_s: float) -> tuple[Any, str]:
-    """Task 0: start the rendezvous store and publish its address if the port was picked;
-    returns the store (keep it alive for the run) and its ``HOST:PORT``."""
+    """Task 0: start the rendezvous store and publish its address if the port was picked.
+
+    Args:
+        place: task 0's place.
+        timeout_s: how long the ranks may take to meet.
+
+    Returns:
+        The store (keep it alive for the run) and its ``HOST:PORT``.
+    """
     from torch.distributed import TCPStore
 
     store = TCPStore(
@@ -115,10 +135,17 @@ def host_store(place: SlurmRank, timeout_s: float) -> tuple[Any, str]:
 
 
 def store_address(place: SlurmRank, timeout_s: float) -> str:
-    """Tasks > 0: the rendezvous ``HOST:PORT``, waiting for task 0 to publish it when needed.
+    """Tasks > 0: the rendezvous address, waiting for task 0 to publish it when needed.
 
     The file is re-read every 0.2 s: there is no portable file-change notification (and none
     at all across the nodes of a shared file system).
+
+    Args:
+        place: the task's place.
+        timeout_s: how long to wait for the published address.
+
+    Returns:
+        ``HOST:PORT``.
 
     Raises:
         NetworkTimeout: task 0 published nothing within ``timeout_s``.
@@ -143,8 +170,17 @@ def store_address(place: SlurmRank, timeout_s: float) -> str:
 def task_config(
     config: DDPConfig, config_path: Path, place: SlurmRank, gpu: bool, env: Mapping[str, str]
 ) -> Path:
-    """The path of the configuration this task's rank reads: the job's (``config_path``), or
-    a copy naming its own GPU (``gpu``: its device comes from Slurm, as for workers).
+    """The configuration this task's rank reads: the job's, or a copy naming its own GPU.
+
+    Args:
+        config: the job's configuration.
+        config_path: the file it was read from (``ddp_config.json``).
+        place: the task's place.
+        gpu: the task was given GPUs (its device comes from Slurm, as for workers).
+        env: the task's environment.
+
+    Returns:
+        The path of the configuration to run.
 
     Raises:
         ConfigError: the configuration's ranks do not match ``SLURM_NTASKS``.
@@ -166,7 +202,10 @@ def run_slurm_rank(config_path: Path, gpu: bool, env: MutableMapping[str, str]) 
     """Run this srun task's DDP rank (task 0 also hosts the rendezvous); returns only when
     the world has a single rank (the rank's entry point ends the process otherwise).
 
-    ``env`` is the process environment (``os.environ``): gloo's interface may be set in it.
+    Args:
+        config_path: the job's ``ddp_config.json``.
+        gpu: the task was given GPUs.
+        env: the process environment (``os.environ``; gloo's interface may be set in it).
 
     Raises:
         ConfigError: not inside an srun step, or the step does not match the configuration.

@@ -216,8 +216,14 @@ def _quote_lines(args: Iterable[str]) -> str:
 
 
 def resources(group: Group) -> list[str]:
-    """The resource options shared by a group's ``#SBATCH`` lines and its srun step
-    (``--ntasks=2``, ``--cpus-per-task=1``, ``--gpus-per-task=1``, ...)."""
+    """The resource options shared by a group's ``#SBATCH`` lines and its srun step.
+
+    Args:
+        group: the worker group.
+
+    Returns:
+        Options such as ``--ntasks=2``, ``--cpus-per-task=1``, ``--gpus-per-task=1``.
+    """
     options = [f"--ntasks={group.workers}", f"--cpus-per-task={group.cpus}"]
     if group.nodes is not None:
         options.append(f"--nodes={group.nodes}")
@@ -373,6 +379,12 @@ def worker_extras(job: SlurmJob) -> tuple[str, ...]:
 
     ``--connect-timeout`` covers the server's start-up (and the shards' registration);
     ``--allow-model`` lets workers build the user's own model (built-in models need none).
+
+    Args:
+        job: the job (its model and start-up timeout).
+
+    Returns:
+        The options.
     """
     extras = ["--connect-timeout", f"{job.startup_timeout_s:g}"]
     if ":" in job.model:
@@ -410,8 +422,16 @@ def _ddp_body(job: SlurmJob) -> str:
 
 
 def render(job: SlurmJob, command: str, script: str) -> str:
-    """The job script's text: a parameter-server run, or DDP ranks (mode ``ddp``); its
-    header quotes ``command`` (what made it) and ``script`` (where it is written)."""
+    """The job script's text: a parameter-server run, or DDP ranks (mode ``ddp``).
+
+    Args:
+        job: the validated job.
+        command: the command line that made it (quoted in the header).
+        script: where the script is written (quoted in the header).
+
+    Returns:
+        The complete script.
+    """
     ddp = job.mode == DDP
     head = _HEADER.format(
         kind="DDP" if ddp else "training",

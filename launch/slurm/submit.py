@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 def check_run_dir(run_dir: Path, resume: bool) -> None:
     """Refuse to start a new run over an old one, or to resume nothing.
 
+    Args:
+        run_dir: the run directory.
+        resume: the job continues the run from its newest checkpoint.
+
     Raises:
         ConfigError: ``run_dir`` holds a run and ``resume`` is off, or it has no checkpoint
             and ``resume`` is on.
@@ -92,7 +96,14 @@ def slurm_command(command: list[str], timeout_s: float) -> subprocess.CompletedP
 
 
 def submit(script: Path, timeout_s: float = 60.0) -> str:
-    """Submit ``script`` with ``sbatch`` (from its own directory); returns the job id.
+    """Submit ``script`` with ``sbatch`` (from its own directory).
+
+    Args:
+        script: the job script.
+        timeout_s: how long sbatch may take.
+
+    Returns:
+        The job id.
 
     Raises:
         PSError: sbatch is missing or refused the job.
@@ -109,9 +120,16 @@ def submit(script: Path, timeout_s: float = 60.0) -> str:
 def job_state(job_id: str, timeout_s: float = 30.0) -> tuple[str, int | None] | None:
     """The state and exit code of a job, from ``scontrol show job``.
 
-    A heterogeneous job (``job_id`` its leader) has ended when every component has: until
-    then the state is ``RUNNING``; its exit code is the first component's (the job script's).
-    None when Slurm no longer knows the job.
+    A heterogeneous job has ended when every component has; its exit code is the first
+    component's (the job script's).
+
+    Args:
+        job_id: the job (or heterogeneous job leader) id.
+        timeout_s: how long scontrol may take.
+
+    Returns:
+        ``(state, exit_code)`` (the state ``RUNNING`` while any component has not ended), or
+        None when Slurm no longer knows the job.
 
     Raises:
         PSError: scontrol failed for another reason.
@@ -140,6 +158,14 @@ def wait_job(job_id: str, timeout_s: float, poll_s: float = 2.0) -> JobEnd:
 
     Slurm offers no notification of a job's end to a client (``sbatch --wait`` polls too,
     backing off to 32 s), so this asks ``scontrol`` every ``poll_s`` seconds.
+
+    Args:
+        job_id: the job id.
+        timeout_s: how long to wait; the job goes on when this runs out.
+        poll_s: seconds between questions.
+
+    Returns:
+        How it ended.
 
     Raises:
         NetworkTimeout: the job had not ended within ``timeout_s`` (it goes on).
@@ -191,9 +217,16 @@ def run_job(
     wait_timeout_s: float,
     on_submit: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Write the job's script (its header quoting ``command``), submit it, wait for the job
-    (``wait_timeout_s``, queueing included) and return the run's ``summary.json``;
-    ``on_submit`` is called with the job id once Slurm has accepted the job.
+    """Write the job's script, submit it, wait for the job and return the run's summary.
+
+    Args:
+        job: the validated job.
+        command: the command quoted in the script's header.
+        wait_timeout_s: how long to wait, queueing included.
+        on_submit: called with the job id once Slurm has accepted the job.
+
+    Returns:
+        The run's ``summary.json``.
 
     Raises:
         ConfigError: the run directory already holds a run.
