@@ -24,6 +24,9 @@ from launch.progress import RunProgress, eval_label
 
 MODES = ("weighted-sync", "equal-sync", "async")
 SLOWDOWNS = (1.0, 2.0, 4.0)
+SCHEDULE = ("--lr", "0.05", "--lr-schedule", "cosine")
+RESULT_COLUMNS = ("mode", "epochs", "updates", "train s", "OA", "AA", "kappa", "idle share",
+                  "share by slowdown")  # fmt: skip
 PROGRESS_LEGEND = (
     "Each line is one evaluation on the test split: 'epoch E version V' is the model after E "
     "epochs and V updates (one update per round in sync modes, one per push in async)."
@@ -52,11 +55,7 @@ class EvaluationLines(RunProgress):
         if record.get("event") == "eval" and isinstance(record.get("oa"), int | float):
             names = {"aa": "AA", "kappa": "kappa", "loss": "loss"}
             scores = " ".join(f"{name} {record.get(key, 0):.4f}" for key, name in names.items())
-            scores = f"{oa_text(record)} {scores}"
-            print(
-                f"  {self.mode:13s} {eval_label(record)}: {scores}",
-                flush=True,
-            )
+            print(f"  {self.mode:13s} {eval_label(record)}: {oa_text(record)} {scores}", flush=True)
 
 
 def prepare_dataset(shared: Path, out_dir: Path) -> Path:
@@ -115,26 +114,17 @@ def main(argv: list[str] | None = None) -> int:
             mode=mode,
             slowdowns=SLOWDOWNS,
             run_dir=args.out / mode,
-            server_options=(
-                "--epochs",
-                str(args.epochs),
-                "--lr",
-                "0.05",
-                "--lr-schedule",
-                "cosine",
-            ),
+            server_options=("--epochs", str(args.epochs), *SCHEDULE),
             overwrite=args.overwrite,
         )
         summary = run_local(cluster, progress=EvaluationLines(mode))
         final = summary["final"] or {}
-        total = sum(w["samples"] for w in summary["workers"]) or 1
-        shares = " ".join(
-            f"x{w['slowdown']:g} {100 * w['samples'] / total:.0f}%"
-            for w in sorted(summary["workers"], key=lambda w: w["slowdown"])
-        )
+        workers = sorted(summary["workers"], key=lambda w: w["slowdown"])
+        total = sum(w["samples"] for w in workers) or 1
+        shares = " ".join(f"x{w['slowdown']:g} {100 * w['samples'] / total:.0f}%" for w in workers)
         plans.extend(
             [mode, f"x{w['slowdown']:g}", f"{w['samples'] / total:.3f}", *model_cells(w)]
-            for w in sorted(summary["workers"], key=lambda w: w["slowdown"])
+            for w in workers
         )
         rows.append(
             [
@@ -150,22 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
         )
     print("\nResults:")
-    print(
-        format_table(
-            [
-                "mode",
-                "epochs",
-                "updates",
-                "train s",
-                "OA",
-                "AA",
-                "kappa",
-                "idle share",
-                "share by slowdown",
-            ],
-            rows,
-        )
-    )
+    print(format_table(RESULT_COLUMNS, rows))
     print(legend(TABLE_LEGEND))
     print("\nEach worker's share and fitted model (round time = alpha + beta*b + transfer):")
     print(format_table(["mode", "slowdown", "share", *MODEL_COLUMNS], plans))

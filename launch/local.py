@@ -293,29 +293,17 @@ def _server_command(
     ``--resume`` or ``--overwrite`` the cluster's options hold."""
     host = None if hosts is None else hosts.server
     options = [o for o in cluster.server_options if not restart or o not in REPLACED]
-    argv = python_module(
-        "pserver.cli",
-        "start",
-        "--bind",
-        _bind(host),
-        "--dataset",
-        str(cluster.dataset),
-        "--model",
-        cluster.model,
-        "--mode",
-        cluster.mode,
-        "--workers",
-        str(len(cluster.slowdowns)),
-        "--run-dir",
-        str(cluster.run_dir),
-        *(("--shards", str(cluster.shards)) if cluster.shards > 1 else ()),
-        *(("--shard-secret-file", str(secret)) if secret is not None else ()),
-        *_checkpoints(cluster),
-        *(f"--{f}" for f in FLAGS if getattr(cluster, f) and not restart),
-        *options,
-        *restart,
-    )
-    return _on(host, argv)
+    args = ["--bind", _bind(host), "--dataset", str(cluster.dataset), "--model", cluster.model]
+    args += ["--mode", cluster.mode, "--workers", str(len(cluster.slowdowns))]
+    args += ["--run-dir", str(cluster.run_dir)]
+    if cluster.shards > 1:
+        args += ["--shards", str(cluster.shards)]
+    if secret is not None:
+        args += ["--shard-secret-file", str(secret)]
+    args += _checkpoints(cluster)
+    if not restart:  # a restart's own options replace the folder flags
+        args += [f"--{f}" for f in FLAGS if getattr(cluster, f)]
+    return _on(host, python_module("pserver.cli", "start", *args, *options, *restart))
 
 
 def _shards(

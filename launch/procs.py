@@ -177,12 +177,11 @@ def wait_for_address(server: Child, metrics: Path, mark: EventsMark, timeout_s: 
         PSError: the server exited.
         NetworkTimeout: it did not start within ``timeout_s``.
     """
-    return wait_for_start(
-        metrics,
-        mark,
-        timeout_s,
-        lambda: None if server.code is None else f"the server did not start: {server.failure()}",
-    )
+
+    def gone() -> str | None:
+        return None if server.code is None else f"the server did not start: {server.failure()}"
+
+    return wait_for_start(metrics, mark, timeout_s, gone)
 
 
 class Interrupted(KeyboardInterrupt):

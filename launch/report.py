@@ -176,26 +176,20 @@ def render_markdown(data: dict[str, Any]) -> str:
     limits = [f"epochs {train['epochs']}"] if train.get("epochs") is not None else []
     if train.get("max_steps") is not None:
         limits.append(f"max steps {train['max_steps']}")
-    repeats = settings["repeats"]
+    repeats, schedules = settings["repeats"], settings["slowdown_schedules"]
+    stopped = []
+    if "stopped" in data:
+        stopped.append(f"- **stopped {data['stopped']}**: `--resume` runs the rest")
     lines = [
         "# Comparison of training modes",
         "",
         f"- dataset: `{settings['dataset']}`, model: `{settings['model']}`",
-        f"- slowdowns: {slowdowns}"
-        + (
-            f"; schedules: {settings['slowdown_schedules']}"
-            if settings["slowdown_schedules"]
-            else ""
-        ),
+        f"- slowdowns: {slowdowns}" + (f"; schedules: {schedules}" if schedules else ""),
         f"- global batch {train['global_batch']}, {train['optimizer']} lr {train['lr']} "
         f"({train['lr_schedule']}), {', '.join(limits)}, seed {train['seed']}, "
         f"repeats {repeats}",
         f"- target OA: {target if target is not None else 'none'}",
-        *(
-            [f"- **stopped {data['stopped']}**: `--resume` runs the rest"]
-            if "stopped" in data
-            else []
-        ),
+        *stopped,
         *option_lines(settings),
         *cluster_lines(settings.get("cluster")),
         *kept_lines(data),

@@ -120,11 +120,7 @@ def _modes(text: str) -> list[str]:
     default=None,
     help="Write simulate.json (and plots for sweeps over workers or shards) here.",
 )
-@click.option(
-    "--json",
-    is_flag=True,
-    help="Print JSON instead of the table.",
-)
+@click.option("--json", is_flag=True, help="Print JSON instead of the table.")
 def simulate(
     spec: Path | None,
     mode: str,

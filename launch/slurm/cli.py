@@ -95,11 +95,7 @@ def _groups(
     "unless they say shards=.",
 )
 @click.option("--het", default=None, help=HET_HELP)
-@click.option(
-    "--time",
-    default="01:00:00",
-    help="The job's time limit.",
-)
+@click.option("--time", default="01:00:00", help="The job's time limit.")
 @click.option(
     "--signal-before",
     type=int,

@@ -370,17 +370,8 @@ def _shards(job: SlurmJob) -> str:
 def server_args(job: SlurmJob) -> tuple[str, ...]:
     """The ``pserver start`` options of the job, without bind, dataset, run dir and resume."""
     shards = ("--shards", str(job.shards)) if job.shards > 1 else ()
-    return (
-        "--model",
-        job.model,
-        "--mode",
-        job.mode,
-        "--workers",
-        str(job.workers),
-        *shards,
-        *job.train.server_args(),
-        *job.server_options,
-    )
+    own = ("--model", job.model, "--mode", job.mode, "--workers", str(job.workers), *shards)
+    return (*own, *job.train.server_args(), *job.server_options)
 
 
 def worker_extras(job: SlurmJob) -> tuple[str, ...]:

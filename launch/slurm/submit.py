@@ -50,19 +50,10 @@ def write_script(job: SlurmJob, command: str) -> Path:
     return path
 
 
-TERMINAL = frozenset(
-    {
-        "BOOT_FAIL",
-        "CANCELLED",
-        "COMPLETED",
-        "DEADLINE",
-        "FAILED",
-        "NODE_FAIL",
-        "OUT_OF_MEMORY",
-        "PREEMPTED",
-        "TIMEOUT",
-    }
-)
+TERMINAL = frozenset({
+    "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
+    "PREEMPTED", "TIMEOUT",
+})  # fmt: skip
 _STATE = re.compile(r"\bJobState=(\S+)")
 _EXIT = re.compile(r"\bExitCode=(\d+):(\d+)")
 
