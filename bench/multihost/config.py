@@ -93,14 +93,7 @@ class BenchConfig:
     small_batch: int = 1
 
     def validate(self) -> BenchConfig:
-        """Check every field.
-
-        Returns:
-            The config itself.
-
-        Raises:
-            ConfigError: quoting the bad value.
-        """
+        """The config itself once every field is checked (ConfigError quoting a bad value)."""
         if not 1 <= self.workers <= 16:
             raise ConfigError(f"--workers must be in [1, 16], got {self.workers}")
         if len(self.rates) != self.workers + 1:
