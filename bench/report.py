@@ -54,8 +54,7 @@ def _cell(value: Any) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
-    """A Markdown table's lines, a ``|`` in a cell escaped."""
+def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
     lines = ["| " + " | ".join(_cell(c) for c in columns) + " |"]
     lines.append("|" + "---|" * len(columns))
     lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
@@ -229,7 +228,7 @@ def own_ground_table(results: Sequence[Result]) -> list[str]:
     shown = [i for i in range(len(columns)) if any(row[i].strip("– /") for row in rows)]
     columns = [columns[i] for i in shown]
     rows = [[row[i] for i in shown] for row in rows]
-    return ["", *markdown_table(columns, rows)]
+    return ["", *_table(columns, rows)]
 
 
 def readme_table(results: dict[str, Result]) -> str:
@@ -258,7 +257,7 @@ def readme_table(results: dict[str, Result]) -> str:
             ]
         )
     own = own_ground_table(list(results.values()))
-    block = [README_START, *markdown_table(README_COLUMNS, rows), *own, "", README_NOTE, README_END]
+    block = [README_START, *_table(README_COLUMNS, rows), *own, "", README_NOTE, README_END]
     return "\n".join(block)
 
 

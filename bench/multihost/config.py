@@ -93,7 +93,14 @@ class BenchConfig:
     small_batch: int = 1
 
     def validate(self) -> BenchConfig:
-        """The config itself once every field is checked (ConfigError quoting a bad value)."""
+        """Check every field.
+
+        Returns:
+            The config itself.
+
+        Raises:
+            ConfigError: quoting the bad value.
+        """
         if not 1 <= self.workers <= 16:
             raise ConfigError(f"--workers must be in [1, 16], got {self.workers}")
         if len(self.rates) != self.workers + 1:

@@ -42,8 +42,11 @@ def _compute(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def solo_compute(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> list[float]:
-    """Each rank in turn times ``steps`` steps after one warm-up step while the others wait;
-    every rank's step times, rank after rank (the same list on every rank)."""
+    """Each rank in turn times ``steps`` steps after one warm-up step while the others wait.
+
+    Returns:
+        Every rank's step times, rank after rank (the same list on every rank).
+    """
     world = dist.get_world_size()
     times = torch.zeros(world, steps, dtype=torch.float64)
     for turn in range(world):
@@ -57,8 +60,11 @@ def solo_compute(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int)
 
 
 def flat_allreduce(count: int, repeats: int) -> list[float]:
-    """Per repeat of ``repeats`` all-reduces of ``count`` float32 values after one warm-up,
-    the slowest rank's seconds."""
+    """Time ``repeats`` all-reduces of ``count`` float32 values after one warm-up.
+
+    Returns:
+        Per repeat, the slowest rank's seconds.
+    """
     flat = torch.ones(count, dtype=torch.float32)
     dist.all_reduce(flat)
     times = []
@@ -71,8 +77,11 @@ def flat_allreduce(count: int, repeats: int) -> list[float]:
 
 
 def ddp_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> list[float]:
-    """Per whole DDP step (forward, backward with all-reduce, SGD step) after one warm-up, the
-    slowest rank's seconds."""
+    """Time whole DDP steps (forward, backward with all-reduce, SGD step) after one warm-up.
+
+    Returns:
+        Per step, the slowest rank's seconds.
+    """
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     times = []

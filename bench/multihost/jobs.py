@@ -34,10 +34,20 @@ def _stop_all(children: list[Child]) -> None:
 
 
 def run_gloo(net: Network, cfg: BenchConfig, dataset: Path, log_dir: Path) -> dict[str, Any]:
-    """The DDP baseline: one gloo rank per worker host (host 0, the server's, takes no part),
-    reading ``dataset`` as its local copy, logging to ``log_dir``. Returns rank 0's result:
-    params, compute_s (per rank, solo), allreduce_s, ddp_step_s; ChildError when a rank failed
-    or the job outlived ``cfg.job_timeout``."""
+    """The DDP baseline: one gloo rank per worker host, reading the dataset's local copy.
+
+    Args:
+        net: the emulated hosts (host 0, the server host, takes no part).
+        cfg: the bench settings.
+        dataset: the dataset file (the same path is every host's local copy).
+        log_dir: receives each rank's log.
+
+    Returns:
+        Rank 0's result: params, compute_s (per rank, solo), allreduce_s, ddp_step_s.
+
+    Raises:
+        ChildError: a rank failed or the job outlived ``cfg.job_timeout``.
+    """
     log_dir.mkdir(parents=True, exist_ok=True)
     hosts = net.hosts[1:]
     children: list[Child] = []
@@ -72,11 +82,23 @@ def run_ps(
     batch: int | None = None,
 ) -> dict[str, Any]:
     """One parameter-server run in ``cfg.mode``: ``pserver start`` on host 0, ``worker join``
-    on each worker host, ``pserver shard`` where the variant puts shards; ``cfg.steps`` updates
-    of ``batch`` samples per worker (default ``cfg.batch``), the processes' logs in ``run_dir``.
+    on each worker host, ``pserver shard`` where the variant puts shards; ``cfg.steps`` updates.
 
-    Returns ``_rounds``' figures; ChildError when a process failed, or the run outlived
-    ``cfg.job_timeout``.
+    Args:
+        net: the emulated hosts.
+        cfg: the bench settings.
+        variant: what to run.
+        dataset: the dataset file (served by the server; the workers' local copy if asked).
+        run_dir: the server's run dir; the processes' logs go there too.
+        batch: samples per worker per step (default ``cfg.batch``).
+
+    Returns:
+        ``{"round_s", "compute_s", "comm_s", "batches", "compute_source"}``: per
+        measured round its time, the slowest worker's compute and the rest; per worker its
+        median batch.
+
+    Raises:
+        ChildError: a process failed, or the run outlived ``cfg.job_timeout``.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     secret = run_dir / "shard.secret"
@@ -139,8 +161,7 @@ def run_ps(
 
 
 def _rounds(run_dir: Path, warmup: int) -> dict[str, Any]:
-    """Per measured round its time (``round_s``), the slowest worker's compute (``compute_s``)
-    and the rest (``comm_s``); per worker its median batch (``batches``).
+    """Round times, the slowest worker's compute per round and their difference.
 
     A worker's compute comes from its entry in the round record (``rounds.breakdown``): its
     ``compute_s`` once the server logs it, else estimated as batch / speed.

@@ -56,11 +56,20 @@ def send(address: str, port: int, size: int) -> None:
 
 
 def measure_rate(src: Host, dst: Host, size: int, log_dir: Path, timeout: float = 60.0) -> float:
-    """Send ``size`` bytes (>= 1 MiB gives a steady rate past the bucket's burst) from ``src``
-    to ``dst``, two hosts of one ``Network``, the processes' logs in ``log_dir``.
+    """Send ``size`` bytes from ``src`` to ``dst`` and return the achieved payload rate.
 
-    Returns TCP payload bits per second, first byte to last (headers excluded, so a little
-    below the cap); ChildError when a process failed or the transfer outlived ``timeout``.
+    Args:
+        src, dst: two hosts of one ``Network``.
+        size: bytes to send (>= 1 MiB gives a steady rate past the bucket's burst).
+        log_dir: receives the two processes' logs.
+        timeout: seconds the whole transfer may take.
+
+    Returns:
+        TCP payload bits per second, first byte to last (headers excluded, so a little below
+        the cap).
+
+    Raises:
+        ChildError: a process failed or the transfer took longer than ``timeout``.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     recv = start(

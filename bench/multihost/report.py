@@ -7,7 +7,6 @@ from typing import Any
 
 from bench.harness.stats import spread_text
 from bench.multihost.config import BenchConfig
-from bench.report import markdown_table
 
 SMALL = "-small"  # the suffix of a variant's small-compute run (``--small-batch``)
 
@@ -17,10 +16,18 @@ def _pooled(runs: list[dict[str, Any]], key: str) -> list[float]:
 
 
 def reference(gloo_runs: list[dict[str, Any]], compute_s: float = 0.0) -> dict[str, float]:
-    """The baseline figures of the ``run_gloo`` results pooled over repeats: ``allreduce_s``
-    (median), ``compute_s`` (the given one, e.g. a GPU's, else the fastest of every rank's solo
-    steps: other jobs on the machine only ever add to a step's time), ``compute_median_s``,
-    ``ddp_step_s`` (median) and ``reference_s`` = all-reduce + compute."""
+    """The baseline figures pooled over repeats.
+
+    Args:
+        gloo_runs: the results of ``run_gloo``.
+        compute_s: a given compute time per step (e.g. a GPU's); 0 uses the measured one.
+
+    Returns:
+        ``allreduce_s`` (median), ``compute_s`` (``compute_s`` if given, else the fastest of
+        every rank's solo steps: other jobs on the machine only ever add to a step's time),
+        ``compute_median_s``, ``ddp_step_s`` (median) and ``reference_s`` = all-reduce +
+        compute.
+    """
     allreduce = statistics.median(_pooled(gloo_runs, "allreduce_s"))
     solo = _pooled(gloo_runs, "compute_s")
     compute = compute_s or min(solo)
@@ -34,44 +41,51 @@ def reference(gloo_runs: list[dict[str, Any]], compute_s: float = 0.0) -> dict[s
     }
 
 
-COLUMNS = (
-    "variant",
-    "samples from",
-    "round min / median / max (s)",
-    "communication median (s)",
-    "worker compute median (s, shared cores)",
-    "est. round, own cores (s)",
-    "× (all-reduce + compute)",
-    "communication × all-reduce",
-    "× DDP step (both on shared cores)",
-)
-
-
 def table(
     cfg: BenchConfig,
     gloo_runs: list[dict[str, Any]],
     ps_runs: dict[str, list[dict[str, Any]]],
     failures: dict[str, list[str]],
 ) -> tuple[str, dict[str, Any]]:
-    """The results as a Markdown table, and a JSON-ready dict of the figures it shows, from the
-    ``run_gloo`` results (one per repeat) and per variant the ``run_ps`` results of its
-    successful repeats and the errors of its failed ones."""
+    """Format the results as a Markdown table and collect the figures it shows.
+
+    Args:
+        cfg: the bench settings.
+        gloo_runs: ``run_gloo`` results, one per repeat.
+        ps_runs: per variant, ``run_ps`` results, one per successful repeat.
+        failures: per variant, the errors of failed repeats.
+
+    Returns:
+        The text to print and a JSON-ready dict of the figures.
+    """
     ref = reference(gloo_runs, cfg.compute_s) if gloo_runs else None
-    rows: list[list[str]] = []
+    lines = [
+        "| variant | samples from | round min / median / max (s) | communication median (s) "
+        "| worker compute median (s, shared cores) | est. round, own cores (s) "
+        "| × (all-reduce + compute) | communication × all-reduce "
+        "| × DDP step (both on shared cores) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     figures: dict[str, Any] = {"reference": ref, "variants": {}}
     if ref is not None:
-        how = "given" if cfg.compute_s else "fastest alone"
-        allreduce, steps = _pooled(gloo_runs, "allreduce_s"), _pooled(gloo_runs, "ddp_step_s")
-        rows += [
-            ["gloo all-reduce of the flat gradient", "-", spread_text(allreduce),
-             f"{ref['allreduce_s']:.3f}", "-", "-", "-", "1.00", "-"],
-            [f"one step's compute ({how})", "local copy", "-", "-",
-             f"{ref['compute_s']:.3f}", "-", "-", "-", "-"],
-            ["**all-reduce + compute (reference)**", "local copy", "-", "-", "-",
-             f"{ref['reference_s']:.3f}", "1.00", "-", "-"],
-            ["DDP step (gloo, bucketed, ranks compute at once)", "local copy",
-             spread_text(steps), "-", "-", "-", "-", "-", "1.00"],
-        ]  # fmt: skip
+        lines.append(
+            f"| gloo all-reduce of the flat gradient | - | "
+            f"{spread_text(_pooled(gloo_runs, 'allreduce_s'))} | {ref['allreduce_s']:.3f} "
+            "| - | - | - | 1.00 | - |"
+        )
+        lines.append(
+            f"| one step's compute ({'given' if cfg.compute_s else 'fastest alone'}) "
+            "| local copy | - | - | "
+            f"{ref['compute_s']:.3f} | - | - | - | - |"
+        )
+        lines.append(
+            f"| **all-reduce + compute (reference)** | local copy | - | - | - | "
+            f"{ref['reference_s']:.3f} | 1.00 | - | - |"
+        )
+        lines.append(
+            f"| DDP step (gloo, bucketed, ranks compute at once) | local copy | "
+            f"{spread_text(_pooled(gloo_runs, 'ddp_step_s'))} | - | - | - | - | - | 1.00 |"
+        )
     suffixes = ("", SMALL) if cfg.small_batch else ("",)
     for name in [v + suffix for v in cfg.variants for suffix in suffixes]:
         variant = cfg.variant(name.removesuffix(SMALL))
@@ -79,7 +93,7 @@ def table(
         runs = ps_runs.get(name, [])
         if not runs:
             why = "; ".join(failures.get(name, ["no run"]))[:200]
-            rows.append([name, source, f"failed: {why}", *[""] * 6])
+            lines.append(f"| {name} | {source} | failed: {why} | | | | | | |")
             continue
         rounds, comm = _pooled(runs, "round_s"), _pooled(runs, "comm_s")
         compute = _pooled(runs, "compute_s")
@@ -109,11 +123,11 @@ def table(
                 f"{row['ratio_ddp_step']:.2f}",
             ]
         figures["variants"][name] = row
-        rows.append(
-            [name, source, spread_text(rounds), f"{row['comm_s_median']:.3f}",
-             f"{row['compute_s_median']:.3f}", *cells]
-        )  # fmt: skip
-    return "\n".join(markdown_table(COLUMNS, rows)), figures
+        lines.append(
+            f"| {name} | {source} | {spread_text(rounds)} | {row['comm_s_median']:.3f} | "
+            f"{row['compute_s_median']:.3f} | {' | '.join(cells)} |"
+        )
+    return "\n".join(lines), figures
 
 
 def legend(cfg: BenchConfig, figures: dict[str, Any], params: int | None) -> str:
