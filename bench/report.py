@@ -39,7 +39,13 @@ MACHINE_LABELS = {
     "system": "{}",
 }
 # The benches the README and the choice of a mode rest on come first; the rest by name.
-LEADING = ("own-ground", "time-to-target", "idle-share", "ddp-fidelity", "multihost")
+LEADING = (
+    "own-ground",
+    "time-to-target",
+    "idle-share",
+    "ddp-fidelity",
+    "multihost",
+)
 
 
 def _number(value: float) -> str:
@@ -102,8 +108,14 @@ def render_result(result: Result) -> list[str]:
 
 
 def render(results: Sequence[Result]) -> str:
-    """The whole page (Markdown ending in one newline) for ``results``, each bench's in date
-    order (as ``read_results`` gives them): per bench, the newest result of each command."""
+    """The whole page for ``results``: per bench, the newest result of each command.
+
+    Args:
+        results: the kept records, each bench's in date order (as ``read_results`` gives them).
+
+    Returns:
+        The Markdown text, ending in one newline.
+    """
     lines = [HEADER.rstrip("\n")]
     ordered = sorted(newest(results), key=_bench_order)  # stable: dates stay in order
     for bench, group in groupby(ordered, key=lambda r: r.bench):
@@ -191,8 +203,14 @@ def own_ground_table(results: Sequence[Result]) -> list[str]:
     """The README's table of ``python -m bench own-ground``: a row per cluster and regime, from
     the kept result with the most seeds of weighted-sync there (the newest on a tie). Each ratio
     cell is a baseline's epoch time and time to target over weighted-sync's; a column no row
-    has a figure in is left out. Returns the table's lines after a blank line, or nothing when
-    no own-ground result is kept (results of other benches are left alone)."""
+    has a figure in is left out.
+
+    Args:
+        results: kept results of any benches; only own-ground's are read.
+
+    Returns:
+        The table's lines after a blank line, or nothing when no own-ground result is kept.
+    """
     picked = []
     for prefix, cluster in OWN_GROUND_CLUSTERS.items():
         for regime in OWN_GROUND_REGIMES:
@@ -232,8 +250,15 @@ def own_ground_table(results: Sequence[Result]) -> list[str]:
 
 
 def readme_table(results: dict[str, Result]) -> str:
-    """The README's results block, markers included: the table from the kept results by file
-    stem, the own-ground table from the kept own-ground results, and a note on reading them."""
+    """The README's results table (between its markers) from the kept results by file stem,
+    the own-ground table from the kept own-ground results, and a note on reading them.
+
+    Args:
+        results: kept results by file name without ``.json``.
+
+    Returns:
+        The marked block, markers included.
+    """
     rows = []
     for stem, regime, cluster, regime_text in README_ROWS:
         if stem not in results:
@@ -262,8 +287,11 @@ def readme_table(results: dict[str, Result]) -> str:
 
 
 def with_readme_table(readme: str, table: str) -> str:
-    """``readme`` with the text between its table markers replaced by ``table`` (ValueError
-    when it has no pair of markers)."""
+    """``readme`` with the text between its table markers replaced by ``table``.
+
+    Raises:
+        ValueError: the README has no pair of markers.
+    """
     start, end = readme.find(README_START), readme.find(README_END)
     if start < 0 or end < start:
         raise ValueError(f"README has no results-table markers ({README_START!r})")

@@ -25,8 +25,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TextIO
 
-import psutil
-
 from bench import ROOT
 
 RESULTS_DIR = ROOT / "bench" / "results"
@@ -73,7 +71,17 @@ class Result:
 
     @classmethod
     def from_json(cls, text: str) -> Result:
-        """Read a stored record; ValueError when the text is not one (missing or unknown keys)."""
+        """Read a stored record.
+
+        Args:
+            text: the file's content.
+
+        Returns:
+            The record.
+
+        Raises:
+            ValueError: the text is not a record (missing or unknown keys).
+        """
         data = json.loads(text)
         names = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(data, dict) or not names >= data.keys() >= names - {"note"}:
@@ -84,8 +92,15 @@ class Result:
 def parse_settings(
     parser: argparse.ArgumentParser, argv: Sequence[str] | None
 ) -> argparse.Namespace:
-    """Parse a bench's options (``argv`` None: ``sys.argv[1:]``) and keep them for the result
-    record of the run, if one is kept."""
+    """Parse a bench's options and keep them for the result record of the run, if one is kept.
+
+    Args:
+        parser: the bench's parser.
+        argv: its arguments (None: ``sys.argv[1:]``).
+
+    Returns:
+        The parsed options.
+    """
     kept = _recording.get()
     if kept is not None:
         parser.prog = kept.prog
@@ -105,7 +120,14 @@ def _plain(value: Any) -> Any:
 
 
 def figures_in(lines: Sequence[str]) -> dict[str, float]:
-    """The ``name=value`` words in a bench's output lines, by name (a later one wins)."""
+    """The ``name=value`` words in a bench's output lines (a later one wins).
+
+    Args:
+        lines: what the bench printed.
+
+    Returns:
+        The figures by name.
+    """
     found: dict[str, float] = {}
     for line in lines:
         for word in line.split():
@@ -123,6 +145,12 @@ def machine_facts() -> dict[str, Any]:
             if line.startswith("model name"):
                 cpu_model = line.split(":", 1)[1].strip()
                 break
+    memory_gib = 0.0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("MemTotal:"):
+                memory_gib = round(int(line.split()[1]) / 2**20, 1)
+                break
     try:
         torch_version = metadata.version("torch")
     except metadata.PackageNotFoundError:
@@ -131,7 +159,7 @@ def machine_facts() -> dict[str, Any]:
         "cpu_model": cpu_model,
         "cores": os.cpu_count() or 0,
         "load_average": [round(x, 2) for x in os.getloadavg()],
-        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "memory_gib": memory_gib,
         "python": platform.python_version(),
         "torch": torch_version,
         "system": f"{platform.system()} {platform.release()}",
@@ -184,8 +212,14 @@ class Recording:
 
 @contextlib.contextmanager
 def recording(prog: str) -> Iterator[Recording]:
-    """Collect a bench's parsed options and what it prints on stdout (still printed), its usage
-    line naming the command ``prog``; the recording is complete when the block ends."""
+    """Collect a bench's parsed options and what it prints on stdout (still printed).
+
+    Args:
+        prog: how the bench's usage line names the command.
+
+    Yields:
+        The recording, complete when the block ends.
+    """
     kept = Recording(prog)
     token = _recording.set(kept)
     tee = _Tee(sys.stdout)
@@ -199,7 +233,17 @@ def recording(prog: str) -> Iterator[Recording]:
 
 
 def make_result(bench: str, command: str, kept: Recording, note: str = "") -> Result:
-    """The record, dated now (UTC), of a run of ``bench`` that just ended."""
+    """The record of a run that just ended.
+
+    Args:
+        bench: the bench's name.
+        command: the command line as run.
+        kept: what ``recording`` collected.
+        note: conditions to state beside the figures.
+
+    Returns:
+        The record, dated now (UTC).
+    """
     now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
     return Result(
         bench=bench,
@@ -214,15 +258,32 @@ def make_result(bench: str, command: str, kept: Recording, note: str = "") -> Re
 
 
 def write_result(result: Result, path: Path) -> Path:
-    """Write a record to ``path`` (creating its folder); returns ``path``."""
+    """Write a record (creating its folder).
+
+    Args:
+        result: the record.
+        path: the JSON file.
+
+    Returns:
+        ``path``.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(result.to_json(), encoding="utf-8")
     return path
 
 
 def results_by_name(folder: Path = RESULTS_DIR) -> dict[str, Result]:
-    """Every record in ``folder`` by its file name without ``.json``; ValueError naming a file
-    there that is not a record."""
+    """Every record in ``folder`` by its file name without ``.json``.
+
+    Args:
+        folder: the results folder.
+
+    Returns:
+        The records.
+
+    Raises:
+        ValueError: a file there is not a record (its name in the message).
+    """
     found = {}
     for path in sorted(folder.glob("*.json")):
         try:
@@ -233,7 +294,11 @@ def results_by_name(folder: Path = RESULTS_DIR) -> dict[str, Result]:
 
 
 def read_results(folder: Path = RESULTS_DIR) -> list[Result]:
-    """Every record in ``folder``, ordered by bench, then date, then file name."""
+    """Every record in ``folder``, ordered by bench, then date, then file name.
+
+    Raises:
+        ValueError: a file there is not a record (its name in the message).
+    """
     named = results_by_name(folder)
     order = sorted(named, key=lambda stem: (named[stem].bench, named[stem].date, stem))
     return [named[stem] for stem in order]
