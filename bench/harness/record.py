@@ -253,21 +253,6 @@ def make_result(bench: str, command: str, kept: Recording, note: str = "") -> Re
     )
 
 
-def write_result(result: Result, path: Path) -> Path:
-    """Write a record (creating its folder).
-
-    Args:
-        result: the record.
-        path: the JSON file.
-
-    Returns:
-        ``path``.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(result.to_json(), encoding="utf-8")
-    return path
-
-
 def results_by_name(folder: Path = RESULTS_DIR) -> dict[str, Result]:
     """Every record in ``folder`` by its file name without ``.json``.
 
