@@ -32,6 +32,7 @@ from common.logsetup import setup_logging
 from common.training.tables import format_table
 from launch.cluster.budgets import PREFIX, find_cpu_hierarchy
 from launch.local import LocalCluster, run_local
+from launch.procs import EventTail
 from pserver.history import check_history, read_history
 
 RUNS = {  # name: mode, shards, server options
@@ -73,11 +74,11 @@ class Chaos(threading.Thread):
         self.faults: list[dict[str, Any]] = []
         self.groups: set[int] = set()  # every process group seen: all must be gone at the end
         self._stopped: dict[int, float] = {}  # pid -> when to continue it
-        self._offset, self.training = 0, False
+        self._events, self.training = EventTail(metrics, 0), False
 
     def run(self) -> None:
         begin, due = time.monotonic(), None
-        while not self.finish.wait(0.5) and b'"event": "finish"' not in self._read():
+        while not self.finish.wait(0.5) and not self._finished():
             now = time.monotonic()
             for pid in [p for p, at in self._stopped.items() if at <= now]:
                 del self._stopped[pid]
@@ -92,18 +93,12 @@ class Chaos(threading.Thread):
     def _delay(self) -> float:
         return min(max(self.rng.expovariate(1 / self.mtbf_s), self.mtbf_s / 5), 3 * self.mtbf_s)
 
-    def _read(self) -> bytes:
-        """The whole lines written since the last look; notes when training started."""
-        try:
-            with self.metrics.open("rb") as f:
-                f.seek(self._offset)
-                text = f.read()
-        except FileNotFoundError:
-            return b""
-        text = text[: text.rfind(b"\n") + 1]
-        self._offset += len(text)
-        self.training |= b'"event": "train_start"' in text
-        return text
+    def _finished(self) -> bool:
+        """Whether the run wrote its ``finish`` event since the last look; notes when training
+        started."""
+        kinds = {event.get("event") for event in self._events.read()}
+        self.training |= "train_start" in kinds
+        return "finish" in kinds
 
     def _fault(self, t: float) -> None:
         """One fault, its kind drawn by ``WEIGHTS``, on a process of that kind (none when no

@@ -26,7 +26,6 @@ from bench.harness.record import (
     read_results,
     recording,
     results_by_name,
-    write_result,
 )
 from bench.report import README, RESULTS_DOC, readme_table, render, with_readme_table
 
@@ -139,7 +138,9 @@ def _bench_command(name: str, bench: Bench) -> click.Command:
         if not result.figures:
             click.echo("no name=value figures printed: no result kept", err=True)
             return
-        path = write_result(result, ctx.obj["out"] or RESULTS_DIR / f"{name}.json")
+        path = ctx.obj["out"] or RESULTS_DIR / f"{name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(result.to_json(), encoding="utf-8")
         click.echo(f"result: {path}", err=True)
 
     return click.Command(

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bench import ROOT
-from bench.harness.jasper import jasper_prologue
+from bench.harness.jasper import jasper, jasper_missing
 from bench.harness.record import parse_settings
 from common.data.dataset import DatasetReader
 from common.logsetup import setup_logging
@@ -189,18 +189,17 @@ def run_pslaunch(data: Path, factors: list[float], args: argparse.Namespace, out
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3, help="repeats (default 3)")
-    parser.add_argument("--epochs", type=int, default=10, help="epochs per run (default 10)")
-    parser.add_argument("--slowdowns", default="1,2,4", help="rank slowdowns (default 1,2,4)")
-    parser.add_argument("--global-batch", type=int, default=64, help="global batch (default 64)")
-    parser.add_argument("--seed", type=int, default=0, help="seed (default 0)")
-    parser.add_argument(
-        "--out", type=Path, default=ROOT / "runs/bench/ddp_fidelity", help="output directory"
-    )
-    parser.add_argument("--plain-rank", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--store-port", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--dataset", type=Path, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--result", default="", help=argparse.SUPPRESS)
+    add = parser.add_argument
+    add("--repeats", type=int, default=3, help="repeats (default 3)")
+    add("--epochs", type=int, default=10, help="epochs per run (default 10)")
+    add("--slowdowns", default="1,2,4", help="rank slowdowns (default 1,2,4)")
+    add("--global-batch", type=int, default=64, help="global batch (default 64)")
+    add("--seed", type=int, default=0, help="seed (default 0)")
+    add("--out", type=Path, default=ROOT / "runs/bench/ddp_fidelity", help="output directory")
+    add("--plain-rank", type=int, help=argparse.SUPPRESS)
+    add("--store-port", type=int, default=0, help=argparse.SUPPRESS)
+    add("--dataset", type=Path, help=argparse.SUPPRESS)
+    add("--result", default="", help=argparse.SUPPRESS)
     args = parse_settings(parser, argv)
     args.factors = [float(f) for f in args.slowdowns.split(",")]
     return args
@@ -214,9 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         plain_rank(args)
         return 0
     setup_logging("WARNING")
-    data = jasper_prologue(args.out)
-    if data is None:
+    if (reason := jasper_missing()) is not None:
+        print(reason)
         return 2
+    data = jasper(args.out)
     runners = {"plain": run_plain, "pslaunch": run_pslaunch}
     times: dict[str, list[Timing]] = {name: [] for name in runners}
     print(

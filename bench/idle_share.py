@@ -31,6 +31,8 @@ CONFIGS = (  # name, mode, further server options
     ("weighted-sync/model-no-spread", "weighted-sync", ("--no-plan-spread",)),
     ("weighted-sync/model+evals", "weighted-sync", ("--eval-every", "1")),
 )
+COLUMNS = ["config", "repeat", "idle share", "systematic idle", "OA", "train s", "rounds",
+           "sample shares"]  # fmt: skip
 
 
 def systematic_idle(run_dir: Path) -> float | None:
@@ -117,29 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             summary["systematic_idle"] = systematic_idle(run_dir)
             results[name].append(summary)
             final = summary.get("final") or {}
-            rows.append(
-                [
-                    name,
-                    repeat,
-                    summary["idle_share"],
-                    summary["systematic_idle"],
-                    final.get("oa"),
-                    summary["train_time_s"],
-                    summary["steps"],
-                    shares(summary),
-                ]
-            )
-    headers = [
-        "config",
-        "repeat",
-        "idle share",
-        "systematic idle",
-        "OA",
-        "train s",
-        "rounds",
-        "sample shares",
-    ]
-    print(format_table(headers, rows))
+            rows.append([name, repeat, summary["idle_share"], summary["systematic_idle"],
+                         final.get("oa"), summary["train_time_s"], summary["steps"],
+                         shares(summary)])  # fmt: skip
+    print(format_table(COLUMNS, rows))
     print()
     for name, summaries in results.items():
         idle = statistics.median(s["idle_share"] for s in summaries)

@@ -248,24 +248,21 @@ def measure(kind: str, opts: argparse.Namespace, folder: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--kinds", default="dataset", help="dataset, scene and/or coordinator (default dataset)"
-    )
-    parser.add_argument(
-        "--samples", type=int, help="images (default 9800 in a dataset, 8000 for the coordinator)"
-    )
-    parser.add_argument("--bands", type=int, help="bands (default 13 in a dataset, 64 in a scene)")
-    parser.add_argument("--size", type=int, default=64, help="dataset: image side (default 64)")
-    parser.add_argument("--rows", type=int, default=1200, help="scene: rows (default 1200)")
-    parser.add_argument("--cols", type=int, default=1200, help="scene: columns (default 1200)")
-    parser.add_argument("--model", default="scene-cnn", help="coordinator: model (scene-cnn)")
-    parser.add_argument("--cache-mb", type=int, default=256, help="coordinator: --cache-mb (256)")
-    parser.add_argument("--workers", type=int, default=1, help="coordinator: workers (default 1)")
-    parser.add_argument("--batch", type=int, default=16, help="coordinator: per worker (16)")
-    parser.add_argument("--steps", type=int, default=20, help="coordinator: --max-steps (20)")
-    parser.add_argument("--baseline", type=Path, help="coordinator: another checkout, run too")
-    parser.add_argument("--data", type=Path, help="coordinator: an existing dataset file")
-    parser.add_argument("--dir", type=Path, default=None, help="where to write the files")
+    add = parser.add_argument
+    add("--kinds", default="dataset", help="dataset, scene and/or coordinator (default dataset)")
+    add("--samples", type=int, help="images (default 9800 in a dataset, 8000 for the coordinator)")
+    add("--bands", type=int, help="bands (default 13 in a dataset, 64 in a scene)")
+    add("--size", type=int, default=64, help="dataset: image side (default 64)")
+    add("--rows", type=int, default=1200, help="scene: rows (default 1200)")
+    add("--cols", type=int, default=1200, help="scene: columns (default 1200)")
+    add("--model", default="scene-cnn", help="coordinator: model (scene-cnn)")
+    add("--cache-mb", type=int, default=256, help="coordinator: --cache-mb (256)")
+    add("--workers", type=int, default=1, help="coordinator: workers (default 1)")
+    add("--batch", type=int, default=16, help="coordinator: per worker (16)")
+    add("--steps", type=int, default=20, help="coordinator: --max-steps (20)")
+    add("--baseline", type=Path, help="coordinator: another checkout, run too")
+    add("--data", type=Path, help="coordinator: an existing dataset file")
+    add("--dir", type=Path, help="where to write the files")
     opts = parse_settings(parser, argv)
     kinds = opts.kinds.split(",")
     if not set(kinds) <= set(KINDS):

@@ -39,13 +39,7 @@ MACHINE_LABELS = {
     "system": "{}",
 }
 # The benches the README and the choice of a mode rest on come first; the rest by name.
-LEADING = (
-    "own-ground",
-    "time-to-target",
-    "idle-share",
-    "ddp-fidelity",
-    "multihost",
-)
+LEADING = ("own-ground", "time-to-target", "idle-share", "ddp-fidelity", "multihost")
 
 
 def _number(value: float) -> str:
@@ -60,7 +54,16 @@ def _cell(value: Any) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
+    """A Markdown table's lines, a ``|`` in a cell escaped.
+
+    Args:
+        columns: the header cells.
+        rows: the rows' cells (floats as ``_number`` prints them).
+
+    Returns:
+        The header line, the rule and a line per row.
+    """
     lines = ["| " + " | ".join(_cell(c) for c in columns) + " |"]
     lines.append("|" + "---|" * len(columns))
     lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
@@ -246,7 +249,7 @@ def own_ground_table(results: Sequence[Result]) -> list[str]:
     shown = [i for i in range(len(columns)) if any(row[i].strip("– /") for row in rows)]
     columns = [columns[i] for i in shown]
     rows = [[row[i] for i in shown] for row in rows]
-    return ["", *_table(columns, rows)]
+    return ["", *markdown_table(columns, rows)]
 
 
 def readme_table(results: dict[str, Result]) -> str:
@@ -282,7 +285,7 @@ def readme_table(results: dict[str, Result]) -> str:
             ]
         )
     own = own_ground_table(list(results.values()))
-    block = [README_START, *_table(README_COLUMNS, rows), *own, "", README_NOTE, README_END]
+    block = [README_START, *markdown_table(README_COLUMNS, rows), *own, "", README_NOTE, README_END]
     return "\n".join(block)
 
 

@@ -183,22 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     slowdowns = [float(s) for s in args.slowdowns.split(",")]
     rows = []
+    columns = ["variant", "max drop per seed", "median / max", "final OA"]
     for variant in args.variants.split(","):
         got = [run(data, variant, s, args.epochs, args.global_batch, slowdowns) for s in seeds]
         drops, finals = [d for d, _ in got], [f for _, f in got]
-        rows.append(
-            [
-                variant,
-                " ".join(f"{d:.3f}" for d in drops),
-                f"{statistics.median(drops):.3f} / {max(drops):.3f}",
-                f"{statistics.median(finals):.4f}",
-            ]
-        )
-        print(
-            format_table(["variant", "max drop per seed", "median / max", "final OA"], rows[-1:]),
-            flush=True,
-        )
-    print(format_table(["variant", "max drop per seed", "median / max", "final OA"], rows))
+        drop_range = f"{statistics.median(drops):.3f} / {max(drops):.3f}"
+        per_seed = " ".join(f"{d:.3f}" for d in drops)
+        rows.append([variant, per_seed, drop_range, f"{statistics.median(finals):.4f}"])
+        print(format_table(columns, rows[-1:]), flush=True)
+    print(format_table(columns, rows))
     for variant, _, drop, final in rows:
         print(f"max_drop_{variant}={drop.split(' / ')[0]} final_oa_{variant}={final}")
     return 0

@@ -213,49 +213,39 @@ def main(argv: list[str] | None = None, defaults: dict | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument("--repeats", type=int, default=1, help="runs per mode")
-    parser.add_argument("--regimes", default="small,heavy", help="regimes")
-    parser.add_argument(
+    add = parser.add_argument
+    add("--repeats", type=int, default=1, help="runs per mode")
+    add("--regimes", default="small,heavy", help="regimes")
+    add(
         "--slowdowns",
-        default=None,
         help="worker slowdowns (none: 1,1,2,4 on shared cores, 1 on an emulated cluster)",
     )
-    parser.add_argument("--epochs", type=int, default=None, help="epochs (none: the regime's)")
-    parser.add_argument(
-        "--target-oa", type=float, default=None, help="target OA (none: the regime's)"
-    )
-    parser.add_argument(
-        "--modes",
-        default=",".join(MODES),
-        help="modes to compare, among pslaunch compare's",
-    )
+    add("--epochs", type=int, help="epochs (none: the regime's)")
+    add("--target-oa", type=float, help="target OA (none: the regime's)")
+    add("--modes", default=",".join(MODES), help="modes to compare, among pslaunch compare's")
     add_cluster_arguments(parser)
-    parser.add_argument(
+    add(
         "--clusters",
         default=STATIC,
         help=f"clusters to run each regime on: {STATIC} (--cluster or --node-cpus, else shared "
         f"cores) or presets among {', '.join(sorted(PRESETS))}",
     )
-    parser.add_argument(
+    add(
         "--snapshot-every",
         type=int,
         default=2,
         help="updates between snapshots for time to target (0: per-epoch evaluations)",
     )
-    parser.add_argument(
+    add(
         "--worker-data",
         action="store_true",
         help="parameter-server workers read a local copy of the dataset (worker join --data), "
         "as DDP's ranks do, instead of pulling samples from the server",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the first repeat")
-    parser.add_argument(
-        "--same-seed", action="store_true", help="every repeat uses --seed (else seed + r - 1)"
-    )
-    parser.add_argument(
-        "--out", type=Path, default=ROOT / "runs/bench/time_to_target", help="output directory"
-    )
-    parser.add_argument(
+    add("--seed", type=int, default=0, help="seed of the first repeat")
+    add("--same-seed", action="store_true", help="every repeat uses --seed (else seed + r - 1)")
+    add("--out", type=Path, default=ROOT / "runs/bench/time_to_target", help="output directory")
+    add(
         "--reuse",
         action="store_true",
         help="take a repeat whose compare.json already holds every mode with the same settings "

@@ -32,13 +32,3 @@ def jasper(
             seed=0,
         )
     return path
-
-
-def jasper_prologue(out: Path, patch: int = 5, train_fraction: float = 0.1) -> Path | None:
-    """A Jasper Ridge bench's first step: the prepared dataset under ``out``, or None after
-    printing why it cannot be prepared (the bench then exits with status 2)."""
-    reason = jasper_missing()
-    if reason is not None:
-        print(reason)
-        return None
-    return jasper(out, patch, train_fraction)

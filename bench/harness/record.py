@@ -25,6 +25,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, TextIO
 
+import psutil
+
 from bench import ROOT
 
 RESULTS_DIR = ROOT / "bench" / "results"
@@ -145,12 +147,6 @@ def machine_facts() -> dict[str, Any]:
             if line.startswith("model name"):
                 cpu_model = line.split(":", 1)[1].strip()
                 break
-    memory_gib = 0.0
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text(encoding="utf-8").splitlines():
-            if line.startswith("MemTotal:"):
-                memory_gib = round(int(line.split()[1]) / 2**20, 1)
-                break
     try:
         torch_version = metadata.version("torch")
     except metadata.PackageNotFoundError:
@@ -159,7 +155,7 @@ def machine_facts() -> dict[str, Any]:
         "cpu_model": cpu_model,
         "cores": os.cpu_count() or 0,
         "load_average": [round(x, 2) for x in os.getloadavg()],
-        "memory_gib": memory_gib,
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "python": platform.python_version(),
         "torch": torch_version,
         "system": f"{platform.system()} {platform.release()}",
@@ -255,21 +251,6 @@ def make_result(bench: str, command: str, kept: Recording, note: str = "") -> Re
         figures=figures_in(kept.lines),
         note=note,
     )
-
-
-def write_result(result: Result, path: Path) -> Path:
-    """Write a record (creating its folder).
-
-    Args:
-        result: the record.
-        path: the JSON file.
-
-    Returns:
-        ``path``.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(result.to_json(), encoding="utf-8")
-    return path
 
 
 def results_by_name(folder: Path = RESULTS_DIR) -> dict[str, Result]:

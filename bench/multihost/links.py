@@ -46,46 +46,43 @@ def parse(argv: list[str] | None) -> BenchConfig:
     """Build the config from the command line (``--help`` lists every option)."""
     fmt = argparse.ArgumentDefaultsHelpFormatter
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=fmt)
-    p.add_argument("--workers", type=int, default=3, help="worker hosts N")
-    p.add_argument("--rate", default="1gbit", help="every link's rate (tc units)")
-    p.add_argument(
-        "--rates", default="", help="per host, server first (N+1 rates); overrides --rate"
-    )
+    add = p.add_argument
+    add("--workers", type=int, default=3, help="worker hosts N")
+    add("--rate", default="1gbit", help="every link's rate (tc units)")
+    add("--rates", default="", help="per host, server first (N+1 rates); overrides --rate")
     names = ", ".join(v.name for v in VARIANTS)
-    p.add_argument(
-        "--variants", default=",".join(DEFAULT_VARIANTS), help=f"PS variants of: {names}"
-    )
-    p.add_argument("--model", default="resnet18", help="model for every run")
-    p.add_argument("--size", type=int, default=32, help="image side of the synthetic scenes")
-    p.add_argument("--samples", type=int, default=2000, help="scenes in the dataset")
-    p.add_argument("--batch", type=int, default=8, help="samples per worker per step")
-    p.add_argument("--steps", type=int, default=12, help="PS updates (and DDP steps) per run")
-    p.add_argument("--warmup", type=int, default=2, help="PS rounds left out at the start")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every job")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker/rank")
-    p.add_argument("--probe-mb", type=float, default=0.0, help="MB per link check (0: 0.4 s worth)")
-    p.add_argument(
+    add("--variants", default=",".join(DEFAULT_VARIANTS), help=f"PS variants of: {names}")
+    add("--model", default="resnet18", help="model for every run")
+    add("--size", type=int, default=32, help="image side of the synthetic scenes")
+    add("--samples", type=int, default=2000, help="scenes in the dataset")
+    add("--batch", type=int, default=8, help="samples per worker per step")
+    add("--steps", type=int, default=12, help="PS updates (and DDP steps) per run")
+    add("--warmup", type=int, default=2, help="PS rounds left out at the start")
+    add("--repeats", type=int, default=3, help="interleaved repeats of every job")
+    add("--threads", type=int, default=1, help="torch threads per worker/rank")
+    add("--probe-mb", type=float, default=0.0, help="MB per link check (0: 0.4 s worth)")
+    add(
         "--compute-s",
         type=float,
         default=0.0,
         help="one step's compute (s) for the ratios, e.g. a GPU's; 0: fastest solo step here",
     )
-    p.add_argument(
+    add(
         "--mode",
         choices=MODES,
         default="weighted-sync",
         help="the parameter server's mode (equal-sync: every worker in every round, as the "
         "ring's ranks)",
     )
-    p.add_argument(
+    add(
         "--small-batch",
         type=int,
         default=1,
         help="samples per worker of each variant's small-compute run (0: none)",
     )
-    p.add_argument("--job-timeout", type=float, default=900.0, help="seconds one job may take")
-    p.add_argument("--out", type=Path, default=ROOT / "runs/multihost", help="output directory")
-    p.add_argument("--prefix", default="mh", help="namespace name prefix")
+    add("--job-timeout", type=float, default=900.0, help="seconds one job may take")
+    add("--out", type=Path, default=ROOT / "runs/multihost", help="output directory")
+    add("--prefix", default="mh", help="namespace name prefix")
     a = parse_settings(p, argv)
     rates = tuple(a.rates.split(",")) if a.rates else (a.rate,) * (a.workers + 1)
     variants = tuple(v for v in a.variants.split(",") if v)

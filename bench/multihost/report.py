@@ -7,6 +7,7 @@ from typing import Any
 
 from bench.harness.stats import spread_text
 from bench.multihost.config import BenchConfig
+from bench.report import markdown_table
 
 SMALL = "-small"  # the suffix of a variant's small-compute run (``--small-batch``)
 
@@ -41,6 +42,19 @@ def reference(gloo_runs: list[dict[str, Any]], compute_s: float = 0.0) -> dict[s
     }
 
 
+COLUMNS = (
+    "variant",
+    "samples from",
+    "round min / median / max (s)",
+    "communication median (s)",
+    "worker compute median (s, shared cores)",
+    "est. round, own cores (s)",
+    "× (all-reduce + compute)",
+    "communication × all-reduce",
+    "× DDP step (both on shared cores)",
+)
+
+
 def table(
     cfg: BenchConfig,
     gloo_runs: list[dict[str, Any]],
@@ -59,33 +73,21 @@ def table(
         The text to print and a JSON-ready dict of the figures.
     """
     ref = reference(gloo_runs, cfg.compute_s) if gloo_runs else None
-    lines = [
-        "| variant | samples from | round min / median / max (s) | communication median (s) "
-        "| worker compute median (s, shared cores) | est. round, own cores (s) "
-        "| × (all-reduce + compute) | communication × all-reduce "
-        "| × DDP step (both on shared cores) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows: list[list[str]] = []
     figures: dict[str, Any] = {"reference": ref, "variants": {}}
     if ref is not None:
-        lines.append(
-            f"| gloo all-reduce of the flat gradient | - | "
-            f"{spread_text(_pooled(gloo_runs, 'allreduce_s'))} | {ref['allreduce_s']:.3f} "
-            "| - | - | - | 1.00 | - |"
-        )
-        lines.append(
-            f"| one step's compute ({'given' if cfg.compute_s else 'fastest alone'}) "
-            "| local copy | - | - | "
-            f"{ref['compute_s']:.3f} | - | - | - | - |"
-        )
-        lines.append(
-            f"| **all-reduce + compute (reference)** | local copy | - | - | - | "
-            f"{ref['reference_s']:.3f} | 1.00 | - | - |"
-        )
-        lines.append(
-            f"| DDP step (gloo, bucketed, ranks compute at once) | local copy | "
-            f"{spread_text(_pooled(gloo_runs, 'ddp_step_s'))} | - | - | - | - | - | 1.00 |"
-        )
+        how = "given" if cfg.compute_s else "fastest alone"
+        allreduce, steps = _pooled(gloo_runs, "allreduce_s"), _pooled(gloo_runs, "ddp_step_s")
+        rows += [
+            ["gloo all-reduce of the flat gradient", "-", spread_text(allreduce),
+             f"{ref['allreduce_s']:.3f}", "-", "-", "-", "1.00", "-"],
+            [f"one step's compute ({how})", "local copy", "-", "-",
+             f"{ref['compute_s']:.3f}", "-", "-", "-", "-"],
+            ["**all-reduce + compute (reference)**", "local copy", "-", "-", "-",
+             f"{ref['reference_s']:.3f}", "1.00", "-", "-"],
+            ["DDP step (gloo, bucketed, ranks compute at once)", "local copy",
+             spread_text(steps), "-", "-", "-", "-", "-", "1.00"],
+        ]  # fmt: skip
     suffixes = ("", SMALL) if cfg.small_batch else ("",)
     for name in [v + suffix for v in cfg.variants for suffix in suffixes]:
         variant = cfg.variant(name.removesuffix(SMALL))
@@ -93,7 +95,7 @@ def table(
         runs = ps_runs.get(name, [])
         if not runs:
             why = "; ".join(failures.get(name, ["no run"]))[:200]
-            lines.append(f"| {name} | {source} | failed: {why} | | | | | | |")
+            rows.append([name, source, f"failed: {why}", *[""] * 6])
             continue
         rounds, comm = _pooled(runs, "round_s"), _pooled(runs, "comm_s")
         compute = _pooled(runs, "compute_s")
@@ -123,11 +125,11 @@ def table(
                 f"{row['ratio_ddp_step']:.2f}",
             ]
         figures["variants"][name] = row
-        lines.append(
-            f"| {name} | {source} | {spread_text(rounds)} | {row['comm_s_median']:.3f} | "
-            f"{row['compute_s_median']:.3f} | {' | '.join(cells)} |"
-        )
-    return "\n".join(lines), figures
+        rows.append(
+            [name, source, spread_text(rounds), f"{row['comm_s_median']:.3f}",
+             f"{row['compute_s_median']:.3f}", *cells]
+        )  # fmt: skip
+    return "\n".join(markdown_table(COLUMNS, rows)), figures
 
 
 def legend(cfg: BenchConfig, figures: dict[str, Any], params: int | None) -> str:

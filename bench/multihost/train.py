@@ -96,39 +96,30 @@ def main(argv: list[str] | None = None) -> int:
     every run finished (or the bench cannot run here)."""
     fmt = argparse.ArgumentDefaultsHelpFormatter
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=fmt)
-    p.add_argument("--workers", type=int, default=3, help="worker hosts (DDP ranks)")
-    p.add_argument(
-        "--links", help="every node's link rate (tc units) (default: the preset's, else 1gbit)"
-    )
-    p.add_argument(
+    add = p.add_argument
+    add("--workers", type=int, default=3, help="worker hosts (DDP ranks)")
+    add("--links", help="every node's link rate (tc units) (default: the preset's, else 1gbit)")
+    add(
         "--slowdowns",
-        default=None,
         help="slowdown per worker (and rank) (default: 1,1,2 without budgets, 1 with them)",
     )
     add_cluster_arguments(p)
-    p.add_argument("--model", default="resnet18", help="model for every run")
-    p.add_argument(
+    add("--model", default="resnet18", help="model for every run")
+    add(
         "--data",
         choices=("hsi", "scenes"),
         default="hsi",
         help="synthetic hyperspectral patches (32 bands, 6 classes) or 3-band scenes (10 classes)",
     )
-    p.add_argument(
-        "--size", type=int, help="hsi: the scene's side (default 64); scenes: image side (32)"
-    )
-    p.add_argument("--patch", type=int, default=11, help="hsi: patch side")
-    p.add_argument("--samples", type=int, default=750, help="scenes: images (80 %% train)")
-    p.add_argument("--global-batch", type=int, default=36, help="global batch B")
-    p.add_argument("--epochs", type=int, default=3, help="epochs per run")
-    p.add_argument(
-        "--lr-schedule",
-        choices=SCHEDULES,
-        default="cosine",
-        help="for every run",
-    )
-    p.add_argument("--repeats", type=int, default=2, help="interleaved repeats (seed = repeat)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"among {', '.join(MODES)}")
-    p.add_argument("--out", type=Path, default=ROOT / "runs/mh_train", help="output directory")
+    add("--size", type=int, help="hsi: the scene's side (default 64); scenes: image side (32)")
+    add("--patch", type=int, default=11, help="hsi: patch side")
+    add("--samples", type=int, default=750, help="scenes: images (80 %% train)")
+    add("--global-batch", type=int, default=36, help="global batch B")
+    add("--epochs", type=int, default=3, help="epochs per run")
+    add("--lr-schedule", choices=SCHEDULES, default="cosine", help="for every run")
+    add("--repeats", type=int, default=2, help="interleaved repeats (seed = repeat)")
+    add("--modes", default=",".join(MODES), help=f"among {', '.join(MODES)}")
+    add("--out", type=Path, default=ROOT / "runs/mh_train", help="output directory")
     args = parse_settings(p, argv)
     setup_logging("INFO", "mh_train ")
     reason = available()
