@@ -32,11 +32,8 @@ def enabled() -> bool:
 
 
 def start(role: str) -> None:
-    """Open this process's trace file (no-op when tracing is off or already started).
-
-    Args:
-        role: what the process is (``worker``, ``shard``, ``server``): the file's prefix.
-    """
+    """Open this process's trace file, named after its ``role`` (``worker``, ``shard``,
+    ``server``); a no-op when tracing is off or already started."""
     global _sink
     if not _directory or _sink is not None:
         return
@@ -47,12 +44,8 @@ def start(role: str) -> None:
 
 
 def mark(event: str, **fields: Any) -> None:
-    """Record that ``event`` happens now (no-op unless ``start`` opened a trace file).
-
-    Args:
-        event: the stage's name.
-        fields: JSON-ready values that identify the round (task id, version, offset).
-    """
+    """Record that the stage ``event`` happens now, with JSON-ready ``fields`` that identify
+    the round (task id, version, offset); a no-op unless ``start`` opened a trace file."""
     global _pending
     if _sink is None:
         return
