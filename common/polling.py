@@ -22,8 +22,18 @@ def poll_until(
 
     The predicate is called at once, then every ``interval`` seconds, and once more at the
     deadline; it may raise to give up early (e.g. when the process it waits for has exited).
-    Returns its first truthy result; WaitTimeout, naming ``what`` (e.g. "the server's start
-    event"), when it stayed falsy for ``timeout`` seconds.
+
+    Args:
+        predicate: what is waited for; its first truthy result is returned.
+        timeout: seconds to wait at most.
+        interval: seconds between calls.
+        what: what is waited for, for the error message (e.g. "the server's start event").
+
+    Returns:
+        The predicate's first truthy result.
+
+    Raises:
+        WaitTimeout: the predicate stayed falsy for ``timeout`` seconds.
     """
     deadline = time.monotonic() + timeout
     while True:
@@ -42,8 +52,20 @@ async def poll_until_async(
     interval: float = 0.01,
     what: str = "the condition",
 ) -> T:
-    """``poll_until`` for a coroutine: the event loop runs between the calls (the predicate
-    is a plain function and must not block)."""
+    """``poll_until`` for a coroutine: the event loop runs between the calls.
+
+    Args:
+        predicate: what is waited for (a plain function; it must not block).
+        timeout: seconds to wait at most.
+        interval: seconds between calls.
+        what: what is waited for, for the error message.
+
+    Returns:
+        The predicate's first truthy result.
+
+    Raises:
+        WaitTimeout: the predicate stayed falsy for ``timeout`` seconds.
+    """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:

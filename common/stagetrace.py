@@ -32,8 +32,11 @@ def enabled() -> bool:
 
 
 def start(role: str) -> None:
-    """Open this process's trace file, named after its ``role`` (``worker``, ``shard``,
-    ``server``); a no-op when tracing is off or already started."""
+    """Open this process's trace file (no-op when tracing is off or already started).
+
+    Args:
+        role: what the process is (``worker``, ``shard``, ``server``): the file's prefix.
+    """
     global _sink
     if not _directory or _sink is not None:
         return
@@ -44,8 +47,12 @@ def start(role: str) -> None:
 
 
 def mark(event: str, **fields: Any) -> None:
-    """Record that the stage ``event`` happens now, with JSON-ready ``fields`` that identify
-    the round (task id, version, offset); a no-op unless ``start`` opened a trace file."""
+    """Record that ``event`` happens now (no-op unless ``start`` opened a trace file).
+
+    Args:
+        event: the stage's name.
+        fields: JSON-ready values that identify the round (task id, version, offset).
+    """
     global _pending
     if _sink is None:
         return

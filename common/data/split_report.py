@@ -50,8 +50,15 @@ def within_tolerance(requested: float, row: ClassSplit) -> bool:
 
 
 def class_splits(meta: DatasetMeta) -> list[ClassSplit]:
-    """Per-class counts of a dataset file: labelled counts from ``labelled_per_class``
-    (written by ``prepare hsi``), else train + test."""
+    """Per-class counts of a dataset file.
+
+    Args:
+        meta: the file's metadata; ``labelled_per_class`` (written by ``prepare hsi``) gives
+            the labelled counts, else train + test.
+
+    Returns:
+        One ``ClassSplit`` per class.
+    """
     train, test = meta.class_counts["train"], meta.class_counts["test"]
     labelled: Sequence[int] = meta.attrs.get("labelled_per_class") or [
         a + b for a, b in zip(train, test, strict=True)
@@ -65,8 +72,17 @@ def class_splits(meta: DatasetMeta) -> list[ClassSplit]:
 def split_warnings(
     rows: Sequence[ClassSplit], requested: float, patch: int | None, split: str
 ) -> list[str]:
-    """One warning line (no prefix) per problem, each with what to change; empty when the
-    split keeps its promise. ``patch`` is None for whole images."""
+    """One line per problem, each with what to change.
+
+    Args:
+        rows: per-class counts.
+        requested: the requested training fraction.
+        patch: the patch side (None for whole images).
+        split: ``random`` or ``disjoint``.
+
+    Returns:
+        Warning lines (no prefix); empty when the split keeps its promise.
+    """
     smaller = "a smaller --patch or --train-fraction" if patch else "a smaller --train-fraction"
     out = [
         f"class {row.name!r}: {row.train_fraction:.3f} of its {row.labelled} pixels train, "
@@ -95,7 +111,16 @@ def split_warnings(
 
 
 def split_table(rows: Sequence[ClassSplit], requested: float, split: str) -> list[str]:
-    """The lines of the per-class table printed after a split."""
+    """The per-class table printed after a split.
+
+    Args:
+        rows: per-class counts.
+        requested: the requested training fraction.
+        split: ``random`` or ``disjoint``.
+
+    Returns:
+        Lines of text.
+    """
     width = max([len(r.name) for r in rows] + [5])
     lines = [
         f"{split} split, train fraction {requested:g} requested per class "

@@ -15,7 +15,12 @@ def stratified_split(
 
     Each class with n samples gets ``round(train_fraction * n)`` training samples, at least 1
     and, when n >= 2, at most n - 1 (so every class present is in both splits if it can be).
-    ``num_classes`` defaults to ``y.max() + 1``.
+
+    Args:
+        y: labels (N,) in [0, num_classes).
+        train_fraction: fraction of each class used for training, in (0, 1).
+        seed: seed of the random permutation.
+        num_classes: number of classes (default ``y.max() + 1``).
 
     Returns:
         ``(train_idx, test_idx)``: sorted, disjoint int64 arrays that together cover 0..N-1.

@@ -74,8 +74,15 @@ class Connection:
             self._poller.register(self._abort, zmq.POLLIN)
 
     def request(self, message: Message, timeout_s: float | None = None, *, expect: type[M]) -> M:
-        """Send ``message`` and return the server's reply, an ``expect``; ``timeout_s`` None
-        waits the connection's default.
+        """Send ``message`` and return the server's reply.
+
+        Args:
+            message: the request.
+            timeout_s: how long to wait; the connection's default if None.
+            expect: the reply type the request must get.
+
+        Returns:
+            The reply message.
 
         Raises:
             NetworkTimeout: no reply in time.

@@ -35,8 +35,14 @@ LIVE_OUTPUTS = 3
 
 def bytes_per_sample(model: nn.Module, shape: tuple[int, ...]) -> int:
     """What one sample occupies during an evaluation: its float32 input plus ``LIVE_OUTPUTS``
-    times the largest output of any module, measured on one zero sample (at least 1). The
-    model must be in eval mode, where a forward pass changes no state.
+    times the largest output of any module, measured on one zero sample.
+
+    Args:
+        model: the model, in eval mode (a forward pass changes no state then).
+        shape: one sample's shape (C, H, W).
+
+    Returns:
+        Bytes per sample, at least 1.
     """
     largest = 0
 
@@ -60,8 +66,14 @@ class Evaluator:
 
     Test samples are read and scored in blocks of at most ``batch`` samples and at most
     ``block_bytes`` (samples as read plus activations, see ``bytes_per_sample``), so the
-    memory an evaluation takes does not grow with the size of the samples or of the split (a
-    block holds at least one sample). This object keeps ``model``.
+    memory an evaluation takes does not grow with the size of the samples or of the split.
+
+    Args:
+        model: a model of the run's architecture (this object keeps it).
+        reader: the dataset, read in blocks of test samples.
+        num_classes: classes of the dataset.
+        batch: evaluation batch size at most.
+        block_bytes: bytes one block may take at most (at least one sample per block).
     """
 
     def __init__(
@@ -128,8 +140,18 @@ def record_evaluation(
     """Log the ``eval`` event (docs/run-files.md) and the matching progress line.
 
     The event also carries the per-class ``accuracy`` and ``support`` and the ``confusion``
-    matrix, from which the summary's ``per_class`` is built. ``t`` defaults to now, which
-    keeps the log in time order. Returns the event as recorded.
+    matrix, from which the summary's ``per_class`` is built.
+
+    Args:
+        run_log: the run's log.
+        scores: the evaluation's result.
+        t: the event's time (default: now, which keeps the log in time order).
+        version, epoch, samples: what was evaluated.
+        eval_s: how long the evaluation took.
+        extra: more fields for the event.
+
+    Returns:
+        The event as recorded.
     """
     record = run_log.event(
         "eval",

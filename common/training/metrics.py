@@ -28,7 +28,14 @@ class Scores:
     confusion: tuple[tuple[int, ...], ...] = ()
 
     def per_class(self, names: Sequence[str]) -> dict[str, Any]:
-        """The ``per_class`` map of ``summary.json``; ``names`` has one per confusion row."""
+        """The ``per_class`` map of ``summary.json``.
+
+        Args:
+            names: the class names, one per row of the confusion matrix.
+
+        Returns:
+            ``{"names", "accuracy", "support", "confusion"}``.
+        """
         return {
             "names": list(names),
             "accuracy": list(self.accuracy),
@@ -44,8 +51,15 @@ def confusion_matrix(y_true: np.ndarray, y_pred: np.ndarray, num_classes: int) -
 
 
 def scores_from_confusion(matrix: np.ndarray, loss: float) -> Scores:
-    """OA, AA, kappa and per-class accuracy from ``m[true, pred]`` counts, with the mean
-    ``loss`` carried along; OA, AA and kappa are zero for an empty matrix."""
+    """OA, AA, kappa and per-class accuracy from a confusion matrix.
+
+    Args:
+        matrix: ``m[true, pred]`` counts.
+        loss: the mean loss to carry along.
+
+    Returns:
+        The scores; OA, AA and kappa are zero for an empty matrix.
+    """
     support = matrix.sum(axis=1)
     diag = np.diag(matrix).astype(np.float64)
     pairs = zip(diag.tolist(), support.tolist(), strict=True)

@@ -40,8 +40,16 @@ def final_eval(evals: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def per_class_of(evals: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str, Any] | None:
-    """The ``per_class`` map of the final evaluation (the highest version) among ``evals``,
-    or None without an evaluation that carries per-class results."""
+    """The ``per_class`` map of the final evaluation (the highest version).
+
+    Args:
+        evals: every ``eval`` record.
+        names: the dataset's class names.
+
+    Returns:
+        ``{"names", "accuracy", "support", "confusion"}``, or None without an evaluation
+        that carries per-class results.
+    """
     final = final_eval(evals)
     if final is None or "accuracy" not in final:
         return None

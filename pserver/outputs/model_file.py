@@ -62,8 +62,14 @@ class LoadedModel:
 
     @torch.inference_mode()
     def probabilities(self, batch: np.ndarray) -> np.ndarray:
-        """Float32 (N, K) softmax probabilities of a (N, C, H, W) batch of raw samples (values
-        as in the source data)."""
+        """Class probabilities of a batch of raw samples.
+
+        Args:
+            batch: float32 (N, C, H, W) raw values (as in the source data).
+
+        Returns:
+            float32 (N, K) softmax probabilities.
+        """
         x = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32)).to(self.device)
         return torch.softmax(self.module(x), dim=1).float().cpu().numpy()
 

@@ -32,8 +32,15 @@ def parse_bands(text: str, bands: int) -> tuple[int, int, int]:
 
 
 def composite(cube: Cube, bands: Sequence[int]) -> np.ndarray:
-    """Three bands (red, green, blue) as a (rows, cols, 3) float32 RGB image in [0, 1], each
-    stretched from its 2nd to its 98th percentile; the cube is read a band of rows at a time."""
+    """Three bands as an RGB image, each stretched from its 2nd to its 98th percentile.
+
+    Args:
+        cube: the scene (read a band of rows at a time).
+        bands: three band indices (red, green, blue).
+
+    Returns:
+        (rows, cols, 3) float32 in [0, 1].
+    """
     rows, cols, nbands = cube.shape
     step = rows_per_band(cols, nbands, 1)
     parts = [
@@ -52,8 +59,12 @@ def composite(cube: Cube, bands: Sequence[int]) -> np.ndarray:
 def dataset_pixels(
     path: str | os.PathLike[str], shape: tuple[int, int], fingerprint: str | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The test pixels of a prepared scene (``prepare hsi`` output) of ``shape`` and the class
-    map its file holds; a file whose fingerprint differs from ``fingerprint`` is refused.
+    """The test pixels of a prepared scene and the class map its file holds.
+
+    Args:
+        path: the dataset file the model was trained on (``prepare hsi`` output).
+        shape: (rows, cols) of the scene being mapped.
+        fingerprint: the model's training data; a different file is refused.
 
     Returns:
         ``(test_mask, labels)``: (rows, cols) bool, and (rows, cols) int64 with k + 1 for

@@ -55,9 +55,13 @@ class GdalCube(Cube):
     windowed = True
 
     def __init__(self, path: Path, what: str = "GeoTIFF", *, driver: str | None = None) -> None:
-        """Open ``path`` (for ENVI, the data file beside its .hdr) with GDAL's ``driver`` (None:
-        GDAL picks); with ``ENVI`` the header GDAL read is checked against the data file's
-        size. ``what`` names the format in messages.
+        """Open ``path``.
+
+        Args:
+            path: the raster (for ENVI, the data file beside its .hdr).
+            what: the format's name in messages.
+            driver: the GDAL driver to open it with (None: GDAL picks); with ``ENVI`` the
+                header GDAL read is checked against the data file's size.
 
         Raises:
             DatasetError: the file is not a readable raster, its bands are not numbers of
@@ -117,9 +121,17 @@ def write_class_geotiff(
     """Write a class map as a single-band GeoTIFF: 0 = no data, class k stored as k + 1.
 
     The band carries a colour table (one colour per class) and the class names (tag
-    ``CLASS_NAMES``, a JSON list, and ``CLASS_<k+1>`` per class). Indices K or more in
-    ``classes`` are no data; ``georef`` (CRS and transform) is kept as is, None writes none.
-    DatasetError: the file cannot be written.
+    ``CLASS_NAMES``, a JSON list, and ``CLASS_<k+1>`` per class).
+
+    Args:
+        path: the file to write.
+        classes: (rows, cols) class indices 0..K-1 (K or more: no data, stored as 0).
+        georef: the input's georeferencing (CRS and transform), kept as is; None writes none.
+        class_names: K names.
+        colours: K RGB colours (0-255).
+
+    Raises:
+        DatasetError: the file cannot be written.
     """
     import rasterio
     from rasterio.transform import Affine

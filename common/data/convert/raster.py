@@ -47,8 +47,18 @@ class Cube:
     windowed: bool = False
 
     def read_rows(self, start: int, stop: int) -> np.ndarray:
-        """Rows ``start`` to ``stop`` (exclusive), every column and band, in the stored dtype;
-        DatasetError when the rows are out of range or cannot be read."""
+        """Rows ``start`` to ``stop`` (exclusive), every column and band.
+
+        Args:
+            start: first row.
+            stop: one past the last row.
+
+        Returns:
+            A (stop - start, cols, bands) array of the stored dtype.
+
+        Raises:
+            DatasetError: the rows are out of range or cannot be read.
+        """
         raise NotImplementedError
 
     def _check_rows(self, start: int, stop: int) -> None:
@@ -71,7 +81,15 @@ class ArrayCube(Cube):
     """A scene held in memory (a .mat cube, or an array made by the caller)."""
 
     def __init__(self, array: np.ndarray, spec: str = "<array>") -> None:
-        """Wrap a numeric (rows, cols, bands) ``array`` (else DatasetError), named ``spec``."""
+        """Wrap ``array``.
+
+        Args:
+            array: (rows, cols, bands) numeric array.
+            spec: a name for messages.
+
+        Raises:
+            DatasetError: the array is not 3-D and numeric.
+        """
         if array.ndim != 3 or array.dtype.kind not in "biuf":
             raise DatasetError(
                 f"cube {spec} must be a numeric (rows, cols, bands) array, "
