@@ -49,8 +49,12 @@ def quiet_torch() -> Iterator[None]:
 
 class RawInput(nn.Module):
     """A classifier that takes raw samples: the per-band normalisation of training, then the
-    network (which takes normalised (N, C, H, W) input), with the per-band (C,) ``mean`` and
-    ``std`` of training.
+    network.
+
+    Args:
+        network: the trained model, taking normalised (N, C, H, W) input.
+        mean: per-band mean (C,) subtracted during training.
+        std: per-band std (C,) divided by during training.
     """
 
     def __init__(self, network: nn.Module, mean: np.ndarray, *, std: np.ndarray) -> None:
@@ -207,8 +211,13 @@ def _dataset_path(config: ExportConfig, record: dict[str, Any]) -> Path:
 
 
 def build_classifier(config: ExportConfig) -> tuple[RawInput, dict[str, Any]]:
-    """Rebuild the run's model from a checkpoint, with the normalisation in front, in eval
-    mode; with its metadata.
+    """Rebuild the run's model from a checkpoint, with the normalisation in front.
+
+    Args:
+        config: the validated export configuration.
+
+    Returns:
+        ``(module in eval mode, metadata)``.
 
     Raises:
         ConfigError: no checkpoint, no dataset, or they do not belong together.
@@ -250,8 +259,13 @@ def export(config: ExportConfig) -> dict[str, Any]:
     ``program``: a ``torch.export`` program of ``RawInput`` with a dynamic batch size, saved
     with ``torch.export.save`` and the metadata as the extra file ``meta.json``; it loads with
     plain torch (``torch.export.load(path).module()``), without this project. ``state-dict``:
-    ``{"format", "meta", "state_dict"}`` for ``torch.load(path, weights_only=True)``. Returns
-    the metadata written with the model.
+    ``{"format", "meta", "state_dict"}`` for ``torch.load(path, weights_only=True)``.
+
+    Args:
+        config: what to export.
+
+    Returns:
+        The metadata written with the model.
 
     Raises:
         ConfigError, DatasetError, ModelError: see ``build_classifier``; ModelError also when

@@ -54,8 +54,15 @@ MIN_DISTANCE = 60.0  # RGB distance below which two colours count as the same
 
 
 def extend(base: Sequence[RGB], num_classes: int) -> list[RGB]:
-    """``base`` for the first classes, then evenly spread hues (no greys, never black), for
-    ``num_classes`` colours in all; the same inputs always give the same list."""
+    """``base`` for the first classes, then evenly spread hues (no greys, never black).
+
+    Args:
+        base: the palette's own colours.
+        num_classes: K.
+
+    Returns:
+        K colours; the same inputs always give the same list.
+    """
     out = list(base[:num_classes])
     golden = 0.618033988749895
     for k in range(len(out), num_classes):
@@ -99,8 +106,12 @@ def parse_colour(text: str) -> RGB:
 def resolve_palette(
     spec: str, names: Sequence[str], from_gt: Sequence[RGB] | None = None
 ) -> tuple[list[RGB], str]:
-    """The colour of each class from ``spec``: ``auto`` (``from_gt``, the ground-truth file's
-    colours, if it has them), a built-in name, colours in class order, or ``name=colour`` pairs.
+    """The colour of each class.
+
+    Args:
+        spec: ``auto``, a built-in name, colours in class order, or ``name=colour`` pairs.
+        names: the K class names.
+        from_gt: colours found in the ground-truth file (used by ``auto``).
 
     Returns:
         ``(colours, where)``: K RGB triples and a few words on where they came from.
@@ -166,7 +177,13 @@ def ground_truth_colours(spec: str) -> list[RGB] | None:
 
     Read from a .mat variable ``class_colours``/``class_colors``/``palette`` (K x 3, 0-1 or
     0-255) or an ENVI header's ``class lookup`` (its first triple is class 0, dropped).
-    GeoTIFF colour tables are not read. None when the ``--gt`` file has none.
+    GeoTIFF colour tables are not read.
+
+    Args:
+        spec: the ``--gt`` value.
+
+    Returns:
+        The colours, or None when the file has none.
 
     Raises:
         DatasetError: a colour variable exists but is not K x 3 numbers.

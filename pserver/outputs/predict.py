@@ -54,9 +54,16 @@ def predict_scene(
     The cube is read a band of rows at a time (windowed for ENVI and GeoTIFF), and patches go
     to the model ``batch`` at a time, so memory holds one band, one batch and the map itself.
     A pixel whose patch holds a NaN or infinite value is not classified: it gets the no-data
-    index K (``nodata_index``; count them with ``count_nodata``). ``proba``, when given, is a
-    C-contiguous (rows, cols, K) float32 array to fill with the softmax class probabilities
-    (NaN for no data); the map is then their argmax, else the argmax of the logits.
+    index K (``nodata_index``; count them with ``count_nodata``).
+
+    Args:
+        model: an exported pixel classifier (kind ``hsi``).
+        cube: the scene, with the model's band count.
+        batch: patches per forward pass.
+        progress: show a progress bar (pixels) on stderr.
+        proba: a C-contiguous (rows, cols, K) float32 array to fill with the softmax class
+            probabilities (NaN for no data); the map is then their argmax. None: the argmax
+            of the logits.
 
     Returns:
         The (rows, cols) class indices 0..K-1, K for no data (uint8 for up to 255 classes,
@@ -116,8 +123,15 @@ def count_nodata(classes: np.ndarray, class_names: list[str]) -> int:
 
 def score_map(classes: np.ndarray, gt: np.ndarray, num_classes: int) -> Scores:
     """OA, AA, kappa and per-class accuracy of a map on the labelled pixels of ``gt`` that were
-    classified (no-data pixels, index K, are left out); ``gt`` has 0 = unlabelled, k + 1 =
-    class k. The loss is NaN: a map has no loss.
+    classified (no-data pixels, index K, are left out).
+
+    Args:
+        classes: (rows, cols) predicted class indices.
+        gt: (rows, cols) ground truth, 0 = unlabelled, k + 1 = class k.
+        num_classes: K.
+
+    Returns:
+        The scores (loss is NaN: a map has no loss).
 
     Raises:
         DatasetError: the shapes differ or ``gt`` has labels above K.

@@ -128,8 +128,15 @@ def _check_meta(document: Any, path: Path) -> SnapshotMeta:
 
 
 def read(path: Path, state_size: int, with_state: bool = True) -> tuple[SnapshotMeta, np.ndarray]:
-    """Read and check one snapshot (sizes are checked before anything is loaded): its metadata
-    and its float32 state of ``state_size`` values (empty without ``with_state``).
+    """Read and check one snapshot (sizes are checked before anything is loaded).
+
+    Args:
+        path: the snapshot file.
+        state_size: values the run's state holds.
+        with_state: also load the state (else an empty array is returned).
+
+    Returns:
+        Its metadata and its float32 state.
 
     Raises:
         SnapshotError: the file is unreadable, has unexpected members or sizes, bad
@@ -197,10 +204,15 @@ def read_run_file(directory: Path) -> dict[str, Any]:
 
 
 class SnapshotWriter:
-    """Saves every ``every``-th version to ``run_dir/snapshots`` as the server publishes it,
-    off the event loop; beyond ``limit`` snapshots the interval doubles (see module doc).
-    ``info`` is what ``run.json`` records about the run. Snapshots after ``resumed_at`` (the
-    version a resumed run continues from) belong to work that is redone, and are deleted.
+    """Saves every N-th version as the server publishes it, off the event loop.
+
+    Args:
+        run_dir: the run directory (snapshots go to ``run_dir/snapshots``).
+        every: the interval in updates.
+        limit: snapshots kept at most; beyond it the interval doubles (see module doc).
+        info: what ``run.json`` records about the run (model, dataset, fingerprint, ...).
+        resumed_at: the version a resumed run continues from: snapshots of later versions
+            belong to work that is redone, and are deleted.
     """
 
     def __init__(
