@@ -22,10 +22,17 @@ _ROTATIONS = (0, 1, 2, 3)
 
 
 def dihedral(x: torch.Tensor, code: int) -> torch.Tensor:
-    """Apply dihedral transform ``code`` (0..7, else ValueError) to the last two axes of ``x``.
+    """Apply dihedral transform ``code`` to the last two axes of ``x``.
 
-    ``code`` is ``4 * flip + k``: flip the width axis, then rotate by k quarter turns (1, 3, 5
-    and 7 swap H and W). A new tensor, except for code 0, which returns ``x``.
+    Args:
+        x: a tensor (..., H, W); codes 1, 3, 5 and 7 swap H and W.
+        code: 0..7, ``4 * flip + k`` (flip the width axis, then rotate by k quarter turns).
+
+    Returns:
+        The transformed tensor (a new tensor, except for code 0, which returns ``x``).
+
+    Raises:
+        ValueError: ``code`` is not in 0..7.
     """
     if code not in DIHEDRAL:
         raise ValueError(f"dihedral code must be in 0..7, got {code!r}")
@@ -54,10 +61,14 @@ class Augmenter:
     only; identity or half turn with rotations only on non-square images), and samples are
     transformed in at most 8 vectorised groups. Spectral noise adds one Gaussian offset per
     sample and band (the same over all pixels), with standard deviation ``noise`` in the units
-    of the normalised data (unit per-band variance), so it perturbs each sample's spectrum;
-    0 disables it. ``flips`` draws random horizontal and vertical flips, ``rotations`` random
-    rotations by multiples of 90 degrees (quarter turns only when H == W); ``seed`` is the
-    run's (``JoinReply.seed``).
+    of the normalised data (unit per-band variance), so it perturbs each sample's spectrum.
+
+    Args:
+        seed: the run's seed (``JoinReply.seed``).
+        flips: draw random horizontal and vertical flips.
+        rotations: draw random rotations by multiples of 90 degrees (quarter turns only when
+            H == W).
+        noise: standard deviation of the per-sample, per-band offset; 0 disables it.
 
     Raises:
         ConfigError: ``noise`` is negative or not finite.
@@ -77,8 +88,15 @@ class Augmenter:
         )
 
     def codes_allowed(self, height: int, width: int) -> tuple[int, ...]:
-        """The dihedral codes this augmenter draws from for images of ``height`` x ``width``;
-        always containing 0 (the identity)."""
+        """The dihedral codes this augmenter draws from for images of ``height`` x ``width``.
+
+        Args:
+            height: H.
+            width: W.
+
+        Returns:
+            A tuple of codes in 0..7, always containing 0 (the identity).
+        """
         square = height == width
         if self.flips and self.rotations and square:
             return DIHEDRAL
@@ -91,9 +109,16 @@ class Augmenter:
     def draw(
         self, shape: tuple[int, ...] | torch.Size, step_key: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The random choices for a batch of ``shape`` (n, C, H, W) and key ``step_key`` (the
-        task id), without applying them: int64 (n,) dihedral codes and float32 (n, C, 1, 1)
-        spectral offsets already scaled by ``noise`` (None when ``noise`` is 0), on the CPU."""
+        """The random choices for one batch, without applying them.
+
+        Args:
+            shape: the batch shape (n, C, H, W).
+            step_key: the key of this batch (the task id).
+
+        Returns:
+            ``(codes, offsets)``: int64 (n,) dihedral codes and float32 (n, C, 1, 1) spectral
+            offsets already scaled by ``noise`` (None when ``noise`` is 0), both on the CPU.
+        """
         n, c, h, w = shape
         gen = _generator(self.seed, step_key)
         # Codes first, noise second, always from the CPU generator, so the draws do not
@@ -106,9 +131,20 @@ class Augmenter:
         return codes, offsets
 
     def __call__(self, x: torch.Tensor, step_key: int) -> torch.Tensor:
-        """Augment a float (n, C, H, W) batch on any device (else ValueError); the same
-        ``step_key`` (e.g. the task id) gives the same augmentation. ``x`` is not modified: a
-        new tensor, or ``x`` itself when nothing is enabled or the batch is empty."""
+        """Augment a batch.
+
+        Args:
+            x: float tensor (n, C, H, W) on any device; it is not modified.
+            step_key: the key of this batch, e.g. the task id; the same key gives the same
+                augmentation.
+
+        Returns:
+            A new tensor of the same shape, dtype and device (``x`` itself when nothing is
+            enabled or the batch is empty).
+
+        Raises:
+            ValueError: ``x`` is not a 4-D floating-point tensor.
+        """
         if x.ndim != 4 or not x.is_floating_point():
             raise ValueError(
                 f"augmentation needs a float tensor (n, C, H, W), got {x.dtype} {tuple(x.shape)}"

@@ -22,7 +22,15 @@ def norm_layer(norm: str, channels: int, dims: int = 2) -> nn.Module:
 
     GroupNorm normalises each sample on its own, so its output, and a mean gradient over
     a batch, do not depend on how the batch is split over workers; it keeps no running
-    statistics. ``dims`` picks BatchNorm1d/2d/3d; GroupNorm takes any.
+    statistics.
+
+    Args:
+        norm: ``batch`` or ``group``.
+        channels: the channels to normalise.
+        dims: spatial dimensions (BatchNorm1d/2d/3d); GroupNorm takes any.
+
+    Returns:
+        The layer.
     """
     if norm == "group":
         return nn.GroupNorm(math.gcd(GROUPS, channels), channels)
@@ -36,9 +44,18 @@ def has_batchnorm(model: nn.Module) -> bool:
 
 
 def with_norm(name: str, norm: str) -> str:
-    """The model name to build and record for ``norm``: a built-in name with ``GROUP_SUFFIX``
-    for ``group`` (a user's ``package.module:factory`` only with ``batch``); ModelError for
-    ``group`` without a GroupNorm build, or an unknown ``norm``."""
+    """The model name for ``norm``: a built-in name with ``GROUP_SUFFIX`` for ``group``.
+
+    Args:
+        name: a built-in model name (or a user's ``package.module:factory`` with ``batch``).
+        norm: one of ``NORMS``.
+
+    Returns:
+        The name to build and record.
+
+    Raises:
+        ModelError: ``group`` for a model without a GroupNorm build, or an unknown ``norm``.
+    """
     if norm not in NORMS:
         raise ModelError(f"--norm {norm!r} is not one of {', '.join(NORMS)}")
     if norm == "batch" or name.endswith(GROUP_SUFFIX):
@@ -131,8 +148,16 @@ def resnet18(in_channels: int, num_classes: int, input_size: int, norm: str = "b
     EuroSAT 64x64): a 3x3 stride-2 conv without max-pool; <= 32 px (CIFAR-sized images, HSI
     patches): a 3x3 stride-1 conv without max-pool. A stage halves the resolution only while
     its input is at least 4 px across, so 5x5 patches keep 3x3 maps with BatchNorm statistics.
-    About 11.2 M parameters for 10 classes (11.17-11.29 M from 3 to 200 bands). Maps
-    (N, C, S, S) to logits (N, K); the side S selects the stem.
+    About 11.2 M parameters for 10 classes (11.17-11.29 M from 3 to 200 bands).
+
+    Args:
+        in_channels: input bands C.
+        num_classes: number of classes K.
+        input_size: side S of the square input; selects the stem.
+        norm: ``batch`` (BatchNorm) or ``group`` (GroupNorm, see ``norm_layer``).
+
+    Returns:
+        The model, mapping (N, C, S, S) to logits (N, K).
     """
     if input_size >= 128:
         stem: list[nn.Module] = [
@@ -209,7 +234,16 @@ def hsi_3dcnn(
     """Small 3-D CNN for hyperspectral patches: three Conv3d layers (kernels 7/5/3 bands x 3x3
     pixels, spectral stride 2), spectral pooling to 8 depths, the depths folded into channels
     for one 3x3 Conv2d, then global pooling (about 170 k parameters); any band count and odd or
-    even patch size: maps (N, C, P, P) to logits (N, K).
+    even patch size.
+
+    Args:
+        in_channels: spectral bands C.
+        num_classes: number of classes K.
+        input_size: patch side P (any; the model pools globally).
+        norm: ``batch`` (BatchNorm) or ``group`` (GroupNorm, see ``norm_layer``).
+
+    Returns:
+        The model, mapping (N, C, P, P) to logits (N, K).
     """
     return HSI3DCNN(in_channels, num_classes, norm=norm)
 
@@ -232,8 +266,15 @@ BUILTIN: dict[str, Callable[[int, int, int], nn.Module]] = {
 
 def check_allowed(name: str, allowed: Sequence[str], source: str) -> None:
     """Refuse a user model that ``source`` (a server, a file) names unless it is allowed:
-    building it imports and runs its module. ``allowed`` holds the ``--allow-model`` names;
-    ``source`` says who names the model (e.g. "the server", "model file X").
+    building it imports and runs its module.
+
+    Args:
+        name: the model name.
+        allowed: the ``package.module:factory`` names given with ``--allow-model``.
+        source: who names the model, for the message (e.g. "the server", "model file X").
+
+    Raises:
+        ModelError: ``name`` is neither built in nor allowed.
     """
     if name in BUILTIN or name in allowed:
         return
@@ -244,9 +285,17 @@ def check_allowed(name: str, allowed: Sequence[str], source: str) -> None:
 
 
 def build_model(name: str, in_channels: int, num_classes: int, input_size: int) -> nn.Module:
-    """Build a model, in float32 on the CPU, by a ``BUILTIN`` name or
-    ``package.module:factory`` (called as ``factory(in_channels=C, num_classes=K,
-    input_size=S)``, S the side of the square input).
+    """Build a model by built-in name or ``package.module:factory``.
+
+    Args:
+        name: a key of ``BUILTIN`` or ``package.module:factory``; the factory is called as
+            ``factory(in_channels=C, num_classes=K, input_size=S)``.
+        in_channels: input bands C.
+        num_classes: number of classes K.
+        input_size: spatial size S of the (square) input.
+
+    Returns:
+        The model, in float32 on the CPU.
 
     Raises:
         ModelError: unknown name, unimportable module, or a factory that fails or does not

@@ -33,11 +33,19 @@ from common.training.probes import ProbeSchedule
 
 
 def plan_batches(speeds: dict[int, float], total: int, every_worker: bool = True) -> dict[int, int]:
-    """Worker id -> batch size proportional to its speed (samples per second), summing to
-    ``total`` by largest remainders (ids with 0 samples may be omitted).
+    """Batch sizes proportional to speed that sum to ``total``.
 
-    With ``every_worker`` each worker gets at least one sample when ``total >= len(speeds)``,
-    else the fastest ``total`` workers get one each.
+    Uses largest remainders, and gives every worker at least one sample when
+    ``total >= len(speeds)``; otherwise the fastest ``total`` workers get one each.
+
+    Args:
+        speeds: worker id -> samples per second (> 0).
+        total: the global batch to split (>= 0).
+        every_worker: False keeps the largest-remainder split as it is, where a worker may
+            get 0 samples.
+
+    Returns:
+        worker id -> batch size, summing to ``total`` (ids with 0 samples may be omitted).
     """
     if total <= 0 or not speeds:
         return {}
@@ -65,6 +73,13 @@ def tail_scale(samples: int, global_batch: int) -> float:
     """The weight of a step over ``samples`` when a full step covers ``global_batch``: 1 for a
     full global batch, b / B for an epoch's tail of b samples (its gradient and statistics
     change count as b samples of a global batch, never as a whole one).
+
+    Args:
+        samples: samples the step covers (>= 0).
+        global_batch: B (>= 1).
+
+    Returns:
+        ``min(samples / global_batch, 1)``.
     """
     return min(samples / global_batch, 1.0)
 
@@ -73,8 +88,16 @@ def plan_by_speed(
     speeds: dict[int, float], total: int, probe: Collection[int] = (), min_batch: int = 1
 ) -> dict[int, int]:
     """``plan_batches``, then ``at_least(min_batch)``; each worker in ``probe`` left at 0
-    gets ``min_batch`` samples from the largest batch, if that keeps ``min_batch``. Returns
-    worker id -> batch size (ids with 0 omitted), summing to ``total``.
+    gets ``min_batch`` samples from the largest batch, if that keeps ``min_batch``.
+
+    Args:
+        speeds: worker id -> samples per second (> 0).
+        total: the global batch to split (>= 0).
+        probe: workers to give ``min_batch`` samples even if the plan gives them none.
+        min_batch: the smallest local batch a member may get.
+
+    Returns:
+        worker id -> batch size (ids with 0 omitted), summing to ``total``.
     """
     sizes = at_least(
         plan_batches(speeds, total),
@@ -178,8 +201,15 @@ def at_least(
 ) -> dict[int, int]:
     """Leave out workers whose batch is below ``minimum``, smallest batch first, re-planning
     the same total over the others, until every batch is at least ``minimum`` or one worker
-    is left (it takes the whole total, however small). ``replan`` maps members to their
-    batch sizes for the same total.
+    is left (it takes the whole total, however small).
+
+    Args:
+        sizes: worker id -> batch size (ids with 0 omitted).
+        minimum: the smallest local batch worth computing (1: nothing changes).
+        replan: members -> their batch sizes for the same total.
+
+    Returns:
+        The plan without the workers left out.
     """
     while len(sizes) > 1 and min(sizes.values()) < minimum:
         smallest = min(sizes, key=lambda w: (sizes[w], -w))
