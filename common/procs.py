@@ -50,10 +50,18 @@ class TextSink(Protocol):
 class Child:
     """One child process in its own session, its output read line by line on a thread.
 
-    ``env`` is its whole environment (None: this process's); ``on_line`` sees each output line
-    (on the reading thread); ``log_path`` receives the output as it comes; ``stderr_only``
-    reads only stderr (stdout goes to /dev/null); the last ``keep_lines`` lines are kept for
-    ``wait_for`` and ``output``. OSError: the command cannot be started.
+    Args:
+        name: its name in logs and errors.
+        argv: the command line.
+        env: its whole environment (None: this process's).
+        cwd: its working directory (None: this process's).
+        on_line: sees each output line (called on the reading thread).
+        log_path: a file that receives the output as it comes (closed when the output ends).
+        stderr_only: read only stderr; stdout goes to /dev/null.
+        keep_lines: how many of the last lines are kept for ``wait_for`` and ``output``.
+
+    Raises:
+        OSError: the command cannot be started.
     """
 
     def __init__(
@@ -154,21 +162,42 @@ class Child:
                     )
 
     def wait_for(self, text: str, timeout: float = WAIT_S) -> str:
-        """The next line (with its newline) that contains the substring ``text``, after the
-        line the previous ``wait_for`` or ``wait_for_match`` returned; ChildError when the
-        output ended or ``timeout`` seconds ran out first."""
+        """Wait for the next line that contains ``text``, after the line the previous
+        ``wait_for`` or ``wait_for_match`` returned.
+
+        Args:
+            text: a plain substring.
+            timeout: seconds to wait at most.
+
+        Returns:
+            The line, with its newline.
+
+        Raises:
+            ChildError: the output ended or the time ran out first.
+        """
         return self._await_line(lambda line: text in line, self._cursor, timeout, repr(text))
 
     def expect(self, text: str, timeout: float = WAIT_S) -> str:
-        """Like ``wait_for``, but any line read so far counts too (the first one that matches)."""
+        """Like ``wait_for``, but any line read so far counts too (the first one that matches).
+
+        Raises:
+            ChildError: the output ended or the time ran out first.
+        """
         cursor = self._cursor
         line = self._await_line(lambda line: text in line, 0, timeout, repr(text))
         self._cursor = max(cursor, self._cursor)
         return line
 
     def wait_for_match(self, pattern: str, timeout: float = WAIT_S) -> re.Match[str]:
-        """The match of the regular expression ``pattern`` in the first line read (lines
-        already read count) where it is found; ChildError as for ``wait_for``."""
+        """Wait for a line in which the regular expression ``pattern`` is found, from the first
+        line read on (lines already read count).
+
+        Returns:
+            The match.
+
+        Raises:
+            ChildError: the output ended or the time ran out first.
+        """
         regex = re.compile(pattern)
         line = self._await_line(
             lambda line: regex.search(line) is not None, 0, timeout, f"/{pattern}/"
@@ -213,8 +242,17 @@ class Child:
         return f"{self.name} {how}" + (f": {line}" if line else "")
 
     def wait(self, timeout: float = WAIT_S) -> int:
-        """Wait for the process to exit, then for its output to be read; its exit code.
-        ChildError: it did not exit in time (it is left running; ``stop`` or ``kill`` it)."""
+        """Wait for the process to exit, then for its output to be read.
+
+        Args:
+            timeout: seconds.
+
+        Returns:
+            Its exit code.
+
+        Raises:
+            ChildError: it did not exit in time (it is left running; ``stop`` or ``kill`` it).
+        """
         try:
             code = self.popen.wait(timeout=timeout)
         except subprocess.TimeoutExpired as exc:
@@ -285,8 +323,18 @@ class Children:
         stderr_only: bool = False,
         log_path: Path | None = None,
     ) -> Child:
-        """Start ``cmd`` as a ``Child`` (``stderr_only``: e.g. the server prints its summary
-        on stdout; ``log_path``: a file of the child's own that receives its output too)."""
+        """Start ``cmd`` in a new session.
+
+        Args:
+            name: the child's name in the log and in errors.
+            cmd: the command line.
+            on_line: sees each output line (called on the reading thread).
+            stderr_only: read only stderr (e.g. the server prints its summary on stdout).
+            log_path: a file of the child's own that receives its output too.
+
+        Returns:
+            The child.
+        """
 
         def forward(line: str) -> None:
             if on_line is not None:
@@ -309,8 +357,14 @@ class Children:
         return child
 
     def wait(self, main: Child, timeout_s: float, check: Callable[[], None] = lambda: None) -> int:
-        """``main``'s exit code once it exits, calling ``check`` (which may raise) every poll;
-        ChildError when it did not exit within ``timeout_s``."""
+        """Wait until ``main`` exits, calling ``check`` (which may raise) every poll.
+
+        Returns:
+            ``main``'s exit code.
+
+        Raises:
+            ChildError: ``main`` did not exit within ``timeout_s``.
+        """
 
         def exited() -> bool:
             if main.code is not None:

@@ -29,7 +29,16 @@ def open_temporary(path: Path) -> IO[bytes]:
 
     Whatever is at that name (a temporary file left by a crash, or a planted link or FIFO) is
     removed, never followed or opened; if something appears there again before the file is
-    created, the open fails instead of writing through it. Opened for binary writing.
+    created, the open fails instead of writing through it.
+
+    Args:
+        path: the temporary file's name.
+
+    Returns:
+        The file, open for binary writing.
+
+    Raises:
+        OSError: it cannot be created.
     """
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
@@ -38,9 +47,18 @@ def open_temporary(path: Path) -> IO[bytes]:
 
 def write_atomic(path: Path, fill: Callable[[IO[bytes]], object], sync: bool = False) -> Path:
     """Write ``path`` through a temporary file beside it, then rename it into place, so a crash
-    leaves the old file or the new one, never a torn one. ``fill`` writes the content into the
-    open temporary file; ``sync`` fsyncs it before the rename. Returns ``path``; on OSError the
-    temporary file is removed.
+    leaves the old file or the new one, never a torn one.
+
+    Args:
+        path: the file to write.
+        fill: writes the content into the open temporary file.
+        sync: fsync the file before the rename.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        OSError: it could not be written (the temporary file is removed).
     """
     tmp = path.with_name(f".{path.name}.tmp")
     try:
@@ -64,8 +82,17 @@ async def run_bounded(work: Callable[[], _T], timeout_s: float, what: str) -> _T
     cancelled, e.g. by the end of a shutdown budget) it is abandoned and logged as such (a write
     cancelled before its thread began is not run); a daemon thread never keeps the process alive.
 
-    Returns what ``work`` returned, raises what it raised, or WriteTimeout; ``what`` names the
-    write in the messages.
+    Args:
+        work: the write.
+        timeout_s: how long to wait for it.
+        what: what is written, for the messages.
+
+    Returns:
+        What ``work`` returned.
+
+    Raises:
+        WriteTimeout: it did not finish within ``timeout_s``.
+        Exception: whatever ``work`` raised.
     """
     future: concurrent.futures.Future[_T] = concurrent.futures.Future()
     thread = threading.Thread(target=_run_into, args=(work, future), name=f"write: {what}")

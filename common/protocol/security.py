@@ -137,8 +137,14 @@ def shard_secret(secret_file: Path | None, curve_secret: Path | None) -> bytes:
     """The secret that parameter shards prove to their coordinator.
 
     It is the content of ``secret_file`` (the same file for the coordinator and every shard),
-    else derived from the CURVE server secret key (``.key_secret``) that both hold; at least
-    16 bytes.
+    else derived from the CURVE server secret key that both hold.
+
+    Args:
+        secret_file: ``--shard-secret-file`` / ``pserver shard --secret-file``, or None.
+        curve_secret: the server's CURVE ``.key_secret`` file, or None.
+
+    Returns:
+        The secret (at least 16 bytes).
 
     Raises:
         ConfigError: neither is given, the file cannot be read or holds too few bytes.
@@ -167,8 +173,15 @@ def shard_secret(secret_file: Path | None, curve_secret: Path | None) -> bytes:
 
 
 def hello_proof(secret: bytes, address: str, name: str) -> str:
-    """What a shard's hello carries to show it holds ``secret``: a hex HMAC of the hello's
-    address and name."""
+    """What a shard's hello carries to show it holds ``secret`` (an HMAC of its address and name).
+
+    Args:
+        secret: the shard secret.
+        address, name: the hello's fields.
+
+    Returns:
+        The proof (hex).
+    """
     text = f"shard_hello\0{address}\0{name}".encode()
     return hmac.new(secret, text, hashlib.sha256).hexdigest()
 
@@ -179,9 +192,17 @@ def check_hello_proof(secret: bytes, address: str, name: str, proof: str) -> boo
 
 
 def write_shard_secret(path: Path) -> Path:
-    """Write a fresh shard secret (32 random bytes) to a new file only its owner can read;
-    OSError when ``path`` exists (a file or link planted there is refused) or cannot be
-    created."""
+    """Write a fresh shard secret (32 random bytes) to a new file only its owner can read.
+
+    Args:
+        path: where; it must not exist yet (a file or link planted there is refused).
+
+    Returns:
+        ``path``.
+
+    Raises:
+        OSError: ``path`` exists or cannot be created.
+    """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as out:
         out.write(secrets.token_bytes(32))
