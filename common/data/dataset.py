@@ -65,8 +65,15 @@ class DatasetReader:
     """
 
     def __init__(self, path: str | os.PathLike[str], cache_bytes: int = 1 << 30) -> None:
-        """Open ``path`` read-only and validate its layout; DatasetError when the file is
-        missing, not HDF5, or its layout is wrong."""
+        """Open ``path`` read-only and validate its layout.
+
+        Args:
+            path: the dataset file.
+            cache_bytes: load ``/x`` into memory if it is at most this many bytes.
+
+        Raises:
+            DatasetError: the file is missing, not HDF5, or its layout is wrong.
+        """
         self.path = Path(path)
         self.cache_bytes = int(cache_bytes)
         self._lock = threading.Lock()
@@ -136,7 +143,8 @@ class DatasetReader:
         counts = {
             s: np.bincount(self._y[ix], minlength=num_classes).tolist() for s, ix in splits.items()
         }
-        known = {*_REQUIRED_ATTRS, "source", "normalise_on_read"}
+        known = {"format_version", "kind", "class_names", "num_classes", "fingerprint", "source"}
+        known.add("normalise_on_read")
         extra = {k: _decode_attr(v) for k, v in f.attrs.items() if k not in known}
         self._raw_chunks = (
             x.chunks == (1, *x.shape[1:])
@@ -202,9 +210,18 @@ class DatasetReader:
         return n * c * h * w * self.codec.itemsize
 
     def read(self, indices: Any) -> tuple[np.ndarray, np.ndarray]:
-        """``(x, y)`` for 1-D ``indices`` (which may repeat), in their order: float32
-        (n, C, H, W) model input and int64 (n,); DatasetError when an index is out of range or
-        the reader is closed."""
+        """Read samples in the order given as model input; indices may repeat.
+
+        Args:
+            indices: 1-D integer indices into the dataset.
+
+        Returns:
+            ``(x, y)``: float32 (n, C, H, W) normalised and int64 (n,), in the order of
+            ``indices``.
+
+        Raises:
+            DatasetError: an index is out of range, or the reader is closed.
+        """
         x, y = self.read_stored(indices)
         return self.codec.decode(x), y
 
@@ -263,8 +280,18 @@ class DatasetReader:
     def iter_blocks(
         self, indices: Any, block: int = 1024
     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """``read`` results for consecutive slices of at most ``block`` ``indices``;
-        DatasetError when ``block`` is not positive or an index is out of range."""
+        """Yield ``read`` results for consecutive slices of ``indices``.
+
+        Args:
+            indices: 1-D integer indices, e.g. ``test_indices``.
+            block: samples per yielded block.
+
+        Returns:
+            An iterator of ``(x, y)`` blocks of at most ``block`` samples.
+
+        Raises:
+            DatasetError: ``block`` is not positive or an index is out of range.
+        """
         if block < 1:
             raise DatasetError(f"block must be >= 1, got {block}")
         idx = as_index_array(indices, "indices")
@@ -272,8 +299,17 @@ class DatasetReader:
             yield self.read(idx[start : start + block])
 
     def verify(self, block: int = 1024) -> bool:
-        """Whether the stored fingerprint matches the file's contents, read ``block`` samples
-        at a time; DatasetError when the reader is closed."""
+        """Recompute the fingerprint from the file's contents.
+
+        Args:
+            block: samples read at a time.
+
+        Returns:
+            True when the stored fingerprint matches the contents.
+
+        Raises:
+            DatasetError: the reader is closed.
+        """
         xh = hashlib.sha256()
         every = np.arange(self.meta.num_samples)
         for start in range(0, every.size, max(block, 1)):
@@ -299,7 +335,19 @@ class DatasetReader:
 
 
 def describe(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Summarise a dataset file as JSON-ready data; DatasetError when missing or invalid."""
+    """Summarise a dataset file as JSON-ready data.
+
+    Args:
+        path: the dataset file.
+
+    Returns:
+        ``{"path", "kind", "samples", "classes", "class_names", "shape", "stored_dtype",
+        "normalise_on_read", "fingerprint", "source", "counts": {"train", "test",
+        "per_class": {"train": [...], "test": [...]}}, "attrs"}``.
+
+    Raises:
+        DatasetError: the file is missing or invalid.
+    """
     with DatasetReader(path, cache_bytes=0) as reader:
         m = reader.meta
         return {

@@ -70,13 +70,21 @@ class DatasetWriter:
         source: str = "",
         x_dtype: str = "float32",
     ) -> None:
-        """Create the temporary file for ``num_samples`` samples of ``shape`` (C, H, W), labels
-        0..len(class_names)-1; an existing file at ``path`` is replaced at ``close``.
+        """Create the temporary file and its datasets.
 
-        ``x_dtype`` is how ``/x`` is stored: ``float32`` or ``float16`` (normalised samples), or
-        ``uint8``/``uint16``/``int16`` (raw sensor values, normalised on read with the
-        statistics ``close`` is given). DatasetError: an argument is invalid or the file cannot
-        be created.
+        Args:
+            path: where the finished file goes (any existing file is replaced at ``close``).
+            shape: the shape (C, H, W) of one sample.
+            num_samples: how many samples ``write`` will receive in total.
+            kind: ``"hsi"`` or ``"scenes"``.
+            class_names: one name per class; labels are 0..len(class_names)-1.
+            source: free text saying where the data came from.
+            x_dtype: how ``/x`` is stored: ``float32`` or ``float16`` (normalised samples), or
+                ``uint8``/``uint16``/``int16`` (raw sensor values, normalised on read with the
+                statistics ``close`` is given).
+
+        Raises:
+            DatasetError: an argument is invalid or the file cannot be created.
         """
         self.path = Path(path)
         self.shape = tuple(int(s) for s in shape)
@@ -120,8 +128,11 @@ class DatasetWriter:
             ) from exc
 
     def write(self, x_block: np.ndarray, y_block: np.ndarray) -> None:
-        """Append (n, C, H, W) samples (stored as ``x_dtype``: values must fit it) and their
-        labels in [0, num_classes) after those already written.
+        """Append a block of samples after those already written.
+
+        Args:
+            x_block: array (n, C, H, W), stored as ``x_dtype`` (values must fit it).
+            y_block: integer labels (n,) in [0, num_classes).
 
         Raises:
             DatasetError: the writer is closed, shapes or labels are wrong, values are not
@@ -166,13 +177,20 @@ class DatasetWriter:
         norm_std: np.ndarray | None = None,
         extra_datasets: dict[str, np.ndarray] | None = None,
     ) -> str:
-        """Write the splits (disjoint, any order; stored sorted), attributes and fingerprint,
-        then move the file into place; returns the fingerprint (hex sha256).
+        """Write the splits, attributes and fingerprint, then move the file into place.
 
-        ``norm_mean`` and ``norm_std`` (C,) are stored as ``/norm_mean`` and ``/norm_std``
-        (required for a raw ``x_dtype``: the reader normalises with them). ``extra_attrs``
-        (dicts and lists stored as JSON text) and ``extra_datasets`` (e.g. ``{"coords": (N, 2)
-        array}``, names not clashing with the layout's own) are added at the root.
+        Args:
+            train_idx: training sample indices (any order; stored sorted).
+            test_idx: test sample indices, disjoint from ``train_idx``.
+            extra_attrs: more root attributes (dicts and lists are stored as JSON text).
+            norm_mean: per-band mean (C,) subtracted from the raw data, stored as
+                ``/norm_mean`` (required for raw ``x_dtype``: the reader subtracts it).
+            norm_std: per-band std (C,) the centred data is divided by, ``/norm_std``.
+            extra_datasets: more root datasets, e.g. ``{"coords": (N, 2) array}``; names must
+                not clash with the layout's own.
+
+        Returns:
+            The dataset fingerprint (hex sha256).
 
         Raises:
             DatasetError: fewer samples were written than promised, or the splits are invalid.
@@ -271,9 +289,21 @@ def write_scenes(
     deviations; ``split`` then names the classes and splits the samples. The second pass reads
     every image again, checks that it is the one read before, normalises it with the training
     images' per-band mean and std and writes blocks of ``block`` images (default: about
-    ``BLOCK_BYTES``). ``read(i)`` gives image ``i`` as float32 (C, H, W), every one of one
-    shape, and its label; ``split(labels)`` gives ``(class names, train indices, test
-    indices)``.
+    ``BLOCK_BYTES``).
+
+    Args:
+        out: the dataset file to write.
+        read: image ``i`` as float32 (C, H, W), every one of one shape, and its label.
+        count: how many images there are.
+        split: ``(class names, train indices, test indices)`` for the labels read.
+        source: free text stored in the file.
+        progress: show a progress bar per pass on stderr.
+        extra_attrs: more root attributes.
+        extra_datasets: more root datasets.
+        block: images per write.
+
+    Returns:
+        The written dataset's metadata.
 
     Raises:
         DatasetError: an image differs between the two passes, or ``read``, ``split`` or the

@@ -17,8 +17,11 @@ TIFF_SUFFIXES = (".tif", ".tiff")
 
 
 def source_format(spec: str) -> tuple[str, Path, str | None]:
-    """Tell a scene file's format from its name: ``FILE.mat[:KEY]``, ``FILE.tif``/``.tiff``
-    (GeoTIFF), or ``FILE.hdr`` or the ENVI data file next to its ``.hdr``.
+    """Tell a scene file's format from its name.
+
+    Args:
+        spec: ``FILE.mat[:KEY]``, ``FILE.tif``/``.tiff`` (GeoTIFF), or ``FILE.hdr`` or the
+            ENVI data file next to its ``.hdr``.
 
     Returns:
         ``(format, path, key)``: format ``mat``, ``envi`` or ``geotiff``; key only for .mat.
@@ -52,8 +55,12 @@ def open_cube(spec: str, shape: tuple[int, int] | None = None, bands_first: bool
 
     .mat files (v5 and v7.3) are loaded whole, in any layout ``load_scene`` reads; ENVI and
     GeoTIFF files are read a window of rows at a time, so scenes larger than memory can be
-    processed. ``spec`` is as for ``source_format``; ``shape`` and ``bands_first`` as for
-    ``load_scene``.
+    processed.
+
+    Args:
+        spec: see ``source_format``.
+        shape: (rows, cols) of a bands x pixels .mat matrix (see ``load_scene``).
+        bands_first: a .mat cube is (bands, rows, cols), or its matrix is bands x pixels.
 
     Returns:
         The open scene; close it (or use ``with``). ``layout`` says how a .mat array was read.
@@ -76,9 +83,12 @@ def open_cube(spec: str, shape: tuple[int, int] | None = None, bands_first: bool
 
 
 def load_labels(spec: str) -> tuple[np.ndarray, list[str] | None, GeoRef | None]:
-    """Load a (rows, cols) class map: 0 = unlabelled, 1..K = classes, from ``FILE.mat[:KEY]``
-    (class names from a ``class_names`` variable), a single-band GeoTIFF, or an ENVI
-    classification file (class names from its header, whose first is the unlabelled class 0).
+    """Load a (rows, cols) class map: 0 = unlabelled, 1..K = classes.
+
+    Args:
+        spec: ``FILE.mat[:KEY]`` (class names from a ``class_names`` variable), a single-band
+            GeoTIFF, or an ENVI classification file (class names from its header, whose first
+            name is the unlabelled class 0).
 
     Returns:
         ``(labels, class_names or None, georef or None)``; labels as int64.

@@ -49,6 +49,12 @@ def scan_folder(directory: str | os.PathLike[str]) -> FolderScan:
     directly inside them whose suffix (any case) is .tif, .tiff, .png, .jpg or .jpeg. Hidden
     entries (names starting with ".") are ignored; other files are skipped and counted.
 
+    Args:
+        directory: the root folder, laid out as ``DIR/<class>/<image>``.
+
+    Returns:
+        The scan.
+
     Raises:
         DatasetError: ``directory`` is not a folder, has no class folders, or a class folder
             holds no image.
@@ -132,8 +138,14 @@ def read_image(path: str | os.PathLike[str], size: int | None = None) -> np.ndar
 
     Any band count is accepted. A TIFF's axes other than rows (Y) and columns (X) (samples,
     pages, planes) become bands; a PNG/JPEG's colour channels become bands (palette images are
-    expanded to RGB/RGBA, 1-bit images to 0/255 grey). Values keep their original scale and
-    are finite. ``size`` resizes to size x size (bilinear, antialiased when shrinking).
+    expanded to RGB/RGBA, 1-bit images to 0/255 grey). Values keep their original scale.
+
+    Args:
+        path: the image file.
+        size: resize to size x size when given (bilinear, antialiased when shrinking).
+
+    Returns:
+        A float32 array (C, H, W) of finite values.
 
     Raises:
         DatasetError: the file cannot be read or decoded, is not a numeric 2-D image, or holds
@@ -197,8 +209,19 @@ def prepare_folder(
     (readable, one shape) and takes its per-band statistics; the second normalises the images
     with the training images' mean and standard deviation and writes them in blocks. At most
     one block of images is in memory at a time. Samples are stored class by class, files
-    sorted by name; ``/files`` holds each sample's path relative to ``directory``. Without
-    ``size`` (resize to size x size) all images must already share one size.
+    sorted by name; ``/files`` holds each sample's path relative to ``directory``.
+
+    Args:
+        directory: ``DIR`` with one sub-folder per class (sorted names become classes 0..K-1).
+        out: the dataset file to write.
+        train_fraction: training fraction per class (stratified split), in (0, 1).
+        seed: seed of the split.
+        size: resize every image to size x size when given; otherwise all images must
+            already share one size.
+        progress: show a progress bar per pass (images read) on stderr.
+
+    Returns:
+        The written dataset's metadata.
 
     Raises:
         DatasetError: no class folders, an empty class folder, an unreadable image, images of

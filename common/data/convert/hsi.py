@@ -76,10 +76,23 @@ def write_patch_dataset(
     Picks the labelled pixels (optionally capped), splits them, normalises every band with the
     mean and std of the training pixels, reflect-pads the cube and streams (C, P, P) patches
     centred on each labelled pixel, in row-major pixel order, to ``out``. The cube is read
-    twice, a band of rows at a time (statistics, then patches), so an open ``Cube`` (ENVI,
-    GeoTIFF) need not fit in memory. ``labels`` is (rows, cols), -1 for unlabelled and 0..K-1
-    for classes; ``max_samples`` caps the labelled pixels (stratified, seeded by ``seed``);
-    ``split`` is ``"random"`` (stratified per pixel) or ``"disjoint"`` (``disjoint_split``).
+    twice, a band of rows at a time (statistics, then patches).
+
+    Args:
+        cube: (rows, cols, bands) numeric array, or an open ``Cube`` (read band by band, so
+            ENVI and GeoTIFF scenes need not fit in memory).
+        labels: (rows, cols) int array, -1 for unlabelled and 0..K-1 for classes.
+        out: the dataset file to write.
+        class_names: K names.
+        patch: odd patch side P >= 1.
+        train_fraction: training fraction per class, in (0, 1).
+        split: ``"random"`` (stratified per pixel) or ``"disjoint"`` (see ``disjoint_split``).
+        seed: seed of the split and of the ``max_samples`` subsample.
+        max_samples: keep at most this many labelled pixels (stratified); None keeps all.
+        source: free text stored in the file.
+        extra_attrs: more root attributes.
+        x_dtype: as for ``prepare_hsi``.
+        progress: show a progress bar per pass over the cube (rows read) on stderr.
 
     Returns:
         The written dataset's metadata; ``common.data.split_report`` turns it into the per-class
@@ -206,10 +219,32 @@ def prepare_hsi(
     A .mat cube may also be (bands, rows, cols) (``bands_first``) or a bands x pixels matrix
     with ``nRow``/``nCol`` in the file or ``shape`` given, as unmixing scenes are distributed
     (see ``common.data.convert.layout``); the layout read is stored in the ``layout`` attribute.
-    The specs are those of ``pserver data prepare hsi --cube/--gt`` (``open_cube``,
-    ``load_labels``, or ``abundance_labels`` with ``gt_abundance``); ``class_names`` override
-    the names found in the files. ``x_dtype`` ``raw`` keeps the cube's integers, normalised on
-    read (half the bytes of float32 for uint16).
+
+    Args:
+        cube_spec: the (rows, cols, bands) cube: ``FILE.mat[:KEY]`` (loaded whole), an ENVI
+            file (``.hdr`` or its data file) or a multi-band GeoTIFF (both read a band of rows
+            at a time, so they need not fit in memory).
+        gt_spec: the (rows, cols) class map, ``FILE.mat[:KEY]``, a single-band GeoTIFF or an
+            ENVI classification file; 0 = unlabelled, 1..K = classes 0..K-1. Class names come
+            from a ``class_names`` variable (.mat) or the ENVI header's ``class names``.
+        out: the dataset file to write.
+        patch: odd patch side P >= 1.
+        train_fraction: training fraction per class, in (0, 1).
+        split: ``"random"`` or ``"disjoint"`` (spatially disjoint; see docs/data.md).
+        seed: seed of the split.
+        class_names: names of classes 1..K; override those found in the files.
+        x_dtype: how samples are stored: ``float32`` or ``float16`` (normalised), or ``raw``
+            (the cube's integers, normalised on read; half the bytes of float32 for uint16).
+        progress: show progress bars on stderr.
+        shape: (rows, cols) of a bands x pixels .mat matrix (overrides nRow/nCol).
+        bands_first: a .mat cube is (bands, rows, cols), or its matrix is bands x pixels.
+        gt_abundance: ``gt_spec`` holds abundances (end-members x pixels or (rows, cols,
+            end-members)); each pixel is labelled with its most abundant end-member.
+        min_abundance: with ``gt_abundance``, pixels whose largest abundance is below this
+            are unlabelled.
+
+    Returns:
+        The written dataset's metadata.
 
     Raises:
         DatasetError: a file or key is missing, shapes disagree, labels are not non-negative

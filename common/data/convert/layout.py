@@ -25,7 +25,17 @@ DEFAULT_MIN_ABUNDANCE = 0.5
 
 
 def parse_shape(text: str) -> tuple[int, int]:
-    """``(rows, cols)`` from ``ROWS,COLS``; DatasetError unless two positive integers."""
+    """Parse ``ROWS,COLS``.
+
+    Args:
+        text: two positive integers separated by a comma.
+
+    Returns:
+        ``(rows, cols)``.
+
+    Raises:
+        DatasetError: the text is not two positive integers.
+    """
     parts = [p.strip() for p in text.split(",")]
     if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
         raise DatasetError(f"shape must be ROWS,COLS (two positive integers), got {text!r}")
@@ -80,13 +90,19 @@ def pixels_to_grid(
 ) -> tuple[np.ndarray, str]:
     """Turn a 2-D bands x pixels (or pixels x bands) matrix into (rows, cols, bands).
 
-    ``bands_first`` True means bands x pixels, False pixels x bands, None: tell from which
-    axis has rows x cols entries (DatasetError if none has). ``what`` names the array in
-    messages.
+    Args:
+        matrix: the 2-D array.
+        shape: (rows, cols) of the scene; rows x cols must equal the pixel axis.
+        bands_first: True for bands x pixels, False for pixels x bands, None to tell from
+            which axis has rows x cols entries.
+        what: the array's name in messages.
 
     Returns:
         ``(cube, orientation)``: the (rows, cols, bands) array and ``"bands x pixels"`` or
         ``"pixels x bands"``.
+
+    Raises:
+        DatasetError: no axis has rows x cols entries.
     """
     rows, cols = shape
     pixels = rows * cols
@@ -114,7 +130,12 @@ def load_scene(
     Layouts: a (rows, cols, bands) cube; a (bands, rows, cols) cube with ``bands_first``; a
     bands x pixels (or pixels x bands) matrix whose scene shape comes from ``shape`` or from
     ``nRow``/``nCol`` variables in the same file (pixels in column-major order). Without a KEY
-    a file holding nRow/nCol is read from its largest matrix; ``shape`` overrides nRow/nCol.
+    a file holding nRow/nCol is read from its largest matrix.
+
+    Args:
+        spec: ``FILE.mat[:KEY]``.
+        shape: (rows, cols) for a 2-D matrix; overrides nRow/nCol in the file.
+        bands_first: a 3-D array is (bands, rows, cols); a 2-D one is bands x pixels.
 
     Returns:
         ``(cube, layout)``: the layout says how the array was read, None for a plain
@@ -161,10 +182,14 @@ def abundance_labels(
 ) -> tuple[np.ndarray, list[str] | None, str]:
     """A class map from abundance maps: each pixel's most abundant end-member.
 
-    Pixels whose largest abundance is below ``min_abundance`` (in [0, 1]) are unlabelled (0).
-    ``spec`` (``FILE.mat[:KEY]``) holds end-members x pixels (column-major pixels), pixels x
-    end-members, or (rows, cols, end-members); without KEY the variable ``A`` is read when
-    present. Class names come from ``class_names`` or ``cood`` in the same file.
+    Pixels whose largest abundance is below ``min_abundance`` are unlabelled (0).
+
+    Args:
+        spec: ``FILE.mat[:KEY]`` holding end-members x pixels (column-major pixels), pixels x
+            end-members, or (rows, cols, end-members); without KEY the variable ``A`` is read
+            when present. Class names from ``class_names`` or ``cood`` in the same file.
+        shape: (rows, cols) of the scene.
+        min_abundance: in [0, 1].
 
     Returns:
         ``(labels, names or None, description)``: labels (rows, cols) int64, 0 = unlabelled,

@@ -32,8 +32,17 @@ _V73_MAGIC = b"MATLAB 7.3"
 
 
 def split_spec(spec: str) -> tuple[Path, str | None]:
-    """Split ``FILE.mat[:KEY]`` into ``(path, key)``, key None when omitted (an existing file
-    whose name holds a colon is taken whole); DatasetError when empty."""
+    """Split ``FILE.mat[:KEY]`` into the file path and the optional key.
+
+    Args:
+        spec: a file path, optionally followed by ``:KEY``.
+
+    Returns:
+        ``(path, key)``; key is None when omitted.
+
+    Raises:
+        DatasetError: the spec is empty.
+    """
     if not spec:
         raise DatasetError("empty .mat spec: expected FILE.mat[:KEY]")
     if os.path.exists(spec) or ":" not in spec:
@@ -62,9 +71,17 @@ def _h5_class(obj: h5py.Dataset) -> str:
 
 
 def mat_variables(path: str | os.PathLike[str]) -> list[tuple[str, tuple[int, ...], str]]:
-    """A MATLAB file's (v4–v7.3) variables as ``[(name, shape, matlab_class), ...]``, shapes
-    in MATLAB order (rows, cols, ...), without loading them; DatasetError when the file is
-    missing or not a MAT file."""
+    """List a .mat file's variables without loading them.
+
+    Args:
+        path: a MATLAB file (v4–v7.2 or v7.3).
+
+    Returns:
+        ``[(name, shape, matlab_class), ...]``; shapes in MATLAB order (rows, cols, ...).
+
+    Raises:
+        DatasetError: the file is missing or not a MAT file.
+    """
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"MAT file {str(path)!r} does not exist")
@@ -112,6 +129,12 @@ def load_mat_array(spec: str) -> np.ndarray:
 
     MATLAB <= 7.2 files are read with scipy, v7.3 (HDF5) files with h5py, transposed back
     to (rows, cols, ...). Without KEY the file must hold exactly one numeric array.
+
+    Args:
+        spec: ``FILE.mat`` or ``FILE.mat:KEY``.
+
+    Returns:
+        The array, e.g. (rows, cols, bands) for a cube.
 
     Raises:
         DatasetError: the file is missing or unreadable, KEY is absent (the message lists the
@@ -164,8 +187,18 @@ def _to_strings(value: Any) -> list[str]:
 
 
 def load_class_names(path: str | os.PathLike[str], key: str = "class_names") -> list[str] | None:
-    """The class names in variable ``key`` (a cell array or char matrix) of a .mat file, None
-    when it has no such variable; DatasetError when the variable does not hold strings."""
+    """Read a list of class names stored in a .mat file, if there is one.
+
+    Args:
+        path: the MAT file (usually the ground-truth file).
+        key: the variable holding a cell array or char matrix of names.
+
+    Returns:
+        The names, or None when the file has no such variable.
+
+    Raises:
+        DatasetError: the variable exists but does not hold strings.
+    """
     path = Path(path)
     if key not in [n for n, _, _ in mat_variables(path)]:
         return None

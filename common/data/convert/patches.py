@@ -14,7 +14,14 @@ BAND_BYTES = 64 << 20  # float32 bytes of one padded band of rows; bounds stream
 
 def reflect_indices(indices: np.ndarray, size: int) -> np.ndarray:
     """Map indices outside [0, size) into it by mirroring at the edges, like
-    ``np.pad(mode="reflect")`` (the edge itself is not repeated); int64.
+    ``np.pad(mode="reflect")`` (the edge itself is not repeated).
+
+    Args:
+        indices: integer indices, possibly negative or >= size.
+        size: length of the axis (>= 1).
+
+    Returns:
+        The mirrored indices, int64.
     """
     idx = np.asarray(indices, dtype=np.int64)
     if size == 1:
@@ -36,10 +43,19 @@ def padded_rows(cube: Cube, start: int, stop: int, pad: int) -> np.ndarray:
     """Rows ``start - pad`` to ``stop + pad`` and columns ``-pad`` to ``cols + pad``, reflected
     at the scene's edges, as float32.
 
-    Only the rows needed are read from ``cube``; ``pad`` is P // 2 for P x P patches.
+    Only the rows needed are read from ``cube``.
+
+    Args:
+        cube: the scene.
+        start: first output row.
+        stop: one past the last output row.
+        pad: rows and columns added on each side (P // 2 for P x P patches).
 
     Returns:
         A float32 (stop - start + 2 pad, cols + 2 pad, bands) array.
+
+    Raises:
+        DatasetError: the cube cannot be read.
     """
     rows, cols, bands = cube.shape
     wanted = reflect_indices(np.arange(start - pad, stop + pad), rows)
@@ -66,13 +82,19 @@ def iter_bands(
     std: np.ndarray | None = None,
     budget: int | None = None,
 ) -> Iterator[tuple[int, int, np.ndarray]]:
-    """Walk the scene top to bottom in bands of rows (``budget`` bytes each, default
-    ``BAND_BYTES``) with their odd P x P patch windows, normalised by per-band ``mean`` and
-    ``std`` (float32 arithmetic) when both are given.
+    """Walk the scene top to bottom in bands of rows with their patch windows.
 
-    Yields ``(start, stop, windows)``: ``windows[r, c]`` is the float32 (bands, P, P) patch
-    centred on pixel (start + r, c) (a view into one padded band). Delete ``windows`` at the
-    end of each step, so that only one band is in memory at a time.
+    Args:
+        cube: the scene.
+        patch: patch side P (odd).
+        mean: per-band mean subtracted (float32 arithmetic) when given.
+        std: per-band std divided by when given (with ``mean``).
+        budget: bytes of one padded band (default ``BAND_BYTES``).
+
+    Returns:
+        An iterator of ``(start, stop, windows)``: ``windows[r, c]`` is the float32 (bands, P, P)
+        patch centred on pixel (start + r, c) (a view into one padded band). Delete ``windows``
+        at the end of each step, so that only one band is in memory at a time.
     """
     rows, cols, bands = cube.shape
     step = rows_per_band(cols, bands, patch, budget)

@@ -65,8 +65,18 @@ def synth_hsi_cube(
     per-pixel noise, so single spectra are ambiguous while a patch's neighbourhood is not.
     Pixels within half a pixel of a region border are unlabelled.
 
-    Returns ``(cube, labels)``: float32 (size, size, bands) and int64 (size, size) with -1 for
-    unlabelled pixels and 0..K-1 for classes; the same seed gives the same scene.
+    Args:
+        bands: spectral bands C.
+        size: the scene is size x size pixels.
+        classes: number of classes K (at least 2).
+        seed: random seed; the same seed gives the same scene.
+
+    Returns:
+        ``(cube, labels)``: float32 (size, size, bands) and int64 (size, size) with -1 for
+        unlabelled pixels and 0..K-1 for classes.
+
+    Raises:
+        DatasetError: an argument is out of range.
     """
     _check_positive(bands=bands, size=size, classes=classes)
     if classes < 2:
@@ -112,9 +122,24 @@ def synth_hsi(
     """Write a synthetic hyperspectral patch dataset (see ``synth_hsi_cube``).
 
     Uses the same pipeline as ``prepare_hsi`` (``write_patch_dataset``): stratified random split,
-    normalisation from training pixels, reflect padding, P x P patches. ``samples`` keeps at
-    most that many labelled pixels (stratified; None keeps all); ``seed`` seeds the scene, the
-    subsample and the split.
+    normalisation from training pixels, reflect padding, P x P patches.
+
+    Args:
+        out: the dataset file to write.
+        samples: keep at most this many labelled pixels (stratified); None keeps all
+            (about size * size minus the unlabelled borders).
+        bands: spectral bands C.
+        size: the scene is size x size pixels.
+        classes: number of classes K.
+        patch: odd patch side P.
+        train_fraction: training fraction per class, in (0, 1).
+        seed: random seed of the scene, the subsample and the split.
+
+    Returns:
+        The written dataset's metadata.
+
+    Raises:
+        DatasetError: an argument is out of range.
     """
     _check_positive(samples=samples, patch=patch)
     cube, labels = synth_hsi_cube(bands=bands, size=size, classes=classes, seed=seed)
@@ -216,7 +241,22 @@ def synth_scenes(
     classes with different signatures, so a model needs both. Images get random brightness,
     texture jitter, a smooth background and pixel noise. Generation is streamed in blocks and
     runs twice with the same seeds (``write_scenes``): once for the per-band mean/std of the
-    training images, once to write normalised data. Classes are balanced.
+    training images, once to write normalised data.
+
+    Args:
+        out: the dataset file to write.
+        samples: number of images N (balanced classes).
+        bands: spectral bands C.
+        size: image side in pixels.
+        classes: number of classes K (at least 2).
+        train_fraction: training fraction per class, in (0, 1).
+        seed: random seed.
+
+    Returns:
+        The written dataset's metadata.
+
+    Raises:
+        DatasetError: an argument is out of range.
     """
     _check_positive(samples=samples, bands=bands, size=size, classes=classes)
     if classes < 2:

@@ -76,8 +76,11 @@ def _array(value: Any) -> np.ndarray:
 
 
 def sample_arrays(sample: Any, index: int) -> tuple[np.ndarray, int]:
-    """One ``{"image", "label"}`` (torchgeo) or ``(x, y)`` sample as ``(float32 (C, H, W)
-    image, integer label)``; ``index`` is for messages.
+    """One sample as ``(float32 (C, H, W) image, integer label)``.
+
+    Args:
+        sample: ``{"image", "label"}`` (torchgeo) or ``(x, y)``.
+        index: its index, for messages.
 
     Raises:
         DatasetError: the sample has another layout, a non-numeric or non-2-D image, a
@@ -147,7 +150,18 @@ def prepare_torch(
     (stratified), the second reads every sample again, normalises it with the training
     samples' per-band mean and std and writes it in blocks. The dataset must return the same
     sample for the same index (no random transforms): the second pass checks labels and means.
-    ``class_names`` default to the dataset's ``classes`` attribute.
+
+    Args:
+        spec: ``package.module:Factory`` returning the dataset.
+        out: the dataset file to write.
+        kwargs: keyword arguments of the factory.
+        class_names: class names (default: the dataset's ``classes`` attribute).
+        train_fraction: training fraction per class, in (0, 1).
+        seed: seed of the split.
+        progress: show progress bars on stderr.
+
+    Returns:
+        The written dataset's metadata.
 
     Raises:
         DatasetError: see ``load_dataset`` and ``sample_arrays``; samples of different shapes,
