@@ -250,7 +250,6 @@ def main() -> None:
 @click.option(
     "--json",
     is_flag=True,
-    default=False,
     help="End by printing the whole summary as JSON instead of the results tables.",
 )
 def start(log_level: str, norm: str, **options: Any) -> None:
@@ -384,13 +383,11 @@ def shard(log_level: str, **options: Any) -> None:
 @click.option(
     "--curve-server-key",
     type=_path(exists=True, dir_okay=False),
-    default=None,
     help="The server's public key file, for a server started with --curve-secret.",
 )
 @click.option(
     "--curve-secret",
     type=_path(exists=True, dir_okay=False),
-    default=None,
     help="This client's secret key file (its public key must be authorized).",
 )
 def status(
