@@ -298,9 +298,8 @@ def _echo_results(summary: dict[str, Any], run_dir: Path | None) -> None:
         click.echo("summary: not written (no --run-dir); --json prints it here")
 
 
-def _on_signals(stop: Callable[[], None]) -> list[int]:
-    """First SIGINT/SIGTERM: graceful stop; a second one exits at once."""
-    received: list[int] = []
+def _on_signals(stop: Callable[[], None], received: list[int]) -> None:
+    """First SIGINT/SIGTERM: graceful stop (noted in ``received``); a second one exits at once."""
     loop = asyncio.get_running_loop()
 
     def handle(sig: int) -> None:
@@ -311,20 +310,18 @@ def _on_signals(stop: Callable[[], None]) -> list[int]:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, handle, sig)
-    return received
 
 
 async def _serve(config: ServerConfig) -> tuple[dict[str, Any], str, int]:
     from pserver.server import run_server  # torch import only when serving
 
-    signals: list[list[int]] = []
+    received: list[int] = []
 
     def listening(address: str, stop: Callable[[], None]) -> None:
-        signals.append(_on_signals(stop))
+        _on_signals(stop, received)
         click.echo(f"pserver listening on {address}", err=True)
 
     summary, error = await run_server(config, listening)
-    received = signals[0] if signals else []
     return summary, error, received[0] if received else 0
 
 
