@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -44,35 +43,3 @@ def poll_until(
         if left <= 0:
             raise WaitTimeout(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(min(interval, left))
-
-
-async def poll_until_async(
-    predicate: Callable[[], T | None],
-    timeout: float,
-    interval: float = 0.01,
-    what: str = "the condition",
-) -> T:
-    """``poll_until`` for a coroutine: the event loop runs between the calls.
-
-    Args:
-        predicate: what is waited for (a plain function; it must not block).
-        timeout: seconds to wait at most.
-        interval: seconds between calls.
-        what: what is waited for, for the error message.
-
-    Returns:
-        The predicate's first truthy result.
-
-    Raises:
-        WaitTimeout: the predicate stayed falsy for ``timeout`` seconds.
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        left = deadline - loop.time()
-        if left <= 0:
-            raise WaitTimeout(f"timed out after {timeout:g} s waiting for {what}")
-        await asyncio.sleep(min(interval, left))

@@ -70,19 +70,16 @@ def main() -> None:
 )
 @click.option(
     "--curve-server-key",
-    default=None,
     type=click.Path(exists=True, dir_okay=False),
     help="The server's public key file (server.key), for a server using CURVE.",
 )
 @click.option(
     "--curve-secret",
-    default=None,
     type=click.Path(exists=True, dir_okay=False),
     help="This worker's secret key file (worker.key_secret); its public key must be authorized.",
 )
 @click.option(
     "--data",
-    default=None,
     metavar="PATH",
     show_default="pull samples from the server",
     help="Read samples from this local or shared copy of the dataset instead of pulling them "

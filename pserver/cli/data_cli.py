@@ -14,10 +14,8 @@ from common.data.dataset import DatasetMeta, describe
 from common.errors import DatasetError
 
 OUT = click.option("--out", required=True, type=OutFile(), help="The HDF5 file to write.")
-SEED = click.option("--seed", default=0, show_default=True, type=int, help="Seed of the split.")
-PROGRESS = click.option(
-    "--progress/--no-progress", default=True, show_default=True, help="Show progress bars."
-)
+SEED = click.option("--seed", default=0, type=int, help="Seed of the split.")
+PROGRESS = click.option("--progress/--no-progress", default=True, help="Show progress bars.")
 
 
 SYNTH_SIZES = (  # option, lowest value, help (not given: the default of synth_hsi/synth_scenes)
@@ -36,9 +34,7 @@ SYNTH_SIZES = (  # option, lowest value, help (not given: the default of synth_h
 def _synth_sizes(command: Callable[..., Any]) -> Callable[..., Any]:
     """``synth``'s size options, in ``SYNTH_SIZES`` order."""
     for name, low, text in reversed(SYNTH_SIZES):
-        option = click.option(
-            f"--{name}", type=click.IntRange(min=low), show_default=True, help=text
-        )
+        option = click.option(f"--{name}", type=click.IntRange(min=low), help=text)
         command = option(command)
     return command
 
@@ -48,7 +44,6 @@ def _train_fraction(default: float | None, help: str) -> Any:
     return click.option(
         "--train-fraction",
         default=default,
-        show_default=True,
         type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
         help=help,
     )
@@ -91,7 +86,7 @@ def _names(text: str | None) -> list[str] | None:
     return names
 
 
-@click.group("data", cls=FullHelpGroup)
+@click.group("data", cls=FullHelpGroup, context_settings={"show_default": True})
 def data_group() -> None:
     """Prepare, synthesise and inspect HDF5 datasets."""
 
@@ -115,12 +110,11 @@ def prepare_group() -> None:
     "classification file; 0 = unlabelled, 1..K = classes.",
 )
 @OUT
-@click.option("--patch", default=5, show_default=True, type=int, help="Odd patch side P.")
+@click.option("--patch", default=5, type=int, help="Odd patch side P.")
 @_train_fraction(0.1, "Fraction of each class's labelled pixels used for training.")
 @click.option(
     "--split",
     default="random",
-    show_default=True,
     type=click.Choice(["random", "disjoint"]),
     help="random: stratified per pixel (test patches overlap training patches); "
     "disjoint: spatial tiles, no test patch shares a pixel with a training patch.",
@@ -128,45 +122,35 @@ def prepare_group() -> None:
 @SEED
 @click.option(
     "--classes",
-    default=None,
-    show_default=True,
     help="Comma-separated names of classes 1..K (default: from the .mat 'class_names' "
     "variable or the ENVI header, else class_1..class_K).",
 )
 @click.option(
     "--x-dtype",
     default="float32",
-    show_default=True,
     type=click.Choice(["float32", "float16", "raw"]),
     help="How samples are stored and served: normalised float32 or float16, or raw: the "
     "cube's integers (uint8/uint16/int16), normalised by the reader and the workers.",
 )
 @click.option(
     "--shape",
-    default=None,
-    show_default=True,
     help="ROWS,COLS of a .mat cube stored as a bands x pixels matrix (pixels in column-major "
     "order); default: the file's nRow/nCol.",
 )
 @click.option(
     "--bands-first",
     is_flag=True,
-    default=False,
-    show_default=True,
     help="The .mat cube is (bands, rows, cols), or its matrix is bands x pixels.",
 )
 @click.option(
     "--gt-abundance",
     is_flag=True,
-    default=False,
-    show_default=True,
     help="--gt holds abundance maps (end-members x pixels, key A by default, as Jasper Ridge, "
     "Samson and Urban ship them): each pixel gets its most abundant end-member.",
 )
 @click.option(
     "--min-abundance",
     default=0.5,
-    show_default=True,
     type=click.FloatRange(0.0, 1.0),
     help="With --gt-abundance: pixels whose largest abundance is below this are unlabelled.",
 )
@@ -208,8 +192,6 @@ def prepare_hsi_cmd(
 @click.option(
     "--size",
     type=click.IntRange(min=1),
-    default=None,
-    show_default=True,
     help="Resize every image to SIZE x SIZE (default: keep; all images must share one size).",
 )
 @PROGRESS
@@ -235,15 +217,11 @@ def prepare_folder_cmd(**options: Any) -> None:
 )
 @click.option(
     "--kwargs",
-    default=None,
-    show_default=True,
     help="Factory arguments as k=v,k2=v2 (values: Python literals, else strings).",
 )
 @OUT
 @click.option(
     "--classes",
-    default=None,
-    show_default=True,
     help="Comma-separated class names for labels 0..K-1 (default: the dataset's 'classes' "
     "attribute, else class_0..class_K-1).",
 )
@@ -279,9 +257,9 @@ def prepare_torch_cmd(
 )
 @OUT
 @_synth_sizes
-@click.option("--patch", default=5, show_default=True, type=int, help="hsi only: odd patch side P.")
+@click.option("--patch", default=5, type=int, help="hsi only: odd patch side P.")
 @_train_fraction(None, "Training fraction per class (default: hsi 0.1, scenes 0.8).")
-@click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
+@click.option("--seed", default=0, type=int, help="Random seed.")
 def synth_cmd(kind: str, out: Path, patch: int, seed: int, **given: float | None) -> None:
     """Write a synthetic dataset that a small CNN needs a few epochs to learn."""
     from common.data.convert.synth import synth_hsi, synth_scenes
@@ -297,7 +275,7 @@ def synth_cmd(kind: str, out: Path, patch: int, seed: int, **given: float | None
 
 @data_group.command("info")
 @click.argument("dataset", type=click.Path(dir_okay=False))
-@click.option("--json", is_flag=True, default=False, show_default=True, help="Print JSON.")
+@click.option("--json", is_flag=True, help="Print JSON.")
 def info_cmd(dataset: str, **flags: bool) -> None:
     """Show a dataset's samples, classes, per-split counts and shape."""
     try:

@@ -230,14 +230,12 @@ def _test_pixels(
 )
 @click.option(
     "--cube",
-    default=None,
     help="Scene to classify pixel by pixel: FILE.mat[:KEY] (loaded whole), ENVI .hdr or "
     "GeoTIFF (read a band of rows at a time).",
 )
 @click.option(
     "--images",
     type=click.Path(file_okay=False, path_type=Path),
-    default=None,
     help="Folder of images to classify one by one (scene models); --out is then a CSV file.",
 )
 @file_option(
@@ -251,7 +249,6 @@ def _test_pixels(
 )
 @click.option(
     "--gt",
-    default=None,
     help="Ground truth FILE[:KEY] (0 = unlabelled): prints OA/AA/kappa and per-class accuracy "
     "on labelled pixels and draws it beside the map.",
 )
@@ -267,7 +264,6 @@ def _test_pixels(
 @click.option(
     "--test-only",
     is_flag=True,
-    default=False,
     help="Score only the test pixels of the model's dataset (or --dataset); the ground truth "
     "is the dataset's labels unless --gt is given.",
 )
@@ -278,7 +274,6 @@ def _test_pixels(
 )
 @click.option(
     "--rgb-bands",
-    default=None,
     help="R,G,B: 0-based band indices of the cube drawn as a composite panel (2-98 percentile "
     "stretch), e.g. 29,19,9 for a true-colour view of a 198-band AVIRIS cube.",
 )
@@ -343,7 +338,6 @@ def predict_cmd(
 @click.option(
     "--target-oa",
     type=float,
-    default=None,
     help="Report the first version reaching this test OA (default: the run's --target-oa).",
 )
 @file_option(

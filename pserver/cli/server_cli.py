@@ -250,7 +250,6 @@ def main() -> None:
 @click.option(
     "--json",
     is_flag=True,
-    default=False,
     help="End by printing the whole summary as JSON instead of the results tables.",
 )
 def start(log_level: str, norm: str, **options: Any) -> None:
@@ -299,9 +298,8 @@ def _echo_results(summary: dict[str, Any], run_dir: Path | None) -> None:
         click.echo("summary: not written (no --run-dir); --json prints it here")
 
 
-def _on_signals(stop: Callable[[], None]) -> list[int]:
-    """First SIGINT/SIGTERM: graceful stop; a second one exits at once."""
-    received: list[int] = []
+def _on_signals(stop: Callable[[], None], received: list[int]) -> None:
+    """First SIGINT/SIGTERM: graceful stop (noted in ``received``); a second one exits at once."""
     loop = asyncio.get_running_loop()
 
     def handle(sig: int) -> None:
@@ -312,20 +310,18 @@ def _on_signals(stop: Callable[[], None]) -> list[int]:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, handle, sig)
-    return received
 
 
 async def _serve(config: ServerConfig) -> tuple[dict[str, Any], str, int]:
     from pserver.server import run_server  # torch import only when serving
 
-    signals: list[list[int]] = []
+    received: list[int] = []
 
     def listening(address: str, stop: Callable[[], None]) -> None:
-        signals.append(_on_signals(stop))
+        _on_signals(stop, received)
         click.echo(f"pserver listening on {address}", err=True)
 
     summary, error = await run_server(config, listening)
-    received = signals[0] if signals else []
     return summary, error, received[0] if received else 0
 
 
@@ -384,13 +380,11 @@ def shard(log_level: str, **options: Any) -> None:
 @click.option(
     "--curve-server-key",
     type=_path(exists=True, dir_okay=False),
-    default=None,
     help="The server's public key file, for a server started with --curve-secret.",
 )
 @click.option(
     "--curve-secret",
     type=_path(exists=True, dir_okay=False),
-    default=None,
     help="This client's secret key file (its public key must be authorized).",
 )
 def status(

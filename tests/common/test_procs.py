@@ -14,8 +14,9 @@ import psutil
 import pytest
 
 from common.errors import WaitTimeout
-from common.polling import poll_until, poll_until_async
+from common.polling import poll_until
 from common.procs import Child, ChildError, Children, is_running
+from tests.support.live import poll_until_async
 from tests.support.paths import ROOT
 
 PY = sys.executable

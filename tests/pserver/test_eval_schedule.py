@@ -7,10 +7,9 @@ import logging
 import numpy as np
 import pytest
 
-from common.polling import poll_until_async
 from launch.progress import eval_label
 from pserver.evaluation import MIN_AUTO_SUBSET, auto_subset_size
-from tests.support.live import clients, live_server
+from tests.support.live import clients, live_server, poll_until_async
 
 
 def test_auto_subset_fits_half_the_interval() -> None:

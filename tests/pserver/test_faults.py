@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from common.errors import ErrorCode, RemoteError
-from common.polling import poll_until_async
 from common.protocol.messages import (
     DataRequest,
     HeartbeatRequest,
@@ -27,7 +26,7 @@ from common.protocol.messages import (
 from common.protocol.tokens import TokenBook, new_key
 from common.training.planner import plan_batches
 from pserver.membership import Roster, WorkerInfo
-from tests.support.live import clients, live_server, published, push_request
+from tests.support.live import clients, live_server, poll_until_async, published, push_request
 
 REPLY_S = 15.0
 

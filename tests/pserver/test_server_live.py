@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from common.errors import ErrorCode, RemoteError
-from common.polling import poll_until_async
 from common.protocol.ending import FinishReason
 from common.protocol.messages import (
     REPLIES,
@@ -32,6 +31,7 @@ from tests.support.live import (
     AsyncClient,
     clients,
     live_server,
+    poll_until_async,
     published,
     push_request,
 )

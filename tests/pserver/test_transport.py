@@ -17,7 +17,6 @@ import zmq
 import zmq.asyncio
 
 from common.errors import ConfigError, ErrorCode, ProtocolError, RemoteError
-from common.polling import poll_until_async
 from common.protocol.base import Message, error_frames
 from common.protocol.messages import (
     REPLIES,
@@ -30,6 +29,7 @@ from common.protocol.security import load_client_keys
 from common.protocol.wire import PROTOCOL_VERSION
 from pserver.store.pool import BufferPool
 from pserver.transport import COPY_BELOW, TRACK_ABOVE, Endpoint, Request, TaskOwner
+from tests.support.live import poll_until_async
 
 REPLY_TIMEOUT_S = 10.0
 Handler = Callable[[Endpoint, Request, Message], Awaitable[None]]

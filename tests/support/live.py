@@ -6,16 +6,16 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 import zmq
 import zmq.asyncio
 
-from common.errors import RemoteError
+from common.errors import RemoteError, WaitTimeout
 from common.protocol.chunks import chunk_spans, encode
 from common.protocol.messages import (
     REPLIES,
@@ -34,6 +34,7 @@ from pserver.config import ServerConfig
 from pserver.server import ParameterServer
 
 REPLY_TIMEOUT_S = 20.0
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,3 +268,35 @@ async def live_sharded(dataset: Path, shards: int, **options: Any) -> AsyncItera
         await asyncio.wait_for(asyncio.gather(*running, return_exceptions=True), 30)
         for server in servers:
             await server.close()
+
+
+async def poll_until_async(
+    predicate: Callable[[], T | None],
+    timeout: float,
+    interval: float = 0.01,
+    what: str = "the condition",
+) -> T:
+    """``common.polling.poll_until`` for a coroutine: the event loop runs between the calls.
+
+    Args:
+        predicate: what is waited for (a plain function; it must not block).
+        timeout: seconds to wait at most.
+        interval: seconds between calls.
+        what: what is waited for, for the error message.
+
+    Returns:
+        The predicate's first truthy result.
+
+    Raises:
+        WaitTimeout: the predicate stayed falsy for ``timeout`` seconds.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        left = deadline - loop.time()
+        if left <= 0:
+            raise WaitTimeout(f"timed out after {timeout:g} s waiting for {what}")
+        await asyncio.sleep(min(interval, left))
