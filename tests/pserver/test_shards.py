@@ -35,7 +35,14 @@ from common.protocol.wire import PROTOCOL_VERSION, encode_frames
 from pserver.config import ShardConfig
 from pserver.store.shard_server import ShardServer
 from pserver.store.stores import RemoteStores
-from tests.support.live import AsyncClient, Member, clients, live_server, live_sharded
+from tests.support.live import (
+    AsyncClient,
+    Member,
+    clients,
+    live_server,
+    live_sharded,
+    poll_until_async,
+)
 
 ROUNDS = 5
 # The speed planner: the model planner follows measured round times, which no script repeats.
@@ -171,6 +178,11 @@ async def _shards(ps, count: int, **options: Any) -> AsyncIterator[list[ShardSer
     running = [asyncio.create_task(s.run()) for s in servers]
     try:
         await asyncio.wait_for(ps.stores.ready.wait(), 30)
+        # The coordinator is ready once it has registered every hello; a shard serves once its
+        # welcome reply has arrived, which may be a moment later.
+        await poll_until_async(
+            lambda: all(s.service is not None for s in servers), 30, what="shard services"
+        )
         yield servers
     finally:
         for server in servers:
