@@ -95,8 +95,8 @@ class Message:
                 raise ProtocolError(
                     ErrorCode.BAD_FIELD, f"{cls.TYPE}: field {name!r} {bad}"
                 ) from None
-        extra = set(body) - set(values) if given != len(body) else ()
-        if extra:
+        if given != len(body):  # a key that is no header field (a tensor's name included)
+            extra = set(body).difference(name for name, *_, check in schema if check is not None)
             raise ProtocolError(
                 ErrorCode.BAD_FIELD, f"{cls.TYPE}: unknown fields {sorted(extra)!r}"
             )

@@ -416,6 +416,16 @@ def test_an_unknown_field_is_refused_when_an_optional_one_is_absent() -> None:
         assert info.value.code == ErrorCode.BAD_FIELD
 
 
+def test_a_body_key_that_names_a_tensor_field_is_refused() -> None:
+    """Tensors come only as frames: a header key of a tensor's name is an unknown field."""
+    x, y = np.ones((2, 3, 5, 5), dtype=np.float32), np.array([0, 1], dtype=np.int64)
+    parsed = DataReply.from_parts({}, [x, y])
+    assert isinstance(parsed, DataReply) and parsed.x is x and parsed.y is y
+    with pytest.raises(ProtocolError, match=r"unknown fields \['y'\]") as info:
+        DataReply.from_parts({"y": [0, 1]}, [x, y])
+    assert info.value.code == ErrorCode.BAD_FIELD
+
+
 def test_tensors_are_read_without_copy_and_big_endian_is_refused() -> None:
     array = np.arange(6, dtype=np.float64).reshape(2, 3)
     frames = encode_frames({"type": "x", "id": 1}, [array])
