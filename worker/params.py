@@ -58,8 +58,15 @@ class StoreClient:
     ) -> None:
         addresses, bounds, chunk_elems = join.shard_addresses, join.shard_bounds, join.chunk_elems
         wire, worker_id, token = join.wire_dtype, join.worker_id, join.store_token
-        if len(bounds) != len(addresses) + 1 or list(bounds) != sorted(bounds):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"malformed shard bounds {list(bounds)[:8]}")
+        if (
+            len(bounds) != len(addresses) + 1
+            or list(bounds) != sorted(bounds)
+            or (bounds[0], bounds[-1]) != (0, join.state_size)
+        ):
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"shard bounds {list(bounds)[:8]} do not cover the state of {join.state_size}",
+            )
         self.wire, self.worker_id, self.token = wire, worker_id, token
         self.transfer_s = 0.0
         self._ids = itertools.count(1)

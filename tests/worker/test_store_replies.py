@@ -4,6 +4,7 @@ part of the state unloaded or loaded from the wrong version."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 
@@ -123,3 +124,15 @@ def test_a_pull_answered_as_asked_loads_every_chunk(
     finally:
         client.close()
     assert torch.equal(state, torch.full((CHUNK * CHUNKS,), 7.0))
+
+
+@pytest.mark.parametrize("bounds", [[0, CHUNK], [CHUNK, CHUNK * CHUNKS], [0, CHUNK * CHUNKS + 1]])
+def test_shard_bounds_that_do_not_cover_the_state_are_refused(bounds: list[int]) -> None:
+    """Bounds that leave part of the state to no store would leave it never pulled."""
+    context = zmq.Context()
+    try:
+        join = dataclasses.replace(_join("tcp://127.0.0.1:9"), shard_bounds=bounds)
+        with pytest.raises(ProtocolError, match="do not cover the state"):
+            StoreClient(context, join, coordinator="tcp://127.0.0.1:9").close()
+    finally:
+        context.term()
