@@ -9,11 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 
 from common.errors import ConfigError
 from common.protocol.messages import StatusReply, StatusRequest
 from pserver import checkpoint
 from pserver.checkpoint import Checkpoint
+from pserver.cli import main as pserver_main
 from tests.support.cluster import events
 from tests.support.live import clients, live_server, published
 
@@ -146,3 +148,24 @@ async def test_a_checkpoint_with_damaged_contents_is_refused_on_resume(
         with pytest.raises(ConfigError, match="the checkpoint is damaged"):
             async with live_server(small_hsi, **{**options, "resume": True}):
                 pytest.fail(f"resumed from a checkpoint with {name}")
+
+
+async def test_export_refuses_a_checkpoint_whose_parameters_are_not_finite(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    """A model exported from such a checkpoint would answer NaN for every input."""
+    options = dict(mode="async", epochs=100, run_dir=tmp_path, checkpoint_every=1)
+    async with live_server(small_hsi, **options) as ps, clients(ps.address, 1) as (c,):
+        member, task = await c.join("w")
+        await c.push(member, task, np.full(ps.state_size, 1e-3, np.float32))
+    saved = checkpoint.latest(tmp_path / "checkpoints")
+    assert saved is not None
+    args = ["export", str(tmp_path), "--dataset", str(small_hsi), "--format", "state-dict"]
+    exported = CliRunner().invoke(pserver_main, [*args, "--out", str(tmp_path / "a.pt")])
+    assert exported.exit_code == 0, exported.output  # the checkpoint as written exports
+    damaged = checkpoint.read(saved)
+    damaged.arrays["state"][3] = np.inf
+    checkpoint.write(tmp_path / "checkpoints", damaged)
+    refused = CliRunner().invoke(pserver_main, [*args, "--out", str(tmp_path / "b.pt")])
+    assert refused.exit_code != 0 and "not finite" in refused.output, refused.output
+    assert not (tmp_path / "b.pt").exists()
