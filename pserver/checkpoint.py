@@ -345,6 +345,52 @@ class BestCheckpoint:
         log.info("best OA so far on the whole test split (%.4f): version %d kept", oa, version)
 
 
+def check_contents(checkpoint: Checkpoint, num_samples: int) -> None:
+    """Refuse a checkpoint whose numbers cannot be a run's: parameters or optimizer state
+    that are not finite, counters that are not counts, sampler books of another size.
+
+    Raises:
+        ConfigError: naming the first problem.
+    """
+    meta, arrays = checkpoint.meta, checkpoint.arrays
+    problem = ""
+    for name in ("state", "slots"):
+        values = arrays.get(name)
+        if values is not None and not (
+            np.issubdtype(values.dtype, np.floating) and np.isfinite(values).all()
+        ):
+            problem = f"{name!r} holds values that are not finite numbers"
+    for key in ("version", "steps", "samples_applied", "optimizer_steps"):
+        if not _count(meta.get(key)):
+            problem = problem or f"{key!r} is {meta.get(key)!r}, not a count"
+    books = meta.get("sampler")
+    if not isinstance(books, dict) or not isinstance(books.get("applied"), dict):
+        problem = problem or "the sampler's books are missing"
+    elif not (_count(books.get("epoch")) and _count(books.get("cursor"))):
+        problem = problem or "the sampler's epoch or cursor is not a count"
+    elif books["cursor"] > num_samples:
+        problem = problem or f"the sampler's cursor is beyond {num_samples} samples"
+    else:
+        for epoch, applied in books["applied"].items():
+            uses = arrays.get(f"uses/{epoch}")
+            if (
+                not _count(applied)
+                or uses is None
+                or uses.shape != (num_samples,)
+                or not np.issubdtype(uses.dtype, np.integer)
+                or (uses < 0).any()
+            ):
+                problem = (
+                    problem or f"the ledger of epoch {epoch!r} does not fit {num_samples} samples"
+                )
+    if problem:
+        raise ConfigError(f"the checkpoint is damaged: {problem}")
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def restore(
     checkpoint: Checkpoint,
     identity: dict[str, Any],
@@ -367,17 +413,21 @@ def restore(
     """
     meta = checkpoint.meta
     check_identity(meta, identity)
-    state = checkpoint.arrays["state"].astype(np.float32)
+    state = checkpoint.arrays.get("state", np.zeros(0)).astype(np.float32)
     if state.size != identity["state_size"]:
         raise ConfigError(
             f"the checkpoint holds {state.size} values, this model {identity['state_size']}"
         )
-    requeued = restore_sampler(sampler, checkpoint.arrays, meta["sampler"])
-    torch.set_rng_state(torch.from_numpy(checkpoint.arrays["torch_rng"].astype(np.uint8)))
-    run.load_meta(meta)
-    roster.restore_history(meta["workers"])
-    policy.restore(meta["policy"])
-    samples = int(meta["samples_applied"])
+    check_contents(checkpoint, sampler.num_samples)
+    try:
+        requeued = restore_sampler(sampler, checkpoint.arrays, meta["sampler"])
+        torch.set_rng_state(torch.from_numpy(checkpoint.arrays["torch_rng"].astype(np.uint8)))
+        run.load_meta(meta)
+        roster.restore_history(meta["workers"])
+        policy.restore(meta["policy"])
+        samples = int(meta["samples_applied"])
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as exc:
+        raise ConfigError(f"the checkpoint is damaged: {type(exc).__name__}: {exc}") from exc
     log_to.event("resume", version=checkpoint.version, samples=samples, requeued=requeued)
     log.info(
         "resumed at version %d (epoch %d); %d samples of open epochs to redo",

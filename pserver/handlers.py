@@ -102,7 +102,9 @@ def store_routes(
         await stores.on_pull(request.identity, request.request_id, msg)
 
     async def gradient_push(request: Request, msg: GradientPushRequest) -> None:
-        """Staged in the coordinator's own store, then the push path as for ``push_request``."""
+        """Staged in the coordinator's own store, then the push path as for ``push_request``
+        (a gradient from no member is not staged)."""
+        pushes.roster.member(msg.worker_id, msg.token, request.user_id)
         await stores.on_gradient_push(msg)
         try:
             await pushes.push(request, msg)

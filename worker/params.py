@@ -58,8 +58,15 @@ class StoreClient:
     ) -> None:
         addresses, bounds, chunk_elems = join.shard_addresses, join.shard_bounds, join.chunk_elems
         wire, worker_id, token = join.wire_dtype, join.worker_id, join.store_token
-        if len(bounds) != len(addresses) + 1 or list(bounds) != sorted(bounds):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"malformed shard bounds {list(bounds)[:8]}")
+        if (
+            len(bounds) != len(addresses) + 1
+            or list(bounds) != sorted(bounds)
+            or (bounds[0], bounds[-1]) != (0, join.state_size)
+        ):
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"shard bounds {list(bounds)[:8]} do not cover the state of {join.state_size}",
+            )
         self.wire, self.worker_id, self.token = wire, worker_id, token
         self.transfer_s = 0.0
         self._ids = itertools.count(1)
@@ -87,6 +94,7 @@ class StoreClient:
             sock for sock, spans in zip(self._sockets, self._spans, strict=True) for _ in spans
         ]
         self._push: tuple[int, str, int] = (0, "", 0)
+        self._min_version = 0  # what the answers to the last push or pull may not be older than
         self._unsent: set[int] = set()
         self._chunks = [span for spans in self._spans for span in spans]
         self.whole_on_coordinator = list(addresses) == [""] and len(self._chunks) == 1
@@ -116,6 +124,7 @@ class StoreClient:
         """Start pushing the gradient of ``task_id``: chunks follow with ``send_chunk``."""
         self._waiting.clear()
         self._push = (task_id, push_token, version)
+        self._min_version = version + 1  # the answers carry the update the gradient went into
         self._unsent = set(range(len(self._chunk_socket)))
 
     def send_chunk(self, index: int, values: torch.Tensor) -> None:
@@ -152,6 +161,7 @@ class StoreClient:
     def pull(self, min_version: int) -> None:
         """Ask every store for every chunk of version ``min_version`` or newer."""
         self._waiting.clear()
+        self._min_version = min_version
         for sock, spans in zip(self._sockets, self._spans, strict=True):
             for start, stop in spans:
                 request_id = next(self._ids)
@@ -173,12 +183,14 @@ class StoreClient:
 
         Raises:
             RemoteError: a store answered with an error (every answer was still drained).
+            ProtocolError: a store answered with something else than the chunk asked for, or
+                with parameters older than asked (every answer was still drained).
             NetworkTimeout: not every chunk arrived within ``timeout_s``.
             ServerLost: the abort channel fired.
         """
         deadline = time.monotonic() + timeout_s
         versions: list[int] = []
-        error: RemoteError | None = None
+        error: RemoteError | ProtocolError | None = None
         first: float | None = None
         while self._waiting:
             left = deadline - time.monotonic()
@@ -201,8 +213,13 @@ class StoreClient:
                             error = exc
                         continue
                     span = self._waiting.pop(request_id, None)
-                    if span is None or not isinstance(reply, ParamsChunk):
+                    if span is None:
                         continue  # a late answer to an earlier request
+                    problem = self._misfit(reply)
+                    if problem:
+                        error = error or ProtocolError(ErrorCode.BAD_FIELD, problem)
+                        continue
+                    assert isinstance(reply, ParamsChunk)
                     first = time.monotonic() if first is None else first
                     stagetrace.mark("w_chunk_in", version=reply.version, offset=reply.offset)
                     self._load(span, reply.offset, reply.scale, reply.params, state)
@@ -211,6 +228,14 @@ class StoreClient:
         if error is not None:
             raise error
         return min(versions)
+
+    def _misfit(self, reply: object) -> str:
+        """Why ``reply`` cannot answer a chunk of the last push or pull ("" if it can)."""
+        if not isinstance(reply, ParamsChunk):
+            return f"a store answered a chunk with {getattr(reply, 'TYPE', type(reply).__name__)}"
+        if reply.version < self._min_version:
+            return f"a store answered version {reply.version}, asked {self._min_version} or newer"
+        return ""
 
     def _load(
         self,

@@ -86,6 +86,11 @@ class DatasetReader:
             raise DatasetError(f"{str(self.path)!r} is not a readable HDF5 file: {exc}") from exc
         try:
             self._validate()
+        except (ValueError, TypeError, KeyError, OSError, RuntimeError) as exc:
+            # what h5py and numpy raise for a value of another kind, or a link that leads
+            # nowhere or in circles
+            self.close()
+            raise self._fail(f"{type(exc).__name__}: {exc}") from exc
         except BaseException:
             self.close()
             raise

@@ -106,7 +106,7 @@ class _Bodies:
     async def get(self, name: str) -> bytes | None:
         """The latest body of ``name`` (on the page's loop); asks for a new one when it is
         older than ``REFRESH_S`` (one at a time per kind). None if the first one did not
-        come within ``FIRST_BODY_S``."""
+        come within ``FIRST_BODY_S`` or its render failed."""
         assert self._owner is not None
         with self._lock:
             made = self._bodies.get(name)
@@ -121,13 +121,20 @@ class _Bodies:
         except TimeoutError:
             return None
         with self._lock:
-            return self._bodies[name][1]
+            made = self._bodies.get(name)
+        return None if made is None else made[1]
 
     def _refresh(self, name: str) -> None:
-        """Render the body of ``name`` (on the server's loop)."""
-        body = self.render(name)
+        """Render the body of ``name`` (on the server's loop); a render that fails is logged
+        and asked for again by the next request."""
+        try:
+            body: bytes | None = self.render(name)
+        except Exception:
+            log.exception("status page: rendering %s failed", name)
+            body = None
         with self._lock:
-            self._bodies[name] = (time.monotonic(), body)
+            if body is not None:
+                self._bodies[name] = (time.monotonic(), body)
             self._wanted.discard(name)
         if self._page is not None and not self._page.is_closed():
             self._page.call_soon_threadsafe(self._first[name].set)

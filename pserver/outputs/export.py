@@ -152,7 +152,10 @@ def _checkpoint(config: ExportConfig) -> tuple[Path, np.ndarray, dict[str, Any]]
     ckpt = checkpoint.read(Path(path))
     if "state" not in ckpt.arrays:
         raise ConfigError(f"checkpoint {str(path)!r} holds no 'state' array")
-    return Path(path), np.asarray(ckpt.arrays["state"], dtype=np.float32), ckpt.meta
+    state = np.asarray(ckpt.arrays["state"], dtype=np.float32)
+    if not np.isfinite(state).all():
+        raise ConfigError(f"checkpoint {str(path)!r} holds parameters that are not finite")
+    return Path(path), state, ckpt.meta
 
 
 def _describe(

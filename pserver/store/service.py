@@ -263,10 +263,7 @@ class StoreService:
         published.set()
         waiting = [entry for t in task_ids for entry in self._pending.pop(t, [])]
         self._wake(task_ids)
-        for task_id in task_ids:  # applied: a replay of its chunks is refused
-            self._finished_ids[task_id] = None
-        while len(self._finished_ids) > CLOSED_TASKS:
-            self._finished_ids.popitem(last=False)
+        self._close_tasks(task_ids)  # applied: a replay of its chunks is refused
         if self.one_chunk:
             whole, self._whole = self._whole, await self._run(self._encode)
             if whole is not None and whole.lease is not None:
@@ -291,13 +288,23 @@ class StoreService:
 
     async def drop(self, task_ids: list[int], code: int, message: str) -> None:
         """Forget staged gradients and answer their chunks with error ``code`` (the task may be
-        pushed again: after STALE or NON_FINITE the worker recomputes it)."""
+        pushed again: after STALE or NON_FINITE the worker recomputes it; after UNKNOWN_WORKER,
+        the task of a worker that left, it never is, and later chunks of it are refused)."""
         await self._run(self.store.drop, task_ids)
         self._wake(task_ids)
         error = error_code(code)
+        if error == ErrorCode.UNKNOWN_WORKER:
+            self._close_tasks(task_ids)
         for task_id in task_ids:
             for identity, request_id, _ in self._pending.pop(task_id, []):
                 self.replier.reply_error(identity, request_id, error, message)
+
+    def _close_tasks(self, task_ids: list[int]) -> None:
+        """Refuse every later chunk of these tasks (the newest ``CLOSED_TASKS`` are kept)."""
+        for task_id in task_ids:
+            self._finished_ids[task_id] = None
+        while len(self._finished_ids) > CLOSED_TASKS:
+            self._finished_ids.popitem(last=False)
 
     def _wake(self, task_ids: list[int]) -> None:
         """Wake whoever waits for these tasks' gradients (they were applied or withdrawn)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import h5py
@@ -234,6 +235,35 @@ def test_reader_rejects_bad_files(tmp_path: Path) -> None:
     write_file(out, x, y)
     with h5py.File(out, "a") as f:
         f["test_idx"][0] = f["train_idx"][0]
+    with pytest.raises(DatasetError, match=r"d\.h5"):
+        DatasetReader(out)
+
+
+def _no_class_count(f: h5py.File) -> None:
+    f.attrs["num_classes"] = "many"
+
+
+def _looping_link(f: h5py.File) -> None:
+    del f["train_idx"]
+    f["train_idx"] = h5py.SoftLink("/train_idx")
+
+
+def _dangling_split(f: h5py.File) -> None:
+    del f["train_idx"]
+    f["train_idx"] = h5py.ExternalLink("absent.h5", "/train_idx")
+
+
+@pytest.mark.parametrize("damage", [_no_class_count, _looping_link, _dangling_split])
+def test_reader_rejects_hostile_files_with_a_dataset_error(
+    tmp_path: Path, damage: Callable[[h5py.File], None]
+) -> None:
+    """Attributes of another kind and links that lead in circles or nowhere are a
+    DatasetError naming the file, never another exception."""
+    out = tmp_path / "d.h5"
+    x, y = make_data()
+    write_file(out, x, y)
+    with h5py.File(out, "a") as f:
+        damage(f)
     with pytest.raises(DatasetError, match=r"d\.h5"):
         DatasetReader(out)
 

@@ -9,11 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 
 from common.errors import ConfigError
 from common.protocol.messages import StatusReply, StatusRequest
 from pserver import checkpoint
 from pserver.checkpoint import Checkpoint
+from pserver.cli import main as pserver_main
 from tests.support.cluster import events
 from tests.support.live import clients, live_server, published
 
@@ -103,3 +105,67 @@ async def test_a_resumed_server_starts_from_the_saved_parameters(
     assert start["plan"] == {"planner": "model", "spread": True, "min_batch": 1}  # as resolved
     resumed = [e for e in events(tmp_path) if e["event"] == "resume"]
     assert [e["version"] for e in resumed] == [2]
+
+
+DAMAGES = {
+    "parameters that are not finite": lambda c: c.arrays["state"].__setitem__(0, np.nan),
+    "optimizer state that is not finite": lambda c: c.arrays["slots"].fill(np.inf),
+    "a ledger of another size": lambda c: c.arrays.__setitem__("uses/1", np.zeros(3, np.int32)),
+    "a cursor beyond the split": lambda c: c.meta["sampler"].__setitem__("cursor", 10**9),
+    "no sampler books": lambda c: c.meta.pop("sampler"),
+    "policy counters that are not numbers": lambda c: c.meta.__setitem__(
+        "policy", {"applied": "x"}
+    ),
+    "worker history that is not a map": lambda c: c.meta.__setitem__("workers", [1, 2]),
+    "a random state of another size": lambda c: c.arrays.__setitem__(
+        "torch_rng", np.zeros(3, np.uint8)
+    ),
+}
+
+
+async def test_a_checkpoint_with_damaged_contents_is_refused_on_resume(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    """A well-formed file whose contents cannot be a run's is refused with a ConfigError:
+    never resumed with parameters that are not finite or books of another size, never a
+    crash with a raw exception."""
+    options = dict(mode="async", optimizer="adam", epochs=100, run_dir=tmp_path, checkpoint_every=1)
+    async with live_server(small_hsi, **options) as ps, clients(ps.address, 1) as (c,):
+        member, task = await c.join("w")
+        task = await c.push(member, task, np.full(ps.state_size, 1e-3, np.float32))
+    folder = tmp_path / "checkpoints"
+    (saved,) = [p for p in folder.iterdir() if p.name.endswith("1.npz")]
+    good = saved.read_bytes()
+    assert checkpoint.read(saved).arrays["slots"].size  # adam keeps optimizer state
+    for name, damage in DAMAGES.items():
+        for path in folder.iterdir():
+            path.unlink()
+        saved.write_bytes(good)
+        damaged = checkpoint.read(saved)
+        damage(damaged)
+        saved.unlink()
+        checkpoint.write(folder, damaged)
+        with pytest.raises(ConfigError, match="the checkpoint is damaged"):
+            async with live_server(small_hsi, **{**options, "resume": True}):
+                pytest.fail(f"resumed from a checkpoint with {name}")
+
+
+async def test_export_refuses_a_checkpoint_whose_parameters_are_not_finite(
+    small_hsi: Path, tmp_path: Path
+) -> None:
+    """A model exported from such a checkpoint would answer NaN for every input."""
+    options = dict(mode="async", epochs=100, run_dir=tmp_path, checkpoint_every=1)
+    async with live_server(small_hsi, **options) as ps, clients(ps.address, 1) as (c,):
+        member, task = await c.join("w")
+        await c.push(member, task, np.full(ps.state_size, 1e-3, np.float32))
+    saved = checkpoint.latest(tmp_path / "checkpoints")
+    assert saved is not None
+    args = ["export", str(tmp_path), "--dataset", str(small_hsi), "--format", "state-dict"]
+    exported = CliRunner().invoke(pserver_main, [*args, "--out", str(tmp_path / "a.pt")])
+    assert exported.exit_code == 0, exported.output  # the checkpoint as written exports
+    damaged = checkpoint.read(saved)
+    damaged.arrays["state"][3] = np.inf
+    checkpoint.write(tmp_path / "checkpoints", damaged)
+    refused = CliRunner().invoke(pserver_main, [*args, "--out", str(tmp_path / "b.pt")])
+    assert refused.exit_code != 0 and "not finite" in refused.output, refused.output
+    assert not (tmp_path / "b.pt").exists()

@@ -346,3 +346,25 @@ async def test_a_silent_member_is_dead_after_dead_after_and_a_talking_one_never(
     assert dead_after_s <= dead["talker"] - last[0] < dead_after_s + slack_s
     roster.close()
     assert set(dead) == {"talker", "silent"}
+
+
+async def test_chunks_of_a_task_withdrawn_from_a_worker_that_left_are_refused(small_hsi) -> None:
+    """A member that left (or was dropped) still holds its push tokens: chunks of its task
+    sent after it left are refused, not kept staged with their replies waiting for good."""
+    async with (
+        live_server(small_hsi, mode="async", workers=1, epochs=50, chunk_mb=0.01) as ps,
+        clients(ps.address, 2) as (keeper, leaver),
+    ):
+        await keeper.join("keeper")
+        member, task = await leaver.join("leaver")
+        await leaver.request(
+            LeaveRequest(worker_id=member.worker_id, token=member.token, reason="done")
+        )
+        gradient = np.full(ps.state_size, 1e-4, np.float32)
+        sent = await leaver.send_gradient(member, task, gradient)
+        assert len(sent) > 1
+        for store, rid in sent:
+            with pytest.raises(RemoteError) as refused:
+                await store.receive(rid)
+            assert refused.value.code == ErrorCode.WRONG_TASK
+        assert not ps.stores.store.staged  # type: ignore[union-attr]

@@ -187,6 +187,35 @@ async def test_pollers_are_answered_from_a_cached_body_while_the_loop_is_busy() 
         await page.close()
 
 
+async def test_a_render_that_fails_is_answered_503_and_tried_again() -> None:
+    """A status map that cannot be rendered once is a 503 for the request that waited for
+    it; the next request asks for a new one (the kind is not left unrendered for good)."""
+    calls = []
+
+    def status() -> dict[str, int]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the status map cannot be made right now")
+        return {"version": len(calls)}
+
+    async def until_served() -> bytes:
+        while True:
+            code, _, body = await _get(url + "status.json")
+            if code == 200:
+                return body
+            assert code == 503
+            await asyncio.sleep(0.1)
+
+    page = StatusPage(status, (), clock=lambda: 1.0)
+    url = await page.start()
+    try:
+        assert (await _get(url + "status.json"))[0] == 503
+        body = await asyncio.wait_for(until_served(), 15)
+        assert json.loads(body)["version"] >= 2
+    finally:
+        await page.close()
+
+
 async def test_members_with_one_name_get_unique_names_and_metrics_series(
     small_hsi: Path,
 ) -> None:
