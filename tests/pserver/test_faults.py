@@ -13,10 +13,8 @@ import pytest
 import torch
 
 from common.errors import ErrorCode, ProtocolError, RemoteError
-from common.protocol.chunks import encode
 from common.protocol.messages import (
     DataRequest,
-    GradientChunk,
     HeartbeatRequest,
     JoinRequest,
     LeaveRequest,
@@ -29,7 +27,14 @@ from common.protocol.tokens import TokenBook, new_key
 from common.training.planner import plan_batches
 from pserver.membership import Roster, WorkerInfo
 from pserver.store import service as service_module
-from tests.support.live import clients, live_server, poll_until_async, published, push_request
+from tests.support.live import (
+    clients,
+    gradient_chunk,
+    live_server,
+    poll_until_async,
+    published,
+    push_request,
+)
 
 REPLY_S = 15.0
 
@@ -387,16 +392,7 @@ async def test_a_chunk_that_comes_while_a_departed_workers_task_is_dropped_is_re
         service = ps.stores
         assert isinstance(service, service_module.StoreService)
         start, stop = service.store.spans[0]
-        data, scale = encode(torch.full((stop - start,), 1e-4), member.join.wire_dtype)
-        chunk = GradientChunk(
-            worker_id=member.worker_id,
-            token=task.push_token,
-            task_id=task.task_id,
-            version=task.version,
-            offset=start,
-            scale=scale,
-            gradient=data,
-        )
+        chunk = gradient_chunk(member, task, start, np.full(stop - start, 1e-4, np.float32))
         dropping = asyncio.create_task(
             service.drop([task.task_id], ErrorCode.UNKNOWN_WORKER, "the worker left")
         )
