@@ -349,6 +349,10 @@ def check_contents(checkpoint: Checkpoint, num_samples: int) -> None:
     """Refuse a checkpoint whose numbers cannot be a run's: parameters or optimizer state
     that are not finite, counters that are not counts, sampler books of another size.
 
+    Args:
+        checkpoint: what was read.
+        num_samples: the size of this run's training split.
+
     Raises:
         ConfigError: naming the first problem.
     """
@@ -409,7 +413,8 @@ def restore(
         log_to: the run log (a ``resume`` event).
 
     Raises:
-        ConfigError: the checkpoint belongs to another mode, model, dataset or seed.
+        ConfigError: the checkpoint belongs to another mode, model, dataset or seed, holds
+            another number of parameters, or its contents are damaged (``check_contents``).
     """
     meta = checkpoint.meta
     check_identity(meta, identity)

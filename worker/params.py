@@ -183,8 +183,9 @@ class StoreClient:
 
         Raises:
             RemoteError: a store answered with an error (every answer was still drained).
-            ProtocolError: a store answered with something else than the chunk asked for, or
-                with parameters older than asked (every answer was still drained).
+            ProtocolError: a store answered with something else than the chunk asked for
+                (another message, another range or size, parameters older than asked); every
+                answer was still drained.
             NetworkTimeout: not every chunk arrived within ``timeout_s``.
             ServerLost: the abort channel fired.
         """
@@ -222,7 +223,11 @@ class StoreClient:
                     assert isinstance(reply, ParamsChunk)
                     first = time.monotonic() if first is None else first
                     stagetrace.mark("w_chunk_in", version=reply.version, offset=reply.offset)
-                    self._load(span, reply.offset, reply.scale, reply.params, state)
+                    try:
+                        self._load(span, reply.offset, reply.scale, reply.params, state)
+                    except ProtocolError as exc:
+                        error = error or exc
+                        continue
                     versions.append(reply.version)
         self.transfer_s = 0.0 if first is None else time.monotonic() - first
         if error is not None:

@@ -290,11 +290,11 @@ class StoreService:
         """Forget staged gradients and answer their chunks with error ``code`` (the task may be
         pushed again: after STALE or NON_FINITE the worker recomputes it; after UNKNOWN_WORKER,
         the task of a worker that left, it never is, and later chunks of it are refused)."""
+        error = error_code(code)
+        if error == ErrorCode.UNKNOWN_WORKER:  # first: a chunk that comes meanwhile is refused
+            self._close_tasks(task_ids)
         await self._run(self.store.drop, task_ids)
         self._wake(task_ids)
-        error = error_code(code)
-        if error == ErrorCode.UNKNOWN_WORKER:
-            self._close_tasks(task_ids)
         for task_id in task_ids:
             for identity, request_id, _ in self._pending.pop(task_id, []):
                 self.replier.reply_error(identity, request_id, error, message)

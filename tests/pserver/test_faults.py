@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.errors import ErrorCode, RemoteError
+from common.errors import ErrorCode, ProtocolError, RemoteError
 from common.protocol.messages import (
     DataRequest,
     HeartbeatRequest,
@@ -26,7 +26,15 @@ from common.protocol.messages import (
 from common.protocol.tokens import TokenBook, new_key
 from common.training.planner import plan_batches
 from pserver.membership import Roster, WorkerInfo
-from tests.support.live import clients, live_server, poll_until_async, published, push_request
+from pserver.store import service as service_module
+from tests.support.live import (
+    clients,
+    gradient_chunk,
+    live_server,
+    poll_until_async,
+    published,
+    push_request,
+)
 
 REPLY_S = 15.0
 
@@ -368,3 +376,29 @@ async def test_chunks_of_a_task_withdrawn_from_a_worker_that_left_are_refused(sm
                 await store.receive(rid)
             assert refused.value.code == ErrorCode.WRONG_TASK
         assert not ps.stores.store.staged  # type: ignore[union-attr]
+
+
+async def test_a_chunk_that_comes_while_a_departed_workers_task_is_dropped_is_refused(
+    small_hsi, monkeypatch
+) -> None:
+    """The task is closed before its store forgets the staged gradients (off the loop): a
+    chunk that comes meanwhile is refused, not staged after them with no reply ever due."""
+    monkeypatch.setattr(service_module, "INLINE_ELEMS", 0)  # the store works on its thread
+    async with (
+        live_server(small_hsi, mode="async", workers=1, epochs=50, chunk_mb=0.01) as ps,
+        clients(ps.address, 1) as (client,),
+    ):
+        member, task = await client.join("leaver")
+        service = ps.stores
+        assert isinstance(service, service_module.StoreService)
+        start, stop = service.store.spans[0]
+        chunk = gradient_chunk(member, task, start, np.full(stop - start, 1e-4, np.float32))
+        dropping = asyncio.create_task(
+            service.drop([task.task_id], ErrorCode.UNKNOWN_WORKER, "the worker left")
+        )
+        await asyncio.sleep(0)  # the drop waits for the store's thread
+        with pytest.raises(ProtocolError) as refused:
+            await service.on_gradient_chunk(b"leaver", 1, chunk)
+        assert refused.value.code == ErrorCode.WRONG_TASK
+        await asyncio.wait_for(dropping, 10)
+        assert not service.store.staged

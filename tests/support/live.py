@@ -128,21 +128,10 @@ class AsyncClient:
     ) -> list[tuple[AsyncClient, int]]:
         """Send every chunk of ``values`` to its store (``changes`` override chunk fields, the
         raw ``gradient`` array included); returns (store client, request id) per chunk."""
-        join = member.join
         sent = []
-        for start, stop, store in self._chunks(join):
-            data, scale = encode(torch.from_numpy(values[start:stop]), join.wire_dtype)
-            fields = dict(
-                worker_id=member.worker_id,
-                token=task.push_token,
-                task_id=task.task_id,
-                version=task.version,
-                offset=start,
-                scale=scale,
-                gradient=data,
-            )
-            fields.update(changes)
-            sent.append((store, await store.send(GradientChunk(**fields))))
+        for start, stop, store in self._chunks(member.join):
+            chunk = gradient_chunk(member, task, start, values[start:stop], **changes)
+            sent.append((store, await store.send(chunk)))
         return sent
 
     def _chunks(self, join: JoinReply) -> list[tuple[int, int, AsyncClient]]:
@@ -192,6 +181,24 @@ def push_request(member: Member, task: TaskReply, **changes: Any) -> PushRequest
     )
     fields.update(changes)
     return PushRequest(**fields)
+
+
+def gradient_chunk(
+    member: Member, task: TaskReply, start: int, values: np.ndarray, **changes: Any
+) -> GradientChunk:
+    """The chunk at ``start`` of the gradient answering ``task`` (fields may be changed, the
+    raw ``gradient`` array included)."""
+    data, scale = encode(torch.from_numpy(values), member.join.wire_dtype)
+    fields: dict[str, Any] = dict(
+        worker_id=member.worker_id,
+        token=task.push_token,
+        task_id=task.task_id,
+        version=task.version,
+        offset=start,
+        scale=scale,
+        gradient=data,
+    )
+    return GradientChunk(**{**fields, **changes})
 
 
 def gradient_push(

@@ -1,6 +1,7 @@
 """The worker's store client against a store that answers pulls with what was not asked: a
-reply of another type, or parameters older than asked, is a protocol error and never leaves
-part of the state unloaded or loaded from the wrong version."""
+reply of another type, of another range or size, or parameters older than asked, is a
+protocol error raised once every answer is read, and never leaves part of the state unloaded
+or loaded from the wrong version."""
 
 from __future__ import annotations
 
@@ -86,14 +87,22 @@ def store() -> Iterator[tuple[zmq.Context, str, list[Answer]]]:
 
 
 @pytest.mark.parametrize(
-    "wrong",
+    ("wrong", "why"),
     [
-        pytest.param(lambda pull: LeaveReply(), id="another-reply-type"),
-        pytest.param(lambda pull: _chunk(pull, 2), id="older-than-asked"),
+        pytest.param(lambda pull: LeaveReply(), "a store answered", id="another-reply-type"),
+        pytest.param(lambda pull: _chunk(pull, 2), "a store answered", id="older-than-asked"),
+        pytest.param(
+            lambda pull: dataclasses.replace(_chunk(pull, 5), offset=0), "asked", id="another-range"
+        ),
+        pytest.param(
+            lambda pull: dataclasses.replace(_chunk(pull, 5), params=np.ones(1, np.float32)),
+            "wrong size",
+            id="another-size",
+        ),
     ],
 )
 def test_a_pull_answered_with_what_was_not_asked_is_a_protocol_error(
-    store: tuple[zmq.Context, str, list[Answer]], wrong: Answer
+    store: tuple[zmq.Context, str, list[Answer]], wrong: Answer, why: str
 ) -> None:
     context, address, answers = store
     answers.extend([lambda pull: _chunk(pull, 5), wrong, lambda pull: _chunk(pull, 5)])
@@ -101,7 +110,7 @@ def test_a_pull_answered_with_what_was_not_asked_is_a_protocol_error(
     state = torch.zeros(CHUNK * CHUNKS)
     try:
         client.pull(5)
-        with pytest.raises(ProtocolError, match="a store answered"):
+        with pytest.raises(ProtocolError, match=why):
             client.collect(state, timeout_s=20)
     finally:
         client.close()
