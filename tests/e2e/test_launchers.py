@@ -20,9 +20,11 @@ import pytest
 from common.cli_env import child_environment
 from common.errors import PSError, WaitTimeout
 from common.polling import poll_until
-from common.procs import Child
+from common.procs import Child, Children
 from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
+from launch.procs import EventsMark
+from launch.restarts import Supervisor
 from launch.settings import TrainSettings
 from tests.support.launches import (
     MARK,
@@ -208,3 +210,37 @@ def test_sigterm_to_pslaunch_ddp_stops_every_rank(
     ranks_up = len(processes_marked(mark)) == 3
     _interrupt(launcher, lambda: launcher.popen.send_signal(signal.SIGTERM), mark)
     assert ranks_up
+
+
+def test_workers_not_joined_when_the_server_ends_are_stopped_the_others_left_to_end(
+    tmp_path: Path,
+) -> None:
+    """A worker that joined is left to end by itself; one that never joined, and one brought
+    back that has not joined again, are stopped at once and count as taken out."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"event": "start", "address": "tcp://127.0.0.1:1"}) + "\n")
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    events_mark = EventsMark(metrics)
+    with Children() as children:
+        supervisor = Supervisor(
+            children=children,
+            run_dir=tmp_path,
+            restarts=0,
+            server_argv=lambda extra: [],
+            shard_argvs=lambda address: [],
+            startup_timeout_s=WAIT_S,
+            marks=[events_mark],
+            set_budget=lambda index, cores: None,
+        )
+        supervisor.start_workers([("joined", sleeper), ("late", sleeper), ("back", sleeper)])
+        with metrics.open("a") as f:
+            f.writelines(
+                json.dumps({"event": "join", "worker": n}) + "\n" for n in ("joined", "back")
+            )
+        supervisor.leave(2)
+        supervisor.rejoin(2)
+        supervisor.stop_unjoined()
+        joined, late, back = supervisor.workers
+        assert joined.code is None and late.code is not None and back.code is not None
+        assert supervisor.away == {1, 2}
+    events_mark.close()
