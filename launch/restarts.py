@@ -17,6 +17,7 @@ brought back late) is stopped at once: no server will answer it.
 from __future__ import annotations
 
 import logging
+import re
 import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -135,26 +136,26 @@ class Supervisor:
         """Once the server has ended: stop the workers still running that have not joined since
         they last started (they would wait out their ``--connect-timeout``); they count as taken
         out, not as failed."""
-        joins = self._joins()
+        joined = self._joined()
         for index, worker in enumerate(self.workers):
-            if worker.code is None and joins.get(worker.name, 0) <= self.joins_at_start[index]:
+            if worker.code is None and _joins(worker.name, joined) <= self.joins_at_start[index]:
                 log.info("stopping %s: it had not joined when the server ended", worker.name)
                 self.away.add(index)
                 worker.stop()
 
     def _start_again(self, index: int) -> None:
         """Start worker ``index`` again with its command, noting its joins so far."""
-        self.joins_at_start[index] = self._joins().get(self.commands[index][0], 0)
+        name = self.commands[index][0]
+        self.joins_at_start[index] = _joins(name, self._joined())
         self.workers[index] = self.children.start(*self.commands[index])
 
-    def _joins(self) -> dict[str, int]:
-        """The ``join`` events of each worker name since the first server started."""
-        counts: dict[str, int] = {}
-        for record in new_events(self.metrics, self.marks[0]):
-            if record.get("event") == "join":
-                name = str(record.get("worker"))
-                counts[name] = counts.get(name, 0) + 1
-        return counts
+    def _joined(self) -> list[str]:
+        """The names in the ``join`` events since the first server started, in order."""
+        return [
+            str(record.get("worker"))
+            for record in new_events(self.metrics, self.marks[0])
+            if record.get("event") == "join"
+        ]
 
     def wait(self, timeout_s: float) -> int:
         """Wait for the server to end, restarting what dies meanwhile.
@@ -235,3 +236,10 @@ class Supervisor:
             "worker_restarts": sum(self.worker_restarts),
             "versions_replayed": self.versions_replayed,
         }
+
+
+def _joins(name: str, joined: list[str]) -> int:
+    """How many of the ``joined`` names are worker ``name``'s: its own, or ``name-<id>`` when it
+    rejoined while the server still counted it."""
+    suffixed = re.compile(rf"{re.escape(name)}-\d+")
+    return sum(n == name or suffixed.fullmatch(n) is not None for n in joined)

@@ -215,11 +215,17 @@ def test_sigterm_to_pslaunch_ddp_stops_every_rank(
 def test_workers_not_joined_when_the_server_ends_are_stopped_the_others_left_to_end(
     tmp_path: Path,
 ) -> None:
-    """A worker that joined is left to end by itself; one that never joined, and one brought
-    back that has not joined again, are stopped at once and count as taken out."""
+    """A worker that joined is left to end by itself, and so is one brought back that joined
+    again (as ``NAME-<id>``: the server still counted it); one that never joined, and one
+    brought back that has not joined again, are stopped at once and count as taken out."""
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text(json.dumps({"event": "start", "address": "tcp://127.0.0.1:1"}) + "\n")
+    metrics.touch()
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+    def joins(*names: str) -> None:
+        with metrics.open("a") as f:
+            f.writelines(json.dumps({"event": "join", "worker": n}) + "\n" for n in names)
+
     events_mark = EventsMark(metrics)
     with Children() as children:
         supervisor = Supervisor(
@@ -232,15 +238,16 @@ def test_workers_not_joined_when_the_server_ends_are_stopped_the_others_left_to_
             marks=[events_mark],
             set_budget=lambda index, cores: None,
         )
-        supervisor.start_workers([("joined", sleeper), ("late", sleeper), ("back", sleeper)])
-        with metrics.open("a") as f:
-            f.writelines(
-                json.dumps({"event": "join", "worker": n}) + "\n" for n in ("joined", "back")
-            )
-        supervisor.leave(2)
-        supervisor.rejoin(2)
+        names = ("joined", "late", "back", "again")
+        supervisor.start_workers([(name, sleeper) for name in names])
+        joins("joined", "back", "again")
+        for index in (2, 3):
+            supervisor.leave(index)
+            supervisor.rejoin(index)
+        joins("again-5")
         supervisor.stop_unjoined()
-        joined, late, back = supervisor.workers
-        assert joined.code is None and late.code is not None and back.code is not None
+        codes = {name: worker.code for name, worker in zip(names, supervisor.workers, strict=True)}
+        assert codes["joined"] is None and codes["again"] is None, codes
+        assert codes["late"] is not None and codes["back"] is not None, codes
         assert supervisor.away == {1, 2}
     events_mark.close()
