@@ -212,6 +212,7 @@ def run_local(
                     supervisor.tick = lambda: runner.step(tail.read())
                 code = supervisor.wait(cluster.run_timeout_s)
             if code == 0:
+                supervisor.stop_unjoined()
                 children.wait_all(ENDING_S)  # workers and shards end when the server does
             children.stop()  # any straggler is stopped
     except BaseException:

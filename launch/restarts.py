@@ -10,12 +10,14 @@ dies after joining is started again with the same command and rejoins. The serve
 restarted ``restarts`` times in all and each worker as often; past that a dead server ends the
 launch with its error and a dead worker stays dead (the run goes on without it). A worker
 taken out on purpose (its node leaves, ``leave``) is neither a failure nor restarted until
-it is brought back.
+it is brought back. Once the server has ended, a worker still waiting to join it (started or
+brought back late) is stopped at once: no server will answer it.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -82,6 +84,7 @@ class Supervisor:
         self.worker_restarts: list[int] = []
         self.versions_replayed = 0
         self.away: set[int] = set()  # workers taken out on purpose (their node left)
+        self.joins_at_start: list[int] = []  # each worker's join events when it last started
         self.tick: Callable[[], None] | None = None  # called at every check while waiting
 
     def start_server(self, extra: Sequence[str] = ()) -> str:
@@ -115,6 +118,7 @@ class Supervisor:
         self.commands = commands
         self.workers = [self.children.start(n, c) for n, c in commands]
         self.worker_restarts = [0] * len(commands)
+        self.joins_at_start = [0] * len(commands)
 
     def leave(self, index: int) -> None:
         """Kill worker ``index`` (SIGKILL, as a node that is gone: the server drops it as any
@@ -126,7 +130,32 @@ class Supervisor:
         """Start worker ``index`` again, taken out before, with its command (same name, node
         and budget)."""
         self.away.discard(index)
+        self._start_again(index)
+
+    def stop_unjoined(self) -> None:
+        """Once the server has ended: stop the workers still running that have not joined since
+        they last started (they would wait out their ``--connect-timeout``); they count as taken
+        out, not as failed."""
+        joined = self._joined()
+        for index, worker in enumerate(self.workers):
+            if worker.code is None and _joins(worker.name, joined) <= self.joins_at_start[index]:
+                log.info("stopping %s: it had not joined when the server ended", worker.name)
+                self.away.add(index)
+                worker.stop()
+
+    def _start_again(self, index: int) -> None:
+        """Start worker ``index`` again with its command, noting its joins so far."""
+        name = self.commands[index][0]
+        self.joins_at_start[index] = _joins(name, self._joined())
         self.workers[index] = self.children.start(*self.commands[index])
+
+    def _joined(self) -> list[str]:
+        """The names in the ``join`` events since the first server started, in order."""
+        return [
+            str(record.get("worker"))
+            for record in new_events(self.metrics, self.marks[0])
+            if record.get("event") == "join"
+        ]
 
     def wait(self, timeout_s: float) -> int:
         """Wait for the server to end, restarting what dies meanwhile.
@@ -188,7 +217,7 @@ class Supervisor:
                 if restart_due(self.workers[i].code) and self.worker_restarts[i] < self.restarts:
                     self.worker_restarts[i] += 1
                     log.warning("%s; restarting it", self.workers[i].failure())
-                    self.workers[i] = self.children.start(*self.commands[i])
+                    self._start_again(i)
             if all(self.workers[i].code not in (None, 0) for i in present):
                 raise PSError("; ".join(self.workers[i].failure() for i in present))
         dead = [s for s in self.shards if s.code not in (None, 0)]
@@ -207,3 +236,10 @@ class Supervisor:
             "worker_restarts": sum(self.worker_restarts),
             "versions_replayed": self.versions_replayed,
         }
+
+
+def _joins(name: str, joined: list[str]) -> int:
+    """How many of the ``joined`` names are worker ``name``'s: its own, or ``name-<id>`` when it
+    rejoined while the server still counted it."""
+    suffixed = re.compile(rf"{re.escape(name)}-\d+")
+    return sum(n == name or suffixed.fullmatch(n) is not None for n in joined)

@@ -20,9 +20,11 @@ import pytest
 from common.cli_env import child_environment
 from common.errors import PSError, WaitTimeout
 from common.polling import poll_until
-from common.procs import Child
+from common.procs import Child, Children
 from launch.ddp.launcher import DDPConfig, run_ddp
 from launch.local import LocalCluster, run_local
+from launch.procs import EventsMark
+from launch.restarts import Supervisor
 from launch.settings import TrainSettings
 from tests.support.launches import (
     MARK,
@@ -208,3 +210,44 @@ def test_sigterm_to_pslaunch_ddp_stops_every_rank(
     ranks_up = len(processes_marked(mark)) == 3
     _interrupt(launcher, lambda: launcher.popen.send_signal(signal.SIGTERM), mark)
     assert ranks_up
+
+
+def test_workers_not_joined_when_the_server_ends_are_stopped_the_others_left_to_end(
+    tmp_path: Path,
+) -> None:
+    """A worker that joined is left to end by itself, and so is one brought back that joined
+    again (as ``NAME-<id>``: the server still counted it); one that never joined, and one
+    brought back that has not joined again, are stopped at once and count as taken out."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.touch()
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+    def joins(*names: str) -> None:
+        with metrics.open("a") as f:
+            f.writelines(json.dumps({"event": "join", "worker": n}) + "\n" for n in names)
+
+    events_mark = EventsMark(metrics)
+    with Children() as children:
+        supervisor = Supervisor(
+            children=children,
+            run_dir=tmp_path,
+            restarts=0,
+            server_argv=lambda extra: [],
+            shard_argvs=lambda address: [],
+            startup_timeout_s=WAIT_S,
+            marks=[events_mark],
+            set_budget=lambda index, cores: None,
+        )
+        names = ("joined", "late", "back", "again")
+        supervisor.start_workers([(name, sleeper) for name in names])
+        joins("joined", "back", "again")
+        for index in (2, 3):
+            supervisor.leave(index)
+            supervisor.rejoin(index)
+        joins("again-5")
+        supervisor.stop_unjoined()
+        codes = {name: worker.code for name, worker in zip(names, supervisor.workers, strict=True)}
+        assert codes["joined"] is None and codes["again"] is None, codes
+        assert codes["late"] is not None and codes["back"] is not None, codes
+        assert supervisor.away == {1, 2}
+    events_mark.close()
