@@ -8,6 +8,7 @@ It exits when the coordinator says so, or when the coordinator stays silent too 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 
@@ -205,7 +206,8 @@ class ShardServer:
         if isinstance(message, PullRequest):
             await service.on_pull(request.identity, request.request_id, message)
             return
-        if getattr(message, "key", None) != self.key:
+        key = getattr(message, "key", None)
+        if not (isinstance(key, str) and key.isascii() and hmac.compare_digest(key, self.key)):
             raise ProtocolError(ErrorCode.UNKNOWN_WORKER, "control requests need the shard key")
         self._last_heard = time.monotonic()
         stagetrace.mark(

@@ -146,6 +146,7 @@ async def test_a_shard_refuses_hostile_input_and_keeps_its_slice(small_hsi) -> N
                 PublishRequest(key="", version=1),
                 AbortRequest(key="", version=1, code=13, message="x"),
                 CaptureRequest(key="guess", with_slots=True),
+                CaptureRequest(key="é" * 64, with_slots=True),  # not ASCII: compared safely
                 PullRequest(
                     worker_id=member.worker_id, token="0" * 32, min_version=0, offset=0, length=7
                 ),
