@@ -356,39 +356,40 @@ def check_contents(checkpoint: Checkpoint, num_samples: int) -> None:
     Raises:
         ConfigError: naming the first problem.
     """
-    meta, arrays = checkpoint.meta, checkpoint.arrays
-    problem = ""
+    problem = _damage(checkpoint.meta, checkpoint.arrays, num_samples)
+    if problem:
+        raise ConfigError(f"the checkpoint is damaged: {problem}")
+
+
+def _damage(meta: dict[str, Any], arrays: dict[str, np.ndarray], num_samples: int) -> str:
+    """The first reason the contents cannot be a run's ("" if none)."""
     for name in ("state", "slots"):
         values = arrays.get(name)
         if values is not None and not (
             np.issubdtype(values.dtype, np.floating) and np.isfinite(values).all()
         ):
-            problem = f"{name!r} holds values that are not finite numbers"
+            return f"{name!r} holds values that are not finite numbers"
     for key in ("version", "steps", "samples_applied", "optimizer_steps"):
         if not _count(meta.get(key)):
-            problem = problem or f"{key!r} is {meta.get(key)!r}, not a count"
+            return f"{key!r} is {meta.get(key)!r}, not a count"
     books = meta.get("sampler")
     if not isinstance(books, dict) or not isinstance(books.get("applied"), dict):
-        problem = problem or "the sampler's books are missing"
-    elif not (_count(books.get("epoch")) and _count(books.get("cursor"))):
-        problem = problem or "the sampler's epoch or cursor is not a count"
-    elif books["cursor"] > num_samples:
-        problem = problem or f"the sampler's cursor is beyond {num_samples} samples"
-    else:
-        for epoch, applied in books["applied"].items():
-            uses = arrays.get(f"uses/{epoch}")
-            if (
-                not _count(applied)
-                or uses is None
-                or uses.shape != (num_samples,)
-                or not np.issubdtype(uses.dtype, np.integer)
-                or (uses < 0).any()
-            ):
-                problem = (
-                    problem or f"the ledger of epoch {epoch!r} does not fit {num_samples} samples"
-                )
-    if problem:
-        raise ConfigError(f"the checkpoint is damaged: {problem}")
+        return "the sampler's books are missing"
+    if not (_count(books.get("epoch")) and _count(books.get("cursor"))):
+        return "the sampler's epoch or cursor is not a count"
+    if books["cursor"] > num_samples:
+        return f"the sampler's cursor is beyond {num_samples} samples"
+    for epoch, applied in books["applied"].items():
+        uses = arrays.get(f"uses/{epoch}")
+        if (
+            not _count(applied)
+            or uses is None
+            or uses.shape != (num_samples,)
+            or not np.issubdtype(uses.dtype, np.integer)
+            or (uses < 0).any()
+        ):
+            return f"the ledger of epoch {epoch!r} does not fit {num_samples} samples"
+    return ""
 
 
 def _count(value: object) -> bool:
