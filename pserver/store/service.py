@@ -283,8 +283,11 @@ class StoreService:
         )
 
     async def abort(self, version: int, code: int, message: str) -> None:
-        """Discard the candidate and answer its tasks' chunks with error ``code``."""
-        await self.drop(await self._run(self.store.abort), code, message)
+        """Discard the candidate and answer its tasks' chunks with error ``code``. The tasks are
+        closed: their samples are handed out again under new tasks."""
+        task_ids = await self._run(self.store.abort)
+        self._close_tasks(task_ids)
+        await self.drop(task_ids, code, message)
 
     async def drop(self, task_ids: list[int], code: int, message: str) -> None:
         """Forget staged gradients and answer their chunks with error ``code`` (the task may be

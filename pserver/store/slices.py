@@ -99,6 +99,7 @@ class SliceStore:
         self.state, self.lease = self.pool.adopt(state.contiguous())
         self.staged: dict[int, StagedGradient] = {}
         self.candidate: Candidate | None = None
+        self.discarded: list[int] = []  # the tasks of a candidate found invalid, until abort
         self._total = torch.empty(self.size)
 
     # --- staging ----------------------------------------------------------------------------
@@ -207,6 +208,7 @@ class SliceStore:
         reason = self._invalid(new, slots)
         if reason:
             lease.release()
+            self.discarded = list(task_ids)
             return False, reason
         self.candidate = Candidate(version, new, lease, slots, list(task_ids))
         return True, ""
@@ -267,10 +269,12 @@ class SliceStore:
         return candidate.task_ids
 
     def abort(self) -> list[int]:
-        """Discard the candidate, if any; returns the task ids it was computed from."""
+        """Discard the candidate, if any; returns the task ids it was computed from (also
+        when it was found invalid, and so discarded already)."""
         candidate, self.candidate = self.candidate, None
+        discarded, self.discarded = self.discarded, []
         if candidate is None:
-            return []
+            return discarded
         candidate.lease.release()
         return candidate.task_ids
 

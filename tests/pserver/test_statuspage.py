@@ -18,6 +18,7 @@ from common.errors import ConfigError
 from common.protocol.messages import JoinRequest, StatusReply, StatusRequest
 from pserver.cli import main as pserver_main
 from pserver.config import ServerConfig
+from pserver.observe import statuspage
 from pserver.observe.statuspage import MAX_CONNECTIONS, REFRESH_S, StatusPage
 from tests.support.live import clients, live_server
 
@@ -97,7 +98,9 @@ async def test_binds_loopback_only_by_default(small_hsi: Path) -> None:
         assert status == 200
 
 
-async def test_read_only_and_bounded(small_hsi: Path) -> None:
+async def test_read_only_and_bounded(small_hsi: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # held connections must outlive the time it takes to open them all on a busy machine
+    monkeypatch.setattr(statuspage, "KEEPALIVE_S", 300.0)
     async with live_server(small_hsi, http_port=0) as server:
         url = server.http.url
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from common.errors import ErrorCode, ProtocolError
+from common.protocol.messages import GradientChunk
+from common.protocol.tokens import TokenBook, new_key
 from pserver.store.optimizer import FlatOptimizer
 from pserver.store.pool import BufferPool
-from pserver.store.service import StageReport
+from pserver.store.service import StageReport, StoreService
 from pserver.store.slices import SliceStore
 from pserver.updates import (
     GUARD_WARMUP,
@@ -212,3 +214,52 @@ def test_a_member_refused_again_and_again_is_struck_out() -> None:
     assert guard.struck_out(2) and not guard.struck_out(1)
     guard.forget(2)
     assert not guard.struck_out(2)
+
+
+class _Replies:
+    """Records what a store service answers."""
+
+    def __init__(self) -> None:
+        self.errors: list[tuple[int, ErrorCode]] = []
+
+    def reply(
+        self, identity: bytes, request_id: int, message: object, lease: object = None
+    ) -> None:
+        raise AssertionError(f"request {request_id} answered with {message!r}")
+
+    def reply_error(self, identity: bytes, request_id: int, code: ErrorCode, text: str) -> None:
+        self.errors.append((request_id, code))
+
+
+async def test_an_update_the_store_refuses_answers_its_chunks_and_keeps_nothing_staged() -> None:
+    """The store that finds a candidate invalid has none to abort: the update's gradients are
+    dropped all the same, their chunks answered, and the tasks closed (their samples are handed
+    out again under new tasks)."""
+    tokens, replies = TokenBook(new_key()), _Replies()
+    service = StoreService(_store(), "fp32", tokens=tokens, replier=replies, pull_timeout_s=1.0)
+    bad = torch.zeros(4096)
+    bad[3072:] = -10.0  # the running variances would become negative
+    for task_id in (1, 2):  # two refused updates of one worker, then an honest push
+        for request_id, offset in enumerate(range(0, 4096, 1024)):
+            chunk = GradientChunk(
+                worker_id=7, token=tokens.push_token(7, task_id), task_id=task_id, version=0,
+                offset=offset, scale=1.0, gradient=bad[offset : offset + 1024].numpy(),
+            )  # fmt: skip
+            await service.on_gradient_chunk(b"w", 10 * task_id + request_id, chunk)
+        assert await service.prepare(1, [task_id], [1.0], 1.0, 1.0) == (
+            False,
+            "the update makes a running variance negative",
+        )
+        await service.abort(1, ErrorCode.REFUSED, "refused")
+        assert not service.store.staged
+        assert replies.errors[-4:] == [(10 * task_id + i, ErrorCode.REFUSED) for i in range(4)]
+        with pytest.raises(ProtocolError) as late:  # a replayed chunk of the refused task
+            await service.on_gradient_chunk(b"w", 99, chunk)
+        assert late.value.code == ErrorCode.WRONG_TASK
+    good = GradientChunk(
+        worker_id=7, token=tokens.push_token(7, 3), task_id=3, version=0, offset=0, scale=1.0,
+        gradient=torch.zeros(1024).numpy(),
+    )  # fmt: skip
+    await service.on_gradient_chunk(b"w", 30, good)
+    assert set(service.store.staged) == {3}
+    service.stop("the test ends")
