@@ -148,7 +148,8 @@ class Pushes:
 
     async def _refuse_push(self, worker: WorkerInfo, task: Task, refusal: ProtocolError) -> None:
         """A push the policy refused (too stale): the worker recomputes the same samples on
-        fresh parameters; its request is answered with the refusal.
+        fresh parameters; its request is answered with the refusal. A worker that left while
+        the push waited recomputes nothing: the samples go back.
 
         Raises:
             ProtocolError: ``refusal``, always.
@@ -158,6 +159,8 @@ class Pushes:
         await self.stores.drop([task.task_id], refusal.code, str(refusal))
         if worker.active:
             self.roster.requeue(worker, task)
+        else:
+            self.ledger.give_back_task(worker, task)
         self.roster.take_waiter(worker)
         raise refusal
 
