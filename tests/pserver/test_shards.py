@@ -27,6 +27,8 @@ from common.protocol.security import hello_proof, write_shard_secret
 from common.protocol.shard_messages import (
     AbortRequest,
     CaptureRequest,
+    PingReply,
+    PingRequest,
     PrepareRequest,
     PublishRequest,
     ShardHello,
@@ -42,6 +44,7 @@ from tests.support.live import (
     live_server,
     live_sharded,
     poll_until_async,
+    push_request,
 )
 
 ROUNDS = 5
@@ -288,3 +291,46 @@ def test_a_shard_refuses_an_endpoint_without_a_scheme(option: str) -> None:
     given = {"coordinator": "tcp://127.0.0.1:5555", option: "host:5555"}
     with pytest.raises(ConfigError, match=f"--{option} 'host:5555' must look like tcp://"):
         ShardConfig(**given)
+
+
+async def test_a_round_one_shard_refuses_is_dropped_and_answered_in_every_shard(small_hsi) -> None:
+    """The shard that holds the running variances finds the round's update invalid while the
+    other has a valid candidate: every shard drops the round's gradients and answers each of
+    their chunks once, and the workers' next round is published."""
+    options = dict(SETTINGS, mode="weighted-sync", workers=2, epochs=3)
+    async with live_sharded(small_hsi, 2, **options) as ps, clients(ps.address, 2) as (a, b):
+        size, num_params = ps.state_size, ps.num_params
+        (member_a, task_a, _), (member_b, task_b, _) = await _members(a, b)
+        bad = _gradient(task_a, size, num_params)
+        bad[ps.nonneg[0] : ps.nonneg[1]] = -1e3  # the running variances would go negative
+        sent = [
+            *(await a.send_gradient(member_a, task_a, bad)),
+            *(await b.send_gradient(member_b, task_b, _gradient(task_b, size, num_params))),
+        ]
+        pushes = [
+            (a, await a.send(push_request(member_a, task_a))),
+            (b, await b.send(push_request(member_b, task_b))),
+        ]
+        for client, rid in [*sent, *pushes]:
+            with pytest.raises(RemoteError) as refused:
+                await client.receive(rid)
+            assert refused.value.code == ErrorCode.REFUSED
+        assert ps.updater.version == 0
+        for link in ps.stores.links:
+            assert (
+                await link.connection.request(PingRequest(key=ps.stores.key), 5.0, PingReply)
+            ).staged == 0
+        tasks = await asyncio.gather(
+            *(
+                c.request(TaskRequest(worker_id=m.worker_id, token=m.token, speed=100.0))
+                for c, m in ((a, member_a), (b, member_b))
+            )
+        )
+        replies = await asyncio.gather(
+            *(
+                c.push(m, t, _gradient(t, size, num_params))
+                for c, m, t in zip((a, b), (member_a, member_b), tasks, strict=True)
+            )
+        )
+        assert all(isinstance(r, TaskReply) and r.action == "train" for r in replies)
+        assert ps.updater.version == 1
