@@ -436,3 +436,48 @@ async def test_a_stale_push_whose_worker_left_while_it_waited_gives_its_samples_
         epochs = [e for e in ps.log.events if e["event"] == "epoch"]
         assert len(epochs) == 2 and all(e["exactly_once"] for e in epochs)
         assert ps.run.finish_reason == "epochs"
+
+
+@pytest.mark.parametrize("published_meanwhile", [False, True])
+async def test_a_chunk_that_comes_after_its_push_was_incomplete_is_answered_and_not_kept(
+    small_hsi, published_meanwhile
+) -> None:
+    """A push refused as INCOMPLETE: the chunk it waited for comes afterwards. It is answered
+    at once and not kept, so the worker's next push of the task (on the same parameters, or on
+    newer ones) is staged whole and applied."""
+    async with (
+        live_server(
+            small_hsi, mode="async", workers=2, epochs=50, chunk_mb=0.01, stage_timeout_s=0.5
+        ) as ps,
+        clients(ps.address, 2) as (a, b),
+    ):
+        (member, task), (member_b, task_b) = await asyncio.gather(a.join("a"), b.join("b"))
+        service = ps.stores
+        assert isinstance(service, service_module.StoreService)
+        gradient = _gradient(ps, 1e-4)
+        *early, (start, stop) = service.store.spans  # the last chunk comes late
+        sent = [await a.send(gradient_chunk(member, task, lo, gradient[lo:hi])) for lo, hi in early]
+        with pytest.raises(RemoteError) as incomplete:
+            await a.request(push_request(member, task))
+        assert incomplete.value.code == ErrorCode.INCOMPLETE
+        for rid in sent:
+            with pytest.raises(RemoteError) as answered:
+                await a.receive(rid)
+            assert answered.value.code == ErrorCode.INCOMPLETE
+        late = await a.send(gradient_chunk(member, task, start, gradient[start:stop]))
+        with pytest.raises(RemoteError) as answered:
+            await asyncio.wait_for(a.receive(late), REPLY_S)
+        assert answered.value.code == ErrorCode.INCOMPLETE
+        assert not service.store.staged
+        if published_meanwhile:  # the task comes back on newer parameters
+            await b.push(member_b, task_b, gradient)
+        again = await a.request(
+            TaskRequest(worker_id=member.worker_id, token=member.token, speed=100.0)
+        )
+        assert isinstance(again, TaskReply) and again.task_id == task.task_id
+        assert again.version == ps.updater.version
+        version = ps.updater.version
+        reply = await asyncio.wait_for(a.push(member, again, gradient), REPLY_S)
+        assert isinstance(reply, TaskReply) and reply.action == "train"
+        assert ps.updater.version == version + 1
+        assert not service.store.staged
