@@ -334,3 +334,27 @@ async def test_a_round_one_shard_refuses_is_dropped_and_answered_in_every_shard(
         )
         assert all(isinstance(r, TaskReply) and r.action == "train" for r in replies)
         assert ps.updater.version == 1
+
+
+async def test_a_push_that_finds_a_shard_lost_fails_the_run_and_stops_its_worker(
+    small_hsi, tmp_path
+) -> None:
+    """A shard stops answering while a push waits for its gradient: the run fails at once
+    (as when an update finds it lost), and the pushing worker is told to stop, naming why."""
+    secret = write_shard_secret(tmp_path / "shard.secret")
+    # the shard watch pings only after the push has found the shard lost
+    timeouts = dict(shard_timeout_s=1.0, stage_timeout_s=1.0, heartbeat_s=60.0, dead_after_s=120.0)
+    options = dict(SETTINGS, mode="async", shards=2, shard_secret_file=secret, **timeouts)
+    async with (
+        live_server(small_hsi, **options) as ps,
+        _shards(ps, 2, secret_file=secret) as servers,
+        clients(ps.address, 1) as (client,),
+    ):
+        member, task = await client.join("w")
+        lost = next(s for s in servers if s.index == 1)
+        lost.request_stop()  # it no longer answers
+        await client.send_gradient(member, task, np.full(ps.state_size, 1e-4, np.float32))
+        reply = await client.request(push_request(member, task))
+        assert isinstance(reply, TaskReply) and reply.action == "stop"
+        assert reply.failure and "shard 1" in reply.failure
+        assert ps.run.failed and ps.run.stores_lost
