@@ -46,7 +46,7 @@ class StagedGradient:
 class LateChunks:
     """The chunks a push had not delivered when it was dropped, and how they are refused."""
 
-    version: int
+    version: int | None  # None: the push delivered nothing, its chunks are of any version
     offsets: set[int]
     refusal: ProtocolError
 
@@ -145,7 +145,7 @@ class SliceStore:
                 f"[{self.lo}, {self.hi})",
             )
         late = self.late.get(task_id)
-        if late is not None and late.version == version and offset in late.offsets:
+        if late is not None and late.version in (None, version) and offset in late.offsets:
             late.offsets.discard(offset)
             if not late.offsets:
                 del self.late[task_id]
@@ -183,15 +183,22 @@ class SliceStore:
             refusal: why their pushes were refused, when the tasks may be pushed again: a
                 chunk a push had not delivered yet is refused with it when it comes (it is on
                 its way: a worker sends every chunk before its push), so the next push of the
-                task starts from nothing.
+                task starts from nothing. Every chunk of a push found INCOMPLETE with none of
+                them here is awaited so.
         """
         for task_id in task_ids:
             staged = self.staged.pop(task_id, None)
             self.late.pop(task_id, None)
-            if refusal is None or staged is None or staged.complete(self.size):
+            if refusal is None:
                 continue
-            missing = {start for start, _ in self.spans} - staged.parts.keys()
-            self.late[task_id] = LateChunks(staged.version, missing, refusal)
+            every = {start for start, _ in self.spans}
+            if staged is not None and not staged.complete(self.size):
+                late = LateChunks(staged.version, every - staged.parts.keys(), refusal)
+            elif staged is None and refusal.code == ErrorCode.INCOMPLETE:
+                late = LateChunks(None, every, refusal)
+            else:
+                continue
+            self.late[task_id] = late
             while len(self.late) > LATE_PUSHES:
                 self.late.popitem(last=False)
 

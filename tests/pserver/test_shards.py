@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from common.errors import ConfigError, ErrorCode, ProtocolError, RemoteError
+from common.protocol.chunks import chunk_spans
 from common.protocol.messages import (
     HeartbeatRequest,
     JoinReply,
@@ -41,6 +42,7 @@ from tests.support.live import (
     AsyncClient,
     Member,
     clients,
+    gradient_chunk,
     live_server,
     live_sharded,
     poll_until_async,
@@ -358,3 +360,46 @@ async def test_a_push_that_finds_a_shard_lost_fails_the_run_and_stops_its_worker
         assert isinstance(reply, TaskReply) and reply.action == "stop"
         assert reply.failure and "shard 1" in reply.failure
         assert ps.run.failed and ps.run.stores_lost
+
+
+async def test_chunks_that_reach_a_shard_after_their_push_was_incomplete_are_not_kept(
+    small_hsi, tmp_path
+) -> None:
+    """None of a push's chunks reached one shard in time (its link is slow): the push is
+    refused as INCOMPLETE, and when those chunks come they are answered at once and not kept,
+    so the worker's next push of the task is staged whole on every shard and applied."""
+    secret = write_shard_secret(tmp_path / "shard.secret")
+    options = dict(SETTINGS, mode="async", shards=2, shard_secret_file=secret, stage_timeout_s=0.5)
+    async with (
+        live_server(small_hsi, **options) as ps,
+        _shards(ps, 2, secret_file=secret) as servers,
+        clients(ps.address, 1) as (client,),
+    ):
+        member, task = await client.join("w")
+        gradient = np.full(ps.state_size, 1e-4, np.float32)
+        join = member.join
+        fast, slow = (client.store(address) for address in join.shard_addresses)
+        lo, hi = join.shard_bounds[1], join.shard_bounds[2]
+        sent = [
+            await fast.send(gradient_chunk(member, task, a, gradient[a:b]))
+            for a, b in chunk_spans(join.shard_bounds[0], lo, join.chunk_elems)
+        ]
+        with pytest.raises(RemoteError) as incomplete:
+            await client.request(push_request(member, task))
+        assert incomplete.value.code == ErrorCode.INCOMPLETE
+        for rid in sent:
+            with pytest.raises(RemoteError) as answered:
+                await fast.receive(rid)
+            assert answered.value.code == ErrorCode.INCOMPLETE
+        for a, b in chunk_spans(lo, hi, join.chunk_elems):  # they come now
+            with pytest.raises(RemoteError) as answered:
+                await slow.request(gradient_chunk(member, task, a, gradient[a:b]))
+            assert answered.value.code == ErrorCode.INCOMPLETE
+        assert all(not server.service.store.staged for server in servers)
+        again = await client.request(
+            TaskRequest(worker_id=member.worker_id, token=member.token, speed=100.0)
+        )
+        assert isinstance(again, TaskReply) and again.task_id == task.task_id
+        reply = await client.push(member, again, gradient)
+        assert isinstance(reply, TaskReply) and reply.action == "train"
+        assert ps.updater.version == 1
