@@ -188,19 +188,24 @@ class SliceStore:
         """
         for task_id in task_ids:
             staged = self.staged.pop(task_id, None)
-            self.late.pop(task_id, None)
-            if refusal is None:
-                continue
-            every = {start for start, _ in self.spans}
-            if staged is not None and not staged.complete(self.size):
-                late = LateChunks(staged.version, every - staged.parts.keys(), refusal)
-            elif staged is None and refusal.code == ErrorCode.INCOMPLETE:
-                late = LateChunks(None, every, refusal)
-            else:
-                continue
-            self.late[task_id] = late
-            while len(self.late) > LATE_PUSHES:
-                self.late.popitem(last=False)
+            if refusal is None or staged is not None:  # closed, or a newer push came in full
+                self.late.pop(task_id, None)
+            late = None if refusal is None else self._late_chunks(staged, refusal)
+            if late is not None:
+                self.late[task_id] = late
+                while len(self.late) > LATE_PUSHES:
+                    self.late.popitem(last=False)
+
+    def _late_chunks(
+        self, staged: StagedGradient | None, refusal: ProtocolError
+    ) -> LateChunks | None:
+        """The chunks still on their way of a push dropped with ``refusal`` (None: none)."""
+        every = {start for start, _ in self.spans}
+        if staged is not None and not staged.complete(self.size):
+            return LateChunks(staged.version, every - staged.parts.keys(), refusal)
+        if staged is None and refusal.code == ErrorCode.INCOMPLETE:
+            return LateChunks(None, every, refusal)
+        return None
 
     # --- updates ----------------------------------------------------------------------------
 
