@@ -67,12 +67,25 @@ class Pushes:
         """The one path of a push: check it, wait for its gradient to be complete in the
         stores, check the gradient, then let the policy decide it and carry that out.
 
+        A shard lost on the way fails the run (nothing more can be applied), and the worker is
+        told to stop.
+
         Raises:
             ProtocolError: the push is refused (the endpoint answers it with the error).
         """
-        roster = self.roster
-        worker = roster.member(msg.worker_id, msg.token, request.user_id)
+        worker = self.roster.member(msg.worker_id, msg.token, request.user_id)
         waiter = Waiter(request.identity, request.request_id, isinstance(msg, GradientPushRequest))
+        try:
+            await self._push(worker, waiter, msg)
+        except ShardLost as exc:
+            self.fail(str(exc), True)
+            if worker.active:  # not stopped with the workers that waited: its push waits
+                self.roster.wait(worker, waiter)
+                self.desk.stop(worker)
+
+    async def _push(self, worker: WorkerInfo, waiter: Waiter, msg: PushRequest) -> None:
+        """``push`` for the member ``worker``, whose request ``waiter`` is."""
+        roster = self.roster
         if self.run.finished:
             roster.wait(worker, waiter)
             self.desk.stop(worker)
@@ -148,7 +161,8 @@ class Pushes:
 
     async def _refuse_push(self, worker: WorkerInfo, task: Task, refusal: ProtocolError) -> None:
         """A push the policy refused (too stale): the worker recomputes the same samples on
-        fresh parameters; its request is answered with the refusal.
+        fresh parameters; its request is answered with the refusal. A worker that left while
+        the push waited recomputes nothing: the samples go back.
 
         Raises:
             ProtocolError: ``refusal``, always.
@@ -158,6 +172,8 @@ class Pushes:
         await self.stores.drop([task.task_id], refusal.code, str(refusal))
         if worker.active:
             self.roster.requeue(worker, task)
+        else:
+            self.ledger.give_back_task(worker, task)
         self.roster.take_waiter(worker)
         raise refusal
 

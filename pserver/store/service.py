@@ -291,12 +291,17 @@ class StoreService:
 
     async def drop(self, task_ids: list[int], code: int, message: str) -> None:
         """Forget staged gradients and answer their chunks with error ``code`` (the task may be
-        pushed again: after STALE or NON_FINITE the worker recomputes it; after UNKNOWN_WORKER,
-        the task of a worker that left, it never is, and later chunks of it are refused)."""
+        pushed again: after STALE, NON_FINITE or INCOMPLETE the worker recomputes it, and a
+        chunk of the dropped push that comes only now is answered with ``code`` too; after
+        UNKNOWN_WORKER, the task of a worker that left, it never is, and later chunks of it
+        are refused)."""
         error = error_code(code)
+        refusal = None
         if error == ErrorCode.UNKNOWN_WORKER:  # first: a chunk that comes meanwhile is refused
             self._close_tasks(task_ids)
-        await self._run(self.store.drop, task_ids)
+        else:
+            refusal = ProtocolError(error, message)
+        await self._run(self.store.drop, task_ids, refusal)
         self._wake(task_ids)
         for task_id in task_ids:
             for identity, request_id, _ in self._pending.pop(task_id, []):

@@ -9,6 +9,7 @@ arrival order, so the result does not depend on network timing.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
@@ -20,6 +21,7 @@ from pserver.store.optimizer import UNSEEN, FlatOptimizer
 from pserver.store.pool import BufferPool, Lease
 
 MAX_STAGED_PER_WORKER = 2  # its task of a round and one taken over from a worker that left
+LATE_PUSHES = 1 << 12  # dropped pushes whose missing chunks are still refused when they come
 
 
 @dataclasses.dataclass
@@ -38,6 +40,15 @@ class StagedGradient:
     def complete(self, size: int) -> bool:
         """Every element of the slice has arrived."""
         return self.received == size
+
+
+@dataclasses.dataclass
+class LateChunks:
+    """The chunks a push had not delivered when it was dropped, and how they are refused."""
+
+    version: int | None  # None: the push delivered nothing, its chunks are of any version
+    offsets: set[int]
+    refusal: ProtocolError
 
 
 @dataclasses.dataclass
@@ -98,6 +109,7 @@ class SliceStore:
         self.version = version
         self.state, self.lease = self.pool.adopt(state.contiguous())
         self.staged: dict[int, StagedGradient] = {}
+        self.late: collections.OrderedDict[int, LateChunks] = collections.OrderedDict()
         self.candidate: Candidate | None = None
         self.discarded: list[int] = []  # the tasks of a candidate found invalid, until abort
         self._total = torch.empty(self.size)
@@ -121,7 +133,9 @@ class SliceStore:
         Raises:
             ProtocolError: BAD_FIELD/BAD_TENSOR for a chunk that is not one of this slice's
                 chunks, a duplicate, a scale its wire format does not send (``check_scale``), or
-                a worker with too many staged tasks; nothing is kept then.
+                a worker with too many staged tasks; the refusal of its push for a chunk that
+                comes after the push was dropped without it (see ``drop``); nothing is kept
+                then.
         """
         length = self._span_of.get(offset)
         if length is None or data.numel() != length:
@@ -130,6 +144,12 @@ class SliceStore:
                 f"chunk at offset {offset} with {data.numel()} values is not a chunk of "
                 f"[{self.lo}, {self.hi})",
             )
+        late = self.late.get(task_id)
+        if late is not None and late.version in (None, version) and offset in late.offsets:
+            late.offsets.discard(offset)
+            if not late.offsets:
+                del self.late[task_id]
+            raise late.refusal
         check_scale(scale, data.dtype)
         staged = self.staged.get(task_id)
         if staged is None:
@@ -155,10 +175,37 @@ class SliceStore:
         staged.finite = staged.finite and grad_finite and buffer_finite
         return staged
 
-    def drop(self, task_ids: list[int]) -> None:
-        """Forget staged gradients (rejected pushes, departed workers)."""
+    def drop(self, task_ids: list[int], refusal: ProtocolError | None = None) -> None:
+        """Forget staged gradients (rejected pushes, departed workers).
+
+        Args:
+            task_ids: the tasks whose gradients go.
+            refusal: why their pushes were refused, when the tasks may be pushed again: a
+                chunk a push had not delivered yet is refused with it when it comes (it is on
+                its way: a worker sends every chunk before its push), so the next push of the
+                task starts from nothing. Every chunk of a push found INCOMPLETE with none of
+                them here is awaited so.
+        """
         for task_id in task_ids:
-            self.staged.pop(task_id, None)
+            staged = self.staged.pop(task_id, None)
+            if refusal is None or staged is not None:  # closed, or a newer push came in full
+                self.late.pop(task_id, None)
+            late = None if refusal is None else self._late_chunks(staged, refusal)
+            if late is not None:
+                self.late[task_id] = late
+                while len(self.late) > LATE_PUSHES:
+                    self.late.popitem(last=False)
+
+    def _late_chunks(
+        self, staged: StagedGradient | None, refusal: ProtocolError
+    ) -> LateChunks | None:
+        """The chunks still on their way of a push dropped with ``refusal`` (None: none)."""
+        every = {start for start, _ in self.spans}
+        if staged is not None and not staged.complete(self.size):
+            return LateChunks(staged.version, every - staged.parts.keys(), refusal)
+        if staged is None and refusal.code == ErrorCode.INCOMPLETE:
+            return LateChunks(None, every, refusal)
+        return None
 
     # --- updates ----------------------------------------------------------------------------
 

@@ -402,3 +402,82 @@ async def test_a_chunk_that_comes_while_a_departed_workers_task_is_dropped_is_re
         assert refused.value.code == ErrorCode.WRONG_TASK
         await asyncio.wait_for(dropping, 10)
         assert not service.store.staged
+
+
+async def test_a_stale_push_whose_worker_left_while_it_waited_gives_its_samples_back(
+    small_hsi,
+) -> None:
+    """The push was accepted and waits while another update (or a checkpoint) holds the lock;
+    its worker leaves meanwhile, then the push is refused as too stale: nobody recomputes its
+    task, so its samples go back and the epoch still uses each sample once."""
+    async with (
+        live_server(small_hsi, mode="async", workers=2, epochs=2, max_staleness=0) as ps,
+        clients(ps.address, 3) as (a, b, b_leave),
+    ):
+        (member_a, task_a), (member_b, task_b) = await asyncio.gather(a.join("a"), b.join("b"))
+        await a.push(member_a, task_a, _gradient(ps))  # b's task is now one version stale
+        worker_b = ps.roster.workers[member_b.worker_id]
+        async with ps.updater.lock:  # an update being published
+            push = await b.send(push_request(member_b, task_b))
+            await b.send_gradient(member_b, task_b, _gradient(ps))
+            await _wait(lambda: worker_b.waiter is not None)  # accepted: waits for the lock
+            assert all(t.task_id != task_b.task_id for t in worker_b.tasks)
+            await b_leave.request(
+                LeaveRequest(worker_id=member_b.worker_id, token=member_b.token, reason="bye")
+            )
+        with pytest.raises(RemoteError) as refused:
+            await b.receive(push)
+        assert refused.value.code == ErrorCode.STALE
+        task = await a.request(
+            TaskRequest(worker_id=member_a.worker_id, token=member_a.token, speed=100.0)
+        )
+        while isinstance(task, TaskReply) and task.action == "train":
+            task = await asyncio.wait_for(a.push(member_a, task, _gradient(ps)), REPLY_S)
+        epochs = [e for e in ps.log.events if e["event"] == "epoch"]
+        assert len(epochs) == 2 and all(e["exactly_once"] for e in epochs)
+        assert ps.run.finish_reason == "epochs"
+
+
+@pytest.mark.parametrize("published_meanwhile", [False, True])
+async def test_a_chunk_that_comes_after_its_push_was_incomplete_is_answered_and_not_kept(
+    small_hsi, published_meanwhile
+) -> None:
+    """A push refused as INCOMPLETE: the chunk it waited for comes afterwards. It is answered
+    at once and not kept, so the worker's next push of the task (on the same parameters, or on
+    newer ones) is staged whole and applied."""
+    async with (
+        live_server(
+            small_hsi, mode="async", workers=2, epochs=50, chunk_mb=0.01, stage_timeout_s=0.5
+        ) as ps,
+        clients(ps.address, 2) as (a, b),
+    ):
+        (member, task), (member_b, task_b) = await asyncio.gather(a.join("a"), b.join("b"))
+        service = ps.stores
+        assert isinstance(service, service_module.StoreService)
+        gradient = _gradient(ps, 1e-4)
+        *early, (start, stop) = service.store.spans  # the last chunk comes late
+        sent = [await a.send(gradient_chunk(member, task, lo, gradient[lo:hi])) for lo, hi in early]
+        with pytest.raises(RemoteError) as incomplete:
+            await a.request(push_request(member, task))
+        assert incomplete.value.code == ErrorCode.INCOMPLETE
+        for rid in sent:
+            with pytest.raises(RemoteError) as answered:
+                await a.receive(rid)
+            assert answered.value.code == ErrorCode.INCOMPLETE
+        late = await a.send(gradient_chunk(member, task, start, gradient[start:stop]))
+        with pytest.raises(RemoteError) as answered:
+            await asyncio.wait_for(a.receive(late), REPLY_S)
+        assert answered.value.code == ErrorCode.INCOMPLETE
+        assert not service.store.staged
+        if published_meanwhile:  # the task comes back on newer parameters
+            await b.push(member_b, task_b, gradient)
+        again = await a.request(
+            TaskRequest(worker_id=member.worker_id, token=member.token, speed=100.0)
+        )
+        assert isinstance(again, TaskReply) and again.task_id == task.task_id
+        assert again.version == ps.updater.version
+        version = ps.updater.version
+        reply = await asyncio.wait_for(a.push(member, again, gradient), REPLY_S)
+        assert isinstance(reply, TaskReply) and reply.action == "train"
+        assert ps.updater.version == version + 1
+        assert not service.store.staged

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from common.errors import ConfigError, ErrorCode, ProtocolError, RemoteError
+from common.protocol.chunks import chunk_spans
 from common.protocol.messages import (
     HeartbeatRequest,
     JoinReply,
@@ -27,6 +28,8 @@ from common.protocol.security import hello_proof, write_shard_secret
 from common.protocol.shard_messages import (
     AbortRequest,
     CaptureRequest,
+    PingReply,
+    PingRequest,
     PrepareRequest,
     PublishRequest,
     ShardHello,
@@ -39,9 +42,11 @@ from tests.support.live import (
     AsyncClient,
     Member,
     clients,
+    gradient_chunk,
     live_server,
     live_sharded,
     poll_until_async,
+    push_request,
 )
 
 ROUNDS = 5
@@ -288,3 +293,113 @@ def test_a_shard_refuses_an_endpoint_without_a_scheme(option: str) -> None:
     given = {"coordinator": "tcp://127.0.0.1:5555", option: "host:5555"}
     with pytest.raises(ConfigError, match=f"--{option} 'host:5555' must look like tcp://"):
         ShardConfig(**given)
+
+
+async def test_a_round_one_shard_refuses_is_dropped_and_answered_in_every_shard(small_hsi) -> None:
+    """The shard that holds the running variances finds the round's update invalid while the
+    other has a valid candidate: every shard drops the round's gradients and answers each of
+    their chunks once, and the workers' next round is published."""
+    options = dict(SETTINGS, mode="weighted-sync", workers=2, epochs=3)
+    async with live_sharded(small_hsi, 2, **options) as ps, clients(ps.address, 2) as (a, b):
+        size, num_params = ps.state_size, ps.num_params
+        (member_a, task_a, _), (member_b, task_b, _) = await _members(a, b)
+        bad = _gradient(task_a, size, num_params)
+        bad[ps.nonneg[0] : ps.nonneg[1]] = -1e3  # the running variances would go negative
+        sent = [
+            *(await a.send_gradient(member_a, task_a, bad)),
+            *(await b.send_gradient(member_b, task_b, _gradient(task_b, size, num_params))),
+        ]
+        pushes = [
+            (a, await a.send(push_request(member_a, task_a))),
+            (b, await b.send(push_request(member_b, task_b))),
+        ]
+        for client, rid in [*sent, *pushes]:
+            with pytest.raises(RemoteError) as refused:
+                await client.receive(rid)
+            assert refused.value.code == ErrorCode.REFUSED
+        assert ps.updater.version == 0
+        for link in ps.stores.links:
+            assert (
+                await link.connection.request(PingRequest(key=ps.stores.key), 5.0, PingReply)
+            ).staged == 0
+        tasks = await asyncio.gather(
+            *(
+                c.request(TaskRequest(worker_id=m.worker_id, token=m.token, speed=100.0))
+                for c, m in ((a, member_a), (b, member_b))
+            )
+        )
+        replies = await asyncio.gather(
+            *(
+                c.push(m, t, _gradient(t, size, num_params))
+                for c, m, t in zip((a, b), (member_a, member_b), tasks, strict=True)
+            )
+        )
+        assert all(isinstance(r, TaskReply) and r.action == "train" for r in replies)
+        assert ps.updater.version == 1
+
+
+async def test_a_push_that_finds_a_shard_lost_fails_the_run_and_stops_its_worker(
+    small_hsi, tmp_path
+) -> None:
+    """A shard stops answering while a push waits for its gradient: the run fails at once
+    (as when an update finds it lost), and the pushing worker is told to stop, naming why."""
+    secret = write_shard_secret(tmp_path / "shard.secret")
+    # the shard watch pings only after the push has found the shard lost
+    timeouts = dict(shard_timeout_s=1.0, stage_timeout_s=1.0, heartbeat_s=60.0, dead_after_s=120.0)
+    options = dict(SETTINGS, mode="async", shards=2, shard_secret_file=secret, **timeouts)
+    async with (
+        live_server(small_hsi, **options) as ps,
+        _shards(ps, 2, secret_file=secret) as servers,
+        clients(ps.address, 1) as (client,),
+    ):
+        member, task = await client.join("w")
+        lost = next(s for s in servers if s.index == 1)
+        lost.request_stop()  # it no longer answers
+        await client.send_gradient(member, task, np.full(ps.state_size, 1e-4, np.float32))
+        reply = await client.request(push_request(member, task))
+        assert isinstance(reply, TaskReply) and reply.action == "stop"
+        assert reply.failure and "shard 1" in reply.failure
+        assert ps.run.failed and ps.run.stores_lost
+
+
+async def test_chunks_that_reach_a_shard_after_their_push_was_incomplete_are_not_kept(
+    small_hsi, tmp_path
+) -> None:
+    """None of a push's chunks reached one shard in time (its link is slow): the push is
+    refused as INCOMPLETE, and when those chunks come they are answered at once and not kept,
+    so the worker's next push of the task is staged whole on every shard and applied."""
+    secret = write_shard_secret(tmp_path / "shard.secret")
+    options = dict(SETTINGS, mode="async", shards=2, shard_secret_file=secret, stage_timeout_s=0.5)
+    async with (
+        live_server(small_hsi, **options) as ps,
+        _shards(ps, 2, secret_file=secret) as servers,
+        clients(ps.address, 1) as (client,),
+    ):
+        member, task = await client.join("w")
+        gradient = np.full(ps.state_size, 1e-4, np.float32)
+        join = member.join
+        fast, slow = (client.store(address) for address in join.shard_addresses)
+        lo, hi = join.shard_bounds[1], join.shard_bounds[2]
+        sent = [
+            await fast.send(gradient_chunk(member, task, a, gradient[a:b]))
+            for a, b in chunk_spans(join.shard_bounds[0], lo, join.chunk_elems)
+        ]
+        with pytest.raises(RemoteError) as incomplete:
+            await client.request(push_request(member, task))
+        assert incomplete.value.code == ErrorCode.INCOMPLETE
+        for rid in sent:
+            with pytest.raises(RemoteError) as answered:
+                await fast.receive(rid)
+            assert answered.value.code == ErrorCode.INCOMPLETE
+        for a, b in chunk_spans(lo, hi, join.chunk_elems):  # they come now
+            with pytest.raises(RemoteError) as answered:
+                await slow.request(gradient_chunk(member, task, a, gradient[a:b]))
+            assert answered.value.code == ErrorCode.INCOMPLETE
+        assert all(not server.service.store.staged for server in servers)
+        again = await client.request(
+            TaskRequest(worker_id=member.worker_id, token=member.token, speed=100.0)
+        )
+        assert isinstance(again, TaskReply) and again.task_id == task.task_id
+        reply = await client.push(member, again, gradient)
+        assert isinstance(reply, TaskReply) and reply.action == "train"
+        assert ps.updater.version == 1

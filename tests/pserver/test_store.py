@@ -263,3 +263,32 @@ async def test_an_update_the_store_refuses_answers_its_chunks_and_keeps_nothing_
     await service.on_gradient_chunk(b"w", 30, good)
     assert set(service.store.staged) == {3}
     service.stop("the test ends")
+
+
+def test_the_chunks_a_dropped_push_still_owes_are_refused_once_each() -> None:
+    """A push dropped before all its chunks came (they are on their way: a worker sends every
+    chunk before its push): each missing chunk is refused once with the push's error when it
+    comes, and the next push of the task, even on the same version, is staged whole."""
+    store, chunk = _store(), torch.ones(1024)
+    incomplete = ProtocolError(ErrorCode.INCOMPLETE, "did not fully arrive")
+    store.stage(1, 7, 0, 0, 1.0, chunk)
+    store.drop([1], incomplete)
+    store.drop([1], ProtocolError(ErrorCode.WRONG_TASK, "again"))  # nothing staged: kept
+    for offset in (1024, 2048, 3072):  # the late chunks of the dropped push
+        with pytest.raises(ProtocolError) as late:
+            store.stage(1, 7, 0, offset, 1.0, chunk)
+        assert late.value is incomplete
+    assert not store.staged and not store.late
+    for offset in range(0, 4096, 1024):  # the next push of the task, on the same version
+        staged = store.stage(1, 7, 0, offset, 1.0, chunk)
+    assert staged.complete(store.size)
+    # A push found INCOMPLETE with none of its chunks here: every one is awaited, of any
+    # version; a drop without refusal (the task closed) forgets them.
+    store.drop([1], incomplete)
+    store.drop([2], incomplete)
+    with pytest.raises(ProtocolError):
+        store.stage(2, 7, 0, 0, 1.0, chunk)
+    assert set(store.late) == {2} and store.late[2].offsets == {1024, 2048, 3072}
+    store.drop([2])
+    store.stage(2, 7, 5, 1024, 1.0, chunk)
+    assert not store.late and set(store.staged) == {2}
