@@ -49,6 +49,7 @@ class LateChunks:
     version: int | None  # None: the push delivered nothing, its chunks are of any version
     offsets: set[int]
     refusal: ProtocolError
+    answered: set[int] = dataclasses.field(default_factory=set)  # came, and were refused
 
 
 @dataclasses.dataclass
@@ -147,8 +148,7 @@ class SliceStore:
         late = self.late.get(task_id)
         if late is not None and late.version in (None, version) and offset in late.offsets:
             late.offsets.discard(offset)
-            if not late.offsets:
-                del self.late[task_id]
+            late.answered.add(offset)
             raise late.refusal
         check_scale(scale, data.dtype)
         staged = self.staged.get(task_id)
@@ -188,13 +188,20 @@ class SliceStore:
         """
         for task_id in task_ids:
             staged = self.staged.pop(task_id, None)
+            earlier = self.late.get(task_id)
             if refusal is None or staged is not None:  # closed, or a newer push came in full
                 self.late.pop(task_id, None)
             late = None if refusal is None else self._late_chunks(staged, refusal)
-            if late is not None:
+            if late is None:
+                continue
+            if earlier is not None:  # a chunk refused as late came: it is on its way no more
+                late.offsets -= earlier.answered  # (if it was lost, the retry had it refused)
+            if late.offsets:
                 self.late[task_id] = late
                 while len(self.late) > LATE_PUSHES:
                     self.late.popitem(last=False)
+            else:
+                self.late.pop(task_id, None)
 
     def _late_chunks(
         self, staged: StagedGradient | None, refusal: ProtocolError

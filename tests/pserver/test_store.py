@@ -278,7 +278,7 @@ def test_the_chunks_a_dropped_push_still_owes_are_refused_once_each() -> None:
         with pytest.raises(ProtocolError) as late:
             store.stage(1, 7, 0, offset, 1.0, chunk)
         assert late.value is incomplete
-    assert not store.staged and not store.late
+    assert not store.staged and not store.late[1].offsets
     for offset in range(0, 4096, 1024):  # the next push of the task, on the same version
         staged = store.stage(1, 7, 0, offset, 1.0, chunk)
     assert staged.complete(store.size)
@@ -292,3 +292,26 @@ def test_the_chunks_a_dropped_push_still_owes_are_refused_once_each() -> None:
     store.drop([2])
     store.stage(2, 7, 5, 1024, 1.0, chunk)
     assert not store.late and set(store.staged) == {2}
+
+
+@pytest.mark.parametrize("delivered", [(0, 1024, 2048), ()])
+def test_a_chunk_lost_on_the_way_is_refused_for_one_retry_only(delivered) -> None:
+    """The chunk a dropped push still owed never comes (its connection broke): the retry's own
+    chunk at that offset is refused in its place, the retry is dropped in turn, and the next
+    retry, on the same version, is staged whole: a lost chunk cannot refuse every retry."""
+    store, chunk = _store(), torch.ones(1024)
+    incomplete = ProtocolError(ErrorCode.INCOMPLETE, "did not fully arrive")
+    for offset in delivered:
+        store.stage(1, 7, 0, offset, 1.0, chunk)
+    store.drop([1], incomplete)
+    owed = set(range(0, 4096, 1024)) - set(delivered)
+    for offset in range(0, 4096, 1024):  # the first retry: its owed chunks are refused
+        if offset in owed:
+            with pytest.raises(ProtocolError):
+                store.stage(1, 7, 0, offset, 1.0, chunk)
+        else:
+            store.stage(1, 7, 0, offset, 1.0, chunk)
+    store.drop([1], incomplete)
+    for offset in range(0, 4096, 1024):  # the second retry
+        staged = store.stage(1, 7, 0, offset, 1.0, chunk)
+    assert staged.complete(store.size) and not store.late
