@@ -43,6 +43,18 @@ def _gradient(ps, value: float = 0.01) -> np.ndarray:
     return np.full(ps.state_size, value, dtype=np.float32)
 
 
+async def _train_to_the_end(ps, client, member, epochs: int) -> None:
+    """Push every task ``member`` gets until training ends; each of the ``epochs`` epochs used
+    every sample exactly once."""
+    task = await client.request(
+        TaskRequest(worker_id=member.worker_id, token=member.token, speed=100.0)
+    )
+    while isinstance(task, TaskReply) and task.action == "train":
+        task = await asyncio.wait_for(client.push(member, task, _gradient(ps)), REPLY_S)
+    done = [e for e in ps.log.events if e["event"] == "epoch"]
+    assert len(done) == epochs and all(e["exactly_once"] for e in done)
+
+
 async def _wait(predicate, timeout: float = REPLY_S) -> None:
     """Wait (bounded) until the server's state satisfies ``predicate``."""
     await poll_until_async(predicate, timeout, 0.01, "the server's state")
@@ -272,13 +284,7 @@ async def test_a_stale_push_racing_a_leave_is_booked_once(small_hsi) -> None:
         with pytest.raises(RemoteError) as refused:
             await b.receive(push)
         assert refused.value.code == ErrorCode.WRONG_TASK
-        task = await a.request(
-            TaskRequest(worker_id=member_a.worker_id, token=member_a.token, speed=100.0)
-        )
-        while isinstance(task, TaskReply) and task.action == "train":
-            task = await asyncio.wait_for(a.push(member_a, task, _gradient(ps)), REPLY_S)
-        epochs = [e for e in ps.log.events if e["event"] == "epoch"]
-        assert len(epochs) == 2 and all(e["exactly_once"] for e in epochs)
+        await _train_to_the_end(ps, a, member_a, epochs=2)
 
 
 async def test_eval_every_zero_evaluates_only_at_the_end(small_hsi) -> None:
@@ -428,13 +434,7 @@ async def test_a_stale_push_whose_worker_left_while_it_waited_gives_its_samples_
         with pytest.raises(RemoteError) as refused:
             await b.receive(push)
         assert refused.value.code == ErrorCode.STALE
-        task = await a.request(
-            TaskRequest(worker_id=member_a.worker_id, token=member_a.token, speed=100.0)
-        )
-        while isinstance(task, TaskReply) and task.action == "train":
-            task = await asyncio.wait_for(a.push(member_a, task, _gradient(ps)), REPLY_S)
-        epochs = [e for e in ps.log.events if e["event"] == "epoch"]
-        assert len(epochs) == 2 and all(e["exactly_once"] for e in epochs)
+        await _train_to_the_end(ps, a, member_a, epochs=2)
         assert ps.run.finish_reason == "epochs"
 
 
