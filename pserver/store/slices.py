@@ -207,11 +207,10 @@ class SliceStore:
         self, staged: StagedGradient | None, refusal: ProtocolError
     ) -> LateChunks | None:
         """The chunks still on their way of a push dropped with ``refusal`` (None: none)."""
-        every = {start for start, _ in self.spans}
         if staged is not None and not staged.complete(self.size):
-            return LateChunks(staged.version, every - staged.parts.keys(), refusal)
+            return LateChunks(staged.version, self._span_of.keys() - staged.parts.keys(), refusal)
         if staged is None and refusal.code == ErrorCode.INCOMPLETE:
-            return LateChunks(None, every, refusal)
+            return LateChunks(None, set(self._span_of), refusal)
         return None
 
     # --- updates ----------------------------------------------------------------------------
